@@ -1,0 +1,1 @@
+"""The Ray actor that owns one GraphEncoder on one GPU (planned)."""

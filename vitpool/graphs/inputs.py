@@ -1,0 +1,109 @@
+"""Checks of the caller's items, done before any work so that an error names the item."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from vitpool.errors import InvalidItemError
+from vitpool.items import Image, Video
+from vitpool.models.protocol import Grid, ItemSize, VisionAdapter
+
+_NUMPY_FLOATS = (np.float16, np.float32, np.float64)
+
+
+@dataclass(frozen=True)
+class PreparedItem:
+    """An item that passed every check: its grid, sizes and pixels as a torch tensor (not copied)."""
+
+    grid: Grid
+    size: ItemSize
+    pixels: torch.Tensor  # [num_rows, row_width]
+
+
+def prepare_items(items: Sequence[Any], adapter: VisionAdapter) -> list[PreparedItem]:
+    """Check every item against the model. Raises InvalidItemError naming the first bad one."""
+    prepared = [_prepare(index, item, adapter) for index, item in enumerate(items)]
+    for index, is_finite in enumerate(_all_finite([p.pixels for p in prepared])):
+        if not is_finite:
+            raise InvalidItemError(index, "pixel_values contain NaN or infinity")
+    return prepared
+
+
+def _all_finite(tensors: list[torch.Tensor]) -> list[bool]:
+    """Per tensor: are all values finite? One host synchronisation for the tensors on a GPU."""
+    flags = [torch.isfinite(t).all() for t in tensors]
+    on_gpu = [i for i, flag in enumerate(flags) if flag.is_cuda]
+    result = [bool(flag) if not flag.is_cuda else True for flag in flags]
+    if on_gpu:
+        device = flags[on_gpu[0]].device
+        gathered = torch.stack([flags[i].to(device) for i in on_gpu]).tolist()
+        for i, value in zip(on_gpu, gathered):
+            result[i] = value
+    return result
+
+
+def _prepare(index: int, item: Any, adapter: VisionAdapter) -> PreparedItem:
+    if not isinstance(item, (Image, Video)):
+        raise InvalidItemError(index, f"expected vitpool.Image or vitpool.Video, got {type(item).__name__}")
+    grid = _grid(index, item.grid_thw)
+    if isinstance(item, Image) and grid[0] != 1:
+        raise InvalidItemError(index, f"an Image has grid t == 1, got grid_thw {grid}; use Video for clips")
+    try:
+        size = adapter.item_size(grid)
+    except ValueError as error:
+        raise InvalidItemError(index, str(error)) from None
+    pixels = _pixels(index, item.pixel_values)
+    if pixels.shape[1] != adapter.row_width:
+        raise InvalidItemError(
+            index,
+            f"pixel_values have {pixels.shape[1]} features per row; the model takes "
+            f"{adapter.row_width} (channels * temporal patch * patch * patch)",
+        )
+    if pixels.shape[0] != size.num_rows:
+        raise InvalidItemError(
+            index,
+            f"pixel_values have {pixels.shape[0]} rows but grid_thw {grid} needs t*h*w = {size.num_rows}",
+        )
+    return PreparedItem(grid, size, pixels)
+
+
+def _grid(index: int, grid_thw: Any) -> Grid:
+    values = grid_thw.tolist() if isinstance(grid_thw, (torch.Tensor, np.ndarray)) else grid_thw
+    # A processor's grid_thw for one item is often [[t, h, w]].
+    if isinstance(values, (list, tuple)) and len(values) == 1 and isinstance(values[0], (list, tuple)):
+        values = values[0]
+    if (
+        not isinstance(values, (list, tuple))
+        or len(values) != 3
+        or not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in values)
+    ):
+        raise InvalidItemError(index, f"grid_thw must be three integers (t, h, w); got {grid_thw!r}")
+    return (int(values[0]), int(values[1]), int(values[2]))
+
+
+def _pixels(index: int, pixel_values: Any) -> torch.Tensor:
+    if isinstance(pixel_values, np.ndarray):
+        if pixel_values.dtype.type not in _NUMPY_FLOATS:
+            raise InvalidItemError(
+                index, f"pixel_values have dtype {pixel_values.dtype}; expected a floating-point dtype"
+            )
+        pixel_values = torch.from_numpy(pixel_values)
+    elif not isinstance(pixel_values, torch.Tensor):
+        raise InvalidItemError(
+            index, f"pixel_values must be a torch tensor or NumPy array, got {type(pixel_values).__name__}"
+        )
+    if not pixel_values.is_floating_point():
+        raise InvalidItemError(
+            index, f"pixel_values have dtype {pixel_values.dtype}; expected a floating-point dtype"
+        )
+    if pixel_values.ndim != 2:
+        raise InvalidItemError(
+            index,
+            f"pixel_values must be 2-D [t*h*w, C*T*P*P] (flattened patches); got shape "
+            f"{tuple(pixel_values.shape)}",
+        )
+    return pixel_values

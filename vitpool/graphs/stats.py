@@ -1,0 +1,37 @@
+"""Counters of a GraphEncoder."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EncoderStats:
+    """What an encoder has done since it was built. `stats()` returns a copy.
+
+    Attributes:
+        graph_items: items encoded by replaying a captured graph.
+        eager_items: items encoded without a graph (oversized, disabled budget, or CPU).
+        replays_per_budget: batches run per budget (output tokens), graph or not.
+        eager_batches: oversized items run alone, at their own size.
+        batch_rows: patch rows of all budgeted batches, padding included.
+        padding_rows: of those, rows that were padding.
+        captured_budgets: budgets with a checked graph.
+        disabled_budgets: budgets whose graph failed its check; they run eager.
+        capture_seconds: time to capture and check every graph.
+    """
+
+    graph_items: int = 0
+    eager_items: int = 0
+    replays_per_budget: dict[int, int] = field(default_factory=dict)
+    eager_batches: int = 0
+    batch_rows: int = 0
+    padding_rows: int = 0
+    captured_budgets: list[int] = field(default_factory=list)
+    disabled_budgets: list[int] = field(default_factory=list)
+    capture_seconds: float = 0.0
+
+    @property
+    def padding_waste(self) -> float:
+        """Share of budgeted rows that were padding."""
+        return self.padding_rows / self.batch_rows if self.batch_rows else 0.0

@@ -1,0 +1,16 @@
+"""Model adapters: one file per family, all seen by graphs/ through `VisionAdapter`."""
+
+from vitpool.models.loading import FAMILIES, SHIPPED_CHECKPOINT, load_adapter
+from vitpool.models.protocol import Grid, ItemSize, TensorSpec, VisionAdapter
+from vitpool.models.qwen3_vl import Qwen3VLAdapter
+
+__all__ = [
+    "FAMILIES",
+    "Grid",
+    "ItemSize",
+    "Qwen3VLAdapter",
+    "SHIPPED_CHECKPOINT",
+    "TensorSpec",
+    "VisionAdapter",
+    "load_adapter",
+]

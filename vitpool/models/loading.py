@@ -1,0 +1,151 @@
+"""Build a model adapter from a local Hugging Face directory, or from the checkpoint vitpool ships.
+
+A directory holds either a vision-tower-only save (config `model_type` like "qwen3_vl_vision")
+or a full multimodal checkpoint (a config with `vision_config`; the tower's weights sit under
+`model.visual.` or `visual.`). Only safetensors are read, and of a full checkpoint only the
+shards that hold vision weights. Weights load strictly: a missing or unexpected key is an error
+that names it. A directory with a config and no weights gives random weights (benchmarks).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, PretrainedConfig
+
+from vitpool.errors import CheckpointError
+from vitpool.models.protocol import VisionAdapter
+from vitpool.models.qwen3_vl import Qwen3VLAdapter
+
+logger = logging.getLogger(__name__)
+
+SHIPPED_CHECKPOINT = Path(__file__).parent / "checkpoints" / "tiny-qwen3-vl"
+
+_VISION_PREFIXES = ("model.visual.", "visual.")
+_SHOWN_KEYS = 8
+
+
+@dataclass(frozen=True)
+class Family:
+    """How to build one model family's tower and adapter."""
+
+    tower_class: Callable[[], type[torch.nn.Module]]  # imported lazily
+    adapter: Callable[[torch.nn.Module], VisionAdapter]
+
+
+def _qwen3_vl_tower() -> type[torch.nn.Module]:
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+    return Qwen3VLVisionModel
+
+
+def _qwen3_vl_moe_tower() -> type[torch.nn.Module]:
+    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVisionModel
+
+    return Qwen3VLMoeVisionModel
+
+
+# Keyed by the vision config's model_type; a new family adds one line here and one adapter file.
+FAMILIES: dict[str, Family] = {
+    "qwen3_vl_vision": Family(_qwen3_vl_tower, Qwen3VLAdapter),
+    "qwen3_vl_moe_vision": Family(_qwen3_vl_moe_tower, Qwen3VLAdapter),
+}
+
+
+def load_adapter(
+    path: str | Path | None, device: torch.device, dtype: torch.dtype
+) -> VisionAdapter:
+    """The tower of the checkpoint at `path` (None: the shipped tiny model), on `device` in `dtype`.
+
+    Raises:
+        CheckpointError: no config, an unsupported model, non-safetensors weights, or weights
+            that do not match the tower (the message names the keys).
+    """
+    directory = Path(path) if path is not None else SHIPPED_CHECKPOINT
+    if not (directory / "config.json").is_file():
+        raise CheckpointError(f"{directory} has no config.json; pass a local Hugging Face directory")
+    config = AutoConfig.from_pretrained(directory)
+    vision_config = getattr(config, "vision_config", None)
+    is_full_model = vision_config is not None
+    vision_config = vision_config if is_full_model else config
+    family = FAMILIES.get(vision_config.model_type)
+    if family is None:
+        raise CheckpointError(
+            f"{directory}: vision model type {vision_config.model_type!r} is not supported; "
+            f"supported: {sorted(FAMILIES)}"
+        )
+    tower = _build_tower(family, vision_config, device, dtype)
+    weight_files = _weight_files(directory)
+    if weight_files:
+        state = _read_vision_weights(weight_files, is_full_model)
+        _load_strictly(tower, state, directory)
+    else:
+        logger.warning("%s has no weights: the tower has random weights", directory)
+    return family.adapter(tower.eval().requires_grad_(False))
+
+
+def _build_tower(
+    family: Family, config: PretrainedConfig, device: torch.device, dtype: torch.dtype
+) -> torch.nn.Module:
+    with torch.device(device):
+        return family.tower_class()._from_config(config, dtype=dtype)
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    files = sorted(directory.glob("*.safetensors"))
+    if not files and any(directory.glob("*.bin")):
+        raise CheckpointError(
+            f"{directory} holds only pickled *.bin weights, which vitpool does not read; "
+            "convert them to safetensors"
+        )
+    return files
+
+
+def _read_vision_weights(files: list[Path], is_full_model: bool) -> dict[str, torch.Tensor]:
+    index_file = files[0].parent / "model.safetensors.index.json"
+    if is_full_model and index_file.is_file():
+        # Open only the shards that hold vision weights: the language model is most of the bytes.
+        weight_map: dict[str, str] = json.loads(index_file.read_text())["weight_map"]
+        shard_names = {shard for key, shard in weight_map.items() if _strip_prefix(key) is not None}
+        files = [file for file in files if file.name in shard_names]
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as shard:
+            for key in shard.keys():
+                name = _strip_prefix(key)
+                if name is None and not is_full_model:
+                    name = key  # a tower-only save may have no prefix
+                if name is not None:
+                    state[name] = shard.get_tensor(key)
+    if is_full_model and not state:
+        raise CheckpointError(
+            f"{files[0].parent}: no vision weights under {' or '.join(_VISION_PREFIXES)}"
+        )
+    return state
+
+
+def _strip_prefix(key: str) -> str | None:
+    for prefix in _VISION_PREFIXES:
+        if key.startswith(prefix):
+            return key[len(prefix) :]
+    return None
+
+
+def _load_strictly(tower: torch.nn.Module, state: dict[str, torch.Tensor], directory: Path) -> None:
+    expected = set(tower.state_dict())
+    missing = sorted(expected - state.keys())
+    unexpected = sorted(state.keys() - expected)
+    if missing or unexpected:
+        problems = []
+        if missing:
+            problems.append(f"missing keys {missing[:_SHOWN_KEYS]} ({len(missing)} in all)")
+        if unexpected:
+            problems.append(f"unexpected keys {unexpected[:_SHOWN_KEYS]} ({len(unexpected)} in all)")
+        raise CheckpointError(f"{directory}: weights do not match the tower: {'; '.join(problems)}")
+    tower.load_state_dict(state, strict=True)

@@ -1,0 +1,129 @@
+"""Qwen3-VL (and Qwen3-VL-MoE, same tower): the Hugging Face tower driven with precomputed metadata.
+
+The tower's forward accepts every grid-dependent tensor through keyword arguments
+(`transformers.vision_utils`); given them it has no host synchronisation and no graph break.
+"""
+
+from __future__ import annotations
+
+import random
+from functools import lru_cache
+from typing import Sequence
+
+import torch
+from transformers.vision_utils import (
+    get_vision_interpolation_indices_and_weights,
+    get_vision_position_ids,
+)
+
+from vitpool.models.attention import install_packed_attention
+from vitpool.models.protocol import Grid, ItemSize, TensorSpec
+
+# Sampled check batches stay small so that checking a budget costs little host time.
+_MAX_SAMPLED_ITEMS = 8
+
+
+class Qwen3VLAdapter:
+    """Adapter for `Qwen3VLVisionModel` / `Qwen3VLMoeVisionModel`."""
+
+    def __init__(self, tower: torch.nn.Module) -> None:
+        config = tower.config
+        self.tower = tower
+        self.merge_size: int = config.spatial_merge_size
+        self.merge_unit = self.merge_size**2
+        self.row_width = config.in_channels * config.temporal_patch_size * config.patch_size**2
+        self.output_width: int = config.out_hidden_size
+        self.num_deepstack = len(config.deepstack_visual_indexes)
+        self._num_grid_per_side: int = tower.num_grid_per_side
+        self._interpolation_mode: str = tower.interpolation_mode
+        self._align_corners: bool = tower.interpolation_align_corners
+        self._per_grid_metadata = lru_cache(maxsize=1024)(self._compute_grid_metadata)
+        install_packed_attention(tower)
+
+    def item_size(self, grid: Grid) -> ItemSize:
+        t, h, w = grid
+        if t <= 0 or h <= 0 or w <= 0:
+            raise ValueError(f"grid_thw {grid} has a zero or negative size")
+        if h % self.merge_size or w % self.merge_size:
+            raise ValueError(
+                f"grid_thw {grid}: h and w must be multiples of the spatial merge size "
+                f"{self.merge_size}"
+            )
+        num_rows = t * h * w
+        return ItemSize(num_rows, num_rows // self.merge_unit, num_sequences=t)
+
+    def metadata_specs(self, num_rows: int, max_sequences: int) -> dict[str, TensorSpec]:
+        return {
+            "interp_indices": TensorSpec((num_rows, 4), torch.long),
+            "interp_weights": TensorSpec((num_rows, 4), torch.float32),
+            "position_ids": TensorSpec((num_rows, 2), torch.long),
+            # real sequences, one trailing padding sequence, and the leading 0
+            "cu_seqlens": TensorSpec((max_sequences + 2,), torch.int32),
+        }
+
+    def build_metadata(
+        self, grids: Sequence[Grid], num_rows: int, max_sequences: int
+    ) -> dict[str, torch.Tensor]:
+        specs = self.metadata_specs(num_rows, max_sequences)
+        # Padding rows read position-table row 0 with weight 0 and rotary position (0, 0).
+        metadata = {name: torch.zeros(spec.shape, dtype=spec.dtype) for name, spec in specs.items()}
+        # Unused cu_seqlens entries repeat the end, so the padding rows form one sequence.
+        metadata["cu_seqlens"].fill_(num_rows)
+        metadata["cu_seqlens"][0] = 0
+        row = 0
+        boundaries = []
+        for grid in grids:
+            indices, weights, position_ids = self._per_grid_metadata(tuple(grid))
+            end = row + indices.shape[0]
+            metadata["interp_indices"][row:end] = indices
+            metadata["interp_weights"][row:end] = weights
+            metadata["position_ids"][row:end] = position_ids
+            t, h, w = grid
+            boundaries.extend(row + h * w * (frame + 1) for frame in range(t))
+            row = end
+        if row > num_rows or len(boundaries) > max_sequences:
+            raise ValueError(
+                f"{len(grids)} items need {row} rows and {len(boundaries)} sequences; "
+                f"the buffers hold {num_rows} and {max_sequences}"
+            )
+        metadata["cu_seqlens"][1 : len(boundaries) + 1] = torch.tensor(boundaries, dtype=torch.int32)
+        return metadata
+
+    def forward(
+        self, pixels: torch.Tensor, metadata: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        output = self.tower(
+            pixels,
+            grid_thw=None,  # every grid-derived tensor is given below
+            max_seqlen=pixels.shape[0],  # static: a Python int from the buffer's shape
+            **metadata,
+        )
+        return output.pooler_output, list(output.deepstack_features)
+
+    def sample_grids(self, num_rows: int, max_sequences: int, rng: random.Random) -> list[Grid]:
+        grids: list[Grid] = []
+        rows_left, sequences_left = num_rows, max_sequences
+        while rows_left >= self.merge_unit and sequences_left > 0 and len(grids) < _MAX_SAMPLED_ITEMS:
+            frames = 2 if sequences_left >= 2 and rows_left >= 2 * self.merge_unit and rng.random() < 0.3 else 1
+            max_blocks = rows_left // (self.merge_unit * frames)
+            # Sometimes fill the rest, usually not, so that padding rows are exercised too.
+            num_blocks = max_blocks if rng.random() < 0.2 else rng.randint(1, max(1, max_blocks // 2))
+            height_blocks = rng.randint(1, num_blocks)
+            width_blocks = max(1, num_blocks // height_blocks)
+            grid = (frames, height_blocks * self.merge_size, width_blocks * self.merge_size)
+            grids.append(grid)
+            rows_left -= grid[0] * grid[1] * grid[2]
+            sequences_left -= frames
+        return grids
+
+    def _compute_grid_metadata(self, grid: Grid) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        grid_thw = torch.tensor([grid], dtype=torch.long)
+        indices, weights = get_vision_interpolation_indices_and_weights(
+            grid_thw,
+            num_grid_per_side=self._num_grid_per_side,
+            mode=self._interpolation_mode,
+            align_corners=self._align_corners,
+            spatial_merge_size=self.merge_size,
+        )
+        position_ids = get_vision_position_ids(grid_thw, self.merge_size)
+        return indices, weights.to(torch.float32), position_ids

@@ -1,0 +1,1 @@
+"""The coordinator: launch or connect Ray, accept requests, dispatch, gather, scale (planned)."""
