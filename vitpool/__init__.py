@@ -2,22 +2,41 @@
 
 A vision tower runs as one captured CUDA graph per token budget (`GraphEncoder`); a Ray pool of
 such encoders serves many callers (planned).
+
+Public names load on first use, so that `vitpool.packing` stays importable without torch.
 """
 
-from vitpool.errors import CheckpointError, ConfigError, InvalidItemError, VitpoolError
-from vitpool.graphs import EncoderStats, GraphEncoder
-from vitpool.items import Embedding, Image, Video
+from __future__ import annotations
 
-__all__ = [
-    "CheckpointError",
-    "ConfigError",
-    "Embedding",
-    "EncoderStats",
-    "GraphEncoder",
-    "Image",
-    "InvalidItemError",
-    "Video",
-    "VitpoolError",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
 
+if TYPE_CHECKING:
+    from vitpool.errors import CheckpointError, ConfigError, InvalidItemError, VitpoolError
+    from vitpool.graphs import EncoderStats, GraphEncoder
+    from vitpool.items import Embedding, Image, Video
+
+_PUBLIC = {
+    "CheckpointError": "vitpool.errors",
+    "ConfigError": "vitpool.errors",
+    "InvalidItemError": "vitpool.errors",
+    "VitpoolError": "vitpool.errors",
+    "EncoderStats": "vitpool.graphs",
+    "GraphEncoder": "vitpool.graphs",
+    "Embedding": "vitpool.items",
+    "Image": "vitpool.items",
+    "Video": "vitpool.items",
+}
+
+__all__ = sorted(_PUBLIC)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'vitpool' has no attribute {name!r}")
+    return getattr(importlib.import_module(_PUBLIC[name]), name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_PUBLIC])

@@ -1,0 +1,66 @@
+"""Shared fixtures: the shipped tiny tower, its Hugging Face reference, and item builders."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+
+from vitpool import GraphEncoder, Image, Video
+from vitpool.models import Qwen3VLAdapter, load_adapter
+
+ROW_WIDTH = 3 * 2 * 16 * 16  # channels * temporal patch * patch * patch of the Qwen3-VL family
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _quiet_logs(caplog):
+    caplog.set_level(logging.INFO, logger="vitpool")
+
+
+@pytest.fixture(scope="session")
+def tiny_adapter() -> Qwen3VLAdapter:
+    return load_adapter(None, torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture(scope="session")
+def reference_tower(tiny_adapter):
+    """The same weights, run by Hugging Face's own code path (SDPA, item by item)."""
+    tower = copy.deepcopy(tiny_adapter.tower)
+    tower.config._attn_implementation = "sdpa"
+    return tower
+
+
+def make_encoder(adapter, budgets, **kwargs) -> GraphEncoder:
+    return GraphEncoder(adapter, budgets=budgets, device="cpu", dtype=torch.float32, **kwargs)
+
+
+def image(h: int, w: int, generator: torch.Generator | None = None) -> Image:
+    return Image(torch.randn(h * w, ROW_WIDTH, generator=generator), (1, h, w))
+
+
+def video(t: int, h: int, w: int, generator: torch.Generator | None = None) -> Video:
+    return Video(torch.randn(t * h * w, ROW_WIDTH, generator=generator), (t, h, w))
+
+
+def reference_outputs(tower, item) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Hugging Face's forward on one item (computes its own metadata from grid_thw)."""
+    with torch.no_grad():
+        pixels = torch.as_tensor(item.pixel_values).to(next(tower.parameters()).dtype)
+        output = tower(pixels.to(next(tower.parameters()).device), grid_thw=torch.tensor([item.grid_thw]))
+    return output.pooler_output, list(output.deepstack_features)
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    actual, expected = actual.float().cpu(), expected.float().cpu()
+    return float(torch.linalg.vector_norm(actual - expected) / torch.linalg.vector_norm(expected))

@@ -1,0 +1,132 @@
+"""The static-buffer forward on CPU against Hugging Face's tower run item by item (fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import image, make_encoder, reference_outputs, relative_error, video
+from vitpool import Embedding
+
+BUDGETS = [16, 32, 64, 128]
+TOLERANCE = 1e-5
+
+
+def assert_matches_reference(reference_tower, items, embeddings: list[Embedding]) -> None:
+    assert len(embeddings) == len(items)
+    for item, embedding in zip(items, embeddings):
+        tokens, deepstack = reference_outputs(reference_tower, item)
+        assert embedding.tokens.shape == tokens.shape
+        assert torch.isfinite(embedding.tokens).all()
+        assert relative_error(embedding.tokens, tokens) <= TOLERANCE
+        assert len(embedding.deepstack) == len(deepstack) == 2
+        for got, expected in zip(embedding.deepstack, deepstack):
+            assert relative_error(got, expected) <= TOLERANCE
+
+
+# Each case lands in the named budget: (budget it must use, items).
+CASES = {
+    # one small image padded up to the smallest budget
+    "image-16": (16, lambda g: [image(4, 6, g)]),
+    # several images sharing one batch
+    "images-32": (32, lambda g: [image(4, 4, g), image(2, 8, g), image(6, 6, g)]),
+    # a video: one attention sequence per temporal patch
+    "video-64": (64, lambda g: [video(4, 6, 8, g)]),
+    # images and videos mixed, nearly filling the budget
+    "mix-128": (128, lambda g: [image(8, 8, g), video(2, 6, 6, g), image(10, 12, g), video(3, 4, 4, g)]),
+    # exactly full: no padding rows at all
+    "full-64": (64, lambda g: [image(16, 16, g)]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_static_forward_matches_hugging_face(tiny_adapter, reference_tower, case):
+    budget, build = CASES[case]
+    encoder = make_encoder(tiny_adapter, BUDGETS)
+    items = build(torch.Generator().manual_seed(len(case)))
+    embeddings = encoder.encode(items)
+    assert_matches_reference(reference_tower, items, embeddings)
+    assert encoder.stats().replays_per_budget == {budget: 1}
+
+
+def test_every_budget_matches_on_fresh_random_items(tiny_adapter, reference_tower):
+    encoder = make_encoder(tiny_adapter, BUDGETS)
+    generator = torch.Generator().manual_seed(1)
+    for budget in BUDGETS:
+        # one image with just over half the budget's tokens: lands in this budget, not a smaller one
+        side = 2 * int((budget // 2 + 1) ** 0.5 + 1)
+        height, width = side, 2 * (((budget * 4) // side) // 2)
+        items = [image(height, width, generator)]
+        assert budget // 2 < height * width // 4 <= budget
+        before = encoder.stats().replays_per_budget.get(budget, 0)
+        assert_matches_reference(reference_tower, items, encoder.encode(items))
+        assert encoder.stats().replays_per_budget.get(budget, 0) == before + 1
+
+
+def test_many_items_split_into_batches_in_input_order(tiny_adapter, reference_tower):
+    encoder = make_encoder(tiny_adapter, BUDGETS, max_items_per_batch=4, max_frames_per_batch=6)
+    generator = torch.Generator().manual_seed(2)
+    items = [image(2 * (1 + i % 4), 2 * (1 + i % 3), generator) for i in range(11)] + [video(3, 4, 4, generator)]
+    embeddings = encoder.encode(items)
+    assert_matches_reference(reference_tower, items, embeddings)
+    stats = encoder.stats()
+    assert sum(stats.replays_per_budget.values()) >= 3  # 12 items, at most 4 per batch
+    assert stats.eager_items == len(items)  # CPU: the static forward runs without a graph
+
+
+def test_oversized_item_runs_eager_alone(tiny_adapter, reference_tower):
+    encoder = make_encoder(tiny_adapter, BUDGETS)
+    items = [image(4, 4), image(24, 24), video(2, 4, 4)]  # 144 tokens > largest budget 128
+    embeddings = encoder.encode(items)
+    assert_matches_reference(reference_tower, items, embeddings)
+    stats = encoder.stats()
+    assert stats.eager_batches == 1
+    assert sum(stats.replays_per_budget.values()) == 1
+
+
+def test_large_batch_then_small_gives_fresh_results(tiny_adapter):
+    """Stale rows from a large batch must not leak into a later, smaller one on the same budget."""
+    encoder = make_encoder(tiny_adapter, [64])
+    small = [image(4, 4, torch.Generator().manual_seed(3))]
+    fresh = make_encoder(tiny_adapter, [64]).encode(small)[0]
+    encoder.encode([image(16, 16), video(2, 8, 4)])
+    again = encoder.encode(small)[0]
+    assert torch.equal(again.tokens, fresh.tokens)
+    for got, expected in zip(again.deepstack, fresh.deepstack):
+        assert torch.equal(got, expected)
+
+
+def test_numpy_and_processor_shaped_grid(tiny_adapter, reference_tower):
+    encoder = make_encoder(tiny_adapter, BUDGETS)
+    item = image(6, 4)
+    as_numpy = type(item)(item.pixel_values.numpy(), torch.tensor([[1, 6, 4]]))
+    [from_numpy] = encoder.encode([as_numpy])
+    [from_torch] = encoder.encode([item])
+    assert torch.equal(from_numpy.tokens, from_torch.tokens)
+
+
+def test_empty_list_returns_empty(tiny_adapter):
+    encoder = make_encoder(tiny_adapter, BUDGETS)
+    assert encoder.encode([]) == []
+    assert encoder.stats().replays_per_budget == {}
+
+
+def test_stats_count_padding(tiny_adapter):
+    encoder = make_encoder(tiny_adapter, BUDGETS)
+    encoder.encode([image(4, 6)])  # 6 tokens in the 16-token budget
+    stats = encoder.stats()
+    assert stats.batch_rows == 16 * 4
+    assert stats.padding_rows == (16 - 6) * 4
+    assert stats.padding_waste == pytest.approx(10 / 16)
+    assert stats.captured_budgets == []  # no capture on CPU
+
+
+def test_default_budgets_on_cpu(tiny_adapter):
+    encoder = make_encoder(tiny_adapter, None)
+    tokens = [b.num_tokens for b in encoder.budgets]
+    assert tokens == sorted(tokens) and tokens[0] == 16 and tokens[-1] == 1024
+    # the ladder never steps by more than 2x, and by at most 12.5% (plus alignment) above 256
+    for low, high in zip(tokens, tokens[1:]):
+        assert high <= 2 * low
+        if low >= 256:
+            assert high <= low * 1.125 + 32

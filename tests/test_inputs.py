@@ -1,0 +1,82 @@
+"""Bad input gets an InvalidItemError naming the item; the encoder keeps working."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROW_WIDTH, image, make_encoder
+from vitpool import ConfigError, Image, InvalidItemError, Video
+
+
+def nan_pixels():
+    item = image(4, 4)
+    item.pixel_values[3, 7] = float("nan")
+    return item
+
+
+def inf_pixels():
+    item = image(4, 4)
+    item.pixel_values[0, 0] = float("inf")
+    return item
+
+
+# name: (bad item, words the message must contain)
+BAD_ITEMS = {
+    "feature size": (Image(torch.randn(16, 1000), (1, 4, 4)), "1000 features per row"),
+    "rows != t*h*w": (Image(torch.randn(20, ROW_WIDTH), (1, 4, 4)), "needs t*h*w = 16"),
+    "grid not divisible by merge": (Image(torch.randn(15, ROW_WIDTH), (1, 3, 5)), "multiples of the spatial merge size"),
+    "zero size": (Image(torch.randn(0, ROW_WIDTH), (1, 0, 4)), "zero or negative"),
+    "negative size": (Video(torch.randn(16, ROW_WIDTH), (-1, 4, 4)), "zero or negative"),
+    "integer dtype": (Image(torch.zeros(16, ROW_WIDTH, dtype=torch.int64), (1, 4, 4)), "floating-point"),
+    "numpy integer dtype": (Image(np.zeros((16, ROW_WIDTH), dtype=np.uint8), (1, 4, 4)), "floating-point"),
+    "NaN pixels": (nan_pixels(), "NaN or infinity"),
+    "inf pixels": (inf_pixels(), "NaN or infinity"),
+    "3-D pixels": (Image(torch.randn(1, 16, ROW_WIDTH), (1, 4, 4)), "must be 2-D"),
+    "grid with two numbers": (Image(torch.randn(16, ROW_WIDTH), (4, 4)), "three integers"),
+    "float grid": (Image(torch.randn(16, ROW_WIDTH), (1.0, 4.0, 4.0)), "three integers"),
+    "image with several frames": (Image(torch.randn(32, ROW_WIDTH), (2, 4, 4)), "use Video"),
+    "not an item": ({"pixel_values": torch.randn(16, ROW_WIDTH)}, "expected vitpool.Image"),
+    "list of pixels": (Image([[0.0] * ROW_WIDTH] * 16, (1, 4, 4)), "torch tensor or NumPy array"),
+}
+
+
+@pytest.fixture(scope="module")
+def encoder(tiny_adapter):
+    return make_encoder(tiny_adapter, [16, 64])
+
+
+@pytest.mark.parametrize("name", sorted(BAD_ITEMS))
+def test_bad_item_is_named_and_encoder_keeps_working(encoder, name):
+    bad, words = BAD_ITEMS[name]
+    good = image(4, 4, torch.Generator().manual_seed(0))
+    before = encoder.encode([good])[0].tokens
+    with pytest.raises(InvalidItemError) as raised:
+        encoder.encode([image(2, 2), bad])
+    assert raised.value.index == 1
+    assert "item 1" in str(raised.value) and words in str(raised.value)
+    assert torch.equal(encoder.encode([good])[0].tokens, before)
+
+
+# (settings, words the ConfigError must contain)
+BAD_SETTINGS = [
+    (dict(budgets=[]), "empty"),
+    (dict(budgets=[16, 0]), "positive integers"),
+    (dict(budgets=[16, 16]), "duplicates"),
+    (dict(budgets=[16.5]), "positive integers"),
+    (dict(budgets=[8, 64], max_items_per_batch=9), "exceeds the smallest budget"),
+    (dict(budgets=[64], max_items_per_batch=0), ">= 1"),
+    (dict(budgets=[64], max_items_per_batch=8, max_frames_per_batch=4), "max_frames_per_batch"),
+    (dict(budgets=[64], dtype=torch.int32), "not supported"),
+    (dict(budgets=[64], device="tpu"), "torch device"),
+]
+
+
+@pytest.mark.parametrize("settings, words", BAD_SETTINGS)
+def test_invalid_settings_are_rejected(tiny_adapter, settings, words):
+    from vitpool import GraphEncoder
+
+    settings = {"device": "cpu", **settings}
+    with pytest.raises(ConfigError, match=words):
+        GraphEncoder(tiny_adapter, **settings)

@@ -1,0 +1,112 @@
+"""Loading local checkpoints: a tower-only save, a full Qwen3-VL model, and the errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import image
+from vitpool import CheckpointError, GraphEncoder
+from vitpool.models import SHIPPED_CHECKPOINT
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from make_tiny_checkpoint import TINY_CONFIG  # noqa: E402
+
+
+def encode_tokens(path, item) -> torch.Tensor:
+    encoder = GraphEncoder.from_pretrained(path, budgets=[16, 64], device="cpu")
+    return encoder.encode([item])[0].tokens
+
+
+@pytest.fixture(scope="module")
+def item():
+    return image(4, 8, torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def shipped_tokens(item):
+    return encode_tokens(None, item)
+
+
+@pytest.fixture(scope="module")
+def full_checkpoint(tmp_path_factory) -> Path:
+    """A tiny full Qwen3-VL model (language model included) whose tower is the shipped one, sharded."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    config = Qwen3VLConfig(
+        vision_config=TINY_CONFIG,
+        text_config=dict(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+            num_key_value_heads=1, head_dim=16, vocab_size=128,
+            rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
+        ),
+    )
+    model = Qwen3VLForConditionalGeneration(config)
+    model.model.visual.load_state_dict(load_file(SHIPPED_CHECKPOINT / "model.safetensors"))
+    path = tmp_path_factory.mktemp("full")
+    model.save_pretrained(path, max_shard_size="500KB")
+    return path
+
+
+def test_shipped_checkpoint_is_the_default(item, shipped_tokens):
+    assert shipped_tokens.shape == (8, 128)
+    assert torch.equal(encode_tokens(SHIPPED_CHECKPOINT, item), shipped_tokens)
+
+
+def test_full_model_checkpoint_loads_the_vision_weights(full_checkpoint, item, shipped_tokens):
+    index = json.loads((full_checkpoint / "model.safetensors.index.json").read_text())
+    assert any(k.startswith("model.language_model.") for k in index["weight_map"])
+    assert torch.allclose(encode_tokens(full_checkpoint, item), shipped_tokens, rtol=1e-5, atol=1e-6)
+
+
+def test_visual_prefix_checkpoint(tmp_path, full_checkpoint, item, shipped_tokens):
+    """Older exports keep the tower under `visual.` in one unsharded file."""
+    state = {f"visual.{k}": v for k, v in load_file(SHIPPED_CHECKPOINT / "model.safetensors").items()}
+    state["lm_head.weight"] = torch.zeros(4, 4)  # language-model weights are skipped
+    save_file(state, tmp_path / "model.safetensors")
+    shutil.copy(full_checkpoint / "config.json", tmp_path / "config.json")
+    assert torch.allclose(encode_tokens(tmp_path, item), shipped_tokens, rtol=1e-5, atol=1e-6)
+
+
+def tower_copy(tmp_path: Path) -> Path:
+    shutil.copy(SHIPPED_CHECKPOINT / "config.json", tmp_path / "config.json")
+    return tmp_path
+
+
+def test_missing_key_is_named(tmp_path):
+    state = load_file(SHIPPED_CHECKPOINT / "model.safetensors")
+    del state["blocks.2.mlp.linear_fc1.weight"]
+    save_file(state, tower_copy(tmp_path) / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"missing keys \['blocks.2.mlp.linear_fc1.weight'\]"):
+        GraphEncoder.from_pretrained(tmp_path, budgets=[16], device="cpu")
+
+
+def test_unexpected_key_is_named(tmp_path):
+    state = load_file(SHIPPED_CHECKPOINT / "model.safetensors")
+    state["blocks.9.attn.qkv.weight"] = torch.zeros(2, 2)
+    save_file(state, tower_copy(tmp_path) / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"unexpected keys \['blocks.9.attn.qkv.weight'\]"):
+        GraphEncoder.from_pretrained(tmp_path, budgets=[16], device="cpu")
+
+
+def test_pickled_weights_are_refused(tmp_path):
+    (tower_copy(tmp_path) / "pytorch_model.bin").write_bytes(b"not read")
+    with pytest.raises(CheckpointError, match="safetensors"):
+        GraphEncoder.from_pretrained(tmp_path, budgets=[16], device="cpu")
+
+
+def test_no_config_is_an_error(tmp_path):
+    with pytest.raises(CheckpointError, match="no config.json"):
+        GraphEncoder.from_pretrained(tmp_path, budgets=[16], device="cpu")
+
+
+def test_config_only_gives_random_weights(tmp_path, item, shipped_tokens):
+    tokens = encode_tokens(tower_copy(tmp_path), item)
+    assert tokens.shape == shipped_tokens.shape and torch.isfinite(tokens).all()
+    assert not torch.allclose(tokens, shipped_tokens)
