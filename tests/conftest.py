@@ -55,9 +55,10 @@ def video(t: int, h: int, w: int, generator: torch.Generator | None = None) -> V
 
 def reference_outputs(tower, item) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Hugging Face's forward on one item (computes its own metadata from grid_thw)."""
+    weight = next(tower.parameters())
     with torch.no_grad():
-        pixels = torch.as_tensor(item.pixel_values).to(next(tower.parameters()).dtype)
-        output = tower(pixels.to(next(tower.parameters()).device), grid_thw=torch.tensor([item.grid_thw]))
+        pixels = torch.as_tensor(item.pixel_values).to(weight.device, weight.dtype)
+        output = tower(pixels, grid_thw=torch.tensor([item.grid_thw], device=weight.device))
     return output.pooler_output, list(output.deepstack_features)
 
 

@@ -130,3 +130,13 @@ def test_default_budgets_on_cpu(tiny_adapter):
         assert high <= 2 * low
         if low >= 256:
             assert high <= low * 1.125 + 32
+
+
+def test_few_and_many_sequence_variants_match(tiny_adapter, reference_tower):
+    encoder = make_encoder(tiny_adapter, [64, 320])
+    generator = torch.Generator().manual_seed(4)
+    one_large = [image(24, 24, generator)]  # 144 tokens, one sequence: the 4-sequence variant
+    many_small = [image(4, 4, generator) for _ in range(9)] + [video(3, 8, 8, generator)]
+    for items in (one_large, many_small):
+        assert_matches_reference(reference_tower, items, encoder.encode(items))
+    assert encoder.stats().replays_per_budget == {320: 2}

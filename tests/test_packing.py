@@ -62,3 +62,12 @@ def test_packing_imports_neither_torch_nor_ray():
 
     code = "import sys, vitpool.packing; assert 'torch' not in sys.modules and 'ray' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_few_sequence_variant_serves_small_batches():
+    budgets = make_budgets([64, 832], None, None)
+    assert [(b.num_tokens, b.max_sequences) for b in budgets] == [(64, 64), (832, 4), (832, 64)]
+    [one_image] = pack([ItemCost(784, 1)], budgets)
+    assert one_image.budget.max_sequences == 4
+    [many_frames] = pack([ItemCost(400, 8), ItemCost(300, 1)], budgets)
+    assert many_frames.budget.max_sequences == 64

@@ -22,7 +22,7 @@ import torch
 from vitpool.errors import ConfigError
 from vitpool.graphs.buffers import StaticBuffers
 from vitpool.graphs.defaults import default_token_budgets, resolve_device, resolve_dtype
-from vitpool.graphs.inputs import PreparedItem, prepare_items
+from vitpool.graphs.inputs import PreparedItem, prepare_items, raise_on_nonfinite
 from vitpool.graphs.stats import EncoderStats
 from vitpool.items import Embedding, Item
 from vitpool.models import VisionAdapter, load_adapter
@@ -74,7 +74,7 @@ class GraphEncoder:
         self._buffers = StaticBuffers(
             adapter, self._rows(largest), largest.max_sequences, self.device, self.dtype
         )
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[Budget, torch.cuda.CUDAGraph] = {}
         self._stats = EncoderStats()
         self._lock = threading.Lock()  # one batch at a time owns the static buffers
         if self.device.type == "cuda":
@@ -114,22 +114,26 @@ class GraphEncoder:
         """Encode `items`; returns one Embedding per item, in input order.
 
         Raises:
-            InvalidItemError: an item is malformed (the message names its index); nothing ran.
+            InvalidItemError: an item is malformed (the message names its index); nothing is
+                returned, and the encoder stays usable.
         """
         if not items:
             return []
         prepared = prepare_items(items, self.adapter)
         costs = [ItemCost(p.size.num_tokens, p.size.num_sequences) for p in prepared]
         results: list[Embedding | None] = [None] * len(prepared)
+        finite_checks = []
         with torch.no_grad(), self._lock:
             for batch in pack(costs, self.budgets):
                 members = [prepared[i] for i in batch.item_indices]
-                tokens, deepstack = self._run_batch(batch, members)
+                tokens, deepstack, finite_rows = self._run_batch(batch, members)
+                finite_checks.append((batch.item_indices, members, finite_rows))
                 offset = 0
                 for index, member in zip(batch.item_indices, members):
                     end = offset + member.size.num_tokens
                     results[index] = Embedding(tokens[offset:end], [d[offset:end] for d in deepstack])
                     offset = end
+        raise_on_nonfinite(finite_checks)
         return results  # type: ignore[return-value]  # every index is filled above
 
     def stats(self) -> EncoderStats:
@@ -139,8 +143,9 @@ class GraphEncoder:
 
     def _run_batch(
         self, batch: Batch, members: list[PreparedItem]
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Outputs of the batch's items, concatenated: ([tokens, width], deepstack), owned by the caller."""
+    ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+        """Outputs of the batch's items, concatenated and owned by the caller: tokens [tokens, width],
+        deepstack, and whether each of the items' pixel rows was finite [rows] (on the device)."""
         num_tokens = batch.num_tokens
         if batch.budget is None:
             self._stats.eager_batches += 1
@@ -150,19 +155,21 @@ class GraphEncoder:
         self._stats.replays_per_budget[budget.num_tokens] = self._stats.replays_per_budget.get(budget.num_tokens, 0) + 1
         self._stats.batch_rows += self._rows(budget)
         self._stats.padding_rows += batch.padding_tokens * self.adapter.merge_unit
-        self._fill(budget, [m.grid for m in members], [m.pixels for m in members])
-        graph = self._graphs.get(budget.num_tokens)
+        finite_rows = self._fill(budget, [m.grid for m in members], [m.pixels for m in members])
+        graph = self._graphs.get(budget)
         if graph is None:
             self._stats.eager_items += len(members)
             tokens, deepstack = self._static_forward(budget)
-            return tokens[:num_tokens], [d[:num_tokens] for d in deepstack]
+            return tokens[:num_tokens], [d[:num_tokens] for d in deepstack], finite_rows
         self._stats.graph_items += len(members)
         graph.replay()
         tokens, deepstack = self._buffers.output_views(num_tokens)
         # The next replay overwrites the output buffers.
-        return tokens.clone(), [d.clone() for d in deepstack]
+        return tokens.clone(), [d.clone() for d in deepstack], finite_rows
 
-    def _run_exact(self, members: list[PreparedItem]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def _run_exact(
+        self, members: list[PreparedItem]
+    ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
         """Eager run at the items' own size: no padding, fresh tensors."""
         grids = [m.grid for m in members]
         num_rows = sum(m.size.num_rows for m in members)
@@ -172,19 +179,25 @@ class GraphEncoder:
             name: tensor.to(self.device)
             for name, tensor in self.adapter.build_metadata(grids, num_rows, num_sequences).items()
         }
-        return self.adapter.forward(pixels, metadata)
+        tokens, deepstack = self.adapter.forward(pixels, metadata)
+        return tokens, deepstack, torch.isfinite(pixels).all(dim=1)
 
-    def _fill(self, budget: Budget, grids: list, pixel_list: list[torch.Tensor]) -> None:
-        """Write a batch into the budget's views of the static buffers, padding rows included."""
+    def _fill(self, budget: Budget, grids: list, pixel_list: list[torch.Tensor]) -> torch.Tensor:
+        """Write a batch into the budget's views of the static buffers, padding rows included.
+
+        Returns whether each item row is finite [rows], computed on the device.
+        """
         rows = self._rows(budget)
         pixels, metadata = self._buffers.input_views(rows, budget.max_sequences)
         row = 0
         for item_pixels in pixel_list:
             pixels[row : row + item_pixels.shape[0]].copy_(item_pixels, non_blocking=True)
             row += item_pixels.shape[0]
+        finite_rows = torch.isfinite(pixels[:row]).all(dim=1)
         pixels[row:].zero_()
         for name, tensor in self.adapter.build_metadata(grids, rows, budget.max_sequences).items():
             metadata[name].copy_(tensor, non_blocking=True)
+        return finite_rows
 
     def _static_forward(self, budget: Budget) -> tuple[torch.Tensor, list[torch.Tensor]]:
         pixels, metadata = self._buffers.input_views(self._rows(budget), budget.max_sequences)
@@ -209,19 +222,19 @@ class GraphEncoder:
                 error = self._check(budget, graph, rng, generator)
                 tolerance = CHECK_TOLERANCE[self.dtype]
                 if error <= tolerance:
-                    self._graphs[budget.num_tokens] = graph
-                    self._stats.captured_budgets.append(budget.num_tokens)
+                    self._graphs[budget] = graph
+                    self._stats.captured_budgets.append((budget.num_tokens, budget.max_sequences))
                     logger.info(
-                        "captured budget %d/%d: %d tokens (%d rows) in %.2f s, rel. error %.1e",
-                        number, total, budget.num_tokens, self._rows(budget),
+                        "captured budget %d/%d: %d tokens (%d rows), %d sequences in %.2f s, rel. error %.1e",
+                        number, total, budget.num_tokens, self._rows(budget), budget.max_sequences,
                         time.perf_counter() - budget_start, error,
                     )
                 else:
-                    self._stats.disabled_budgets.append(budget.num_tokens)
+                    self._stats.disabled_budgets.append((budget.num_tokens, budget.max_sequences))
                     logger.warning(
-                        "budget %d tokens disabled, it will run eager: replay vs eager rel. error %.1e "
-                        "(tolerance %.0e, inf = non-finite output)",
-                        budget.num_tokens, error, tolerance,
+                        "budget %d tokens, %d sequences disabled, it will run eager: replay vs eager "
+                        "rel. error %.1e (tolerance %.0e, inf = non-finite output)",
+                        budget.num_tokens, budget.max_sequences, error, tolerance,
                     )
         self._stats.capture_seconds = time.perf_counter() - start
         logger.info(

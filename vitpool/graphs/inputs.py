@@ -25,25 +25,32 @@ class PreparedItem:
 
 
 def prepare_items(items: Sequence[Any], adapter: VisionAdapter) -> list[PreparedItem]:
-    """Check every item against the model. Raises InvalidItemError naming the first bad one."""
-    prepared = [_prepare(index, item, adapter) for index, item in enumerate(items)]
-    for index, is_finite in enumerate(_all_finite([p.pixels for p in prepared])):
-        if not is_finite:
-            raise InvalidItemError(index, "pixel_values contain NaN or infinity")
-    return prepared
+    """Check every item against the model. Raises InvalidItemError naming the first bad one.
+
+    Non-finite pixels are found later, on the device, once the pixels are there (see
+    `raise_on_nonfinite`): scanning them on the host would cost as much as a small encode.
+    """
+    return [_prepare(index, item, adapter) for index, item in enumerate(items)]
 
 
-def _all_finite(tensors: list[torch.Tensor]) -> list[bool]:
-    """Per tensor: are all values finite? One host synchronisation for the tensors on a GPU."""
-    flags = [torch.isfinite(t).all() for t in tensors]
-    on_gpu = [i for i, flag in enumerate(flags) if flag.is_cuda]
-    result = [bool(flag) if not flag.is_cuda else True for flag in flags]
-    if on_gpu:
-        device = flags[on_gpu[0]].device
-        gathered = torch.stack([flags[i].to(device) for i in on_gpu]).tolist()
-        for i, value in zip(on_gpu, gathered):
-            result[i] = value
-    return result
+def raise_on_nonfinite(checks: list[tuple[Sequence[int], list[PreparedItem], torch.Tensor]]) -> None:
+    """checks: (item indices, items, finite flag per row of their concatenated pixels) per batch.
+
+    Raises InvalidItemError for the lowest-numbered item with a NaN or infinite pixel.
+    """
+    bad = []
+    for indices, members, finite_rows in checks:
+        flags = finite_rows.cpu()  # the first one waits for the GPU; the rest are ready
+        row = 0
+        for index, member in zip(indices, members):
+            end = row + member.size.num_rows
+            if not bool(flags[row:end].all()):
+                bad.append(index)
+            row = end
+    if bad:
+        raise InvalidItemError(
+            min(bad), "pixel_values contain NaN or infinity (or values too large for the model's dtype)"
+        )
 
 
 def _prepare(index: int, item: Any, adapter: VisionAdapter) -> PreparedItem:

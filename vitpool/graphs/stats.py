@@ -16,8 +16,8 @@ class EncoderStats:
         eager_batches: oversized items run alone, at their own size.
         batch_rows: patch rows of all budgeted batches, padding included.
         padding_rows: of those, rows that were padding.
-        captured_budgets: budgets with a checked graph.
-        disabled_budgets: budgets whose graph failed its check; they run eager.
+        captured_budgets: (tokens, sequences) of the budgets with a checked graph.
+        disabled_budgets: (tokens, sequences) of budgets whose graph failed its check; they run eager.
         capture_seconds: time to capture and check every graph.
     """
 
@@ -27,8 +27,8 @@ class EncoderStats:
     eager_batches: int = 0
     batch_rows: int = 0
     padding_rows: int = 0
-    captured_budgets: list[int] = field(default_factory=list)
-    disabled_budgets: list[int] = field(default_factory=list)
+    captured_budgets: list[tuple[int, int]] = field(default_factory=list)
+    disabled_budgets: list[tuple[int, int]] = field(default_factory=list)
     capture_seconds: float = 0.0
 
     @property

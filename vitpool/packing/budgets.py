@@ -12,15 +12,18 @@ from typing import Sequence
 
 DEFAULT_MAX_ITEMS_PER_BATCH = 32
 DEFAULT_MAX_FRAMES_PER_BATCH = 64
+# Budgets above this many tokens also get a variant for batches of at most FEW_SEQUENCES sequences.
+FEW_SEQUENCES_FROM_TOKENS = 256
+FEW_SEQUENCES = 4
 
 
 @dataclass(frozen=True, order=True)
 class Budget:
-    """One captured batch shape. Ordered by `num_tokens`."""
+    """One captured batch shape. Ordered by tokens, then by sequence capacity (cheaper first)."""
 
     num_tokens: int
-    max_items: int  # items in one batch
     max_sequences: int  # attention sequences (frames) in one batch: sizes cu_seqlens
+    max_items: int  # items in one batch
 
 
 def budget_ladder(min_tokens: int, max_tokens: int, growth: float, align_tokens: int) -> list[int]:
@@ -78,13 +81,16 @@ def make_budgets(
             f"max_frames_per_batch ({max_frames_per_batch}) must be >= max_items_per_batch "
             f"({max_items_per_batch}): every item has at least one frame"
         )
-    return sorted(
-        Budget(
-            num_tokens=value,
-            max_items=max_items_per_batch,
-            # Each sequence has at least one token, so a budget never holds more sequences than
-            # tokens; sizing cu_seqlens past that only launches empty attention blocks.
-            max_sequences=min(max_frames_per_batch, value),
-        )
-        for value in tokens
-    )
+    budgets = []
+    for value in tokens:
+        # Each sequence has at least one token, so a budget never holds more sequences than
+        # tokens; sizing cu_seqlens past that only launches empty attention blocks.
+        max_sequences = min(max_frames_per_batch, value)
+        budgets.append(Budget(value, max_sequences, min(max_items_per_batch, max_sequences)))
+        if value > FEW_SEQUENCES_FROM_TOKENS and max_sequences > FEW_SEQUENCES:
+            # Varlen attention launches (sequences x longest sequence) blocks, so a large budget
+            # sized for many sequences wastes much of its attention time on one large image.
+            # A variant for few sequences serves those batches; packing picks it when it fits.
+            few = FEW_SEQUENCES
+            budgets.append(Budget(value, few, min(max_items_per_batch, few)))
+    return sorted(budgets)

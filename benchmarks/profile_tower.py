@@ -1,0 +1,43 @@
+"""Top CUDA kernels of one static forward of the Qwen3-VL-8B tower at a given row count.
+
+    python benchmarks/profile_tower.py [--rows 3328]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from encoder_latency import QWEN3_VL_8B_VISION
+from vitpool.models import load_adapter
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", type=int, default=3328)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as directory:
+        (Path(directory) / "config.json").write_text(json.dumps(QWEN3_VL_8B_VISION))
+        adapter = load_adapter(directory, torch.device("cuda"), torch.bfloat16)
+    side = 2 * int(args.rows**0.5 / 2)  # one square image, the rest padding
+    grids = [(1, side, side)]
+    metadata = {k: v.cuda() for k, v in adapter.build_metadata(grids, args.rows, 4).items()}
+    pixels = torch.randn(args.rows, adapter.row_width, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        for _ in range(3):
+            adapter.forward(pixels, metadata)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            adapter.forward(pixels, metadata)
+            torch.cuda.synchronize()
+    print(f"GPU: {torch.cuda.get_device_name()}, rows {args.rows}, grid {grids}")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=70))
+
+
+if __name__ == "__main__":
+    main()

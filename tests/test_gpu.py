@@ -1,0 +1,101 @@
+"""GPU: each budget's captured graph against eager on fresh random inputs (bf16). Skipped without CUDA."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from conftest import image, reference_outputs, relative_error, video
+from vitpool import GraphEncoder
+from vitpool.graphs import encoder as encoder_module
+
+pytestmark = pytest.mark.gpu
+
+BUDGETS = [64, 128, 256]
+TOLERANCE = 1e-2
+
+
+@pytest.fixture(scope="module")
+def gpu_encoder() -> GraphEncoder:
+    return GraphEncoder.from_pretrained(None, budgets=BUDGETS, device="cuda", dtype=torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def gpu_reference(gpu_encoder):
+    tower = copy.deepcopy(gpu_encoder.adapter.tower)
+    tower.config._attn_implementation = "sdpa"
+    return tower
+
+
+def assert_close_to_reference(reference, items, embeddings):
+    for item, embedding in zip(items, embeddings):
+        tokens, deepstack = reference_outputs(reference, item)
+        assert embedding.tokens.dtype == torch.bfloat16 and embedding.tokens.is_cuda
+        assert torch.isfinite(embedding.tokens).all()
+        assert relative_error(embedding.tokens, tokens) <= TOLERANCE
+        for got, expected in zip(embedding.deepstack, deepstack):
+            assert torch.isfinite(got).all()
+            assert relative_error(got, expected) <= TOLERANCE
+
+
+def test_every_budget_is_captured(gpu_encoder):
+    stats = gpu_encoder.stats()
+    assert sorted(t for t, _ in stats.captured_budgets) == BUDGETS and stats.disabled_budgets == []
+
+
+# budget: two image grids whose tokens together are over half the budget, so they land in it
+GRIDS_PER_BUDGET = {64: [(10, 10), (4, 8)], 128: [(14, 14), (8, 10)], 256: [(20, 20), (12, 12)]}
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_graph_matches_eager_per_budget(gpu_encoder, gpu_reference, budget):
+    generator = torch.Generator().manual_seed(budget)
+    items = [image(h, w, generator) for h, w in GRIDS_PER_BUDGET[budget]]
+    tokens = sum(it.pixel_values.shape[0] for it in items) // 4
+    assert budget // 2 < tokens <= budget
+    before = gpu_encoder.stats()
+    embeddings = gpu_encoder.encode(items)
+    after = gpu_encoder.stats()
+    assert after.replays_per_budget.get(budget, 0) == before.replays_per_budget.get(budget, 0) + 1
+    assert after.graph_items == before.graph_items + 2
+    assert_close_to_reference(gpu_reference, items, embeddings)
+
+
+def test_video_and_mix(gpu_encoder, gpu_reference):
+    generator = torch.Generator().manual_seed(7)
+    items = [video(4, 8, 8, generator), image(6, 10, generator), video(2, 4, 6, generator)]
+    assert_close_to_reference(gpu_reference, items, gpu_encoder.encode(items))
+
+
+def test_large_then_small_equals_fresh(gpu_encoder):
+    small = [image(4, 6, torch.Generator().manual_seed(3))]
+    fresh = GraphEncoder.from_pretrained(None, budgets=[256], device="cuda").encode(small)[0]
+    gpu_encoder.encode([image(30, 30), video(2, 8, 8)])  # fills most of the 256-token buffers
+    again = gpu_encoder.encode(small)[0]
+    assert torch.equal(again.tokens, fresh.tokens)
+    for got, expected in zip(again.deepstack, fresh.deepstack):
+        assert torch.equal(got, expected)
+
+
+def test_oversized_item_runs_eager(gpu_encoder, gpu_reference):
+    items = [image(40, 40)]  # 400 tokens > 256
+    before = gpu_encoder.stats()
+    assert_close_to_reference(gpu_reference, items, gpu_encoder.encode(items))
+    after = gpu_encoder.stats()
+    assert after.eager_batches == before.eager_batches + 1
+    assert after.eager_items == before.eager_items + 1
+    assert after.graph_items == before.graph_items
+
+
+def test_failed_check_disables_budget_and_eager_is_used(monkeypatch, gpu_reference):
+    # A negative tolerance fails every check: every budget must fall back to eager.
+    monkeypatch.setitem(encoder_module.CHECK_TOLERANCE, torch.bfloat16, -1.0)
+    encoder = GraphEncoder.from_pretrained(None, budgets=[64, 128], device="cuda")
+    stats = encoder.stats()
+    assert sorted(t for t, _ in stats.disabled_budgets) == [64, 128] and stats.captured_budgets == []
+    items = [image(8, 8), video(2, 4, 4)]
+    assert_close_to_reference(gpu_reference, items, encoder.encode(items))
+    stats = encoder.stats()
+    assert stats.graph_items == 0 and stats.eager_items == 2
