@@ -135,8 +135,8 @@ def main() -> None:
             eager_out = hugging_face_eager(reference, items)
             got = torch.cat([e.tokens for e in graph_out]).float()
             rel_error = float(torch.linalg.vector_norm(got - eager_out[0].float()) / torch.linalg.vector_norm(eager_out[0].float()))
-            eager = summarize(time_ms(lambda: hugging_face_eager(reference, items), args.runs, args.warmup))
-            graph = summarize(time_ms(lambda: encoder.encode(items), args.runs, args.warmup))
+            eager = summarize(time_ms(lambda items=items: hugging_face_eager(reference, items), args.runs, args.warmup))
+            graph = summarize(time_ms(lambda items=items: encoder.encode(items), args.runs, args.warmup))
             results["workloads"][name] = {
                 "patches": sum(it.pixel_values.shape[0] for it in items),
                 "hf_eager": eager,

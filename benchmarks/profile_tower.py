@@ -11,9 +11,9 @@ import tempfile
 from pathlib import Path
 
 import torch
+from encoder_latency import QWEN3_VL_8B_VISION
 from torch.profiler import ProfilerActivity, profile
 
-from encoder_latency import QWEN3_VL_8B_VISION
 from vitpool.models import load_adapter
 
 

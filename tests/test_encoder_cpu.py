@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import image, make_encoder, reference_outputs, relative_error, video
+
 from vitpool import Embedding
 
 BUDGETS = [16, 32, 64, 128]

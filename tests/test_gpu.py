@@ -6,8 +6,8 @@ import copy
 
 import pytest
 import torch
-
 from conftest import image, reference_outputs, relative_error, video
+
 from vitpool import GraphEncoder
 from vitpool.graphs import encoder as encoder_module
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from conftest import ROW_WIDTH, image, make_encoder
+
 from vitpool import ConfigError, Image, InvalidItemError, Video
 
 

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import image
 from safetensors.torch import load_file, save_file
 
-from conftest import image
 from vitpool import CheckpointError, GraphEncoder
 from vitpool.models import SHIPPED_CHECKPOINT
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from make_tiny_checkpoint import TINY_CONFIG  # noqa: E402
+from make_tiny_checkpoint import TINY_CONFIG
 
 
 def encode_tokens(path, item) -> torch.Tensor:

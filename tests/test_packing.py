@@ -71,3 +71,10 @@ def test_few_sequence_variant_serves_small_batches():
     assert one_image.budget.max_sequences == 4
     [many_frames] = pack([ItemCost(400, 8), ItemCost(300, 1)], budgets)
     assert many_frames.budget.max_sequences == 64
+
+
+def test_public_names_resolve():
+    import vitpool
+
+    for name in vitpool.__all__:
+        assert getattr(vitpool, name).__name__ == name

@@ -28,7 +28,17 @@ _PUBLIC = {
     "Video": "vitpool.items",
 }
 
-__all__ = sorted(_PUBLIC)
+__all__ = [
+    "CheckpointError",
+    "ConfigError",
+    "Embedding",
+    "EncoderStats",
+    "GraphEncoder",
+    "Image",
+    "InvalidItemError",
+    "Video",
+    "VitpoolError",
+]
 __version__ = "0.1.0"
 
 

@@ -7,7 +7,7 @@ the item's position in the caller's list.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import torch
 
@@ -34,7 +34,7 @@ class Video:
     grid_thw: Any
 
 
-Item = Union[Image, Video]
+Item = Image | Video
 
 
 @dataclass

@@ -14,8 +14,8 @@ import logging
 import random
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
@@ -89,7 +89,7 @@ class GraphEncoder:
         max_frames_per_batch: int | None = None,
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
-    ) -> "GraphEncoder":
+    ) -> GraphEncoder:
         """Load a local Hugging Face checkpoint and capture its graphs.
 
         Args:

@@ -6,10 +6,10 @@ from vitpool.models.qwen3_vl import Qwen3VLAdapter
 
 __all__ = [
     "FAMILIES",
+    "SHIPPED_CHECKPOINT",
     "Grid",
     "ItemSize",
     "Qwen3VLAdapter",
-    "SHIPPED_CHECKPOINT",
     "TensorSpec",
     "VisionAdapter",
     "load_adapter",

@@ -17,8 +17,9 @@ become more named metadata tensors plus their own `forward`; the graph code does
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import torch
 

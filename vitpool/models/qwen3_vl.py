@@ -7,8 +7,8 @@ The tower's forward accepts every grid-dependent tensor through keyword argument
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from functools import lru_cache
-from typing import Sequence
 
 import torch
 from transformers.vision_utils import (

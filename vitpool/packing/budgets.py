@@ -7,8 +7,8 @@ settings carry over; its buffers hold `num_tokens * merge_unit` patch rows.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 DEFAULT_MAX_ITEMS_PER_BATCH = 32
 DEFAULT_MAX_FRAMES_PER_BATCH = 64
