@@ -140,3 +140,10 @@ def test_few_and_many_sequence_variants_match(tiny_adapter, reference_tower):
     for items in (one_large, many_small):
         assert_matches_reference(reference_tower, items, encoder.encode(items))
     assert encoder.stats().replays_per_budget == {320: 2}
+
+
+def test_metadata_refuses_a_batch_larger_than_its_buffers(tiny_adapter):
+    with pytest.raises(ValueError, match="need 80 rows and 1 sequences; the buffers hold 64 and 4"):
+        tiny_adapter.build_metadata([(1, 8, 10)], num_rows=64, max_sequences=4)
+    with pytest.raises(ValueError, match="need 32 rows and 2 sequences; the buffers hold 64 and 1"):
+        tiny_adapter.build_metadata([(2, 4, 4)], num_rows=64, max_sequences=1)

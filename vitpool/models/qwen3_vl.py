@@ -64,6 +64,13 @@ class Qwen3VLAdapter:
     def build_metadata(
         self, grids: Sequence[Grid], num_rows: int, max_sequences: int
     ) -> dict[str, torch.Tensor]:
+        needed_rows = sum(t * h * w for t, h, w in grids)
+        needed_sequences = sum(t for t, _, _ in grids)
+        if needed_rows > num_rows or needed_sequences > max_sequences:
+            raise ValueError(
+                f"{len(grids)} items need {needed_rows} rows and {needed_sequences} sequences; "
+                f"the buffers hold {num_rows} and {max_sequences}"
+            )
         specs = self.metadata_specs(num_rows, max_sequences)
         # Padding rows read position-table row 0 with weight 0 and rotary position (0, 0).
         metadata = {name: torch.zeros(spec.shape, dtype=spec.dtype) for name, spec in specs.items()}
@@ -81,11 +88,6 @@ class Qwen3VLAdapter:
             t, h, w = grid
             boundaries.extend(row + h * w * (frame + 1) for frame in range(t))
             row = end
-        if row > num_rows or len(boundaries) > max_sequences:
-            raise ValueError(
-                f"{len(grids)} items need {row} rows and {len(boundaries)} sequences; "
-                f"the buffers hold {num_rows} and {max_sequences}"
-            )
         metadata["cu_seqlens"][1 : len(boundaries) + 1] = torch.tensor(boundaries, dtype=torch.int32)
         return metadata
 
