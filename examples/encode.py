@@ -15,8 +15,6 @@ import torch
 
 from vitpool import GraphEncoder, Image, Video
 
-ROW_WIDTH = 3 * 2 * 16 * 16  # channels * temporal patch * patch * patch (Qwen3-VL)
-
 
 def main() -> None:
     parser = argparse.ArgumentParser()
@@ -26,12 +24,13 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     encoder = GraphEncoder.from_pretrained(args.checkpoint, device=args.device)
+    row_width = encoder.adapter.row_width  # channels * temporal patch * patch * patch
     # grid_thw is in patches of 16 px: 14x14 is a 224x224 image; a video of 8 frames has t = 4
     items = [
-        Image(torch.randn(14 * 14, ROW_WIDTH), (1, 14, 14)),
-        Image(torch.randn(28 * 20, ROW_WIDTH), (1, 28, 20)),
-        Video(torch.randn(4 * 14 * 14, ROW_WIDTH), (4, 14, 14)),
-        Image(torch.randn(8 * 8, ROW_WIDTH), (1, 8, 8)),
+        Image(torch.randn(14 * 14, row_width), (1, 14, 14)),
+        Image(torch.randn(28 * 20, row_width), (1, 28, 20)),
+        Video(torch.randn(4 * 14 * 14, row_width), (4, 14, 14)),
+        Image(torch.randn(8 * 8, row_width), (1, 8, 8)),
     ]
     embeddings = encoder.encode(items)
     for item, embedding in zip(items, embeddings):
