@@ -117,7 +117,7 @@ def _read_vision_weights(files: list[Path], is_full_model: bool) -> dict[str, to
     state: dict[str, torch.Tensor] = {}
     for file in files:
         with safe_open(str(file), framework="pt") as shard:
-            for key in shard.keys():
+            for key in shard.keys():  # noqa: SIM118  (a safe_open handle is not iterable)
                 name = _strip_prefix(key)
                 if name is None and not is_full_model:
                     name = key  # a tower-only save may have no prefix
