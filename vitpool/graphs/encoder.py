@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from vitpool.errors import ConfigError
+from vitpool.errors import ConfigError, InvalidItemError
 from vitpool.graphs.buffers import StaticBuffers
 from vitpool.graphs.defaults import default_token_budgets, resolve_device, resolve_dtype
-from vitpool.graphs.inputs import PreparedItem, prepare_items, raise_on_nonfinite
+from vitpool.graphs.inputs import NONFINITE_MESSAGE, PreparedItem, nonfinite_items, prepare_item, prepare_items
 from vitpool.graphs.stats import EncoderStats
 from vitpool.items import Embedding, Item
 from vitpool.models import VisionAdapter, load_adapter
@@ -110,8 +110,13 @@ class GraphEncoder:
 
     # encode
 
-    def encode(self, items: Sequence[Item]) -> list[Embedding]:
+    def encode(self, items: Sequence[Item], output_device: str | torch.device | None = None) -> list[Embedding]:
         """Encode `items`; returns one Embedding per item, in input order.
+
+        Args:
+            items: Image and Video items.
+            output_device: where the results go. None: the encoder's device. "cpu": each batch's
+                outputs are copied to pinned host memory in one transfer per tensor.
 
         Raises:
             InvalidItemError: an item is malformed (the message names its index); nothing is
@@ -120,21 +125,79 @@ class GraphEncoder:
         if not items:
             return []
         prepared = prepare_items(items, self.adapter)
-        costs = [ItemCost(p.size.num_tokens, p.size.num_sequences) for p in prepared]
+        results, bad = self._encode_prepared(list(prepared), output_device)
+        if bad:
+            raise InvalidItemError(bad[0], NONFINITE_MESSAGE)
+        return results  # type: ignore[return-value]  # every slot is filled when nothing is bad
+
+    def encode_each(
+        self, items: Sequence[Item], output_device: str | torch.device | None = None
+    ) -> list[Embedding | InvalidItemError]:
+        """Like `encode`, but a bad item does not stop the others: its slot holds its error.
+
+        For servers that batch the items of several callers together.
+        """
+        outcomes: list[Embedding | InvalidItemError | None] = [None] * len(items)
+        prepared: list[PreparedItem | None] = []
+        for index, item in enumerate(items):
+            try:
+                prepared.append(prepare_item(index, item, self.adapter))
+            except InvalidItemError as error:
+                prepared.append(None)
+                outcomes[index] = error
+        results, bad = self._encode_prepared(prepared, output_device)
+        for index, result in enumerate(results):
+            if result is not None:
+                outcomes[index] = result
+        for index in bad:
+            outcomes[index] = InvalidItemError(index, NONFINITE_MESSAGE)
+        return outcomes  # type: ignore[return-value]  # every slot holds a result or an error
+
+    def _encode_prepared(
+        self, prepared: list[PreparedItem | None], output_device: str | torch.device | None
+    ) -> tuple[list[Embedding | None], list[int]]:
+        """Results (None where prepared is None or the pixels were not finite) and the indices of
+        items with non-finite pixels."""
+        to_host = self._wants_host(output_device)
+        indices = [i for i, p in enumerate(prepared) if p is not None]
+        costs = [ItemCost(prepared[i].size.num_tokens, prepared[i].size.num_sequences) for i in indices]
         results: list[Embedding | None] = [None] * len(prepared)
         finite_checks = []
         with torch.no_grad(), self._lock:
             for batch in pack(costs, self.budgets):
-                members = [prepared[i] for i in batch.item_indices]
-                tokens, deepstack, finite_rows = self._run_batch(batch, members)
-                finite_checks.append((batch.item_indices, members, finite_rows))
+                batch_indices = [indices[i] for i in batch.item_indices]
+                members = [prepared[i] for i in batch_indices]
+                tokens, deepstack, finite_rows = self._run_batch(batch, members, to_host)
+                finite_checks.append((batch_indices, members, finite_rows))
                 offset = 0
-                for index, member in zip(batch.item_indices, members):
+                for index, member in zip(batch_indices, members):
                     end = offset + member.size.num_tokens
                     results[index] = Embedding(tokens[offset:end], [d[offset:end] for d in deepstack])
                     offset = end
-        raise_on_nonfinite(finite_checks)
-        return results  # type: ignore[return-value]  # every index is filled above
+        # Waits for the device, so the non-blocking copies to the host are complete too.
+        bad = nonfinite_items(finite_checks)
+        for index in bad:
+            results[index] = None
+        return results, bad
+
+    def _wants_host(self, output_device: str | torch.device | None) -> bool:
+        if output_device is None:
+            return False
+        try:
+            resolved = torch.device(output_device)
+        except (RuntimeError, TypeError):
+            resolved = None
+        if resolved is None or resolved.type not in ("cpu", self.device.type):
+            raise ConfigError(f"output_device {output_device!r}: use None (the encoder's device) or 'cpu'")
+        return resolved.type == "cpu"
+
+    @staticmethod
+    def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+        """A pinned host copy, made without waiting (the caller synchronises)."""
+        if tensor.device.type == "cpu":
+            return tensor.clone()
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        return host.copy_(tensor, non_blocking=True)
 
     def stats(self) -> EncoderStats:
         """A snapshot of the counters."""
@@ -142,30 +205,36 @@ class GraphEncoder:
             return copy.deepcopy(self._stats)
 
     def _run_batch(
-        self, batch: Batch, members: list[PreparedItem]
+        self, batch: Batch, members: list[PreparedItem], to_host: bool
     ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
-        """Outputs of the batch's items, concatenated and owned by the caller: tokens [tokens, width],
-        deepstack, and whether each of the items' pixel rows was finite [rows] (on the device)."""
+        """Outputs of the batch's items, concatenated and owned by the caller (on the host if
+        `to_host`): tokens [tokens, width], deepstack, and whether each of the items' pixel rows
+        was finite [rows] (on the device)."""
         num_tokens = batch.num_tokens
         if batch.budget is None:
             self._stats.eager_batches += 1
             self._stats.eager_items += len(members)
-            return self._run_exact(members)
-        budget = batch.budget
-        self._stats.replays_per_budget[budget.num_tokens] = self._stats.replays_per_budget.get(budget.num_tokens, 0) + 1
-        self._stats.batch_rows += self._rows(budget)
-        self._stats.padding_rows += batch.padding_tokens * self.adapter.merge_unit
-        finite_rows = self._fill(budget, [m.grid for m in members], [m.pixels for m in members])
-        graph = self._graphs.get(budget)
-        if graph is None:
-            self._stats.eager_items += len(members)
-            tokens, deepstack = self._static_forward(budget)
-            return tokens[:num_tokens], [d[:num_tokens] for d in deepstack], finite_rows
-        self._stats.graph_items += len(members)
-        graph.replay()
-        tokens, deepstack = self._buffers.output_views(num_tokens)
-        # The next replay overwrites the output buffers.
-        return tokens.clone(), [d.clone() for d in deepstack], finite_rows
+            tokens, deepstack, finite_rows = self._run_exact(members)
+        else:
+            budget = batch.budget
+            self._stats.replays_per_budget[budget.num_tokens] = self._stats.replays_per_budget.get(budget.num_tokens, 0) + 1
+            self._stats.batch_rows += self._rows(budget)
+            self._stats.padding_rows += batch.padding_tokens * self.adapter.merge_unit
+            finite_rows = self._fill(budget, [m.grid for m in members], [m.pixels for m in members])
+            graph = self._graphs.get(budget)
+            if graph is None:
+                self._stats.eager_items += len(members)
+                tokens, deepstack = self._static_forward(budget)
+                tokens, deepstack = tokens[:num_tokens], [d[:num_tokens] for d in deepstack]
+            else:
+                self._stats.graph_items += len(members)
+                graph.replay()
+                tokens, deepstack = self._buffers.output_views(num_tokens)
+                if not to_host:  # the next replay overwrites the output buffers
+                    return tokens.clone(), [d.clone() for d in deepstack], finite_rows
+        if to_host:
+            return self._to_host(tokens), [self._to_host(d) for d in deepstack], finite_rows
+        return tokens, deepstack, finite_rows
 
     def _run_exact(
         self, members: list[PreparedItem]

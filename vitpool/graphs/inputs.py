@@ -11,7 +11,7 @@ import torch
 
 from vitpool.errors import InvalidItemError
 from vitpool.items import Image, Video
-from vitpool.models.protocol import Grid, ItemSize, VisionAdapter
+from vitpool.models.protocol import Grid, ItemRules, ItemSize
 
 _NUMPY_FLOATS = (np.float16, np.float32, np.float64)
 
@@ -25,19 +25,20 @@ class PreparedItem:
     pixels: torch.Tensor  # [num_rows, row_width]
 
 
-def prepare_items(items: Sequence[Any], adapter: VisionAdapter) -> list[PreparedItem]:
-    """Check every item against the model. Raises InvalidItemError naming the first bad one.
+def prepare_items(items: Sequence[Any], rules: ItemRules) -> list[PreparedItem]:
+    """Check every item against the model's rules (an adapter, or its `item_rules`).
 
-    Non-finite pixels are found later, on the device, once the pixels are there (see
-    `raise_on_nonfinite`): scanning them on the host would cost as much as a small encode.
+    Raises InvalidItemError naming the first bad item. Non-finite pixels are found later, on the
+    device, once the pixels are there (see `nonfinite_items`): scanning them on the host would
+    cost as much as a small encode.
     """
-    return [_prepare(index, item, adapter) for index, item in enumerate(items)]
+    return [prepare_item(index, item, rules) for index, item in enumerate(items)]
 
 
-def raise_on_nonfinite(checks: list[tuple[Sequence[int], list[PreparedItem], torch.Tensor]]) -> None:
+def nonfinite_items(checks: list[tuple[Sequence[int], list[PreparedItem], torch.Tensor]]) -> list[int]:
     """checks: (item indices, items, finite flag per row of their concatenated pixels) per batch.
 
-    Raises InvalidItemError for the lowest-numbered item with a NaN or infinite pixel.
+    Returns the indices of the items with a NaN or infinite pixel, ascending. Waits for the device.
     """
     bad = []
     for indices, members, finite_rows in checks:
@@ -48,28 +49,29 @@ def raise_on_nonfinite(checks: list[tuple[Sequence[int], list[PreparedItem], tor
             if not bool(flags[row:end].all()):
                 bad.append(index)
             row = end
-    if bad:
-        raise InvalidItemError(
-            min(bad), "pixel_values contain NaN or infinity (or values too large for the model's dtype)"
-        )
+    return sorted(bad)
 
 
-def _prepare(index: int, item: Any, adapter: VisionAdapter) -> PreparedItem:
+NONFINITE_MESSAGE = "pixel_values contain NaN or infinity (or values too large for the model's dtype)"
+
+
+def prepare_item(index: int, item: Any, rules: ItemRules) -> PreparedItem:
+    """Check one item; `index` is its position in the caller's list, for the error message."""
     if not isinstance(item, (Image, Video)):
         raise InvalidItemError(index, f"expected vitpool.Image or vitpool.Video, got {type(item).__name__}")
     grid = _grid(index, item.grid_thw)
     if isinstance(item, Image) and grid[0] != 1:
         raise InvalidItemError(index, f"an Image has grid t == 1, got grid_thw {grid}; use Video for clips")
     try:
-        size = adapter.item_size(grid)
+        size = rules.item_size(grid)
     except ValueError as error:
         raise InvalidItemError(index, str(error)) from None
     pixels = _pixels(index, item.pixel_values)
-    if pixels.shape[1] != adapter.row_width:
+    if pixels.shape[1] != rules.row_width:
         raise InvalidItemError(
             index,
             f"pixel_values have {pixels.shape[1]} features per row; the model takes "
-            f"{adapter.row_width} (channels * temporal patch * patch * patch)",
+            f"{rules.row_width} (channels * temporal patch * patch * patch)",
         )
     if pixels.shape[0] != size.num_rows:
         raise InvalidItemError(

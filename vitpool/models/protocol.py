@@ -43,10 +43,21 @@ class TensorSpec:
     dtype: torch.dtype
 
 
+class ItemRules(Protocol):
+    """What checking an item needs, without the weights; picklable, so a pool's callers have it."""
+
+    row_width: int  # features per patch row: C * T * P * P
+
+    def item_size(self, grid: Grid) -> ItemSize:
+        """Sizes of an item with this grid. Raises ValueError for a grid the model cannot take."""
+        ...
+
+
 class VisionAdapter(Protocol):
     """A vision tower seen through the operations the graph code needs."""
 
     tower: torch.nn.Module
+    item_rules: ItemRules
     row_width: int  # features per patch row: C * T * P * P
     merge_unit: int  # patch rows per output token (4 for a 2x2 merge)
     output_width: int  # hidden size of the output tokens

@@ -17,6 +17,7 @@ from transformers.vision_utils import (
 )
 
 from vitpool.models.attention import install_packed_attention
+from vitpool.models.item_rules import SpatialMergeRules
 from vitpool.models.protocol import Grid, ItemSize, TensorSpec
 
 # Sampled check batches stay small so that checking a budget costs little host time.
@@ -34,6 +35,7 @@ class Qwen3VLAdapter:
         self.row_width = config.in_channels * config.temporal_patch_size * config.patch_size**2
         self.output_width: int = config.out_hidden_size
         self.num_deepstack = len(config.deepstack_visual_indexes)
+        self.item_rules = SpatialMergeRules(self.row_width, self.merge_size)
         self._num_grid_per_side: int = tower.num_grid_per_side
         self._interpolation_mode: str = tower.interpolation_mode
         self._align_corners: bool = tower.interpolation_align_corners
@@ -41,16 +43,7 @@ class Qwen3VLAdapter:
         install_packed_attention(tower)
 
     def item_size(self, grid: Grid) -> ItemSize:
-        t, h, w = grid
-        if t <= 0 or h <= 0 or w <= 0:
-            raise ValueError(f"grid_thw {grid} has a zero or negative size")
-        if h % self.merge_size or w % self.merge_size:
-            raise ValueError(
-                f"grid_thw {grid}: h and w must be multiples of the spatial merge size "
-                f"{self.merge_size}"
-            )
-        num_rows = t * h * w
-        return ItemSize(num_rows, num_rows // self.merge_unit, num_sequences=t)
+        return self.item_rules.item_size(grid)
 
     def metadata_specs(self, num_rows: int, max_sequences: int) -> dict[str, TensorSpec]:
         return {
