@@ -22,7 +22,13 @@ import torch
 from vitpool.errors import ConfigError, InvalidItemError
 from vitpool.graphs.buffers import StaticBuffers
 from vitpool.graphs.defaults import default_token_budgets, resolve_device, resolve_dtype
-from vitpool.graphs.inputs import NONFINITE_MESSAGE, PreparedItem, nonfinite_items, prepare_item, prepare_items
+from vitpool.graphs.inputs import (
+    NONFINITE_MESSAGE,
+    PreparedItem,
+    nonfinite_items,
+    prepare_item,
+    prepare_items,
+)
 from vitpool.graphs.stats import EncoderStats
 from vitpool.items import Embedding, Item
 from vitpool.models import VisionAdapter, load_adapter
