@@ -1,7 +1,7 @@
 """vitpool: fast, scalable vision encoders for multimodal LLMs.
 
 A vision tower runs as one captured CUDA graph per token budget (`GraphEncoder`); a Ray pool of
-such encoders serves many callers (planned).
+such encoders (`EncoderPool`) serves many callers.
 
 Public names load on first use, so that `vitpool.packing` stays importable without torch.
 """
@@ -12,30 +12,48 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from vitpool.errors import CheckpointError, ConfigError, InvalidItemError, VitpoolError
+    from vitpool.errors import (
+        CheckpointError,
+        ConfigError,
+        EncodeError,
+        InvalidItemError,
+        PoolUnavailableError,
+        VitpoolError,
+    )
     from vitpool.graphs import EncoderStats, GraphEncoder
     from vitpool.items import Embedding, Image, Video
+    from vitpool.pool import EncoderPool, PoolSettings, PoolStats
 
 _PUBLIC = {
     "CheckpointError": "vitpool.errors",
     "ConfigError": "vitpool.errors",
+    "EncodeError": "vitpool.errors",
     "InvalidItemError": "vitpool.errors",
+    "PoolUnavailableError": "vitpool.errors",
     "VitpoolError": "vitpool.errors",
     "EncoderStats": "vitpool.graphs",
     "GraphEncoder": "vitpool.graphs",
     "Embedding": "vitpool.items",
     "Image": "vitpool.items",
     "Video": "vitpool.items",
+    "EncoderPool": "vitpool.pool",
+    "PoolSettings": "vitpool.pool",
+    "PoolStats": "vitpool.pool",
 }
 
 __all__ = [
     "CheckpointError",
     "ConfigError",
     "Embedding",
+    "EncodeError",
+    "EncoderPool",
     "EncoderStats",
     "GraphEncoder",
     "Image",
     "InvalidItemError",
+    "PoolSettings",
+    "PoolStats",
+    "PoolUnavailableError",
     "Video",
     "VitpoolError",
 ]

@@ -16,6 +16,18 @@ class CheckpointError(VitpoolError, ValueError):
 class InvalidItemError(VitpoolError, ValueError):
     """One input item is malformed. `index` is its position in the list passed to `encode`."""
 
-    def __init__(self, index: int, message: str) -> None:
-        super().__init__(f"item {index}: {message}")
+    def __init__(self, index: int, reason: str) -> None:
+        super().__init__(f"item {index}: {reason}")
         self.index = index
+        self.reason = reason
+
+    def __reduce__(self) -> tuple:
+        return InvalidItemError, (self.index, self.reason)
+
+
+class PoolUnavailableError(VitpoolError):
+    """The pool has no encoder actor that can take work (none started, or all have died)."""
+
+
+class EncodeError(VitpoolError):
+    """An encoder actor failed on a batch for a reason other than the caller's items."""

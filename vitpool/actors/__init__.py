@@ -1,1 +1,6 @@
-"""The Ray actor that owns one GraphEncoder on one GPU (planned)."""
+"""The Ray actor: owns one GraphEncoder on one GPU, reports health and stats."""
+
+from vitpool.actors.encoder_actor import EncoderActor
+from vitpool.actors.reports import OK, RETIRED, ActorInfo, ActorStats, BatchReceipt
+
+__all__ = ["OK", "RETIRED", "ActorInfo", "ActorStats", "BatchReceipt", "EncoderActor"]

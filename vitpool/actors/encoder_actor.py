@@ -1,0 +1,143 @@
+"""The encoder actor: one GraphEncoder on one GPU (or a CPU), fed packed batches by the pool.
+
+A plain class; the pool wraps it with `ray.remote`, so this module imports no Ray and the class
+can be tested in-process. Items arrive as NumPy views of Ray's object store and go straight to
+the device; results leave as pinned host copies, one transfer per tensor per batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from vitpool.actors.reports import OK, RETIRED, ActorInfo, ActorStats, BatchReceipt
+from vitpool.graphs import GraphEncoder
+from vitpool.items import Embedding, ItemMetadata, item_from_wire
+
+logger = logging.getLogger(__name__)
+
+
+class EncoderActor:
+    """Owns one GraphEncoder. Its constructor returns once every graph is captured and checked.
+
+    Args:
+        actor_index: the actor's number in its pool, for logs and stats.
+        model: local checkpoint directory, or None for the shipped tiny model.
+        budgets, max_items_per_batch, max_frames_per_batch: as for GraphEncoder.
+        dtype_name: "bfloat16", "float16", "float32", or None for the device's default.
+        num_threads: torch's CPU threads (Ray starts actors with OMP_NUM_THREADS=1).
+    """
+
+    def __init__(
+        self,
+        actor_index: int,
+        model: str | None,
+        budgets: Sequence[int] | None,
+        max_items_per_batch: int | None,
+        max_frames_per_batch: int | None,
+        dtype_name: str | None,
+        num_threads: int,
+    ) -> None:
+        start = time.perf_counter()
+        torch.set_num_threads(num_threads)
+        self.actor_index = actor_index
+        dtype = getattr(torch, dtype_name) if dtype_name else None
+        self.encoder = GraphEncoder.from_pretrained(
+            model, budgets, max_items_per_batch, max_frames_per_batch, dtype=dtype
+        )
+        self._startup_seconds = time.perf_counter() - start
+        self._started_at = time.monotonic()
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._running = 0
+        self._busy_since = 0.0
+        self._retiring = False
+        self._stats = ActorStats(actor_index, self._device_name())
+        logger.info("encoder actor %d ready on %s in %.1f s", actor_index, self._stats.device, self._startup_seconds)
+
+    def info(self) -> ActorInfo:
+        encoder_stats = self.encoder.stats()
+        return ActorInfo(
+            actor_index=self.actor_index,
+            device=self._stats.device,
+            node_id=_ray_context("get_node_id"),
+            gpu_ids=[str(g) for g in (_ray_context("get_accelerator_ids") or {}).get("GPU", [])],
+            item_rules=self.encoder.adapter.item_rules,
+            budgets=list(self.encoder.budgets),
+            disabled_budgets=list(encoder_stats.disabled_budgets),
+            startup_seconds=self._startup_seconds,
+        )
+
+    def encode_batch(self, metadata: list[ItemMetadata], *pixels: np.ndarray) -> tuple:
+        """Encode one packed batch: per item its metadata and its pixels (Ray resolves each
+        pixel reference to a NumPy view of the object store before the call).
+
+        Returns one value per item (its Embedding, or None if it failed; the receipt says why),
+        then the BatchReceipt.
+        """
+        with self._lock:
+            if self._retiring:
+                return (*([None] * len(metadata)), BatchReceipt(RETIRED))
+            if self._running == 0:
+                self._busy_since = time.monotonic()
+            self._running += 1
+        start = time.perf_counter()
+        try:
+            items = [item_from_wire(m, p) for m, p in zip(metadata, pixels, strict=True)]
+            outcomes = self.encoder.encode_each(items, output_device="cpu")
+        finally:
+            with self._lock:
+                self._running -= 1
+                if self._running == 0:
+                    self._stats.busy_seconds += time.monotonic() - self._busy_since
+                    self._idle.notify_all()
+        errors = {i: o.reason for i, o in enumerate(outcomes) if not isinstance(o, Embedding)}
+        with self._lock:
+            self._stats.batches += 1
+            self._stats.items += len(metadata)
+            self._stats.rejected_items += len(errors)
+        values = [o if isinstance(o, Embedding) else None for o in outcomes]
+        return (*values, BatchReceipt(OK, errors, time.perf_counter() - start))
+
+    def stats(self) -> ActorStats:
+        encoder_stats = self.encoder.stats()
+        with self._lock:
+            stats = ActorStats(**vars(self._stats))
+            if self._running:
+                stats.busy_seconds += time.monotonic() - self._busy_since
+        stats.graph_items = encoder_stats.graph_items
+        stats.eager_items = encoder_stats.eager_items
+        stats.padding_waste = encoder_stats.padding_waste
+        stats.uptime_seconds = time.monotonic() - self._started_at
+        return stats
+
+    def retire(self, timeout_s: float) -> bool:
+        """Refuse new batches (they come back RETIRED, for the pool to send elsewhere) and wait
+        until the running ones are done. Returns whether they finished within `timeout_s`."""
+        with self._lock:
+            self._retiring = True
+            return self._idle.wait_for(lambda: self._running == 0, timeout=timeout_s)
+
+    def _device_name(self) -> str:
+        device = self.encoder.device
+        if device.type == "cuda":
+            return f"{device} ({torch.cuda.get_device_name(device)})"
+        return f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+
+
+def _ray_context(method: str):
+    """A value from Ray's runtime context, or None outside Ray (the class runs in-process in tests)."""
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            return None
+        return getattr(ray.get_runtime_context(), method)()
+    except (ImportError, AttributeError):
+        return None

@@ -1,0 +1,61 @@
+"""Plain data an encoder actor sends back: who it is, what a batch did, what it has done."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vitpool.models import ItemRules
+from vitpool.packing import Budget
+
+
+@dataclass(frozen=True)
+class ActorInfo:
+    """What an actor reports once its graphs are captured and checked."""
+
+    actor_index: int
+    device: str  # "cuda:0 (NVIDIA H200)" or "cpu"
+    node_id: str
+    gpu_ids: list[str]
+    item_rules: ItemRules
+    budgets: list[Budget]  # every budget, captured or not
+    disabled_budgets: list[tuple[int, int]]
+    startup_seconds: float  # load, capture and check
+
+
+# a batch's outcome
+OK = "ok"
+RETIRED = "retired"  # the actor is leaving the pool: nothing was encoded, send the items elsewhere
+
+
+@dataclass(frozen=True)
+class BatchReceipt:
+    """The last return value of every batch, small so that the pool can watch it cheaply."""
+
+    status: str
+    item_errors: dict[int, str] = field(default_factory=dict)  # position in the batch -> reason
+    busy_seconds: float = 0.0
+
+
+@dataclass
+class ActorStats:
+    """Counters of one encoder actor since it started."""
+
+    actor_index: int = 0
+    device: str = ""
+    batches: int = 0
+    items: int = 0
+    graph_items: int = 0
+    eager_items: int = 0
+    rejected_items: int = 0  # items whose pixels were not finite
+    padding_waste: float = 0.0  # share of budgeted rows that were padding
+    busy_seconds: float = 0.0  # wall time with at least one batch running
+    uptime_seconds: float = 0.0
+
+    @property
+    def graph_hit_rate(self) -> float:
+        encoded = self.graph_items + self.eager_items
+        return self.graph_items / encoded if encoded else 0.0
+
+    @property
+    def utilization(self) -> float:
+        return self.busy_seconds / self.uptime_seconds if self.uptime_seconds else 0.0

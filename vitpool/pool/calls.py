@@ -1,0 +1,55 @@
+"""One caller's request as the pool tracks it: its items, where their results are, its future."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from vitpool.packing import ItemCost
+
+
+@dataclass
+class QueuedItem:
+    """One item waiting for (or riding in) a batch. `pixels` is a reference to its pixels in the
+    object store, put there by the caller's own thread."""
+
+    call: Call
+    index: int  # position in the caller's list
+    cost: ItemCost
+    is_video: bool
+    grid: tuple[int, int, int]
+    dtype_name: str
+    pixels: Any  # ray.ObjectRef
+    attempts: int = 0
+    enqueued_at: float = field(default_factory=time.monotonic)
+
+
+class Call:
+    """The future of one `encode` call: resolves to the result references, in input order."""
+
+    def __init__(self, num_items: int) -> None:
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+        self.results: list[Any] = [None] * num_items
+        self.remaining = num_items
+        self.submitted_at = time.monotonic()
+
+    @property
+    def done(self) -> bool:
+        return self.future.done()
+
+    def complete_item(self, index: int, result_ref: Any) -> bool:
+        """Record one item's result; True when this completed the call."""
+        if self.done or self.results[index] is not None:
+            return False
+        self.results[index] = result_ref
+        self.remaining -= 1
+        if self.remaining == 0:
+            self.future.set_result(list(self.results))
+            return True
+        return False
+
+    def fail(self, error: BaseException) -> None:
+        if not self.done:
+            self.future.set_exception(error)

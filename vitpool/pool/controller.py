@@ -1,0 +1,161 @@
+"""The pool's named Ray actor: it owns the encoder actors and knows who is in the pool.
+
+It is off the hot path: callers send batches straight to the encoder actors and ask the
+controller only who the actors are (when its membership version changes) and to scale.
+Encoder actors are created here, so they share the controller's lifetime, not a caller's.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from vitpool.actors import ActorInfo, EncoderActor
+from vitpool.pool.settings import PoolSettings
+
+logger = logging.getLogger(__name__)
+
+NAMESPACE = "vitpool"  # fixed, so that every job in the cluster finds a pool by its name
+STARTING, ACTIVE, RETIRING = "starting", "active", "retiring"
+
+
+@dataclass
+class _Member:
+    handle: Any  # ray.actor.ActorHandle
+    state: str
+    info: ActorInfo | None = None
+
+
+@dataclass(frozen=True)
+class Membership:
+    """The actors that take work now, and what callers need to check and pack items."""
+
+    version: int
+    actors: dict[int, Any]  # actor index -> handle, active actors only
+    infos: dict[int, ActorInfo]
+    settings: PoolSettings
+
+
+class PoolController:
+    """Plain class; `EncoderPool.launch` runs it as a named, threaded Ray actor."""
+
+    def __init__(self, name: str, settings: PoolSettings, actor_options: dict, actor_threads: int) -> None:
+        self._name = name
+        self._settings = settings
+        self._actor_options = actor_options
+        self._actor_threads = actor_threads
+        self._members: dict[int, _Member] = {}
+        self._next_index = 0
+        self._version = 0
+        self._lock = threading.Lock()
+
+    def settings(self) -> PoolSettings:
+        return self._settings
+
+    def version(self) -> int:
+        return self._version
+
+    def membership(self) -> Membership:
+        with self._lock:
+            active = {i: m for i, m in self._members.items() if m.state == ACTIVE}
+            return Membership(
+                self._version,
+                {i: m.handle for i, m in active.items()},
+                {i: m.info for i, m in active.items() if m.info is not None},
+                self._settings,
+            )
+
+    def all_actors(self) -> dict[int, Any]:
+        """Every actor the pool holds, starting and retiring ones too (for stats)."""
+        with self._lock:
+            return {i: m.handle for i, m in self._members.items()}
+
+    def scale(self, num_actors: int) -> tuple[list[tuple[int, Any, Any]], list[int]]:
+        """Start or retire actors so that `num_actors` are active or starting.
+
+        Returns (index, handle, reference to its ActorInfo) of each started actor, for the caller
+        to wait on and then `activate`, and the indices of the actors being retired.
+        """
+        with self._lock:
+            current = sorted(i for i, m in self._members.items() if m.state in (STARTING, ACTIVE))
+            started = [self._start_actor() for _ in range(num_actors - len(current))]
+            # Newest first: the oldest actors have the warmest caches and the most history.
+            retired = current[num_actors:] if num_actors < len(current) else []
+            for index in retired:
+                self._members[index].state = RETIRING
+            if retired:
+                self._version += 1
+        for index in retired:
+            threading.Thread(target=self._retire, args=(index,), daemon=True).start()
+        return started, retired
+
+    def activate(self, index: int, info: ActorInfo) -> None:
+        with self._lock:
+            member = self._members.get(index)
+            if member is None or member.state != STARTING:
+                return
+            member.state, member.info = ACTIVE, info
+            self._version += 1
+
+    def forget(self, index: int) -> None:
+        """Drop an actor that failed to start or died."""
+        with self._lock:
+            member = self._members.pop(index, None)
+            if member is not None and member.state == ACTIVE:
+                self._version += 1
+        if member is not None:
+            ray.kill(member.handle, no_restart=True)
+
+    def shutdown(self) -> int:
+        """Kill every encoder actor; returns how many there were."""
+        with self._lock:
+            members, self._members = self._members, {}
+            self._version += 1
+        for member in members.values():
+            ray.kill(member.handle, no_restart=True)
+        return len(members)
+
+    def _start_actor(self) -> tuple[int, Any, Any]:
+        index = self._next_index
+        self._next_index += 1
+        settings = self._settings
+        options = {
+            "max_concurrency": settings.max_batches_in_flight_per_actor + 2,  # + stats and retire
+            "name": f"{self._name}-encoder-{index}",
+            "namespace": NAMESPACE,
+            **self._actor_options,
+        }
+        handle = (
+            ray.remote(EncoderActor)
+            .options(**options)
+            .remote(
+                index,
+                settings.model,
+                settings.budgets,
+                settings.max_items_per_batch,
+                settings.max_frames_per_batch,
+                settings.dtype,
+                self._actor_threads,
+            )
+        )
+        self._members[index] = _Member(handle, STARTING)
+        return index, handle, handle.info.remote()
+
+    def _retire(self, index: int) -> None:
+        member = self._members.get(index)
+        if member is None:
+            return
+        try:
+            finished = ray.get(member.handle.retire.remote(self._settings.retire_timeout_s))
+            if not finished:
+                logger.warning("encoder actor %d still had batches after %.0f s; stopping it", index,
+                               self._settings.retire_timeout_s)
+        except ray.exceptions.RayError:
+            pass  # it died on its own; callers send its batches elsewhere
+        with self._lock:
+            self._members.pop(index, None)
+        ray.kill(member.handle, no_restart=True)

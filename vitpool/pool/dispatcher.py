@@ -1,0 +1,309 @@
+"""The dispatcher: the coordinator's logic, run in each caller's process.
+
+Every process that calls the pool has one. It queues the items of all its concurrent calls,
+packs them into token budgets, and sends each batch straight to the encoder actor with the
+least outstanding estimated cost, keeping at most `max_in_flight` batches on each actor. The
+hot path is one Ray hop: caller -> encoder actor -> caller; the controller is never on it.
+
+Items go out at once while some actor is idle; while every actor is busy they wait up to
+`batch_window_s` for others to share a batch, or until an actor frees a slot. A batch whose
+actor left the pool (retired or died) goes back to the queue and to another actor.
+
+Threads: callers submit and may dispatch in their own thread. Ray's completion callbacks only
+update state (no Ray calls there); the dispatcher's thread sends whatever they freed room for.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from vitpool.actors import OK, RETIRED, BatchReceipt
+from vitpool.errors import EncodeError, InvalidItemError, PoolUnavailableError
+from vitpool.packing import Budget, batch_cost, pack
+from vitpool.pool.calls import Call, QueuedItem
+
+logger = logging.getLogger(__name__)
+
+# Errors that mean the actor is gone (or going), not that the batch was bad: send it elsewhere.
+_ACTOR_GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+_LATENCY_SAMPLES = 4096
+
+
+@dataclass
+class _ActorSlot:
+    handle: Any
+    accepting: bool = True
+    in_flight: int = 0
+    outstanding_cost: float = 0.0
+
+
+@dataclass
+class _Flight:
+    actor_index: int
+    members: list[QueuedItem]
+    cost: float
+    result_refs: list[Any]
+    sent_at: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class DispatchCounters:
+    """What this process's dispatcher has seen."""
+
+    calls: int = 0
+    items: int = 0
+    batches: int = 0
+    requeued_items: int = 0
+    failed_calls: int = 0
+    latencies_s: collections.deque = field(default_factory=lambda: collections.deque(maxlen=_LATENCY_SAMPLES))
+    completions: collections.deque = field(default_factory=lambda: collections.deque(maxlen=_LATENCY_SAMPLES))
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        budgets: list[Budget],
+        max_in_flight: int,
+        batch_window_s: float,
+        max_attempts: int,
+        on_actor_gone: Callable[[], None],
+    ) -> None:
+        self._budgets = budgets
+        self._max_in_flight = max_in_flight
+        self._window_s = batch_window_s
+        self._max_attempts = max_attempts
+        self._on_actor_gone = on_actor_gone
+        self._actors: dict[int, _ActorSlot] = {}
+        self._queue: collections.deque[QueuedItem] = collections.deque()
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._closed = False
+        self._slot_freed = False  # a batch finished since the last dispatch: send without a window
+        self.counters = DispatchCounters()
+        self._thread = threading.Thread(target=self._run, name="vitpool-dispatcher", daemon=True)
+        self._thread.start()
+
+    # membership
+
+    def set_actors(self, actors: dict[int, Any], budgets: list[Budget]) -> None:
+        """The actors that take work now. Others stop getting batches; theirs in flight finish."""
+        with self._lock:
+            self._budgets = budgets
+            for index, slot in self._actors.items():
+                slot.accepting = index in actors
+            for index, handle in actors.items():
+                if index not in self._actors:
+                    self._actors[index] = _ActorSlot(handle)
+            self._forget_idle_leavers()
+            if not actors:
+                self._fail_queue(PoolUnavailableError("the pool has no encoder actor"))
+            self._wake.notify_all()
+
+    # calls
+
+    def submit(self, call: Call, items: list[QueuedItem]) -> None:
+        with self._lock:
+            if self._closed:
+                raise PoolUnavailableError("this pool handle is closed")
+            if not any(slot.accepting for slot in self._actors.values()):
+                raise PoolUnavailableError("the pool has no encoder actor")
+            self.counters.calls += 1
+            self._queue.extend(items)
+            if self._has_idle_actor():
+                self._dispatch()
+            else:
+                self._wake.notify_all()
+
+    def cancel(self, call: Call, error: BaseException) -> None:
+        """Give up on a call (its caller timed out); its queued items are dropped."""
+        with self._lock:
+            call.fail(error)
+            self.counters.failed_calls += 1
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    def in_flight(self) -> dict[int, int]:
+        with self._lock:
+            return {index: slot.in_flight for index, slot in self._actors.items()}
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._fail_queue(PoolUnavailableError("the pool handle was closed"))
+            self._wake.notify_all()
+        self._thread.join(timeout=5)
+
+    # dispatching (lock held)
+
+    def _has_idle_actor(self) -> bool:
+        return any(slot.accepting and slot.in_flight == 0 for slot in self._actors.values())
+
+    def _free_slots(self) -> int:
+        return sum(
+            self._max_in_flight - slot.in_flight for slot in self._actors.values() if slot.accepting
+        )
+
+    def _dispatch(self) -> None:
+        """Send as much of the queue as the actors have room for."""
+        while self._queue:
+            while self._queue and self._queue[0].call.done:  # failed or timed-out calls
+                self._queue.popleft()
+            free_slots = self._free_slots()
+            if not self._queue or free_slots <= 0:
+                return
+            taken = self._take(free_slots)
+            batches = pack([item.cost for item in taken], self._budgets)
+            batches.sort(key=lambda b: min(b.item_indices))  # oldest items first
+            for number, batch in enumerate(batches):
+                actor_index = self._least_loaded()
+                if actor_index is None:
+                    # No room after all: put the rest back at the front, in queue order.
+                    rest = sorted(i for b in batches[number:] for i in b.item_indices)
+                    self._queue.extendleft(taken[i] for i in reversed(rest))
+                    return
+                budget_tokens = batch.budget.num_tokens if batch.budget else batch.num_tokens
+                cost = batch_cost(budget_tokens, batch.num_sequences)
+                self._send(actor_index, [taken[i] for i in batch.item_indices], cost)
+
+    def _take(self, free_slots: int) -> list[QueuedItem]:
+        """Queued items, oldest first, as many as `free_slots` full batches would hold: packing
+        the whole of a long queue on every dispatch would cost more than it gains."""
+        largest = self._budgets[-1]
+        token_room = free_slots * largest.num_tokens
+        item_room = free_slots * largest.max_items
+        taken: list[QueuedItem] = []
+        tokens = 0
+        while self._queue and len(taken) < item_room:
+            item = self._queue[0]
+            if item.call.done:
+                self._queue.popleft()
+                continue
+            if taken and tokens + item.cost.num_tokens > token_room:
+                break
+            taken.append(self._queue.popleft())
+            tokens += item.cost.num_tokens
+        return taken
+
+    def _least_loaded(self) -> int | None:
+        candidates = [
+            (slot.outstanding_cost, index)
+            for index, slot in self._actors.items()
+            if slot.accepting and slot.in_flight < self._max_in_flight
+        ]
+        return min(candidates)[1] if candidates else None
+
+    def _send(self, actor_index: int, members: list[QueuedItem], cost: float) -> None:
+        slot = self._actors[actor_index]
+        metadata = [(m.is_video, m.grid, m.dtype_name) for m in members]
+        refs = slot.handle.encode_batch.options(num_returns=len(members) + 1).remote(
+            metadata, *[m.pixels for m in members]
+        )
+        flight = _Flight(actor_index, members, cost, refs[:-1])
+        slot.in_flight += 1
+        slot.outstanding_cost += cost
+        self.counters.batches += 1
+        refs[-1].future().add_done_callback(lambda future: self._on_receipt(flight, future))
+
+    # completion (Ray's callback thread: no Ray calls here)
+
+    def _on_receipt(self, flight: _Flight, future: Any) -> None:
+        with self._lock:
+            slot = self._actors.get(flight.actor_index)
+            if slot is not None:
+                slot.in_flight -= 1
+                slot.outstanding_cost -= flight.cost
+            try:
+                receipt: BatchReceipt = future.result()
+            except _ACTOR_GONE as error:
+                self._actor_left(flight, f"encoder actor {flight.actor_index} died: {error}")
+            except Exception as error:  # noqa: BLE001 - the actor raised: fail the calls in the batch
+                failure = EncodeError(f"encoder actor {flight.actor_index} failed on a batch: {error}")
+                failure.__cause__ = error
+                for member in flight.members:
+                    if not member.call.done:
+                        self.counters.failed_calls += 1
+                    member.call.fail(failure)
+            else:
+                if receipt.status == RETIRED:
+                    self._actor_left(flight, f"encoder actor {flight.actor_index} left the pool")
+                else:
+                    assert receipt.status == OK, receipt.status
+                    self._complete(flight, receipt)
+            self._forget_idle_leavers()
+            self._slot_freed = True
+            self._wake.notify_all()
+
+    def _complete(self, flight: _Flight, receipt: BatchReceipt) -> None:
+        now = time.monotonic()
+        for position, member in enumerate(flight.members):
+            call = member.call
+            reason = receipt.item_errors.get(position)
+            if reason is not None:
+                if not call.done:
+                    self.counters.failed_calls += 1
+                call.fail(InvalidItemError(member.index, reason))
+            elif call.complete_item(member.index, flight.result_refs[position]):
+                self.counters.latencies_s.append(now - call.submitted_at)
+                self.counters.completions.append((now, len(call.results)))
+        self.counters.items += len(flight.members)
+
+    def _actor_left(self, flight: _Flight, why: str) -> None:
+        slot = self._actors.get(flight.actor_index)
+        if slot is not None and slot.accepting:
+            slot.accepting = False
+            logger.warning("%s; its batches go to other actors", why)
+            self._on_actor_gone()
+        requeued = []
+        for member in flight.members:
+            if member.call.done:
+                continue
+            member.attempts += 1
+            if member.attempts >= self._max_attempts:
+                self.counters.failed_calls += 1
+                member.call.fail(PoolUnavailableError(f"item {member.index} was sent {member.attempts} times: {why}"))
+            else:
+                requeued.append(member)
+        self.counters.requeued_items += len(requeued)
+        # If no actor is left they wait for the membership refresh, which fails them if it
+        # finds no actor either.
+        self._queue.extendleft(reversed(requeued))
+
+    def _forget_idle_leavers(self) -> None:
+        for index in [i for i, s in self._actors.items() if not s.accepting and s.in_flight == 0]:
+            del self._actors[index]
+
+    def _fail_queue(self, error: BaseException) -> None:
+        while self._queue:
+            item = self._queue.popleft()
+            if not item.call.done:
+                self.counters.failed_calls += 1
+            item.call.fail(error)
+
+    # the dispatcher's thread: window expiry and whatever completions freed room for
+
+    def _run(self) -> None:
+        with self._lock:
+            while not self._closed:
+                timeout = None
+                if self._queue and self._free_slots() > 0:
+                    waited = time.monotonic() - self._queue[0].enqueued_at
+                    if self._has_idle_actor() or waited >= self._window_s or self._slot_freed:
+                        self._slot_freed = False
+                        try:
+                            self._dispatch()
+                        except Exception:
+                            logger.exception("dispatch failed")
+                            self._fail_queue(PoolUnavailableError("dispatch failed; see the log"))
+                        continue
+                    timeout = self._window_s - waited
+                self._wake.wait(timeout)

@@ -1,0 +1,400 @@
+"""EncoderPool: what users launch, connect to and call.
+
+A launched pool is a named controller actor (membership, scaling) and one encoder actor per GPU.
+Every handle, in the launching process or any other process in the cluster, runs its own
+dispatcher: calls go from the caller's process straight to the encoder actors, with pixels and
+embeddings in Ray's object store and only small control messages anywhere else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+
+from vitpool.actors import ActorInfo
+from vitpool.errors import ConfigError, PoolUnavailableError, VitpoolError
+from vitpool.graphs.inputs import prepare_items
+from vitpool.items import Embedding, Item, Video
+from vitpool.packing import Budget, ItemCost
+from vitpool.pool.calls import Call, QueuedItem
+from vitpool.pool.cluster import cluster_cpus, cluster_gpus, join_ray
+from vitpool.pool.controller import NAMESPACE, Membership, PoolController
+from vitpool.pool.dispatcher import Dispatcher
+from vitpool.pool.settings import PoolSettings
+from vitpool.pool.stats import PoolStats, percentile, recent_rate
+from vitpool.wire import to_array, wire_dtype_name
+
+logger = logging.getLogger(__name__)
+
+MEMBERSHIP_REFRESH_S = 0.5  # how often a handle asks the controller whether the actors changed
+PROGRESS_EVERY_S = 15.0
+MAX_GPU_ACTOR_THREADS = 4
+
+
+class EncoderPool:
+    """A data-parallel pool of GPU encoder actors on Ray. Create it with `launch` or `connect`.
+
+    Thread-safe: any number of threads (and asyncio tasks) may call one handle at once; their
+    items are packed together.
+    """
+
+    def __init__(
+        self, name: str, controller: Any, owns_pool: bool, owns_ray: bool, _membership: Membership
+    ) -> None:
+        # Internal: use EncoderPool.launch or EncoderPool.connect.
+        self.name = name
+        self._controller = controller
+        self._owns_pool = owns_pool
+        self._owns_ray = owns_ray
+        self._settings = _membership.settings
+        self._membership = _membership
+        self._rules = _item_rules(_membership)
+        self._dispatcher = Dispatcher(
+            _common_budgets(_membership.infos.values()),
+            self._settings.max_batches_in_flight_per_actor,
+            self._settings.batch_window_s,
+            self._settings.max_attempts_per_item,
+            on_actor_gone=self._request_refresh,
+        )
+        self._dispatcher.set_actors(_membership.actors, _common_budgets(_membership.infos.values()))
+        self._refresh_now = threading.Event()
+        self._closed = threading.Event()
+        self._refresher = threading.Thread(target=self._refresh_loop, name="vitpool-membership", daemon=True)
+        self._refresher.start()
+
+    # launch and connect
+
+    @classmethod
+    def launch(
+        cls,
+        model: str | None = None,
+        num_actors: int | None = None,
+        budgets: Sequence[int] | None = None,
+        name: str = "vitpool",
+        address: str | None = None,
+        actor_options: dict[str, Any] | None = None,
+        **settings: Any,
+    ) -> EncoderPool:
+        """Start a pool: a named controller and `num_actors` encoder actors, each ready only once
+        its graphs are captured and checked (progress is logged while they start).
+
+        Args:
+            model: local Hugging Face checkpoint directory; None for the shipped tiny model.
+            num_actors: encoder actors; default one per GPU in the cluster, or one CPU actor on
+                a cluster without GPUs.
+            budgets: token budgets each actor captures; None for its device's defaults.
+            name: the pool's name, for `EncoderPool.connect(name)` from any process.
+            address: a Ray cluster to join (else RAY_ADDRESS; else a local cluster is started,
+                owned by the pool and stopped by `shutdown`).
+            actor_options: Ray options for each encoder actor, over the defaults
+                {"num_gpus": 1, "num_cpus": 1}; e.g. {"num_gpus": 0.5} shares a GPU.
+            **settings: any field of `vitpool.pool.settings.PoolSettings` (dtype, batch_window_s,
+                max_batches_in_flight_per_actor, max_items_per_batch, ...).
+
+        Raises:
+            ConfigError: bad settings, or a pool with this name already runs.
+            VitpoolError: an actor failed to start (the message carries its error); nothing
+                the launch started is left behind.
+        """
+        pool_settings = PoolSettings(model=model, budgets=budgets, **settings)
+        if num_actors is not None and (isinstance(num_actors, bool) or not isinstance(num_actors, int) or num_actors < 1):
+            raise ConfigError(f"num_actors must be a positive integer or None; got {num_actors!r}")
+        owns_ray = join_ray(address)
+        controller = None
+        try:
+            gpus = cluster_gpus()
+            options = {"num_gpus": 1 if gpus >= 1 else 0, "num_cpus": 1, **(actor_options or {})}
+            if num_actors is None:
+                num_actors = max(1, int(gpus)) if options.get("num_gpus") else 1
+            threads = pool_settings.actor_threads or _default_threads(options, num_actors)
+            try:
+                controller = (
+                    ray.remote(PoolController)
+                    .options(name=name, namespace=NAMESPACE, num_cpus=0, max_concurrency=32)
+                    .remote(name, pool_settings, options, threads)
+                )
+                ray.get(controller.version.remote())
+            except ValueError as error:  # Ray: the name is taken
+                controller = None
+                raise ConfigError(
+                    f"a pool named {name!r} is already running ({error}); connect to it with "
+                    f"EncoderPool.connect({name!r}) or launch with another name"
+                ) from None
+            logger.info(
+                "launching pool %r: %d encoder actors (%s), model %s",
+                name, num_actors, options, pool_settings.model or "shipped tiny Qwen3-VL",
+            )
+            started, _ = ray.get(controller.scale.remote(num_actors))
+            failures = _await_started(controller, started, pool_settings.startup_timeout_s)
+            if failures:
+                raise VitpoolError(f"{len(failures)} of {num_actors} encoder actors failed to start: {failures[0]}")
+            membership = ray.get(controller.membership.remote())
+            return cls(name, controller, owns_pool=True, owns_ray=owns_ray, _membership=membership)
+        except BaseException:
+            if controller is not None:
+                _stop_controller(controller)
+            if owns_ray:
+                ray.shutdown()
+            raise
+
+    @classmethod
+    def connect(cls, name: str = "vitpool", address: str | None = None, timeout_s: float = 60.0) -> EncoderPool:
+        """A handle to a running pool, from any process or Ray actor in its cluster.
+
+        Raises:
+            PoolUnavailableError: no pool of this name runs (or none of its actors is ready
+                within `timeout_s`).
+        """
+        owns_ray = join_ray(address)
+        try:
+            try:
+                controller = ray.get_actor(name, namespace=NAMESPACE)
+            except ValueError:
+                raise PoolUnavailableError(
+                    f"no pool named {name!r} runs in this Ray cluster; start one with EncoderPool.launch"
+                ) from None
+            deadline = time.monotonic() + timeout_s
+            membership = ray.get(controller.membership.remote(), timeout=timeout_s)
+            while not membership.actors:
+                if time.monotonic() > deadline:
+                    raise PoolUnavailableError(f"pool {name!r} has no ready encoder actor after {timeout_s:.0f} s")
+                time.sleep(0.2)
+                membership = ray.get(controller.membership.remote(), timeout=timeout_s)
+            return cls(name, controller, owns_pool=False, owns_ray=owns_ray, _membership=membership)
+        except BaseException:
+            if owns_ray:
+                ray.shutdown()
+            raise
+
+    # encode
+
+    def encode(self, items: Sequence[Item], timeout_s: float | None = None) -> list[Embedding]:
+        """Encode `items` on the pool; one Embedding per item, in input order, on the CPU.
+
+        Raises:
+            InvalidItemError: an item is malformed (its index is named); nothing is sent.
+            TimeoutError: no result within `timeout_s`.
+            PoolUnavailableError: the pool has no actor left.
+        """
+        refs = self.encode_refs(items, timeout_s)
+        return ray.get(refs)
+
+    async def encode_async(self, items: Sequence[Item], timeout_s: float | None = None) -> list[Embedding]:
+        """`encode` for asyncio callers: awaits without blocking the event loop."""
+        if not _checked_list(items):
+            return []
+        call = self._submit(items)
+        try:
+            refs = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(call.future)), timeout_s)
+        except asyncio.TimeoutError:
+            raise self._timed_out(call, timeout_s) from None
+        return list(await asyncio.gather(*refs))
+
+    def encode_refs(self, items: Sequence[Item], timeout_s: float | None = None) -> list[ray.ObjectRef]:
+        """Encode `items`; returns one Ray object reference per item, in input order, each to an
+        Embedding. Returns once the results are in the object store (so a reference never points
+        at work that may still be retried), for callers that pass them on without fetching them.
+        """
+        if not _checked_list(items):
+            return []
+        call = self._submit(items)
+        try:
+            return call.future.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise self._timed_out(call, timeout_s) from None
+
+    def _submit(self, items: Sequence[Item]) -> Call:
+        # Checked here, in the caller's process, so a bad item costs no hop and harms no one.
+        prepared = prepare_items(items, self._rules)
+        call = Call(len(prepared))
+        queued = [
+            QueuedItem(
+                call, index, ItemCost(p.size.num_tokens, p.size.num_sequences),
+                isinstance(item, Video), p.grid, wire_dtype_name(p.pixels.dtype),
+                ray.put(to_array(p.pixels)),  # in the caller's thread, outside the dispatcher's lock
+            )
+            for index, (item, p) in enumerate(zip(items, prepared))
+        ]
+        self._dispatcher.submit(call, queued)
+        return call
+
+    def _timed_out(self, call: Call, timeout_s: float | None) -> TimeoutError:
+        error = TimeoutError(f"pool {self.name!r}: no result within {timeout_s} s")
+        self._dispatcher.cancel(call, error)
+        return error
+
+    # scale, stats, shutdown
+
+    @property
+    def num_actors(self) -> int:
+        """Encoder actors taking work, as this handle last saw."""
+        return len(self._membership.actors)
+
+    def scale(self, num_actors: int) -> None:
+        """Add or remove encoder actors while work is in flight; returns when the new ones are
+        ready (removed ones finish their batches first; nothing in flight is lost)."""
+        if isinstance(num_actors, bool) or not isinstance(num_actors, int) or num_actors < 1:
+            raise ConfigError(f"num_actors must be a positive integer; got {num_actors!r}")
+        started, retired = ray.get(self._controller.scale.remote(num_actors))
+        if retired:
+            logger.info("pool %r: retiring encoder actors %s", self.name, retired)
+        failures = _await_started(self._controller, started, self._settings.startup_timeout_s)
+        self._refresh()
+        if failures:
+            raise VitpoolError(f"{len(failures)} new encoder actors failed to start: {failures[0]}")
+
+    def stats(self, timeout_s: float = 30.0) -> PoolStats:
+        actors = ray.get(self._controller.all_actors.remote(), timeout=timeout_s)
+        actor_stats = []
+        for handle in actors.values():
+            try:
+                actor_stats.append(ray.get(handle.stats.remote(), timeout=timeout_s))
+            except ray.exceptions.RayError:
+                continue  # starting, retiring or dead: no stats
+        counters = self._dispatcher.counters
+        return PoolStats(
+            name=self.name,
+            num_actors=self.num_actors,
+            actors=sorted(actor_stats, key=lambda s: s.actor_index),
+            queue_depth=self._dispatcher.queue_depth,
+            batches_in_flight=sum(self._dispatcher.in_flight().values()),
+            calls=counters.calls,
+            items=counters.items,
+            batches=counters.batches,
+            failed_calls=counters.failed_calls,
+            requeued_items=counters.requeued_items,
+            items_per_second=recent_rate(list(counters.completions)),
+            latency_p50_s=percentile(list(counters.latencies_s), 0.50),
+            latency_p99_s=percentile(list(counters.latencies_s), 0.99),
+        )
+
+    def close(self) -> None:
+        """Detach this handle; the pool keeps running for its other callers."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._refresh_now.set()
+        self._dispatcher.close()
+        self._refresher.join(timeout=5)
+
+    def shutdown(self) -> None:
+        """Stop what this handle started: the pool's actors if it launched them, and the Ray
+        cluster (or connection) if it started it. A handle from `connect` only detaches."""
+        self.close()
+        if self._owns_pool:
+            _stop_controller(self._controller)
+            logger.info("pool %r stopped", self.name)
+        if self._owns_ray and ray.is_initialized():
+            ray.shutdown()
+
+    def __enter__(self) -> EncoderPool:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    # membership
+
+    def _request_refresh(self) -> None:
+        self._refresh_now.set()
+
+    def _refresh_loop(self) -> None:
+        while not self._closed.is_set():
+            self._refresh_now.wait(MEMBERSHIP_REFRESH_S)
+            self._refresh_now.clear()
+            if self._closed.is_set():
+                return
+            try:
+                self._refresh()
+            except ray.exceptions.RayError as error:
+                logger.warning("pool %r: its controller is gone (%s); calls will fail", self.name, error)
+                self._dispatcher.set_actors({}, self._dispatcher_budgets())
+                return
+
+    def _refresh(self) -> None:
+        version = ray.get(self._controller.version.remote())
+        if version == self._membership.version:
+            return
+        membership = ray.get(self._controller.membership.remote())
+        self._membership = membership
+        self._dispatcher.set_actors(membership.actors, self._dispatcher_budgets())
+        logger.info("pool %r: %d encoder actors take work", self.name, len(membership.actors))
+
+    def _dispatcher_budgets(self) -> list[Budget]:
+        return _common_budgets(self._membership.infos.values())
+
+
+def _checked_list(items: Any) -> bool:
+    """Whether there is anything to encode; TypeError for something that is not a list of items."""
+    if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
+        raise TypeError(f"items must be a list of vitpool.Image / vitpool.Video; got {type(items).__name__}")
+    return len(items) > 0
+
+
+def _await_started(controller: Any, started: list[tuple[int, Any, Any]], timeout_s: float) -> list[str]:
+    """Wait for new actors to load and capture, logging progress; activate each that is ready.
+    Returns the errors of those that failed (they are dropped from the pool)."""
+    pending = {ref: index for index, _, ref in started}
+    total, failures = len(started), []
+    start = last_report = time.monotonic()
+    while pending:
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)
+        for ref in ready:
+            index = pending.pop(ref)
+            try:
+                info: ActorInfo = ray.get(ref)
+            except ray.exceptions.RayError as error:
+                failures.append(f"actor {index}: {error}")
+                ray.get(controller.forget.remote(index))
+                continue
+            ray.get(controller.activate.remote(index, info))
+            logger.info(
+                "encoder actor %d ready on %s in %.1f s (%d budgets, %d disabled) [%d/%d]",
+                index, info.device, info.startup_seconds, len(info.budgets), len(info.disabled_budgets),
+                total - len(pending), total,
+            )
+        now = time.monotonic()
+        if pending and now - last_report >= PROGRESS_EVERY_S:
+            last_report = now
+            logger.info("waiting for %d of %d encoder actors to load and capture (%.0f s)", len(pending), total, now - start)
+        if pending and now - start > timeout_s:
+            for ref, index in pending.items():
+                failures.append(f"actor {index}: not ready after {timeout_s:.0f} s")
+                ray.get(controller.forget.remote(index))
+            break
+    return failures
+
+
+def _stop_controller(controller: Any) -> None:
+    try:
+        ray.get(controller.shutdown.remote(), timeout=60)
+    except ray.exceptions.RayError:
+        pass
+    ray.kill(controller, no_restart=True)
+
+
+def _default_threads(options: dict[str, Any], num_actors: int) -> int:
+    share = max(1, int(cluster_cpus() // max(1, num_actors)))
+    return min(share, MAX_GPU_ACTOR_THREADS) if options.get("num_gpus") else share
+
+
+def _item_rules(membership: Membership):
+    if not membership.infos:
+        raise PoolUnavailableError("the pool has no ready encoder actor")
+    return next(iter(membership.infos.values())).item_rules
+
+
+def _common_budgets(infos: Any) -> list[Budget]:
+    """The budgets every actor has (they differ only if actors chose defaults on unlike GPUs)."""
+    infos = list(infos)
+    if not infos:
+        return [Budget(64, 64, 32)]  # placeholder until an actor joins; nothing is sent without one
+    common = set(infos[0].budgets).intersection(*(set(i.budgets) for i in infos[1:]))
+    return sorted(common) or sorted(infos[0].budgets)

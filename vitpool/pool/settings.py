@@ -1,0 +1,79 @@
+"""A pool's settings: one frozen dataclass, checked when it is made, shared with every caller."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from vitpool.errors import ConfigError
+from vitpool.packing import make_budgets
+
+_DTYPES = ("bfloat16", "float16", "float32")
+
+
+@dataclass(frozen=True)
+class PoolSettings:
+    """How a pool encodes and dispatches. `EncoderPool.launch` takes these as keyword arguments.
+
+    Attributes:
+        model: local checkpoint directory; None for the tiny model shipped with vitpool.
+        budgets: token budgets each actor captures; None for the defaults of its device.
+        max_items_per_batch, max_frames_per_batch: as for `GraphEncoder`.
+        dtype: "bfloat16", "float16" or "float32"; None for the device's default.
+        max_batches_in_flight_per_actor: batches sent to an actor and not yet answered. Two keep
+            a GPU busy: the next batch is already there when one finishes.
+        batch_window_s: how long items wait for others to share a batch while every actor is
+            busy. Items never wait while an actor is idle.
+        actor_threads: torch CPU threads per actor; None: all of the actor's share of the
+            node's CPUs on a CPU actor, up to 4 on a GPU actor (host-side work only).
+        startup_timeout_s: how long launch and scale wait for actors to load and capture.
+        retire_timeout_s: how long a removed actor may take to finish its batches.
+        max_attempts_per_item: how often an item is sent again after its actor left or died.
+    """
+
+    model: str | None = None
+    budgets: tuple[int, ...] | None = None
+    max_items_per_batch: int | None = None
+    max_frames_per_batch: int | None = None
+    dtype: str | None = None
+    max_batches_in_flight_per_actor: int = 2
+    batch_window_s: float = 0.002
+    actor_threads: int | None = None
+    startup_timeout_s: float = 900.0
+    retire_timeout_s: float = 120.0
+    max_attempts_per_item: int = 3
+
+    def __post_init__(self) -> None:
+        if self.model is not None:
+            object.__setattr__(self, "model", str(self.model))
+        if self.budgets is not None:
+            object.__setattr__(self, "budgets", tuple(self.budgets))
+        try:  # the actors check these too, but a mistake should not cost an actor start
+            make_budgets(self.budgets or [64], self.max_items_per_batch, self.max_frames_per_batch)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        if self.dtype is not None:
+            name = str(self.dtype).removeprefix("torch.")
+            if name not in _DTYPES:
+                raise ConfigError(f"dtype {self.dtype!r}: use one of {_DTYPES} (or None for the device's default)")
+            object.__setattr__(self, "dtype", name)
+        _positive_int("max_batches_in_flight_per_actor", self.max_batches_in_flight_per_actor)
+        _positive_int("max_attempts_per_item", self.max_attempts_per_item)
+        if self.actor_threads is not None:
+            _positive_int("actor_threads", self.actor_threads)
+        _non_negative_seconds("batch_window_s", self.batch_window_s)
+        _non_negative_seconds("startup_timeout_s", self.startup_timeout_s, positive=True)
+        _non_negative_seconds("retire_timeout_s", self.retire_timeout_s, positive=True)
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be a positive integer; got {value!r}")
+
+
+def _non_negative_seconds(name: str, value: Any, positive: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{name} must be a number of seconds; got {value!r}")
+    if value < 0 or (positive and value == 0):
+        raise ConfigError(f"{name} must be {'positive' if positive else '>= 0'}; got {value!r}")

@@ -1,0 +1,70 @@
+"""What `EncoderPool.stats()` returns."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from vitpool.actors import ActorStats
+
+RATE_WINDOW_S = 10.0
+
+
+@dataclass
+class PoolStats:
+    """A snapshot of a pool.
+
+    Per actor: `actors` (device, batches, items, graph hit rate, padding waste, busy time).
+    For the calls made through this handle's process: queue depth, batches in flight,
+    items per second over the last 10 s, and call latency (submit to results ready) p50/p99
+    over the last 4096 calls.
+    """
+
+    name: str
+    num_actors: int
+    actors: list[ActorStats] = field(default_factory=list)
+    queue_depth: int = 0
+    batches_in_flight: int = 0
+    calls: int = 0
+    items: int = 0
+    batches: int = 0
+    failed_calls: int = 0
+    requeued_items: int = 0
+    items_per_second: float = 0.0
+    latency_p50_s: float = 0.0
+    latency_p99_s: float = 0.0
+
+    def summary(self) -> str:
+        lines = [
+            (f"pool {self.name!r}: {self.num_actors} actors, {self.items} items in {self.batches} batches, "
+            f"{self.items_per_second:.1f} items/s, latency p50 {self.latency_p50_s * 1e3:.2f} ms "
+            f"p99 {self.latency_p99_s * 1e3:.2f} ms, queue {self.queue_depth}, in flight {self.batches_in_flight}, "
+            f"failed calls {self.failed_calls}, requeued items {self.requeued_items}")
+        ]
+        for actor in self.actors:
+            lines.append(
+                f"  actor {actor.actor_index} on {actor.device}: {actor.batches} batches, {actor.items} items, "
+                f"graph hit rate {actor.graph_hit_rate:.0%}, padding waste {actor.padding_waste:.0%}, "
+                f"busy {actor.busy_seconds:.2f} s ({actor.utilization:.0%})"
+            )
+        return "\n".join(lines)
+
+
+def percentile(values: Iterable[float], fraction: float) -> float:
+    """Nearest-rank percentile; 0.0 for no values."""
+    ordered = sorted(values)
+    if not ordered:
+        return 0.0
+    rank = min(len(ordered) - 1, max(0, round(fraction * len(ordered)) - 1))
+    return ordered[rank]
+
+
+def recent_rate(completions: Iterable[tuple[float, int]], now: float | None = None) -> float:
+    """Items per second over the last RATE_WINDOW_S, from (time, items) completion records."""
+    now = time.monotonic() if now is None else now
+    recent = [(t, n) for t, n in completions if now - t <= RATE_WINDOW_S]
+    if not recent:
+        return 0.0
+    span = max(now - recent[0][0], 1e-3) if len(recent) > 1 else RATE_WINDOW_S
+    return sum(n for _, n in recent) / span
