@@ -13,45 +13,14 @@ import argparse
 import copy
 import json
 import logging
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from common import QWEN3_VL_8B_VISION, image, summarize, time_ms, video
 
-from vitpool import GraphEncoder, Image, Video
-
-# Qwen/Qwen3-VL-8B-Instruct vision_config
-QWEN3_VL_8B_VISION = dict(
-    model_type="qwen3_vl_vision",
-    depth=27,
-    hidden_size=1152,
-    hidden_act="gelu_pytorch_tanh",
-    intermediate_size=4304,
-    num_heads=16,
-    in_channels=3,
-    patch_size=16,
-    spatial_merge_size=2,
-    temporal_patch_size=2,
-    out_hidden_size=4096,
-    num_position_embeddings=2304,
-    deepstack_visual_indexes=[8, 16, 24],
-)
-ROW_WIDTH = 3 * 2 * 16 * 16
-PATCH = 16
-
-
-def image(pixels_side: int) -> Image:
-    side = pixels_side // PATCH
-    return Image(torch.randn(side * side, ROW_WIDTH), (1, side, side))
-
-
-def video(frames: int, pixels_side: int) -> Video:
-    side = pixels_side // PATCH
-    t = frames // 2
-    return Video(torch.randn(t * side * side, ROW_WIDTH), (t, side, side))
-
+from vitpool import GraphEncoder
 
 WORKLOADS = {
     "1x224": lambda: [image(224)],
@@ -69,28 +38,6 @@ def hugging_face_eager(tower: torch.nn.Module, items: list) -> list[torch.Tensor
     grid_thw = torch.tensor([it.grid_thw for it in items], device="cuda")
     output = tower(pixels, grid_thw=grid_thw)
     return [output.pooler_output, *output.deepstack_features]
-
-
-def time_ms(function, runs: int, warmup: int) -> list[float]:
-    for _ in range(warmup):
-        function()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        function()
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - start) * 1e3)
-    return samples
-
-
-def summarize(samples: list[float]) -> dict:
-    ordered = sorted(samples)
-    return {
-        "median_ms": statistics.median(ordered),
-        "p99_ms": ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))],
-        "runs": len(ordered),
-    }
 
 
 def main() -> None:

@@ -56,6 +56,9 @@ class PoolController:
     def settings(self) -> PoolSettings:
         return self._settings
 
+    def actor_options(self) -> dict:
+        return dict(self._actor_options)
+
     def version(self) -> int:
         return self._version
 

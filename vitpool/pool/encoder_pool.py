@@ -113,6 +113,7 @@ class EncoderPool:
             options = {"num_gpus": 1 if gpus >= 1 else 0, "num_cpus": 1, **(actor_options or {})}
             if num_actors is None:
                 num_actors = max(1, int(gpus)) if options.get("num_gpus") else 1
+            _check_capacity(options, num_actors)
             threads = pool_settings.actor_threads or _default_threads(options, num_actors)
             try:
                 controller = (
@@ -242,6 +243,7 @@ class EncoderPool:
         ready (removed ones finish their batches first; nothing in flight is lost)."""
         if isinstance(num_actors, bool) or not isinstance(num_actors, int) or num_actors < 1:
             raise ConfigError(f"num_actors must be a positive integer; got {num_actors!r}")
+        _check_capacity(ray.get(self._controller.actor_options.remote()), num_actors)
         started, retired = ray.get(self._controller.scale.remote(num_actors))
         if retired:
             logger.info("pool %r: retiring encoder actors %s", self.name, retired)
@@ -363,7 +365,10 @@ def _await_started(controller: Any, started: list[tuple[int, Any, Any]], timeout
         now = time.monotonic()
         if pending and now - last_report >= PROGRESS_EVERY_S:
             last_report = now
-            logger.info("waiting for %d of %d encoder actors to load and capture (%.0f s)", len(pending), total, now - start)
+            logger.info(
+                "waiting for %d of %d encoder actors to be placed, load and capture (%.0f s; free in the "
+                "cluster now: %s)", len(pending), total, now - start, _free_resources(),
+            )
         if pending and now - start > timeout_s:
             for ref, index in pending.items():
                 failures.append(f"actor {index}: not ready after {timeout_s:.0f} s")
@@ -378,6 +383,24 @@ def _stop_controller(controller: Any) -> None:
     except ray.exceptions.RayError:
         pass
     ray.kill(controller, no_restart=True)
+
+
+def _check_capacity(options: dict[str, Any], num_actors: int) -> None:
+    """Refuse at once what the cluster could never place (Ray would wait for it forever)."""
+    total = ray.cluster_resources()
+    for resource, key in (("GPU", "num_gpus"), ("CPU", "num_cpus")):
+        needed = float(options.get(key) or 0) * num_actors
+        if needed > total.get(resource, 0.0) + 1e-9:
+            raise ConfigError(
+                f"{num_actors} encoder actors with {key}={options.get(key)} need {needed:g} {resource}s; "
+                f"the cluster has {total.get(resource, 0.0):g}. Use fewer actors or a fractional share "
+                f"(actor_options={{'{key}': ...}})"
+            )
+
+
+def _free_resources() -> str:
+    free = ray.available_resources()
+    return ", ".join(f"{free.get(r, 0.0):g} {r}" for r in ("GPU", "CPU"))
 
 
 def _default_threads(options: dict[str, Any], num_actors: int) -> int:

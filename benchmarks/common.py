@@ -1,0 +1,88 @@
+"""What the benchmarks share: the real-size Qwen3-VL-8B vision tower, item builders, timing."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from vitpool import Image, Video
+
+# Qwen/Qwen3-VL-8B-Instruct vision_config
+QWEN3_VL_8B_VISION = dict(
+    model_type="qwen3_vl_vision",
+    depth=27,
+    hidden_size=1152,
+    hidden_act="gelu_pytorch_tanh",
+    intermediate_size=4304,
+    num_heads=16,
+    in_channels=3,
+    patch_size=16,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    out_hidden_size=4096,
+    num_position_embeddings=2304,
+    deepstack_visual_indexes=[8, 16, 24],
+)
+ROW_WIDTH = 3 * 2 * 16 * 16
+PATCH = 16
+
+
+def image(pixels_side: int) -> Image:
+    side = pixels_side // PATCH
+    return Image(torch.randn(side * side, ROW_WIDTH), (1, side, side))
+
+
+def video(frames: int, pixels_side: int) -> Video:
+    side = pixels_side // PATCH
+    t = frames // 2
+    return Video(torch.randn(t * side * side, ROW_WIDTH), (t, side, side))
+
+
+
+
+def write_config(directory: str | Path) -> Path:
+    """A config-only checkpoint directory: vitpool builds the tower with random weights."""
+    path = Path(directory)
+    (path / "config.json").write_text(json.dumps(QWEN3_VL_8B_VISION))
+    return path
+
+
+def save_random_tower(directory: str | Path, seed: int = 0) -> Path:
+    """A vision-tower-only safetensors checkpoint with random bf16 weights, so that several
+    processes (the pool's actors and an in-process encoder) load the same weights."""
+    from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+    torch.manual_seed(seed)
+    config = Qwen3VLVisionConfig(**{k: v for k, v in QWEN3_VL_8B_VISION.items() if k != "model_type"})
+    Qwen3VLVisionModel(config).to(torch.bfloat16).save_pretrained(directory, safe_serialization=True)
+    return Path(directory)
+
+
+def time_ms(function, runs: int, warmup: int) -> list[float]:
+    for _ in range(warmup):
+        function()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        function()
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return samples
+
+
+def summarize(samples: list[float]) -> dict:
+    """Median and p99 (nearest rank) of samples in ms."""
+    ordered = sorted(samples)
+    return {
+        "median_ms": statistics.median(ordered),
+        "p99_ms": ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))],
+        "runs": len(ordered),
+    }
+
+
