@@ -1,0 +1,111 @@
+"""Latency of one call through the pool against the same encode in-process, same weights, same run.
+
+The real-size Qwen3-VL-8B vision tower (random bf16 weights, saved once so that the pool's actor
+and this process load the same ones) on one GPU. Both paths start from the processor's output
+(float32 pixels on the host):
+- in-process: GraphEncoder.encode, results on the GPU, synchronised (the issue's baseline);
+- in-process to host: the same with output_device="cpu" (results where the pool returns them);
+- pool: EncoderPool.encode with one actor, results on the caller's host as Embeddings.
+Runs alternate between the paths so that drift hits all of them alike.
+
+    python benchmarks/pool_latency.py [--runs 100] [--warmup 20] [--out pool_latency.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import tempfile
+import time
+from pathlib import Path
+
+import ray
+import torch
+from common import image, save_random_tower, summarize, video
+
+from vitpool import EncoderPool, GraphEncoder
+
+WORKLOADS = {
+    "1x224": lambda: [image(224)],
+    "4x224": lambda: [image(224) for _ in range(4)],
+    "1x448": lambda: [image(448)],
+    "video 8x224": lambda: [video(8, 224)],
+}
+
+
+def timed_ms(function) -> float:
+    start = time.perf_counter()
+    function()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runs", type=int, default=100)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    gpu = torch.cuda.get_device_name()
+
+    directory = save_random_tower(tempfile.mkdtemp(prefix="vitpool-bench-"))
+    encoder = GraphEncoder.from_pretrained(directory, device="cuda", dtype=torch.bfloat16)
+    pool = EncoderPool.launch(model=str(directory), num_actors=1, dtype="bfloat16")
+    paths = {
+        "in_process": lambda items: encoder.encode(items),
+        "in_process_to_host": lambda items: encoder.encode(items, output_device="cpu"),
+        "pool": lambda items: pool.encode(items),
+    }
+    results = {"gpu": gpu, "torch": torch.__version__, "ray": ray.__version__, "runs": args.runs, "workloads": {}}
+    for name, build in WORKLOADS.items():
+        items = build()
+        local, pooled = encoder.encode(items), pool.encode(items)
+        max_error = max(
+            float((p.tokens.float() - l.tokens.float().cpu()).abs().max()) for p, l in zip(pooled, local)
+        )
+        samples = {path: [] for path in paths}
+        for _ in range(args.warmup):
+            for function in paths.values():
+                timed_ms(lambda function=function, items=items: function(items))
+        for _ in range(args.runs):
+            for path, function in paths.items():
+                samples[path].append(timed_ms(lambda function=function, items=items: function(items)))
+        row = {path: summarize(values) for path, values in samples.items()}
+        pixels = [it.pixel_values.numpy() for it in items]
+        row["ray_put_pixels"] = summarize(
+            [timed_ms(lambda pixels=pixels: [ray.put(p) for p in pixels]) for _ in range(args.runs)]
+        )
+        row["ratio_pool_vs_in_process"] = row["pool"]["median_ms"] / row["in_process"]["median_ms"]
+        row["ratio_pool_vs_in_process_to_host"] = row["pool"]["median_ms"] / row["in_process_to_host"]["median_ms"]
+        row["max_abs_diff_pool_vs_in_process"] = max_error
+        results["workloads"][name] = row
+    actor = ray.get_actor("vitpool-encoder-0", namespace="vitpool")
+    results["empty_actor_call"] = summarize([timed_ms(lambda: ray.get(actor.info.remote())) for _ in range(args.runs)])
+    stats = pool.stats()
+    results["pool_stats"] = stats.summary()
+    pool.shutdown()
+
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=2))
+    print(f"\nGPU: {gpu}, torch {torch.__version__}, Ray {ray.__version__}; {args.runs} runs after {args.warmup} warm-up")
+    print(f"small actor call round trip: {results['empty_actor_call']['median_ms']:.2f} ms median")
+    print(
+        "| workload | in-process median (p99) ms | in-process to host | pool median (p99) ms "
+        "| pool / in-process | pool / to host | ray.put pixels | max |diff| |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for name, row in results["workloads"].items():
+        print(
+            f"| {name} | {row['in_process']['median_ms']:.2f} ({row['in_process']['p99_ms']:.2f}) "
+            f"| {row['in_process_to_host']['median_ms']:.2f} ({row['in_process_to_host']['p99_ms']:.2f}) "
+            f"| {row['pool']['median_ms']:.2f} ({row['pool']['p99_ms']:.2f}) "
+            f"| {row['ratio_pool_vs_in_process']:.2f} | {row['ratio_pool_vs_in_process_to_host']:.2f} "
+            f"| {row['ray_put_pixels']['median_ms']:.2f} | {row['max_abs_diff_pool_vs_in_process']:.1e} |"
+        )
+    print(stats.summary())
+
+
+if __name__ == "__main__":
+    main()

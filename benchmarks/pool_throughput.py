@@ -1,0 +1,197 @@
+"""Throughput and tail latency of a pool of 1, 2, 4... actors under many concurrent callers.
+
+Callers are separate processes (Ray actors that `EncoderPool.connect` by name, as LLM
+deployments would), each with several threads, sending a realistic mix: calls of one or two
+images of 224² to 1024² (sides drawn independently, so aspect ratios vary) and, in 15% of
+calls, an 8-frame video of 224² to 448². Pixels are float32, as processors emit them.
+
+For each pool size: the saturated rate (every caller thread calls back to back), then an open
+loop of Poisson arrivals at 70% of that rate, where latency counts from each call's scheduled
+arrival. The pool grows between sizes with `pool.scale`, while no call is in flight.
+
+    python benchmarks/pool_throughput.py [--actors 1,2,4] [--seconds 20] [--callers 8] [--threads 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import logging
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import ray
+import torch
+from common import PATCH, ROW_WIDTH, save_random_tower
+
+from vitpool import EncoderPool
+
+IMAGE_SIDES = (224, 320, 448, 512, 640, 768, 896, 1024)
+VIDEO_SIDES = (224, 320, 448)
+VIDEO_SHARE = 0.15
+POOL_NAME = "vitpool-throughput"
+
+
+def random_call(rng: random.Random) -> list[tuple[bool, tuple[int, int, int], np.ndarray]]:
+    """(is video, grid, float32 pixels) of each item of one call."""
+    if rng.random() < VIDEO_SHARE:
+        side = rng.choice(VIDEO_SIDES) // PATCH
+        shapes = [(True, (4, side, side))]  # 8 frames / temporal patch 2
+    else:
+        shapes = [
+            (False, (1, rng.choice(IMAGE_SIDES) // PATCH, rng.choice(IMAGE_SIDES) // PATCH))
+            for _ in range(rng.choice((1, 1, 2)))
+        ]
+    generator = np.random.default_rng(rng.randrange(1 << 30))
+    return [
+        (is_video, grid, generator.standard_normal((grid[0] * grid[1] * grid[2], ROW_WIDTH), dtype=np.float32))
+        for is_video, grid in shapes
+    ]
+
+
+@ray.remote(num_cpus=1)
+class Caller:
+    """One client process with its own pool handle and its own set of prepared calls."""
+
+    def __init__(self, seed: int, num_calls: int) -> None:
+        from vitpool import Image, Video
+
+        self.pool = EncoderPool.connect(POOL_NAME)
+        rng = random.Random(seed)
+        self.calls = [
+            [(Video if is_video else Image)(torch.from_numpy(pixels), grid) for is_video, grid, pixels in random_call(rng)]
+            for _ in range(num_calls)
+        ]
+        self.rng = rng
+
+    def mean_items_per_call(self) -> float:
+        return statistics.mean(len(c) for c in self.calls)
+
+    def closed_loop(self, seconds: float, threads: int) -> dict:
+        """Every thread calls back to back until the deadline."""
+        deadline = time.monotonic() + seconds
+
+        def worker(offset: int) -> tuple[int, list[float]]:
+            items, latencies, number = 0, [], offset
+            while time.monotonic() < deadline:
+                call = self.calls[number % len(self.calls)]
+                number += threads
+                start = time.monotonic()
+                self.pool.encode(call)
+                latencies.append(time.monotonic() - start)
+                items += len(call)
+            return items, latencies
+
+        start = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(threads) as executor:
+            outcomes = list(executor.map(worker, range(threads)))
+        return {
+            "items": sum(o[0] for o in outcomes),
+            "latencies": [x for o in outcomes for x in o[1]],
+            "seconds": time.monotonic() - start,
+        }
+
+    def open_loop(self, seconds: float, calls_per_second: float, max_threads: int) -> dict:
+        """Poisson arrivals; a call's latency counts from its scheduled arrival."""
+        latencies, items = [], [0]
+
+        def one(call, scheduled: float) -> None:
+            self.pool.encode(call)
+            latencies.append(time.monotonic() - scheduled)
+            items[0] += len(call)
+
+        start = time.monotonic()
+        next_arrival = start
+        number = 0
+        with concurrent.futures.ThreadPoolExecutor(max_threads) as executor:
+            while next_arrival < start + seconds:
+                delay = next_arrival - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+                executor.submit(one, self.calls[number % len(self.calls)], next_arrival)
+                number += 1
+                next_arrival += self.rng.expovariate(calls_per_second)
+        return {"items": items[0], "latencies": latencies, "seconds": time.monotonic() - start, "calls": number}
+
+
+def percentile_ms(values: list[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return 1e3 * ordered[min(len(ordered) - 1, max(0, round(fraction * len(ordered)) - 1))] if ordered else 0.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--actors", default="1,2,4")
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--warmup-seconds", type=float, default=5.0)
+    parser.add_argument("--callers", type=int, default=8, help="caller processes")
+    parser.add_argument("--threads", type=int, default=8, help="threads per caller process")
+    parser.add_argument("--calls-per-caller", type=int, default=24, help="distinct prepared calls per caller")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    sizes = [int(n) for n in args.actors.split(",")]
+    gpu = torch.cuda.get_device_name()
+
+    directory = save_random_tower(tempfile.mkdtemp(prefix="vitpool-bench-"))
+    pool = EncoderPool.launch(model=str(directory), num_actors=sizes[0], name=POOL_NAME, dtype="bfloat16")
+    callers = [Caller.remote(seed, args.calls_per_caller) for seed in range(args.callers)]
+    items_per_call = statistics.mean(ray.get([c.mean_items_per_call.remote() for c in callers]))
+    results = {
+        "gpu": gpu, "gpus": torch.cuda.device_count(), "ray": ray.__version__, "callers": args.callers,
+        "threads_per_caller": args.threads, "seconds": args.seconds, "items_per_call": items_per_call, "sizes": {},
+    }
+    for size in sizes:
+        if size != pool.num_actors:
+            pool.scale(size)
+        ray.get([c.closed_loop.remote(args.warmup_seconds, args.threads) for c in callers])
+        saturated = ray.get([c.closed_loop.remote(args.seconds, args.threads) for c in callers])
+        rate = sum(o["items"] for o in saturated) / max(o["seconds"] for o in saturated)
+        closed_latencies = [x for o in saturated for x in o["latencies"]]
+        target_calls_per_second = 0.7 * rate / items_per_call / len(callers)
+        loaded = ray.get(
+            [c.open_loop.remote(args.seconds, target_calls_per_second, 4 * args.threads) for c in callers]
+        )
+        open_latencies = [x for o in loaded for x in o["latencies"]]
+        open_rate = sum(o["items"] for o in loaded) / max(o["seconds"] for o in loaded)
+        row = {
+            "saturated_items_per_s": rate,
+            "saturated_p50_ms": percentile_ms(closed_latencies, 0.5),
+            "saturated_p99_ms": percentile_ms(closed_latencies, 0.99),
+            "load70_items_per_s": open_rate,
+            "load70_p50_ms": percentile_ms(open_latencies, 0.5),
+            "load70_p99_ms": percentile_ms(open_latencies, 0.99),
+            "load70_calls": len(open_latencies),
+        }
+        row["load70_p99_over_p50"] = row["load70_p99_ms"] / row["load70_p50_ms"]
+        results["sizes"][size] = row
+        print(f"{size} actors: {json.dumps(row)}", flush=True)
+        print(pool.stats().summary(), flush=True)
+    one = results["sizes"].get(sizes[0])["saturated_items_per_s"] / sizes[0]
+    for size, row in results["sizes"].items():
+        row["scaling_vs_one"] = row["saturated_items_per_s"] / (size * one)
+    for caller in callers:
+        ray.kill(caller)
+    pool.shutdown()
+
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=2))
+    print(f"\nGPU: {gpu} x{results['gpus']}, Ray {ray.__version__}; {args.callers} caller processes x "
+          f"{args.threads} threads, {items_per_call:.2f} items per call, {args.seconds:.0f} s per measurement")
+    print("| actors | saturated items/s | per actor vs 1 | p50 / p99 ms (saturated) | items/s at 70% | p50 / p99 ms at 70% | p99/p50 |")
+    print("|---|---|---|---|---|---|---|")
+    for size, row in results["sizes"].items():
+        print(
+            f"| {size} | {row['saturated_items_per_s']:.1f} | {row['scaling_vs_one']:.2f} "
+            f"| {row['saturated_p50_ms']:.1f} / {row['saturated_p99_ms']:.1f} | {row['load70_items_per_s']:.1f} "
+            f"| {row['load70_p50_ms']:.1f} / {row['load70_p99_ms']:.1f} | {row['load70_p99_over_p50']:.2f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
