@@ -1,5 +1,6 @@
 """The README's main command runs and prints one line per item."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,3 +17,16 @@ def test_encode_example_runs():
     assert [line.split()[0] for line in lines[:4]] == ["Image", "Image", "Video", "Image"]
     assert "tokens (196, 128)" in lines[2]  # 4 x 14 x 14 patches / 4
     assert lines[-1].startswith("graph items 0, eager items 4")
+
+
+def test_quickstart_runs_a_pool_and_stops_it():
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": ""}
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "quickstart.py"), "--threads", "3"],
+        capture_output=True, text=True, timeout=300, check=True, env=env,
+    )
+    lines = result.stdout.strip().splitlines()
+    item_lines = [line for line in lines if line.startswith("caller ")]
+    assert len(item_lines) == 9  # 3 callers x 3 items
+    assert sum("Video grid (4, 14, 14): tokens (196, 128)" in line for line in item_lines) == 3
+    assert "9 items" in next(line for line in lines if line.startswith("pool 'quickstart'"))

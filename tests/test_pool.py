@@ -32,7 +32,7 @@ def ray_cluster():
 
 @pytest.fixture(scope="module")
 def pool(ray_cluster):
-    pool = EncoderPool.launch(budgets=BUDGETS, name=POOL_NAME)
+    pool = EncoderPool.launch(budgets=BUDGETS, name=POOL_NAME, device="cpu")
     yield pool
     pool.shutdown()
 
@@ -249,7 +249,9 @@ def test_bad_settings_fail_before_anything_starts(ray_cluster):
 
 def test_shutdown_of_a_pool_on_a_running_cluster_leaves_the_cluster(ray_cluster):
     # both fake GPUs belong to the module's pool: this one runs a CPU actor
-    pool = EncoderPool.launch(budgets=BUDGETS, name="short-lived", num_actors=1, actor_options={"num_gpus": 0})
+    pool = EncoderPool.launch(
+        budgets=BUDGETS, name="short-lived", num_actors=1, actor_options={"num_gpus": 0}, device="cpu"
+    )
     assert pool.encode([image(4, 4)])[0].tokens.shape == (4, 128)
     pool.shutdown()
     assert ray.is_initialized()
@@ -265,8 +267,8 @@ def test_shutdown_of_a_pool_on_a_running_cluster_leaves_the_cluster(ray_cluster)
 SELF_STARTED = """
 import ray, torch
 from vitpool import EncoderPool, Image
-pool = EncoderPool.launch(budgets=[16, 64])
-assert pool.num_actors == 1, pool.num_actors  # no GPUs: one CPU actor
+pool = EncoderPool.launch(budgets=[16, 64], device="cpu", actor_options={"num_gpus": 0})
+assert pool.num_actors == 1, pool.num_actors
 assert pool.encode([Image(torch.randn(16, 1536), (1, 4, 4))])[0].tokens.shape == (4, 128)
 pool.shutdown()
 assert not ray.is_initialized()

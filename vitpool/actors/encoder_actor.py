@@ -31,6 +31,7 @@ class EncoderActor:
         model: local checkpoint directory, or None for the shipped tiny model.
         budgets, max_items_per_batch, max_frames_per_batch: as for GraphEncoder.
         dtype_name: "bfloat16", "float16", "float32", or None for the device's default.
+        device: "cpu", "cuda", or None for the actor's GPU if it has one.
         num_threads: torch's CPU threads (Ray starts actors with OMP_NUM_THREADS=1).
     """
 
@@ -42,6 +43,7 @@ class EncoderActor:
         max_items_per_batch: int | None,
         max_frames_per_batch: int | None,
         dtype_name: str | None,
+        device: str | None,
         num_threads: int,
     ) -> None:
         start = time.perf_counter()
@@ -49,7 +51,7 @@ class EncoderActor:
         self.actor_index = actor_index
         dtype = getattr(torch, dtype_name) if dtype_name else None
         self.encoder = GraphEncoder.from_pretrained(
-            model, budgets, max_items_per_batch, max_frames_per_batch, dtype=dtype
+            model, budgets, max_items_per_batch, max_frames_per_batch, device=device, dtype=dtype
         )
         self._startup_seconds = time.perf_counter() - start
         self._started_at = time.monotonic()

@@ -142,6 +142,7 @@ class PoolController:
                 settings.max_items_per_batch,
                 settings.max_frames_per_batch,
                 settings.dtype,
+                settings.device,
                 self._actor_threads,
             )
         )

@@ -21,6 +21,8 @@ class PoolSettings:
         budgets: token budgets each actor captures; None for the defaults of its device.
         max_items_per_batch, max_frames_per_batch: as for `GraphEncoder`.
         dtype: "bfloat16", "float16" or "float32"; None for the device's default.
+        device: "cpu" runs every actor on its CPU even where it was given a GPU (tests, debugging);
+            None: the actor's GPU if it has one.
         max_batches_in_flight_per_actor: batches sent to an actor and not yet answered. Two keep
             a GPU busy: the next batch is already there when one finishes.
         batch_window_s: how long items wait for others to share a batch while every actor is
@@ -37,6 +39,7 @@ class PoolSettings:
     max_items_per_batch: int | None = None
     max_frames_per_batch: int | None = None
     dtype: str | None = None
+    device: str | None = None
     max_batches_in_flight_per_actor: int = 2
     batch_window_s: float = 0.002
     actor_threads: int | None = None
@@ -58,6 +61,8 @@ class PoolSettings:
             if name not in _DTYPES:
                 raise ConfigError(f"dtype {self.dtype!r}: use one of {_DTYPES} (or None for the device's default)")
             object.__setattr__(self, "dtype", name)
+        if self.device not in (None, "cpu", "cuda"):
+            raise ConfigError(f"device {self.device!r}: use None (the actor's GPU if any), 'cuda' or 'cpu'")
         _positive_int("max_batches_in_flight_per_actor", self.max_batches_in_flight_per_actor)
         _positive_int("max_attempts_per_item", self.max_attempts_per_item)
         if self.actor_threads is not None:
