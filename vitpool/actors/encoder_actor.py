@@ -129,7 +129,10 @@ class EncoderActor:
     def _device_name(self) -> str:
         device = self.encoder.device
         if device.type == "cuda":
-            return f"{device} ({torch.cuda.get_device_name(device)})"
+            # Ray narrows CUDA_VISIBLE_DEVICES, so every actor sees its GPU as cuda:0: name the node's GPU id.
+            gpu_ids = (_ray_context("get_accelerator_ids") or {}).get("GPU", [])
+            where = f", GPU {','.join(str(g) for g in gpu_ids)} of the node" if gpu_ids else ""
+            return f"{device} ({torch.cuda.get_device_name(device)}{where})"
         return f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
 
 
