@@ -46,24 +46,24 @@ class EncoderPool:
     """
 
     def __init__(
-        self, name: str, controller: Any, owns_pool: bool, owns_ray: bool, _membership: Membership
+        self, name: str, controller: Any, owns_pool: bool, owns_ray: bool, membership: Membership
     ) -> None:
-        # Internal: use EncoderPool.launch or EncoderPool.connect.
+        # Built by EncoderPool.launch and EncoderPool.connect, which find the controller and membership.
         self.name = name
         self._controller = controller
         self._owns_pool = owns_pool
         self._owns_ray = owns_ray
-        self._settings = _membership.settings
-        self._membership = _membership
-        self._rules = _item_rules(_membership)
+        self._settings = membership.settings
+        self._membership = membership
+        self._rules = _item_rules(membership)
         self._dispatcher = Dispatcher(
-            _common_budgets(_membership.infos.values()),
+            _common_budgets(membership.infos.values()),
             self._settings.max_batches_in_flight_per_actor,
             self._settings.batch_window_s,
             self._settings.max_attempts_per_item,
             on_actor_gone=self._request_refresh,
         )
-        self._dispatcher.set_actors(_membership.actors, _common_budgets(_membership.infos.values()))
+        self._dispatcher.set_actors(membership.actors, _common_budgets(membership.infos.values()))
         self._refresh_now = threading.Event()
         self._closed = threading.Event()
         self._refresher = threading.Thread(target=self._refresh_loop, name="vitpool-membership", daemon=True)
@@ -137,7 +137,7 @@ class EncoderPool:
             if failures:
                 raise VitpoolError(f"{len(failures)} of {num_actors} encoder actors failed to start: {failures[0]}")
             membership = ray.get(controller.membership.remote())
-            return cls(name, controller, owns_pool=True, owns_ray=owns_ray, _membership=membership)
+            return cls(name, controller, owns_pool=True, owns_ray=owns_ray, membership=membership)
         except BaseException:
             if controller is not None:
                 _stop_controller(controller)
@@ -168,7 +168,7 @@ class EncoderPool:
                     raise PoolUnavailableError(f"pool {name!r} has no ready encoder actor after {timeout_s:.0f} s")
                 time.sleep(0.2)
                 membership = ray.get(controller.membership.remote(), timeout=timeout_s)
-            return cls(name, controller, owns_pool=False, owns_ray=owns_ray, _membership=membership)
+            return cls(name, controller, owns_pool=False, owns_ray=owns_ray, membership=membership)
         except BaseException:
             if owns_ray:
                 ray.shutdown()
