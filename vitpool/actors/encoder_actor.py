@@ -54,6 +54,7 @@ class EncoderActor:
             model, budgets, max_items_per_batch, max_frames_per_batch, device=device, dtype=dtype
         )
         self._startup_seconds = time.perf_counter() - start
+        self._gpu_ids = [str(g) for g in (_ray_context("get_accelerator_ids") or {}).get("GPU", [])]
         self._started_at = time.monotonic()
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -69,7 +70,7 @@ class EncoderActor:
             actor_index=self.actor_index,
             device=self._stats.device,
             node_id=_ray_context("get_node_id"),
-            gpu_ids=[str(g) for g in (_ray_context("get_accelerator_ids") or {}).get("GPU", [])],
+            gpu_ids=list(self._gpu_ids),
             item_rules=self.encoder.adapter.item_rules,
             budgets=list(self.encoder.budgets),
             disabled_budgets=list(encoder_stats.disabled_budgets),
@@ -130,8 +131,7 @@ class EncoderActor:
         device = self.encoder.device
         if device.type == "cuda":
             # Ray narrows CUDA_VISIBLE_DEVICES, so every actor sees its GPU as cuda:0: name the node's GPU id.
-            gpu_ids = (_ray_context("get_accelerator_ids") or {}).get("GPU", [])
-            where = f", GPU {','.join(str(g) for g in gpu_ids)} of the node" if gpu_ids else ""
+            where = f", GPU {','.join(self._gpu_ids)} of the node" if self._gpu_ids else ""
             return f"{device} ({torch.cuda.get_device_name(device)}{where})"
         return f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
 

@@ -131,7 +131,7 @@ class GraphEncoder:
         if not items:
             return []
         prepared = prepare_items(items, self.adapter)
-        results, bad = self._encode_prepared(list(prepared), output_device)
+        results, bad = self._encode_prepared(prepared, output_device)
         if bad:
             raise InvalidItemError(bad[0], NONFINITE_MESSAGE)
         return results  # type: ignore[return-value]  # every slot is filled when nothing is bad
@@ -199,9 +199,10 @@ class GraphEncoder:
 
     @staticmethod
     def _to_host(tensor: torch.Tensor) -> torch.Tensor:
-        """A pinned host copy, made without waiting (the caller synchronises)."""
+        """A pinned host copy of a device tensor, made without waiting (the caller synchronises).
+        A host tensor is returned as it is: on a CPU encoder the outputs are already fresh."""
         if tensor.device.type == "cpu":
-            return tensor.clone()
+            return tensor
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         return host.copy_(tensor, non_blocking=True)
 

@@ -125,8 +125,7 @@ class Dispatcher:
     def cancel(self, call: Call, error: BaseException) -> None:
         """Give up on a call (its caller timed out); its queued items are dropped."""
         with self._lock:
-            call.fail(error)
-            self.counters.failed_calls += 1
+            self._fail_call(call, error)
 
     @property
     def queue_depth(self) -> int:
@@ -156,12 +155,10 @@ class Dispatcher:
     def _dispatch(self) -> None:
         """Send as much of the queue as the actors have room for."""
         while self._queue:
-            while self._queue and self._queue[0].call.done:  # failed or timed-out calls
-                self._queue.popleft()
             free_slots = self._free_slots()
-            if not self._queue or free_slots <= 0:
+            if free_slots <= 0:
                 return
-            taken = self._take(free_slots)
+            taken = self._take(free_slots)  # drops the items of failed or timed-out calls
             batches = pack([item.cost for item in taken], self._budgets)
             batches.sort(key=lambda b: min(b.item_indices))  # oldest items first
             for number, batch in enumerate(batches):
@@ -230,9 +227,7 @@ class Dispatcher:
                 failure = EncodeError(f"encoder actor {flight.actor_index} failed on a batch: {error}")
                 failure.__cause__ = error
                 for member in flight.members:
-                    if not member.call.done:
-                        self.counters.failed_calls += 1
-                    member.call.fail(failure)
+                    self._fail_call(member.call, failure)
             else:
                 if receipt.status == RETIRED:
                     self._actor_left(flight, f"encoder actor {flight.actor_index} left the pool")
@@ -249,9 +244,7 @@ class Dispatcher:
             call = member.call
             reason = receipt.item_errors.get(position)
             if reason is not None:
-                if not call.done:
-                    self.counters.failed_calls += 1
-                call.fail(InvalidItemError(member.index, reason))
+                self._fail_call(call, InvalidItemError(member.index, reason))
             elif call.complete_item(member.index, flight.result_refs[position]):
                 self.counters.latencies_s.append(now - call.submitted_at)
                 self.counters.completions.append((now, len(call.results)))
@@ -269,8 +262,8 @@ class Dispatcher:
                 continue
             member.attempts += 1
             if member.attempts >= self._max_attempts:
-                self.counters.failed_calls += 1
-                member.call.fail(PoolUnavailableError(f"item {member.index} was sent {member.attempts} times: {why}"))
+                error = PoolUnavailableError(f"item {member.index} was sent {member.attempts} times: {why}")
+                self._fail_call(member.call, error)
             else:
                 requeued.append(member)
         self.counters.requeued_items += len(requeued)
@@ -284,10 +277,13 @@ class Dispatcher:
 
     def _fail_queue(self, error: BaseException) -> None:
         while self._queue:
-            item = self._queue.popleft()
-            if not item.call.done:
-                self.counters.failed_calls += 1
-            item.call.fail(error)
+            self._fail_call(self._queue.popleft().call, error)
+
+    def _fail_call(self, call: Call, error: BaseException) -> None:
+        """Fail a call once: its first error wins and is the one counted."""
+        if not call.done:
+            self.counters.failed_calls += 1
+            call.fail(error)
 
     # the dispatcher's thread: window expiry and whatever completions freed room for
 

@@ -56,14 +56,15 @@ class EncoderPool:
         self._settings = membership.settings
         self._membership = membership
         self._rules = _item_rules(membership)
+        budgets = _common_budgets(membership.infos.values())
         self._dispatcher = Dispatcher(
-            _common_budgets(membership.infos.values()),
+            budgets,
             self._settings.max_batches_in_flight_per_actor,
             self._settings.batch_window_s,
             self._settings.max_attempts_per_item,
             on_actor_gone=self._request_refresh,
         )
-        self._dispatcher.set_actors(membership.actors, _common_budgets(membership.infos.values()))
+        self._dispatcher.set_actors(membership.actors, budgets)
         self._refresh_now = threading.Event()
         self._closed = threading.Event()
         self._refresher = threading.Thread(target=self._refresh_loop, name="vitpool-membership", daemon=True)
