@@ -16,9 +16,11 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from vitpool.actors.local_channel import ChannelInfo, ChannelServer, channel_supported
 from vitpool.actors.reports import OK, RETIRED, ActorInfo, ActorStats, BatchReceipt
 from vitpool.graphs import GraphEncoder
 from vitpool.items import Embedding, ItemMetadata, item_from_wire
+from vitpool.wire import wire_dtype_name
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +35,8 @@ class EncoderActor:
         dtype_name: "bfloat16", "float16", "float32", or None for the device's default.
         device: "cpu", "cuda", or None for the actor's GPU if it has one.
         num_threads: torch's CPU threads (Ray starts actors with OMP_NUM_THREADS=1).
+        serve_channel: also take batches from callers on the same node through shared memory
+            (`vitpool.actors.local_channel`), where the platform allows it.
     """
 
     def __init__(
@@ -45,6 +49,7 @@ class EncoderActor:
         dtype_name: str | None,
         device: str | None,
         num_threads: int,
+        serve_channel: bool = True,
     ) -> None:
         start = time.perf_counter()
         torch.set_num_threads(num_threads)
@@ -62,6 +67,9 @@ class EncoderActor:
         self._busy_since = 0.0
         self._retiring = False
         self._stats = ActorStats(actor_index, self._device_name())
+        self._channel = (
+            ChannelServer(self.run_batch, name=f"actor{actor_index}") if serve_channel and channel_supported() else None
+        )
         logger.info("encoder actor %d ready on %s in %.1f s", actor_index, self._stats.device, self._startup_seconds)
 
     def info(self) -> ActorInfo:
@@ -75,18 +83,34 @@ class EncoderActor:
             budgets=list(self.encoder.budgets),
             disabled_budgets=list(encoder_stats.disabled_budgets),
             startup_seconds=self._startup_seconds,
+            channel=self._channel_info(),
+        )
+
+    def _channel_info(self) -> ChannelInfo | None:
+        if self._channel is None:
+            return None
+        adapter = self.encoder.adapter
+        return ChannelInfo(
+            self._channel.address, adapter.output_width, adapter.num_deepstack, wire_dtype_name(self.encoder.dtype)
         )
 
     def encode_batch(self, metadata: list[ItemMetadata], *pixels: np.ndarray) -> tuple:
-        """Encode one packed batch: per item its metadata and its pixels (Ray resolves each
-        pixel reference to a NumPy view of the object store before the call).
+        """Encode one packed batch sent through Ray: per item its metadata and its pixels (Ray
+        resolves each pixel reference to a NumPy view of the object store before the call).
 
         Returns one value per item (its Embedding, or None if it failed; the receipt says why),
         then the BatchReceipt.
         """
+        values, receipt = self.run_batch(metadata, list(pixels))
+        return (*values, receipt)
+
+    def run_batch(
+        self, metadata: list[ItemMetadata], pixels: list[np.ndarray]
+    ) -> tuple[list[Embedding | None], BatchReceipt]:
+        """Encode one batch, from Ray or the same-node channel: per-item values and the receipt."""
         with self._lock:
             if self._retiring:
-                return (*([None] * len(metadata)), BatchReceipt(RETIRED))
+                return [None] * len(metadata), BatchReceipt(RETIRED)
             if self._running == 0:
                 self._busy_since = time.monotonic()
             self._running += 1
@@ -106,7 +130,7 @@ class EncoderActor:
             self._stats.items += len(metadata)
             self._stats.rejected_items += len(errors)
         values = [o if isinstance(o, Embedding) else None for o in outcomes]
-        return (*values, BatchReceipt(OK, errors, time.perf_counter() - start))
+        return values, BatchReceipt(OK, errors, time.perf_counter() - start)
 
     def stats(self) -> ActorStats:
         encoder_stats = self.encoder.stats()

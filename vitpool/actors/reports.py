@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from vitpool.models import ItemRules
 from vitpool.packing import Budget
+
+if TYPE_CHECKING:
+    from vitpool.actors.local_channel import ChannelInfo
 
 
 @dataclass(frozen=True)
@@ -20,6 +24,7 @@ class ActorInfo:
     budgets: list[Budget]  # every budget, captured or not
     disabled_budgets: list[tuple[int, int]]
     startup_seconds: float  # load, capture and check
+    channel: ChannelInfo | None = None  # the same-node fast path, where the actor serves one
 
 
 # a batch's outcome

@@ -255,8 +255,10 @@ class GraphEncoder:
             name: tensor.to(self.device)
             for name, tensor in self.adapter.build_metadata(grids, num_rows, num_sequences).items()
         }
+        finite_rows = torch.isfinite(pixels).all(dim=1)
+        _zero_nonfinite(pixels)
         tokens, deepstack = self.adapter.forward(pixels, metadata)
-        return tokens, deepstack, torch.isfinite(pixels).all(dim=1)
+        return tokens, deepstack, finite_rows
 
     def _fill(self, budget: Budget, grids: list, pixel_list: list[torch.Tensor]) -> torch.Tensor:
         """Write a batch into the budget's views of the static buffers, padding rows included.
@@ -270,6 +272,7 @@ class GraphEncoder:
             pixels[row : row + item_pixels.shape[0]].copy_(item_pixels, non_blocking=True)
             row += item_pixels.shape[0]
         finite_rows = torch.isfinite(pixels[:row]).all(dim=1)
+        _zero_nonfinite(pixels[:row])
         pixels[row:].zero_()
         for name, tensor in self.adapter.build_metadata(grids, rows, budget.max_sequences).items():
             metadata[name].copy_(tensor, non_blocking=True)
@@ -371,6 +374,12 @@ class GraphEncoder:
             for grid in grids
         ]
         self._fill(budget, grids, pixels)
+
+
+def _zero_nonfinite(pixels: torch.Tensor) -> None:
+    """A bad item fails alone: its NaN would otherwise reach the other items of its batch where
+    attention masks with a multiply (SDPA's block-diagonal mask on a CPU: 0 * NaN is NaN)."""
+    torch.nan_to_num_(pixels, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def _place_tower(tower: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
