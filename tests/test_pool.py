@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -72,8 +73,12 @@ def test_launch_starts_one_actor_per_gpu(pool):
 
 def test_results_equal_the_in_process_encoder_in_order(pool, reference_encoder):
     items = mixed_items(0)
+    before = pool.stats()
     results = pool.encode(items)
+    after = pool.stats()
     assert_same(results, reference_encoder.encode(items))
+    # the actors share this node: every batch took the shared-memory channel
+    assert after.channel_batches - before.channel_batches == after.batches - before.batches > 0
     assert all(torch.isfinite(r.tokens).all() for r in results)
     # results are the caller's own memory, safe to write
     results[0].tokens.add_(1.0)
@@ -118,9 +123,30 @@ def test_encode_async_from_asyncio(pool, reference_encoder):
 
 def test_encode_refs_resolve_to_embeddings(pool, reference_encoder):
     items = mixed_items(300)
+    before = pool.stats()
     refs = pool.encode_refs(items)
+    assert pool.stats().channel_batches == before.channel_batches  # references need the object store
     assert all(isinstance(ref, ray.ObjectRef) for ref in refs)
     assert_same(ray.get(refs), reference_encoder.encode(items))
+
+
+def test_a_broken_channel_falls_back_to_ray_without_losing_a_call(ray_cluster, reference_encoder):
+    pool = EncoderPool.connect(POOL_NAME)
+    try:
+        items = mixed_items(350)
+        assert_same(pool.encode(items), reference_encoder.encode(items))  # opens connections
+        for slot in pool._dispatcher._actors.values():
+            for connection in slot.channel._all:
+                connection._socket.shutdown(socket.SHUT_RDWR)
+        results = [pool.encode(items) for _ in range(3)]
+        for result in results:
+            assert_same(result, reference_encoder.encode(items))
+        stats = pool.stats()
+        assert stats.failed_calls == 0 and stats.requeued_items > 0
+        assert stats.batches > stats.channel_batches  # the later batches went through Ray
+        assert all(slot.channel is None for slot in pool._dispatcher._actors.values())
+    finally:
+        pool.close()
 
 
 def test_empty_call_returns_empty(pool):

@@ -12,8 +12,8 @@ from vitpool.packing import ItemCost
 
 @dataclass
 class QueuedItem:
-    """One item waiting for (or riding in) a batch. `pixels` is a reference to its pixels in the
-    object store, put there by the caller's own thread."""
+    """One item waiting for (or riding in) a batch. `pixels` is its array (for the same-node
+    channel) or a reference to it in the object store, put there by the caller's own thread."""
 
     call: Call
     index: int  # position in the caller's list
@@ -21,13 +21,14 @@ class QueuedItem:
     is_video: bool
     grid: tuple[int, int, int]
     dtype_name: str
-    pixels: Any  # ray.ObjectRef
+    pixels: Any  # np.ndarray or ray.ObjectRef
     attempts: int = 0
     enqueued_at: float = field(default_factory=time.monotonic)
 
 
 class Call:
-    """The future of one `encode` call: resolves to the result references, in input order."""
+    """The future of one call: resolves to its results in input order, each an Embedding (from
+    the same-node channel) or a reference to one (from a Ray call)."""
 
     def __init__(self, num_items: int) -> None:
         self.future: concurrent.futures.Future = concurrent.futures.Future()
@@ -39,11 +40,11 @@ class Call:
     def done(self) -> bool:
         return self.future.done()
 
-    def complete_item(self, index: int, result_ref: Any) -> bool:
+    def complete_item(self, index: int, result: Any) -> bool:
         """Record one item's result; True when this completed the call."""
         if self.done or self.results[index] is not None:
             return False
-        self.results[index] = result_ref
+        self.results[index] = result
         self.remaining -= 1
         if self.remaining == 0:
             self.future.set_result(list(self.results))

@@ -144,6 +144,7 @@ class PoolController:
                 settings.dtype,
                 settings.device,
                 self._actor_threads,
+                settings.same_node_channel,
             )
         )
         self._members[index] = _Member(handle, STARTING)

@@ -3,14 +3,18 @@
 Every process that calls the pool has one. It queues the items of all its concurrent calls,
 packs them into token budgets, and sends each batch straight to the encoder actor with the
 least outstanding estimated cost, keeping at most `max_in_flight` batches on each actor. The
-hot path is one Ray hop: caller -> encoder actor -> caller; the controller is never on it.
+hot path is one hop: caller -> encoder actor -> caller; the controller is never on it. To an
+actor on the caller's node a batch goes through the same-node channel (shared memory, see
+`vitpool.actors.local_channel`); to others, and for callers that want object references, it is
+a Ray actor call with the pixels in the object store.
 
 Items go out at once while some actor is idle; while every actor is busy they wait up to
 `batch_window_s` for others to share a batch, or until an actor frees a slot. A batch whose
 actor left the pool (retired or died) goes back to the queue and to another actor.
 
-Threads: callers submit and may dispatch in their own thread. Ray's completion callbacks only
-update state (no Ray calls there); the dispatcher's thread sends whatever they freed room for.
+Threads: callers submit and may dispatch in their own thread. Completion callbacks (Ray's, and
+the channel's connection threads) only update state, making no Ray calls; the dispatcher's thread
+sends whatever they freed room for.
 """
 
 from __future__ import annotations
@@ -23,9 +27,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import ray
 
 from vitpool.actors import OK, RETIRED, BatchReceipt
+from vitpool.actors.local_channel import ChannelClient, ChannelClosed, ChannelReply
 from vitpool.errors import EncodeError, InvalidItemError, PoolUnavailableError
 from vitpool.packing import Budget, batch_cost, pack
 from vitpool.pool.calls import Call, QueuedItem
@@ -40,6 +46,7 @@ _LATENCY_SAMPLES = 4096
 @dataclass
 class _ActorSlot:
     handle: Any
+    channel: ChannelClient | None = None  # the same-node fast path, if the actor is on this node
     accepting: bool = True
     in_flight: int = 0
     outstanding_cost: float = 0.0
@@ -50,7 +57,7 @@ class _Flight:
     actor_index: int
     members: list[QueuedItem]
     cost: float
-    result_refs: list[Any]
+    results: list[Any]  # per member: a Ray reference to its Embedding, or (by channel) the Embedding
     sent_at: float = field(default_factory=time.monotonic)
 
 
@@ -61,6 +68,7 @@ class DispatchCounters:
     calls: int = 0
     items: int = 0
     batches: int = 0
+    channel_batches: int = 0  # sent through the same-node channel rather than a Ray call
     requeued_items: int = 0
     failed_calls: int = 0
     latencies_s: collections.deque = field(default_factory=lambda: collections.deque(maxlen=_LATENCY_SAMPLES))
@@ -75,12 +83,14 @@ class Dispatcher:
         batch_window_s: float,
         max_attempts: int,
         on_actor_gone: Callable[[], None],
+        make_channel: Callable[[int], ChannelClient | None] = lambda actor_index: None,
     ) -> None:
         self._budgets = budgets
         self._max_in_flight = max_in_flight
         self._window_s = batch_window_s
         self._max_attempts = max_attempts
         self._on_actor_gone = on_actor_gone
+        self._make_channel = make_channel
         self._actors: dict[int, _ActorSlot] = {}
         self._queue: collections.deque[QueuedItem] = collections.deque()
         self._lock = threading.Lock()
@@ -101,7 +111,7 @@ class Dispatcher:
                 slot.accepting = index in actors
             for index, handle in actors.items():
                 if index not in self._actors:
-                    self._actors[index] = _ActorSlot(handle)
+                    self._actors[index] = _ActorSlot(handle, self._make_channel(index))
             self._forget_idle_leavers()
             if not actors:
                 self._fail_queue(PoolUnavailableError("the pool has no encoder actor"))
@@ -128,6 +138,12 @@ class Dispatcher:
             self._fail_call(call, error)
 
     @property
+    def has_channel(self) -> bool:
+        """Whether some actor takes batches through the same-node channel (callers then keep
+        pixels as arrays instead of putting them in the object store)."""
+        return any(slot.channel is not None for slot in self._actors.values())
+
+    @property
     def queue_depth(self) -> int:
         return len(self._queue)
 
@@ -139,6 +155,8 @@ class Dispatcher:
         with self._lock:
             self._closed = True
             self._fail_queue(PoolUnavailableError("the pool handle was closed"))
+            for slot in self._actors.values():
+                _close_channel(slot)
             self._wake.notify_all()
         self._thread.join(timeout=5)
 
@@ -202,38 +220,61 @@ class Dispatcher:
     def _send(self, actor_index: int, members: list[QueuedItem], cost: float) -> None:
         slot = self._actors[actor_index]
         metadata = [(m.is_video, m.grid, m.dtype_name) for m in members]
+        slot.in_flight += 1
+        slot.outstanding_cost += cost
+        self.counters.batches += 1
+        if slot.channel is not None and all(isinstance(m.pixels, np.ndarray) for m in members):
+            flight = _Flight(actor_index, members, cost, [])
+            self.counters.channel_batches += 1
+            items = [(meta, m.pixels, m.cost.num_tokens) for meta, m in zip(metadata, members)]
+            slot.channel.submit(items, lambda outcome: self._on_channel_reply(flight, outcome))
+            return
         refs = slot.handle.encode_batch.options(num_returns=len(members) + 1).remote(
             metadata, *[m.pixels for m in members]
         )
         flight = _Flight(actor_index, members, cost, refs[:-1])
-        slot.in_flight += 1
-        slot.outstanding_cost += cost
-        self.counters.batches += 1
         refs[-1].future().add_done_callback(lambda future: self._on_receipt(flight, future))
 
-    # completion (Ray's callback thread: no Ray calls here)
+    # completion (Ray's callback thread or a channel connection's: no Ray calls here)
 
     def _on_receipt(self, flight: _Flight, future: Any) -> None:
+        try:
+            outcome = future.result()
+        except Exception as error:  # noqa: BLE001 - handed on as the batch's outcome
+            outcome = error
+        self._finish(flight, outcome)
+
+    def _on_channel_reply(self, flight: _Flight, outcome: ChannelReply | BaseException) -> None:
+        if isinstance(outcome, ChannelReply):
+            flight.results = outcome.values
+            outcome = outcome.receipt
+        self._finish(flight, outcome)
+
+    def _finish(self, flight: _Flight, outcome: BatchReceipt | BaseException) -> None:
+        index = flight.actor_index
         with self._lock:
-            slot = self._actors.get(flight.actor_index)
+            slot = self._actors.get(index)
             if slot is not None:
                 slot.in_flight -= 1
                 slot.outstanding_cost -= flight.cost
-            try:
-                receipt: BatchReceipt = future.result()
-            except _ACTOR_GONE as error:
-                self._actor_left(flight, f"encoder actor {flight.actor_index} died: {error}")
-            except Exception as error:  # noqa: BLE001 - the actor raised: fail the calls in the batch
-                failure = EncodeError(f"encoder actor {flight.actor_index} failed on a batch: {error}")
-                failure.__cause__ = error
+            if isinstance(outcome, ChannelClosed):
+                # The actor may be alive: go on through Ray, which tells a dead actor apart.
+                if slot is not None and slot.channel is not None:
+                    logger.warning("%s (actor %d); its batches go through Ray from now on", outcome, index)
+                    _close_channel(slot)
+                self._requeue(flight, str(outcome))
+            elif isinstance(outcome, _ACTOR_GONE):
+                self._actor_left(flight, f"encoder actor {index} died: {outcome}")
+            elif isinstance(outcome, BaseException):  # the actor failed on the batch itself
+                failure = EncodeError(f"encoder actor {index} failed on a batch: {outcome}")
+                failure.__cause__ = outcome
                 for member in flight.members:
                     self._fail_call(member.call, failure)
+            elif outcome.status == RETIRED:
+                self._actor_left(flight, f"encoder actor {index} left the pool")
             else:
-                if receipt.status == RETIRED:
-                    self._actor_left(flight, f"encoder actor {flight.actor_index} left the pool")
-                else:
-                    assert receipt.status == OK, receipt.status
-                    self._complete(flight, receipt)
+                assert outcome.status == OK, outcome.status
+                self._complete(flight, outcome)
             self._forget_idle_leavers()
             self._slot_freed = True
             self._wake.notify_all()
@@ -245,7 +286,7 @@ class Dispatcher:
             reason = receipt.item_errors.get(position)
             if reason is not None:
                 self._fail_call(call, InvalidItemError(member.index, reason))
-            elif call.complete_item(member.index, flight.result_refs[position]):
+            elif call.complete_item(member.index, flight.results[position]):
                 self.counters.latencies_s.append(now - call.submitted_at)
                 self.counters.completions.append((now, len(call.results)))
         self.counters.items += len(flight.members)
@@ -256,6 +297,9 @@ class Dispatcher:
             slot.accepting = False
             logger.warning("%s; its batches go to other actors", why)
             self._on_actor_gone()
+        self._requeue(flight, why)
+
+    def _requeue(self, flight: _Flight, why: str) -> None:
         requeued = []
         for member in flight.members:
             if member.call.done:
@@ -273,7 +317,7 @@ class Dispatcher:
 
     def _forget_idle_leavers(self) -> None:
         for index in [i for i, s in self._actors.items() if not s.accepting and s.in_flight == 0]:
-            del self._actors[index]
+            _close_channel(self._actors.pop(index))
 
     def _fail_queue(self, error: BaseException) -> None:
         while self._queue:
@@ -303,3 +347,9 @@ class Dispatcher:
                         continue
                     timeout = self._window_s - waited
                 self._wake.wait(timeout)
+
+
+def _close_channel(slot: _ActorSlot) -> None:
+    if slot.channel is not None:
+        slot.channel.close()
+        slot.channel = None

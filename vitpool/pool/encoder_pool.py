@@ -2,8 +2,9 @@
 
 A launched pool is a named controller actor (membership, scaling) and one encoder actor per GPU.
 Every handle, in the launching process or any other process in the cluster, runs its own
-dispatcher: calls go from the caller's process straight to the encoder actors, with pixels and
-embeddings in Ray's object store and only small control messages anywhere else.
+dispatcher: calls go from the caller's process straight to the encoder actors. Pixels and
+embeddings go through shared memory to actors on the caller's node and through Ray's object store
+to the others; only small control messages go anywhere else.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 import ray
 
 from vitpool.actors import ActorInfo
+from vitpool.actors.local_channel import ChannelClient
 from vitpool.errors import ConfigError, PoolUnavailableError, VitpoolError
 from vitpool.graphs.inputs import prepare_items
 from vitpool.items import Embedding, Item, Video
@@ -56,6 +58,7 @@ class EncoderPool:
         self._settings = membership.settings
         self._membership = membership
         self._rules = _item_rules(membership)
+        self._node_id = ray.get_runtime_context().get_node_id()
         budgets = _common_budgets(membership.infos.values())
         self._dispatcher = Dispatcher(
             budgets,
@@ -63,6 +66,7 @@ class EncoderPool:
             self._settings.batch_window_s,
             self._settings.max_attempts_per_item,
             on_actor_gone=self._request_refresh,
+            make_channel=self._channel_to,
         )
         self._dispatcher.set_actors(membership.actors, budgets)
         self._refresh_now = threading.Event()
@@ -185,19 +189,31 @@ class EncoderPool:
             TimeoutError: no result within `timeout_s`.
             PoolUnavailableError: the pool has no actor left.
         """
-        refs = self.encode_refs(items, timeout_s)
-        return ray.get(refs)
+        if not _checked_list(items):
+            return []
+        call = self._submit(items, want_refs=False)
+        try:
+            results = call.future.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise self._timed_out(call, timeout_s) from None
+        refs = {i: r for i, r in enumerate(results) if isinstance(r, ray.ObjectRef)}
+        for index, value in zip(refs, ray.get(list(refs.values()))):
+            results[index] = value
+        return results
 
     async def encode_async(self, items: Sequence[Item], timeout_s: float | None = None) -> list[Embedding]:
         """`encode` for asyncio callers: awaits without blocking the event loop."""
         if not _checked_list(items):
             return []
-        call = self._submit(items)
+        call = self._submit(items, want_refs=False)
         try:
-            refs = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(call.future)), timeout_s)
+            results = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(call.future)), timeout_s)
         except asyncio.TimeoutError:
             raise self._timed_out(call, timeout_s) from None
-        return list(await asyncio.gather(*refs))
+        refs = {i: r for i, r in enumerate(results) if isinstance(r, ray.ObjectRef)}
+        for index, value in zip(refs, await asyncio.gather(*refs.values())):
+            results[index] = value
+        return results
 
     def encode_refs(self, items: Sequence[Item], timeout_s: float | None = None) -> list[ray.ObjectRef]:
         """Encode `items`; returns one Ray object reference per item, in input order, each to an
@@ -206,21 +222,24 @@ class EncoderPool:
         """
         if not _checked_list(items):
             return []
-        call = self._submit(items)
+        call = self._submit(items, want_refs=True)
         try:
             return call.future.result(timeout_s)
         except concurrent.futures.TimeoutError:
             raise self._timed_out(call, timeout_s) from None
 
-    def _submit(self, items: Sequence[Item]) -> Call:
+    def _submit(self, items: Sequence[Item], want_refs: bool) -> Call:
         # Checked here, in the caller's process, so a bad item costs no hop and harms no one.
         prepared = prepare_items(items, self._rules)
         call = Call(len(prepared))
+        # Arrays can take the same-node channel; references (put in the caller's thread, outside
+        # the dispatcher's lock) go through Ray and give results that stay in the object store.
+        keep_arrays = not want_refs and self._dispatcher.has_channel
         queued = [
             QueuedItem(
                 call, index, ItemCost(p.size.num_tokens, p.size.num_sequences),
                 isinstance(item, Video), p.grid, wire_dtype_name(p.pixels.dtype),
-                ray.put(to_array(p.pixels)),  # in the caller's thread, outside the dispatcher's lock
+                to_array(p.pixels) if keep_arrays else ray.put(to_array(p.pixels)),
             )
             for index, (item, p) in enumerate(zip(items, prepared))
         ]
@@ -271,6 +290,7 @@ class EncoderPool:
             calls=counters.calls,
             items=counters.items,
             batches=counters.batches,
+            channel_batches=counters.channel_batches,
             failed_calls=counters.failed_calls,
             requeued_items=counters.requeued_items,
             items_per_second=recent_rate(list(counters.completions)),
@@ -329,6 +349,13 @@ class EncoderPool:
         self._membership = membership
         self._dispatcher.set_actors(membership.actors, self._dispatcher_budgets())
         logger.info("pool %r: %d encoder actors take work", self.name, len(membership.actors))
+
+    def _channel_to(self, actor_index: int) -> ChannelClient | None:
+        """A same-node channel to the actor, if the settings allow it and the actor is on this node."""
+        info = self._membership.infos.get(actor_index)
+        if not self._settings.same_node_channel or info is None or info.channel is None:
+            return None
+        return ChannelClient(info.channel) if info.node_id == self._node_id else None
 
     def _dispatcher_budgets(self) -> list[Budget]:
         return _common_budgets(self._membership.infos.values())

@@ -32,6 +32,9 @@ class PoolSettings:
         startup_timeout_s: how long launch and scale wait for actors to load and capture.
         retire_timeout_s: how long a removed actor may take to finish its batches.
         max_attempts_per_item: how often an item is sent again after its actor left or died.
+        same_node_channel: callers on an actor's node send it batches through shared memory and
+            a Unix socket instead of Ray's object store (Linux; about 1 ms less per call on a
+            small image). Results of `encode_refs` always go through the object store.
     """
 
     model: str | None = None
@@ -46,6 +49,7 @@ class PoolSettings:
     startup_timeout_s: float = 900.0
     retire_timeout_s: float = 120.0
     max_attempts_per_item: int = 3
+    same_node_channel: bool = True
 
     def __post_init__(self) -> None:
         if self.model is not None:
@@ -67,6 +71,8 @@ class PoolSettings:
         _positive_int("max_attempts_per_item", self.max_attempts_per_item)
         if self.actor_threads is not None:
             _positive_int("actor_threads", self.actor_threads)
+        if not isinstance(self.same_node_channel, bool):
+            raise ConfigError(f"same_node_channel must be True or False; got {self.same_node_channel!r}")
         _non_negative_seconds("batch_window_s", self.batch_window_s)
         _non_negative_seconds("startup_timeout_s", self.startup_timeout_s, positive=True)
         _non_negative_seconds("retire_timeout_s", self.retire_timeout_s, positive=True)

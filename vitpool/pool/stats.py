@@ -16,9 +16,9 @@ class PoolStats:
     """A snapshot of a pool.
 
     Per actor: `actors` (device, batches, items, graph hit rate, padding waste, busy time).
-    For the calls made through this handle's process: queue depth, batches in flight,
-    items per second over the last 10 s, and call latency (submit to results ready) p50/p99
-    over the last 4096 calls.
+    For the calls made through this handle's process: queue depth, batches in flight (and how
+    many batches went through the same-node channel), items per second over the last 10 s, and
+    call latency (submit to results ready) p50/p99 over the last 4096 calls.
     """
 
     name: str
@@ -29,6 +29,7 @@ class PoolStats:
     calls: int = 0
     items: int = 0
     batches: int = 0
+    channel_batches: int = 0
     failed_calls: int = 0
     requeued_items: int = 0
     items_per_second: float = 0.0
@@ -37,7 +38,8 @@ class PoolStats:
 
     def summary(self) -> str:
         lines = [
-            (f"pool {self.name!r}: {self.num_actors} actors, {self.items} items in {self.batches} batches, "
+            (f"pool {self.name!r}: {self.num_actors} actors, {self.items} items in {self.batches} batches "
+            f"({self.channel_batches} through shared memory), "
             f"{self.items_per_second:.1f} items/s, latency p50 {self.latency_p50_s * 1e3:.2f} ms "
             f"p99 {self.latency_p99_s * 1e3:.2f} ms, queue {self.queue_depth}, in flight {self.batches_in_flight}, "
             f"failed calls {self.failed_calls}, requeued items {self.requeued_items}")
