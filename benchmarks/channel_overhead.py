@@ -23,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from common import image, save_random_tower, summarize
 
@@ -36,14 +37,14 @@ WORKLOADS = {"1x224": lambda: [image(224)], "4x224": lambda: [image(224) for _ i
 
 
 def serve_echo(connection, output_width: int, num_deepstack: int) -> None:
-    def run_batch(metadata, pixels):
+    def zeros(tokens: int) -> torch.Tensor:  # NumPy's: torch's would wake a CPU thread pool
+        return torch.from_numpy(np.zeros((tokens, output_width), dtype=np.int16)).view(torch.bfloat16)
+
+    def run_batch(metadata, pixels, output_device):
         values = []
-        for (_, grid, _), rows in zip(metadata, pixels):
+        for rows in pixels:
             tokens = rows.shape[0] // 4
-            values.append(Embedding(
-                torch.zeros(tokens, output_width, dtype=torch.bfloat16),
-                [torch.zeros(tokens, output_width, dtype=torch.bfloat16) for _ in range(num_deepstack)],
-            ))
+            values.append(Embedding(zeros(tokens), [zeros(tokens) for _ in range(num_deepstack)]))
         return values, BatchReceipt(OK)
 
     server = ChannelServer(run_batch, name="echo")
@@ -88,7 +89,11 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--paths", default=None, help="comma-separated subset of the paths to time")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads in this process")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     gpu = torch.cuda.get_device_name()
     directory = str(save_random_tower(tempfile.mkdtemp(prefix="vitpool-bench-")))
     encoder = GraphEncoder.from_pretrained(directory, device="cuda", dtype=torch.bfloat16)
@@ -109,7 +114,10 @@ def main() -> None:
         clients[name] = ChannelClient(ChannelInfo(address, spec.output_width, spec.num_deepstack, "bfloat16"))
     pool = EncoderPool.launch(model=directory, num_actors=1, dtype="bfloat16", actor_options={"num_gpus": 0.5})
 
-    results = {"gpu": gpu, "torch": torch.__version__, "runs": args.runs, "workloads": {}}
+    results = {
+        "gpu": gpu, "torch": torch.__version__, "runs": args.runs, "torch_threads": torch.get_num_threads(),
+        "workloads": {},
+    }
     for workload, build in WORKLOADS.items():
         items = build()
         wire = channel_items(items)
@@ -121,6 +129,8 @@ def main() -> None:
             "actor_channel": lambda: channel_call(clients["actor_channel"], wire),
             "pool": lambda: pool.encode(items),
         }
+        if args.paths:
+            paths = {name: paths[name] for name in args.paths.split(",")}
         samples = {name: [] for name in paths}
         for _ in range(args.warmup):
             for function in paths.values():
@@ -139,7 +149,7 @@ def main() -> None:
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))
     names = list(next(iter(results["workloads"].values())))
-    print(f"\nGPU: {gpu}; median (p99) ms of {args.runs} runs")
+    print(f"\nGPU: {gpu}; torch threads here {torch.get_num_threads()}; median (p99) ms of {args.runs} runs")
     print("| workload | " + " | ".join(names) + " |")
     print("|---" * (len(names) + 1) + "|")
     for workload, row in results["workloads"].items():

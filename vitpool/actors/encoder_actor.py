@@ -68,7 +68,9 @@ class EncoderActor:
         self._retiring = False
         self._stats = ActorStats(actor_index, self._device_name())
         self._channel = (
-            ChannelServer(self.run_batch, name=f"actor{actor_index}") if serve_channel and channel_supported() else None
+            ChannelServer(self.run_batch, f"actor{actor_index}", self.encoder.device)
+            if serve_channel and channel_supported()
+            else None
         )
         logger.info("encoder actor %d ready on %s in %.1f s", actor_index, self._stats.device, self._startup_seconds)
 
@@ -105,9 +107,10 @@ class EncoderActor:
         return (*values, receipt)
 
     def run_batch(
-        self, metadata: list[ItemMetadata], pixels: list[np.ndarray]
+        self, metadata: list[ItemMetadata], pixels: list[np.ndarray], output_device: str | None = "cpu"
     ) -> tuple[list[Embedding | None], BatchReceipt]:
-        """Encode one batch, from Ray or the same-node channel: per-item values and the receipt."""
+        """Encode one batch, from Ray or the same-node channel: per-item values and the receipt.
+        Outputs go to pinned host memory, or stay on the device for `output_device=None`."""
         with self._lock:
             if self._retiring:
                 return [None] * len(metadata), BatchReceipt(RETIRED)
@@ -117,7 +120,7 @@ class EncoderActor:
         start = time.perf_counter()
         try:
             items = [item_from_wire(m, p) for m, p in zip(metadata, pixels, strict=True)]
-            outcomes = self.encoder.encode_each(items, output_device="cpu")
+            outcomes = self.encoder.encode_each(items, output_device=output_device)
         finally:
             with self._lock:
                 self._running -= 1

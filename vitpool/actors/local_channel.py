@@ -48,8 +48,11 @@ MAX_MESSAGE_BYTES = 16 << 20
 _LENGTH = struct.Struct("<I")
 ERROR = "error"  # a reply status besides the receipt's: the actor failed on the batch itself
 
-# one batch as the actor's encoder takes it: per item its metadata and its pixels
-BatchFunction = Callable[[list[ItemMetadata], list[np.ndarray]], tuple[list[Embedding | None], BatchReceipt]]
+# One batch as the actor's encoder takes it: per item its metadata and its pixels, and where the
+# outputs should be (None: on the encoder's device).
+BatchFunction = Callable[
+    [list[ItemMetadata], list[np.ndarray], str | None], tuple[list[Embedding | None], BatchReceipt]
+]
 
 
 class ChannelClosed(ConnectionError):
@@ -143,8 +146,11 @@ def _array_at(buffer: mmap.mmap, dtype_name: str, offset: int, shape: Sequence[i
 class ChannelServer:
     """Serves batches to same-node callers from the actor's process, one thread per connection."""
 
-    def __init__(self, run_batch: BatchFunction, name: str = "") -> None:
+    def __init__(self, run_batch: BatchFunction, name: str = "", device: torch.device | None = None) -> None:
         self._run_batch = run_batch
+        # On a GPU the segments are registered with CUDA: pixels go to the device and outputs
+        # come back by DMA, with no staging copy.
+        self._cuda_device = device if device is not None and device.type == "cuda" else None
         self.address = f"\0vitpool-{name}-{uuid.uuid4().hex}"
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(self.address)
@@ -180,7 +186,7 @@ class ChannelServer:
                         if segment is not None:
                             segment.close()
                         segment = None
-                        segment = _MappedSegment(path, size)
+                        segment = _MappedSegment(path, size, self._cuda_device)
                     _send_message(connection, self._handle(segment.buffer, request))
         except (OSError, ValueError, msgpack.UnpackException) as error:
             logger.warning("channel connection dropped: %s", error)
@@ -197,15 +203,16 @@ class ChannelServer:
             output_offsets = request["outputs"]
             if len(output_offsets) != len(metadata):
                 raise ValueError("one output offset per item is needed")
-            values, receipt = self._run_batch(metadata, pixels)
+            values, receipt = self._run_batch(metadata, pixels, None if self._cuda_device else "cpu")
             del pixels  # views of the segment: it can be unmapped once they are gone
             for value, offset in zip(values, output_offsets):
                 if value is not None:
                     for tensor in (value.tokens, *value.deepstack):
-                        array = to_array(tensor)
-                        target = _array_at(buffer, wire_dtype_name(tensor.dtype), offset, array.shape)
-                        np.copyto(target, array)
-                        offset = _aligned(offset + array.nbytes)
+                        target = _array_at(buffer, wire_dtype_name(tensor.dtype), offset, tuple(tensor.shape))
+                        _write(target, tensor)
+                        offset = _aligned(offset + target.nbytes)
+            if self._cuda_device is not None:
+                torch.cuda.current_stream(self._cuda_device).synchronize()
             return {
                 "status": receipt.status,
                 "errors": [[position, reason] for position, reason in receipt.item_errors.items()],
@@ -214,6 +221,15 @@ class ChannelServer:
         except Exception as error:  # noqa: BLE001 - the caller gets the error as the batch's outcome
             logger.exception("channel batch failed")
             return {"status": ERROR, "message": f"{type(error).__name__}: {error}"}
+
+
+def _write(target: np.ndarray, tensor: torch.Tensor) -> None:
+    """Copy `tensor` into the segment: by DMA from a GPU (completed by the caller's synchronise),
+    else with NumPy (one thread: torch's own copy would wake its whole CPU thread pool)."""
+    if tensor.device.type == "cuda":
+        torch.from_numpy(target).view(tensor.dtype).copy_(tensor, non_blocking=True)
+    else:
+        np.copyto(target, to_array(tensor))
 
 
 def _same_user(connection: socket.socket) -> bool:
@@ -225,7 +241,7 @@ def _same_user(connection: socket.socket) -> bool:
 class _MappedSegment:
     """A caller's segment, mapped by the actor; only vitpool segment files are accepted."""
 
-    def __init__(self, path: object, size: object) -> None:
+    def __init__(self, path: object, size: object, cuda_device: torch.device | None) -> None:
         if not isinstance(path, str) or not isinstance(size, int) or size <= 0:
             raise ValueError("a request must name its segment and size")
         directory = os.path.realpath(_shm_directory())
@@ -240,8 +256,21 @@ class _MappedSegment:
         finally:
             os.close(descriptor)
         self.path = path
+        self._registered = None
+        if cuda_device is not None:
+            address = np.frombuffer(self.buffer, dtype=np.uint8).ctypes.data
+            with torch.cuda.device(cuda_device):
+                if torch.cuda.cudart().cudaHostRegister(address, size, 0) == 0:
+                    self._registered = (cuda_device, address)
+                else:
+                    logger.warning("could not register a %d-byte segment with CUDA; copies are staged", size)
 
     def close(self) -> None:
+        if self._registered is not None:
+            device, address = self._registered
+            with torch.cuda.device(device):
+                torch.cuda.current_stream(device).synchronize()
+                torch.cuda.cudart().cudaHostUnregister(address)
         try:
             self.buffer.close()
         except BufferError:
@@ -360,20 +389,37 @@ class _Connection:
         receipt = BatchReceipt(str(reply["status"]), errors, float(reply.get("busy", 0.0)))
         values: list[Embedding | None] = [None] * len(items)
         if receipt.status == OK:
-            for position, (_, _, num_tokens) in enumerate(items):
-                if position not in errors:
-                    values[position] = self._read_embedding(segment, output_offsets[position], num_tokens)
+            values = self._read_outputs(segment, items, output_offsets, errors)
         return ChannelReply(values, receipt)
 
-    def _read_embedding(self, segment: _OwnedSegment, offset: int, num_tokens: int) -> Embedding:
+    def _read_outputs(
+        self, segment: _OwnedSegment, items: list[ChannelItem], output_offsets: list[int], errors: dict
+    ) -> list[Embedding | None]:
+        """The batch's outputs, copied out of the segment in one piece into one block of memory
+        that the items' tensors view.
+
+        One block, not a tensor each: fresh memory costs a page fault per 4 KiB on first touch,
+        and the allocator keeps one recurring block mapped where it would give back many. The
+        block is pinned when this process already uses CUDA (torch caches pinned blocks, and
+        the caller's copy to its GPU can then be asynchronous)."""
         info = self._client.info
         torch_dtype = WIRE_DTYPES[info.output_dtype][0]
-        tensors = []
-        for _ in range(1 + info.num_deepstack):
-            array = _array_at(segment.buffer, info.output_dtype, offset, (num_tokens, info.output_width))
-            tensors.append(torch.from_numpy(array).clone().view(torch_dtype))
-            offset = _aligned(offset + array.nbytes)
-        return Embedding(tensors[0], tensors[1:])
+        start, end = output_offsets[0], output_offsets[-1] + info.output_bytes(items[-1][2])
+        block = torch.empty(end - start, dtype=torch.uint8, pin_memory=torch.cuda.is_initialized())
+        np.copyto(block.numpy(), np.frombuffer(segment.buffer, dtype=np.uint8, count=end - start, offset=start))
+        values: list[Embedding | None] = []
+        for position, ((_, _, num_tokens), offset) in enumerate(zip(items, output_offsets)):
+            if position in errors:
+                values.append(None)
+                continue
+            tensor_bytes = num_tokens * info.output_width * torch_dtype.itemsize
+            tensors = []
+            for _ in range(1 + info.num_deepstack):
+                raw = block[offset - start : offset - start + tensor_bytes]
+                tensors.append(raw.view(torch_dtype).view(num_tokens, info.output_width))
+                offset = _aligned(offset + tensor_bytes)  # where the actor put the next one
+            values.append(Embedding(tensors[0], tensors[1:]))
+        return values
 
     def _segment_of(self, size: int) -> _OwnedSegment:
         if self._segment is None or self._segment.size < size:
