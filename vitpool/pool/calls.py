@@ -22,6 +22,7 @@ class QueuedItem:
     grid: tuple[int, int, int]
     dtype_name: str
     pixels: Any  # np.ndarray or ray.ObjectRef
+    nbytes: int  # the pixels' size, for the queue's bound
     attempts: int = 0
     enqueued_at: float = field(default_factory=time.monotonic)
 

@@ -31,6 +31,13 @@ class _Member:
 
 
 @dataclass(frozen=True)
+class PoolHealth:
+    failures: int  # actors reported dead or silent
+    restarts: int  # replacements started for them
+    restarts_left: int
+
+
+@dataclass(frozen=True)
 class Membership:
     """The actors that take work now, and what callers need to check and pack items."""
 
@@ -51,6 +58,8 @@ class PoolController:
         self._members: dict[int, _Member] = {}
         self._next_index = 0
         self._version = 0
+        self._failures = 0
+        self._restarts = 0
         self._lock = threading.Lock()
 
     def settings(self) -> PoolSettings:
@@ -112,6 +121,44 @@ class PoolController:
                 self._version += 1
         if member is not None:
             ray.kill(member.handle, no_restart=True)
+
+    def report_failure(self, index: int) -> bool:
+        """A caller saw this actor die or go silent: stop it and start a replacement while restarts
+        are left. Several callers may report the same actor; the first report counts. Returns
+        whether a replacement was started."""
+        with self._lock:
+            member = self._members.get(index)
+            if member is None or member.state != ACTIVE:
+                return False
+            del self._members[index]
+            self._version += 1
+            self._failures += 1
+            replace = self._restarts < self._settings.max_actor_restarts
+            if replace:
+                self._restarts += 1
+                started = self._start_actor()
+        logger.warning(
+            "encoder actor %d failed; %s", index,
+            f"starting actor {started[0]} in its place" if replace else "no restarts left, not replaced",
+        )
+        ray.kill(member.handle, no_restart=True)  # a silent one may still run
+        if replace:
+            threading.Thread(target=self._activate_when_ready, args=started, daemon=True).start()
+        return replace
+
+    def health(self) -> PoolHealth:
+        with self._lock:
+            return PoolHealth(self._failures, self._restarts, self._settings.max_actor_restarts - self._restarts)
+
+    def _activate_when_ready(self, index: int, handle: Any, info_ref: Any) -> None:
+        try:
+            info = ray.get(info_ref, timeout=self._settings.startup_timeout_s)
+        except (ray.exceptions.RayError, TimeoutError) as error:
+            logger.error("replacement encoder actor %d failed to start: %s", index, error)
+            self.forget(index)
+            return
+        self.activate(index, info)
+        logger.info("replacement encoder actor %d ready on %s", index, info.device)
 
     def shutdown(self) -> int:
         """Kill every encoder actor; returns how many there were."""

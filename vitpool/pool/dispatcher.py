@@ -8,6 +8,11 @@ actor on the caller's node a batch goes through the same-node channel (shared me
 `vitpool.actors.local_channel`); to others, and for callers that want object references, it is
 a Ray actor call with the pixels in the object store.
 
+The queue is bounded (items and pixel bytes): a call that would pass the bounds waits for room.
+A batch unanswered after `batch_timeout_s` counts as failed, like one whose actor died: its items
+go to other actors and the actor is reported, for the controller to replace. When no actor is
+left, waiting and new calls fail at once with PoolUnavailableError.
+
 Items go out at once while some actor is idle; while every actor is busy they wait up to
 `batch_window_s` for others to share a batch, or until an actor frees a slot. A batch whose
 actor left the pool (retired or died) goes back to the queue and to another actor.
@@ -35,6 +40,7 @@ from vitpool.actors.local_channel import ChannelClient, ChannelClosed, ChannelRe
 from vitpool.errors import EncodeError, InvalidItemError, PoolUnavailableError
 from vitpool.packing import Budget, batch_cost, pack
 from vitpool.pool.calls import Call, QueuedItem
+from vitpool.pool.settings import PoolSettings
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +58,7 @@ class _ActorSlot:
     outstanding_cost: float = 0.0
 
 
-@dataclass
+@dataclass(eq=False)  # identity: a flight is tracked in a set
 class _Flight:
     actor_index: int
     members: list[QueuedItem]
@@ -71,6 +77,11 @@ class DispatchCounters:
     channel_batches: int = 0  # sent through the same-node channel rather than a Ray call
     requeued_items: int = 0
     failed_calls: int = 0
+    failed_batches: int = 0  # the actor died, went silent past the timeout, or failed the batch
+    timed_out_batches: int = 0
+    rejected_items: int = 0  # bad items, found here or by the actor
+    peak_queued_items: int = 0
+    peak_queued_bytes: int = 0
     latencies_s: collections.deque = field(default_factory=lambda: collections.deque(maxlen=_LATENCY_SAMPLES))
     completions: collections.deque = field(default_factory=lambda: collections.deque(maxlen=_LATENCY_SAMPLES))
 
@@ -79,22 +90,27 @@ class Dispatcher:
     def __init__(
         self,
         budgets: list[Budget],
-        max_in_flight: int,
-        batch_window_s: float,
-        max_attempts: int,
-        on_actor_gone: Callable[[], None],
+        settings: PoolSettings,
+        on_actor_failed: Callable[[int], None],
         make_channel: Callable[[int], ChannelClient | None] = lambda actor_index: None,
     ) -> None:
         self._budgets = budgets
-        self._max_in_flight = max_in_flight
-        self._window_s = batch_window_s
-        self._max_attempts = max_attempts
-        self._on_actor_gone = on_actor_gone
+        self._max_in_flight = settings.max_batches_in_flight_per_actor
+        self._window_s = settings.batch_window_s
+        self._max_attempts = settings.max_attempts_per_item
+        self._batch_timeout_s = settings.batch_timeout_s
+        self._max_queued_items = settings.max_queued_items
+        self._max_queued_bytes = settings.max_queued_bytes
+        self._on_actor_failed = on_actor_failed  # told the index of a dead or silent actor; no Ray calls here
         self._make_channel = make_channel
         self._actors: dict[int, _ActorSlot] = {}
+        self._failed_actors: set[int] = set()  # never taken back, whatever a stale membership says
+        self._flights: set[_Flight] = set()
         self._queue: collections.deque[QueuedItem] = collections.deque()
+        self._queued_bytes = 0
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
+        self._room = threading.Condition(self._lock)  # the queue has room again
         self._closed = False
         self._slot_freed = False  # a batch finished since the last dispatch: send without a window
         self.counters = DispatchCounters()
@@ -110,27 +126,67 @@ class Dispatcher:
             for index, slot in self._actors.items():
                 slot.accepting = index in actors
             for index, handle in actors.items():
-                if index not in self._actors:
+                if index not in self._actors and index not in self._failed_actors:
                     self._actors[index] = _ActorSlot(handle, self._make_channel(index))
             self._forget_idle_leavers()
-            if not actors:
-                self._fail_queue(PoolUnavailableError("the pool has no encoder actor"))
+            self._fail_queue_if_no_actor()
             self._wake.notify_all()
 
     # calls
 
-    def submit(self, call: Call, items: list[QueuedItem]) -> None:
+    def submit(self, call: Call, items: list[QueuedItem], timeout_s: float | None = None) -> None:
+        """Queue a call's items, waiting up to `timeout_s` for room (TimeoutError after)."""
+        nbytes = sum(item.nbytes for item in items)
+        if len(items) > self._max_queued_items or nbytes > self._max_queued_bytes:
+            raise ValueError(
+                f"a call of {len(items)} items and {nbytes} pixel bytes can never fit the queue "
+                f"(max_queued_items={self._max_queued_items}, max_queued_bytes={self._max_queued_bytes}); "
+                "split it into smaller calls"
+            )
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._lock:
-            if self._closed:
-                raise PoolUnavailableError("this pool handle is closed")
-            if not any(slot.accepting for slot in self._actors.values()):
-                raise PoolUnavailableError("the pool has no encoder actor")
+            while True:
+                self._check_open()
+                if (
+                    len(self._queue) + len(items) <= self._max_queued_items
+                    and self._queued_bytes + nbytes <= self._max_queued_bytes
+                ):
+                    break
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"the pool's queue stayed full for {timeout_s} s")
+                self._room.wait(remaining)
             self.counters.calls += 1
-            self._queue.extend(items)
+            self._enqueue(items)
             if self._has_idle_actor():
                 self._dispatch()
             else:
                 self._wake.notify_all()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PoolUnavailableError("this pool handle is closed")
+        if not any(slot.accepting for slot in self._actors.values()):
+            raise PoolUnavailableError("the pool has no encoder actor left; see the log for why")
+
+    def _enqueue(self, items: list[QueuedItem], front: bool = False) -> None:
+        if front:
+            self._queue.extendleft(reversed(items))
+        else:
+            self._queue.extend(items)
+        self._queued_bytes += sum(item.nbytes for item in items)
+        counters = self.counters
+        counters.peak_queued_items = max(counters.peak_queued_items, len(self._queue))
+        counters.peak_queued_bytes = max(counters.peak_queued_bytes, self._queued_bytes)
+
+    def _dequeued(self, items: list[QueuedItem]) -> None:
+        if items:
+            self._queued_bytes -= sum(item.nbytes for item in items)
+            self._room.notify_all()
+
+    def count_rejected(self, count: int) -> None:
+        with self._lock:
+            self.counters.rejected_items += count
 
     def cancel(self, call: Call, error: BaseException) -> None:
         """Give up on a call (its caller timed out); its queued items are dropped."""
@@ -147,6 +203,10 @@ class Dispatcher:
     def queue_depth(self) -> int:
         return len(self._queue)
 
+    @property
+    def queued_bytes(self) -> int:
+        return self._queued_bytes
+
     def in_flight(self) -> dict[int, int]:
         with self._lock:
             return {index: slot.in_flight for index, slot in self._actors.items()}
@@ -158,6 +218,7 @@ class Dispatcher:
             for slot in self._actors.values():
                 _close_channel(slot)
             self._wake.notify_all()
+            self._room.notify_all()
         self._thread.join(timeout=5)
 
     # dispatching (lock held)
@@ -184,7 +245,7 @@ class Dispatcher:
                 if actor_index is None:
                     # No room after all: put the rest back at the front, in queue order.
                     rest = sorted(i for b in batches[number:] for i in b.item_indices)
-                    self._queue.extendleft(taken[i] for i in reversed(rest))
+                    self._enqueue([taken[i] for i in rest], front=True)
                     return
                 budget_tokens = batch.budget.num_tokens if batch.budget else batch.num_tokens
                 cost = batch_cost(budget_tokens, batch.num_sequences)
@@ -197,16 +258,18 @@ class Dispatcher:
         token_room = free_slots * largest.num_tokens
         item_room = free_slots * largest.max_items
         taken: list[QueuedItem] = []
+        dropped: list[QueuedItem] = []
         tokens = 0
         while self._queue and len(taken) < item_room:
             item = self._queue[0]
             if item.call.done:
-                self._queue.popleft()
+                dropped.append(self._queue.popleft())
                 continue
             if taken and tokens + item.cost.num_tokens > token_room:
                 break
             taken.append(self._queue.popleft())
             tokens += item.cost.num_tokens
+        self._dequeued(taken + dropped)
         return taken
 
     def _least_loaded(self) -> int | None:
@@ -225,6 +288,7 @@ class Dispatcher:
         self.counters.batches += 1
         if slot.channel is not None and all(isinstance(m.pixels, np.ndarray) for m in members):
             flight = _Flight(actor_index, members, cost, [])
+            self._flights.add(flight)
             self.counters.channel_batches += 1
             items = [(meta, m.pixels, m.cost.num_tokens) for meta, m in zip(metadata, members)]
             slot.channel.submit(items, lambda outcome: self._on_channel_reply(flight, outcome))
@@ -233,6 +297,7 @@ class Dispatcher:
             metadata, *[m.pixels for m in members]
         )
         flight = _Flight(actor_index, members, cost, refs[:-1])
+        self._flights.add(flight)
         refs[-1].future().add_done_callback(lambda future: self._on_receipt(flight, future))
 
     # completion (Ray's callback thread or a channel connection's: no Ray calls here)
@@ -253,10 +318,15 @@ class Dispatcher:
     def _finish(self, flight: _Flight, outcome: BatchReceipt | BaseException) -> None:
         index = flight.actor_index
         with self._lock:
+            if flight not in self._flights:
+                return  # it timed out before: its items went elsewhere already
+            self._flights.discard(flight)
             slot = self._actors.get(index)
             if slot is not None:
                 slot.in_flight -= 1
                 slot.outstanding_cost -= flight.cost
+            if isinstance(outcome, BaseException) and not isinstance(outcome, ChannelClosed):
+                self.counters.failed_batches += 1
             if isinstance(outcome, ChannelClosed):
                 # The actor may be alive: go on through Ray, which tells a dead actor apart.
                 if slot is not None and slot.channel is not None:
@@ -264,7 +334,8 @@ class Dispatcher:
                     _close_channel(slot)
                 self._requeue(flight, str(outcome))
             elif isinstance(outcome, _ACTOR_GONE):
-                self._actor_left(flight, f"encoder actor {index} died: {outcome}")
+                self._actor_failed(index, f"encoder actor {index} died: {outcome}")
+                self._requeue(flight, f"encoder actor {index} died")
             elif isinstance(outcome, BaseException):  # the actor failed on the batch itself
                 failure = EncodeError(f"encoder actor {index} failed on a batch: {outcome}")
                 failure.__cause__ = outcome
@@ -285,6 +356,7 @@ class Dispatcher:
             call = member.call
             reason = receipt.item_errors.get(position)
             if reason is not None:
+                self.counters.rejected_items += 1
                 self._fail_call(call, InvalidItemError(member.index, reason))
             elif call.complete_item(member.index, flight.results[position]):
                 self.counters.latencies_s.append(now - call.submitted_at)
@@ -292,12 +364,50 @@ class Dispatcher:
         self.counters.items += len(flight.members)
 
     def _actor_left(self, flight: _Flight, why: str) -> None:
+        """A retiring actor refused a batch (the controller knows; the next refresh drops it)."""
         slot = self._actors.get(flight.actor_index)
         if slot is not None and slot.accepting:
             slot.accepting = False
-            logger.warning("%s; its batches go to other actors", why)
-            self._on_actor_gone()
+            logger.info("%s; its batches go to other actors", why)
         self._requeue(flight, why)
+
+    def _actor_failed(self, index: int, why: str) -> None:
+        """An actor died or went silent: no more batches for it, and the pool is told."""
+        if index in self._failed_actors:
+            return
+        self._failed_actors.add(index)
+        slot = self._actors.get(index)
+        if slot is not None:
+            slot.accepting = False
+            _close_channel(slot)
+        logger.warning("%s; its batches go to other actors", why)
+        self._on_actor_failed(index)
+
+    def _check_timeouts(self) -> float | None:
+        """Give up on batches past their timeout; returns seconds until the next one would be."""
+        now = time.monotonic()
+        next_deadline = None
+        for flight in list(self._flights):
+            deadline = flight.sent_at + self._batch_timeout_s
+            if deadline <= now:
+                self._flights.discard(flight)
+                self.counters.failed_batches += 1
+                self.counters.timed_out_batches += 1
+                slot = self._actors.get(flight.actor_index)
+                if slot is not None:
+                    slot.in_flight -= 1
+                    slot.outstanding_cost -= flight.cost
+                why = f"encoder actor {flight.actor_index} did not answer a batch within {self._batch_timeout_s} s"
+                self._actor_failed(flight.actor_index, why)
+                self._requeue(flight, why)
+                self._forget_idle_leavers()
+            elif next_deadline is None or deadline < next_deadline:
+                next_deadline = deadline
+        return None if next_deadline is None else next_deadline - now
+
+    def _fail_queue_if_no_actor(self) -> None:
+        if not any(slot.accepting for slot in self._actors.values()):
+            self._fail_queue(PoolUnavailableError("the pool has no encoder actor left; see the log for why"))
 
     def _requeue(self, flight: _Flight, why: str) -> None:
         requeued = []
@@ -311,17 +421,19 @@ class Dispatcher:
             else:
                 requeued.append(member)
         self.counters.requeued_items += len(requeued)
-        # If no actor is left they wait for the membership refresh, which fails them if it
-        # finds no actor either.
-        self._queue.extendleft(reversed(requeued))
+        self._enqueue(requeued, front=True)  # already accepted: the bound does not apply
+        self._fail_queue_if_no_actor()
 
     def _forget_idle_leavers(self) -> None:
         for index in [i for i, s in self._actors.items() if not s.accepting and s.in_flight == 0]:
             _close_channel(self._actors.pop(index))
 
     def _fail_queue(self, error: BaseException) -> None:
-        while self._queue:
-            self._fail_call(self._queue.popleft().call, error)
+        failed = list(self._queue)
+        self._queue.clear()
+        self._dequeued(failed)
+        for item in failed:
+            self._fail_call(item.call, error)
 
     def _fail_call(self, call: Call, error: BaseException) -> None:
         """Fail a call once: its first error wins and is the one counted."""
@@ -334,7 +446,7 @@ class Dispatcher:
     def _run(self) -> None:
         with self._lock:
             while not self._closed:
-                timeout = None
+                timeout = self._check_timeouts()
                 if self._queue and self._free_slots() > 0:
                     waited = time.monotonic() - self._queue[0].enqueued_at
                     if self._has_idle_actor() or waited >= self._window_s or self._slot_freed:
@@ -345,7 +457,8 @@ class Dispatcher:
                             logger.exception("dispatch failed")
                             self._fail_queue(PoolUnavailableError("dispatch failed; see the log"))
                         continue
-                    timeout = self._window_s - waited
+                    window_left = self._window_s - waited
+                    timeout = window_left if timeout is None else min(timeout, window_left)
                 self._wake.wait(timeout)
 
 

@@ -21,7 +21,7 @@ import ray
 
 from vitpool.actors import ActorInfo
 from vitpool.actors.local_channel import ChannelClient
-from vitpool.errors import ConfigError, PoolUnavailableError, VitpoolError
+from vitpool.errors import ConfigError, InvalidItemError, PoolUnavailableError, VitpoolError
 from vitpool.graphs.inputs import prepare_items
 from vitpool.items import Embedding, Item, Video
 from vitpool.packing import Budget, ItemCost
@@ -60,16 +60,12 @@ class EncoderPool:
         self._rules = _item_rules(membership)
         self._node_id = ray.get_runtime_context().get_node_id()
         budgets = _common_budgets(membership.infos.values())
+        self._refresh_now = threading.Event()
+        self._failed_actors: list[int] = []  # to report to the controller, from the refresher thread
         self._dispatcher = Dispatcher(
-            budgets,
-            self._settings.max_batches_in_flight_per_actor,
-            self._settings.batch_window_s,
-            self._settings.max_attempts_per_item,
-            on_actor_gone=self._request_refresh,
-            make_channel=self._channel_to,
+            budgets, self._settings, on_actor_failed=self._actor_failed, make_channel=self._channel_to
         )
         self._dispatcher.set_actors(membership.actors, budgets)
-        self._refresh_now = threading.Event()
         self._closed = threading.Event()
         self._refresher = threading.Thread(target=self._refresh_loop, name="vitpool-membership", daemon=True)
         self._refresher.start()
@@ -191,7 +187,7 @@ class EncoderPool:
         """
         if not _checked_list(items):
             return []
-        call = self._submit(items, want_refs=False)
+        call = self._submit(items, want_refs=False, timeout_s=timeout_s)
         try:
             results = call.future.result(timeout_s)
         except concurrent.futures.TimeoutError:
@@ -205,7 +201,11 @@ class EncoderPool:
         """`encode` for asyncio callers: awaits without blocking the event loop."""
         if not _checked_list(items):
             return []
-        call = self._submit(items, want_refs=False)
+        call, queued = self._prepare_call(items, want_refs=False)
+        try:
+            self._dispatcher.submit(call, queued, timeout_s=0)
+        except TimeoutError:  # the queue is full: wait for room off the event loop
+            await asyncio.to_thread(self._dispatcher.submit, call, queued, timeout_s)
         try:
             results = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(call.future)), timeout_s)
         except asyncio.TimeoutError:
@@ -222,15 +222,31 @@ class EncoderPool:
         """
         if not _checked_list(items):
             return []
-        call = self._submit(items, want_refs=True)
+        call = self._submit(items, want_refs=True, timeout_s=timeout_s)
         try:
             return call.future.result(timeout_s)
         except concurrent.futures.TimeoutError:
             raise self._timed_out(call, timeout_s) from None
 
-    def _submit(self, items: Sequence[Item], want_refs: bool) -> Call:
+    def _submit(self, items: Sequence[Item], want_refs: bool, timeout_s: float | None) -> Call:
+        """Check and queue a call, waiting up to `timeout_s` for room in the queue."""
+        call, queued = self._prepare_call(items, want_refs)
+        self._dispatcher.submit(call, queued, timeout_s)
+        return call
+
+    def _prepare_call(self, items: Sequence[Item], want_refs: bool) -> tuple[Call, list[QueuedItem]]:
         # Checked here, in the caller's process, so a bad item costs no hop and harms no one.
-        prepared = prepare_items(items, self._rules)
+        try:
+            prepared = prepare_items(items, self._rules)
+            limit = self._settings.max_item_tokens
+            for index, item in enumerate(prepared):
+                if limit is not None and item.size.num_tokens > limit:
+                    raise InvalidItemError(
+                        index, f"{item.size.num_tokens} output tokens is over this pool's max_item_tokens={limit}"
+                    )
+        except InvalidItemError:
+            self._dispatcher.count_rejected(1)
+            raise
         call = Call(len(prepared))
         # Arrays can take the same-node channel; references (put in the caller's thread, outside
         # the dispatcher's lock) go through Ray and give results that stay in the object store.
@@ -240,11 +256,11 @@ class EncoderPool:
                 call, index, ItemCost(p.size.num_tokens, p.size.num_sequences),
                 isinstance(item, Video), p.grid, wire_dtype_name(p.pixels.dtype),
                 to_array(p.pixels) if keep_arrays else ray.put(to_array(p.pixels)),
+                p.pixels.nbytes,
             )
             for index, (item, p) in enumerate(zip(items, prepared))
         ]
-        self._dispatcher.submit(call, queued)
-        return call
+        return call, queued
 
     def _timed_out(self, call: Call, timeout_s: float | None) -> TimeoutError:
         error = TimeoutError(f"pool {self.name!r}: no result within {timeout_s} s")
@@ -274,6 +290,7 @@ class EncoderPool:
 
     def stats(self, timeout_s: float = 30.0) -> PoolStats:
         actors = ray.get(self._controller.all_actors.remote(), timeout=timeout_s)
+        health = ray.get(self._controller.health.remote(), timeout=timeout_s)
         actor_stats = []
         for handle in actors.values():
             try:
@@ -293,6 +310,14 @@ class EncoderPool:
             channel_batches=counters.channel_batches,
             failed_calls=counters.failed_calls,
             requeued_items=counters.requeued_items,
+            failed_batches=counters.failed_batches,
+            timed_out_batches=counters.timed_out_batches,
+            rejected_items=counters.rejected_items,
+            actor_restarts=health.restarts,
+            actor_failures=health.failures,
+            queued_bytes=self._dispatcher.queued_bytes,
+            peak_queued_items=counters.peak_queued_items,
+            peak_queued_bytes=counters.peak_queued_bytes,
             items_per_second=recent_rate(list(counters.completions)),
             latency_p50_s=percentile(list(counters.latencies_s), 0.50),
             latency_p99_s=percentile(list(counters.latencies_s), 0.99),
@@ -325,7 +350,9 @@ class EncoderPool:
 
     # membership
 
-    def _request_refresh(self) -> None:
+    def _actor_failed(self, actor_index: int) -> None:
+        # The dispatcher's callback (no Ray calls there): the refresher thread reports it.
+        self._failed_actors.append(actor_index)
         self._refresh_now.set()
 
     def _refresh_loop(self) -> None:
@@ -335,6 +362,9 @@ class EncoderPool:
             if self._closed.is_set():
                 return
             try:
+                while self._failed_actors:
+                    index = self._failed_actors.pop(0)
+                    ray.get(self._controller.report_failure.remote(index), timeout=30)
                 self._refresh()
             except ray.exceptions.RayError as error:
                 logger.warning("pool %r: its controller is gone (%s); calls will fail", self.name, error)

@@ -32,6 +32,13 @@ class PoolSettings:
         startup_timeout_s: how long launch and scale wait for actors to load and capture.
         retire_timeout_s: how long a removed actor may take to finish its batches.
         max_attempts_per_item: how often an item is sent again after its actor left or died.
+        batch_timeout_s: a batch unanswered for this long counts as failed: its items go to
+            another actor and the silent actor is replaced.
+        max_actor_restarts: how many dead (or silent) actors the pool replaces over its life.
+        max_queued_items, max_queued_bytes: bounds on the items (and their pixel bytes) that wait
+            in one caller process; a call that would pass them waits for room.
+        max_item_tokens: the largest item (output tokens) a call may carry; None: any size the
+            model takes.
         same_node_channel: callers on an actor's node send it batches through shared memory and
             a Unix socket instead of Ray's object store (Linux; about 1 ms less per call on a
             small image). Results of `encode_refs` always go through the object store.
@@ -49,6 +56,11 @@ class PoolSettings:
     startup_timeout_s: float = 900.0
     retire_timeout_s: float = 120.0
     max_attempts_per_item: int = 3
+    batch_timeout_s: float = 300.0
+    max_actor_restarts: int = 3
+    max_queued_items: int = 4096
+    max_queued_bytes: int = 2 << 30
+    max_item_tokens: int | None = None
     same_node_channel: bool = True
 
     def __post_init__(self) -> None:
@@ -69,6 +81,13 @@ class PoolSettings:
             raise ConfigError(f"device {self.device!r}: use None (the actor's GPU if any), 'cuda' or 'cpu'")
         _positive_int("max_batches_in_flight_per_actor", self.max_batches_in_flight_per_actor)
         _positive_int("max_attempts_per_item", self.max_attempts_per_item)
+        _positive_int("max_queued_items", self.max_queued_items)
+        _positive_int("max_queued_bytes", self.max_queued_bytes)
+        if self.max_item_tokens is not None:
+            _positive_int("max_item_tokens", self.max_item_tokens)
+        if isinstance(self.max_actor_restarts, bool) or not isinstance(self.max_actor_restarts, int) or self.max_actor_restarts < 0:
+            raise ConfigError(f"max_actor_restarts must be an integer >= 0; got {self.max_actor_restarts!r}")
+        _non_negative_seconds("batch_timeout_s", self.batch_timeout_s, positive=True)
         if self.actor_threads is not None:
             _positive_int("actor_threads", self.actor_threads)
         if not isinstance(self.same_node_channel, bool):

@@ -31,7 +31,15 @@ class PoolStats:
     batches: int = 0
     channel_batches: int = 0
     failed_calls: int = 0
-    requeued_items: int = 0
+    requeued_items: int = 0  # sent again after their actor died, went silent or left
+    failed_batches: int = 0  # actor died, timed out or failed the batch
+    timed_out_batches: int = 0
+    rejected_items: int = 0  # bad input, found in this process or by an actor
+    actor_restarts: int = 0  # replacements the pool started for dead or silent actors
+    actor_failures: int = 0  # actors reported dead or silent (by any caller process)
+    queued_bytes: int = 0
+    peak_queued_items: int = 0
+    peak_queued_bytes: int = 0
     items_per_second: float = 0.0
     latency_p50_s: float = 0.0
     latency_p99_s: float = 0.0
@@ -42,7 +50,10 @@ class PoolStats:
             f"({self.channel_batches} through shared memory), "
             f"{self.items_per_second:.1f} items/s, latency p50 {self.latency_p50_s * 1e3:.2f} ms "
             f"p99 {self.latency_p99_s * 1e3:.2f} ms, queue {self.queue_depth}, in flight {self.batches_in_flight}, "
-            f"failed calls {self.failed_calls}, requeued items {self.requeued_items}")
+            f"failed calls {self.failed_calls}, requeued items {self.requeued_items}, rejected items "
+            f"{self.rejected_items}, failed batches {self.failed_batches} ({self.timed_out_batches} timed out), "
+            f"actor failures {self.actor_failures}, restarts {self.actor_restarts}, peak queue "
+            f"{self.peak_queued_items} items / {self.peak_queued_bytes / 2**20:.1f} MiB")
         ]
         for actor in self.actors:
             lines.append(
