@@ -13,11 +13,10 @@ import time
 import pytest
 import ray
 import torch
-from conftest import image, video
+from conftest import BUDGETS, assert_same, image, mixed_items
 
-from vitpool import ConfigError, EncoderPool, GraphEncoder, InvalidItemError, PoolUnavailableError
+from vitpool import ConfigError, EncoderPool, InvalidItemError, PoolUnavailableError
 
-BUDGETS = [16, 64, 256]
 POOL_NAME = "vitpool-test"
 
 pytestmark = pytest.mark.ray
@@ -36,33 +35,6 @@ def pool(ray_cluster):
     pool = EncoderPool.launch(budgets=BUDGETS, name=POOL_NAME, device="cpu")
     yield pool
     pool.shutdown()
-
-
-@pytest.fixture(scope="module")
-def reference_encoder() -> GraphEncoder:
-    """The same shipped weights, in this process: what every pool result must equal."""
-    return GraphEncoder.from_pretrained(None, budgets=BUDGETS, device="cpu", dtype=torch.float32)
-
-
-def mixed_items(seed: int) -> list:
-    generator = torch.Generator().manual_seed(seed)
-    return [
-        image(8, 8, generator),
-        video(2, 4, 6, generator),
-        image(20, 16, generator),  # 80 tokens: needs the 256-token budget
-        image(2, 2, generator),
-        image(40, 36, generator),  # 360 tokens: larger than every budget, runs eager
-    ]
-
-
-def assert_same(results, expected) -> None:
-    assert len(results) == len(expected)
-    for got, want in zip(results, expected):
-        assert got.tokens.shape == want.tokens.shape
-        torch.testing.assert_close(got.tokens, want.tokens, rtol=1e-5, atol=1e-5)
-        assert len(got.deepstack) == len(want.deepstack) == 2
-        for got_feature, want_feature in zip(got.deepstack, want.deepstack):
-            torch.testing.assert_close(got_feature, want_feature, rtol=1e-5, atol=1e-5)
 
 
 def test_launch_starts_one_actor_per_gpu(pool):

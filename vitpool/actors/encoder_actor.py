@@ -85,6 +85,7 @@ class EncoderActor:
             budgets=list(self.encoder.budgets),
             disabled_budgets=list(encoder_stats.disabled_budgets),
             startup_seconds=self._startup_seconds,
+            pid=os.getpid(),
             channel=self._channel_info(),
         )
 
@@ -120,7 +121,7 @@ class EncoderActor:
         start = time.perf_counter()
         try:
             items = [item_from_wire(m, p) for m, p in zip(metadata, pixels, strict=True)]
-            outcomes = self.encoder.encode_each(items, output_device=output_device)
+            outcomes = self._encode_splitting(items, output_device)
         finally:
             with self._lock:
                 self._running -= 1
@@ -134,6 +135,24 @@ class EncoderActor:
             self._stats.rejected_items += len(errors)
         values = [o if isinstance(o, Embedding) else None for o in outcomes]
         return values, BatchReceipt(OK, errors, time.perf_counter() - start)
+
+    def _encode_splitting(self, items: list, output_device: str | None) -> list:
+        """encode_each; on running out of GPU memory, free the cache and encode each half on its
+        own (down to single items), so the batch is still answered and the actor stays up."""
+        try:
+            return self.encoder.encode_each(items, output_device=output_device)
+        except torch.cuda.OutOfMemoryError:
+            if self.encoder.device.type == "cuda":
+                torch.cuda.empty_cache()
+            with self._lock:
+                self._stats.oom_splits += 1
+            if len(items) == 1:
+                logger.error("encoder actor %d: out of GPU memory on a single item", self.actor_index)
+                raise
+            logger.warning("encoder actor %d: out of GPU memory on %d items; encoding them in halves",
+                           self.actor_index, len(items))
+            half = len(items) // 2
+            return self._encode_splitting(items[:half], output_device) + self._encode_splitting(items[half:], output_device)
 
     def stats(self) -> ActorStats:
         encoder_stats = self.encoder.stats()

@@ -24,6 +24,7 @@ class ActorInfo:
     budgets: list[Budget]  # every budget, captured or not
     disabled_budgets: list[tuple[int, int]]
     startup_seconds: float  # load, capture and check
+    pid: int = 0  # the actor's process
     channel: ChannelInfo | None = None  # the same-node fast path, where the actor serves one
 
 
@@ -52,6 +53,7 @@ class ActorStats:
     graph_items: int = 0
     eager_items: int = 0
     rejected_items: int = 0  # items whose pixels were not finite
+    oom_splits: int = 0  # batches (or halves) split after running out of GPU memory
     padding_waste: float = 0.0  # share of budgeted rows that were padding
     busy_seconds: float = 0.0  # wall time with at least one batch running
     uptime_seconds: float = 0.0

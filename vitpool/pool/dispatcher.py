@@ -332,7 +332,7 @@ class Dispatcher:
                 if slot is not None and slot.channel is not None:
                     logger.warning("%s (actor %d); its batches go through Ray from now on", outcome, index)
                     _close_channel(slot)
-                self._requeue(flight, str(outcome))
+                self._requeue(flight, str(outcome), count_attempt=False)  # at most once per actor
             elif isinstance(outcome, _ACTOR_GONE):
                 self._actor_failed(index, f"encoder actor {index} died: {outcome}")
                 self._requeue(flight, f"encoder actor {index} died")
@@ -409,12 +409,12 @@ class Dispatcher:
         if not any(slot.accepting for slot in self._actors.values()):
             self._fail_queue(PoolUnavailableError("the pool has no encoder actor left; see the log for why"))
 
-    def _requeue(self, flight: _Flight, why: str) -> None:
+    def _requeue(self, flight: _Flight, why: str, count_attempt: bool = True) -> None:
         requeued = []
         for member in flight.members:
             if member.call.done:
                 continue
-            member.attempts += 1
+            member.attempts += count_attempt
             if member.attempts >= self._max_attempts:
                 error = PoolUnavailableError(f"item {member.index} was sent {member.attempts} times: {why}")
                 self._fail_call(member.call, error)

@@ -1,0 +1,199 @@
+"""Reliability of the pool on a local Ray cluster (two fake GPUs, CPU actors): killed actor
+processes lose nothing and are replaced, a pool with no actor left fails promptly, bad input is
+rejected by name without harming a concurrent caller, and an overloaded pool stays bounded."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import ray
+import torch
+from conftest import BUDGETS, ROW_WIDTH, assert_same, image, mixed_items, video
+
+from vitpool import EncoderPool, Image, InvalidItemError, PoolUnavailableError, Video
+
+pytestmark = pytest.mark.ray
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    os.environ["RAY_AUTH_MODE"] = "disabled"  # Ray 2.60 turns on token auth for new local clusters
+    ray.init(num_gpus=2, num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def launch(name: str, **settings) -> EncoderPool:
+    return EncoderPool.launch(budgets=BUDGETS, name=name, device="cpu", **settings)
+
+
+def actor_pids(pool: EncoderPool) -> dict[int, int]:
+    membership = ray.get(pool._controller.membership.remote())
+    return {index: info.pid for index, info in membership.infos.items()}
+
+
+def wait_for(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+class Stream:
+    """Threads calling the pool back to back, checking every result against the reference."""
+
+    def __init__(self, pool: EncoderPool, reference_encoder, threads: int = 4) -> None:
+        self.pool, self.stop = pool, threading.Event()
+        self.failures: list[str] = []
+        self.completed = 0
+        self._lock = threading.Lock()
+        self._threads = [
+            threading.Thread(target=self._run, args=(mixed_items(900 + n)[: 2 + n % 3], reference_encoder))
+            for n in range(threads)
+        ]
+
+    def _run(self, items, reference_encoder) -> None:
+        expected = reference_encoder.encode(items)
+        while not self.stop.is_set():
+            try:
+                assert_same(self.pool.encode(items, timeout_s=120), expected)
+            except Exception as error:  # noqa: BLE001 - collected and reported
+                self.failures.append(repr(error))
+                return
+            with self._lock:
+                self.completed += 1
+
+    def __enter__(self) -> Stream:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop.set()
+        for thread in self._threads:
+            thread.join(timeout=180)
+
+
+def test_a_killed_actor_loses_nothing_and_is_replaced(ray_cluster, reference_encoder):
+    pool = launch("vitpool-kill", max_actor_restarts=2)
+    try:
+        victim, pid = sorted(actor_pids(pool).items())[0]
+        with Stream(pool, reference_encoder) as stream:
+            wait_for(lambda: stream.completed >= 10, 60, "the stream to run")
+            in_flight = pool._dispatcher.in_flight().get(victim, 0)
+            os.kill(pid, signal.SIGKILL)
+            killed_at, completed_at_kill = time.monotonic(), stream.completed
+            wait_for(lambda: stream.completed >= completed_at_kill + 20 or stream.failures, 60, "calls after the kill")
+            wait_for(lambda: pool.num_actors == 2 and victim not in actor_pids(pool), 120, "the replacement")
+            recovered_s = time.monotonic() - killed_at
+            wait_for(lambda: stream.completed >= completed_at_kill + 40 or stream.failures, 60, "calls on the new actor")
+        assert stream.failures == []
+        stats = pool.stats()
+        assert stats.failed_calls == 0
+        assert stats.actor_failures == 1 and stats.actor_restarts == 1
+        assert victim not in actor_pids(pool) and len(actor_pids(pool)) == 2
+        print(f"\nkilled actor {victim} with {in_flight} batches in flight from this process; "
+              f"{stats.requeued_items} items sent again, 0 lost; replaced and taking work {recovered_s:.1f} s later")
+    finally:
+        pool.shutdown()
+
+
+def test_with_every_actor_dead_calls_fail_promptly(ray_cluster):
+    pool = launch("vitpool-all-dead", max_actor_restarts=0)
+    try:
+        for pid in actor_pids(pool).values():
+            os.kill(pid, signal.SIGKILL)
+        time.sleep(0.5)
+        start = time.monotonic()
+        with pytest.raises(PoolUnavailableError):
+            pool.encode([image(8, 8)], timeout_s=60)
+        assert time.monotonic() - start < 15
+        start = time.monotonic()
+        with pytest.raises(PoolUnavailableError, match="no encoder actor left"):
+            pool.encode([image(8, 8)], timeout_s=60)
+        assert time.monotonic() - start < 1
+        assert pool.stats().actor_restarts == 0
+    finally:
+        pool.shutdown()
+
+
+BAD_INPUTS = {
+    "wrong row width": lambda: Image(torch.randn(64, ROW_WIDTH - 1), (1, 8, 8)),
+    "rows do not match the grid": lambda: Image(torch.randn(60, ROW_WIDTH), (1, 8, 8)),
+    "image with t > 1": lambda: Image(torch.randn(128, ROW_WIDTH), (2, 8, 8)),
+    "grid not a multiple of the merge": lambda: Image(torch.randn(63, ROW_WIDTH), (1, 7, 9)),
+    "negative grid": lambda: Image(torch.randn(64, ROW_WIDTH), (1, -8, -8)),
+    "grid of two numbers": lambda: Image(torch.randn(64, ROW_WIDTH), (8, 8)),
+    "one-dimensional pixels": lambda: Image(torch.randn(64 * ROW_WIDTH), (1, 8, 8)),
+    "integer pixels": lambda: Image(torch.ones(64, ROW_WIDTH, dtype=torch.int32), (1, 8, 8)),
+    "not an item": lambda: {"pixel_values": torch.randn(64, ROW_WIDTH), "grid_thw": (1, 8, 8)},
+    "over max_item_tokens": lambda: Image(torch.randn(1600, ROW_WIDTH), (1, 40, 40)),
+    "NaN pixels": lambda: Image(torch.full((64, ROW_WIDTH), float("nan")), (1, 8, 8)),
+    "infinite video": lambda: Video(torch.full((32, ROW_WIDTH), float("inf")), (2, 4, 4)),
+    "numpy object array": lambda: Image(np.array([[object()]]), (1, 1, 1)),
+}
+
+
+def test_bad_inputs_name_their_item_and_spare_a_concurrent_caller(ray_cluster, reference_encoder):
+    pool = launch("vitpool-bad", max_item_tokens=300)
+    try:
+        with Stream(pool, reference_encoder, threads=2) as stream:
+            for kind, build in BAD_INPUTS.items():
+                good = image(4, 4)
+                with pytest.raises(InvalidItemError) as raised:
+                    pool.encode([good, build()], timeout_s=60)
+                assert raised.value.index == 1 and raised.value.reason, kind
+                assert "item 1" in str(raised.value), kind
+            completed = stream.completed
+            wait_for(lambda: stream.completed > completed + 5 or stream.failures, 60, "the good caller")
+        assert stream.failures == []
+        stats = pool.stats()
+        assert stats.rejected_items == len(BAD_INPUTS)
+        assert stats.failed_calls == 2  # the two bad calls that reached an actor (NaN, infinity)
+    finally:
+        pool.shutdown()
+
+
+def test_an_overloaded_pool_stays_within_its_bounds(ray_cluster, reference_encoder):
+    items = [image(16, 16, torch.Generator().manual_seed(s)) for s in range(2)]
+    bound_bytes = 6 * items[0].pixel_values.nbytes
+    pool = launch("vitpool-overload", max_queued_items=6, max_queued_bytes=bound_bytes,
+                  max_batches_in_flight_per_actor=1, batch_window_s=0.01)
+    try:
+        expected = reference_encoder.encode(items)
+        answered, failures = [0], []
+        lock = threading.Lock()
+        deadline = time.monotonic() + 4.0
+
+        def caller() -> None:
+            while time.monotonic() < deadline:
+                try:
+                    assert_same(pool.encode(items), expected)
+                except Exception as error:  # noqa: BLE001 - collected and reported
+                    failures.append(repr(error))
+                    return
+                with lock:
+                    answered[0] += 1
+
+        threads = [threading.Thread(target=caller) for _ in range(16)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        stats = pool.stats()
+        assert failures == []
+        assert stats.calls == answered[0] and stats.items == 2 * answered[0]  # every accepted item answered
+        assert 6 >= stats.peak_queued_items >= 4  # it filled up, and no further
+        assert stats.peak_queued_bytes <= bound_bytes
+        assert stats.queue_depth == 0 and stats.queued_bytes == 0
+        print(f"\noverload: {answered[0]} calls answered; peak queue {stats.peak_queued_items} items, "
+              f"{stats.peak_queued_bytes} bytes (bounds 6, {bound_bytes})")
+        with pytest.raises(ValueError, match="can never fit"):
+            pool.encode([image(16, 16) for _ in range(7)])
+    finally:
+        pool.shutdown()
