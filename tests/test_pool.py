@@ -16,6 +16,7 @@ import torch
 from conftest import BUDGETS, assert_same, image, mixed_items
 
 from vitpool import ConfigError, EncoderPool, InvalidItemError, PoolUnavailableError
+from vitpool.codec import decode_results, encode_request
 
 POOL_NAME = "vitpool-test"
 
@@ -119,6 +120,16 @@ def test_a_broken_channel_falls_back_to_ray_without_losing_a_call(ray_cluster, r
         assert all(slot.channel is None for slot in pool._dispatcher._actors.values())
     finally:
         pool.close()
+
+
+def test_encode_bytes_answers_in_the_codec(pool, reference_encoder):
+    items = mixed_items(320)
+    results = decode_results(pool.encode_bytes(encode_request(items)))
+    assert_same(results, reference_encoder.encode(items))
+    with pytest.raises(ValueError, match="not a vitpool message"):
+        pool.encode_bytes(b"\x80\x04not msgpack")
+    with pytest.raises(InvalidItemError, match="item 0"):
+        pool.encode_bytes(encode_request([image(3, 4)]))
 
 
 def test_empty_call_returns_empty(pool):

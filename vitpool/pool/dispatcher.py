@@ -189,9 +189,10 @@ class Dispatcher:
             self.counters.rejected_items += count
 
     def cancel(self, call: Call, error: BaseException) -> None:
-        """Give up on a call (its caller timed out); its queued items are dropped."""
+        """Give up on a call (its caller timed out); its queued items leave the queue at once."""
         with self._lock:
             self._fail_call(call, error)
+            self._drop_finished_calls()
 
     @property
     def has_channel(self) -> bool:
@@ -321,6 +322,7 @@ class Dispatcher:
             if flight not in self._flights:
                 return  # it timed out before: its items went elsewhere already
             self._flights.discard(flight)
+            failed_before = self.counters.failed_calls
             slot = self._actors.get(index)
             if slot is not None:
                 slot.in_flight -= 1
@@ -346,6 +348,8 @@ class Dispatcher:
             else:
                 assert outcome.status == OK, outcome.status
                 self._complete(flight, outcome)
+            if self.counters.failed_calls != failed_before:
+                self._drop_finished_calls()
             self._forget_idle_leavers()
             self._slot_freed = True
             self._wake.notify_all()
@@ -404,6 +408,13 @@ class Dispatcher:
             elif next_deadline is None or deadline < next_deadline:
                 next_deadline = deadline
         return None if next_deadline is None else next_deadline - now
+
+    def _drop_finished_calls(self) -> None:
+        """Free the queue room of calls that failed or were given up while their items waited."""
+        dropped = [item for item in self._queue if item.call.done]
+        if dropped:
+            self._queue = collections.deque(item for item in self._queue if not item.call.done)
+            self._dequeued(dropped)
 
     def _fail_queue_if_no_actor(self) -> None:
         if not any(slot.accepting for slot in self._actors.values()):

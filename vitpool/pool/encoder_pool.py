@@ -21,6 +21,7 @@ import ray
 
 from vitpool.actors import ActorInfo
 from vitpool.actors.local_channel import ChannelClient
+from vitpool.codec import decode_request, encode_results
 from vitpool.errors import ConfigError, InvalidItemError, PoolUnavailableError, VitpoolError
 from vitpool.graphs.inputs import prepare_items
 from vitpool.items import Embedding, Item, Video
@@ -214,6 +215,16 @@ class EncoderPool:
         for index, value in zip(refs, await asyncio.gather(*refs.values())):
             results[index] = value
         return results
+
+    def encode_bytes(self, request: bytes, timeout_s: float | None = None) -> bytes:
+        """Encode a request in vitpool's msgpack format (`vitpool.codec`), for bytes that come from
+        outside the Ray cluster; returns the results in the same format. Nothing is unpickled.
+
+        Raises:
+            ValueError: the bytes are not a well-formed request (InvalidItemError, a ValueError
+                too, for an item the model cannot take).
+        """
+        return encode_results(self.encode(decode_request(request), timeout_s))
 
     def encode_refs(self, items: Sequence[Item], timeout_s: float | None = None) -> list[ray.ObjectRef]:
         """Encode `items`; returns one Ray object reference per item, in input order, each to an
