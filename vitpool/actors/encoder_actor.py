@@ -37,6 +37,7 @@ class EncoderActor:
         num_threads: torch's CPU threads (Ray starts actors with OMP_NUM_THREADS=1).
         serve_channel: also take batches from callers on the same node through shared memory
             (`vitpool.actors.local_channel`), where the platform allows it.
+        channel_spin_s: after answering on the channel, poll this long for the next batch.
     """
 
     def __init__(
@@ -50,6 +51,7 @@ class EncoderActor:
         device: str | None,
         num_threads: int,
         serve_channel: bool = True,
+        channel_spin_s: float = 0.0,
     ) -> None:
         start = time.perf_counter()
         torch.set_num_threads(num_threads)
@@ -68,7 +70,7 @@ class EncoderActor:
         self._retiring = False
         self._stats = ActorStats(actor_index, self._device_name())
         self._channel = (
-            ChannelServer(self.run_batch, f"actor{actor_index}", self.encoder.device)
+            ChannelServer(self.run_batch, f"actor{actor_index}", self.encoder.device, channel_spin_s)
             if serve_channel and channel_supported()
             else None
         )

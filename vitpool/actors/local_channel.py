@@ -22,11 +22,13 @@ import logging
 import mmap
 import os
 import queue
+import select
 import socket
 import struct
 import sys
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -123,6 +125,19 @@ def _receive_message(connection: socket.socket) -> dict | None:
     return message
 
 
+def spin_until_readable(connection: socket.socket, spin_s: float) -> None:
+    """Poll `connection` for up to `spin_s` before the caller blocks on it: a thread that stays
+    awake sees the message at once, where a sleeping one pays for its wake-up."""
+    if spin_s <= 0:
+        return
+    deadline = time.perf_counter() + spin_s
+    while time.perf_counter() < deadline:
+        readable, _, _ = select.select([connection], [], [], 0)
+        if readable:
+            return
+        os.sched_yield()
+
+
 def _aligned(offset: int) -> int:
     return -(-offset // ALIGNMENT) * ALIGNMENT
 
@@ -146,8 +161,11 @@ def _array_at(buffer: mmap.mmap, dtype_name: str, offset: int, shape: Sequence[i
 class ChannelServer:
     """Serves batches to same-node callers from the actor's process, one thread per connection."""
 
-    def __init__(self, run_batch: BatchFunction, name: str = "", device: torch.device | None = None) -> None:
+    def __init__(
+        self, run_batch: BatchFunction, name: str = "", device: torch.device | None = None, spin_s: float = 0.0
+    ) -> None:
         self._run_batch = run_batch
+        self._spin_s = spin_s  # after each reply, poll this long for the next request before sleeping
         # On a GPU the segments are registered with CUDA: pixels go to the device and outputs
         # come back by DMA, with no staging copy.
         self._cuda_device = device if device is not None and device.type == "cuda" else None
@@ -180,7 +198,11 @@ class ChannelServer:
         segment: _MappedSegment | None = None
         try:
             with connection:
-                while (request := _receive_message(connection)) is not None:
+                while True:
+                    spin_until_readable(connection, self._spin_s)
+                    request = _receive_message(connection)
+                    if request is None:
+                        break
                     path, size = request.get("segment"), request.get("size")
                     if segment is None or segment.path != path:
                         if segment is not None:
@@ -292,82 +314,138 @@ ReplyCallback = Callable[[ChannelReply | BaseException], None]
 
 class ChannelClient:
     """The caller's side of the channel to one actor: a connection per batch in flight, opened
-    when first needed. `submit` never blocks; the reply (or the error) goes to its callback, on
-    the connection's thread."""
+    when first needed. A batch goes either through `exchange` (sent and received by the calling
+    thread, which waits anyway: no thread hand-off) or `submit` (never blocks; the reply, or the
+    error, goes to its callback on the connection's own thread).
 
-    def __init__(self, info: ChannelInfo) -> None:
+    Args:
+        info: the actor's channel.
+        reply_timeout_s: how long a reply may take before the connection counts as broken.
+        spin_s: how long a wait for the reply polls before it sleeps. A thread that sleeps costs
+            a wake-up (0.2-0.4 ms on a VM); polling costs a CPU core while it lasts.
+    """
+
+    def __init__(self, info: ChannelInfo, reply_timeout_s: float | None = None, spin_s: float = 0.0) -> None:
         self.info = info
+        self.reply_timeout_s = reply_timeout_s
+        self.spin_s = spin_s
         self._idle: list[_Connection] = []
         self._all: list[_Connection] = []
         self._lock = threading.Lock()
         self._closed = False
 
+    def exchange(self, items: list[ChannelItem]) -> Exchange:
+        """A batch for the calling thread to `send` and then `receive` itself; no I/O here."""
+        return Exchange(self, self._take(), items)
+
     def submit(self, items: list[ChannelItem], on_reply: ReplyCallback) -> None:
-        with self._lock:
-            if self._closed:
-                raise ChannelClosed("the channel is closed")
-            if self._idle:
-                connection = self._idle.pop()
-            else:
-                connection = _Connection(self)
-                self._all.append(connection)
-        connection.jobs.put((items, on_reply))
+        self._take().run_in_thread(Exchange(self, None, items), on_reply)
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
             connections, self._all, self._idle = self._all, [], []
         for connection in connections:
-            connection.jobs.put(None)
+            connection.stop()
+
+    def _take(self) -> _Connection:
+        with self._lock:
+            if self._closed:
+                raise ChannelClosed("the channel is closed")
+            if self._idle:
+                return self._idle.pop()
+            connection = _Connection(self)
+            self._all.append(connection)
+            return connection
 
     def _release(self, connection: _Connection, healthy: bool) -> None:
-        """A connection is done with its batch. A broken one ends its thread; on a closed client
-        every thread already has its stop message queued."""
+        """A connection is done with its batch. A broken one is dropped (and closed)."""
         with self._lock:
             if healthy and not self._closed:
                 self._idle.append(connection)
-            elif connection in self._all:
+                return
+            if connection in self._all:
                 self._all.remove(connection)
+        connection.stop()
+
+
+class Exchange:
+    """One batch on one connection: `send`, then `receive` (which never raises: it returns the
+    reply or the error, and gives the connection back)."""
+
+    def __init__(self, client: ChannelClient, connection: _Connection | None, items: list[ChannelItem]) -> None:
+        self._client = client
+        self.connection = connection
+        self._items = items
+        self._outcome: ChannelReply | BaseException | None = None
+
+    def send(self) -> None:
+        try:
+            self.connection.send(self._items)
+        except Exception as error:  # noqa: BLE001 - kept as the outcome
+            self._outcome = _as_outcome(error)
+
+    def receive(self) -> ChannelReply | BaseException:
+        if self._outcome is None:
+            try:
+                self._outcome = self.connection.receive(self._items)
+            except Exception as error:  # noqa: BLE001 - kept as the outcome
+                self._outcome = _as_outcome(error)
+        self._client._release(self.connection, healthy=not isinstance(self._outcome, ChannelClosed))
+        return self._outcome
+
+
+def _as_outcome(error: Exception) -> BaseException:
+    """A broken connection (the actor may have died) becomes ChannelClosed; other errors stay."""
+    if isinstance(error, (OSError, ValueError, msgpack.UnpackException)):
+        return ChannelClosed(f"channel to the encoder actor broke: {type(error).__name__}: {error}")
+    return error
 
 
 class _Connection:
-    """One socket and one segment, served by its own thread: one batch at a time."""
+    """One socket and one segment: one batch at a time, sent and received by the thread that
+    took it, or by the connection's own thread (started on first use) for `submit`."""
 
     def __init__(self, client: ChannelClient) -> None:
         self._client = client
-        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue | None = None
         self._socket: socket.socket | None = None
         self._segment: _OwnedSegment | None = None
-        threading.Thread(target=self._run, name="vitpool-channel-client", daemon=True).start()
+        self._output_offsets: list[int] = []
+
+    def run_in_thread(self, exchange: Exchange, on_reply: ReplyCallback) -> None:
+        if self._jobs is None:
+            self._jobs = queue.SimpleQueue()
+            threading.Thread(target=self._run, name="vitpool-channel-client", daemon=True).start()
+        exchange.connection = self
+        self._jobs.put((exchange, on_reply))
+
+    def stop(self) -> None:
+        """Close now if no thread serves the connection; else once its queued batches are done."""
+        if self._jobs is None:
+            self._close()
+        else:
+            self._jobs.put(None)
 
     def _run(self) -> None:
         try:
-            while (job := self.jobs.get()) is not None:
-                items, on_reply = job
-                try:
-                    outcome: ChannelReply | BaseException = self._exchange(items)
-                    healthy = True
-                except (OSError, ValueError, msgpack.UnpackException) as error:
-                    outcome, healthy = ChannelClosed(f"channel to the encoder actor broke: {error}"), False
-                    self._close()
-                except Exception as error:  # noqa: BLE001 - the batch's callback must hear of it
-                    outcome, healthy = error, True
-                self._client._release(self, healthy)
-                on_reply(outcome)
-                if not healthy:
-                    return
+            while (job := self._jobs.get()) is not None:
+                exchange, on_reply = job
+                exchange.send()
+                on_reply(exchange.receive())
         finally:
             self._close()
 
-    def _exchange(self, items: list[ChannelItem]) -> ChannelReply | RemoteBatchError:
+    def send(self, items: list[ChannelItem]) -> None:
+        """Copy the pixels into the segment and send the request."""
         info = self._client.info
         layout, offset = [], 0
         for metadata, pixels, _ in items:
             layout.append((metadata, pixels, offset))
             offset = _aligned(offset + pixels.nbytes)
-        output_offsets = []
+        self._output_offsets = []
         for _, _, num_tokens in items:
-            output_offsets.append(offset)
+            self._output_offsets.append(offset)
             offset += info.output_bytes(num_tokens)
         segment = self._segment_of(offset)
         request_items = []
@@ -376,12 +454,20 @@ class _Connection:
             request_items.append([is_video, list(grid), dtype_name, pixel_offset, list(pixels.shape)])
         if self._socket is None:
             self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._socket.settimeout(self._client.reply_timeout_s)
             self._socket.connect(info.address)
-        message = {"segment": segment.path, "size": segment.size, "items": request_items, "outputs": output_offsets}
+        message = {
+            "segment": segment.path, "size": segment.size, "items": request_items, "outputs": self._output_offsets,
+        }
         _send_message(self._socket, message)
+
+    def receive(self, items: list[ChannelItem]) -> ChannelReply | RemoteBatchError:
+        """Wait for the reply to `send` and copy the outputs out."""
+        spin_until_readable(self._socket, self._client.spin_s)
         reply = _receive_message(self._socket)
         if reply is None:
             raise ConnectionResetError("the actor closed the channel")
+        segment = self._segment
         segment.unlink()  # the actor has mapped it
         if reply.get("status") == ERROR:
             return RemoteBatchError(str(reply.get("message")))
@@ -389,7 +475,7 @@ class _Connection:
         receipt = BatchReceipt(str(reply["status"]), errors, float(reply.get("busy", 0.0)))
         values: list[Embedding | None] = [None] * len(items)
         if receipt.status == OK:
-            values = self._read_outputs(segment, items, output_offsets, errors)
+            values = self._read_outputs(segment, items, self._output_offsets, errors)
         return ChannelReply(values, receipt)
 
     def _read_outputs(

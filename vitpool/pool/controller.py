@@ -192,6 +192,7 @@ class PoolController:
                 settings.device,
                 self._actor_threads,
                 settings.same_node_channel,
+                settings.channel_spin_s,
             )
         )
         self._members[index] = _Member(handle, STARTING)

@@ -36,7 +36,7 @@ import numpy as np
 import ray
 
 from vitpool.actors import OK, RETIRED, BatchReceipt
-from vitpool.actors.local_channel import ChannelClient, ChannelClosed, ChannelReply
+from vitpool.actors.local_channel import ChannelClient, ChannelClosed, ChannelReply, Exchange
 from vitpool.errors import EncodeError, InvalidItemError, PoolUnavailableError
 from vitpool.packing import Budget, batch_cost, pack
 from vitpool.pool.calls import Call, QueuedItem
@@ -134,8 +134,15 @@ class Dispatcher:
 
     # calls
 
-    def submit(self, call: Call, items: list[QueuedItem], timeout_s: float | None = None) -> None:
-        """Queue a call's items, waiting up to `timeout_s` for room (TimeoutError after)."""
+    def submit(
+        self, call: Call, items: list[QueuedItem], timeout_s: float | None = None, inline: bool = False
+    ) -> None:
+        """Queue a call's items, waiting up to `timeout_s` for room (TimeoutError after).
+
+        `inline`: batches this call sends at once over the same-node channel are carried by this
+        thread (send, then wait for the reply) instead of a connection's thread, for a caller
+        that would only wait for its results anyway: one thread hand-off and wake-up fewer.
+        """
         nbytes = sum(item.nbytes for item in items)
         if len(items) > self._max_queued_items or nbytes > self._max_queued_bytes:
             raise ValueError(
@@ -158,10 +165,15 @@ class Dispatcher:
                 self._room.wait(remaining)
             self.counters.calls += 1
             self._enqueue(items)
+            exchanges: list[tuple[Exchange, _Flight]] | None = [] if inline else None
             if self._has_idle_actor():
-                self._dispatch()
+                self._dispatch(exchanges)
             else:
                 self._wake.notify_all()
+        for exchange, _ in exchanges or ():
+            exchange.send()  # all first, so that batches to several actors run at once
+        for exchange, flight in exchanges or ():
+            self._on_channel_reply(flight, exchange.receive())
 
     def _check_open(self) -> None:
         if self._closed:
@@ -232,8 +244,9 @@ class Dispatcher:
             self._max_in_flight - slot.in_flight for slot in self._actors.values() if slot.accepting
         )
 
-    def _dispatch(self) -> None:
-        """Send as much of the queue as the actors have room for."""
+    def _dispatch(self, exchanges: list | None = None) -> None:
+        """Send as much of the queue as the actors have room for. Same-node batches go to
+        `exchanges` for the caller to carry, if it gives a list; else to connection threads."""
         while self._queue:
             free_slots = self._free_slots()
             if free_slots <= 0:
@@ -250,7 +263,7 @@ class Dispatcher:
                     return
                 budget_tokens = batch.budget.num_tokens if batch.budget else batch.num_tokens
                 cost = batch_cost(budget_tokens, batch.num_sequences)
-                self._send(actor_index, [taken[i] for i in batch.item_indices], cost)
+                self._send(actor_index, [taken[i] for i in batch.item_indices], cost, exchanges)
 
     def _take(self, free_slots: int) -> list[QueuedItem]:
         """Queued items, oldest first, as many as `free_slots` full batches would hold: packing
@@ -281,7 +294,7 @@ class Dispatcher:
         ]
         return min(candidates)[1] if candidates else None
 
-    def _send(self, actor_index: int, members: list[QueuedItem], cost: float) -> None:
+    def _send(self, actor_index: int, members: list[QueuedItem], cost: float, exchanges: list | None) -> None:
         slot = self._actors[actor_index]
         metadata = [(m.is_video, m.grid, m.dtype_name) for m in members]
         slot.in_flight += 1
@@ -292,7 +305,10 @@ class Dispatcher:
             self._flights.add(flight)
             self.counters.channel_batches += 1
             items = [(meta, m.pixels, m.cost.num_tokens) for meta, m in zip(metadata, members)]
-            slot.channel.submit(items, lambda outcome: self._on_channel_reply(flight, outcome))
+            if exchanges is not None:
+                exchanges.append((slot.channel.exchange(items), flight))
+            else:
+                slot.channel.submit(items, lambda outcome: self._on_channel_reply(flight, outcome))
             return
         refs = slot.handle.encode_batch.options(num_returns=len(members) + 1).remote(
             metadata, *[m.pixels for m in members]

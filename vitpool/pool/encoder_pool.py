@@ -188,7 +188,7 @@ class EncoderPool:
         """
         if not _checked_list(items):
             return []
-        call = self._submit(items, want_refs=False, timeout_s=timeout_s)
+        call = self._submit(items, want_refs=False, timeout_s=timeout_s, inline=True)
         try:
             results = call.future.result(timeout_s)
         except concurrent.futures.TimeoutError:
@@ -239,10 +239,11 @@ class EncoderPool:
         except concurrent.futures.TimeoutError:
             raise self._timed_out(call, timeout_s) from None
 
-    def _submit(self, items: Sequence[Item], want_refs: bool, timeout_s: float | None) -> Call:
-        """Check and queue a call, waiting up to `timeout_s` for room in the queue."""
+    def _submit(self, items: Sequence[Item], want_refs: bool, timeout_s: float | None, inline: bool = False) -> Call:
+        """Check and queue a call, waiting up to `timeout_s` for room in the queue. `inline`: this
+        thread may carry batches over the same-node channel itself (it waits for them anyway)."""
         call, queued = self._prepare_call(items, want_refs)
-        self._dispatcher.submit(call, queued, timeout_s)
+        self._dispatcher.submit(call, queued, timeout_s, inline)
         return call
 
     def _prepare_call(self, items: Sequence[Item], want_refs: bool) -> tuple[Call, list[QueuedItem]]:
@@ -396,7 +397,11 @@ class EncoderPool:
         info = self._membership.infos.get(actor_index)
         if not self._settings.same_node_channel or info is None or info.channel is None:
             return None
-        return ChannelClient(info.channel) if info.node_id == self._node_id else None
+        if info.node_id != self._node_id:
+            return None
+        # a reply later than the batch timeout counts as a broken connection (the dispatcher has
+        # given up on the batch by then)
+        return ChannelClient(info.channel, self._settings.batch_timeout_s + 5.0, self._settings.channel_spin_s)
 
     def _dispatcher_budgets(self) -> list[Budget]:
         return _common_budgets(self._membership.infos.values())
