@@ -11,7 +11,8 @@ and this process load the same ones) on one GPU. Both paths start from the proce
   store), a second pool whose actor shares the GPU;
 - pool, polling: the channel with channel_spin_s=0.01 (callers and actor poll up to 10 ms
   before they sleep), a third pool on the same GPU.
-Runs alternate between the paths so that drift hits all of them alike.
+Runs alternate between the paths so that drift hits all of them alike (or, with --block N,
+blocks of N runs alternate).
 
     python benchmarks/pool_latency.py [--runs 100] [--warmup 20] [--out pool_latency.json]
 """
@@ -51,6 +52,11 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=100)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument(
+        "--block", type=int, default=1,
+        help="consecutive runs per path before the next path (1: alternate run by run). Every switch "
+        "between paths also switches the GPU between processes' contexts",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     gpu = torch.cuda.get_device_name()
@@ -74,7 +80,10 @@ def main() -> None:
         "pool_through_ray": lambda items: pool_ray.encode(items),
         "pool_polling": lambda items: pool_spin.encode(items),
     }
-    results = {"gpu": gpu, "torch": torch.__version__, "ray": ray.__version__, "runs": args.runs, "workloads": {}}
+    results = {
+        "gpu": gpu, "torch": torch.__version__, "ray": ray.__version__, "runs": args.runs, "block": args.block,
+        "workloads": {},
+    }
     for name, build in WORKLOADS.items():
         items = build()
         local, pooled = encoder.encode(items), pool.encode(items)
@@ -85,9 +94,10 @@ def main() -> None:
         for _ in range(args.warmup):
             for function in paths.values():
                 timed_ms(lambda function=function, items=items: function(items))
-        for _ in range(args.runs):
+        for _ in range(args.runs // args.block):
             for path, function in paths.items():
-                samples[path].append(timed_ms(lambda function=function, items=items: function(items)))
+                for _ in range(args.block):
+                    samples[path].append(timed_ms(lambda function=function, items=items: function(items)))
         row = {path: summarize(values) for path, values in samples.items()}
         pixels = [it.pixel_values.numpy() for it in items]
         row["ray_put_pixels"] = summarize(
@@ -112,7 +122,10 @@ def main() -> None:
 
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))
-    print(f"\nGPU: {gpu}, torch {torch.__version__}, Ray {ray.__version__}; {args.runs} runs after {args.warmup} warm-up")
+    print(
+        f"\nGPU: {gpu}, torch {torch.__version__}, Ray {ray.__version__}; {args.runs} runs after {args.warmup} "
+        f"warm-up, in blocks of {args.block}"
+    )
     print(f"small actor call round trip: {results['empty_actor_call']['median_ms']:.2f} ms median")
     print(
         "| workload | in-process median (p99) ms | in-process to host | pool median (p99) ms "
