@@ -20,12 +20,11 @@ import concurrent.futures
 import json
 import multiprocessing
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
-from common import image, save_random_tower, summarize
+from common import image, once_ms, save_random_tower, summarize
 
 from vitpool import EncoderPool, GraphEncoder, Video
 from vitpool.actors import OK, BatchReceipt, EncoderActor
@@ -75,13 +74,6 @@ def channel_call(client: ChannelClient, items: list) -> None:
     client.submit(items, future.set_result)
     reply = future.result(60)
     assert not isinstance(reply, BaseException), reply
-
-
-def timed_ms(function) -> float:
-    start = time.perf_counter()
-    function()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) * 1e3
 
 
 def main() -> None:
@@ -134,10 +126,10 @@ def main() -> None:
         samples = {name: [] for name in paths}
         for _ in range(args.warmup):
             for function in paths.values():
-                timed_ms(function)
+                once_ms(function)
         for _ in range(args.runs):
             for name, function in paths.items():
-                samples[name].append(timed_ms(function))
+                samples[name].append(once_ms(function))
         results["workloads"][workload] = {name: summarize(values) for name, values in samples.items()}
     pool.shutdown()
     for client in clients.values():

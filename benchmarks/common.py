@@ -63,6 +63,14 @@ def save_random_tower(directory: str | Path, seed: int = 0) -> Path:
     return Path(directory)
 
 
+def once_ms(function) -> float:
+    """One call of `function`, the GPU synchronised after it, in ms."""
+    start = time.perf_counter()
+    function()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3
+
+
 def time_ms(function, runs: int, warmup: int) -> list[float]:
     for _ in range(warmup):
         function()

@@ -23,12 +23,11 @@ import argparse
 import json
 import logging
 import tempfile
-import time
 from pathlib import Path
 
 import ray
 import torch
-from common import image, save_random_tower, summarize, video
+from common import image, once_ms, save_random_tower, summarize, video
 
 from vitpool import EncoderPool, GraphEncoder
 
@@ -38,13 +37,6 @@ WORKLOADS = {
     "1x448": lambda: [image(448)],
     "video 8x224": lambda: [video(8, 224)],
 }
-
-
-def timed_ms(function) -> float:
-    start = time.perf_counter()
-    function()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) * 1e3
 
 
 def main() -> None:
@@ -93,15 +85,15 @@ def main() -> None:
         samples = {path: [] for path in paths}
         for _ in range(args.warmup):
             for function in paths.values():
-                timed_ms(lambda function=function, items=items: function(items))
+                once_ms(lambda function=function, items=items: function(items))
         for _ in range(args.runs // args.block):
             for path, function in paths.items():
                 for _ in range(args.block):
-                    samples[path].append(timed_ms(lambda function=function, items=items: function(items)))
+                    samples[path].append(once_ms(lambda function=function, items=items: function(items)))
         row = {path: summarize(values) for path, values in samples.items()}
         pixels = [it.pixel_values.numpy() for it in items]
         row["ray_put_pixels"] = summarize(
-            [timed_ms(lambda pixels=pixels: [ray.put(p) for p in pixels]) for _ in range(args.runs)]
+            [once_ms(lambda pixels=pixels: [ray.put(p) for p in pixels]) for _ in range(args.runs)]
         )
         row["max_abs_diff_pool_through_ray_vs_in_process"] = max(
             float((p.tokens.float() - l.tokens.float().cpu()).abs().max())
@@ -112,7 +104,7 @@ def main() -> None:
         row["max_abs_diff_pool_vs_in_process"] = max_error
         results["workloads"][name] = row
     actor = ray.get_actor("vitpool-encoder-0", namespace="vitpool")
-    results["empty_actor_call"] = summarize([timed_ms(lambda: ray.get(actor.info.remote())) for _ in range(args.runs)])
+    results["empty_actor_call"] = summarize([once_ms(lambda: ray.get(actor.info.remote())) for _ in range(args.runs)])
     stats = pool.stats()
     results["pool_stats"] = stats.summary()
     results["pool_through_ray_stats"] = pool_ray.stats().summary()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 
 import pytest
 import torch
@@ -70,6 +71,17 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 # pools on a local Ray cluster (tests/test_pool.py, tests/test_faults.py)
 
 BUDGETS = [16, 64, 256]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local cluster with two fake GPUs, per test module."""
+    import ray
+
+    os.environ["RAY_AUTH_MODE"] = "disabled"  # Ray 2.60 turns on token auth for new local clusters
+    ray.init(num_gpus=2, num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
 
 
 @pytest.fixture(scope="session")

@@ -13,19 +13,11 @@ import numpy as np
 import pytest
 import ray
 import torch
-from conftest import BUDGETS, ROW_WIDTH, assert_same, image, mixed_items, video
+from conftest import BUDGETS, ROW_WIDTH, assert_same, image, mixed_items
 
 from vitpool import EncoderPool, Image, InvalidItemError, PoolUnavailableError, Video
 
 pytestmark = pytest.mark.ray
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    os.environ["RAY_AUTH_MODE"] = "disabled"  # Ray 2.60 turns on token auth for new local clusters
-    ray.init(num_gpus=2, num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def launch(name: str, **settings) -> EncoderPool:
@@ -35,6 +27,11 @@ def launch(name: str, **settings) -> EncoderPool:
 def actor_pids(pool: EncoderPool) -> dict[int, int]:
     membership = ray.get(pool._controller.membership.remote())
     return {index: info.pid for index, info in membership.infos.items()}
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def wait_for(condition, timeout_s: float, what: str) -> None:
@@ -180,19 +177,29 @@ def test_an_overloaded_pool_stays_within_its_bounds(ray_cluster, reference_encod
                 with lock:
                     answered[0] += 1
 
-        threads = [threading.Thread(target=caller) for _ in range(16)]
+        rss_before, rss_peak = resident_bytes(), [0]
+
+        def watch_memory() -> None:
+            while time.monotonic() < deadline:
+                rss_peak[0] = max(rss_peak[0], resident_bytes())
+                time.sleep(0.05)
+
+        threads = [threading.Thread(target=caller) for _ in range(16)] + [threading.Thread(target=watch_memory)]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join(timeout=120)
         stats = pool.stats()
+        growth = rss_peak[0] - rss_before
+        assert growth < 256 << 20, f"the caller's memory grew by {growth >> 20} MiB under overload"
         assert failures == []
         assert stats.calls == answered[0] and stats.items == 2 * answered[0]  # every accepted item answered
         assert 6 >= stats.peak_queued_items >= 4  # it filled up, and no further
         assert stats.peak_queued_bytes <= bound_bytes
         assert stats.queue_depth == 0 and stats.queued_bytes == 0
         print(f"\noverload: {answered[0]} calls answered; peak queue {stats.peak_queued_items} items, "
-              f"{stats.peak_queued_bytes} bytes (bounds 6, {bound_bytes})")
+              f"{stats.peak_queued_bytes} bytes (bounds 6, {bound_bytes}); caller's resident memory "
+              f"peaked {growth / 2**20:.1f} MiB above its start")
         with pytest.raises(ValueError, match="can never fit"):
             pool.encode([image(16, 16) for _ in range(7)])
     finally:

@@ -24,14 +24,6 @@ pytestmark = pytest.mark.ray
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    os.environ["RAY_AUTH_MODE"] = "disabled"  # Ray 2.60 turns on token auth for new local clusters
-    ray.init(num_gpus=2, num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def pool(ray_cluster):
     pool = EncoderPool.launch(budgets=BUDGETS, name=POOL_NAME, device="cpu")
     yield pool

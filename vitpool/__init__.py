@@ -12,6 +12,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from vitpool.codec import decode_request, decode_results, encode_request, encode_results
     from vitpool.errors import (
         CheckpointError,
         ConfigError,
@@ -25,6 +26,10 @@ if TYPE_CHECKING:
     from vitpool.pool import EncoderPool, PoolSettings, PoolStats
 
 _PUBLIC = {
+    "decode_request": "vitpool.codec",
+    "decode_results": "vitpool.codec",
+    "encode_request": "vitpool.codec",
+    "encode_results": "vitpool.codec",
     "CheckpointError": "vitpool.errors",
     "ConfigError": "vitpool.errors",
     "EncodeError": "vitpool.errors",
@@ -56,6 +61,10 @@ __all__ = [
     "PoolUnavailableError",
     "Video",
     "VitpoolError",
+    "decode_request",
+    "decode_results",
+    "encode_request",
+    "encode_results",
 ]
 __version__ = "0.1.0"
 

@@ -1,8 +1,10 @@
 """The encoder actor: one GraphEncoder on one GPU (or a CPU), fed packed batches by the pool.
 
 A plain class; the pool wraps it with `ray.remote`, so this module imports no Ray and the class
-can be tested in-process. Items arrive as NumPy views of Ray's object store and go straight to
-the device; results leave as pinned host copies, one transfer per tensor per batch.
+can be tested in-process. Batches come two ways. Through Ray (`encode_batch`), items arrive as
+NumPy views of the object store and results leave as pinned host copies, one transfer per tensor
+per batch. Through the same-node channel (`vitpool.actors.local_channel`), items arrive in a
+caller's shared-memory segment and results go back into it.
 """
 
 from __future__ import annotations

@@ -268,8 +268,8 @@ class ChannelServer:
 
 
 def _write(target: np.ndarray, tensor: torch.Tensor) -> None:
-    """Copy `tensor` into the segment: by DMA from a GPU (completed by the caller's synchronise),
-    else with NumPy (one thread: torch's own copy would wake its whole CPU thread pool)."""
+    """Copy `tensor` into the segment: by DMA from a GPU (complete once the stream is
+    synchronised), else with NumPy (one thread: torch's copy would wake its CPU thread pool)."""
     if tensor.device.type == "cuda":
         torch.from_numpy(target).view(tensor.dtype).copy_(tensor, non_blocking=True)
     else:

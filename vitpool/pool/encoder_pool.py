@@ -188,7 +188,9 @@ class EncoderPool:
         """
         if not _checked_list(items):
             return []
-        call = self._submit(items, want_refs=False, timeout_s=timeout_s, inline=True)
+        # Without a timeout this thread may carry its own batches; with one it must stay free to
+        # give up, so connection threads carry them.
+        call = self._submit(items, want_refs=False, timeout_s=timeout_s, inline=timeout_s is None)
         try:
             results = call.future.result(timeout_s)
         except concurrent.futures.TimeoutError:
