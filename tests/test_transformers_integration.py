@@ -1,0 +1,135 @@
+"""The drop-in vision tower: a tiny random Qwen3-VL model in fp32 generates exactly the same
+greedy tokens with its own tower, with an in-process GraphEncoder, and with a pool."""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+from conftest import ROW_WIDTH
+from transformers import AutoConfig, Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+from vitpool import Embedding, EncoderPool
+from vitpool.integrations.transformers import PooledVisionTower, graph_encoder_for, replace_vision_tower
+from vitpool.models.loading import SHIPPED_CHECKPOINT
+
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def model():
+    vision_config = AutoConfig.from_pretrained(SHIPPED_CHECKPOINT).to_dict()
+    config = Qwen3VLConfig(
+        vision_config=vision_config,
+        text_config={
+            "hidden_size": vision_config["out_hidden_size"], "intermediate_size": 256, "num_hidden_layers": 3,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [6, 5, 5],
+                                "mrope_interleaved": True},
+            "vocab_size": 151936, "max_position_embeddings": 4096,
+        },
+    )
+    torch.manual_seed(0)
+    return Qwen3VLForConditionalGeneration(config).eval()
+
+
+def request(config, images=(), videos=()):
+    """input_ids with the vision placeholders a processor would write, and the pixel rows."""
+    generator = torch.Generator().manual_seed(7)
+    ids = [1, 2, 3]
+    inputs = {}
+    if images:
+        for t, h, w in images:
+            ids += [config.vision_start_token_id] + [config.image_token_id] * (t * h * w // 4) + [config.vision_end_token_id]
+        inputs["pixel_values"] = torch.cat([torch.randn(t * h * w, ROW_WIDTH, generator=generator) for t, h, w in images])
+        inputs["image_grid_thw"] = torch.tensor(images)
+    if videos:
+        for t, h, w in videos:
+            for _ in range(t):  # one group of placeholders per temporal patch, as Qwen3-VL's processor writes
+                ids += [config.vision_start_token_id] + [config.video_token_id] * (h * w // 4) + [config.vision_end_token_id]
+        inputs["pixel_values_videos"] = torch.cat([torch.randn(t * h * w, ROW_WIDTH, generator=generator) for t, h, w in videos])
+        inputs["video_grid_thw"] = torch.tensor(videos)
+    ids += [4, 5]
+    inputs["input_ids"] = torch.tensor([ids])
+    inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+    return inputs
+
+
+def generate(model, inputs) -> list[int]:
+    with torch.no_grad():
+        output = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+    return output[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+REQUESTS = {
+    "images": {"images": [(1, 8, 8), (1, 4, 6)]},
+    "video": {"videos": [(2, 4, 4)]},
+    "both": {"images": [(1, 6, 4)], "videos": [(3, 4, 6)]},
+}
+
+
+def with_tower(model, encoder, inputs) -> list[int]:
+    original = replace_vision_tower(model, encoder)
+    try:
+        assert isinstance(model.model.visual, PooledVisionTower)
+        return generate(model, inputs)
+    finally:
+        model.model.visual = original
+
+
+@pytest.mark.parametrize("name", list(REQUESTS))
+def test_a_graph_encoder_tower_generates_the_same_tokens(model, name):
+    inputs = request(model.config, **REQUESTS[name])
+    expected = generate(model, inputs)
+    encoder = graph_encoder_for(model, budgets=[16, 64])
+    assert with_tower(model, encoder, inputs) == expected
+    assert len(expected) == NEW_TOKENS
+    # the tokens do depend on the embeddings: a tower of slightly changed outputs changes them
+    assert with_tower(model, Nudged(encoder), inputs) != expected
+
+
+class Nudged:
+    """An encoder whose embeddings are the real ones plus noise."""
+
+    def __init__(self, encoder) -> None:
+        self.encoder = encoder
+
+    def encode(self, items):
+        generator = torch.Generator().manual_seed(3)
+        return [
+            Embedding(r.tokens + 0.5 * torch.randn(r.tokens.shape, generator=generator), r.deepstack)
+            for r in self.encoder.encode(items)
+        ]
+
+
+def test_the_stand_in_returns_what_the_tower_returns(model):
+    inputs = request(model.config, images=[(1, 8, 8), (1, 4, 6)])
+    tower = model.model.visual
+    with torch.no_grad():
+        want = tower(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"])
+        got = PooledVisionTower(graph_encoder_for(model, budgets=[64]), 2, torch.float32, torch.device("cpu"))(
+            inputs["pixel_values"], inputs["image_grid_thw"]
+        )
+    torch.testing.assert_close(got.pooler_output, want.pooler_output, rtol=1e-4, atol=1e-5)
+    assert len(got.deepstack_features) == len(want.deepstack_features) == 2
+    for g, w in zip(got.deepstack_features, want.deepstack_features):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="rows"):
+        PooledVisionTower(graph_encoder_for(model, budgets=[64]), 2, torch.float32, torch.device("cpu"))(
+            inputs["pixel_values"][:-4], inputs["image_grid_thw"]
+        )
+
+
+@pytest.mark.ray
+def test_a_pool_tower_generates_the_same_tokens(model, ray_cluster):
+    directory = tempfile.mkdtemp(prefix="vitpool-tower-")
+    model.model.visual.save_pretrained(directory)
+    pool = EncoderPool.launch(model=directory, budgets=[16, 64], name="vitpool-transformers", device="cpu",
+                              dtype="float32")
+    try:
+        for name, spec in REQUESTS.items():
+            inputs = request(model.config, **spec)
+            assert with_tower(model, pool, inputs) == generate(model, inputs), name
+    finally:
+        pool.shutdown()
