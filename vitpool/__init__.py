@@ -22,7 +22,7 @@ if TYPE_CHECKING:
         VitpoolError,
     )
     from vitpool.graphs import EncoderStats, GraphEncoder
-    from vitpool.items import Embedding, Image, Video
+    from vitpool.items import Embedding, Image, Video, shared_results
     from vitpool.pool import EncoderPool, PoolSettings, PoolStats
 
 _PUBLIC = {
@@ -41,6 +41,7 @@ _PUBLIC = {
     "Embedding": "vitpool.items",
     "Image": "vitpool.items",
     "Video": "vitpool.items",
+    "shared_results": "vitpool.items",
     "EncoderPool": "vitpool.pool",
     "PoolSettings": "vitpool.pool",
     "PoolStats": "vitpool.pool",
@@ -65,6 +66,7 @@ __all__ = [
     "decode_results",
     "encode_request",
     "encode_results",
+    "shared_results",
 ]
 __version__ = "0.1.0"
 

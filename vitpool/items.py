@@ -10,6 +10,9 @@ an `Embedding`.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,8 +65,29 @@ class Embedding:
         return _embedding_from_arrays, (dtype_name, to_array(self.tokens), [to_array(d) for d in self.deepstack])
 
 
+_sharing = threading.local()
+
+
+@contextlib.contextmanager
+def shared_results() -> Iterator[None]:
+    """Within it, Embeddings fetched from Ray's object store (`ray.get` on `encode_refs` results)
+    are read-only views of the node's shared memory instead of private copies: every worker on
+    the node reads the same bytes, with no copy per rank. Do not write into them (the process
+    would crash); clone one to write, or move it to a GPU, which copies anyway."""
+    previous = getattr(_sharing, "on", False)
+    _sharing.on = True
+    try:
+        yield
+    finally:
+        _sharing.on = previous
+
+
 def _embedding_from_arrays(dtype_name: str, tokens: np.ndarray, deepstack: list[np.ndarray]) -> Embedding:
-    return Embedding(from_array(tokens, dtype_name), [from_array(d, dtype_name) for d in deepstack])
+    copy = not getattr(_sharing, "on", False)
+    return Embedding(
+        from_array(tokens, dtype_name, copy_read_only=copy),
+        [from_array(d, dtype_name, copy_read_only=copy) for d in deepstack],
+    )
 
 
 ItemMetadata = tuple[bool, tuple[int, int, int], str]  # (is video, grid, pixels' dtype name)

@@ -90,6 +90,7 @@ class EncoderActor:
             disabled_budgets=list(encoder_stats.disabled_budgets),
             startup_seconds=self._startup_seconds,
             pid=os.getpid(),
+            placement_group_id=_placement_group_id(),
             channel=self._channel_info(),
         )
 
@@ -184,6 +185,11 @@ class EncoderActor:
             where = f", GPU {','.join(self._gpu_ids)} of the node" if self._gpu_ids else ""
             return f"{device} ({torch.cuda.get_device_name(device)}{where})"
         return f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+
+
+def _placement_group_id() -> str | None:
+    group = _ray_context("get_placement_group_id")
+    return group.hex() if hasattr(group, "hex") else group
 
 
 def _ray_context(method: str):

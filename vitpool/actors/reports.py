@@ -25,6 +25,7 @@ class ActorInfo:
     disabled_budgets: list[tuple[int, int]]
     startup_seconds: float  # load, capture and check
     pid: int = 0  # the actor's process
+    placement_group_id: str | None = None  # set for an actor colocated in a placement group
     channel: ChannelInfo | None = None  # the same-node fast path, where the actor serves one
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from vitpool.actors import ActorInfo, EncoderActor
 from vitpool.pool.settings import PoolSettings
@@ -28,6 +29,15 @@ class _Member:
     handle: Any  # ray.actor.ActorHandle
     state: str
     info: ActorInfo | None = None
+    bundle: int | None = None  # its bundle of the placement group, for a colocated pool
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A colocated pool's placement group and the bundles its actors may take, one actor each."""
+
+    placement_group: Any  # ray.util.placement_group.PlacementGroup
+    bundles: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -50,8 +60,12 @@ class Membership:
 class PoolController:
     """Plain class; `EncoderPool.launch` runs it as a named, threaded Ray actor."""
 
-    def __init__(self, name: str, settings: PoolSettings, actor_options: dict, actor_threads: int) -> None:
+    def __init__(
+        self, name: str, settings: PoolSettings, actor_options: dict, actor_threads: int,
+        placement: Placement | None = None,
+    ) -> None:
         self._name = name
+        self._placement = placement
         self._settings = settings
         self._actor_options = actor_options
         self._actor_threads = actor_threads
@@ -67,6 +81,14 @@ class PoolController:
 
     def actor_options(self) -> dict:
         return dict(self._actor_options)
+
+    def placement(self) -> Placement | None:
+        return self._placement
+
+    def bundles(self) -> dict[int, int]:
+        """Actor index -> its bundle of the placement group (colocated pools only)."""
+        with self._lock:
+            return {i: m.bundle for i, m in self._members.items() if m.bundle is not None}
 
     def version(self) -> int:
         return self._version
@@ -179,6 +201,11 @@ class PoolController:
             "namespace": NAMESPACE,
             **self._actor_options,
         }
+        bundle = self._free_bundle()
+        if bundle is not None:
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=self._placement.placement_group, placement_group_bundle_index=bundle
+            )
         handle = (
             ray.remote(EncoderActor)
             .options(**options)
@@ -195,8 +222,18 @@ class PoolController:
                 settings.channel_spin_s,
             )
         )
-        self._members[index] = _Member(handle, STARTING)
+        self._members[index] = _Member(handle, STARTING, bundle=bundle)
         return index, handle, handle.info.remote()
+
+    def _free_bundle(self) -> int | None:
+        """The first bundle no actor holds (lock held), or None for a pool that is not colocated."""
+        if self._placement is None:
+            return None
+        taken = {m.bundle for m in self._members.values()}
+        for bundle in self._placement.bundles:
+            if bundle not in taken:
+                return bundle
+        raise ValueError(f"every bundle of the placement group already holds an encoder actor: {taken}")
 
     def _retire(self, index: int) -> None:
         member = self._members.get(index)

@@ -28,7 +28,7 @@ from vitpool.items import Embedding, Item, Video
 from vitpool.packing import Budget, ItemCost
 from vitpool.pool.calls import Call, QueuedItem
 from vitpool.pool.cluster import cluster_cpus, cluster_gpus, join_ray
-from vitpool.pool.controller import NAMESPACE, Membership, PoolController
+from vitpool.pool.controller import NAMESPACE, Membership, Placement, PoolController
 from vitpool.pool.dispatcher import Dispatcher
 from vitpool.pool.settings import PoolSettings
 from vitpool.pool.stats import PoolStats, percentile, recent_rate
@@ -82,6 +82,7 @@ class EncoderPool:
         name: str = "vitpool",
         address: str | None = None,
         actor_options: dict[str, Any] | None = None,
+        placement_group: Any = None,
         **settings: Any,
     ) -> EncoderPool:
         """Start a pool: a named controller and `num_actors` encoder actors, each ready only once
@@ -97,6 +98,10 @@ class EncoderPool:
                 owned by the pool and stopped by `shutdown`).
             actor_options: Ray options for each encoder actor, over the defaults
                 {"num_gpus": 1, "num_cpus": 1}; e.g. {"num_gpus": 0.5} shares a GPU.
+            placement_group: colocate with an existing placement group (say, a tensor-parallel
+                LLM's): one encoder actor in each of its GPU bundles (`num_actors` defaults to
+                their number), on the share of the bundle's GPU that `actor_options["num_gpus"]`
+                sets (required; the bundle must have it free). `num_cpus` defaults to 0 here.
             **settings: any field of `vitpool.pool.settings.PoolSettings` (dtype, batch_window_s,
                 max_batches_in_flight_per_actor, max_items_per_batch, ...).
 
@@ -111,17 +116,23 @@ class EncoderPool:
         owns_ray = join_ray(address)
         controller = None
         try:
-            gpus = cluster_gpus()
-            options = {"num_gpus": 1 if gpus >= 1 else 0, "num_cpus": 1, **(actor_options or {})}
-            if num_actors is None:
-                num_actors = max(1, int(gpus)) if options.get("num_gpus") else 1
-            _check_capacity(options, num_actors)
+            placement = None
+            if placement_group is not None:
+                options, placement = _colocated_options(placement_group, actor_options)
+                num_actors = len(placement.bundles) if num_actors is None else num_actors
+                _check_bundles(placement, num_actors)
+            else:
+                gpus = cluster_gpus()
+                options = {"num_gpus": 1 if gpus >= 1 else 0, "num_cpus": 1, **(actor_options or {})}
+                if num_actors is None:
+                    num_actors = max(1, int(gpus)) if options.get("num_gpus") else 1
+                _check_capacity(options, num_actors)
             threads = pool_settings.actor_threads or _default_threads(options, num_actors)
             try:
                 controller = (
                     ray.remote(PoolController)
                     .options(name=name, namespace=NAMESPACE, num_cpus=0, max_concurrency=32)
-                    .remote(name, pool_settings, options, threads)
+                    .remote(name, pool_settings, options, threads, placement)
                 )
                 ray.get(controller.version.remote())
             except ValueError as error:  # Ray: the name is taken
@@ -293,7 +304,11 @@ class EncoderPool:
         ready (removed ones finish their batches first; nothing in flight is lost)."""
         if isinstance(num_actors, bool) or not isinstance(num_actors, int) or num_actors < 1:
             raise ConfigError(f"num_actors must be a positive integer; got {num_actors!r}")
-        _check_capacity(ray.get(self._controller.actor_options.remote()), num_actors)
+        placement = ray.get(self._controller.placement.remote())
+        if placement is not None:
+            _check_bundles(placement, num_actors)
+        else:
+            _check_capacity(ray.get(self._controller.actor_options.remote()), num_actors)
         started, retired = ray.get(self._controller.scale.remote(num_actors))
         if retired:
             logger.info("pool %r: retiring encoder actors %s", self.name, retired)
@@ -475,6 +490,36 @@ def _check_capacity(options: dict[str, Any], num_actors: int) -> None:
                 f"the cluster has {total.get(resource, 0.0):g}. Use fewer actors or a fractional share "
                 f"(actor_options={{'{key}': ...}})"
             )
+
+
+def _colocated_options(placement_group: Any, actor_options: dict[str, Any] | None) -> tuple[dict, Placement]:
+    """Actor options and the usable bundles of a placement group to colocate with."""
+    specs = placement_group.bundle_specs
+    gpu_bundles = tuple(i for i, spec in enumerate(specs) if spec.get("GPU", 0) > 0)
+    options = {"num_cpus": 0, **(actor_options or {})}
+    if gpu_bundles and "num_gpus" not in options:
+        raise ConfigError(
+            "a colocated pool needs its share of each bundle's GPU: pass actor_options={'num_gpus': 0.25} "
+            "(the LLM's workers in the same bundles must leave that much free)"
+        )
+    options.setdefault("num_gpus", 0)
+    bundles = gpu_bundles or tuple(range(len(specs)))
+    for bundle in bundles:
+        for resource, key in (("GPU", "num_gpus"), ("CPU", "num_cpus")):
+            if float(options[key] or 0) > specs[bundle].get(resource, 0) + 1e-9:
+                raise ConfigError(
+                    f"bundle {bundle} of the placement group has {specs[bundle].get(resource, 0):g} {resource}; "
+                    f"an encoder actor asks {key}={options[key]}"
+                )
+    return options, Placement(placement_group, bundles)
+
+
+def _check_bundles(placement: Placement, num_actors: int) -> None:
+    if num_actors > len(placement.bundles):
+        raise ConfigError(
+            f"{num_actors} encoder actors, but the placement group has {len(placement.bundles)} bundles to "
+            "hold them (one actor per bundle)"
+        )
 
 
 def _free_resources() -> str:
