@@ -30,3 +30,15 @@ def test_quickstart_runs_a_pool_and_stops_it():
     assert len(item_lines) == 9  # 3 callers x 3 items
     assert sum("Video grid (4, 14, 14): tokens (196, 128)" in line for line in item_lines) == 3
     assert "9 items" in next(line for line in lines if line.startswith("pool 'quickstart'"))
+
+
+def test_tp_llm_example_delivers_one_encode_to_both_ranks():
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": ""}
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "tp_llm.py"), "--new-tokens", "6"],
+        capture_output=True, text=True, timeout=300, check=True, env=env,
+    )
+    lines = result.stdout.strip().splitlines()
+    assert any(line.startswith("both ranks received identical embeddings") for line in lines)
+    generated = next(line for line in lines if line.startswith("both ranks generated the same 6 tokens"))
+    assert len(generated.split(":")[1].strip("[] ").split(",")) == 6
