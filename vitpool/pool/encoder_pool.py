@@ -201,7 +201,7 @@ class EncoderPool:
             return []
         # Without a timeout this thread may carry its own batches; with one it must stay free to
         # give up, so connection threads carry them.
-        call = self._submit(items, timeout_s=timeout_s, inline=timeout_s is None)
+        call = self._submit(items, want_refs=False, timeout_s=timeout_s, inline=timeout_s is None)
         try:
             results = call.future.result(timeout_s)
         except concurrent.futures.TimeoutError:
@@ -215,7 +215,7 @@ class EncoderPool:
         """`encode` for asyncio callers: awaits without blocking the event loop."""
         if not _checked_list(items):
             return []
-        call, queued = self._prepare_call(items)
+        call, queued = self._prepare_call(items, want_refs=False)
         try:
             self._dispatcher.submit(call, queued, timeout_s=0)
         except TimeoutError:  # the queue is full: wait for room off the event loop
@@ -243,25 +243,23 @@ class EncoderPool:
         """Encode `items`; returns one Ray object reference per item, in input order, each to an
         Embedding. Returns once the results are in the object store (so a reference never points
         at work that may still be retried), for callers that pass them on without fetching them.
-        Results that came over the same-node channel are put there by this process, which owns them.
         """
         if not _checked_list(items):
             return []
-        call = self._submit(items, timeout_s=timeout_s)
+        call = self._submit(items, want_refs=True, timeout_s=timeout_s)
         try:
-            results = call.future.result(timeout_s)
+            return call.future.result(timeout_s)
         except concurrent.futures.TimeoutError:
             raise self._timed_out(call, timeout_s) from None
-        return [r if isinstance(r, ray.ObjectRef) else ray.put(r) for r in results]
 
-    def _submit(self, items: Sequence[Item], timeout_s: float | None, inline: bool = False) -> Call:
+    def _submit(self, items: Sequence[Item], want_refs: bool, timeout_s: float | None, inline: bool = False) -> Call:
         """Check and queue a call, waiting up to `timeout_s` for room in the queue. `inline`: this
         thread may carry batches over the same-node channel itself (it waits for them anyway)."""
-        call, queued = self._prepare_call(items)
+        call, queued = self._prepare_call(items, want_refs)
         self._dispatcher.submit(call, queued, timeout_s, inline)
         return call
 
-    def _prepare_call(self, items: Sequence[Item]) -> tuple[Call, list[QueuedItem]]:
+    def _prepare_call(self, items: Sequence[Item], want_refs: bool) -> tuple[Call, list[QueuedItem]]:
         # Checked here, in the caller's process, so a bad item costs no hop and harms no one.
         try:
             prepared = prepare_items(items, self._rules)
@@ -275,9 +273,9 @@ class EncoderPool:
             self._dispatcher.count_rejected(1)
             raise
         call = Call(len(prepared))
-        # Arrays can take the same-node channel; where no actor is on this node, the pixels are put
-        # in the object store here, in the caller's thread, outside the dispatcher's lock.
-        keep_arrays = self._dispatcher.has_channel
+        # Arrays can take the same-node channel; references (put in the caller's thread, outside
+        # the dispatcher's lock) go through Ray and give results that stay in the object store.
+        keep_arrays = not want_refs and self._dispatcher.has_channel
         queued = [
             QueuedItem(
                 call, index, ItemCost(p.size.num_tokens, p.size.num_sequences),

@@ -47,7 +47,7 @@ class PoolSettings:
             long. Off (0) by default: on the H200 runs its gain was within run-to-run noise.
         same_node_channel: callers on an actor's node send it batches through shared memory and
             a Unix socket instead of Ray's object store (Linux; about 1 ms less per call on a
-            small image). `encode_refs` puts such results into the object store itself.
+            small image). Results of `encode_refs` always go through the object store.
     """
 
     model: str | None = None
