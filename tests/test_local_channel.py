@@ -21,7 +21,6 @@ from vitpool.actors.local_channel import (
     ChannelClient,
     ChannelClosed,
     ChannelReply,
-    ReplyClock,
     _OwnedSegment,
     channel_supported,
 )
@@ -195,28 +194,3 @@ def test_a_closed_server_gives_channel_closed():
     assert isinstance(outcome, ChannelClosed)
     client.close()
     fresh.close()
-
-
-def test_reply_clock_learns_the_time_per_size():
-    clock = ReplyClock()
-    assert clock.expected(1000) is None
-    clock.observe(1000, 0.010)
-    assert clock.expected(1000) == pytest.approx(0.010)
-    assert clock.expected(1020) == pytest.approx(0.010)  # same bucket (within a factor of two)
-    assert clock.expected(4000) is None
-    clock.observe(1000, 0.020)
-    assert 0.010 < clock.expected(1000) < 0.020  # smoothed, not replaced
-
-
-def test_waking_early_gives_the_same_results(actor):
-    items = [type(i)(i.pixel_values.to(actor.encoder.dtype), i.grid_thw) for i in [image(8, 8), image(16, 16)]]
-    client = ChannelClient(actor.info().channel, wake_early_s=0.0005, spin_s=0.0)
-    try:
-        replies = [exchange(client, items) for _ in range(4)]
-        assert client.reply_clock._seconds  # replies were timed
-        expected = actor.encoder.encode(items)
-        for reply in replies:
-            for got, want in zip(reply.values, expected):
-                assert torch.equal(got.tokens, want.tokens)
-    finally:
-        client.close()

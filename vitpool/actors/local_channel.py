@@ -138,28 +138,6 @@ def spin_until_readable(connection: socket.socket, spin_s: float) -> bool:
     return False
 
 
-class ReplyClock:
-    """When replies of a given size come, from those seen before: a caller can sleep until just
-    before the expected time and poll from there, paying neither a wake-up nor a core for long."""
-
-    SMOOTHING = 0.2
-
-    def __init__(self) -> None:
-        self._seconds: dict[int, float] = {}
-
-    @staticmethod
-    def bucket(num_bytes: int) -> int:
-        return max(0, num_bytes - 1).bit_length()  # sizes within a factor of two share a bucket
-
-    def expected(self, num_bytes: int) -> float | None:
-        return self._seconds.get(self.bucket(num_bytes))
-
-    def observe(self, num_bytes: int, seconds: float) -> None:
-        key = self.bucket(num_bytes)
-        previous = self._seconds.get(key)
-        self._seconds[key] = seconds if previous is None else previous + self.SMOOTHING * (seconds - previous)
-
-
 def _aligned(offset: int) -> int:
     return -(-offset // ALIGNMENT) * ALIGNMENT
 
@@ -345,18 +323,12 @@ class ChannelClient:
         reply_timeout_s: how long a reply may take before the connection counts as broken.
         spin_s: how long a wait for the reply polls before it sleeps. A thread that sleeps costs
             a wake-up (0.2-0.4 ms on a VM); polling costs a CPU core while it lasts.
-        wake_early_s: once replies of a batch's size have been seen, the wait sleeps until this
-            long before the expected reply, then polls for up to twice as long, then sleeps.
     """
 
-    def __init__(
-        self, info: ChannelInfo, reply_timeout_s: float | None = None, spin_s: float = 0.0, wake_early_s: float = 0.0
-    ) -> None:
+    def __init__(self, info: ChannelInfo, reply_timeout_s: float | None = None, spin_s: float = 0.0) -> None:
         self.info = info
         self.reply_timeout_s = reply_timeout_s
         self.spin_s = spin_s
-        self.wake_early_s = wake_early_s
-        self.reply_clock = ReplyClock()  # shared by the connections; a stale guess costs little
         self._idle: list[_Connection] = []
         self._all: list[_Connection] = []
         self._lock = threading.Lock()
@@ -440,8 +412,6 @@ class _Connection:
         self._socket: socket.socket | None = None
         self._segment: _OwnedSegment | None = None
         self._output_offsets: list[int] = []
-        self._request_bytes = 0
-        self._sent_at = 0.0
 
     def run_in_thread(self, exchange: Exchange, on_reply: ReplyCallback) -> None:
         if self._jobs is None:
@@ -489,15 +459,12 @@ class _Connection:
         message = {
             "segment": segment.path, "size": segment.size, "items": request_items, "outputs": self._output_offsets,
         }
-        self._request_bytes = offset
-        self._sent_at = time.perf_counter()
         _send_message(self._socket, message)
 
     def receive(self, items: list[ChannelItem]) -> ChannelReply | RemoteBatchError:
         """Wait for the reply to `send` and copy the outputs out."""
-        self._wait_for_reply()
+        spin_until_readable(self._socket, self._client.spin_s)
         reply = _receive_message(self._socket)
-        self._client.reply_clock.observe(self._request_bytes, time.perf_counter() - self._sent_at)
         if reply is None:
             raise ConnectionResetError("the actor closed the channel")
         segment = self._segment
@@ -510,20 +477,6 @@ class _Connection:
         if receipt.status == OK:
             values = self._read_outputs(segment, items, self._output_offsets, errors)
         return ChannelReply(values, receipt)
-
-    def _wait_for_reply(self) -> None:
-        client = self._client
-        if spin_until_readable(self._socket, client.spin_s):
-            return
-        expected = client.reply_clock.expected(self._request_bytes) if client.wake_early_s > 0 else None
-        if expected is None:
-            return
-        sleep_s = self._sent_at + expected - client.wake_early_s - time.perf_counter()
-        if sleep_s > 0:
-            readable, _, _ = select.select([self._socket], [], [], sleep_s)
-            if readable:
-                return
-        spin_until_readable(self._socket, 2 * client.wake_early_s)
 
     def _read_outputs(
         self, segment: _OwnedSegment, items: list[ChannelItem], output_offsets: list[int], errors: dict

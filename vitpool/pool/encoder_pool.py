@@ -419,9 +419,7 @@ class EncoderPool:
         # a reply later than the batch timeout counts as a broken connection (the dispatcher has
         # given up on the batch by then)
         settings = self._settings
-        return ChannelClient(
-            info.channel, settings.batch_timeout_s + 5.0, settings.channel_spin_s, settings.channel_wake_early_s
-        )
+        return ChannelClient(info.channel, settings.batch_timeout_s + 5.0, settings.channel_spin_s)
 
     def _dispatcher_budgets(self) -> list[Budget]:
         return _common_budgets(self._membership.infos.values())

@@ -42,9 +42,6 @@ class PoolSettings:
         channel_spin_s: on the same-node channel, how long a caller waiting for a reply (and an
             actor that has just answered) polls before it sleeps. Polling costs a CPU core while
             it lasts; sleeping costs a wake-up (0.2-0.4 ms measured on a GPU VM) per wait.
-        channel_wake_early_s: on the same-node channel, a caller that has seen replies of a batch's
-            size sleeps until this long before the next is due, then polls for up to twice as
-            long. Off (0) by default: on the H200 runs its gain was within run-to-run noise.
         same_node_channel: callers on an actor's node send it batches through shared memory and
             a Unix socket instead of Ray's object store (Linux; about 1 ms less per call on a
             small image). Results of `encode_refs` always go through the object store.
@@ -68,7 +65,6 @@ class PoolSettings:
     max_queued_bytes: int = 2 << 30
     max_item_tokens: int | None = None
     channel_spin_s: float = 0.0
-    channel_wake_early_s: float = 0.0
     same_node_channel: bool = True
 
     def __post_init__(self) -> None:
@@ -97,7 +93,6 @@ class PoolSettings:
             raise ConfigError(f"max_actor_restarts must be an integer >= 0; got {self.max_actor_restarts!r}")
         _non_negative_seconds("batch_timeout_s", self.batch_timeout_s, positive=True)
         _non_negative_seconds("channel_spin_s", self.channel_spin_s)
-        _non_negative_seconds("channel_wake_early_s", self.channel_wake_early_s)
         if self.actor_threads is not None:
             _positive_int("actor_threads", self.actor_threads)
         if not isinstance(self.same_node_channel, bool):
