@@ -7,7 +7,10 @@ calls, an 8-frame video of 224² to 448². Pixels are float32, as processors emi
 
 For each pool size: the saturated rate (every caller thread calls back to back), then an open
 loop of Poisson arrivals at 70% of that rate, where latency counts from each call's scheduled
-arrival. The pool grows between sizes with `pool.scale`, while no call is in flight.
+arrival. The pool grows between sizes with `pool.scale`, while no call is in flight. The open
+loop's latencies are also given per call size (output tokens: small <= 256 < medium <= 1024 <
+large), and as slowdowns: each call's latency over the same call's unloaded latency, measured
+alone before the runs.
 
     python benchmarks/pool_throughput.py [--actors 1,2,4] [--seconds 20] [--callers 8] [--threads 8]
 """
@@ -72,6 +75,19 @@ class Caller:
     def mean_items_per_call(self) -> float:
         return statistics.mean(len(c) for c in self.calls)
 
+    def call_tokens(self) -> list[int]:
+        return [sum(int(np.prod(item.grid_thw)) // 4 for item in call) for call in self.calls]
+
+    def unloaded(self) -> list[float]:
+        """Each prepared call alone, once warm: its latency with nothing else in the pool."""
+        seconds = []
+        for call in self.calls:
+            self.pool.encode(call)
+            start = time.monotonic()
+            self.pool.encode(call)
+            seconds.append(time.monotonic() - start)
+        return seconds
+
     def closed_loop(self, seconds: float, threads: int) -> dict:
         """Every thread calls back to back until the deadline."""
         deadline = time.monotonic() + seconds
@@ -98,11 +114,13 @@ class Caller:
 
     def open_loop(self, seconds: float, calls_per_second: float, max_threads: int) -> dict:
         """Poisson arrivals; a call's latency counts from its scheduled arrival."""
-        latencies, items = [], [0]
+        latencies, indices, items = [], [], [0]
 
-        def one(call, scheduled: float) -> None:
+        def one(number: int, scheduled: float) -> None:
+            call = self.calls[number % len(self.calls)]
             self.pool.encode(call)
             latencies.append(time.monotonic() - scheduled)
+            indices.append(number % len(self.calls))
             items[0] += len(call)
 
         start = time.monotonic()
@@ -113,10 +131,17 @@ class Caller:
                 delay = next_arrival - time.monotonic()
                 if delay > 0:
                     time.sleep(delay)
-                executor.submit(one, self.calls[number % len(self.calls)], next_arrival)
+                executor.submit(one, number, next_arrival)
                 number += 1
                 next_arrival += self.rng.expovariate(calls_per_second)
-        return {"items": items[0], "latencies": latencies, "seconds": time.monotonic() - start, "calls": number}
+        return {
+            "items": items[0], "latencies": latencies, "indices": indices, "seconds": time.monotonic() - start,
+            "calls": number,
+        }
+
+
+def size_class(tokens: int) -> str:
+    return "small" if tokens <= 256 else "medium" if tokens <= 1024 else "large"
 
 
 def percentile_ms(values: list[float], fraction: float) -> float:
@@ -142,6 +167,8 @@ def main() -> None:
     pool = EncoderPool.launch(model=str(directory), num_actors=sizes[0], name=POOL_NAME, dtype="bfloat16")
     callers = [Caller.remote(seed, args.calls_per_caller) for seed in range(args.callers)]
     items_per_call = statistics.mean(ray.get([c.mean_items_per_call.remote() for c in callers]))
+    tokens = ray.get([c.call_tokens.remote() for c in callers])
+    alone = ray.get([c.unloaded.remote() for c in callers])  # with the first pool size
     results = {
         "gpu": gpu, "gpus": torch.cuda.device_count(), "ray": ray.__version__, "callers": args.callers,
         "threads_per_caller": args.threads, "seconds": args.seconds, "items_per_call": items_per_call, "sizes": {},
@@ -158,6 +185,12 @@ def main() -> None:
             [c.open_loop.remote(args.seconds, target_calls_per_second, 4 * args.threads) for c in callers]
         )
         open_latencies = [x for o in loaded for x in o["latencies"]]
+        by_class: dict[str, list[float]] = {"small": [], "medium": [], "large": []}
+        slowdowns: list[float] = []
+        for caller_number, outcome in enumerate(loaded):
+            for latency, index in zip(outcome["latencies"], outcome["indices"]):
+                by_class[size_class(tokens[caller_number][index])].append(latency)
+                slowdowns.append(latency / alone[caller_number][index])
         open_rate = sum(o["items"] for o in loaded) / max(o["seconds"] for o in loaded)
         row = {
             "saturated_items_per_s": rate,
@@ -169,6 +202,12 @@ def main() -> None:
             "load70_calls": len(open_latencies),
         }
         row["load70_p99_over_p50"] = row["load70_p99_ms"] / row["load70_p50_ms"]
+        row["load70_by_size"] = {
+            name: {"calls": len(values), "p50_ms": percentile_ms(values, 0.5), "p99_ms": percentile_ms(values, 0.99)}
+            for name, values in by_class.items()
+        }
+        row["load70_slowdown_p50"] = percentile_ms(slowdowns, 0.5) / 1e3
+        row["load70_slowdown_p99"] = percentile_ms(slowdowns, 0.99) / 1e3
         results["sizes"][size] = row
         print(f"{size} actors: {json.dumps(row)}", flush=True)
         print(pool.stats().summary(), flush=True)
@@ -191,6 +230,14 @@ def main() -> None:
             f"| {row['saturated_p50_ms']:.1f} / {row['saturated_p99_ms']:.1f} | {row['load70_items_per_s']:.1f} "
             f"| {row['load70_p50_ms']:.1f} / {row['load70_p99_ms']:.1f} | {row['load70_p99_over_p50']:.2f} |"
         )
+    print("\nAt 70% load, per call size (output tokens), and slowdown (latency / the call's unloaded latency)")
+    print("| actors | small <= 256: calls, p50 / p99 ms | medium <= 1024 | large | slowdown p50 / p99 |")
+    print("|---|---|---|---|---|")
+    for size, row in results["sizes"].items():
+        cells = [
+            f"{c['calls']}, {c['p50_ms']:.1f} / {c['p99_ms']:.1f}" for c in row["load70_by_size"].values()
+        ]
+        print(f"| {size} | " + " | ".join(cells) + f" | {row['load70_slowdown_p50']:.2f} / {row['load70_slowdown_p99']:.2f} |")
 
 
 if __name__ == "__main__":
