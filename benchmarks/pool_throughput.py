@@ -168,7 +168,7 @@ def main() -> None:
     callers = [Caller.remote(seed, args.calls_per_caller) for seed in range(args.callers)]
     items_per_call = statistics.mean(ray.get([c.mean_items_per_call.remote() for c in callers]))
     tokens = ray.get([c.call_tokens.remote() for c in callers])
-    alone = ray.get([c.unloaded.remote() for c in callers])  # with the first pool size
+    alone = [ray.get(c.unloaded.remote()) for c in callers]  # one caller at a time: alone in the pool
     results = {
         "gpu": gpu, "gpus": torch.cuda.device_count(), "ray": ray.__version__, "callers": args.callers,
         "threads_per_caller": args.threads, "seconds": args.seconds, "items_per_call": items_per_call, "sizes": {},
