@@ -2,9 +2,11 @@
 RDT and another sums it, with a collective group of the two (both created with
 enable_tensor_transport=True, as RDT requires of a receiver).
 
-    RAY_rdt_fetch_fail_timeout_milliseconds=15000 python benchmarks/rdt_probe.py [torch_gloo|gloo|nccl]
+    RAY_rdt_fetch_fail_timeout_milliseconds=15000 python benchmarks/rdt_probe.py [torch_gloo|gloo|nccl] [receivers] [threaded]
 
-With nccl, both actors take a GPU and the tensor lives on it.
+With nccl, every actor takes a GPU (a share of one) and the tensor lives on it. `receivers` (1)
+receive the same reference at once; `threaded` gives the sender max_concurrency=4, as an encoder
+actor has.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from ray.experimental.collective import create_collective_group
 
 def main() -> None:
     backend = sys.argv[1] if len(sys.argv) > 1 else "torch_gloo"
+    receivers = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+    threaded = len(sys.argv) > 3 and sys.argv[3] == "threaded"
     transport = "nccl" if backend == "nccl" else "gloo"
-    gpus = 1 if backend == "nccl" else 0
+    gpus = 0.3 if backend == "nccl" else 0
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(include_dashboard=False)
 
@@ -35,14 +39,16 @@ def main() -> None:
         def take(self, tensor: torch.Tensor) -> float:
             return float(tensor.sum())
 
-    sender = Sender.options(enable_tensor_transport=True).remote()
-    receiver = Receiver.options(enable_tensor_transport=True).remote()
-    create_collective_group([sender, receiver], backend=backend)
+    sender = Sender.options(enable_tensor_transport=True, max_concurrency=4 if threaded else 1).remote()
+    targets = [Receiver.options(enable_tensor_transport=True).remote() for _ in range(receivers)]
+    create_collective_group([sender, *targets], backend=backend)
+    case = f"RDT over {backend}, {receivers} receivers, {'threaded' if threaded else 'plain'} sender"
     try:
-        total = ray.get(receiver.take.remote(sender.make.remote(10)), timeout=60)
-        print(f"RDT over {backend}: received, sum {total} (expected 45.0)")
+        reference = sender.make.remote(10)
+        totals = ray.get([target.take.remote(reference) for target in targets], timeout=60)
+        print(f"{case}: received, sums {totals} (expected 45.0 each)")
     except Exception as error:  # noqa: BLE001 - the probe reports whatever happened
-        print(f"RDT over {backend}: failed: {type(error).__name__}: {str(error)[:200]}")
+        print(f"{case}: failed: {type(error).__name__}: {str(error)[:200]}")
     ray.shutdown()
 
 
