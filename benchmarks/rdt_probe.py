@@ -24,7 +24,9 @@ def main() -> None:
     receivers = int(sys.argv[2]) if len(sys.argv) > 2 else 1
     threaded = len(sys.argv) > 3 and sys.argv[3] == "threaded"
     transport = "nccl" if backend == "nccl" else "gloo"
-    gpus = 0.3 if backend == "nccl" else 0
+    # a share of a GPU each, or a whole one each with RDT_PROBE_WHOLE_GPUS=1 (NCCL wants one
+    # device per rank: two actors on one GPU cannot form a communicator)
+    gpus = (1 if os.environ.get("RDT_PROBE_WHOLE_GPUS") else 0.3) if backend == "nccl" else 0
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     ray.init(include_dashboard=False)
 
