@@ -13,9 +13,7 @@ are printed as ids).
 
 `--benchmark N` times, N times after warm-up, the delivery of 8 images of 448² to both ranks:
 encode_refs plus both ranks' fetch (median and p99), against the same encode with `pool.encode`
-fetched by the caller alone. With `--rdt` (GPUs only) the ranks also receive the same encode
-GPU-to-GPU over Ray Direct Transport (NCCL), which is timed too and checked against the
-object-store path.
+fetched by the caller alone.
 """
 
 from __future__ import annotations
@@ -99,24 +97,6 @@ class Rank:
         with shared_results():
             return len(ray.get(refs))
 
-    def sums(self, boxed_refs: list) -> list[float]:
-        """Sums of the tokens and deepstack features, from the object store."""
-        (refs,) = boxed_refs
-        with shared_results():
-            embeddings = ray.get(refs)
-        tensors = [torch.cat([e.tokens for e in embeddings])]
-        tensors += [torch.cat([e.deepstack[k] for e in embeddings]) for k in range(len(embeddings[0].deepstack))]
-        return [float(t.float().sum()) for t in tensors]
-
-    def device_sums(self, tensors: list) -> list[float]:
-        """The same sums of what arrived on this rank's GPU over RDT (Ray resolved the reference)."""
-        assert all(t.is_cuda for t in tensors)
-        return [float(t.float().sum()) for t in tensors]
-
-    def device_fetch(self, tensors: list) -> int:
-        torch.cuda.synchronize()
-        return len(tensors)
-
 
 class Delivered:
     """An encoder that answers with embeddings already received (the pool ran them once)."""
@@ -154,7 +134,6 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument("--benchmark", type=int, default=0, help="time the delivery of 8 x 448² this many times")
-    parser.add_argument("--rdt", action="store_true", help="also deliver GPU-to-GPU over Ray Direct Transport (GPUs)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -162,14 +141,12 @@ def main() -> None:
     ray.init(num_gpus=TP_RANKS if args.device == "cpu" else None, include_dashboard=False)
     group = placement_group([{"GPU": 1, "CPU": 1}] * TP_RANKS, strategy="PACK")
     ray.get(group.ready(), timeout=300)
-    rdt = {"enable_tensor_transport": True} if args.rdt else {}
     ranks = [
-        Rank.options(num_gpus=0.75, num_cpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(group, r), **rdt)
+        Rank.options(num_gpus=0.75, num_cpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(group, r))
         .remote(r, args.model, args.device)
         for r in range(TP_RANKS)
     ]
     settings = {} if args.device == "cuda" else {"device": "cpu", "budgets": [64, 256]}
-    settings["device_delivery"] = args.rdt
     pool = EncoderPool.launch(
         model=args.model, name="tp-llm-encoder", placement_group=group, actor_options={"num_gpus": 0.25}, **settings
     )
@@ -184,33 +161,15 @@ def main() -> None:
         assert tokens[0] == tokens[1], tokens
         print(f"both ranks generated the same {len(tokens[0])} tokens: {tokens[0]}")
 
-        batch = images(8, 448, seed=2)
-        if args.rdt:
-            pool.join_ranks(ranks)
-            via_store = ray.get(ranks[0].sums.remote([pool.encode_refs(batch)]))
-            reference = pool.encode_to_device(batch)
-            via_gpu = ray.get([rank.device_sums.remote(reference) for rank in ranks])
-            assert via_gpu[0] == via_gpu[1], via_gpu
-            assert all(abs(a - b) <= 1e-3 * max(1.0, abs(b)) for a, b in zip(via_gpu[0], via_store)), (via_gpu, via_store)
-            print(f"RDT: both ranks received the same embeddings on their GPUs as through the object store "
-                  f"(sums {[round(x, 2) for x in via_gpu[0][:2]]}...)")
-
         if args.benchmark:
+            batch = images(8, 448, seed=2)
             to_ranks = timed(lambda: ray.get([r.fetch.remote([pool.encode_refs(batch)]) for r in ranks]), args.benchmark)
             to_caller = timed(lambda: pool.encode(batch), args.benchmark)
-            if args.rdt:
-                def over_gpu() -> None:
-                    reference = pool.encode_to_device(batch)
-                    ray.get([rank.device_fetch.remote(reference) for rank in ranks])
-
-                to_gpus = timed(over_gpu, args.benchmark)
             gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
             print(f"\n{gpu}; 8 x 448² images, {args.benchmark} runs, median (p99) ms")
             print("| path | median | p99 |\n|---|---|---|")
             print(f"| encode_refs, fetched by both ranks (object store) | {to_ranks['median_ms']:.2f} | {to_ranks['p99_ms']:.2f} |")
             print(f"| encode, fetched by the caller (same-node channel) | {to_caller['median_ms']:.2f} | {to_caller['p99_ms']:.2f} |")
-            if args.rdt:
-                print(f"| encode_to_device, to both ranks' GPUs (RDT, NCCL) | {to_gpus['median_ms']:.2f} | {to_gpus['p99_ms']:.2f} |")
     finally:
         pool.shutdown()
         for rank in ranks:

@@ -96,16 +96,6 @@ def test_shared_results_are_views_not_copies():
     assert pickle.loads(pickle.dumps(embedding)).tokens.equal(embedding.tokens)
 
 
-def test_device_delivery_is_refused_clearly_where_it_cannot_work(colocated):
-    _, workers, pool = colocated
-    with pytest.raises(ConfigError, match="without device_delivery=True"):
-        pool.join_ranks(workers)
-    with pytest.raises(ConfigError, match="join_ranks"):
-        pool.encode_to_device(mixed_items(720))
-    with pytest.raises(ConfigError, match="needs GPU actors"):
-        EncoderPool.launch(name="vitpool-no-rdt", device="cpu", device_delivery=True)
-
-
 def test_colocation_settings_are_checked(colocated):
     group, _, _ = colocated
     with pytest.raises(ConfigError, match="share of each bundle's GPU"):

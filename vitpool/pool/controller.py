@@ -201,19 +201,13 @@ class PoolController:
             "namespace": NAMESPACE,
             **self._actor_options,
         }
-        actor_class = EncoderActor
-        if settings.device_delivery:
-            from vitpool.pool.device_delivery import DeviceDeliveringEncoderActor
-
-            actor_class = DeviceDeliveringEncoderActor
-            options["enable_tensor_transport"] = True
         bundle = self._free_bundle()
         if bundle is not None:
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 placement_group=self._placement.placement_group, placement_group_bundle_index=bundle
             )
         handle = (
-            ray.remote(actor_class)
+            ray.remote(EncoderActor)
             .options(**options)
             .remote(
                 index,

@@ -252,44 +252,6 @@ class EncoderPool:
         except concurrent.futures.TimeoutError:
             raise self._timed_out(call, timeout_s) from None
 
-    def join_ranks(self, ranks: Sequence[Any], actor_index: int | None = None) -> int:
-        """Put one encoder actor (the lowest-numbered, or `actor_index`) in an NCCL collective
-        group with `ranks` (actors created with `enable_tensor_transport=True`), for
-        `encode_to_device`. Returns the actor's index. Needs a pool launched with
-        `device_delivery=True` on GPUs.
-
-        Raises:
-            ConfigError: the pool cannot deliver over the GPU (use `encode_refs` and
-                `shared_results()` instead, which needs nothing of the ranks).
-        """
-        if not self._settings.device_delivery:
-            raise ConfigError(
-                "this pool was launched without device_delivery=True; deliver with encode_refs and "
-                "vitpool.shared_results() instead, or launch with device_delivery=True"
-            )
-        from ray.experimental.collective import create_collective_group
-
-        actors = self._membership.actors
-        index = min(actors) if actor_index is None else actor_index
-        if index not in actors:
-            raise ConfigError(f"no encoder actor {index} takes work; the pool has {sorted(actors)}")
-        create_collective_group([actors[index], *ranks], backend="nccl")
-        self._delivery_actor = actors[index]
-        return index
-
-    def encode_to_device(self, items: Sequence[Item]) -> ray.ObjectRef:
-        """Encode `items` on the actor chosen by `join_ranks` and return one reference that the
-        ranks pass to their own methods: Ray moves the outputs GPU-to-GPU (NCCL) into each rank.
-        The value is [tokens, *deepstack], each the items' rows in order; split by each item's
-        output tokens. Bypasses the dispatcher: the call is one batch on one actor."""
-        if getattr(self, "_delivery_actor", None) is None:
-            raise ConfigError("call join_ranks(ranks) first: the ranks and an encoder actor need a collective group")
-        prepared = prepare_items(items, self._rules)
-        metadata = [
-            (isinstance(item, Video), p.grid, wire_dtype_name(p.pixels.dtype)) for item, p in zip(items, prepared)
-        ]
-        return self._delivery_actor.encode_on_device.remote(metadata, *[to_array(p.pixels) for p in prepared])
-
     def _submit(self, items: Sequence[Item], want_refs: bool, timeout_s: float | None, inline: bool = False) -> Call:
         """Check and queue a call, waiting up to `timeout_s` for room in the queue. `inline`: this
         thread may carry batches over the same-node channel itself (it waits for them anyway)."""

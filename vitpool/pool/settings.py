@@ -42,9 +42,6 @@ class PoolSettings:
         channel_spin_s: on the same-node channel, how long a caller waiting for a reply (and an
             actor that has just answered) polls before it sleeps. Polling costs a CPU core while
             it lasts; sleeping costs a wake-up (0.2-0.4 ms measured on a GPU VM) per wait.
-        device_delivery: create the encoder actors able to hand embeddings GPU-to-GPU to
-            tensor-parallel ranks over Ray Direct Transport (NCCL): `EncoderPool.join_ranks`,
-            `EncoderPool.encode_to_device`. GPU actors only.
         same_node_channel: callers on an actor's node send it batches through shared memory and
             a Unix socket instead of Ray's object store (Linux; about 1 ms less per call on a
             small image). Results of `encode_refs` always go through the object store.
@@ -68,7 +65,6 @@ class PoolSettings:
     max_queued_bytes: int = 2 << 30
     max_item_tokens: int | None = None
     channel_spin_s: float = 0.0
-    device_delivery: bool = False
     same_node_channel: bool = True
 
     def __post_init__(self) -> None:
@@ -99,8 +95,6 @@ class PoolSettings:
         _non_negative_seconds("channel_spin_s", self.channel_spin_s)
         if self.actor_threads is not None:
             _positive_int("actor_threads", self.actor_threads)
-        if self.device_delivery and self.device == "cpu":
-            raise ConfigError("device_delivery moves embeddings GPU to GPU; it needs GPU actors, not device='cpu'")
         if not isinstance(self.same_node_channel, bool):
             raise ConfigError(f"same_node_channel must be True or False; got {self.same_node_channel!r}")
         _non_negative_seconds("batch_window_s", self.batch_window_s)
