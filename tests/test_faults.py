@@ -79,7 +79,7 @@ class Stream:
 def test_a_killed_actor_loses_nothing_and_is_replaced(ray_cluster, reference_encoder):
     pool = launch("vitpool-kill", max_actor_restarts=2)
     try:
-        victim, pid = sorted(actor_pids(pool).items())[0]
+        victim, pid = min(actor_pids(pool).items())
         with Stream(pool, reference_encoder) as stream:
             wait_for(lambda: stream.completed >= 10, 60, "the stream to run")
             in_flight = pool._dispatcher.in_flight().get(victim, 0)

@@ -102,7 +102,7 @@ def _unpack(data: Any, kind: str) -> dict:
         raise ValueError(f"message of {len(data)} bytes is over the {MAX_MESSAGE_BYTES}-byte limit")
     try:
         message = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True, max_bin_len=len(data))
-    except Exception as error:  # msgpack raises several types for bad bytes; callers get one
+    except Exception as error:  # noqa: BLE001 - msgpack raises several types for bad bytes; callers get one
         raise ValueError(f"not a vitpool message: {type(error).__name__}: {error}") from None
     if not isinstance(message, dict) or message.get("format") != FORMAT:
         raise ValueError("not a vitpool message")

@@ -240,7 +240,7 @@ class ChannelServer:
                 "errors": [[position, reason] for position, reason in receipt.item_errors.items()],
                 "busy": receipt.busy_seconds,
             }
-        except Exception as error:  # noqa: BLE001 - the caller gets the error as the batch's outcome
+        except Exception as error:  # the caller gets the error as the batch's outcome
             logger.exception("channel batch failed")
             return {"status": ERROR, "message": f"{type(error).__name__}: {error}"}
 

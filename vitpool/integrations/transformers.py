@@ -89,7 +89,7 @@ def replace_vision_tower(model: torch.nn.Module, encoder: Encoder) -> torch.nn.M
 def graph_encoder_for(model: torch.nn.Module, **kwargs: Any) -> GraphEncoder:
     """An in-process GraphEncoder over a copy of `model`'s own vision tower (same weights, same
     device and dtype). `kwargs` go to GraphEncoder (budgets, max_items_per_batch, ...)."""
-    tower = getattr(getattr(model, "model", model), "visual")
+    tower = getattr(model, "model", model).visual
     if isinstance(tower, PooledVisionTower):
         raise TypeError("the model's tower is already replaced; pass the original tower's model")
     weight = next(tower.parameters())
