@@ -342,10 +342,13 @@ class ChannelClient:
         self._take().run_in_thread(Exchange(self, None, items), on_reply)
 
     def close(self) -> None:
+        """Close the idle connections now; those carrying a batch close when it is done (closing
+        them under it would turn a clean requeue into a confusing error)."""
         with self._lock:
             self._closed = True
-            connections, self._all, self._idle = self._all, [], []
-        for connection in connections:
+            idle, self._idle = self._idle, []
+            self._all = [connection for connection in self._all if connection not in idle]
+        for connection in idle:
             connection.stop()
 
     def _take(self) -> _Connection:
