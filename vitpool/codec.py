@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from vitpool.items import Embedding, Image, Item, Video
-from vitpool.wire import WIRE_DTYPES, wire_dtype_name
+from vitpool.wire import WIRE_DTYPES, from_array, to_array, wire_dtype_name
 
 FORMAT = "vitpool"
 VERSION = 1
@@ -127,11 +127,8 @@ def _is_int(value: Any) -> bool:
 
 
 def _pack_tensor(tensor: torch.Tensor) -> dict:
-    tensor = tensor.detach().cpu().contiguous()
     dtype_name = wire_dtype_name(tensor.dtype)
-    if tensor.dtype == torch.bfloat16:
-        tensor = tensor.view(torch.int16)
-    array = tensor.numpy()
+    array = to_array(tensor)
     little = array.astype(array.dtype.newbyteorder("<"), copy=False)
     return {"dtype": dtype_name, "shape": list(array.shape), "data": little.tobytes()}
 
@@ -144,10 +141,9 @@ def _unpack_tensor(entry: dict, where: str) -> torch.Tensor:
     if not 1 <= len(shape) <= MAX_DIMENSIONS or not all(_is_int(n) and n >= 0 for n in shape):
         raise ValueError(f"{where}: shape must be 1 to {MAX_DIMENSIONS} non-negative integers, got {shape!r}")
     data = _field(entry, "data", bytes, where)
-    torch_dtype, wire_dtype = WIRE_DTYPES[dtype_name]
+    wire_dtype = WIRE_DTYPES[dtype_name][1]
     expected = int(np.prod(shape, dtype=object)) * wire_dtype.itemsize
     if len(data) != expected:
         raise ValueError(f"{where}: {len(data)} bytes of data for shape {shape} of {dtype_name} ({expected} expected)")
     array = np.frombuffer(data, dtype=wire_dtype.newbyteorder("<")).astype(wire_dtype, copy=True).reshape(shape)
-    tensor = torch.from_numpy(array)
-    return tensor.view(torch_dtype) if torch_dtype != tensor.dtype else tensor
+    return from_array(array, dtype_name)  # a fresh, writable array: no further copy

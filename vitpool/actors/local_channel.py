@@ -125,17 +125,15 @@ def _receive_message(connection: socket.socket) -> dict | None:
     return message
 
 
-def spin_until_readable(connection: socket.socket, spin_s: float) -> bool:
+def _spin_until_readable(connection: socket.socket, spin_s: float) -> None:
     """Poll `connection` for up to `spin_s` before the caller blocks on it: a thread that stays
-    awake sees the message at once, where a sleeping one pays for its wake-up. Returns whether
-    the connection became readable."""
+    awake sees the message at once, where a sleeping one pays for its wake-up."""
     deadline = time.perf_counter() + spin_s
     while time.perf_counter() < deadline:
         readable, _, _ = select.select([connection], [], [], 0)
         if readable:
-            return True
+            return
         os.sched_yield()
-    return False
 
 
 def _aligned(offset: int) -> int:
@@ -199,7 +197,7 @@ class ChannelServer:
         try:
             with connection:
                 while True:
-                    spin_until_readable(connection, self._spin_s)
+                    _spin_until_readable(connection, self._spin_s)
                     request = _receive_message(connection)
                     if request is None:
                         break
@@ -466,7 +464,7 @@ class _Connection:
 
     def receive(self, items: list[ChannelItem]) -> ChannelReply | RemoteBatchError:
         """Wait for the reply to `send` and copy the outputs out."""
-        spin_until_readable(self._socket, self._client.spin_s)
+        _spin_until_readable(self._socket, self._client.spin_s)
         reply = _receive_message(self._socket)
         if reply is None:
             raise ConnectionResetError("the actor closed the channel")

@@ -206,7 +206,7 @@ class EncoderPool:
             results = call.future.result(timeout_s)
         except concurrent.futures.TimeoutError:
             raise self._timed_out(call, timeout_s) from None
-        refs = {i: r for i, r in enumerate(results) if isinstance(r, ray.ObjectRef)}
+        refs = _refs_among(results)
         for index, value in zip(refs, ray.get(list(refs.values()))):
             results[index] = value
         return results
@@ -224,7 +224,7 @@ class EncoderPool:
             results = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(call.future)), timeout_s)
         except asyncio.TimeoutError:
             raise self._timed_out(call, timeout_s) from None
-        refs = {i: r for i, r in enumerate(results) if isinstance(r, ray.ObjectRef)}
+        refs = _refs_among(results)
         for index, value in zip(refs, await asyncio.gather(*refs.values())):
             results[index] = value
         return results
@@ -423,6 +423,12 @@ class EncoderPool:
 
     def _dispatcher_budgets(self) -> list[Budget]:
         return _common_budgets(self._membership.infos.values())
+
+
+def _refs_among(results: list[Any]) -> dict[int, ray.ObjectRef]:
+    """The results that came as Ray references (through a Ray call), by position; the others
+    came over the same-node channel as Embeddings."""
+    return {i: r for i, r in enumerate(results) if isinstance(r, ray.ObjectRef)}
 
 
 def _checked_list(items: Any) -> bool:
