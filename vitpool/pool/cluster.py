@@ -1,13 +1,28 @@
-"""Joining a Ray cluster, or starting a local one that the pool then owns."""
+"""Where the pool's actors go: joining a Ray cluster (or starting a local one that the pool then
+owns), what the cluster or a placement group can hold, and the actors' options to fit it."""
 
 from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
+from typing import Any
 
 import ray
 
+from vitpool.errors import ConfigError
+
 logger = logging.getLogger(__name__)
+
+MAX_GPU_ACTOR_THREADS = 4
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A colocated pool's placement group and the bundles its actors may take, one actor each."""
+
+    placement_group: Any  # ray.util.placement_group.PlacementGroup
+    bundles: tuple[int, ...]
 
 
 def join_ray(address: str | None) -> bool:
@@ -35,3 +50,56 @@ def cluster_gpus() -> float:
 
 def cluster_cpus() -> float:
     return float(ray.cluster_resources().get("CPU", 1.0))
+
+
+def check_capacity(options: dict[str, Any], num_actors: int) -> None:
+    """Refuse at once what the cluster could never place (Ray would wait for it forever)."""
+    total = ray.cluster_resources()
+    for resource, key in (("GPU", "num_gpus"), ("CPU", "num_cpus")):
+        needed = float(options.get(key) or 0) * num_actors
+        if needed > total.get(resource, 0.0) + 1e-9:
+            raise ConfigError(
+                f"{num_actors} encoder actors with {key}={options.get(key)} need {needed:g} {resource}s; "
+                f"the cluster has {total.get(resource, 0.0):g}. Use fewer actors or a fractional share "
+                f"(actor_options={{'{key}': ...}})"
+            )
+
+
+def colocated_options(placement_group: Any, actor_options: dict[str, Any] | None) -> tuple[dict, Placement]:
+    """Actor options and the usable bundles of a placement group to colocate with."""
+    specs = placement_group.bundle_specs
+    gpu_bundles = tuple(i for i, spec in enumerate(specs) if spec.get("GPU", 0) > 0)
+    options = {"num_cpus": 0, **(actor_options or {})}
+    if gpu_bundles and "num_gpus" not in options:
+        raise ConfigError(
+            "a colocated pool needs its share of each bundle's GPU: pass actor_options={'num_gpus': 0.25} "
+            "(the LLM's workers in the same bundles must leave that much free)"
+        )
+    options.setdefault("num_gpus", 0)
+    bundles = gpu_bundles or tuple(range(len(specs)))
+    for bundle in bundles:
+        for resource, key in (("GPU", "num_gpus"), ("CPU", "num_cpus")):
+            if float(options[key] or 0) > specs[bundle].get(resource, 0) + 1e-9:
+                raise ConfigError(
+                    f"bundle {bundle} of the placement group has {specs[bundle].get(resource, 0):g} {resource}; "
+                    f"an encoder actor asks {key}={options[key]}"
+                )
+    return options, Placement(placement_group, bundles)
+
+
+def check_bundles(placement: Placement, num_actors: int) -> None:
+    if num_actors > len(placement.bundles):
+        raise ConfigError(
+            f"{num_actors} encoder actors, but the placement group has {len(placement.bundles)} bundles to "
+            "hold them (one actor per bundle)"
+        )
+
+
+def free_resources() -> str:
+    free = ray.available_resources()
+    return ", ".join(f"{free.get(r, 0.0):g} {r}" for r in ("GPU", "CPU"))
+
+
+def default_threads(options: dict[str, Any], num_actors: int) -> int:
+    share = max(1, int(cluster_cpus() // max(1, num_actors)))
+    return min(share, MAX_GPU_ACTOR_THREADS) if options.get("num_gpus") else share

@@ -16,6 +16,7 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from vitpool.actors import ActorInfo, EncoderActor
+from vitpool.pool.cluster import Placement
 from vitpool.pool.settings import PoolSettings
 
 logger = logging.getLogger(__name__)
@@ -30,14 +31,6 @@ class _Member:
     state: str
     info: ActorInfo | None = None
     bundle: int | None = None  # its bundle of the placement group, for a colocated pool
-
-
-@dataclass(frozen=True)
-class Placement:
-    """A colocated pool's placement group and the bundles its actors may take, one actor each."""
-
-    placement_group: Any  # ray.util.placement_group.PlacementGroup
-    bundles: tuple[int, ...]
 
 
 @dataclass(frozen=True)

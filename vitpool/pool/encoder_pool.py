@@ -27,8 +27,16 @@ from vitpool.graphs.inputs import prepare_items
 from vitpool.items import Embedding, Item, Video
 from vitpool.packing import Budget, ItemCost
 from vitpool.pool.calls import Call, QueuedItem
-from vitpool.pool.cluster import cluster_cpus, cluster_gpus, join_ray
-from vitpool.pool.controller import NAMESPACE, Membership, Placement, PoolController
+from vitpool.pool.cluster import (
+    check_bundles,
+    check_capacity,
+    cluster_gpus,
+    colocated_options,
+    default_threads,
+    free_resources,
+    join_ray,
+)
+from vitpool.pool.controller import NAMESPACE, Membership, PoolController
 from vitpool.pool.dispatcher import Dispatcher
 from vitpool.pool.settings import PoolSettings
 from vitpool.pool.stats import PoolStats, percentile, recent_rate
@@ -38,7 +46,6 @@ logger = logging.getLogger(__name__)
 
 MEMBERSHIP_REFRESH_S = 0.5  # how often a handle asks the controller whether the actors changed
 PROGRESS_EVERY_S = 15.0
-MAX_GPU_ACTOR_THREADS = 4
 
 
 class EncoderPool:
@@ -118,16 +125,16 @@ class EncoderPool:
         try:
             placement = None
             if placement_group is not None:
-                options, placement = _colocated_options(placement_group, actor_options)
+                options, placement = colocated_options(placement_group, actor_options)
                 num_actors = len(placement.bundles) if num_actors is None else num_actors
-                _check_bundles(placement, num_actors)
+                check_bundles(placement, num_actors)
             else:
                 gpus = cluster_gpus()
                 options = {"num_gpus": 1 if gpus >= 1 else 0, "num_cpus": 1, **(actor_options or {})}
                 if num_actors is None:
                     num_actors = max(1, int(gpus)) if options.get("num_gpus") else 1
-                _check_capacity(options, num_actors)
-            threads = pool_settings.actor_threads or _default_threads(options, num_actors)
+                check_capacity(options, num_actors)
+            threads = pool_settings.actor_threads or default_threads(options, num_actors)
             try:
                 controller = (
                     ray.remote(PoolController)
@@ -306,9 +313,9 @@ class EncoderPool:
             raise ConfigError(f"num_actors must be a positive integer; got {num_actors!r}")
         placement = ray.get(self._controller.placement.remote())
         if placement is not None:
-            _check_bundles(placement, num_actors)
+            check_bundles(placement, num_actors)
         else:
-            _check_capacity(ray.get(self._controller.actor_options.remote()), num_actors)
+            check_capacity(ray.get(self._controller.actor_options.remote()), num_actors)
         started, retired = ray.get(self._controller.scale.remote(num_actors))
         if retired:
             logger.info("pool %r: retiring encoder actors %s", self.name, retired)
@@ -465,7 +472,7 @@ def _await_started(controller: Any, started: list[tuple[int, Any, Any]], timeout
             last_report = now
             logger.info(
                 "waiting for %d of %d encoder actors to be placed, load and capture (%.0f s; free in the "
-                "cluster now: %s)", len(pending), total, now - start, _free_resources(),
+                "cluster now: %s)", len(pending), total, now - start, free_resources(),
             )
         if pending and now - start > timeout_s:
             for ref, index in pending.items():
@@ -481,59 +488,6 @@ def _stop_controller(controller: Any) -> None:
     except ray.exceptions.RayError:
         pass
     ray.kill(controller, no_restart=True)
-
-
-def _check_capacity(options: dict[str, Any], num_actors: int) -> None:
-    """Refuse at once what the cluster could never place (Ray would wait for it forever)."""
-    total = ray.cluster_resources()
-    for resource, key in (("GPU", "num_gpus"), ("CPU", "num_cpus")):
-        needed = float(options.get(key) or 0) * num_actors
-        if needed > total.get(resource, 0.0) + 1e-9:
-            raise ConfigError(
-                f"{num_actors} encoder actors with {key}={options.get(key)} need {needed:g} {resource}s; "
-                f"the cluster has {total.get(resource, 0.0):g}. Use fewer actors or a fractional share "
-                f"(actor_options={{'{key}': ...}})"
-            )
-
-
-def _colocated_options(placement_group: Any, actor_options: dict[str, Any] | None) -> tuple[dict, Placement]:
-    """Actor options and the usable bundles of a placement group to colocate with."""
-    specs = placement_group.bundle_specs
-    gpu_bundles = tuple(i for i, spec in enumerate(specs) if spec.get("GPU", 0) > 0)
-    options = {"num_cpus": 0, **(actor_options or {})}
-    if gpu_bundles and "num_gpus" not in options:
-        raise ConfigError(
-            "a colocated pool needs its share of each bundle's GPU: pass actor_options={'num_gpus': 0.25} "
-            "(the LLM's workers in the same bundles must leave that much free)"
-        )
-    options.setdefault("num_gpus", 0)
-    bundles = gpu_bundles or tuple(range(len(specs)))
-    for bundle in bundles:
-        for resource, key in (("GPU", "num_gpus"), ("CPU", "num_cpus")):
-            if float(options[key] or 0) > specs[bundle].get(resource, 0) + 1e-9:
-                raise ConfigError(
-                    f"bundle {bundle} of the placement group has {specs[bundle].get(resource, 0):g} {resource}; "
-                    f"an encoder actor asks {key}={options[key]}"
-                )
-    return options, Placement(placement_group, bundles)
-
-
-def _check_bundles(placement: Placement, num_actors: int) -> None:
-    if num_actors > len(placement.bundles):
-        raise ConfigError(
-            f"{num_actors} encoder actors, but the placement group has {len(placement.bundles)} bundles to "
-            "hold them (one actor per bundle)"
-        )
-
-
-def _free_resources() -> str:
-    free = ray.available_resources()
-    return ", ".join(f"{free.get(r, 0.0):g} {r}" for r in ("GPU", "CPU"))
-
-
-def _default_threads(options: dict[str, Any], num_actors: int) -> int:
-    share = max(1, int(cluster_cpus() // max(1, num_actors)))
-    return min(share, MAX_GPU_ACTOR_THREADS) if options.get("num_gpus") else share
 
 
 def _item_rules(membership: Membership):
