@@ -6,26 +6,27 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+RAY_ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": ""}  # a fresh local cluster
+
+
+def run_example(name: str, *args: str, env: dict | None = None) -> list[str]:
+    """Run examples/<name> and return its stdout's lines (CalledProcessError if it fails)."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / name), *args],
+        capture_output=True, text=True, timeout=300, check=True, env=env,
+    )
+    return result.stdout.strip().splitlines()
 
 
 def test_encode_example_runs():
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "encode.py"), "--device", "cpu"],
-        capture_output=True, text=True, timeout=300, check=True,
-    )
-    lines = result.stdout.strip().splitlines()
+    lines = run_example("encode.py", "--device", "cpu")
     assert [line.split()[0] for line in lines[:4]] == ["Image", "Image", "Video", "Image"]
     assert "tokens (196, 128)" in lines[2]  # 4 x 14 x 14 patches / 4
     assert lines[-1].startswith("graph items 0, eager items 4")
 
 
 def test_quickstart_runs_a_pool_and_stops_it():
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": ""}
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "quickstart.py"), "--threads", "3"],
-        capture_output=True, text=True, timeout=300, check=True, env=env,
-    )
-    lines = result.stdout.strip().splitlines()
+    lines = run_example("quickstart.py", "--threads", "3", env=RAY_ENV)
     item_lines = [line for line in lines if line.startswith("caller ")]
     assert len(item_lines) == 9  # 3 callers x 3 items
     assert sum("Video grid (4, 14, 14): tokens (196, 128)" in line for line in item_lines) == 3
@@ -33,12 +34,7 @@ def test_quickstart_runs_a_pool_and_stops_it():
 
 
 def test_tp_llm_example_delivers_one_encode_to_both_ranks():
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": ""}
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "tp_llm.py"), "--new-tokens", "6"],
-        capture_output=True, text=True, timeout=300, check=True, env=env,
-    )
-    lines = result.stdout.strip().splitlines()
+    lines = run_example("tp_llm.py", "--new-tokens", "6", env=RAY_ENV)
     assert any(line.startswith("both ranks received identical embeddings") for line in lines)
     generated = next(line for line in lines if line.startswith("both ranks generated the same 6 tokens"))
     assert len(generated.split(":")[1].strip("[] ").split(",")) == 6
