@@ -107,7 +107,12 @@ def test_concurrent_batches_use_their_own_connections(actor):
             futures.append(future)
         for batch, future in zip(batches, futures):
             reply = future.result(60)
-            assert torch.equal(reply.values[0].tokens, actor.encoder.encode(batch)[0].tokens)
+            # Batches that wait for the encoder run together (actors/combining.py): other batch
+            # mates than the batch alone, so equal only to rounding.
+            tolerance = 1e-5 if actor.encoder.dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(
+                reply.values[0].tokens, actor.encoder.encode(batch)[0].tokens, rtol=tolerance, atol=tolerance
+            )
     finally:
         client.close()
 

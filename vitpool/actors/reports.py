@@ -27,6 +27,7 @@ class ActorInfo:
     pid: int = 0  # the actor's process
     placement_group_id: str | None = None  # set for an actor colocated in a placement group
     channel: ChannelInfo | None = None  # the same-node fast path, where the actor serves one
+    dtype_name: str = ""  # of its outputs, as they travel ("bfloat16", ...)
 
 
 # a batch's outcome
@@ -51,6 +52,8 @@ class ActorStats:
     device: str = ""
     batches: int = 0
     items: int = 0
+    runs: int = 0  # encoder runs: batches that waited together ran as one
+    combined_batches: int = 0  # batches that shared a run with others
     graph_items: int = 0
     eager_items: int = 0
     rejected_items: int = 0  # items whose pixels were not finite

@@ -58,6 +58,7 @@ class PoolStats:
         for actor in self.actors:
             lines.append(
                 f"  actor {actor.actor_index} on {actor.device}: {actor.batches} batches, {actor.items} items, "
+                f"{actor.runs} runs ({actor.combined_batches} batches combined), "
                 f"graph hit rate {actor.graph_hit_rate:.0%}, padding waste {actor.padding_waste:.0%}, "
                 f"busy {actor.busy_seconds:.2f} s ({actor.utilization:.0%}), out-of-memory splits {actor.oom_splits}"
             )

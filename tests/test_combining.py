@@ -1,0 +1,176 @@
+"""The actor's batch combiner: batches that wait run together, oldest first, each gets its own."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from conftest import BUDGETS, assert_same, image
+
+from vitpool.actors import OK, EncoderActor
+from vitpool.actors.combining import BatchCombiner
+
+
+class BlockingRun:
+    """A run function whose first run waits until released, so that others queue behind it.
+    Each item's outcome is the item times ten; every run's items and key are recorded."""
+
+    def __init__(self) -> None:
+        self.runs: list[tuple[list[int], object]] = []
+        self.started = threading.Event()
+        self.release = threading.Event()
+
+    def __call__(self, items: list[int], key: object) -> list[int]:
+        self.runs.append((list(items), key))
+        if len(self.runs) == 1:
+            self.started.set()
+            assert self.release.wait(10)
+        if -1 in items:
+            raise RuntimeError("bad batch")
+        return [10 * item for item in items]
+
+
+def run_while_blocked(combiner: BatchCombiner, run: BlockingRun, batches: list[tuple[list[int], int, object]]) -> list:
+    """Start batch 0, queue the rest in order behind it, release; each batch's outcome or error."""
+    outcomes: list = [None] * len(batches)
+
+    def call(index: int) -> None:
+        items, tokens, key = batches[index]
+        try:
+            outcomes[index] = combiner(items, tokens, key)
+        except RuntimeError as error:
+            outcomes[index] = error
+
+    threads = [threading.Thread(target=call, args=(0,))]
+    threads[0].start()
+    assert run.started.wait(10)
+    for index in range(1, len(batches)):
+        threads.append(threading.Thread(target=call, args=(index,)))
+        threads[-1].start()
+        deadline = time.monotonic() + 10
+        while len(combiner._waiting) < index and time.monotonic() < deadline:  # queued in this order
+            time.sleep(0.001)
+    run.release.set()
+    for thread in threads:
+        thread.join(10)
+        assert not thread.is_alive()
+    return outcomes
+
+
+def test_an_idle_combiner_runs_a_batch_at_once_in_the_callers_thread():
+    seen_threads = []
+    combiner = BatchCombiner(lambda items, key: seen_threads.append(threading.get_ident()) or [i + 1 for i in items], 100)
+    assert combiner([1, 2, 3], 3) == [2, 3, 4]
+    assert seen_threads == [threading.get_ident()]
+    assert combiner.counters.runs == 1 and combiner.counters.combined_batches == 0
+
+
+def test_batches_that_wait_run_together_in_order_and_each_gets_its_own():
+    run = BlockingRun()
+    combiner = BatchCombiner(run, max_tokens=100)
+    batches = [([0], 5, None), ([1, 2], 10, None), ([3], 5, None), ([4, 5, 6], 15, None)]
+    outcomes = run_while_blocked(combiner, run, batches)
+    assert outcomes == [[0], [10, 20], [30], [40, 50, 60]]
+    assert [items for items, _ in run.runs] == [[0], [1, 2, 3, 4, 5, 6]]
+    assert combiner.counters.runs == 2 and combiner.counters.combined_batches == 3
+
+
+def test_a_run_takes_waiting_batches_only_up_to_the_token_limit_and_never_skips_one():
+    run = BlockingRun()
+    combiner = BatchCombiner(run, max_tokens=20)
+    # 10 + 10 fit; 15 does not fit beside them and starts the next run; 30 is over the limit alone.
+    batches = [([0], 1, None), ([1], 10, None), ([2], 10, None), ([3], 15, None), ([4], 30, None), ([5], 1, None)]
+    outcomes = run_while_blocked(combiner, run, batches)
+    assert outcomes == [[0], [10], [20], [30], [40], [50]]
+    assert [items for items, _ in run.runs] == [[0], [1, 2], [3], [4], [5]]
+
+
+def test_batches_with_different_keys_do_not_share_a_run():
+    run = BlockingRun()
+    combiner = BatchCombiner(run, max_tokens=100)
+    batches = [([0], 1, "cpu"), ([1], 1, "cpu"), ([2], 1, None), ([3], 1, None), ([4], 1, "cpu")]
+    outcomes = run_while_blocked(combiner, run, batches)
+    assert outcomes == [[0], [10], [20], [30], [40]]
+    assert run.runs == [([0], "cpu"), ([1], "cpu"), ([2, 3], None), ([4], "cpu")]
+
+
+def test_an_error_reaches_every_batch_of_its_run_and_no_other():
+    run = BlockingRun()
+    combiner = BatchCombiner(run, max_tokens=3)
+    batches = [([0], 1, None), ([1], 1, None), ([-1], 1, None), ([2], 2, None)]
+    outcomes = run_while_blocked(combiner, run, batches)
+    assert outcomes[0] == [0] and outcomes[3] == [20]
+    assert isinstance(outcomes[1], RuntimeError) and isinstance(outcomes[2], RuntimeError)
+    assert combiner([7], 1) == [70]  # still usable
+
+
+def test_concurrent_actor_batches_equal_the_encoders_own_results():
+    """Sixteen threads send batches to one in-process actor at once: batches combine, and each
+    thread gets exactly its own items' embeddings."""
+    actor = EncoderActor(0, None, BUDGETS, None, None, "float32", "cpu", num_threads=1, serve_channel=False)
+    generator = torch.Generator().manual_seed(7)
+    batches = [
+        [image(2 * h, 2 * w, generator) for h, w in ((1, 1 + n % 3), (2, 1))] for n in range(16)
+    ]
+    wanted = [actor.encoder.encode(batch) for batch in batches]
+    got: list = [None] * len(batches)
+    barrier = threading.Barrier(len(batches))
+
+    def send(index: int) -> None:
+        batch = batches[index]
+        metadata = [(False, tuple(item.grid_thw), "float32") for item in batch]
+        barrier.wait()
+        got[index] = actor.run_batch(metadata, [item.pixel_values.numpy() for item in batch])
+
+    threads = [threading.Thread(target=send, args=(n,)) for n in range(len(batches))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    for (values, receipt), want in zip(got, wanted, strict=True):
+        assert receipt.status == OK and receipt.item_errors == {}
+        assert_same(values, want)
+    stats = actor.stats()
+    assert stats.batches == 16 and stats.runs <= 16
+    assert stats.runs + stats.combined_batches >= 16  # every batch ran alone or combined
+
+
+@pytest.mark.parametrize("max_tokens", [1, 1000])
+def test_an_oversized_batch_still_runs_alone(max_tokens):
+    combiner = BatchCombiner(lambda items, key: [i * 2 for i in items], max_tokens)
+    assert combiner([1, 2], 500) == [2, 4]
+
+
+def test_many_threads_get_their_own_outcomes_and_runs_never_overlap():
+    """A stress test of the hand-over between leading threads: runs are checked for overlap, and
+    every call for its own outcomes."""
+    active, overlaps = [0], [0]
+    lock = threading.Lock()
+
+    def run(items: list[int], key: object) -> list[int]:
+        with lock:
+            active[0] += 1
+            overlaps[0] += active[0] > 1
+        time.sleep(0.0005 * (len(items) % 3))
+        with lock:
+            active[0] -= 1
+        return [item + 1 for item in items]
+
+    combiner = BatchCombiner(run, max_tokens=6)
+    failures: list[str] = []
+
+    def caller(number: int) -> None:
+        for call in range(60):
+            items = [number * 1000 + call * 10 + k for k in range(1 + (number + call) % 3)]
+            if combiner(items, len(items)) != [item + 1 for item in items]:
+                failures.append(f"caller {number} call {call}")
+
+    threads = [threading.Thread(target=caller, args=(n,)) for n in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not failures and overlaps[0] == 0
+    assert combiner.counters.combined_batches > 0  # eight threads did make batches wait together
