@@ -2,18 +2,21 @@
 
 Two Ray worker actors stand for two tensor-parallel ranks of a small Qwen3-VL language model
 (random weights, the same in both ranks). They sit in a placement group of one bundle per GPU;
-the encoder pool puts one actor in each bundle, on a quarter of that GPU. A request with images
-flows: `pool.encode_refs` (one encode) -> both ranks fetch the embeddings from the node's object
-store (no copy per rank) -> each rank generates with them. Both ranks check that they received
+the encoder pool puts one actor in each bundle, on a quarter of that GPU (or, with
+`--encoder own-gpu`, one actor on a GPU of its own). A request with images flows:
+`pool.deliver_to(ranks).encode(items)` (one encode) -> both ranks receive the embeddings, over
+Ray Direct Transport (NCCL between GPUs, gloo between CPU actors) where it works, else from the
+node's object store (no copy per rank) -> each rank generates with them. Both ranks check that they received
 identical embeddings and produce the same tokens (there is no tokenizer offline, so the tokens
 are printed as ids).
 
     python examples/tp_llm.py                       # CPU: two fake GPUs, CPU actors
     python examples/tp_llm.py --device cuda --model DIR --benchmark 50
 
-`--benchmark N` times, N times after warm-up, the delivery of 8 images of 448² to both ranks:
-encode_refs plus both ranks' fetch (median and p99), against the same encode with `pool.encode`
-fetched by the caller alone.
+`--benchmark N` times, N times after warm-up, the delivery of 8 images of 448² onto both ranks'
+devices (median and p99), against the same encode with `pool.encode` fetched by the caller alone.
+NCCL cannot put two members of one group on one GPU, so RDT from a colocated pool falls back to
+the object store: use `--encoder own-gpu` (a third GPU) for NCCL.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from vitpool import EncoderPool, Image, shared_results
+from vitpool import DeliveryLayout, EncoderPool, Image, received_embeddings
 
 ROW_WIDTH = 3 * 2 * 16 * 16
 TP_RANKS = 2
@@ -60,15 +63,13 @@ class Rank:
         self.model = Qwen3VLForConditionalGeneration(config).eval().to(device)
         self.config = config
 
-    def receive(self, boxed_refs: list) -> str:
-        """Fetch the embeddings (shared memory, no copy); return their digest."""
-        (refs,) = boxed_refs  # boxed: Ray passes references inside a list unresolved
-        with shared_results():
-            self.embeddings = ray.get(refs)
+    def receive(self, outputs: list, layout: DeliveryLayout) -> str:
+        """Take a delivered encode (Ray resolved the reference to `outputs`); return its digest."""
+        self.embeddings = received_embeddings(outputs, layout)
         digest = hashlib.sha256()
         for embedding in self.embeddings:
             for tensor in (embedding.tokens, *embedding.deepstack):
-                digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+                digest.update(tensor.cpu().contiguous().view(torch.uint8).numpy().tobytes())
         return digest.hexdigest()
 
     def generate(self, grids: list, max_new_tokens: int) -> list[int]:
@@ -92,10 +93,12 @@ class Rank:
             )
         return output[0, len(ids):].tolist()
 
-    def fetch(self, boxed_refs: list) -> int:
-        (refs,) = boxed_refs
-        with shared_results():
-            return len(ray.get(refs))
+    def fetch(self, outputs: list, layout: DeliveryLayout) -> int:
+        """Take a delivered encode onto this rank's device (where the LLM needs it)."""
+        embeddings = [e.tokens.to(self.device, non_blocking=True) for e in received_embeddings(outputs, layout)]
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+        return len(embeddings)
 
 
 class Delivered:
@@ -133,27 +136,48 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="vision checkpoint directory (default: the shipped tiny model)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--new-tokens", type=int, default=8)
+    parser.add_argument(
+        "--transport", default="auto", choices=["auto", "object_store", "rdt"],
+        help="auto: Ray Direct Transport (NCCL on GPUs, gloo on CPUs) where it works, else the object store",
+    )
+    parser.add_argument(
+        "--encoder", default="colocated", choices=["colocated", "own-gpu"],
+        help="an encoder actor on a quarter of each rank's GPU, or one encoder actor on a GPU of its own",
+    )
     parser.add_argument("--benchmark", type=int, default=0, help="time the delivery of 8 x 448² this many times")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    # On a CPU machine Ray fakes the GPUs so that the same placement works everywhere.
-    ray.init(num_gpus=TP_RANKS if args.device == "cpu" else None, include_dashboard=False)
+    own_gpu = args.encoder == "own-gpu"
+    # On a CPU machine Ray fakes the GPUs (and enough CPUs) so that the same placement works everywhere.
+    fake = {"num_gpus": TP_RANKS + own_gpu, "num_cpus": max(4, os.cpu_count() or 1)} if args.device == "cpu" else {}
+    ray.init(include_dashboard=False, **fake)
     group = placement_group([{"GPU": 1, "CPU": 1}] * TP_RANKS, strategy="PACK")
     ray.get(group.ready(), timeout=300)
     ranks = [
-        Rank.options(num_gpus=0.75, num_cpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(group, r))
-        .remote(r, args.model, args.device)
+        # enable_tensor_transport and a second thread: what Ray Direct Transport needs of a receiver
+        Rank.options(
+            num_gpus=0.75, num_cpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(group, r),
+            enable_tensor_transport=True, max_concurrency=2,
+        ).remote(r, args.model, args.device)
         for r in range(TP_RANKS)
     ]
     settings = {} if args.device == "cuda" else {"device": "cpu", "budgets": [64, 256]}
-    pool = EncoderPool.launch(
-        model=args.model, name="tp-llm-encoder", placement_group=group, actor_options={"num_gpus": 0.25}, **settings
+    if args.transport != "object_store":
+        settings["rank_transport"] = "nccl" if args.device == "cuda" else "gloo"
+    placement = (
+        {"num_actors": 1, "actor_options": {"num_gpus": 1}} if own_gpu
+        else {"placement_group": group, "actor_options": {"num_gpus": 0.25}}
     )
+    pool = EncoderPool.launch(model=args.model, name="tp-llm-encoder", **placement, **settings)
     try:
+        delivery = pool.deliver_to(ranks, transport="auto" if args.transport == "rdt" else args.transport)
+        if args.transport == "rdt" and delivery.transport == "object_store":
+            raise SystemExit("Ray Direct Transport cannot work here (the warning above says why)")
+        print(f"delivering through {delivery.transport} from encoder actor {delivery.actor_index}")
         request = images(2, 224, seed=1)
-        refs = pool.encode_refs(request)  # one encode for every rank
-        digests = ray.get([rank.receive.remote([refs]) for rank in ranks])
+        reference, layout = delivery.encode(request)  # one encode for every rank
+        digests = ray.get([rank.receive.remote(reference, layout) for rank in ranks])
         assert len(set(digests)) == 1, f"the ranks received different embeddings: {digests}"
         print(f"both ranks received identical embeddings (sha256 {digests[0][:16]}...)")
         grids = [tuple(item.grid_thw) for item in request]
@@ -163,13 +187,18 @@ def main() -> None:
 
         if args.benchmark:
             batch = images(8, 448, seed=2)
-            to_ranks = timed(lambda: ray.get([r.fetch.remote([pool.encode_refs(batch)]) for r in ranks]), args.benchmark)
+
+            def to_ranks() -> None:
+                reference, layout = delivery.encode(batch)
+                ray.get([rank.fetch.remote(reference, layout) for rank in ranks])
+
+            delivered = timed(to_ranks, args.benchmark)
             to_caller = timed(lambda: pool.encode(batch), args.benchmark)
             gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-            print(f"\n{gpu}; 8 x 448² images, {args.benchmark} runs, median (p99) ms")
+            print(f"\n{gpu}; encoder {args.encoder}; 8 x 448² images, {args.benchmark} runs, median (p99) ms")
             print("| path | median | p99 |\n|---|---|---|")
-            print(f"| encode_refs, fetched by both ranks (object store) | {to_ranks['median_ms']:.2f} | {to_ranks['p99_ms']:.2f} |")
-            print(f"| encode, fetched by the caller (same-node channel) | {to_caller['median_ms']:.2f} | {to_caller['p99_ms']:.2f} |")
+            print(f"| delivered to both ranks' {args.device} ({delivery.transport}) | {delivered['median_ms']:.2f} | {delivered['p99_ms']:.2f} |")
+            print(f"| encode, fetched by the caller | {to_caller['median_ms']:.2f} | {to_caller['p99_ms']:.2f} |")
     finally:
         pool.shutdown()
         for rank in ranks:

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from vitpool.graphs import EncoderStats, GraphEncoder
     from vitpool.items import Embedding, Image, Video, shared_results
     from vitpool.pool import EncoderPool, PoolSettings, PoolStats
+    from vitpool.pool.rank_delivery import DeliveryLayout, RankDelivery, received_embeddings
 
 _PUBLIC = {
     "decode_request": "vitpool.codec",
@@ -45,11 +46,15 @@ _PUBLIC = {
     "EncoderPool": "vitpool.pool",
     "PoolSettings": "vitpool.pool",
     "PoolStats": "vitpool.pool",
+    "DeliveryLayout": "vitpool.pool.rank_delivery",
+    "RankDelivery": "vitpool.pool.rank_delivery",
+    "received_embeddings": "vitpool.pool.rank_delivery",
 }
 
 __all__ = [
     "CheckpointError",
     "ConfigError",
+    "DeliveryLayout",
     "Embedding",
     "EncodeError",
     "EncoderPool",
@@ -60,12 +65,14 @@ __all__ = [
     "PoolSettings",
     "PoolStats",
     "PoolUnavailableError",
+    "RankDelivery",
     "Video",
     "VitpoolError",
     "decode_request",
     "decode_results",
     "encode_request",
     "encode_results",
+    "received_embeddings",
     "shared_results",
 ]
 __version__ = "0.1.0"

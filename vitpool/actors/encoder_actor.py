@@ -18,11 +18,13 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from vitpool.actors.combining import BatchCombiner
 from vitpool.actors.local_channel import ChannelInfo, ChannelServer, channel_supported
 from vitpool.actors.reports import OK, RETIRED, ActorInfo, ActorStats, BatchReceipt
+from vitpool.errors import EncodeError, InvalidItemError
 from vitpool.graphs import GraphEncoder
 from vitpool.items import Embedding, ItemMetadata, item_from_wire
-from vitpool.wire import wire_dtype_name
+from vitpool.wire import to_array, wire_dtype_name
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +73,8 @@ class EncoderActor:
         self._busy_since = 0.0
         self._retiring = False
         self._stats = ActorStats(actor_index, self._device_name())
+        # Batches from many callers that wait for the encoder run together (see combining.py).
+        self._combiner = BatchCombiner(self._encode_splitting, self.encoder.budgets[-1].num_tokens)
         self._channel = (
             ChannelServer(self.run_batch, f"actor{actor_index}", self.encoder.device, channel_spin_s)
             if serve_channel and channel_supported()
@@ -92,6 +96,7 @@ class EncoderActor:
             pid=os.getpid(),
             placement_group_id=_placement_group_id(),
             channel=self._channel_info(),
+            dtype_name=wire_dtype_name(self.encoder.dtype),
         )
 
     def _channel_info(self) -> ChannelInfo | None:
@@ -112,6 +117,27 @@ class EncoderActor:
         values, receipt = self.run_batch(metadata, list(pixels))
         return (*values, receipt)
 
+    def encode_concatenated_arrays(self, metadata: list[ItemMetadata], *pixels: np.ndarray) -> list[np.ndarray]:
+        """One call for every rank of an LLM deployment (`vitpool.pool.rank_delivery`): its outputs
+        as host arrays [tokens, *deepstack], each the items' rows in order."""
+        return [to_array(tensor) for tensor in self.concatenated_outputs(metadata, pixels, output_device="cpu")]
+
+    def concatenated_outputs(
+        self, metadata: list[ItemMetadata], pixels: Sequence[np.ndarray], output_device: str | None
+    ) -> list[torch.Tensor]:
+        """A call's outputs as [tokens, *deepstack], each the items' rows in order. Raises if the
+        actor is retiring or an item fails (naming the first such item)."""
+        values, receipt = self.run_batch(metadata, list(pixels), output_device=output_device)
+        if receipt.status != OK:
+            raise EncodeError(f"encoder actor {self.actor_index} refused the call ({receipt.status}); send it again")
+        if receipt.item_errors:
+            position, reason = min(receipt.item_errors.items())
+            raise InvalidItemError(position, reason)
+        return [
+            torch.cat([v.tokens for v in values]),
+            *[torch.cat([v.deepstack[k] for v in values]) for k in range(len(values[0].deepstack))],
+        ]
+
     def run_batch(
         self, metadata: list[ItemMetadata], pixels: list[np.ndarray], output_device: str | None = "cpu"
     ) -> tuple[list[Embedding | None], BatchReceipt]:
@@ -126,7 +152,8 @@ class EncoderActor:
         start = time.perf_counter()
         try:
             items = [item_from_wire(m, p) for m, p in zip(metadata, pixels, strict=True)]
-            outcomes = self._encode_splitting(items, output_device)
+            tokens = sum(_output_tokens(m, self.encoder.adapter.merge_unit) for m in metadata)
+            outcomes = self._combiner(items, tokens, output_device)
         finally:
             with self._lock:
                 self._running -= 1
@@ -168,6 +195,8 @@ class EncoderActor:
         stats.graph_items = encoder_stats.graph_items
         stats.eager_items = encoder_stats.eager_items
         stats.padding_waste = encoder_stats.padding_waste
+        stats.runs = self._combiner.counters.runs
+        stats.combined_batches = self._combiner.counters.combined_batches
         stats.uptime_seconds = time.monotonic() - self._started_at
         return stats
 
@@ -185,6 +214,15 @@ class EncoderActor:
             where = f", GPU {','.join(self._gpu_ids)} of the node" if self._gpu_ids else ""
             return f"{device} ({torch.cuda.get_device_name(device)}{where})"
         return f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+
+
+def _output_tokens(metadata: ItemMetadata, merge_unit: int) -> int:
+    """An item's output tokens from its grid, for combining batches; 0 for a grid the encoder
+    will reject anyway."""
+    try:
+        return max(0, int(np.prod([int(n) for n in metadata[1]]))) // merge_unit
+    except (TypeError, ValueError, IndexError):
+        return 0
 
 
 def _placement_group_id() -> str | None:

@@ -199,8 +199,13 @@ class PoolController:
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 placement_group=self._placement.placement_group, placement_group_bundle_index=bundle
             )
+        actor_class = EncoderActor
+        if settings.rank_transport is not None:  # its methods for Ray Direct Transport need Ray
+            from vitpool.pool.rank_delivery import DeliveringEncoderActor
+
+            actor_class = DeliveringEncoderActor
         handle = (
-            ray.remote(EncoderActor)
+            ray.remote(actor_class)
             .options(**options)
             .remote(
                 index,

@@ -38,6 +38,7 @@ from vitpool.pool.cluster import (
 )
 from vitpool.pool.controller import NAMESPACE, Membership, PoolController
 from vitpool.pool.dispatcher import Dispatcher
+from vitpool.pool.rank_delivery import RDT_TRANSPORTS, RankDelivery, rdt_problem
 from vitpool.pool.settings import PoolSettings
 from vitpool.pool.stats import PoolStats, percentile, recent_rate
 from vitpool.wire import to_array, wire_dtype_name
@@ -258,6 +259,39 @@ class EncoderPool:
             return call.future.result(timeout_s)
         except concurrent.futures.TimeoutError:
             raise self._timed_out(call, timeout_s) from None
+
+    def deliver_to(self, ranks: Sequence[Any], transport: str = "auto", actor_index: int | None = None) -> RankDelivery:
+        """A delivery of encodes to every tensor-parallel rank in `ranks` (Ray actor handles):
+        `delivery.encode(items)` returns a reference and a layout that the caller passes to a
+        method of each rank, where `vitpool.received_embeddings(outputs, layout)` reads them.
+
+        Args:
+            ranks: the ranks' actor handles (for RDT, created as `vitpool.pool.rank_delivery` says).
+            transport: "auto" (the pool's `rank_transport` if it works here, else the object
+                store, with a warning saying why), "object_store", "nccl" or "gloo".
+            actor_index: the encoder actor that serves the delivery; default the lowest-numbered.
+
+        Raises:
+            ConfigError: an unknown transport, or an RDT transport asked for by name that cannot
+                work here (the message says why).
+        """
+        if transport not in ("auto", "object_store", *RDT_TRANSPORTS):
+            raise ConfigError(f"transport {transport!r}: use 'auto', 'object_store', 'nccl' or 'gloo'")
+        self._refresh()
+        actors = self._membership.actors
+        index = min(actors) if actor_index is None else actor_index
+        if index not in actors:
+            raise ConfigError(f"no encoder actor {index} takes work; the pool has {sorted(actors)}")
+        chosen = self._settings.rank_transport if transport == "auto" else transport
+        if chosen in RDT_TRANSPORTS:
+            problem = rdt_problem(chosen, actors[index], ranks, self._settings.rank_transport)
+            if problem is not None and transport != "auto":
+                raise ConfigError(f"delivery over {chosen} cannot work: {problem}")
+            if problem is not None:
+                logger.warning("pool %r: delivering through the object store, not %s: %s", self.name, chosen, problem)
+                chosen = "object_store"
+        dtype_name = self._membership.infos[index].dtype_name
+        return RankDelivery(actors[index], index, chosen or "object_store", self._rules, dtype_name)
 
     def _submit(self, items: Sequence[Item], want_refs: bool, timeout_s: float | None, inline: bool = False) -> Call:
         """Check and queue a call, waiting up to `timeout_s` for room in the queue. `inline`: this

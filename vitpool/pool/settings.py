@@ -42,6 +42,10 @@ class PoolSettings:
         channel_spin_s: on the same-node channel, how long a caller waiting for a reply (and an
             actor that has just answered) polls before it sleeps. Polling costs a CPU core while
             it lasts; sleeping costs a wake-up (0.2-0.4 ms measured on a GPU VM) per wait.
+        rank_transport: "nccl" (GPU actors) or "gloo" (CPU actors): the encoder actors can also
+            hand a call's embeddings to tensor-parallel ranks over Ray Direct Transport
+            (`EncoderPool.deliver_to`; see `vitpool.pool.rank_delivery` for what the ranks need).
+            None: deliveries go through the object store.
         same_node_channel: callers on an actor's node send it batches through shared memory and
             a Unix socket instead of Ray's object store (Linux; about 1 ms less per call on a
             small image). Results of `encode_refs` always go through the object store.
@@ -65,6 +69,7 @@ class PoolSettings:
     max_queued_bytes: int = 2 << 30
     max_item_tokens: int | None = None
     channel_spin_s: float = 0.0
+    rank_transport: str | None = None
     same_node_channel: bool = True
 
     def __post_init__(self) -> None:
@@ -95,6 +100,10 @@ class PoolSettings:
         _non_negative_seconds("channel_spin_s", self.channel_spin_s)
         if self.actor_threads is not None:
             _positive_int("actor_threads", self.actor_threads)
+        if self.rank_transport not in (None, "nccl", "gloo"):
+            raise ConfigError(f"rank_transport {self.rank_transport!r}: use 'nccl' (GPU actors), 'gloo' (CPU actors) or None")
+        if self.rank_transport == "nccl" and self.device == "cpu":
+            raise ConfigError("rank_transport='nccl' moves embeddings GPU to GPU; it needs GPU actors, not device='cpu'")
         if not isinstance(self.same_node_channel, bool):
             raise ConfigError(f"same_node_channel must be True or False; got {self.same_node_channel!r}")
         _non_negative_seconds("batch_window_s", self.batch_window_s)
