@@ -7,7 +7,8 @@ calls, an 8-frame video of 224² to 448². Pixels are float32, as processors emi
 
 For each pool size: the saturated rate (every caller thread calls back to back), then an open
 loop of Poisson arrivals at 70% of that rate, where latency counts from each call's scheduled
-arrival. The pool grows between sizes with `pool.scale`, while no call is in flight. The open
+arrival. Each call is also timed alone first: the p99 / p50 of those unloaded latencies is the
+mix's own spread, the floor for p99 / p50 at any load. The pool grows between sizes with `pool.scale`, while no call is in flight. The open
 loop's latencies are also given per call size (output tokens: small <= 256 < medium <= 1024 <
 large), and as slowdowns: each call's latency over the same call's unloaded latency, measured
 alone before the runs.
@@ -173,6 +174,13 @@ def main() -> None:
         "gpu": gpu, "gpus": torch.cuda.device_count(), "ray": ray.__version__, "callers": args.callers,
         "threads_per_caller": args.threads, "seconds": args.seconds, "items_per_call": items_per_call, "sizes": {},
     }
+    # The floor for any p99 / p50 under load: the mix's own spread, with every call alone in the pool.
+    unloaded = [x for seconds in alone for x in seconds]
+    results["unloaded_p50_ms"] = percentile_ms(unloaded, 0.5)
+    results["unloaded_p99_ms"] = percentile_ms(unloaded, 0.99)
+    print(f"unloaded: {len(unloaded)} calls, p50 {results['unloaded_p50_ms']:.1f} ms, p99 "
+          f"{results['unloaded_p99_ms']:.1f} ms, p99/p50 {results['unloaded_p99_ms'] / results['unloaded_p50_ms']:.2f}",
+          flush=True)
     for size in sizes:
         if size != pool.num_actors:
             pool.scale(size)
@@ -222,6 +230,8 @@ def main() -> None:
         args.out.write_text(json.dumps(results, indent=2))
     print(f"\nGPU: {gpu} x{results['gpus']}, Ray {ray.__version__}; {args.callers} caller processes x "
           f"{args.threads} threads, {items_per_call:.2f} items per call, {args.seconds:.0f} s per measurement")
+    print(f"Each call alone (the mix's own spread): p50 {results['unloaded_p50_ms']:.1f} ms, p99 "
+          f"{results['unloaded_p99_ms']:.1f} ms, p99/p50 {results['unloaded_p99_ms'] / results['unloaded_p50_ms']:.2f}")
     print("| actors | saturated items/s | per actor vs 1 | p50 / p99 ms (saturated) | items/s at 70% | p50 / p99 ms at 70% | p99/p50 |")
     print("|---|---|---|---|---|---|---|")
     for size, row in results["sizes"].items():

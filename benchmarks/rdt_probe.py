@@ -2,11 +2,15 @@
 RDT and another sums it, with a collective group of the two (both created with
 enable_tensor_transport=True, as RDT requires of a receiver).
 
-    RAY_rdt_fetch_fail_timeout_milliseconds=15000 python benchmarks/rdt_probe.py [torch_gloo|gloo|nccl] [receivers] [threaded]
+    RAY_rdt_fetch_fail_timeout_milliseconds=15000 python benchmarks/rdt_probe.py [torch_gloo|gloo|nccl] [receivers] [threaded] [receiver_threads]
 
 With nccl, every actor takes a GPU (a share of one) and the tensor lives on it. `receivers` (1)
 receive the same reference at once; `threaded` gives the sender max_concurrency=4, as an encoder
-actor has.
+actor has; `receiver_threads` (1) is the receivers' max_concurrency.
+
+Found with it: a receiver with one thread waits for ever when it gets the reference before the
+sender has made the tensor (Ray 2.60 submits the receive behind the receiver's own task, which
+waits for it); with `receiver_threads` 2 the transfer goes through.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ def main() -> None:
     backend = sys.argv[1] if len(sys.argv) > 1 else "torch_gloo"
     receivers = int(sys.argv[2]) if len(sys.argv) > 2 else 1
     threaded = len(sys.argv) > 3 and sys.argv[3] == "threaded"
+    receiver_threads = int(sys.argv[4]) if len(sys.argv) > 4 else 1
     transport = "nccl" if backend == "nccl" else "gloo"
     # a share of a GPU each, or a whole one each with RDT_PROBE_WHOLE_GPUS=1 (NCCL wants one
     # device per rank: two actors on one GPU cannot form a communicator)
@@ -42,9 +47,13 @@ def main() -> None:
             return float(tensor.sum())
 
     sender = Sender.options(enable_tensor_transport=True, max_concurrency=4 if threaded else 1).remote()
-    targets = [Receiver.options(enable_tensor_transport=True).remote() for _ in range(receivers)]
+    targets = [
+        Receiver.options(enable_tensor_transport=True, max_concurrency=receiver_threads).remote()
+        for _ in range(receivers)
+    ]
     create_collective_group([sender, *targets], backend=backend)
-    case = f"RDT over {backend}, {receivers} receivers, {'threaded' if threaded else 'plain'} sender"
+    case = (f"RDT over {backend}, {receivers} receivers with {receiver_threads} threads, "
+            f"{'threaded' if threaded else 'plain'} sender")
     try:
         reference = sender.make.remote(10)
         totals = ray.get([target.take.remote(reference) for target in targets], timeout=60)
