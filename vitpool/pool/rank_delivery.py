@@ -46,6 +46,11 @@ logger = logging.getLogger(__name__)
 
 RDT_TRANSPORTS = ("nccl", "gloo")
 _COLLECTIVE_BACKENDS = {"nccl": "nccl", "gloo": "torch_gloo"}
+_ACTOR_METHODS = {
+    "object_store": "encode_concatenated_arrays",
+    "nccl": "encode_concatenated_nccl",
+    "gloo": "encode_concatenated_gloo",
+}
 
 
 @dataclass(frozen=True)
@@ -133,11 +138,7 @@ class RankDelivery:
         metadata = [
             (isinstance(item, Video), p.grid, wire_dtype_name(p.pixels.dtype)) for item, p in zip(items, prepared)
         ]
-        method = {
-            "object_store": self._actor.encode_concatenated_arrays,
-            "nccl": getattr(self._actor, "encode_concatenated_nccl", None),
-            "gloo": getattr(self._actor, "encode_concatenated_gloo", None),
-        }[self.transport]
+        method = getattr(self._actor, _ACTOR_METHODS[self.transport])
         reference = method.remote(metadata, *[to_array(p.pixels) for p in prepared])
         return reference, DeliveryLayout(self.transport, self._dtype_name, tuple(p.size.num_tokens for p in prepared))
 
