@@ -103,7 +103,7 @@ def test_rdt_falls_back_to_the_object_store_where_it_cannot_work(gloo_pool, refe
         actor_options={"num_gpus": 0, "num_cpus": 1},
     )
     try:
-        with caplog.at_level(logging.WARNING, logger="vitpool.pool.encoder_pool"):
+        with caplog.at_level(logging.WARNING, logger="vitpool.pool.rank_delivery"):
             delivery = pool.deliver_to(ranks)
         assert delivery.transport == "object_store"
         assert "not nccl: NCCL moves GPU tensors, and this encoder actor runs on its CPU" in caplog.text

@@ -38,7 +38,7 @@ from vitpool.pool.cluster import (
 )
 from vitpool.pool.controller import NAMESPACE, Membership, PoolController
 from vitpool.pool.dispatcher import Dispatcher
-from vitpool.pool.rank_delivery import RDT_TRANSPORTS, RankDelivery, rdt_problem
+from vitpool.pool.rank_delivery import RDT_TRANSPORTS, RankDelivery, choose_transport
 from vitpool.pool.settings import PoolSettings
 from vitpool.pool.stats import PoolStats, percentile, recent_rate
 from vitpool.wire import to_array, wire_dtype_name
@@ -282,16 +282,9 @@ class EncoderPool:
         index = min(actors) if actor_index is None else actor_index
         if index not in actors:
             raise ConfigError(f"no encoder actor {index} takes work; the pool has {sorted(actors)}")
-        chosen = self._settings.rank_transport if transport == "auto" else transport
-        if chosen in RDT_TRANSPORTS:
-            problem = rdt_problem(chosen, actors[index], ranks, self._settings.rank_transport)
-            if problem is not None and transport != "auto":
-                raise ConfigError(f"delivery over {chosen} cannot work: {problem}")
-            if problem is not None:
-                logger.warning("pool %r: delivering through the object store, not %s: %s", self.name, chosen, problem)
-                chosen = "object_store"
+        chosen = choose_transport(transport, self._settings.rank_transport, actors[index], ranks, self.name)
         dtype_name = self._membership.infos[index].dtype_name
-        return RankDelivery(actors[index], index, chosen or "object_store", self._rules, dtype_name)
+        return RankDelivery(actors[index], index, chosen, self._rules, dtype_name)
 
     def _submit(self, items: Sequence[Item], want_refs: bool, timeout_s: float | None, inline: bool = False) -> Call:
         """Check and queue a call, waiting up to `timeout_s` for room in the queue. `inline`: this

@@ -37,6 +37,7 @@ import ray
 import torch
 
 from vitpool.actors import EncoderActor
+from vitpool.errors import ConfigError
 from vitpool.graphs.inputs import prepare_items
 from vitpool.items import Embedding, Item, ItemMetadata, Video
 from vitpool.models import ItemRules
@@ -147,6 +148,22 @@ def _node_and_gpus(actor: Any) -> tuple[str, list[str]]:
     """Run inside an actor (`__ray_call__`): its node and the node's ids of its GPUs."""
     context = ray.get_runtime_context()
     return context.get_node_id(), [str(gpu) for gpu in context.get_accelerator_ids().get("GPU", [])]
+
+
+def choose_transport(requested: str, launched_with: str | None, actor: Any, ranks: Sequence[Any], pool_name: str) -> str:
+    """The transport a delivery uses: `requested`, or for "auto" the pool's `rank_transport`
+    (`launched_with`) where it works, else the object store, with a warning saying why. An RDT
+    transport asked for by name that cannot work raises ConfigError saying why."""
+    chosen = launched_with if requested == "auto" else requested
+    if chosen not in RDT_TRANSPORTS:
+        return "object_store"
+    problem = rdt_problem(chosen, actor, ranks, launched_with)
+    if problem is None:
+        return chosen
+    if requested != "auto":
+        raise ConfigError(f"delivery over {chosen} cannot work: {problem}")
+    logger.warning("pool %r: delivering through the object store, not %s: %s", pool_name, chosen, problem)
+    return "object_store"
 
 
 def rdt_problem(transport: str, actor: Any, ranks: Sequence[Any], launched_with: str | None) -> str | None:
