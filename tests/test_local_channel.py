@@ -16,14 +16,8 @@ import torch
 from conftest import image, video
 
 from vitpool.actors import EncoderActor
-from vitpool.actors.local_channel import (
-    SEGMENT_PREFIX,
-    ChannelClient,
-    ChannelClosed,
-    ChannelReply,
-    _OwnedSegment,
-    channel_supported,
-)
+from vitpool.actors.local_channel import ChannelClient, ChannelClosed, ChannelReply, channel_supported
+from vitpool.actors.segments import OUTPUT_SEGMENTS_PER_CONNECTION, SEGMENT_PREFIX, OwnedSegment
 from vitpool.items import Video
 from vitpool.wire import to_array, wire_dtype_name
 
@@ -128,6 +122,51 @@ def test_segments_are_unlinked_once_mapped(actor):
         client.close()
 
 
+def test_results_view_output_segments_that_are_used_again_once_dropped(actor):
+    generator = torch.Generator().manual_seed(2)
+    batches = [
+        [type(i)(i.pixel_values.to(actor.encoder.dtype), i.grid_thw) for i in [image(8, 8, generator)]]
+        for _ in range(OUTPUT_SEGMENTS_PER_CONNECTION + 2)
+    ]
+    client = ChannelClient(actor.info().channel)
+    try:
+        # Held results keep their segments: later batches take others, then (all held) are copied out.
+        held = [exchange(client, batch).values[0] for batch in batches]
+        for result, batch in zip(held, batches):
+            assert torch.equal(result.tokens, actor.encoder.encode(batch)[0].tokens)
+        addresses = {result.tokens.data_ptr() for result in held}
+        assert len(addresses) == len(batches)
+        (connection,) = client._idle
+        segments = connection._outputs._segments
+        assert len(segments) == OUTPUT_SEGMENTS_PER_CONNECTION and all(s.held for s in segments)
+
+        # Dropped results free their segments: the next batch's results view one of those.
+        first_addresses = {result.tokens.data_ptr() for result in held[:OUTPUT_SEGMENTS_PER_CONNECTION]}
+        del result
+        held.clear()
+        assert not any(s.held for s in segments)
+        again = exchange(client, batches[0]).values[0]
+        assert again.tokens.data_ptr() in first_addresses
+        assert torch.equal(again.tokens, actor.encoder.encode(batches[0])[0].tokens)
+    finally:
+        client.close()
+
+
+def test_a_failed_batch_does_not_hold_its_output_segment(actor):
+    bad = image(4, 4)
+    bad.pixel_values[0, 0] = float("inf")
+    items = [type(bad)(bad.pixel_values.to(actor.encoder.dtype), bad.grid_thw)]
+    client = ChannelClient(actor.info().channel)
+    try:
+        for _ in range(OUTPUT_SEGMENTS_PER_CONNECTION + 1):
+            reply = exchange(client, items)
+            assert reply.values == [None] and list(reply.receipt.item_errors) == [0]
+        (connection,) = client._idle
+        assert not any(segment.held for segment in connection._outputs._segments)
+    finally:
+        client.close()
+
+
 def raw_exchange(address: str, payload: bytes) -> bytes:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
         connection.settimeout(10)
@@ -153,12 +192,14 @@ def framed(message) -> bytes:
     [
         framed({"segment": "/etc/passwd", "size": 16, "items": [], "outputs": []}),
         framed({"segment": "/dev/shm/../etc/passwd", "size": 16, "items": [], "outputs": []}),
+        framed({"segment": "/dev/shm/../etc/passwd", "size": 16, "items": [], "outputs": [],
+                "output_segment": "/etc/passwd", "output_size": 16}),
         framed([1, 2, 3]),
         struct.pack("<I", 1 << 30) + b"x",
         struct.pack("<I", 8) + b"\xc1" * 8,
         b"\x05\x00",
     ],
-    ids=["outside-shm", "dot-dot", "not-a-map", "huge-length", "bad-msgpack", "truncated"],
+    ids=["outside-shm", "dot-dot", "output-outside-shm", "not-a-map", "huge-length", "bad-msgpack", "truncated"],
 )
 def test_hostile_bytes_close_only_their_connection(actor, payload):
     address = actor.info().channel.address
@@ -172,7 +213,7 @@ def test_hostile_bytes_close_only_their_connection(actor, payload):
 
 
 def test_out_of_bounds_offsets_fail_the_batch_not_the_actor(actor):
-    segment = _OwnedSegment(1 << 20)
+    segment = OwnedSegment(1 << 20)
     try:
         message = {
             "segment": segment.path, "size": segment.size,
@@ -184,6 +225,25 @@ def test_out_of_bounds_offsets_fail_the_batch_not_the_actor(actor):
         assert answer["status"] == "error" and "do not fit" in answer["message"]
     finally:
         segment.close()
+
+
+def test_outputs_past_the_output_segment_fail_the_batch_not_the_actor(actor):
+    pixels, outputs = OwnedSegment(1 << 20), OwnedSegment(1 << 20)
+    try:
+        item = type(image(8, 8))(image(8, 8).pixel_values.to(actor.encoder.dtype), (1, 8, 8))
+        np.copyto(np.frombuffer(pixels.buffer, dtype=to_array(item.pixel_values).dtype, count=64 * 1536),
+                  to_array(item.pixel_values).reshape(-1))
+        message = {
+            "segment": pixels.path, "size": pixels.size,
+            "items": [[False, [1, 8, 8], wire_dtype_name(actor.encoder.dtype), 0, [64, 1536]]],
+            "outputs": [outputs.size - 8], "output_segment": outputs.path, "output_size": outputs.size,
+        }
+        reply = raw_exchange(actor.info().channel.address, framed(message))
+        answer = msgpack.unpackb(reply[4:])
+        assert answer["status"] == "error" and "do not fit" in answer["message"]
+    finally:
+        pixels.close()
+        outputs.close()
 
 
 def test_a_closed_server_gives_channel_closed():

@@ -18,7 +18,9 @@ shared-memory directory whose names carry the channel's prefix, and serves only 
 
 from __future__ import annotations
 
+import collections
 import logging
+import math
 import mmap
 import os
 import queue
@@ -26,11 +28,11 @@ import select
 import socket
 import struct
 import sys
-import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgpack
@@ -38,16 +40,25 @@ import numpy as np
 import torch
 
 from vitpool.actors.reports import OK, BatchReceipt
+from vitpool.actors.segments import (
+    MappedSegments,
+    OutputSegments,
+    OwnedSegment,
+    aligned,
+    array_at,
+    segment_size,
+    shm_directory,
+)
 from vitpool.items import Embedding, ItemMetadata
 from vitpool.wire import WIRE_DTYPES, to_array, wire_dtype_name
 
 logger = logging.getLogger(__name__)
 
-SEGMENT_PREFIX = "vitpool-segment-"
-MIN_SEGMENT_BYTES = 1 << 20
-ALIGNMENT = 64
 MAX_MESSAGE_BYTES = 16 << 20
 _LENGTH = struct.Struct("<I")
+# A sleeping thread takes 0.2-0.4 ms to wake on a GPU VM: a caller wakes this long before its
+# reply is due, then polls.
+_WAKE_LEAD_S = 0.0005
 ERROR = "error"  # a reply status besides the receipt's: the actor failed on the batch itself
 
 # One batch as the actor's encoder takes it: per item its metadata and its pixels, and where the
@@ -77,16 +88,12 @@ class ChannelInfo:
     def output_bytes(self, num_tokens: int) -> int:
         """Room for one item's outputs: tokens and deepstack maps, each aligned."""
         itemsize = WIRE_DTYPES[self.output_dtype][1].itemsize
-        return (1 + self.num_deepstack) * _aligned(num_tokens * self.output_width * itemsize)
+        return (1 + self.num_deepstack) * aligned(num_tokens * self.output_width * itemsize)
 
 
 def channel_supported() -> bool:
     """Abstract Unix sockets and /dev/shm: Linux only. Elsewhere batches go through Ray."""
-    return sys.platform == "linux" and os.path.isdir(_shm_directory())
-
-
-def _shm_directory() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return sys.platform == "linux" and os.path.isdir(shm_directory())
 
 
 # framing: a little-endian length, then msgpack
@@ -125,6 +132,13 @@ def _receive_message(connection: socket.socket) -> dict | None:
     return message
 
 
+def _sleep_until_due(connection: socket.socket, due_at: float) -> None:
+    """Sleep until `due_at` (a perf_counter time) or until `connection` is readable."""
+    remaining = due_at - time.perf_counter()
+    if remaining > 0:
+        select.select([connection], [], [], remaining)
+
+
 def _spin_until_readable(connection: socket.socket, spin_s: float) -> None:
     """Poll `connection` for up to `spin_s` before the caller blocks on it: a thread that stays
     awake sees the message at once, where a sleeping one pays for its wake-up."""
@@ -134,23 +148,6 @@ def _spin_until_readable(connection: socket.socket, spin_s: float) -> None:
         if readable:
             return
         os.sched_yield()
-
-
-def _aligned(offset: int) -> int:
-    return -(-offset // ALIGNMENT) * ALIGNMENT
-
-
-def _array_at(buffer: mmap.mmap, dtype_name: str, offset: int, shape: Sequence[int]) -> np.ndarray:
-    """A view of `buffer` as an array; ValueError if it does not lie inside."""
-    if dtype_name not in WIRE_DTYPES:
-        raise ValueError(f"unknown dtype {dtype_name!r}")
-    dtype = WIRE_DTYPES[dtype_name][1]
-    if len(shape) != 2 or any(not isinstance(n, int) or n < 0 for n in shape):
-        raise ValueError(f"bad shape {shape!r}")
-    count = shape[0] * shape[1]
-    if not isinstance(offset, int) or offset < 0 or offset + count * dtype.itemsize > len(buffer):
-        raise ValueError(f"{count} values at offset {offset} do not fit the {len(buffer)}-byte segment")
-    return np.frombuffer(buffer, dtype=dtype, count=count, offset=offset).reshape(shape)
 
 
 # the actor's side
@@ -193,7 +190,7 @@ class ChannelServer:
             threading.Thread(target=self._serve, args=(connection,), name="vitpool-channel", daemon=True).start()
 
     def _serve(self, connection: socket.socket) -> None:
-        segment: _MappedSegment | None = None
+        segments = MappedSegments(self._cuda_device)
         try:
             with connection:
                 while True:
@@ -201,25 +198,23 @@ class ChannelServer:
                     request = _receive_message(connection)
                     if request is None:
                         break
-                    path, size = request.get("segment"), request.get("size")
-                    if segment is None or segment.path != path:
-                        if segment is not None:
-                            segment.close()
-                        segment = None
-                        segment = _MappedSegment(path, size, self._cuda_device)
-                    _send_message(connection, self._handle(segment.buffer, request))
+                    pixel_segment = segments.get(request.get("segment"), request.get("size"))
+                    output_path = request.get("output_segment")
+                    output_segment = (
+                        pixel_segment if output_path is None else segments.get(output_path, request.get("output_size"))
+                    )
+                    _send_message(connection, self._handle(pixel_segment.buffer, output_segment.buffer, request))
         except (OSError, ValueError, msgpack.UnpackException) as error:
             logger.warning("channel connection dropped: %s", error)
         finally:
-            if segment is not None:
-                segment.close()
+            segments.close()
 
-    def _handle(self, buffer: mmap.mmap, request: dict) -> dict:
+    def _handle(self, pixel_buffer: mmap.mmap, output_buffer: mmap.mmap, request: dict) -> dict:
         try:
             metadata, pixels = [], []
             for is_video, grid, dtype_name, offset, shape in request["items"]:
                 metadata.append((bool(is_video), tuple(grid), dtype_name))
-                pixels.append(_array_at(buffer, dtype_name, offset, shape))
+                pixels.append(array_at(pixel_buffer, dtype_name, offset, shape))
             output_offsets = request["outputs"]
             if len(output_offsets) != len(metadata):
                 raise ValueError("one output offset per item is needed")
@@ -228,9 +223,9 @@ class ChannelServer:
             for value, offset in zip(values, output_offsets):
                 if value is not None:
                     for tensor in (value.tokens, *value.deepstack):
-                        target = _array_at(buffer, wire_dtype_name(tensor.dtype), offset, tuple(tensor.shape))
+                        target = array_at(output_buffer, wire_dtype_name(tensor.dtype), offset, tuple(tensor.shape))
                         _write(target, tensor)
-                        offset = _aligned(offset + target.nbytes)
+                        offset = aligned(offset + target.nbytes)
             if self._cuda_device is not None:
                 torch.cuda.current_stream(self._cuda_device).synchronize()
             return {
@@ -258,45 +253,6 @@ def _same_user(connection: socket.socket) -> bool:
     return uid == os.getuid()
 
 
-class _MappedSegment:
-    """A caller's segment, mapped by the actor; only vitpool segment files are accepted."""
-
-    def __init__(self, path: object, size: object, cuda_device: torch.device | None) -> None:
-        if not isinstance(path, str) or not isinstance(size, int) or size <= 0:
-            raise ValueError("a request must name its segment and size")
-        directory = os.path.realpath(_shm_directory())
-        resolved = os.path.realpath(path)
-        if os.path.dirname(resolved) != directory or not os.path.basename(resolved).startswith(SEGMENT_PREFIX):
-            raise ValueError(f"{path!r} is not a vitpool segment")
-        descriptor = os.open(resolved, os.O_RDWR)
-        try:
-            if os.fstat(descriptor).st_size < size:
-                raise ValueError(f"segment {path!r} is smaller than {size} bytes")
-            self.buffer = mmap.mmap(descriptor, size)
-        finally:
-            os.close(descriptor)
-        self.path = path
-        self._registered = None
-        if cuda_device is not None:
-            address = np.frombuffer(self.buffer, dtype=np.uint8).ctypes.data
-            with torch.cuda.device(cuda_device):
-                if torch.cuda.cudart().cudaHostRegister(address, size, 0) == 0:
-                    self._registered = (cuda_device, address)
-                else:
-                    logger.warning("could not register a %d-byte segment with CUDA; copies are staged", size)
-
-    def close(self) -> None:
-        if self._registered is not None:
-            device, address = self._registered
-            with torch.cuda.device(device):
-                torch.cuda.current_stream(device).synchronize()
-                torch.cuda.cudart().cudaHostUnregister(address)
-        try:
-            self.buffer.close()
-        except BufferError:
-            pass  # a view is still alive somewhere; the mapping goes when it does
-
-
 # the caller's side
 
 
@@ -319,14 +275,17 @@ class ChannelClient:
     Args:
         info: the actor's channel.
         reply_timeout_s: how long a reply may take before the connection counts as broken.
-        spin_s: how long a wait for the reply polls before it sleeps. A thread that sleeps costs
-            a wake-up (0.2-0.4 ms on a VM); polling costs a CPU core while it lasts.
+        spin_s: how long a wait for the reply polls before it sleeps. The wait sleeps first until
+            shortly before the reply is due (as long as recent batches of its size took), so a
+            batch costs at most about `spin_s` of polling; 0 never polls. A thread that sleeps
+            through the reply costs a wake-up (0.2-0.4 ms on a VM).
     """
 
     def __init__(self, info: ChannelInfo, reply_timeout_s: float | None = None, spin_s: float = 0.0) -> None:
         self.info = info
         self.reply_timeout_s = reply_timeout_s
         self.spin_s = spin_s
+        self.round_trips = RoundTrips()
         self._idle: list[_Connection] = []
         self._all: list[_Connection] = []
         self._lock = threading.Lock()
@@ -370,6 +329,34 @@ class ChannelClient:
         connection.stop()
 
 
+class RoundTrips:
+    """Recent round trips (request sent to reply readable) per batch size, so that a caller can
+    sleep until shortly before its reply is due. Sizes are grouped by quarter octaves of output
+    tokens; the estimate is the shortest of the last few, the time with nothing queued ahead."""
+
+    KEEP = 8
+
+    def __init__(self) -> None:
+        self._recent: dict[int, collections.deque] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _size_class(num_tokens: int) -> int:
+        return round(4 * math.log2(max(num_tokens, 1)))
+
+    def expected_s(self, num_tokens: int) -> float | None:
+        with self._lock:
+            recent = self._recent.get(self._size_class(num_tokens))
+            return min(recent) if recent else None
+
+    def record(self, num_tokens: int, seconds: float) -> None:
+        with self._lock:
+            size_class = self._size_class(num_tokens)
+            if size_class not in self._recent:
+                self._recent[size_class] = collections.deque(maxlen=self.KEEP)
+            self._recent[size_class].append(seconds)
+
+
 class Exchange:
     """One batch on one connection: `send`, then `receive` (which never raises: it returns the
     reply or the error, and gives the connection back)."""
@@ -411,8 +398,11 @@ class _Connection:
         self._client = client
         self._jobs: queue.SimpleQueue | None = None
         self._socket: socket.socket | None = None
-        self._segment: _OwnedSegment | None = None
+        self._segment: OwnedSegment | None = None  # pixels (and outputs that are copied out)
+        self._outputs = OutputSegments()
+        self._output_segment: OwnedSegment | None = None  # the batch in flight's, if it has one
         self._output_offsets: list[int] = []
+        self._sent_at = 0.0
 
     def run_in_thread(self, exchange: Exchange, on_reply: ReplyCallback) -> None:
         if self._jobs is None:
@@ -438,20 +428,24 @@ class _Connection:
             self._close()
 
     def send(self, items: list[ChannelItem]) -> None:
-        """Copy the pixels into the segment and send the request."""
+        """Copy the pixels into the segment and send the request. The outputs go to an output
+        segment that the results will view, if one is free; else after the pixels."""
         info = self._client.info
         layout, offset = [], 0
         for metadata, pixels, _ in items:
             layout.append((metadata, pixels, offset))
-            offset = _aligned(offset + pixels.nbytes)
+            offset = aligned(offset + pixels.nbytes)
+        output_bytes = [info.output_bytes(num_tokens) for _, _, num_tokens in items]
+        self._output_segment = self._outputs.take(sum(output_bytes))
+        output_offset = 0 if self._output_segment is not None else offset
         self._output_offsets = []
-        for _, _, num_tokens in items:
-            self._output_offsets.append(offset)
-            offset += info.output_bytes(num_tokens)
-        segment = self._segment_of(offset)
+        for nbytes in output_bytes:
+            self._output_offsets.append(output_offset)
+            output_offset += nbytes
+        segment = self._segment_of(offset if self._output_segment is not None else output_offset)
         request_items = []
         for (is_video, grid, dtype_name), pixels, pixel_offset in layout:
-            np.copyto(_array_at(segment.buffer, dtype_name, pixel_offset, pixels.shape), pixels)
+            np.copyto(array_at(segment.buffer, dtype_name, pixel_offset, pixels.shape), pixels)
             request_items.append([is_video, list(grid), dtype_name, pixel_offset, list(pixels.shape)])
         if self._socket is None:
             self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -460,42 +454,77 @@ class _Connection:
         message = {
             "segment": segment.path, "size": segment.size, "items": request_items, "outputs": self._output_offsets,
         }
+        if self._output_segment is not None:
+            message.update(output_segment=self._output_segment.path, output_size=self._output_segment.size)
         _send_message(self._socket, message)
+        self._sent_at = time.perf_counter()
 
     def receive(self, items: list[ChannelItem]) -> ChannelReply | RemoteBatchError:
-        """Wait for the reply to `send` and copy the outputs out."""
-        _spin_until_readable(self._socket, self._client.spin_s)
-        reply = _receive_message(self._socket)
-        if reply is None:
-            raise ConnectionResetError("the actor closed the channel")
-        segment = self._segment
-        segment.unlink()  # the actor has mapped it
-        if reply.get("status") == ERROR:
-            return RemoteBatchError(str(reply.get("message")))
-        errors = {int(position): str(reason) for position, reason in reply.get("errors", [])}
-        receipt = BatchReceipt(str(reply["status"]), errors, float(reply.get("busy", 0.0)))
-        values: list[Embedding | None] = [None] * len(items)
-        if receipt.status == OK:
-            values = self._read_outputs(segment, items, self._output_offsets, errors)
-        return ChannelReply(values, receipt)
+        """Wait for the reply to `send`; the results view the output segment (held until they are
+        gone), or are copied out of the batch's segment."""
+        output_segment, self._output_segment = self._output_segment, None
+        handed_out = False
+        try:
+            num_tokens = sum(tokens for _, _, tokens in items)
+            self._await_reply(num_tokens)
+            reply = _receive_message(self._socket)
+            self._client.round_trips.record(num_tokens, time.perf_counter() - self._sent_at)
+            if reply is None:
+                raise ConnectionResetError("the actor closed the channel")
+            self._segment.unlink()  # the actor has mapped them
+            if output_segment is not None:
+                output_segment.unlink()
+            if reply.get("status") == ERROR:
+                return RemoteBatchError(str(reply.get("message")))
+            errors = {int(position): str(reason) for position, reason in reply.get("errors", [])}
+            receipt = BatchReceipt(str(reply["status"]), errors, float(reply.get("busy", 0.0)))
+            values: list[Embedding | None] = [None] * len(items)
+            if receipt.status == OK:
+                block = self._output_block(items, output_segment)
+                handed_out = output_segment is not None
+                values = self._views_of(block, items, errors)
+            return ChannelReply(values, receipt)
+        finally:
+            if output_segment is not None and not handed_out:
+                output_segment.release()
 
-    def _read_outputs(
-        self, segment: _OwnedSegment, items: list[ChannelItem], output_offsets: list[int], errors: dict
-    ) -> list[Embedding | None]:
-        """The batch's outputs, copied out of the segment in one piece into one block of memory
-        that the items' tensors view.
+    def _await_reply(self, num_tokens: int) -> None:
+        """Sleep until shortly before the reply is due, then poll for it (at most `spin_s`), so
+        that the thread is awake when it comes."""
+        client = self._client
+        if client.spin_s > 0:
+            expected_s = client.round_trips.expected_s(num_tokens)
+            if expected_s is not None:
+                _sleep_until_due(self._socket, self._sent_at + expected_s - _WAKE_LEAD_S)
+            _spin_until_readable(self._socket, client.spin_s)
 
-        One block, not a tensor each: fresh memory costs a page fault per 4 KiB on first touch,
-        and the allocator keeps one recurring block mapped where it would give back many. The
-        block is pinned when this process already uses CUDA (torch caches pinned blocks, and
-        the caller's copy to its GPU can then be asynchronous)."""
+    def _output_block(self, items: list[ChannelItem], output_segment: OwnedSegment | None) -> torch.Tensor:
+        """The batch's outputs as one block of bytes, from its first output to the end of its last.
+
+        In an output segment: a view of it, and the segment stays held until the last tensor that
+        views it is gone. Else a copy out of the batch's segment, in one piece into one block: fresh
+        memory costs a page fault per 4 KiB on first touch, and the allocator keeps one recurring
+        block mapped where it would give back many. That block is pinned when this process already
+        uses CUDA (torch caches pinned blocks, and the caller's copy to its GPU can then be
+        asynchronous). An output segment is not pinned here: an asynchronous copy from it could
+        still be reading when the results are dropped and the segment is written again."""
+        start = self._output_offsets[0]
+        end = self._output_offsets[-1] + self._client.info.output_bytes(items[-1][2])
+        if output_segment is not None:
+            view = np.frombuffer(output_segment.buffer, dtype=np.uint8, count=end - start, offset=start)
+            weakref.finalize(view, output_segment.release)
+            return torch.from_numpy(view)
+        block = torch.empty(end - start, dtype=torch.uint8, pin_memory=torch.cuda.is_initialized())
+        np.copyto(block.numpy(), np.frombuffer(self._segment.buffer, dtype=np.uint8, count=end - start, offset=start))
+        return block
+
+    def _views_of(self, block: torch.Tensor, items: list[ChannelItem], errors: dict) -> list[Embedding | None]:
+        """Each item's tensors, as views of the batch's output block (None for a failed item)."""
         info = self._client.info
         torch_dtype = WIRE_DTYPES[info.output_dtype][0]
-        start, end = output_offsets[0], output_offsets[-1] + info.output_bytes(items[-1][2])
-        block = torch.empty(end - start, dtype=torch.uint8, pin_memory=torch.cuda.is_initialized())
-        np.copyto(block.numpy(), np.frombuffer(segment.buffer, dtype=np.uint8, count=end - start, offset=start))
+        start = self._output_offsets[0]
         values: list[Embedding | None] = []
-        for position, ((_, _, num_tokens), offset) in enumerate(zip(items, output_offsets)):
+        for position, ((_, _, num_tokens), offset) in enumerate(zip(items, self._output_offsets)):
             if position in errors:
                 values.append(None)
                 continue
@@ -504,16 +533,16 @@ class _Connection:
             for _ in range(1 + info.num_deepstack):
                 raw = block[offset - start : offset - start + tensor_bytes]
                 tensors.append(raw.view(torch_dtype).view(num_tokens, info.output_width))
-                offset = _aligned(offset + tensor_bytes)  # where the actor put the next one
+                offset = aligned(offset + tensor_bytes)  # where the actor put the next one
             values.append(Embedding(tensors[0], tensors[1:]))
         return values
 
-    def _segment_of(self, size: int) -> _OwnedSegment:
+    def _segment_of(self, size: int) -> OwnedSegment:
         if self._segment is None or self._segment.size < size:
             if self._segment is not None:
                 self._segment.close()
             self._segment = None
-            self._segment = _OwnedSegment(max(MIN_SEGMENT_BYTES, 1 << (size - 1).bit_length()))
+            self._segment = OwnedSegment(segment_size(size))
         return self._segment
 
     def _close(self) -> None:
@@ -523,33 +552,4 @@ class _Connection:
         if self._segment is not None:
             self._segment.close()
             self._segment = None
-
-
-class _OwnedSegment:
-    def __init__(self, size: int) -> None:
-        descriptor, self.path = tempfile.mkstemp(prefix=SEGMENT_PREFIX, dir=_shm_directory())
-        try:
-            os.ftruncate(descriptor, size)
-            self.buffer = mmap.mmap(descriptor, size)
-        except BaseException:
-            os.unlink(self.path)
-            raise
-        finally:
-            os.close(descriptor)
-        self.size = size
-        self._linked = True
-
-    def unlink(self) -> None:
-        if self._linked:
-            self._linked = False
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
-
-    def close(self) -> None:
-        self.unlink()
-        try:
-            self.buffer.close()
-        except BufferError:
-            pass
+        self._outputs.close()

@@ -113,6 +113,7 @@ class Dispatcher:
         self._room = threading.Condition(self._lock)  # the queue has room again
         self._closed = False
         self._slot_freed = False  # a batch finished since the last dispatch: send without a window
+        self._thread_waits_untimed = False  # no flight's deadline armed in the dispatcher's thread
         self.counters = DispatchCounters()
         self._thread = threading.Thread(target=self._run, name="vitpool-dispatcher", daemon=True)
         self._thread.start()
@@ -300,6 +301,9 @@ class Dispatcher:
         slot.in_flight += 1
         slot.outstanding_cost += cost
         self.counters.batches += 1
+        if self._thread_waits_untimed:  # the dispatcher's thread must watch this batch's deadline
+            self._thread_waits_untimed = False
+            self._wake.notify_all()
         if slot.channel is not None and all(isinstance(m.pixels, np.ndarray) for m in members):
             flight = _Flight(actor_index, members, cost, [])
             self._flights.add(flight)
@@ -368,7 +372,8 @@ class Dispatcher:
                 self._drop_finished_calls()
             self._forget_idle_leavers()
             self._slot_freed = True
-            self._wake.notify_all()
+            if self._queue:  # else the dispatcher's thread has nothing to do: waking it costs the caller
+                self._wake.notify_all()
 
     def _complete(self, flight: _Flight, receipt: BatchReceipt) -> None:
         now = time.monotonic()
@@ -486,6 +491,7 @@ class Dispatcher:
                         continue
                     window_left = self._window_s - waited
                     timeout = window_left if timeout is None else min(timeout, window_left)
+                self._thread_waits_untimed = timeout is None
                 self._wake.wait(timeout)
 
 

@@ -39,9 +39,11 @@ class PoolSettings:
             in one caller process; a call that would pass them waits for room.
         max_item_tokens: the largest item (output tokens) a call may carry; None: any size the
             model takes.
-        channel_spin_s: on the same-node channel, how long a caller waiting for a reply (and an
-            actor that has just answered) polls before it sleeps. Polling costs a CPU core while
-            it lasts; sleeping costs a wake-up (0.2-0.4 ms measured on a GPU VM) per wait.
+        channel_spin_s: on the same-node channel, how long a waiting thread polls before it
+            sleeps: an actor after each answer, for the connection's next batch; a caller from
+            shortly before its reply is due (learnt from its earlier batches of the same size).
+            Each batch costs at most about this much CPU time per side; a thread that sleeps
+            instead pays a wake-up (0.2-0.4 ms measured on a GPU VM). 0: never poll.
         rank_transport: "nccl" (GPU actors) or "gloo" (CPU actors): the encoder actors can also
             hand a call's embeddings to tensor-parallel ranks over Ray Direct Transport
             (`EncoderPool.deliver_to`; see `vitpool.pool.rank_delivery` for what the ranks need).
@@ -68,7 +70,7 @@ class PoolSettings:
     max_queued_items: int = 4096
     max_queued_bytes: int = 2 << 30
     max_item_tokens: int | None = None
-    channel_spin_s: float = 0.0
+    channel_spin_s: float = 0.002
     rank_transport: str | None = None
     same_node_channel: bool = True
 

@@ -1,0 +1,184 @@
+"""Where one pool call's time goes, phase by phase, timed in both processes.
+
+On Linux `time.perf_counter` reads CLOCK_MONOTONIC, one clock for every process of the machine,
+so the caller's and the actor's timestamps can be subtracted. Probes are wrapped around the
+same-node channel's message functions in the caller (this process) and in the pool's actor (run
+there with `__ray_call__`); the library is not changed. Phases of one `pool.encode`:
+
+- caller, before the send: checks, packing, dispatch, pixels copied into the segment;
+- request wake: from the request's send until the actor's thread has read it;
+- actor, before the encode: parsing, item views, the actor's bookkeeping;
+- encode: the actor's run (combiner, encode_each, its finiteness check waits for the GPU);
+- actor, after the encode: outputs written to the segment by DMA, synchronise, receipt;
+- reply wake: from the reply's send until the caller's thread has read it;
+- caller, after the reply: outputs copied out, Embeddings, the call's bookkeeping.
+
+Against in-process `GraphEncoder.encode` (results on the GPU, synchronised) in the same run,
+in blocks of `--block` calls. With `--separate-gpus` (a 2-GPU machine), the in-process encoder
+is on GPU 0 and the pool's actor owns GPU 1, so no GPU is shared between processes.
+
+    python benchmarks/call_phases.py [--runs 200] [--warmup 30] [--block 20] [--out phases.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import ray
+import torch
+from common import image, once_ms, save_random_tower, summarize
+
+from vitpool import EncoderPool, GraphEncoder
+from vitpool.actors import local_channel
+
+WORKLOADS = {"1x224": lambda: [image(224)], "4x224": lambda: [image(224) for _ in range(4)]}
+PHASES = (
+    "caller_before_send", "request_wake", "actor_before_encode", "encode", "actor_after_encode",
+    "reply_wake", "caller_after_reply",
+)
+
+
+def install_actor_probes(actor) -> bool:
+    """Run inside the encoder actor: every channel reply carries the actor's timestamps."""
+    from vitpool.actors import local_channel as channel
+
+    stamps = threading.local()
+    receive, send = channel._receive_message, channel._send_message
+    server = actor._channel
+    run_batch = server._run_batch
+
+    def timed_receive(connection):
+        message = receive(connection)
+        stamps.received = time.perf_counter()
+        return message
+
+    def timed_run_batch(*args, **kwargs):
+        stamps.run_start = time.perf_counter()
+        try:
+            return run_batch(*args, **kwargs)
+        finally:
+            stamps.run_end = time.perf_counter()
+
+    def timed_send(connection, message):
+        probe = [stamps.received, stamps.run_start, stamps.run_end, time.perf_counter()]
+        send(connection, dict(message, probe=probe))
+
+    channel._receive_message, channel._send_message = timed_receive, timed_send
+    server._run_batch = timed_run_batch
+    return True
+
+
+class CallerProbes:
+    """Wraps this process's channel functions: the last request's send time and the last reply
+    (with the actor's probe) and when it was read, for the calling thread."""
+
+    def __init__(self) -> None:
+        self.last = threading.local()
+        receive, send = local_channel._receive_message, local_channel._send_message
+
+        def timed_send(connection, message):
+            self.last.sent = time.perf_counter()  # before: the actor may read it before sendall returns
+            send(connection, message)
+
+        def timed_receive(connection):
+            message = receive(connection)
+            self.last.received, self.last.probe = time.perf_counter(), (message or {}).get("probe")
+            return message
+
+        local_channel._receive_message, local_channel._send_message = timed_receive, timed_send
+
+    def phases(self, start: float, end: float) -> dict[str, float]:
+        received_at, run_start, run_end, replied_at = self.last.probe
+        marks = [start, self.last.sent, received_at, run_start, run_end, replied_at, self.last.received, end]
+        return {name: (b - a) * 1e3 for name, a, b in zip(PHASES, marks, marks[1:])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runs", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=30)
+    parser.add_argument("--block", type=int, default=20)
+    parser.add_argument("--separate-gpus", action="store_true", help="in-process on GPU 0, the actor alone on GPU 1")
+    parser.add_argument("--spin", type=float, default=0.0, help="the pool's channel_spin_s")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    gpu = torch.cuda.get_device_name()
+
+    directory = str(save_random_tower(tempfile.mkdtemp(prefix="vitpool-bench-")))
+    encoder = GraphEncoder.from_pretrained(directory, device="cuda:0", dtype=torch.bfloat16)
+    holder = None
+    if args.separate_gpus:
+        ray.init(num_gpus=2)
+        # Holds GPU 0 (Ray hands GPU ids out in order), so the pool's actor gets GPU 1 to itself.
+        holder = ray.remote(num_gpus=1)(_Holder).remote()
+        ray.get(holder.ready.remote())
+    options = {"num_gpus": 1 if args.separate_gpus else 0.5}
+    pool = EncoderPool.launch(
+        model=directory, num_actors=1, dtype="bfloat16", actor_options=options, channel_spin_s=args.spin
+    )
+    actor = ray.get_actor("vitpool-encoder-0", namespace="vitpool")
+    ray.get(actor.__ray_call__.remote(install_actor_probes))
+    probes = CallerProbes()
+
+    results = {
+        "gpu": gpu, "torch": torch.__version__, "ray": ray.__version__, "runs": args.runs, "block": args.block,
+        "separate_gpus": args.separate_gpus, "spin_s": args.spin, "actor_device": pool.stats().actors[0].device,
+        "workloads": {},
+    }
+    for name, build in WORKLOADS.items():
+        items = build()
+        baseline, phases = [], {phase: [] for phase in PHASES}
+        totals = []
+
+        def pool_call(record: bool) -> None:
+            start = time.perf_counter()
+            pool.encode(items)
+            end = time.perf_counter()
+            if record:
+                totals.append((end - start) * 1e3)
+                for phase, value in probes.phases(start, end).items():
+                    phases[phase].append(value)
+
+        for _ in range(args.warmup):
+            once_ms(lambda: encoder.encode(items))
+            pool_call(record=False)
+        for _ in range(args.runs // args.block):
+            for _ in range(args.block):
+                baseline.append(once_ms(lambda: encoder.encode(items)))
+            for _ in range(args.block):
+                pool_call(record=True)
+        row = {"in_process": summarize(baseline), "pool": summarize(totals)}
+        row["phases_median_ms"] = {phase: statistics.median(values) for phase, values in phases.items()}
+        row["ratio"] = row["pool"]["median_ms"] / row["in_process"]["median_ms"]
+        results["workloads"][name] = row
+    results["pool_stats"] = pool.stats().summary()
+    pool.shutdown()
+
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=2))
+    print(f"\nGPU: {gpu}; actor on {results['actor_device']}; channel_spin_s={args.spin}; "
+          f"median of {args.runs} runs in blocks of {args.block}")
+    print("| workload | in-process | pool | ratio | " + " | ".join(PHASES) + " |")
+    print("|---" * (4 + len(PHASES)) + "|")
+    for name, row in results["workloads"].items():
+        cells = [f"{row['phases_median_ms'][phase]:.3f}" for phase in PHASES]
+        print(
+            f"| {name} | {row['in_process']['median_ms']:.2f} ({row['in_process']['p99_ms']:.2f}) "
+            f"| {row['pool']['median_ms']:.2f} ({row['pool']['p99_ms']:.2f}) | {row['ratio']:.2f} | "
+            + " | ".join(cells) + " |"
+        )
+
+
+class _Holder:
+    def ready(self) -> bool:
+        return True
+
+
+if __name__ == "__main__":
+    main()

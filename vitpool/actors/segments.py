@@ -1,0 +1,209 @@
+"""The shared-memory segments of the same-node channel (`vitpool.actors.local_channel`).
+
+A caller owns its segments: files under /dev/shm that it creates, maps, and unlinks once the actor
+has mapped them too. It writes a batch's pixels into one; the actor writes the outputs back, by
+DMA on a GPU (its mappings are registered with CUDA).
+
+Outputs go to an output segment whose memory the caller's results view directly, with no copy,
+and that is used again only once those results are gone (`OutputSegments`). When every output
+segment of a connection is still held by results, or a batch's outputs are large, the outputs go
+after the pixels in the batch's own segment and are copied out.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import mmap
+import os
+import tempfile
+import uuid
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from vitpool.wire import WIRE_DTYPES
+
+logger = logging.getLogger(__name__)
+
+SEGMENT_PREFIX = "vitpool-segment-"
+MIN_SEGMENT_BYTES = 1 << 20
+ALIGNMENT = 64
+# Output segments per connection that results may hold, and the largest batch outputs that go to
+# one: past that, a copy costs little next to the encode, and shared memory stays bounded.
+OUTPUT_SEGMENTS_PER_CONNECTION = 4
+MAX_OUTPUT_SEGMENT_BYTES = 32 << 20
+# An actor's connection keeps this many caller segments mapped (pixels and output segments).
+MAPPED_PER_CONNECTION = OUTPUT_SEGMENTS_PER_CONNECTION + 2
+
+
+def shm_directory() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+def aligned(offset: int) -> int:
+    return -(-offset // ALIGNMENT) * ALIGNMENT
+
+
+def segment_size(nbytes: int) -> int:
+    """Segments grow in powers of two, so a connection replaces its segment rarely."""
+    return max(MIN_SEGMENT_BYTES, 1 << (nbytes - 1).bit_length())
+
+
+def array_at(buffer: mmap.mmap, dtype_name: str, offset: int, shape: Sequence[int]) -> np.ndarray:
+    """A view of `buffer` as an array; ValueError if it does not lie inside."""
+    if dtype_name not in WIRE_DTYPES:
+        raise ValueError(f"unknown dtype {dtype_name!r}")
+    dtype = WIRE_DTYPES[dtype_name][1]
+    if len(shape) != 2 or any(not isinstance(n, int) or n < 0 for n in shape):
+        raise ValueError(f"bad shape {shape!r}")
+    count = shape[0] * shape[1]
+    if not isinstance(offset, int) or offset < 0 or offset + count * dtype.itemsize > len(buffer):
+        raise ValueError(f"{count} values at offset {offset} do not fit the {len(buffer)}-byte segment")
+    return np.frombuffer(buffer, dtype=dtype, count=count, offset=offset).reshape(shape)
+
+
+# the caller's side
+
+
+class OwnedSegment:
+    """A segment the caller created. Its name carries a random part, so a name is never used
+    twice while an actor may still have the old file mapped."""
+
+    def __init__(self, size: int) -> None:
+        prefix = f"{SEGMENT_PREFIX}{uuid.uuid4().hex}-"
+        descriptor, self.path = tempfile.mkstemp(prefix=prefix, dir=shm_directory())
+        try:
+            os.ftruncate(descriptor, size)
+            self.buffer = mmap.mmap(descriptor, size)
+        except BaseException:
+            os.unlink(self.path)
+            raise
+        finally:
+            os.close(descriptor)
+        self.size = size
+        self.held = False  # results view its outputs (output segments only)
+        self._linked = True
+
+    def release(self) -> None:
+        """The results that viewed it are gone (a finalizer, in whatever thread dropped them)."""
+        self.held = False
+
+    def unlink(self) -> None:
+        if self._linked:
+            self._linked = False
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+    def close(self) -> None:
+        self.unlink()
+        try:
+            self.buffer.close()
+        except BufferError:
+            pass  # results still view it; the mapping goes with the last of them
+
+
+class OutputSegments:
+    """One connection's output segments: where a batch's outputs go when results may keep them."""
+
+    def __init__(self) -> None:
+        self._segments: list[OwnedSegment] = []
+
+    def take(self, nbytes: int) -> OwnedSegment | None:
+        """A segment of at least `nbytes` that no results hold, now held; None if there is none
+        to be had (the outputs then go to the batch's own segment and are copied out)."""
+        if nbytes > MAX_OUTPUT_SEGMENT_BYTES:
+            return None
+        free = [segment for segment in self._segments if not segment.held]
+        fitting = [segment for segment in free if segment.size >= nbytes]
+        if fitting:
+            chosen = min(fitting, key=lambda segment: segment.size)
+        elif free or len(self._segments) < OUTPUT_SEGMENTS_PER_CONNECTION:
+            if free:  # too small: replace the smallest free one
+                smallest = min(free, key=lambda segment: segment.size)
+                self._segments.remove(smallest)
+                smallest.close()
+            chosen = OwnedSegment(segment_size(nbytes))
+            self._segments.append(chosen)
+        else:
+            return None
+        chosen.held = True
+        return chosen
+
+    def close(self) -> None:
+        for segment in self._segments:
+            segment.close()
+        self._segments = []
+
+
+# the actor's side
+
+
+class MappedSegment:
+    """A caller's segment, mapped by the actor; only vitpool segment files are accepted."""
+
+    def __init__(self, path: object, size: object, cuda_device: torch.device | None) -> None:
+        if not isinstance(path, str) or not isinstance(size, int) or size <= 0:
+            raise ValueError("a request must name its segment and size")
+        directory = os.path.realpath(shm_directory())
+        resolved = os.path.realpath(path)
+        if os.path.dirname(resolved) != directory or not os.path.basename(resolved).startswith(SEGMENT_PREFIX):
+            raise ValueError(f"{path!r} is not a vitpool segment")
+        descriptor = os.open(resolved, os.O_RDWR)
+        try:
+            if os.fstat(descriptor).st_size < size:
+                raise ValueError(f"segment {path!r} is smaller than {size} bytes")
+            self.buffer = mmap.mmap(descriptor, size)
+        finally:
+            os.close(descriptor)
+        self.path = path
+        self.size = size
+        self._registered = None
+        if cuda_device is not None:
+            address = np.frombuffer(self.buffer, dtype=np.uint8).ctypes.data
+            with torch.cuda.device(cuda_device):
+                if torch.cuda.cudart().cudaHostRegister(address, size, 0) == 0:
+                    self._registered = (cuda_device, address)
+                else:
+                    logger.warning("could not register a %d-byte segment with CUDA; copies are staged", size)
+
+    def close(self) -> None:
+        if self._registered is not None:
+            device, address = self._registered
+            with torch.cuda.device(device):
+                torch.cuda.current_stream(device).synchronize()
+                torch.cuda.cudart().cudaHostUnregister(address)
+        try:
+            self.buffer.close()
+        except BufferError:
+            pass  # a view is still alive somewhere; the mapping goes when it does
+
+
+class MappedSegments:
+    """The segments one connection's caller has named, mapped once each (mapping and registering
+    with CUDA cost far more than a batch's copies), the least recently used closed past a few."""
+
+    def __init__(self, cuda_device: torch.device | None) -> None:
+        self._cuda_device = cuda_device
+        self._mapped: collections.OrderedDict[str, MappedSegment] = collections.OrderedDict()
+
+    def get(self, path: object, size: object) -> MappedSegment:
+        segment = self._mapped.get(path) if isinstance(path, str) else None
+        if segment is not None and segment.size == size:
+            self._mapped.move_to_end(path)
+            return segment
+        if segment is not None:  # named with another size: map it again, checked again
+            self._mapped.pop(path).close()
+        segment = MappedSegment(path, size, self._cuda_device)
+        self._mapped[path] = segment
+        while len(self._mapped) > MAPPED_PER_CONNECTION:
+            self._mapped.popitem(last=False)[1].close()
+        return segment
+
+    def close(self) -> None:
+        for segment in self._mapped.values():
+            segment.close()
+        self._mapped.clear()
