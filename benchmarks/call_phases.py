@@ -23,6 +23,7 @@ is on GPU 0 and the pool's actor owns GPU 1, so no GPU is shared between process
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import statistics
 import tempfile
@@ -35,7 +36,7 @@ import torch
 from common import image, once_ms, save_random_tower, summarize
 
 from vitpool import EncoderPool, GraphEncoder
-from vitpool.actors import local_channel
+from vitpool.actors import local_channel, segments
 
 WORKLOADS = {"1x224": lambda: [image(224)], "4x224": lambda: [image(224) for _ in range(4)]}
 PHASES = (
@@ -99,6 +100,25 @@ class CallerProbes:
         return {name: (b - a) * 1e3 for name, a, b in zip(PHASES, marks, marks[1:])}
 
 
+def count_segments() -> tuple[collections.Counter, collections.Counter]:
+    """Counts, in this process, of segments created (by size) and of batches whose outputs found
+    no free output segment (copied out instead)."""
+    created, copied = collections.Counter(), collections.Counter()
+    init, take = segments.OwnedSegment.__init__, segments.OutputSegments.take
+
+    def counted_init(self, size):
+        created[size] += 1
+        init(self, size)
+
+    def counted_take(self, nbytes):
+        chosen = take(self, nbytes)
+        copied["copied" if chosen is None else "viewed"] += 1
+        return chosen
+
+    segments.OwnedSegment.__init__, segments.OutputSegments.take = counted_init, counted_take
+    return created, copied
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=200)
@@ -125,6 +145,7 @@ def main() -> None:
     actor = ray.get_actor("vitpool-encoder-0", namespace="vitpool")
     ray.get(actor.__ray_call__.remote(install_actor_probes))
     probes = CallerProbes()
+    segment_counts, output_counts = count_segments()
 
     results = {
         "gpu": gpu, "torch": torch.__version__, "ray": ray.__version__, "runs": args.runs, "block": args.block,
@@ -155,6 +176,10 @@ def main() -> None:
                 pool_call(record=True)
         row = {"in_process": summarize(baseline), "pool": summarize(totals)}
         row["phases_median_ms"] = {phase: statistics.median(values) for phase, values in phases.items()}
+        row["phases_p90_ms"] = {phase: statistics.quantiles(values, n=10)[-1] for phase, values in phases.items()}
+        row["segments_created"], row["outputs_copied"] = dict(segment_counts), dict(output_counts)
+        segment_counts.clear()
+        output_counts.clear()
         row["ratio"] = row["pool"]["median_ms"] / row["in_process"]["median_ms"]
         results["workloads"][name] = row
     results["pool_stats"] = pool.stats().summary()
@@ -173,6 +198,9 @@ def main() -> None:
             f"| {row['pool']['median_ms']:.2f} ({row['pool']['p99_ms']:.2f}) | {row['ratio']:.2f} | "
             + " | ".join(cells) + " |"
         )
+    for name, row in results["workloads"].items():
+        p90 = ", ".join(f"{phase} {value:.3f}" for phase, value in row["phases_p90_ms"].items())
+        print(f"{name} p90: {p90}; segments created {row['segments_created']}, outputs {row['outputs_copied']}")
 
 
 class _Holder:
