@@ -14,8 +14,7 @@ there with `__ray_call__`); the library is not changed. Phases of one `pool.enco
 - caller, after the reply: outputs copied out, Embeddings, the call's bookkeeping.
 
 Against in-process `GraphEncoder.encode` (results on the GPU, synchronised) in the same run,
-in blocks of `--block` calls. With `--separate-gpus` (a 2-GPU machine), the in-process encoder
-is on GPU 0 and the pool's actor owns GPU 1, so no GPU is shared between processes.
+in blocks of `--block` calls; the pool's actor holds half of the same GPU.
 
     python benchmarks/call_phases.py [--runs 200] [--warmup 30] [--block 20] [--out phases.json]
 """
@@ -119,29 +118,46 @@ def count_segments() -> tuple[collections.Counter, collections.Counter]:
     return created, copied
 
 
+def measure(encoder, pool, probes: CallerProbes, items: list, args) -> tuple[list, list, dict]:
+    """In-process and pool calls of `items` in alternating blocks: their times (ms) and the pool
+    calls' phases."""
+    baseline, totals, phases = [], [], {phase: [] for phase in PHASES}
+
+    def pool_call(record: bool) -> None:
+        start = time.perf_counter()
+        pool.encode(items)
+        end = time.perf_counter()
+        if record:
+            totals.append((end - start) * 1e3)
+            for phase, value in probes.phases(start, end).items():
+                phases[phase].append(value)
+
+    for _ in range(args.warmup):
+        once_ms(lambda: encoder.encode(items))
+        pool_call(record=False)
+    for _ in range(args.runs // args.block):
+        for _ in range(args.block):
+            baseline.append(once_ms(lambda: encoder.encode(items)))
+        for _ in range(args.block):
+            pool_call(record=True)
+    return baseline, totals, phases
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--block", type=int, default=20)
-    parser.add_argument("--separate-gpus", action="store_true", help="in-process on GPU 0, the actor alone on GPU 1")
-    parser.add_argument("--spin", type=float, default=0.0, help="the pool's channel_spin_s")
+    parser.add_argument("--spin", type=float, default=None, help="the pool's channel_spin_s (default: the pool's)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     gpu = torch.cuda.get_device_name()
 
     directory = str(save_random_tower(tempfile.mkdtemp(prefix="vitpool-bench-")))
-    encoder = GraphEncoder.from_pretrained(directory, device="cuda:0", dtype=torch.bfloat16)
-    holder = None
-    if args.separate_gpus:
-        ray.init(num_gpus=2)
-        # Holds GPU 0 (Ray hands GPU ids out in order), so the pool's actor gets GPU 1 to itself.
-        holder = ray.remote(num_gpus=1)(_Holder).remote()
-        ray.get(holder.ready.remote())
-    options = {"num_gpus": 1 if args.separate_gpus else 0.5}
-    pool = EncoderPool.launch(
-        model=directory, num_actors=1, dtype="bfloat16", actor_options=options, channel_spin_s=args.spin
-    )
+    encoder = GraphEncoder.from_pretrained(directory, device="cuda", dtype=torch.bfloat16)
+    options = {"num_gpus": 0.5}
+    spin = {} if args.spin is None else {"channel_spin_s": args.spin}
+    pool = EncoderPool.launch(model=directory, num_actors=1, dtype="bfloat16", actor_options=options, **spin)
     actor = ray.get_actor("vitpool-encoder-0", namespace="vitpool")
     ray.get(actor.__ray_call__.remote(install_actor_probes))
     probes = CallerProbes()
@@ -149,31 +165,11 @@ def main() -> None:
 
     results = {
         "gpu": gpu, "torch": torch.__version__, "ray": ray.__version__, "runs": args.runs, "block": args.block,
-        "separate_gpus": args.separate_gpus, "spin_s": args.spin, "actor_device": pool.stats().actors[0].device,
+        "spin_s": args.spin, "actor_device": pool.stats().actors[0].device,
         "workloads": {},
     }
     for name, build in WORKLOADS.items():
-        items = build()
-        baseline, phases = [], {phase: [] for phase in PHASES}
-        totals = []
-
-        def pool_call(record: bool) -> None:
-            start = time.perf_counter()
-            pool.encode(items)
-            end = time.perf_counter()
-            if record:
-                totals.append((end - start) * 1e3)
-                for phase, value in probes.phases(start, end).items():
-                    phases[phase].append(value)
-
-        for _ in range(args.warmup):
-            once_ms(lambda: encoder.encode(items))
-            pool_call(record=False)
-        for _ in range(args.runs // args.block):
-            for _ in range(args.block):
-                baseline.append(once_ms(lambda: encoder.encode(items)))
-            for _ in range(args.block):
-                pool_call(record=True)
+        baseline, totals, phases = measure(encoder, pool, probes, build(), args)
         row = {"in_process": summarize(baseline), "pool": summarize(totals)}
         row["phases_median_ms"] = {phase: statistics.median(values) for phase, values in phases.items()}
         row["phases_p90_ms"] = {phase: statistics.quantiles(values, n=10)[-1] for phase, values in phases.items()}
@@ -187,7 +183,8 @@ def main() -> None:
 
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))
-    print(f"\nGPU: {gpu}; actor on {results['actor_device']}; channel_spin_s={args.spin}; "
+    spin_s = "default" if args.spin is None else args.spin
+    print(f"\nGPU: {gpu}; actor on {results['actor_device']}; channel_spin_s={spin_s}; "
           f"median of {args.runs} runs in blocks of {args.block}")
     print("| workload | in-process | pool | ratio | " + " | ".join(PHASES) + " |")
     print("|---" * (4 + len(PHASES)) + "|")
@@ -201,11 +198,6 @@ def main() -> None:
     for name, row in results["workloads"].items():
         p90 = ", ".join(f"{phase} {value:.3f}" for phase, value in row["phases_p90_ms"].items())
         print(f"{name} p90: {p90}; segments created {row['segments_created']}, outputs {row['outputs_copied']}")
-
-
-class _Holder:
-    def ready(self) -> bool:
-        return True
 
 
 if __name__ == "__main__":

@@ -159,6 +159,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=8, help="threads per caller process")
     parser.add_argument("--calls-per-caller", type=int, default=24, help="distinct prepared calls per caller")
     parser.add_argument("--spin", type=float, default=None, help="the pool's channel_spin_s (default: the pool's)")
+    parser.add_argument("--max-tokens-per-run", type=int, default=None, help="the pool's max_tokens_per_run")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -166,15 +167,17 @@ def main() -> None:
     gpu = torch.cuda.get_device_name()
 
     directory = save_random_tower(tempfile.mkdtemp(prefix="vitpool-bench-"))
-    spin = {} if args.spin is None else {"channel_spin_s": args.spin}
-    pool = EncoderPool.launch(model=str(directory), num_actors=sizes[0], name=POOL_NAME, dtype="bfloat16", **spin)
+    settings = {} if args.spin is None else {"channel_spin_s": args.spin}
+    settings["max_tokens_per_run"] = args.max_tokens_per_run
+    pool = EncoderPool.launch(model=str(directory), num_actors=sizes[0], name=POOL_NAME, dtype="bfloat16", **settings)
     callers = [Caller.remote(seed, args.calls_per_caller) for seed in range(args.callers)]
     items_per_call = statistics.mean(ray.get([c.mean_items_per_call.remote() for c in callers]))
     tokens = ray.get([c.call_tokens.remote() for c in callers])
     alone = [ray.get(c.unloaded.remote()) for c in callers]  # one caller at a time: alone in the pool
     results = {
         "gpu": gpu, "gpus": torch.cuda.device_count(), "ray": ray.__version__, "callers": args.callers,
-        "threads_per_caller": args.threads, "seconds": args.seconds, "channel_spin_s": args.spin, "items_per_call": items_per_call, "sizes": {},
+        "threads_per_caller": args.threads, "seconds": args.seconds, "channel_spin_s": args.spin,
+        "max_tokens_per_run": args.max_tokens_per_run, "items_per_call": items_per_call, "sizes": {},
     }
     # The floor for any p99 / p50 under load: the mix's own spread, with every call alone in the pool.
     unloaded = [x for seconds in alone for x in seconds]

@@ -39,6 +39,18 @@ def test_pack_properties(items, token_budgets, max_items, extra_frames):
         assert not any(fits(b, len(members), batch.num_tokens, batch.num_sequences) for b in smaller)
 
 
+@settings(max_examples=200, deadline=None)
+@given(items=items_strategy, token_budgets=budgets_strategy, max_tokens=st.integers(1, 600))
+def test_a_token_cap_bounds_shared_batches(items, token_budgets, max_tokens):
+    budgets = make_budgets(token_budgets, min(8, min(token_budgets)), None)
+    capped = pack(items, budgets, max_tokens)
+    assert sorted(i for batch in capped for i in batch.item_indices) == list(range(len(items)))
+    for batch in capped:
+        assert len(batch.item_indices) == 1 or batch.num_tokens <= max_tokens
+    if max_tokens >= max(budgets).num_tokens:  # no cap below the largest budget: packed as without
+        assert capped == pack(items, budgets)
+
+
 @settings(max_examples=100, deadline=None)
 @given(sizes=st.lists(st.integers(1, 64), min_size=1, max_size=40))
 def test_small_items_share_batches(sizes):

@@ -243,6 +243,10 @@ def test_bad_settings_fail_before_anything_starts(ray_cluster):
         EncoderPool.launch(num_actors=0)
     with pytest.raises(ConfigError, match="duplicates"):
         EncoderPool.launch(budgets=[16, 16])
+    with pytest.raises(ConfigError, match="max_tokens_per_run"):
+        EncoderPool.launch(max_tokens_per_run=0)
+    with pytest.raises(ConfigError, match="channel_spin_s"):
+        EncoderPool.launch(channel_spin_s=-1)
     with pytest.raises(ConfigError, match="need 3 GPUs; the cluster has 2"):
         EncoderPool.launch(num_actors=3, name="too-big")
     assert "too-big" not in {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}

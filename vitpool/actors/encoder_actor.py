@@ -42,6 +42,8 @@ class EncoderActor:
         serve_channel: also take batches from callers on the same node through shared memory
             (`vitpool.actors.local_channel`), where the platform allows it.
         channel_spin_s: after answering on the channel, poll this long for the next batch.
+        max_tokens_per_run: the most output tokens of batches combined into one run; None: the
+            largest budget.
     """
 
     def __init__(
@@ -56,6 +58,7 @@ class EncoderActor:
         num_threads: int,
         serve_channel: bool = True,
         channel_spin_s: float = 0.0,
+        max_tokens_per_run: int | None = None,
     ) -> None:
         start = time.perf_counter()
         torch.set_num_threads(num_threads)
@@ -74,7 +77,8 @@ class EncoderActor:
         self._retiring = False
         self._stats = ActorStats(actor_index, self._device_name())
         # Batches from many callers that wait for the encoder run together (see combining.py).
-        self._combiner = BatchCombiner(self._encode_splitting, self.encoder.budgets[-1].num_tokens)
+        largest = self.encoder.budgets[-1].num_tokens
+        self._combiner = BatchCombiner(self._encode_splitting, min(largest, max_tokens_per_run or largest))
         self._channel = (
             ChannelServer(self.run_batch, f"actor{actor_index}", self.encoder.device, channel_spin_s)
             if serve_channel and channel_supported()

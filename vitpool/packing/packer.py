@@ -38,12 +38,13 @@ def fits(budget: Budget, num_items: int, num_tokens: int, num_sequences: int) ->
     )
 
 
-def pack(items: Sequence[ItemCost], budgets: Sequence[Budget]) -> list[Batch]:
+def pack(items: Sequence[ItemCost], budgets: Sequence[Budget], max_tokens: int | None = None) -> list[Batch]:
     """Pack `items` into batches: every item exactly once, each batch in its smallest fitting budget.
 
     First-fit decreasing into bins the size of the largest budget keeps replays few; each bin then
     takes the smallest budget that holds it, which keeps padding small. An item that fits no
-    budget alone gets a batch of its own with `budget=None`.
+    budget alone gets a batch of its own with `budget=None`. `max_tokens` caps the tokens of a
+    batch of several items below the largest budget (an item over it still gets a batch).
     """
     if not budgets:
         return [Batch((i,), None, item.num_tokens, item.num_sequences) for i, item in enumerate(items)]
@@ -65,7 +66,7 @@ def pack(items: Sequence[ItemCost], budgets: Sequence[Budget]) -> list[Batch]:
                 len(members) + 1,
                 bin_tokens[b] + item.num_tokens,
                 bin_sequences[b] + item.num_sequences,
-            ):
+            ) and (max_tokens is None or bin_tokens[b] + item.num_tokens <= max_tokens):
                 members.append(index)
                 bin_tokens[b] += item.num_tokens
                 bin_sequences[b] += item.num_sequences

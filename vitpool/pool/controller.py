@@ -218,6 +218,7 @@ class PoolController:
                 self._actor_threads,
                 settings.same_node_channel,
                 settings.channel_spin_s,
+                settings.max_tokens_per_run,
             )
         )
         self._members[index] = _Member(handle, STARTING, bundle=bundle)

@@ -96,6 +96,7 @@ class Dispatcher:
     ) -> None:
         self._budgets = budgets
         self._max_in_flight = settings.max_batches_in_flight_per_actor
+        self._max_tokens_per_run = settings.max_tokens_per_run
         self._window_s = settings.batch_window_s
         self._max_attempts = settings.max_attempts_per_item
         self._batch_timeout_s = settings.batch_timeout_s
@@ -253,7 +254,7 @@ class Dispatcher:
             if free_slots <= 0:
                 return
             taken = self._take(free_slots)  # drops the items of failed or timed-out calls
-            batches = pack([item.cost for item in taken], self._budgets)
+            batches = pack([item.cost for item in taken], self._budgets, self._max_tokens_per_run)
             batches.sort(key=lambda b: min(b.item_indices))  # oldest items first
             for number, batch in enumerate(batches):
                 actor_index = self._least_loaded()

@@ -215,8 +215,9 @@ class EncoderPool:
         except concurrent.futures.TimeoutError:
             raise self._timed_out(call, timeout_s) from None
         refs = _refs_among(results)
-        for index, value in zip(refs, ray.get(list(refs.values()))):
-            results[index] = value
+        if refs:  # none when every batch took the same-node channel; ray.get costs even then
+            for index, value in zip(refs, ray.get(list(refs.values()))):
+                results[index] = value
         return results
 
     async def encode_async(self, items: Sequence[Item], timeout_s: float | None = None) -> list[Embedding]:

@@ -39,6 +39,11 @@ class PoolSettings:
             in one caller process; a call that would pass them waits for room.
         max_item_tokens: the largest item (output tokens) a call may carry; None: any size the
             model takes.
+        max_tokens_per_run: the most output tokens that several items share in one replay: the
+            dispatcher's batches and an actor's combined runs stop there (a larger item still
+            runs, alone). Under load a small call waits behind the run in progress and then its
+            own, so shorter runs cut its wait, at some cost in throughput. None: the largest
+            budget.
         channel_spin_s: on the same-node channel, how long a waiting thread polls before it
             sleeps: an actor after each answer, for the connection's next batch; a caller from
             shortly before its reply is due (learnt from its earlier batches of the same size).
@@ -70,6 +75,7 @@ class PoolSettings:
     max_queued_items: int = 4096
     max_queued_bytes: int = 2 << 30
     max_item_tokens: int | None = None
+    max_tokens_per_run: int | None = None
     channel_spin_s: float = 0.002
     rank_transport: str | None = None
     same_node_channel: bool = True
@@ -96,6 +102,8 @@ class PoolSettings:
         _positive_int("max_queued_bytes", self.max_queued_bytes)
         if self.max_item_tokens is not None:
             _positive_int("max_item_tokens", self.max_item_tokens)
+        if self.max_tokens_per_run is not None:
+            _positive_int("max_tokens_per_run", self.max_tokens_per_run)
         if isinstance(self.max_actor_restarts, bool) or not isinstance(self.max_actor_restarts, int) or self.max_actor_restarts < 0:
             raise ConfigError(f"max_actor_restarts must be an integer >= 0; got {self.max_actor_restarts!r}")
         _non_negative_seconds("batch_timeout_s", self.batch_timeout_s, positive=True)
