@@ -430,6 +430,15 @@ class _Connection:
     def send(self, items: list[ChannelItem]) -> None:
         """Copy the pixels into the segment and send the request. The outputs go to an output
         segment that the results will view, if one is free; else after the pixels."""
+        try:
+            self._send(items)
+        except BaseException:
+            if self._output_segment is not None:  # no reply will come to hand it out
+                self._output_segment.release()
+                self._output_segment = None
+            raise
+
+    def _send(self, items: list[ChannelItem]) -> None:
         info = self._client.info
         layout, offset = [], 0
         for metadata, pixels, _ in items:
@@ -468,9 +477,9 @@ class _Connection:
             num_tokens = sum(tokens for _, _, tokens in items)
             self._await_reply(num_tokens)
             reply = _receive_message(self._socket)
-            self._client.round_trips.record(num_tokens, time.perf_counter() - self._sent_at)
             if reply is None:
                 raise ConnectionResetError("the actor closed the channel")
+            self._client.round_trips.record(num_tokens, time.perf_counter() - self._sent_at)
             self._segment.unlink()  # the actor has mapped them
             if output_segment is not None:
                 output_segment.unlink()
