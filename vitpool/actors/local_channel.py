@@ -4,13 +4,15 @@ over a Unix socket.
 
 Why it exists: on the GPU host one Ray actor call costs about 1 ms, and carrying a batch's pixels
 and embeddings through the object store 3-4 ms: more than the encode of a small image. Here a
-batch costs one copy in, one copy out and two small socket messages.
+batch costs one copy in and two small socket messages; the results view the memory the actor
+wrote them into.
 
-A connection carries one batch at a time. The caller owns its segment (a file under /dev/shm,
-unlinked once the actor has mapped it): it writes the pixels, sends a request saying where each
-item's pixels are and where its outputs go; the actor encodes, writes the outputs into the
-segment and answers with the batch's receipt. A caller opens as many connections to an actor as
-it keeps batches in flight there.
+A connection carries one batch at a time. The caller owns its segments (`vitpool.actors.segments`):
+it writes the pixels into one, sends a request saying where each item's pixels are and where its
+outputs go (an output segment, or after the pixels); the actor encodes, writes the outputs there
+and answers with the batch's receipt. A caller opens as many connections to an actor as it keeps
+batches in flight there. Both sides poll briefly around the moment a message is due, since a
+sleeping thread pays for its wake-up.
 
 Nothing is unpickled: messages are msgpack of plain values. The actor maps only files in the
 shared-memory directory whose names carry the channel's prefix, and serves only its own user.
