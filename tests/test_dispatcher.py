@@ -4,11 +4,13 @@ the actor splits a batch that runs out of GPU memory."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 import time
 
 import numpy as np
 import pytest
+import ray
 import torch
 from conftest import BUDGETS, image
 
@@ -43,6 +45,33 @@ class FakeChannel:
 
     def close(self) -> None:
         pass
+
+
+class DeadActorHandle:
+    """A Ray actor handle whose calls have already failed when they return, as Ray's do for an
+    actor it knows is dead: the completion callback runs at once, in the sending thread."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.encode_batch = self
+
+    def options(self, num_returns: int):
+        self._num_returns = num_returns
+        return self
+
+    def remote(self, metadata, *pixels):
+        self.calls += 1
+        failed: concurrent.futures.Future = concurrent.futures.Future()
+        failed.set_exception(ray.exceptions.RayActorError())
+        return [_DoneRef(failed) for _ in range(self._num_returns)]
+
+
+class _DoneRef:
+    def __init__(self, future: concurrent.futures.Future) -> None:
+        self._future = future
+
+    def future(self) -> concurrent.futures.Future:
+        return self._future
 
 
 def queued(call: Call, sizes: list[int]) -> list[QueuedItem]:
@@ -80,6 +109,29 @@ def test_a_silent_actors_batch_times_out_and_goes_to_another():
         assert subject.counters.requeued_items > 0 and subject.counters.failed_calls == 0
     finally:
         subject.close()
+
+
+def test_a_call_that_failed_before_its_callback_was_added_goes_to_another_actor():
+    """Ray may fail a call to a dead actor before `_send` adds the completion callback, which then
+    runs in the sending thread with the dispatcher's lock held; it used to deadlock there."""
+    dead, failed = DeadActorHandle(), []
+    budgets = make_budgets(BUDGETS, None, None)
+    subject = Dispatcher(budgets, PoolSettings(batch_window_s=0.0), on_actor_failed=failed.append,
+                         make_channel=lambda index: FakeChannel(delay_s=0.01) if index == 1 else None)
+    subject.set_actors({0: dead, 1: object()}, budgets)  # actor 0 goes through Ray, and first
+    try:
+        call = Call(2)
+        submitting = threading.Thread(target=subject.submit, args=(call, queued(call, [3, 5])), daemon=True)
+        submitting.start()
+        submitting.join(timeout=10)
+        assert not submitting.is_alive(), "submit deadlocked"
+        results = call.future.result(timeout=10)
+        assert [float(r.tokens) for r in results] == [3, 5]
+        assert dead.calls >= 1 and failed == [0]
+        assert subject.counters.requeued_items >= 1 and subject.counters.failed_calls == 0
+    finally:
+        if not submitting.is_alive():  # closing a deadlocked dispatcher would hang the test run
+            subject.close()
 
 
 def test_a_full_queue_makes_callers_wait_then_time_out():

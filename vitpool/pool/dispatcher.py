@@ -115,6 +115,8 @@ class Dispatcher:
         self._closed = False
         self._slot_freed = False  # a batch finished since the last dispatch: send without a window
         self._thread_waits_untimed = False  # no flight's deadline armed in the dispatcher's thread
+        self._registering = threading.local()  # set while _send adds a completion callback
+        self._early_outcomes: list[tuple[_Flight, Any]] = []  # for the dispatcher's thread to finish
         self.counters = DispatchCounters()
         self._thread = threading.Thread(target=self._run, name="vitpool-dispatcher", daemon=True)
         self._thread.start()
@@ -229,6 +231,8 @@ class Dispatcher:
     def close(self) -> None:
         with self._lock:
             self._closed = True
+            while self._early_outcomes:
+                self._finish_locked(*self._early_outcomes.pop(0))
             self._fail_queue(PoolUnavailableError("the pool handle was closed"))
             for slot in self._actors.values():
                 _close_channel(slot)
@@ -320,7 +324,11 @@ class Dispatcher:
         )
         flight = _Flight(actor_index, members, cost, refs[:-1])
         self._flights.add(flight)
-        refs[-1].future().add_done_callback(lambda future: self._on_receipt(flight, future))
+        self._registering.active = True
+        try:
+            refs[-1].future().add_done_callback(lambda future: self._on_receipt(flight, future))
+        finally:
+            self._registering.active = False
 
     # completion (Ray's callback thread or a channel connection's: no Ray calls here)
 
@@ -329,6 +337,12 @@ class Dispatcher:
             outcome = future.result()
         except Exception as error:  # noqa: BLE001 - handed on as the batch's outcome
             outcome = error
+        if getattr(self._registering, "active", False):
+            # The call was over before its callback was added (its actor is gone), so the callback
+            # runs here, in _send, with the lock held: the dispatcher's thread finishes it.
+            self._early_outcomes.append((flight, outcome))
+            self._wake.notify_all()
+            return
         self._finish(flight, outcome)
 
     def _on_channel_reply(self, flight: _Flight, outcome: ChannelReply | BaseException) -> None:
@@ -338,43 +352,46 @@ class Dispatcher:
         self._finish(flight, outcome)
 
     def _finish(self, flight: _Flight, outcome: BatchReceipt | BaseException) -> None:
-        index = flight.actor_index
         with self._lock:
-            if flight not in self._flights:
-                return  # it timed out before: its items went elsewhere already
-            self._flights.discard(flight)
-            failed_before = self.counters.failed_calls
-            slot = self._actors.get(index)
-            if slot is not None:
-                slot.in_flight -= 1
-                slot.outstanding_cost -= flight.cost
-            if isinstance(outcome, BaseException) and not isinstance(outcome, ChannelClosed):
-                self.counters.failed_batches += 1
-            if isinstance(outcome, ChannelClosed):
-                # The actor may be alive: go on through Ray, which tells a dead actor apart.
-                if slot is not None and slot.channel is not None:
-                    logger.warning("%s (actor %d); its batches go through Ray from now on", outcome, index)
-                    _close_channel(slot)
-                self._requeue(flight, str(outcome), count_attempt=False)  # at most once per actor
-            elif isinstance(outcome, _ACTOR_GONE):
-                self._actor_failed(index, f"encoder actor {index} died: {outcome}")
-                self._requeue(flight, f"encoder actor {index} died")
-            elif isinstance(outcome, BaseException):  # the actor failed on the batch itself
-                failure = EncodeError(f"encoder actor {index} failed on a batch: {outcome}")
-                failure.__cause__ = outcome
-                for member in flight.members:
-                    self._fail_call(member.call, failure)
-            elif outcome.status == RETIRED:
-                self._actor_left(flight, f"encoder actor {index} left the pool")
-            else:
-                assert outcome.status == OK, outcome.status
-                self._complete(flight, outcome)
-            if self.counters.failed_calls != failed_before:
-                self._drop_finished_calls()
-            self._forget_idle_leavers()
-            self._slot_freed = True
-            if self._queue:  # else the dispatcher's thread has nothing to do: waking it costs the caller
-                self._wake.notify_all()
+            self._finish_locked(flight, outcome)
+
+    def _finish_locked(self, flight: _Flight, outcome: BatchReceipt | BaseException) -> None:
+        index = flight.actor_index
+        if flight not in self._flights:
+            return  # it timed out before: its items went elsewhere already
+        self._flights.discard(flight)
+        failed_before = self.counters.failed_calls
+        slot = self._actors.get(index)
+        if slot is not None:
+            slot.in_flight -= 1
+            slot.outstanding_cost -= flight.cost
+        if isinstance(outcome, BaseException) and not isinstance(outcome, ChannelClosed):
+            self.counters.failed_batches += 1
+        if isinstance(outcome, ChannelClosed):
+            # The actor may be alive: go on through Ray, which tells a dead actor apart.
+            if slot is not None and slot.channel is not None:
+                logger.warning("%s (actor %d); its batches go through Ray from now on", outcome, index)
+                _close_channel(slot)
+            self._requeue(flight, str(outcome), count_attempt=False)  # at most once per actor
+        elif isinstance(outcome, _ACTOR_GONE):
+            self._actor_failed(index, f"encoder actor {index} died: {outcome}")
+            self._requeue(flight, f"encoder actor {index} died")
+        elif isinstance(outcome, BaseException):  # the actor failed on the batch itself
+            failure = EncodeError(f"encoder actor {index} failed on a batch: {outcome}")
+            failure.__cause__ = outcome
+            for member in flight.members:
+                self._fail_call(member.call, failure)
+        elif outcome.status == RETIRED:
+            self._actor_left(flight, f"encoder actor {index} left the pool")
+        else:
+            assert outcome.status == OK, outcome.status
+            self._complete(flight, outcome)
+        if self.counters.failed_calls != failed_before:
+            self._drop_finished_calls()
+        self._forget_idle_leavers()
+        self._slot_freed = True
+        if self._queue:  # else the dispatcher's thread has nothing to do: waking it costs the caller
+            self._wake.notify_all()
 
     def _complete(self, flight: _Flight, receipt: BatchReceipt) -> None:
         now = time.monotonic()
@@ -479,6 +496,8 @@ class Dispatcher:
     def _run(self) -> None:
         with self._lock:
             while not self._closed:
+                while self._early_outcomes:
+                    self._finish_locked(*self._early_outcomes.pop(0))
                 timeout = self._check_timeouts()
                 if self._queue and self._free_slots() > 0:
                     waited = time.monotonic() - self._queue[0].enqueued_at
