@@ -17,6 +17,7 @@ from conftest import image, video
 
 from vitpool.actors import EncoderActor
 from vitpool.actors.local_channel import ChannelClient, ChannelClosed, ChannelReply, channel_supported
+from vitpool.actors import segments
 from vitpool.actors.segments import OUTPUT_SEGMENTS_PER_CONNECTION, SEGMENT_PREFIX, OwnedSegment
 from vitpool.items import Video
 from vitpool.wire import to_array, wire_dtype_name
@@ -150,6 +151,52 @@ def test_results_view_output_segments_that_are_used_again_once_dropped(actor):
         assert torch.equal(again.tokens, actor.encoder.encode(batches[0])[0].tokens)
     finally:
         client.close()
+
+
+def test_a_held_output_segment_stays_mapped_while_others_come_and_go(monkeypatch, actor):
+    """Growing batches replace the connection's other segments many times while results hold one;
+    the actor must keep that one mapped (it is unlinked, so it could not be mapped again)."""
+    monkeypatch.setattr(segments, "MIN_SEGMENT_BYTES", 4096)  # so that segments grow often
+    generator = torch.Generator().manual_seed(3)
+
+    def batch(side: int) -> list:
+        item = image(side, side, generator)
+        return [type(item)(item.pixel_values.to(actor.encoder.dtype), item.grid_thw)]
+
+    client = ChannelClient(actor.info().channel)
+    try:
+        first = batch(2)
+        held = exchange(client, first)
+        for side in (4, 6, 8, 10, 12, 14, 16, 18, 20):
+            assert isinstance(exchange(client, batch(side)), ChannelReply)
+        (connection,) = client._idle
+        held_segment = next(s for s in connection._outputs._segments if s.held)
+        del held
+        again = exchange(client, first)  # takes the segment the results held
+        assert isinstance(again, ChannelReply), again
+        offset = again.values[0].tokens.data_ptr() - np.frombuffer(held_segment.buffer, np.uint8).ctypes.data
+        assert 0 <= offset < held_segment.size
+        assert torch.equal(again.values[0].tokens, actor.encoder.encode(first)[0].tokens)
+    finally:
+        client.close()
+
+
+def test_an_actor_maps_a_bounded_number_of_segments(monkeypatch):
+    monkeypatch.setattr(segments, "MAX_MAPPED_PER_CONNECTION", 2)
+    owned = [OwnedSegment(1 << 20) for _ in range(3)]
+    mapped = segments.MappedSegments(None)
+    try:
+        for segment in owned:
+            mapped.get(segment.path, segment.size)
+        assert list(mapped._mapped) == [owned[1].path, owned[2].path]  # the least recently used went
+        mapped.forget([owned[1].path, "not mapped", 7])
+        assert list(mapped._mapped) == [owned[2].path]
+        mapped.forget("not a list")
+        assert list(mapped._mapped) == [owned[2].path]
+    finally:
+        mapped.close()
+        for segment in owned:
+            segment.close()
 
 
 def test_a_failed_batch_does_not_hold_its_output_segment(actor):

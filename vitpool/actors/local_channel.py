@@ -200,6 +200,7 @@ class ChannelServer:
                     request = _receive_message(connection)
                     if request is None:
                         break
+                    segments.forget(request.get("closed"))
                     pixel_segment = segments.get(request.get("segment"), request.get("size"))
                     output_path = request.get("output_segment")
                     output_segment = (
@@ -404,6 +405,7 @@ class _Connection:
         self._outputs = OutputSegments()
         self._output_segment: OwnedSegment | None = None  # the batch in flight's, if it has one
         self._output_offsets: list[int] = []
+        self._closed_paths: list[str] = []  # pixel segments replaced since the actor was last told
         self._sent_at = 0.0
 
     def run_in_thread(self, exchange: Exchange, on_reply: ReplyCallback) -> None:
@@ -467,7 +469,11 @@ class _Connection:
         }
         if self._output_segment is not None:
             message.update(output_segment=self._output_segment.path, output_size=self._output_segment.size)
+        closed = self._closed_paths + self._outputs.closed_paths
+        if closed:
+            message["closed"] = closed
         _send_message(self._socket, message)
+        self._closed_paths, self._outputs.closed_paths = [], []
         self._sent_at = time.perf_counter()
 
     def receive(self, items: list[ChannelItem]) -> ChannelReply | RemoteBatchError:
@@ -552,6 +558,7 @@ class _Connection:
         if self._segment is None or self._segment.size < size:
             if self._segment is not None:
                 self._segment.close()
+                self._closed_paths.append(self._segment.path)
             self._segment = None
             self._segment = OwnedSegment(segment_size(size))
         return self._segment

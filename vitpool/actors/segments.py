@@ -34,8 +34,10 @@ ALIGNMENT = 64
 # one: past that, a copy costs little next to the encode, and shared memory stays bounded.
 OUTPUT_SEGMENTS_PER_CONNECTION = 4
 MAX_OUTPUT_SEGMENT_BYTES = 32 << 20
-# An actor's connection keeps this many caller segments mapped (pixels and output segments).
-MAPPED_PER_CONNECTION = OUTPUT_SEGMENTS_PER_CONNECTION + 2
+# A caller tells the actor which of its segments it closed, so an actor's connection maps only
+# live ones (a pixel segment and the output segments). Past this many it closes the least
+# recently used: a caller that never says would otherwise grow the actor's mappings for ever.
+MAX_MAPPED_PER_CONNECTION = 32
 
 
 def shm_directory() -> str:
@@ -111,6 +113,7 @@ class OutputSegments:
 
     def __init__(self) -> None:
         self._segments: list[OwnedSegment] = []
+        self.closed_paths: list[str] = []  # replaced since the actor was last told
 
     def take(self, nbytes: int) -> OwnedSegment | None:
         """A segment of at least `nbytes` that no results hold, now held; None if there is none
@@ -126,6 +129,7 @@ class OutputSegments:
                 smallest = min(free, key=lambda segment: segment.size)
                 self._segments.remove(smallest)
                 smallest.close()
+                self.closed_paths.append(smallest.path)
             chosen = OwnedSegment(segment_size(nbytes))
             self._segments.append(chosen)
         else:
@@ -184,7 +188,12 @@ class MappedSegment:
 
 class MappedSegments:
     """The segments one connection's caller has named, mapped once each (mapping and registering
-    with CUDA cost far more than a batch's copies), the least recently used closed past a few."""
+    with CUDA cost far more than a batch's copies) until the caller says it closed them.
+
+    A caller unlinks a segment once the actor has mapped it, so a mapping closed while the caller
+    still uses the segment could not be made again: only the caller's word closes one, or, as a
+    bound, more than MAX_MAPPED_PER_CONNECTION mappings.
+    """
 
     def __init__(self, cuda_device: torch.device | None) -> None:
         self._cuda_device = cuda_device
@@ -199,9 +208,22 @@ class MappedSegments:
             self._mapped.pop(path).close()
         segment = MappedSegment(path, size, self._cuda_device)
         self._mapped[path] = segment
-        while len(self._mapped) > MAPPED_PER_CONNECTION:
-            self._mapped.popitem(last=False)[1].close()
+        while len(self._mapped) > MAX_MAPPED_PER_CONNECTION:
+            stale_path, stale = self._mapped.popitem(last=False)
+            logger.warning("closing segment %s: its caller has %d mapped and never said it closed any",
+                           stale_path, len(self._mapped))
+            stale.close()
         return segment
+
+    def forget(self, paths: object) -> None:
+        """Close the mappings of segments the caller closed (a list of paths; anything else is
+        ignored)."""
+        if not isinstance(paths, list):
+            return
+        for path in paths:
+            segment = self._mapped.pop(path, None) if isinstance(path, str) else None
+            if segment is not None:
+                segment.close()
 
     def close(self) -> None:
         for segment in self._mapped.values():
