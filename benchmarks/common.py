@@ -71,15 +71,19 @@ def once_ms(function) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
-def time_ms(function, runs: int, warmup: int) -> list[float]:
+def time_ms(function, runs: int, warmup: int, synchronize: bool = True) -> list[float]:
+    """`runs` timings of `function` in ms after `warmup` calls; with `synchronize`, each waits for
+    the GPU (host-only timings leave it False, which also keeps CUDA uninitialised)."""
     for _ in range(warmup):
         function()
-    torch.cuda.synchronize()
+    if synchronize:
+        torch.cuda.synchronize()
     samples = []
     for _ in range(runs):
         start = time.perf_counter()
         function()
-        torch.cuda.synchronize()
+        if synchronize:
+            torch.cuda.synchronize()
         samples.append((time.perf_counter() - start) * 1e3)
     return samples
 

@@ -25,7 +25,7 @@ import threading
 import time
 
 import numpy as np
-from common import summarize
+from common import summarize, time_ms
 
 
 PAUSE_S = 0.004
@@ -46,14 +46,7 @@ def echo(address: str, ready) -> None:
 
 
 def timed_us(function, runs: int, warmup: int = 100) -> dict:
-    for _ in range(warmup):
-        function()
-    samples = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        function()
-        samples.append((time.perf_counter() - start) * 1e3)
-    result = summarize(samples)
+    result = summarize(time_ms(function, runs, warmup, synchronize=False))
     return {"median_us": result["median_ms"] * 1e3, "p99_us": result["p99_ms"] * 1e3}
 
 

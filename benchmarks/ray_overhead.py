@@ -6,11 +6,10 @@
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import numpy as np
 import ray
+from common import summarize, time_ms
 
 
 class Echo:
@@ -28,15 +27,8 @@ class Echo:
 
 
 def measure(function, runs: int) -> str:
-    for _ in range(20):
-        function()
-    samples = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        function()
-        samples.append((time.perf_counter() - start) * 1e3)
-    samples.sort()
-    return f"median {statistics.median(samples):.3f} ms, p99 {samples[int(0.99 * (len(samples) - 1))]:.3f} ms"
+    result = summarize(time_ms(function, runs, warmup=20, synchronize=False))
+    return f"median {result['median_ms']:.3f} ms, p99 {result['p99_ms']:.3f} ms"
 
 
 def main() -> None:
