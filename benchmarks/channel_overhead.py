@@ -30,7 +30,7 @@ from vitpool import EncoderPool, GraphEncoder, Video
 from vitpool.actors import OK, BatchReceipt, EncoderActor
 from vitpool.actors.local_channel import ChannelClient, ChannelInfo, ChannelServer
 from vitpool.items import Embedding
-from vitpool.wire import to_array, wire_dtype_name
+from vitpool.transport.wire import to_array, wire_dtype_name
 
 WORKLOADS = {"1x224": lambda: [image(224)], "4x224": lambda: [image(224) for _ in range(4)]}
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from vitpool.items import Embedding, Image, Item, Video
-from vitpool.wire import WIRE_DTYPES, from_array, to_array, wire_dtype_name
+from vitpool.transport.wire import WIRE_DTYPES, from_array, to_array, wire_dtype_name
 
 FORMAT = "vitpool"
 VERSION = 1

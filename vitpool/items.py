@@ -1,9 +1,11 @@
-"""Plain data that crosses every layer: the inputs (Image, Video) and the output (Embedding).
+"""Plain data that crosses every layer: the inputs (Image, Video) and the output (Embedding),
+and the check at the public boundary that turns an input into its spec (`prepare_items`).
 
 Inputs are checked when they are encoded, not when they are built, so that an error can name
-the item's position in the caller's list.
+the item's position in the caller's list. What an item must look like is the model's business
+(`vitpool.specs.ItemRules`); here only what every model shares is checked.
 
-An `Embedding` pickles its tensors as NumPy arrays (see `vitpool.wire`), which Ray moves through
+An `Embedding` pickles its tensors as NumPy arrays (see `vitpool.transport.wire`), which Ray moves through
 its object store without pickling torch storage, so `ray.get` on a pool's result reference gives
 an `Embedding`.
 """
@@ -14,12 +16,15 @@ import contextlib
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from vitpool.wire import from_array, to_array, wire_dtype_name
+from vitpool.errors import InvalidItemError
+from vitpool.specs import IMAGE, VIDEO, ItemRules, ItemSpec
+from vitpool.transport.wire import from_array, to_array, wire_dtype_name
 
 
 @dataclass
@@ -27,21 +32,23 @@ class Image:
     """One image as the model's processor emits it.
 
     Args:
-        pixel_values: flattened patches [t*h*w, C*T*P*P] (torch tensor or NumPy array, floating
-            point), in the processor's order (merge blocks contiguous).
-        grid_thw: (t, h, w) in patches; t is 1 for an image.
+        pixel_values: the processor's pixels for this image (torch tensor or NumPy array,
+            floating point), in its shape: flattened patches [t*h*w, C*T*P*P] for Qwen-style
+            towers (merge blocks contiguous), tiles [tiles, C, P, P] for tiled towers, ...
+        grid_thw: the processor's grid for this image, e.g. (t, h, w) in patches (t is 1 for an
+            image), as a tensor, array or sequence; None for families that have none (tiles).
     """
 
     pixel_values: Any
-    grid_thw: Any
+    grid_thw: Any = None
 
 
 @dataclass
 class Video:
-    """One video clip: like `Image`, with t temporal patches (frames / temporal patch size)."""
+    """One video clip: like `Image`, with the processor's video grid (t temporal patches)."""
 
     pixel_values: Any
-    grid_thw: Any
+    grid_thw: Any = None
 
 
 Item = Image | Video
@@ -53,12 +60,22 @@ class Embedding:
 
     Attributes:
         tokens: merged output tokens [num_tokens, hidden] (the LLM's embedding width).
-        deepstack: per-deepstack-layer features, each [num_tokens, hidden]; empty for models
-            without deepstack.
+        deepstack: the model's extra outputs the LLM consumes, one row per token (Qwen3-VL's
+            deepstack features, each [num_tokens, hidden]); empty for models without.
     """
 
     tokens: torch.Tensor
     deepstack: list[torch.Tensor] = field(default_factory=list)
+
+    @classmethod
+    def from_outputs(cls, outputs: Sequence[torch.Tensor]) -> Embedding:
+        """From the item's tensors in `vitpool.specs.OutputLayout` order: tokens, then extras."""
+        return cls(outputs[0], list(outputs[1:]))
+
+    @property
+    def outputs(self) -> list[torch.Tensor]:
+        """The item's tensors in `vitpool.specs.OutputLayout` order."""
+        return [self.tokens, *self.deepstack]
 
     def __reduce__(self) -> tuple:
         dtype_name = wire_dtype_name(self.tokens.dtype)
@@ -90,15 +107,55 @@ def _embedding_from_arrays(dtype_name: str, tokens: np.ndarray, deepstack: list[
     )
 
 
-ItemMetadata = tuple[bool, tuple[int, int, int], str]  # (is video, grid, pixels' dtype name)
+@dataclass(frozen=True)
+class PreparedItem:
+    """An item that passed every check: its spec and its pixels as a torch tensor (not copied)."""
+
+    spec: ItemSpec
+    pixels: torch.Tensor
 
 
-def item_from_wire(metadata: ItemMetadata, pixels: np.ndarray) -> Item:
-    """An item as an encoder actor receives it: metadata, and pixels as sent by `to_array`.
+def prepare_items(items: Sequence[Any], rules: ItemRules) -> list[PreparedItem]:
+    """Check every item against the model's rules; raises InvalidItemError naming the first bad one.
 
-    The pixels share the received buffer, which may be read-only (Ray's object store): the
-    encoder only reads them.
+    Non-finite pixels are found later, on the device, once the pixels are there: scanning them on
+    the host would cost as much as a small encode.
     """
-    is_video, grid, dtype_name = metadata
-    tensor = from_array(pixels, dtype_name, copy_read_only=False)
-    return Video(tensor, grid) if is_video else Image(tensor, grid)
+    return [prepare_item(index, item, rules) for index, item in enumerate(items)]
+
+
+def prepare_item(index: int, item: Any, rules: ItemRules) -> PreparedItem:
+    """Check one item; `index` is its position in the caller's list, for the error message."""
+    if not isinstance(item, (Image, Video)):
+        raise InvalidItemError(index, f"expected vitpool.Image or vitpool.Video, got {type(item).__name__}")
+    pixels = _pixels(index, item.pixel_values)
+    modality = VIDEO if isinstance(item, Video) else IMAGE
+    try:
+        spec = rules.item_spec(modality, tuple(pixels.shape), wire_dtype_name(pixels.dtype), item.grid_thw)
+    except (ValueError, TypeError) as error:
+        raise InvalidItemError(index, str(error)) from None
+    return PreparedItem(spec, pixels)
+
+
+def _pixels(index: int, pixel_values: Any) -> torch.Tensor:
+    if isinstance(pixel_values, np.ndarray):
+        if pixel_values.dtype.type not in _NUMPY_FLOATS:
+            raise InvalidItemError(
+                index, f"pixel_values have dtype {pixel_values.dtype}; expected a floating-point dtype"
+            )
+        pixel_values = torch.from_numpy(pixel_values)
+    elif not isinstance(pixel_values, torch.Tensor):
+        raise InvalidItemError(
+            index, f"pixel_values must be a torch tensor or NumPy array, got {type(pixel_values).__name__}"
+        )
+    if not pixel_values.is_floating_point() or pixel_values.dtype not in _TRAVELLING_DTYPES:
+        raise InvalidItemError(
+            index, f"pixel_values have dtype {pixel_values.dtype}; expected float32, float16, bfloat16 or float64"
+        )
+    if pixel_values.ndim == 0 or pixel_values.shape[0] == 0:
+        raise InvalidItemError(index, f"pixel_values are empty (shape {tuple(pixel_values.shape)})")
+    return pixel_values
+
+
+_NUMPY_FLOATS = (np.float16, np.float32, np.float64)
+_TRAVELLING_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)

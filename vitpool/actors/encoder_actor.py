@@ -24,7 +24,7 @@ from vitpool.actors.reports import OK, RETIRED, ActorInfo, ActorStats, BatchRece
 from vitpool.errors import EncodeError, InvalidItemError
 from vitpool.graphs import GraphEncoder
 from vitpool.items import Embedding, ItemMetadata, item_from_wire
-from vitpool.wire import to_array, wire_dtype_name
+from vitpool.transport.wire import to_array, wire_dtype_name
 
 logger = logging.getLogger(__name__)
 

@@ -1,19 +1,28 @@
-"""Model adapters: one file per family, all seen by graphs/ through `VisionAdapter`."""
+"""Model adapters: one file per family, all seen by graphs/ through `VisionAdapter`.
 
-from vitpool.models.item_rules import SpatialMergeRules
-from vitpool.models.loading import FAMILIES, SHIPPED_CHECKPOINT, load_adapter
-from vitpool.models.protocol import Grid, ItemRules, ItemSize, TensorSpec, VisionAdapter
-from vitpool.models.qwen3_vl import Qwen3VLAdapter
+Names load on first use: a pool's callers unpickle item rules from `vitpool.models.item_rules`
+without importing transformers or any modeling code.
+"""
 
-__all__ = [
-    "FAMILIES",
-    "SHIPPED_CHECKPOINT",
-    "Grid",
-    "ItemRules",
-    "ItemSize",
-    "Qwen3VLAdapter",
-    "SpatialMergeRules",
-    "TensorSpec",
-    "VisionAdapter",
-    "load_adapter",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_NAMES = {
+    "FAMILIES": "vitpool.models.loading",
+    "SHIPPED_CHECKPOINT": "vitpool.models.loading",
+    "load_adapter": "vitpool.models.loading",
+    "Qwen3VLAdapter": "vitpool.models.qwen3_vl",
+    "SpatialMergeRules": "vitpool.models.item_rules",
+    "VisionAdapter": "vitpool.models.protocol",
+    "TensorSpec": "vitpool.models.protocol",
+}
+
+__all__ = sorted(_NAMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _NAMES:
+        raise AttributeError(f"module 'vitpool.models' has no attribute {name!r}")
+    return getattr(importlib.import_module(_NAMES[name]), name)

@@ -1,28 +1,81 @@
-"""The item checks of a model without its weights: small and picklable, so a pool's callers can
-validate items in their own process before anything is sent."""
+"""Item rules shared by families: checks and sizes of an item without the weights.
+
+Small and picklable, importing neither torch nor transformers: an actor builds them from its
+model's config and hands them to the pool's callers (in `ActorInfo`), which check and size items
+in their own process before anything is sent.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from vitpool.models.protocol import Grid, ItemSize
+from vitpool.packing import SEQUENCES, Budget, make_budgets
+from vitpool.specs import IMAGE, ItemSpec
 
 
 @dataclass(frozen=True)
 class SpatialMergeRules:
     """Towers that cut frames into patches and merge `merge_size` x `merge_size` patches into one
-    output token (Qwen2-VL through Qwen3-VL, GLM-4.1V): one attention sequence per temporal patch."""
+    output token (Qwen2-VL through Qwen3-VL, GLM-4.1V): pixels are flattened patches
+    [t*h*w, row_width] with a `grid_thw` of (t, h, w); one attention sequence per temporal patch.
+    """
 
     row_width: int  # features per patch row: C * T * P * P
     merge_size: int
+    output_row_shapes: tuple[tuple[int, ...], ...]  # tokens, then any extra per-token outputs
+    capacities: tuple[str, ...] = (SEQUENCES,)
 
-    def item_size(self, grid: Grid) -> ItemSize:
-        t, h, w = grid
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        return (self.row_width,)
+
+    def item_spec(self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, metadata: Any) -> ItemSpec:
+        t, h, w = grid = parse_grid(metadata)
+        if modality == IMAGE and t != 1:
+            raise ValueError(f"an Image has grid t == 1, got grid_thw {grid}; use Video for clips")
         if t <= 0 or h <= 0 or w <= 0:
             raise ValueError(f"grid_thw {grid} has a zero or negative size")
         if h % self.merge_size or w % self.merge_size:
             raise ValueError(
                 f"grid_thw {grid}: h and w must be multiples of the spatial merge size {self.merge_size}"
             )
+        if len(pixel_shape) != 2:
+            raise ValueError(
+                f"pixel_values must be 2-D [t*h*w, C*T*P*P] (flattened patches); got shape {pixel_shape}"
+            )
+        if pixel_shape[1] != self.row_width:
+            raise ValueError(
+                f"pixel_values have {pixel_shape[1]} features per row; the model takes "
+                f"{self.row_width} (channels * temporal patch * patch * patch)"
+            )
         num_rows = t * h * w
-        return ItemSize(num_rows, num_rows // self.merge_size**2, num_sequences=t)
+        if pixel_shape[0] != num_rows:
+            raise ValueError(f"pixel_values have {pixel_shape[0]} rows but grid_thw {grid} needs t*h*w = {num_rows}")
+        return ItemSpec(modality, pixel_shape, pixel_dtype, grid, num_rows // self.merge_size**2, ((SEQUENCES, t),))
+
+    def budgets(
+        self, token_budgets: Sequence[int], max_items_per_batch: int | None, max_frames_per_batch: int | None
+    ) -> list[Budget]:
+        return make_budgets(token_budgets, max_items_per_batch, max_frames_per_batch)
+
+
+def parse_grid(grid_thw: Any) -> tuple[int, int, int]:
+    """(t, h, w) from a processor's grid for one item: a tensor, array or sequence, as [t, h, w]
+    or [[t, h, w]]. ValueError for anything else."""
+    values = grid_thw.tolist() if hasattr(grid_thw, "tolist") else grid_thw
+    if isinstance(values, (list, tuple)) and len(values) == 1 and isinstance(values[0], (list, tuple)):
+        values = values[0]
+    if (
+        not isinstance(values, (list, tuple))
+        or len(values) != 3
+        or not all(_is_int(v) for v in values)
+    ):
+        raise ValueError(f"grid_thw must be three integers (t, h, w); got {grid_thw!r}")
+    return (int(values[0]), int(values[1]), int(values[2]))
+
+
+def _is_int(value: Any) -> bool:
+    # NumPy integers too, without importing NumPy: they have __index__ and are not bool
+    return not isinstance(value, bool) and hasattr(value, "__index__") and not isinstance(value, float)

@@ -1,7 +1,9 @@
 """Token budgets: the batch sizes a graph is captured for. Pure Python.
 
 A budget counts output (merged) tokens, like vLLM's `encoder_cudagraph_token_budgets`, so
-settings carry over; its buffers hold `num_tokens * merge_unit` patch rows.
+settings carry over. Besides tokens and items, a budget bounds whatever per-batch capacities the
+model family declares (`limits`): attention sequences for Qwen-style towers (they size
+`cu_seqlens`), windows for window attention, and so on. Packing knows them only by name.
 """
 
 from __future__ import annotations
@@ -15,15 +17,28 @@ DEFAULT_MAX_FRAMES_PER_BATCH = 64
 # Budgets above this many tokens also get a variant for batches of at most FEW_SEQUENCES sequences.
 FEW_SEQUENCES_FROM_TOKENS = 256
 FEW_SEQUENCES = 4
+SEQUENCES = "sequences"  # attention sequences: frames (temporal patches) of images and videos
+
+Needs = tuple[tuple[str, int], ...]  # (capacity name, amount) pairs, sorted by name
 
 
 @dataclass(frozen=True, order=True)
 class Budget:
-    """One captured batch shape. Ordered by tokens, then by sequence capacity (cheaper first)."""
+    """One captured batch shape. Ordered by tokens, then by capacity limits (cheaper first)."""
 
     num_tokens: int
-    max_sequences: int  # attention sequences (frames) in one batch: sizes cu_seqlens
-    max_items: int  # items in one batch
+    limits: Needs = ()  # the most a batch may use of each named capacity
+    max_items: int = 1  # items in one batch
+
+    def limit(self, name: str) -> int | None:
+        """The bound on capacity `name`, or None where this budget has none."""
+        return dict(self.limits).get(name)
+
+    @property
+    def max_sequences(self) -> int:
+        """Attention sequences a batch may hold (the items, for families that do not bound them)."""
+        limit = self.limit(SEQUENCES)
+        return self.max_items if limit is None else limit
 
 
 def budget_ladder(min_tokens: int, max_tokens: int, growth: float, align_tokens: int) -> list[int]:
@@ -44,12 +59,8 @@ def budget_ladder(min_tokens: int, max_tokens: int, growth: float, align_tokens:
     return ladder
 
 
-def make_budgets(
-    token_budgets: Sequence[int],
-    max_items_per_batch: int | None,
-    max_frames_per_batch: int | None,
-) -> list[Budget]:
-    """Check the user's settings and derive each budget's item and sequence bounds.
+def check_token_budgets(token_budgets: Sequence[int], max_items_per_batch: int | None) -> tuple[list[int], int]:
+    """The user's token budgets, checked, and the item bound (default min(32, smallest budget)).
 
     Raises:
         ValueError: naming the setting and what to change.
@@ -65,9 +76,7 @@ def make_budgets(
     smallest = min(tokens)
     if max_items_per_batch is None:
         max_items_per_batch = min(DEFAULT_MAX_ITEMS_PER_BATCH, smallest)
-    if max_frames_per_batch is None:
-        max_frames_per_batch = max(DEFAULT_MAX_FRAMES_PER_BATCH, max_items_per_batch)
-    if max_items_per_batch < 1:
+    if isinstance(max_items_per_batch, bool) or not isinstance(max_items_per_batch, int) or max_items_per_batch < 1:
         raise ValueError(f"max_items_per_batch must be >= 1; got {max_items_per_batch}")
     if max_items_per_batch > smallest:
         # Every item has at least one token: more items than the smallest budget has tokens
@@ -76,6 +85,23 @@ def make_budgets(
             f"max_items_per_batch ({max_items_per_batch}) exceeds the smallest budget "
             f"({smallest} tokens); lower it or drop the small budgets"
         )
+    return tokens, max_items_per_batch
+
+
+def make_budgets(
+    token_budgets: Sequence[int],
+    max_items_per_batch: int | None,
+    max_frames_per_batch: int | None,
+) -> list[Budget]:
+    """Budgets for towers with one attention sequence per frame (Qwen-style): each bounds its
+    sequences, which size `cu_seqlens`.
+
+    Raises:
+        ValueError: naming the setting and what to change.
+    """
+    tokens, max_items_per_batch = check_token_budgets(token_budgets, max_items_per_batch)
+    if max_frames_per_batch is None:
+        max_frames_per_batch = max(DEFAULT_MAX_FRAMES_PER_BATCH, max_items_per_batch)
     if max_frames_per_batch < max_items_per_batch:
         raise ValueError(
             f"max_frames_per_batch ({max_frames_per_batch}) must be >= max_items_per_batch "
@@ -86,11 +112,17 @@ def make_budgets(
         # Each sequence has at least one token, so a budget never holds more sequences than
         # tokens; sizing cu_seqlens past that only launches empty attention blocks.
         max_sequences = min(max_frames_per_batch, value)
-        budgets.append(Budget(value, max_sequences, min(max_items_per_batch, max_sequences)))
+        budgets.append(Budget(value, ((SEQUENCES, max_sequences),), min(max_items_per_batch, max_sequences)))
         if value > FEW_SEQUENCES_FROM_TOKENS and max_sequences > FEW_SEQUENCES:
             # Varlen attention launches (sequences x longest sequence) blocks, so a large budget
             # sized for many sequences wastes much of its attention time on one large image.
             # A variant for few sequences serves those batches; packing picks it when it fits.
             few = FEW_SEQUENCES
-            budgets.append(Budget(value, few, min(max_items_per_batch, few)))
+            budgets.append(Budget(value, ((SEQUENCES, few),), min(max_items_per_batch, few)))
     return sorted(budgets)
+
+
+def plain_budgets(token_budgets: Sequence[int], max_items_per_batch: int | None) -> list[Budget]:
+    """Budgets bounded by tokens and items only, for towers with no other per-batch capacity."""
+    tokens, max_items_per_batch = check_token_budgets(token_budgets, max_items_per_batch)
+    return sorted(Budget(value, (), max_items_per_batch) for value in tokens)

@@ -1,11 +1,21 @@
-"""Bin-packing items into budget-sized batches. Pure Python: indices and sizes in, batches out."""
+"""Bin-packing items into budget-sized batches. Pure Python: sizes in, batches of indices out.
+
+An item is anything with `num_tokens` and `needs` (an `ItemSpec`, or an `ItemCost` in tests):
+packing knows capacities only by name and bounds each by the budget's limit.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
-from vitpool.packing.budgets import Budget
+from vitpool.packing.budgets import Budget, Needs
+
+
+class Packable(Protocol):
+    num_tokens: int
+    needs: Needs
 
 
 @dataclass(frozen=True)
@@ -13,7 +23,7 @@ class ItemCost:
     """An item as packing sees it."""
 
     num_tokens: int
-    num_sequences: int
+    needs: Needs = ()
 
 
 @dataclass(frozen=True)
@@ -23,22 +33,37 @@ class Batch:
     item_indices: tuple[int, ...]
     budget: Budget | None
     num_tokens: int
-    num_sequences: int
+    needs: Needs = ()
 
     @property
     def padding_tokens(self) -> int:
         return 0 if self.budget is None else self.budget.num_tokens - self.num_tokens
 
-
-def fits(budget: Budget, num_items: int, num_tokens: int, num_sequences: int) -> bool:
-    return (
-        num_items <= budget.max_items
-        and num_tokens <= budget.num_tokens
-        and num_sequences <= budget.max_sequences
-    )
+    def need(self, name: str) -> int:
+        return dict(self.needs).get(name, 0)
 
 
-def pack(items: Sequence[ItemCost], budgets: Sequence[Budget], max_tokens: int | None = None) -> list[Batch]:
+def add_needs(total: dict[str, int], needs: Needs) -> None:
+    for name, amount in needs:
+        total[name] = total.get(name, 0) + amount
+
+
+def fits(budget: Budget, num_items: int, num_tokens: int, needs: Needs | dict[str, int]) -> bool:
+    if num_items > budget.max_items or num_tokens > budget.num_tokens:
+        return False
+    used = dict(needs)
+    return all(used.get(name, 0) <= limit for name, limit in budget.limits)
+
+
+def smallest_fitting(budgets: Sequence[Budget], num_items: int, num_tokens: int, needs: Needs) -> Budget | None:
+    """The cheapest budget that holds such a batch, or None."""
+    for budget in sorted(budgets):
+        if fits(budget, num_items, num_tokens, needs):
+            return budget
+    return None
+
+
+def pack(items: Sequence[Packable], budgets: Sequence[Budget], max_tokens: int | None = None) -> list[Batch]:
     """Pack `items` into batches: every item exactly once, each batch in its smallest fitting budget.
 
     First-fit decreasing into bins the size of the largest budget keeps replays few; each bin then
@@ -47,50 +72,41 @@ def pack(items: Sequence[ItemCost], budgets: Sequence[Budget], max_tokens: int |
     batch of several items below the largest budget (an item over it still gets a batch).
     """
     if not budgets:
-        return [Batch((i,), None, item.num_tokens, item.num_sequences) for i, item in enumerate(items)]
+        return [Batch((i,), None, item.num_tokens, _sorted(item.needs)) for i, item in enumerate(items)]
     ordered_budgets = sorted(budgets)
     largest = ordered_budgets[-1]
     oversized: list[Batch] = []
     bins: list[list[int]] = []
     bin_tokens: list[int] = []
-    bin_sequences: list[int] = []
+    bin_needs: list[dict[str, int]] = []
     by_size = sorted(range(len(items)), key=lambda i: (-items[i].num_tokens, i))
     for index in by_size:
         item = items[index]
-        if not fits(largest, 1, item.num_tokens, item.num_sequences):
-            oversized.append(Batch((index,), None, item.num_tokens, item.num_sequences))
+        if not fits(largest, 1, item.num_tokens, item.needs):
+            oversized.append(Batch((index,), None, item.num_tokens, _sorted(item.needs)))
             continue
         for b, members in enumerate(bins):
-            if fits(
-                largest,
-                len(members) + 1,
-                bin_tokens[b] + item.num_tokens,
-                bin_sequences[b] + item.num_sequences,
-            ) and (max_tokens is None or bin_tokens[b] + item.num_tokens <= max_tokens):
+            tokens = bin_tokens[b] + item.num_tokens
+            if max_tokens is not None and tokens > max_tokens:
+                continue
+            needs = dict(bin_needs[b])
+            add_needs(needs, item.needs)
+            if fits(largest, len(members) + 1, tokens, needs):
                 members.append(index)
-                bin_tokens[b] += item.num_tokens
-                bin_sequences[b] += item.num_sequences
+                bin_tokens[b] = tokens
+                bin_needs[b] = needs
                 break
         else:
             bins.append([index])
             bin_tokens.append(item.num_tokens)
-            bin_sequences.append(item.num_sequences)
-    batches = [
-        Batch(
-            tuple(members),
-            _smallest_fitting(ordered_budgets, len(members), tokens, sequences),
-            tokens,
-            sequences,
-        )
-        for members, tokens, sequences in zip(bins, bin_tokens, bin_sequences)
-    ]
+            bin_needs.append(dict(item.needs))
+    batches = []
+    for members, tokens, needs in zip(bins, bin_tokens, bin_needs):
+        budget = smallest_fitting(ordered_budgets, len(members), tokens, needs)
+        assert budget is not None, "a bin always fits the largest budget"
+        batches.append(Batch(tuple(members), budget, tokens, _sorted(needs)))
     return batches + oversized
 
 
-def _smallest_fitting(
-    ordered_budgets: Sequence[Budget], num_items: int, num_tokens: int, num_sequences: int
-) -> Budget:
-    for budget in ordered_budgets:
-        if fits(budget, num_items, num_tokens, num_sequences):
-            return budget
-    raise AssertionError("a bin always fits the largest budget")
+def _sorted(needs: Needs | dict[str, int]) -> Needs:
+    return tuple(sorted(dict(needs).items()))

@@ -41,7 +41,7 @@ from vitpool.pool.dispatcher import Dispatcher
 from vitpool.pool.rank_delivery import RDT_TRANSPORTS, RankDelivery, choose_transport
 from vitpool.pool.settings import PoolSettings
 from vitpool.pool.stats import PoolStats, percentile, recent_rate
-from vitpool.wire import to_array, wire_dtype_name
+from vitpool.transport.wire import to_array, wire_dtype_name
 
 logger = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ from vitpool.errors import ConfigError
 from vitpool.graphs.inputs import prepare_items
 from vitpool.items import Embedding, Item, ItemMetadata, Video
 from vitpool.models import ItemRules
-from vitpool.wire import from_array, to_array, wire_dtype_name
+from vitpool.transport.wire import from_array, to_array, wire_dtype_name
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from vitpool.actors.local_channel import ChannelClient, ChannelClosed, ChannelRe
 from vitpool.actors import segments
 from vitpool.actors.segments import OUTPUT_SEGMENTS_PER_CONNECTION, SEGMENT_PREFIX, OwnedSegment
 from vitpool.items import Video
-from vitpool.wire import to_array, wire_dtype_name
+from vitpool.transport.wire import to_array, wire_dtype_name
 
 pytestmark = pytest.mark.skipif(not channel_supported(), reason="the same-node channel needs Linux")
 

@@ -52,7 +52,7 @@ from vitpool.actors.segments import (
     shm_directory,
 )
 from vitpool.items import Embedding, ItemMetadata
-from vitpool.wire import WIRE_DTYPES, to_array, wire_dtype_name
+from vitpool.transport.wire import WIRE_DTYPES, to_array, wire_dtype_name
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class ChannelInfo:
     address: str  # an abstract Unix socket name
     output_width: int
     num_deepstack: int
-    output_dtype: str  # a vitpool.wire dtype name
+    output_dtype: str  # a vitpool.transport.wire dtype name
 
     def output_bytes(self, num_tokens: int) -> int:
         """Room for one item's outputs: tokens and deepstack maps, each aligned."""

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from vitpool.wire import WIRE_DTYPES
+from vitpool.transport.wire import WIRE_DTYPES
 
 logger = logging.getLogger(__name__)
 

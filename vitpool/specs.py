@@ -1,0 +1,206 @@
+"""What every layer agrees on about an item, a batch and an encoder, with no model code.
+
+An item's spec is computed once, in the caller's process, by the model's item rules (see
+`ItemRules`): its modality, the shape and dtype its pixels travel in, the family's metadata
+as plain integers (a grid, a tile count, ...), its rows and output tokens, and what it needs of
+each per-batch capacity the family declares (attention sequences, windows, ...). The spec
+travels with the pixels; packing, the transport and the actor read it and never look inside.
+
+Plain Python: importing this module costs nothing, and every value here pickles and turns into
+msgpack-able plain values (`*_to_wire` / `*_from_wire`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from vitpool.packing import Budget, Needs
+
+IMAGE = "image"
+VIDEO = "video"
+MODALITIES = (IMAGE, VIDEO)
+
+
+@dataclass(frozen=True)
+class ItemSpec:
+    """One checked item, as its model's rules sized it.
+
+    Attributes:
+        modality: "image" or "video".
+        pixel_shape: the pixels' shape as the processor emitted it; the first dimension is rows
+            of the tower's input (patches, or tiles), the rest is `ItemRules.row_shape`.
+        pixel_dtype: the pixels' dtype name as they travel (`vitpool.transport.wire`).
+        layout: the family's metadata as plain integers (Qwen: t, h, w; a tiled tower: ()).
+        num_tokens: output tokens the item produces.
+        needs: what the item uses of each per-batch capacity the rules declare, e.g.
+            (("sequences", 2),) for a two-frame video.
+    """
+
+    modality: str
+    pixel_shape: tuple[int, ...]
+    pixel_dtype: str
+    layout: tuple[int, ...]
+    num_tokens: int
+    needs: Needs = ()
+
+    @property
+    def num_rows(self) -> int:
+        return self.pixel_shape[0]
+
+    def need(self, name: str) -> int:
+        return dict(self.needs).get(name, 0)
+
+
+def spec_to_wire(spec: ItemSpec) -> list:
+    return [spec.modality, list(spec.pixel_shape), spec.pixel_dtype, list(spec.layout), spec.num_tokens,
+            [[name, amount] for name, amount in spec.needs]]
+
+
+def spec_from_wire(value: Any) -> ItemSpec:
+    """The spec `spec_to_wire` made; ValueError for anything else."""
+    try:
+        modality, shape, dtype, layout, num_tokens, needs = value
+        spec = ItemSpec(
+            str(modality), _ints(shape), str(dtype), _ints(layout), _int(num_tokens),
+            tuple((str(name), _int(amount)) for name, amount in needs),
+        )
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"not an item spec: {value!r} ({error})") from None
+    if spec.modality not in MODALITIES or not spec.pixel_shape:
+        raise ValueError(f"not an item spec: {value!r}")
+    return spec
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """A batch as the dispatcher packed it and the actor runs it: the budget whose graph to
+    replay (None: an item larger than every budget, run eager alone) and its items' specs."""
+
+    budget: Budget | None
+    specs: tuple[ItemSpec, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(spec.num_tokens for spec in self.specs)
+
+
+def plan_to_wire(plan: BatchPlan) -> dict:
+    budget = plan.budget
+    return {
+        "budget": None if budget is None else [budget.num_tokens, [list(p) for p in budget.limits], budget.max_items],
+        "specs": [spec_to_wire(spec) for spec in plan.specs],
+    }
+
+
+def plan_from_wire(value: Any) -> BatchPlan:
+    """The plan `plan_to_wire` made; ValueError for anything else."""
+    if not isinstance(value, Mapping) or not isinstance(value.get("specs"), list):
+        raise ValueError("not a batch plan")
+    budget = value.get("budget")
+    if budget is not None:
+        try:
+            num_tokens, limits, max_items = budget
+            budget = Budget(_int(num_tokens), tuple((str(n), _int(a)) for n, a in limits), _int(max_items))
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"not a budget: {budget!r} ({error})") from None
+    return BatchPlan(budget, tuple(spec_from_wire(spec) for spec in value["specs"]))
+
+
+@dataclass(frozen=True)
+class OutputLayout:
+    """The tensors an item produces, defined once for the encoder, the transport and the caller.
+
+    Every output tensor has one row per output token: item shapes are (num_tokens, *row_shape)
+    for each entry of `row_shapes`; the first is what the LLM receives (`Embedding.tokens`),
+    the others are extra outputs it consumes (Qwen3-VL's deepstack features).
+    """
+
+    row_shapes: tuple[tuple[int, ...], ...]
+    dtype: str  # a wire dtype name; every output has the encoder's dtype
+
+    def shapes(self, num_tokens: int) -> list[tuple[int, ...]]:
+        return [(num_tokens, *row_shape) for row_shape in self.row_shapes]
+
+
+class ItemRules(Protocol):
+    """What checking and sizing an item needs, without the weights: small, picklable and
+    importable without transformers, so that a pool's callers check items in their own process.
+
+    Attributes:
+        row_shape: the shape of one pixel row (a flattened patch [C*T*P*P], or a patch or tile
+            [C, P, P]).
+        output_row_shapes: per output tensor, the shape of one output token's row.
+        capacities: the per-batch capacities an item may need besides tokens and items, by name.
+    """
+
+    row_shape: tuple[int, ...]
+    output_row_shapes: tuple[tuple[int, ...], ...]
+    capacities: tuple[str, ...]
+
+    def item_spec(self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, metadata: Any) -> ItemSpec:
+        """The spec of an item with these pixels and this metadata (what the processor emitted
+        besides the pixels, e.g. `grid_thw`). Raises ValueError naming what is wrong."""
+        ...
+
+    def budgets(self, token_budgets: Sequence[int], max_items_per_batch: int | None,
+                max_frames_per_batch: int | None) -> list[Budget]:
+        """The captured batch shapes for these token budgets, with the family's capacity limits.
+        Raises ValueError naming a bad setting."""
+        ...
+
+
+def _int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{value!r} is not an integer")
+    return value
+
+
+def _ints(values: Any) -> tuple[int, ...]:
+    if not isinstance(values, (list, tuple)):
+        raise ValueError(f"{values!r} is not a list of integers")
+    return tuple(_int(v) for v in values)
+
+
+@dataclass(frozen=True)
+class EncoderSpec:
+    """What a `GraphEncoder` is built from; `EncoderActor` gets it inside its `ActorSpec`.
+
+    Attributes:
+        model: local checkpoint directory; None for the tiny model shipped with vitpool.
+        budgets: token budgets to capture; None for the device's defaults.
+        max_items_per_batch, max_frames_per_batch: batch limits (see `GraphEncoder`).
+        dtype: "bfloat16", "float16" or "float32"; None for the device's default.
+        device: "cpu", "cuda" or "cuda:N"; None for the current GPU if there is one.
+    """
+
+    model: str | None = None
+    budgets: tuple[int, ...] | None = None
+    max_items_per_batch: int | None = None
+    max_frames_per_batch: int | None = None
+    dtype: str | None = None
+    device: str | None = None
+
+
+@dataclass(frozen=True)
+class ActorSpec:
+    """What an `EncoderActor` is built from, besides its index in the pool.
+
+    Attributes:
+        encoder: its encoder.
+        num_threads: torch's CPU threads (Ray starts actors with OMP_NUM_THREADS=1).
+        serve_channel: also take batches from same-node callers through shared memory.
+        channel_spin_s: after answering on the channel, poll this long for the next batch.
+        max_tokens_per_run: the most output tokens of batches combined into one run; None: the
+            largest budget.
+        deliver_to_ranks: the pool hands calls to tensor-parallel ranks over Ray Direct
+            Transport ("nccl" or "gloo"), so the actor has the methods for it; None: it does not.
+    """
+
+    encoder: EncoderSpec = EncoderSpec()
+    num_threads: int = 1
+    serve_channel: bool = True
+    channel_spin_s: float = 0.0
+    max_tokens_per_run: int | None = None
+    deliver_to_ranks: str | None = None
