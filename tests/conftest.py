@@ -109,3 +109,21 @@ def assert_same(results, expected) -> None:
         assert len(got.deepstack) == len(want.deepstack) == 2
         for got_feature, want_feature in zip(got.deepstack, want.deepstack):
             torch.testing.assert_close(got_feature, want_feature, rtol=1e-5, atol=1e-5)
+
+
+def plan_batch(items, rules, budgets):
+    """A batch as a pool's caller plans it: the items' specs in the smallest budget that holds
+    them all (None: run eager), and their pixels as the arrays that travel."""
+    from vitpool.items import prepare_items
+    from vitpool.packing import smallest_fitting
+    from vitpool.specs import BatchPlan
+    from vitpool.transport.wire import to_array
+
+    prepared = prepare_items(items, rules)
+    needs: dict[str, int] = {}
+    for item in prepared:
+        for name, amount in item.spec.needs:
+            needs[name] = needs.get(name, 0) + amount
+    num_tokens = sum(item.spec.num_tokens for item in prepared)
+    budget = smallest_fitting(budgets, len(prepared), num_tokens, tuple(sorted(needs.items())))
+    return BatchPlan(budget, tuple(item.spec for item in prepared)), [to_array(item.pixels) for item in prepared]

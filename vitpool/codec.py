@@ -3,13 +3,22 @@ from outside the Ray cluster: a client that is not a Ray worker, a socket, a que
 
 Tensors are maps of dtype name, shape and raw little-endian bytes (bfloat16 as its 16-bit
 pattern). Nothing is ever unpickled. Decoding checks every field and raises `ValueError` for
-bytes that are malformed, truncated or of another version; it never raises anything else.
+bytes that are malformed, truncated or of a version this vitpool does not read; it never raises
+anything else. It knows no model: an item's grid is whatever integers its family's processor
+emitted (checked against the model later, by `encode`, like any caller's items).
 
-    request = {"format": "vitpool", "version": 1, "kind": "request",
-               "items": [{"type": "image" | "video", "grid_thw": [t, h, w], "pixels": TENSOR}, ...]}
-    results = {"format": "vitpool", "version": 1, "kind": "results",
-               "embeddings": [{"tokens": TENSOR, "deepstack": [TENSOR, ...]}, ...]}
-    TENSOR  = {"dtype": "float32" | "float16" | "bfloat16" | "float64", "shape": [int, ...], "data": bytes}
+Version 2 (written):
+
+    request = {"format": "vitpool", "version": 2, "kind": "request",
+               "items": [{"modality": "image" | "video", "grid": GRID, "pixels": TENSOR}, ...]}
+    results = {"format": "vitpool", "version": 2, "kind": "results",
+               "embeddings": [{"outputs": [TENSOR, ...]}, ...]}   # tokens first, then extras
+    GRID    = nil | [int | GRID, ...]                              # e.g. [t, h, w]; nil for tiles
+    TENSOR  = {"dtype": "float32" | "float16" | "bfloat16" | "float64",
+               "shape": [int, ...] (1 to 5 dimensions), "data": bytes}
+
+Version 1 (still read): items {"type": "image" | "video", "grid_thw": [t, h, w], "pixels": TENSOR},
+embeddings {"tokens": TENSOR, "deepstack": [TENSOR, ...]}.
 """
 
 from __future__ import annotations
@@ -25,67 +34,115 @@ from vitpool.items import Embedding, Image, Item, Video
 from vitpool.transport.wire import WIRE_DTYPES, from_array, to_array, wire_dtype_name
 
 FORMAT = "vitpool"
-VERSION = 1
+VERSION = 2  # written
+READ_VERSIONS = (1, 2)
 MAX_MESSAGE_BYTES = 1 << 31  # what one message may carry (2 GiB)
-MAX_DIMENSIONS = 4
+MAX_DIMENSIONS = 5
+MAX_GRID_DEPTH = 4  # lists in lists: per-image grids of a tiled item, and so on
 _ITEM_TYPES = {"image": Image, "video": Video}
 
 
 def encode_request(items: Sequence[Item]) -> bytes:
-    """Bytes for a list of Image / Video items (pixels as torch tensors or NumPy arrays)."""
+    """Bytes (version 2) for a list of Image / Video items (pixels as torch tensors or NumPy
+    arrays; grids as integers, nested sequences of them, tensors, arrays, or None)."""
     encoded = []
-    for item in items:
-        kind = "video" if isinstance(item, Video) else "image"
-        grid = [int(n) for n in (item.grid_thw.tolist() if hasattr(item.grid_thw, "tolist") else item.grid_thw)]
-        encoded.append({"type": kind, "grid_thw": grid, "pixels": _pack_tensor(torch.as_tensor(item.pixel_values))})
+    for index, item in enumerate(items):
+        modality = "video" if isinstance(item, Video) else "image"
+        pixels = _pack_tensor(torch.as_tensor(item.pixel_values))
+        grid = _grid_to_wire(item.grid_thw, f"item {index}")
+        encoded.append({"modality": modality, "grid": grid, "pixels": pixels})
     return _pack("request", {"items": encoded})
 
 
 def decode_request(data: bytes) -> list[Item]:
-    """The items in `data`. Raises ValueError for anything but a well-formed version-1 request.
+    """The items in `data` (a version 1 or 2 request). Raises ValueError for anything else.
     The items' shapes against the model are checked later, by `encode`, like any caller's."""
-    message = _unpack(data, "request")
+    message, version = _unpack(data, "request")
     items = _field(message, "items", list)
-    decoded: list[Item] = []
-    for index, entry in enumerate(items):
-        where = f"item {index}"
-        if not isinstance(entry, dict):
-            raise ValueError(f"{where} is not a map")
-        kind = _field(entry, "type", str, where)
-        if kind not in _ITEM_TYPES:
-            raise ValueError(f"{where}: type {kind!r} is not one of {sorted(_ITEM_TYPES)}")
-        grid = _field(entry, "grid_thw", list, where)
-        if len(grid) != 3 or not all(_is_int(n) for n in grid):
-            raise ValueError(f"{where}: grid_thw must be three integers, got {grid!r}")
-        pixels = _unpack_tensor(_field(entry, "pixels", dict, where), f"{where} pixels")
-        decoded.append(_ITEM_TYPES[kind](pixels, tuple(grid)))
-    return decoded
+    decode_item = _item_v2 if version == 2 else _item_v1
+    return [decode_item(entry, f"item {index}") for index, entry in enumerate(items)]
 
 
 def encode_results(embeddings: Sequence[Embedding]) -> bytes:
-    """Bytes for a list of Embeddings."""
-    encoded = [
-        {"tokens": _pack_tensor(e.tokens), "deepstack": [_pack_tensor(d) for d in e.deepstack]} for e in embeddings
-    ]
+    """Bytes (version 2) for a list of Embeddings."""
+    encoded = [{"outputs": [_pack_tensor(tensor) for tensor in e.outputs]} for e in embeddings]
     return _pack("results", {"embeddings": encoded})
 
 
 def decode_results(data: bytes) -> list[Embedding]:
-    """The embeddings in `data`. Raises ValueError for anything but well-formed version-1 results."""
-    message = _unpack(data, "results")
+    """The embeddings in `data` (version 1 or 2 results). Raises ValueError for anything else."""
+    message, version = _unpack(data, "results")
     decoded = []
     for index, entry in enumerate(_field(message, "embeddings", list)):
         where = f"embedding {index}"
         if not isinstance(entry, dict):
             raise ValueError(f"{where} is not a map")
-        tokens = _unpack_tensor(_field(entry, "tokens", dict, where), f"{where} tokens")
-        deepstack = []
-        for number, feature in enumerate(_field(entry, "deepstack", list, where)):
-            if not isinstance(feature, dict):
-                raise ValueError(f"{where} deepstack {number} is not a map")
-            deepstack.append(_unpack_tensor(feature, f"{where} deepstack {number}"))
-        decoded.append(Embedding(tokens, deepstack))
+        if version == 2:
+            outputs = _tensors(_field(entry, "outputs", list, where), f"{where} output")
+            if not outputs:
+                raise ValueError(f"{where}: 'outputs' is empty; the tokens come first")
+            decoded.append(Embedding.from_outputs(outputs))
+        else:
+            tokens = _unpack_tensor(_field(entry, "tokens", dict, where), f"{where} tokens")
+            deepstack = _tensors(_field(entry, "deepstack", list, where), f"{where} deepstack")
+            decoded.append(Embedding(tokens, deepstack))
     return decoded
+
+
+# items of each version
+
+
+def _item_v2(entry: Any, where: str) -> Item:
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where} is not a map")
+    modality = _field(entry, "modality", str, where)
+    if modality not in _ITEM_TYPES:
+        raise ValueError(f"{where}: modality {modality!r} is not one of {sorted(_ITEM_TYPES)}")
+    if "grid" not in entry:
+        raise ValueError(f"{where}: missing 'grid' (nil for an item without one)")
+    grid = _grid_from_wire(entry["grid"], where)
+    pixels = _unpack_tensor(_field(entry, "pixels", dict, where), f"{where} pixels")
+    return _ITEM_TYPES[modality](pixels, grid)
+
+
+def _item_v1(entry: Any, where: str) -> Item:
+    if not isinstance(entry, dict):
+        raise ValueError(f"{where} is not a map")
+    kind = _field(entry, "type", str, where)
+    if kind not in _ITEM_TYPES:
+        raise ValueError(f"{where}: type {kind!r} is not one of {sorted(_ITEM_TYPES)}")
+    grid = _field(entry, "grid_thw", list, where)
+    if len(grid) != 3 or not all(_is_int(n) for n in grid):
+        raise ValueError(f"{where}: grid_thw must be three integers, got {grid!r}")
+    pixels = _unpack_tensor(_field(entry, "pixels", dict, where), f"{where} pixels")
+    return _ITEM_TYPES[kind](pixels, tuple(grid))
+
+
+def _grid_to_wire(grid: Any, where: str, depth: int = 0) -> Any:
+    if grid is None and depth == 0:
+        return None
+    if hasattr(grid, "tolist"):  # a tensor or an array (or a NumPy integer)
+        grid = grid.tolist()
+    if _is_int(grid) and depth > 0:
+        return int(grid)
+    if isinstance(grid, (list, tuple)) and depth < MAX_GRID_DEPTH:
+        return [_grid_to_wire(value, where, depth + 1) for value in grid]
+    raise ValueError(
+        f"{where}: a grid is None or a list of integers (nested at most {MAX_GRID_DEPTH} deep), got {grid!r}"
+    )
+
+
+def _grid_from_wire(grid: Any, where: str, depth: int = 0) -> Any:
+    """nil, or the lists of integers as tuples (nested as they came)."""
+    if grid is None and depth == 0:
+        return None
+    if _is_int(grid) and depth > 0:
+        return grid
+    if isinstance(grid, list) and depth < MAX_GRID_DEPTH:
+        return tuple(_grid_from_wire(value, where, depth + 1) for value in grid)
+    raise ValueError(
+        f"{where}: 'grid' must be nil or a list of integers (nested at most {MAX_GRID_DEPTH} deep)"
+    )
 
 
 # internals
@@ -95,7 +152,8 @@ def _pack(kind: str, body: dict) -> bytes:
     return msgpack.packb({"format": FORMAT, "version": VERSION, "kind": kind, **body}, use_bin_type=True)
 
 
-def _unpack(data: Any, kind: str) -> dict:
+def _unpack(data: Any, kind: str) -> tuple[dict, int]:
+    """The message and its version."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ValueError(f"expected bytes, got {type(data).__name__}")
     if len(data) > MAX_MESSAGE_BYTES:
@@ -106,11 +164,15 @@ def _unpack(data: Any, kind: str) -> dict:
         raise ValueError(f"not a vitpool message: {type(error).__name__}: {error}") from None
     if not isinstance(message, dict) or message.get("format") != FORMAT:
         raise ValueError("not a vitpool message")
-    if message.get("version") != VERSION:
-        raise ValueError(f"vitpool message version {message.get('version')!r}; this vitpool reads version {VERSION}")
+    version = message.get("version")
+    if not _is_int(version) or version not in READ_VERSIONS:  # True == 1 in Python: not a version
+        raise ValueError(
+            f"vitpool message version {version!r}; this vitpool reads versions "
+            f"{', '.join(map(str, READ_VERSIONS))} and writes version {VERSION}"
+        )
     if message.get("kind") != kind:
         raise ValueError(f"expected a vitpool {kind}, got {message.get('kind')!r}")
-    return message
+    return message, version
 
 
 def _field(message: dict, name: str, kind: type, where: str = "message") -> Any:
@@ -126,9 +188,20 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _tensors(entries: list, where: str) -> list[torch.Tensor]:
+    tensors = []
+    for number, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            raise ValueError(f"{where} {number} is not a map")
+        tensors.append(_unpack_tensor(entry, f"{where} {number}"))
+    return tensors
+
+
 def _pack_tensor(tensor: torch.Tensor) -> dict:
     dtype_name = wire_dtype_name(tensor.dtype)
     array = to_array(tensor)
+    if not 1 <= array.ndim <= MAX_DIMENSIONS:  # what the decoder would refuse
+        raise ValueError(f"a tensor of shape {tuple(array.shape)}: 1 to {MAX_DIMENSIONS} dimensions travel")
     little = array.astype(array.dtype.newbyteorder("<"), copy=False)
     return {"dtype": dtype_name, "shape": list(array.shape), "data": little.tobytes()}
 

@@ -150,7 +150,9 @@ def _pixels(index: int, pixel_values: Any) -> torch.Tensor:
         )
     if not pixel_values.is_floating_point() or pixel_values.dtype not in _TRAVELLING_DTYPES:
         raise InvalidItemError(
-            index, f"pixel_values have dtype {pixel_values.dtype}; expected float32, float16, bfloat16 or float64"
+            index,
+            f"pixel_values have dtype {pixel_values.dtype}; expected a floating-point dtype "
+            "(float32, float16, bfloat16 or float64)",
         )
     if pixel_values.ndim == 0 or pixel_values.shape[0] == 0:
         raise InvalidItemError(index, f"pixel_values are empty (shape {tuple(pixel_values.shape)})")

@@ -9,7 +9,7 @@ import torch
 from conftest import image, reference_outputs, relative_error, video
 
 from vitpool import GraphEncoder
-from vitpool.graphs import encoder as encoder_module
+from vitpool.graphs import capture as capture_module
 
 pytestmark = pytest.mark.gpu
 
@@ -91,7 +91,7 @@ def test_oversized_item_runs_eager(gpu_encoder, gpu_reference):
 
 def test_failed_check_disables_budget_and_eager_is_used(monkeypatch, gpu_reference):
     # A negative tolerance fails every check: every budget must fall back to eager.
-    monkeypatch.setitem(encoder_module.CHECK_TOLERANCE, torch.bfloat16, -1.0)
+    monkeypatch.setitem(capture_module.CHECK_TOLERANCE, torch.bfloat16, -1.0)
     encoder = GraphEncoder.from_pretrained(None, budgets=[64, 128], device="cuda")
     stats = encoder.stats()
     assert sorted(t for t, _ in stats.disabled_budgets) == [64, 128] and stats.captured_budgets == []
@@ -99,3 +99,42 @@ def test_failed_check_disables_budget_and_eager_is_used(monkeypatch, gpu_referen
     assert_close_to_reference(gpu_reference, items, encoder.encode(items))
     stats = encoder.stats()
     assert stats.graph_items == 0 and stats.eager_items == 2
+
+
+def test_planned_batches_to_the_host_equal_encode(gpu_encoder):
+    from conftest import plan_batch
+
+    generator = torch.Generator().manual_seed(11)
+    batches = [[image(8, 8, generator), video(2, 4, 4, generator)], [image(6, 6, generator)]]
+    groups = []
+    for items in batches:
+        plan, arrays = plan_batch(items, gpu_encoder.adapter.item_rules, gpu_encoder.budgets)
+        groups.append((plan, [torch.from_numpy(a) for a in arrays]))
+    before = gpu_encoder.stats()
+    outcomes = gpu_encoder.run_plans(groups, "cpu")
+    assert gpu_encoder.stats().graph_items == before.graph_items + 3
+    for items, got in zip(batches, outcomes):
+        for embedding, want in zip(got, gpu_encoder.encode(items)):
+            for g, w in zip(embedding.outputs, want.outputs, strict=True):
+                assert g.device.type == "cpu" and torch.equal(g, w.cpu())
+
+
+def test_a_tiled_family_is_captured_and_matches_its_tower(tmp_path):
+    import toy_family
+
+    encoder = GraphEncoder.from_pretrained(toy_family.write_checkpoint(tmp_path), budgets=[8, 16, 32], device="cuda")
+    stats = encoder.stats()
+    assert sorted(t for t, _ in stats.captured_budgets) == [8, 16, 32] and stats.disabled_budgets == []
+    generator = torch.Generator().manual_seed(0)
+    items = [toy_family_item(n, generator) for n in (1, 3, 2, 5, 12)]  # the last runs eager
+    for item, embedding in zip(items, encoder.encode(items)):
+        with torch.no_grad():
+            expected = encoder.adapter.tower(item.pixel_values.to("cuda", torch.bfloat16))
+        for got, want in zip(embedding.outputs, expected, strict=True):
+            assert torch.isfinite(got).all() and relative_error(got, want) <= TOLERANCE
+
+
+def toy_family_item(num_tiles: int, generator: torch.Generator):
+    from vitpool import Image
+
+    return Image(torch.randn(num_tiles, 3, 8, 8, generator=generator))

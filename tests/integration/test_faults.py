@@ -35,6 +35,19 @@ def resident_bytes() -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a killed child stays a zombie until its parent reaps it: that is not alive
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def wait_for(condition, timeout_s: float, what: str, pool: EncoderPool | None = None) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
@@ -106,9 +119,10 @@ def test_a_killed_actor_loses_nothing_and_is_replaced(ray_cluster, reference_enc
 def test_with_every_actor_dead_calls_fail_promptly(ray_cluster):
     pool = launch("vitpool-all-dead", max_actor_restarts=0)
     try:
-        for pid in actor_pids(pool).values():
+        pids = list(actor_pids(pool).values())
+        for pid in pids:
             os.kill(pid, signal.SIGKILL)
-        time.sleep(0.5)
+        wait_for(lambda: not any(process_alive(pid) for pid in pids), 30, "the actors' processes to end")
         start = time.monotonic()
         with pytest.raises(PoolUnavailableError):
             pool.encode([image(8, 8)], timeout_s=60)

@@ -1,11 +1,14 @@
-"""The same-node channel between a caller and an encoder actor, in one process (no Ray): results
-equal the encoder's own, bad items fail alone, and a hostile or broken peer harms nothing."""
+"""The same-node channel between a caller and an actor's batch function, in one process (no Ray,
+no model): results equal what the function returned, for pixels and outputs of any shape; bad
+items fail alone; segments are held, reused and released as documented; and a hostile or broken
+peer harms nothing."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import glob
 import os
+import pickle
 import socket
 import struct
 
@@ -13,170 +16,307 @@ import msgpack
 import numpy as np
 import pytest
 import torch
-from conftest import image, video
 
-from vitpool.actors import EncoderActor
-from vitpool.actors.local_channel import ChannelClient, ChannelClosed, ChannelReply, channel_supported
-from vitpool.actors import segments
-from vitpool.actors.segments import OUTPUT_SEGMENTS_PER_CONNECTION, SEGMENT_PREFIX, OwnedSegment
-from vitpool.items import Video
-from vitpool.transport.wire import to_array, wire_dtype_name
+from vitpool.items import Embedding
+from vitpool.specs import BatchPlan, ItemSpec, OutputLayout, plan_to_wire
+from vitpool.transport import segments
+from vitpool.transport.channel import (
+    ChannelClient,
+    ChannelClosed,
+    ChannelReply,
+    ChannelServer,
+    RemoteBatchError,
+    channel_supported,
+    item_output_offsets,
+)
+from vitpool.transport.link import OK, RETIRED, BatchReceipt
+from vitpool.transport.segments import OUTPUT_SEGMENTS_PER_CONNECTION, SEGMENT_PREFIX, OwnedSegment
+from vitpool.transport.wire import WIRE_DTYPES, from_array, to_array
 
 pytestmark = pytest.mark.skipif(not channel_supported(), reason="the same-node channel needs Linux")
 
-BUDGETS = [16, 64]
+ROW_WIDTH = 48
+# Qwen-like: tokens and two deepstack maps of the same width
+QWEN_LIKE = ((ROW_WIDTH,), (ROW_WIDTH,), (ROW_WIDTH,))
+# several differently shaped outputs per token
+MIXED = ((ROW_WIDTH,), (3, 5), (7,), (2, 2, 2))
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
-def actor(request):
-    actor = EncoderActor(0, None, BUDGETS, None, None, request.param, "cpu", num_threads=2)
-    yield actor
-    actor._channel.close()
+def fake_outputs(spec: ItemSpec, pixels: torch.Tensor, layout: OutputLayout) -> list[torch.Tensor]:
+    """What the fake encoder returns for an item: a function of its pixels only."""
+    seed = int(abs(float(pixels.double().sum())) * 1000) % 2**31 + spec.num_tokens
+    generator = torch.Generator().manual_seed(seed)
+    dtype = WIRE_DTYPES[layout.dtype][0]
+    return [torch.randn(shape, generator=generator).to(dtype) for shape in layout.shapes(spec.num_tokens)]
 
 
-def channel_items(items) -> list:
-    return [
-        (
-            (isinstance(item, Video), tuple(item.grid_thw), wire_dtype_name(item.pixel_values.dtype)),
-            to_array(item.pixel_values),
-            int(np.prod(item.grid_thw)) // 4,
-        )
-        for item in items
-    ]
+class FakeEncoder:
+    """`run_batch` as the actor has it: non-finite pixels fail their item, `retiring` refuses
+    the batch, `broken` fails it as a whole."""
+
+    def __init__(self, layout: OutputLayout) -> None:
+        self.layout = layout
+        self.retiring = False
+        self.broken = False
+        self.output_devices: list[str | None] = []
+
+    def run_batch(self, plan: BatchPlan, pixels: list[np.ndarray], output_device: str | None):
+        self.output_devices.append(output_device)
+        if self.broken:
+            raise RuntimeError("the encoder broke")
+        if self.retiring:
+            return [None] * len(plan.specs), BatchReceipt(RETIRED)
+        values, errors = [], {}
+        for position, (spec, array) in enumerate(zip(plan.specs, pixels, strict=True)):
+            assert array.shape == spec.pixel_shape
+            tensor = from_array(array, spec.pixel_dtype)
+            if not torch.isfinite(tensor.float()).all():
+                values.append(None)
+                errors[position] = "pixel_values contain NaN or infinite values"
+            else:
+                values.append(Embedding.from_outputs(fake_outputs(spec, tensor, self.layout)))
+        return values, BatchReceipt(OK, errors, 0.001)
 
 
-def exchange(client: ChannelClient, items, timeout_s: float = 60.0):
+@pytest.fixture(params=["float32", "bfloat16"])
+def server(request):
+    layout = OutputLayout(QWEN_LIKE, request.param)
+    encoder = FakeEncoder(layout)
+    server = ChannelServer(encoder.run_batch, "test", None, 0.0, layout)
+    server.encoder = encoder
+    yield server
+    server.close()
+
+
+def item(shape: tuple[int, ...], num_tokens: int, dtype: str = "float32", seed: int = 0,
+         modality: str = "image") -> tuple[ItemSpec, np.ndarray]:
+    generator = torch.Generator().manual_seed(seed)
+    pixels = torch.randn(shape, generator=generator).to(WIRE_DTYPES[dtype][0])
+    return ItemSpec(modality, tuple(shape), dtype, (), num_tokens), to_array(pixels)
+
+
+def rows(num_rows: int, seed: int = 0, dtype: str = "float32") -> tuple[ItemSpec, np.ndarray]:
+    """A Qwen-style item: flattened patch rows, a quarter as many output tokens."""
+    return item((num_rows, ROW_WIDTH), num_rows // 4, dtype, seed)
+
+
+def batch(*items: tuple[ItemSpec, np.ndarray]) -> tuple[BatchPlan, list[np.ndarray]]:
+    return BatchPlan(None, tuple(spec for spec, _ in items)), [pixels for _, pixels in items]
+
+
+def submit(client: ChannelClient, plan_and_pixels, timeout_s: float = 30.0):
     future: concurrent.futures.Future = concurrent.futures.Future()
-    client.submit(channel_items(items), future.set_result)
+    client.submit(*plan_and_pixels, future.set_result)
     return future.result(timeout_s)
+
+
+def expected(layout: OutputLayout, plan: BatchPlan, pixels: list[np.ndarray]) -> list[list[torch.Tensor]]:
+    return [fake_outputs(spec, from_array(array, spec.pixel_dtype), layout) for spec, array in zip(plan.specs, pixels)]
+
+
+def assert_results(reply, layout: OutputLayout, plan: BatchPlan, pixels: list[np.ndarray]) -> None:
+    assert isinstance(reply, ChannelReply), reply
+    assert reply.receipt.status == OK
+    for value, want, spec in zip(reply.values, expected(layout, plan, pixels), plan.specs, strict=True):
+        assert [tuple(t.shape) for t in value.outputs] == layout.shapes(spec.num_tokens)
+        for got, wanted in zip(value.outputs, want, strict=True):
+            assert got.dtype == wanted.dtype and torch.equal(got, wanted)
 
 
 def own_segments() -> list[str]:
     return glob.glob(f"/dev/shm/{SEGMENT_PREFIX}*")
 
 
-def test_results_equal_the_encoders_own(actor):
-    generator = torch.Generator().manual_seed(0)
-    client = ChannelClient(actor.info().channel)
+def test_results_equal_the_encoders_own(server):
+    layout = server.encoder.layout
+    client = ChannelClient(server.info)
     try:
-        for items in ([image(8, 8, generator)], [image(4, 6, generator), video(2, 4, 4, generator), image(16, 16, generator)]):
-            items = [type(i)(i.pixel_values.to(actor.encoder.dtype), i.grid_thw) for i in items]
-            reply = exchange(client, items)
-            assert isinstance(reply, ChannelReply) and reply.receipt.status == "ok"
-            expected = actor.encoder.encode(items)
-            for got, want in zip(reply.values, expected, strict=True):
-                assert got.tokens.dtype == want.tokens.dtype == actor.encoder.dtype
-                assert torch.equal(got.tokens, want.tokens)
-                assert len(got.deepstack) == len(want.deepstack) > 0
-                for g, w in zip(got.deepstack, want.deepstack):
-                    assert torch.equal(g, w)
-                assert torch.isfinite(got.tokens.float()).all()
+        for plan_and_pixels in (
+            batch(rows(32)),
+            batch(rows(16, 1), item((64, ROW_WIDTH), 16, seed=2, modality="video"), rows(256, 3)),
+        ):
+            assert_results(submit(client, plan_and_pixels), layout, *plan_and_pixels)
+        assert server.encoder.output_devices[-1] == "cpu"  # no CUDA device: outputs on the host
     finally:
         client.close()
 
 
-def test_a_bad_item_fails_alone(actor):
-    good, bad = image(8, 8), image(4, 4)
-    bad.pixel_values[3, 5] = float("nan")
-    items = [type(i)(i.pixel_values.to(actor.encoder.dtype), i.grid_thw) for i in (good, bad)]
-    client = ChannelClient(actor.info().channel)
+@pytest.mark.parametrize("pixel_dtype", ["float32", "bfloat16", "float16"])
+def test_tiles_of_any_shape_and_outputs_of_several_shapes(pixel_dtype):
+    """A tiled tower: 4-D pixels [tiles, 3, P, P] and no grid; outputs of differently shaped rows."""
+    layout = OutputLayout(MIXED, "bfloat16")
+    encoder = FakeEncoder(layout)
+    server = ChannelServer(encoder.run_batch, "tiles", None, 0.0, layout)
+    client = ChannelClient(server.info)
     try:
-        reply = exchange(client, items)
+        plan_and_pixels = batch(
+            item((2, 3, 14, 14), 2 * 16, pixel_dtype, seed=1),
+            item((7, 3, 14, 14), 7 * 16, pixel_dtype, seed=2),
+            item((5,), 1, pixel_dtype, seed=3),  # 1-D: anything the specs say travels
+            item((1, 2, 3, 4, 5), 3, pixel_dtype, seed=4),  # 5-D
+        )
+        reply = submit(client, plan_and_pixels)
+        assert_results(reply, layout, *plan_and_pixels)
+        # the inline path (the calling thread carries the batch) reads the same layout
+        exchange = client.exchange(*plan_and_pixels)
+        exchange.send()
+        assert_results(exchange.receive(), layout, *plan_and_pixels)
+    finally:
+        client.close()
+        server.close()
+
+
+def test_the_output_layout_is_aligned_and_packed():
+    layout = OutputLayout(MIXED, "float32")
+    offsets, nbytes = item_output_offsets(layout, 3)
+    sizes = [3 * 48 * 4, 3 * 15 * 4, 3 * 7 * 4, 3 * 8 * 4]
+    assert offsets == [0, segments.aligned(sizes[0]), segments.aligned(sizes[0]) + segments.aligned(sizes[1]),
+                       segments.aligned(sizes[0]) + segments.aligned(sizes[1]) + segments.aligned(sizes[2])]
+    assert nbytes == sum(segments.aligned(size) for size in sizes)
+    assert item_output_offsets(layout, 0) == ([0, 0, 0, 0], 0)
+
+
+def test_a_bad_item_fails_alone(server):
+    good, bad = rows(32, 1), rows(16, 2)
+    bad[1][3, 5] = to_array(torch.tensor([float("nan")]))[0]
+    plan, pixels = batch(good, bad)
+    client = ChannelClient(server.info)
+    try:
+        reply = submit(client, (plan, pixels))
     finally:
         client.close()
     assert list(reply.receipt.item_errors) == [1] and "NaN" in reply.receipt.item_errors[1]
     assert reply.values[1] is None
-    assert torch.equal(reply.values[0].tokens, actor.encoder.encode(items[:1])[0].tokens)
+    (want,) = expected(server.encoder.layout, BatchPlan(None, plan.specs[:1]), pixels[:1])
+    assert torch.equal(reply.values[0].tokens, want[0])
 
 
-def test_concurrent_batches_use_their_own_connections(actor):
-    generator = torch.Generator().manual_seed(1)
-    batches = [[image(4 + n % 3 * 4, 8, generator)] for n in range(12)]
-    batches = [[type(i)(i.pixel_values.to(actor.encoder.dtype), i.grid_thw) for i in b] for b in batches]
-    client = ChannelClient(actor.info().channel)
+def test_a_retiring_actor_refuses_with_no_values(server):
+    server.encoder.retiring = True
+    client = ChannelClient(server.info)
     try:
-        futures = []
-        for batch in batches:
-            future: concurrent.futures.Future = concurrent.futures.Future()
-            client.submit(channel_items(batch), future.set_result)
-            futures.append(future)
-        for batch, future in zip(batches, futures):
-            reply = future.result(60)
-            # Batches that wait for the encoder run together (actors/combining.py): other batch
-            # mates than the batch alone, so equal only to rounding.
-            tolerance = 1e-5 if actor.encoder.dtype == torch.float32 else 2e-2
-            torch.testing.assert_close(
-                reply.values[0].tokens, actor.encoder.encode(batch)[0].tokens, rtol=tolerance, atol=tolerance
-            )
+        reply = submit(client, batch(rows(16), rows(32, 1)))
+        assert reply.receipt.status == RETIRED and reply.values == [None, None]
+        (connection,) = client._idle
+        assert not any(segment.held for segment in connection._outputs._segments)
     finally:
         client.close()
 
 
-def test_segments_are_unlinked_once_mapped(actor):
-    before = set(own_segments())
-    client = ChannelClient(actor.info().channel)
+def test_a_batch_that_fails_as_a_whole_is_a_remote_batch_error(server):
+    server.encoder.broken = True
+    client = ChannelClient(server.info)
     try:
-        items = [type(i)(i.pixel_values.to(actor.encoder.dtype), i.grid_thw) for i in [image(8, 8)]]
-        exchange(client, items)
+        reply = submit(client, batch(rows(16)))
+        assert isinstance(reply, RemoteBatchError) and "the encoder broke" in str(reply)
+        (connection,) = client._idle  # the connection is fine
+        assert not any(segment.held for segment in connection._outputs._segments)
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("output_shape", [(4, ROW_WIDTH + 1), (5, ROW_WIDTH)], ids=["width", "tokens"])
+def test_outputs_unlike_the_layout_fail_the_batch(output_shape):
+    layout = OutputLayout(((ROW_WIDTH,),), "float32")
+
+    def run_batch(plan, pixels, output_device):
+        return [Embedding(torch.zeros(output_shape))], BatchReceipt(OK)
+
+    server = ChannelServer(run_batch, "bad-outputs", None, 0.0, layout)
+    client = ChannelClient(server.info)
+    try:
+        reply = submit(client, batch(rows(16)))
+        assert isinstance(reply, RemoteBatchError) and "the layout says" in str(reply)
+    finally:
+        client.close()
+        server.close()
+
+
+def test_pixels_unlike_their_specs_are_refused_before_sending(server):
+    spec, pixels = rows(16)
+    client = ChannelClient(server.info)
+    try:
+        reply = submit(client, (BatchPlan(None, (spec,)), [pixels[:8]]))
+        assert isinstance(reply, TypeError) and "its spec says" in str(reply)
+        reply = submit(client, (BatchPlan(None, (spec,)), [pixels.astype(np.float64)]))
+        assert isinstance(reply, TypeError)
+        assert_results(submit(client, batch(rows(16))), server.encoder.layout, *batch(rows(16)))  # still usable
+    finally:
+        client.close()
+
+
+def test_concurrent_batches_use_their_own_connections(server):
+    batches = [batch(rows(16 + n % 3 * 16, n)) for n in range(12)]
+    client = ChannelClient(server.info)
+    try:
+        futures = []
+        for plan_and_pixels in batches:
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            client.submit(*plan_and_pixels, future.set_result)
+            futures.append(future)
+        for plan_and_pixels, future in zip(batches, futures):
+            assert_results(future.result(30), server.encoder.layout, *plan_and_pixels)
+        assert len(client._idle) > 1
+    finally:
+        client.close()
+
+
+def test_segments_are_unlinked_once_mapped(server):
+    before = set(own_segments())
+    client = ChannelClient(server.info)
+    try:
+        submit(client, batch(rows(32)))
         assert set(own_segments()) - before == set()
     finally:
         client.close()
 
 
-def test_results_view_output_segments_that_are_used_again_once_dropped(actor):
-    generator = torch.Generator().manual_seed(2)
-    batches = [
-        [type(i)(i.pixel_values.to(actor.encoder.dtype), i.grid_thw) for i in [image(8, 8, generator)]]
-        for _ in range(OUTPUT_SEGMENTS_PER_CONNECTION + 2)
-    ]
-    client = ChannelClient(actor.info().channel)
+def test_results_view_output_segments_that_are_used_again_once_dropped(server):
+    layout = server.encoder.layout
+    batches = [batch(rows(32, seed)) for seed in range(OUTPUT_SEGMENTS_PER_CONNECTION + 2)]
+    client = ChannelClient(server.info)
     try:
         # Held results keep their segments: later batches take others, then (all held) are copied out.
-        held = [exchange(client, batch).values[0] for batch in batches]
-        for result, batch in zip(held, batches):
-            assert torch.equal(result.tokens, actor.encoder.encode(batch)[0].tokens)
+        held = [submit(client, plan_and_pixels).values[0] for plan_and_pixels in batches]
+        for result, (plan, pixels) in zip(held, batches):
+            assert torch.equal(result.tokens, expected(layout, plan, pixels)[0][0])
         addresses = {result.tokens.data_ptr() for result in held}
         assert len(addresses) == len(batches)
         (connection,) = client._idle
-        segments = connection._outputs._segments
-        assert len(segments) == OUTPUT_SEGMENTS_PER_CONNECTION and all(s.held for s in segments)
+        owned = connection._outputs._segments
+        assert len(owned) == OUTPUT_SEGMENTS_PER_CONNECTION and all(s.held for s in owned)
 
         # Dropped results free their segments: the next batch's results view one of those.
         first_addresses = {result.tokens.data_ptr() for result in held[:OUTPUT_SEGMENTS_PER_CONNECTION]}
         del result
         held.clear()
-        assert not any(s.held for s in segments)
-        again = exchange(client, batches[0]).values[0]
+        assert not any(s.held for s in owned)
+        again = submit(client, batches[0]).values[0]
         assert again.tokens.data_ptr() in first_addresses
-        assert torch.equal(again.tokens, actor.encoder.encode(batches[0])[0].tokens)
+        assert torch.equal(again.tokens, expected(layout, *batches[0])[0][0])
     finally:
         client.close()
 
 
-def test_a_held_output_segment_stays_mapped_while_others_come_and_go(monkeypatch, actor):
+def test_a_held_output_segment_stays_mapped_while_others_come_and_go(monkeypatch, server):
     """Growing batches replace the connection's other segments many times while results hold one;
     the actor must keep that one mapped (it is unlinked, so it could not be mapped again)."""
     monkeypatch.setattr(segments, "MIN_SEGMENT_BYTES", 4096)  # so that segments grow often
-    generator = torch.Generator().manual_seed(3)
-
-    def batch(side: int) -> list:
-        item = image(side, side, generator)
-        return [type(item)(item.pixel_values.to(actor.encoder.dtype), item.grid_thw)]
-
-    client = ChannelClient(actor.info().channel)
+    layout = server.encoder.layout
+    client = ChannelClient(server.info)
     try:
-        first = batch(2)
-        held = exchange(client, first)
+        first = batch(rows(4, 100))
+        held = submit(client, first)
         for side in (4, 6, 8, 10, 12, 14, 16, 18, 20):
-            assert isinstance(exchange(client, batch(side)), ChannelReply)
+            assert isinstance(submit(client, batch(rows(side * side, side))), ChannelReply)
         (connection,) = client._idle
         held_segment = next(s for s in connection._outputs._segments if s.held)
         del held
-        again = exchange(client, first)  # takes the segment the results held
+        again = submit(client, first)  # takes the segment the results held
         assert isinstance(again, ChannelReply), again
         offset = again.values[0].tokens.data_ptr() - np.frombuffer(held_segment.buffer, np.uint8).ctypes.data
         assert 0 <= offset < held_segment.size
-        assert torch.equal(again.values[0].tokens, actor.encoder.encode(first)[0].tokens)
+        assert torch.equal(again.values[0].tokens, expected(layout, *first)[0][0])
     finally:
         client.close()
 
@@ -199,19 +339,43 @@ def test_an_actor_maps_a_bounded_number_of_segments(monkeypatch):
             segment.close()
 
 
-def test_a_failed_batch_does_not_hold_its_output_segment(actor):
-    bad = image(4, 4)
-    bad.pixel_values[0, 0] = float("inf")
-    items = [type(bad)(bad.pixel_values.to(actor.encoder.dtype), bad.grid_thw)]
-    client = ChannelClient(actor.info().channel)
+def test_a_failed_batch_does_not_hold_its_output_segment(server):
+    spec, pixels = rows(16)
+    pixels[0, 0] = to_array(torch.tensor([float("inf")]))[0]
+    client = ChannelClient(server.info)
     try:
         for _ in range(OUTPUT_SEGMENTS_PER_CONNECTION + 1):
-            reply = exchange(client, items)
+            reply = submit(client, (BatchPlan(None, (spec,)), [pixels]))
             assert reply.values == [None] and list(reply.receipt.item_errors) == [0]
         (connection,) = client._idle
         assert not any(segment.held for segment in connection._outputs._segments)
     finally:
         client.close()
+
+
+@pytest.mark.parametrize(
+    "shape, ok",
+    [
+        ((2, 3), True),
+        ((1, 2, 3, 4, 5), True),
+        ((0, 4), True),  # empty: nothing to view, still inside
+        ((), False),  # a scalar: pixels have at least one dimension
+        ((1,) * (segments.MAX_ARRAY_DIMENSIONS + 1), False),  # too many dimensions
+        ((2, -1), False),
+        ((2, True), False),  # booleans are not sizes
+        ((1 << 40, 1 << 40), False),  # far past the segment
+    ],
+)
+def test_array_at_checks_every_shape(shape, ok):
+    segment = OwnedSegment(1 << 20)
+    try:
+        if ok:
+            assert segments.array_at(segment.buffer, "float32", 64, shape).shape == shape
+        else:
+            with pytest.raises(ValueError):
+                segments.array_at(segment.buffer, "float32", 64, shape)
+    finally:
+        segment.close()
 
 
 def raw_exchange(address: str, payload: bytes) -> bytes:
@@ -237,9 +401,9 @@ def framed(message) -> bytes:
 @pytest.mark.parametrize(
     "payload",
     [
-        framed({"segment": "/etc/passwd", "size": 16, "items": [], "outputs": []}),
-        framed({"segment": "/dev/shm/../etc/passwd", "size": 16, "items": [], "outputs": []}),
-        framed({"segment": "/dev/shm/../etc/passwd", "size": 16, "items": [], "outputs": [],
+        framed({"segment": "/etc/passwd", "size": 16, "plan": {"budget": None, "specs": []}, "pixels": [], "outputs": []}),
+        framed({"segment": "/dev/shm/../etc/passwd", "size": 16, "pixels": [], "outputs": []}),
+        framed({"segment": "/dev/shm/../etc/passwd", "size": 16, "pixels": [], "outputs": [],
                 "output_segment": "/etc/passwd", "output_size": 16}),
         framed([1, 2, 3]),
         struct.pack("<I", 1 << 30) + b"x",
@@ -248,61 +412,83 @@ def framed(message) -> bytes:
     ],
     ids=["outside-shm", "dot-dot", "output-outside-shm", "not-a-map", "huge-length", "bad-msgpack", "truncated"],
 )
-def test_hostile_bytes_close_only_their_connection(actor, payload):
-    address = actor.info().channel.address
-    assert raw_exchange(address, payload) == b""  # dropped without an answer
-    items = [type(i)(i.pixel_values.to(actor.encoder.dtype), i.grid_thw) for i in [image(8, 8)]]
-    client = ChannelClient(actor.info().channel)
+def test_hostile_bytes_close_only_their_connection(server, payload):
+    assert raw_exchange(server.address, payload) == b""  # dropped without an answer
+    client = ChannelClient(server.info)
     try:
-        assert exchange(client, items).receipt.status == "ok"  # the actor serves others as before
+        assert submit(client, batch(rows(16))).receipt.status == OK  # the actor serves others as before
     finally:
         client.close()
 
 
-def test_out_of_bounds_offsets_fail_the_batch_not_the_actor(actor):
+def request(segment: OwnedSegment, spec: ItemSpec, pixel_offset, output_offset, **extra) -> bytes:
+    message = {
+        "segment": segment.path, "size": segment.size, "plan": plan_to_wire(BatchPlan(None, (spec,))),
+        "pixels": [pixel_offset], "outputs": [output_offset], **extra,
+    }
+    return framed(message)
+
+
+def error_of(address: str, payload: bytes) -> str:
+    answer = msgpack.unpackb(raw_exchange(address, payload)[4:])
+    assert answer["status"] == "error"
+    return answer["message"]
+
+
+@pytest.mark.parametrize(
+    "plan, pixel_offsets, words",
+    [
+        ({"budget": None, "specs": [["image", [2, 2], "float32", [], 1, []]]}, [1 << 20], "do not fit"),
+        ({"budget": None, "specs": [["image", [2, 2], "float32", [], 1, []]]}, [0, 0], "one pixels offset per item"),
+        ({"budget": None, "specs": [["image", [2, 2], "float32", [], 1, []]]}, ["0"], "one pixels offset per item"),
+        ({"budget": None, "specs": [["image", [2, 2], "int8", [], 1, []]]}, [0], "unknown dtype"),
+        ({"budget": None, "specs": [["audio", [2, 2], "float32", [], 1, []]]}, [0], "not an item spec"),
+        ("not a plan", [0], "not a batch plan"),
+    ],
+    ids=["pixels-past-the-end", "too-many-offsets", "text-offset", "bad-dtype", "bad-modality", "bad-plan"],
+)
+def test_malformed_requests_fail_the_batch_not_the_actor(server, plan, pixel_offsets, words):
     segment = OwnedSegment(1 << 20)
     try:
-        message = {
-            "segment": segment.path, "size": segment.size,
-            "items": [[False, [1, 8, 8], "float32", segment.size - 8, [64, 1536]]],
-            "outputs": [0],
-        }
-        reply = raw_exchange(actor.info().channel.address, framed(message))
-        answer = msgpack.unpackb(reply[4:])
-        assert answer["status"] == "error" and "do not fit" in answer["message"]
+        message = {"segment": segment.path, "size": segment.size, "plan": plan, "pixels": pixel_offsets, "outputs": [0]}
+        assert words in error_of(server.address, framed(message))
     finally:
         segment.close()
 
 
-def test_outputs_past_the_output_segment_fail_the_batch_not_the_actor(actor):
+def test_outputs_past_the_output_segment_fail_the_batch_not_the_actor(server):
     pixels, outputs = OwnedSegment(1 << 20), OwnedSegment(1 << 20)
     try:
-        item = type(image(8, 8))(image(8, 8).pixel_values.to(actor.encoder.dtype), (1, 8, 8))
-        np.copyto(np.frombuffer(pixels.buffer, dtype=to_array(item.pixel_values).dtype, count=64 * 1536),
-                  to_array(item.pixel_values).reshape(-1))
-        message = {
-            "segment": pixels.path, "size": pixels.size,
-            "items": [[False, [1, 8, 8], wire_dtype_name(actor.encoder.dtype), 0, [64, 1536]]],
-            "outputs": [outputs.size - 8], "output_segment": outputs.path, "output_size": outputs.size,
-        }
-        reply = raw_exchange(actor.info().channel.address, framed(message))
-        answer = msgpack.unpackb(reply[4:])
-        assert answer["status"] == "error" and "do not fit" in answer["message"]
+        spec, array = rows(64, dtype=server.encoder.layout.dtype)
+        np.copyto(segments.array_at(pixels.buffer, spec.pixel_dtype, 0, spec.pixel_shape), array)
+        payload = request(pixels, spec, 0, outputs.size - 8, output_segment=outputs.path, output_size=outputs.size)
+        assert "do not fit" in error_of(server.address, payload)
     finally:
         pixels.close()
         outputs.close()
 
 
 def test_a_closed_server_gives_channel_closed():
-    actor = EncoderActor(1, None, BUDGETS, None, None, "float32", "cpu", num_threads=1)
-    client = ChannelClient(actor.info().channel)
-    items = [image(8, 8)]
-    assert isinstance(exchange(client, items), ChannelReply)
-    actor._channel.close()
+    layout = OutputLayout(QWEN_LIKE, "float32")
+    server = ChannelServer(FakeEncoder(layout).run_batch, "closing", None, 0.0, layout)
+    client = ChannelClient(server.info)
+    assert isinstance(submit(client, batch(rows(16))), ChannelReply)
+    server.close()
     os.sched_yield()
     # the open connection still works until its server thread ends; a new one cannot connect
-    fresh = ChannelClient(actor.info().channel)
-    outcome = exchange(fresh, items)
+    fresh = ChannelClient(server.info)
+    outcome = submit(fresh, batch(rows(16)))
     assert isinstance(outcome, ChannelClosed)
     client.close()
     fresh.close()
+    with pytest.raises(ChannelClosed):  # a closed client takes no batch
+        fresh.submit(*batch(rows(16)), lambda reply: None)
+
+
+def test_channel_info_pickles():
+    layout = OutputLayout(MIXED, "bfloat16")
+    server = ChannelServer(FakeEncoder(layout).run_batch, "pickle", None, 0.0, layout)
+    try:
+        assert pickle.loads(pickle.dumps(server.info)) == server.info
+    finally:
+        server.close()

@@ -7,10 +7,18 @@ import time
 
 import pytest
 import torch
-from conftest import BUDGETS, assert_same, image
+from conftest import BUDGETS, assert_same, image, plan_batch, video
 
-from vitpool.actors import OK, EncoderActor
+from vitpool import EncodeError, Image, InvalidItemError
 from vitpool.actors.combining import BatchCombiner
+from vitpool.actors.encoder_actor import EncoderActor
+from vitpool.specs import ActorSpec, BatchPlan, EncoderSpec
+from vitpool.transport.link import OK, RETIRED
+
+
+def cpu_actor(**settings) -> EncoderActor:
+    spec = ActorSpec(EncoderSpec(budgets=tuple(BUDGETS), dtype="float32", device="cpu"), serve_channel=False, **settings)
+    return EncoderActor(0, spec)
 
 
 class BlockingRun:
@@ -109,7 +117,7 @@ def test_an_error_reaches_every_batch_of_its_run_and_no_other():
 def test_concurrent_actor_batches_equal_the_encoders_own_results():
     """Sixteen threads send batches to one in-process actor at once: batches combine, and each
     thread gets exactly its own items' embeddings."""
-    actor = EncoderActor(0, None, BUDGETS, None, None, "float32", "cpu", num_threads=1, serve_channel=False)
+    actor = cpu_actor()
     generator = torch.Generator().manual_seed(7)
     batches = [
         [image(2 * h, 2 * w, generator) for h, w in ((1, 1 + n % 3), (2, 1))] for n in range(16)
@@ -119,10 +127,9 @@ def test_concurrent_actor_batches_equal_the_encoders_own_results():
     barrier = threading.Barrier(len(batches))
 
     def send(index: int) -> None:
-        batch = batches[index]
-        metadata = [(False, tuple(item.grid_thw), "float32") for item in batch]
+        plan, pixels = plan_batch(batches[index], actor.encoder.adapter.item_rules, actor.encoder.budgets)
         barrier.wait()
-        got[index] = actor.run_batch(metadata, [item.pixel_values.numpy() for item in batch])
+        got[index] = actor.run_batch(plan, pixels)
 
     threads = [threading.Thread(target=send, args=(n,)) for n in range(len(batches))]
     for thread in threads:
@@ -174,3 +181,120 @@ def test_many_threads_get_their_own_outcomes_and_runs_never_overlap():
         thread.join(60)
     assert not failures and overlaps[0] == 0
     assert combiner.counters.combined_batches > 0  # eight threads did make batches wait together
+
+
+@pytest.fixture(scope="module")
+def actor():
+    return cpu_actor()
+
+
+def test_a_planned_batch_through_ray_s_method_equals_the_encoder(actor, reference_encoder):
+    items = [image(4, 6), video(2, 4, 4), image(40, 36)]  # the last is larger than every budget: eager
+    plan, pixels = plan_batch(items[:2], actor.encoder.adapter.item_rules, actor.encoder.budgets)
+    *values, receipt = actor.encode_batch(plan, *pixels)
+    assert receipt.status == OK and receipt.item_errors == {}
+    assert_same(values, reference_encoder.encode(items[:2]))
+    oversized, oversized_pixels = plan_batch(items[2:], actor.encoder.adapter.item_rules, actor.encoder.budgets)
+    assert oversized.budget is None
+    *values, receipt = actor.encode_batch(oversized, *oversized_pixels)
+    assert_same(values, reference_encoder.encode(items[2:]))
+
+
+def test_bf16_pixels_travel_as_int16_and_a_bad_item_fails_alone(actor, reference_encoder):
+    good = image(4, 4, torch.Generator().manual_seed(1))
+    bad = image(2, 2)
+    bad.pixel_values[1, 5] = float("nan")
+    items = [Image(good.pixel_values.bfloat16(), good.grid_thw), bad]
+    plan, pixels = plan_batch(items, actor.encoder.adapter.item_rules, actor.encoder.budgets)
+    assert plan.specs[0].pixel_dtype == "bfloat16" and pixels[0].dtype.name == "int16"
+    values, receipt = actor.run_batch(plan, pixels)
+    assert values[1] is None and "NaN" in receipt.item_errors[1] and list(receipt.item_errors) == [1]
+    want = reference_encoder.encode([Image(good.pixel_values.bfloat16().float(), good.grid_thw)])
+    assert_same(values[:1], want)
+
+
+# (how the plan is broken, words of the batch's ValueError)
+BROKEN_PLANS = {
+    "pixels unlike the spec": (lambda plan, pixels: (plan, [pixels[0][:-4]]), "its spec says"),
+    "one array missing": (lambda plan, pixels: (plan, []), "1 item specs came with 0"),
+    "over its budget": (lambda plan, pixels: (BatchPlan(plan.budget, plan.specs * 20), pixels * 20), "does not fit"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN_PLANS))
+def test_a_plan_that_does_not_match_fails_the_batch(actor, name):
+    breaks, words = BROKEN_PLANS[name]
+    plan, pixels = plan_batch([image(4, 4)], actor.encoder.adapter.item_rules, actor.encoder.budgets)
+    with pytest.raises(ValueError, match=words):
+        actor.run_batch(*breaks(plan, pixels))
+    values, receipt = actor.run_batch(plan, pixels)  # still serves
+    assert receipt.status == OK and values[0] is not None
+
+
+def test_concatenated_outputs_for_ranks(actor, reference_encoder):
+    items = [image(4, 6), video(2, 4, 4), image(2, 2)]
+    plan, pixels = plan_batch(items, actor.encoder.adapter.item_rules, actor.encoder.budgets)
+    arrays = actor.encode_concatenated_arrays(list(plan.specs), *pixels)
+    want = reference_encoder.encode(items)
+    assert len(arrays) == len(actor.info().output_layout.row_shapes) == 3
+    for k, array in enumerate(arrays):
+        torch.testing.assert_close(torch.from_numpy(array), torch.cat([w.outputs[k] for w in want]), rtol=1e-5, atol=1e-5)
+    bad = image(2, 2)
+    bad.pixel_values[0, 0] = float("inf")
+    bad_plan, bad_pixels = plan_batch([image(2, 2), bad], actor.encoder.adapter.item_rules, actor.encoder.budgets)
+    with pytest.raises(InvalidItemError, match="item 1"):
+        actor.concatenated_outputs(list(bad_plan.specs), bad_pixels, output_device="cpu")
+
+
+def test_info_carries_what_callers_need(actor):
+    info = actor.info()
+    assert info.item_rules == actor.encoder.adapter.item_rules
+    assert info.budgets == actor.encoder.budgets
+    assert info.output_layout.row_shapes == ((128,), (128,), (128,)) and info.output_layout.dtype == "float32"
+    assert info.dtype_name == "float32" and info.channel is None
+
+
+def test_a_retiring_actor_refuses_batches():
+    actor = cpu_actor()
+    plan, pixels = plan_batch([image(2, 2)], actor.encoder.adapter.item_rules, actor.encoder.budgets)
+    assert actor.retire(timeout_s=1.0)
+    values, receipt = actor.run_batch(plan, pixels)
+    assert receipt.status == RETIRED and values == [None]
+    with pytest.raises(EncodeError, match="retiring"):
+        actor.concatenated_outputs(list(plan.specs), pixels, output_device="cpu")
+
+
+def test_out_of_memory_splits_batches_then_items(monkeypatch):
+    """A run that runs out of GPU memory with more than two items is split until it fits; every
+    batch is still answered, and errors keep their positions."""
+    actor = cpu_actor()
+    real = actor.encoder.run_plans
+
+    def run_plans(groups, output_device):
+        if sum(len(plan.specs) for plan, _ in groups) > 2:
+            raise torch.cuda.OutOfMemoryError("out of memory")
+        return real(groups, output_device)
+
+    monkeypatch.setattr(actor.encoder, "run_plans", run_plans)
+    bad = image(2, 2)
+    bad.pixel_values[0, 0] = float("nan")
+    items = [image(2, 2), image(2, 4), image(4, 2), bad]
+    plan, pixels = plan_batch(items, actor.encoder.adapter.item_rules, actor.encoder.budgets)
+    values, receipt = actor.run_batch(plan, pixels)
+    assert list(receipt.item_errors) == [3] and all(v is not None for v in values[:3])
+    assert actor.stats().oom_splits >= 1
+
+
+def test_run_plans_combines_waiting_plans_into_one_replay(reference_encoder):
+    actor = cpu_actor()
+    encoder = actor.encoder
+    rules, budgets = encoder.adapter.item_rules, encoder.budgets
+    batches = [[image(4, 4)], [image(2, 6), video(2, 2, 2)], [image(8, 8)]]  # 4 + 3 + 2 + 16 tokens
+    groups = []
+    for items in batches:
+        plan, pixels = plan_batch(items, rules, budgets)
+        groups.append((plan, [torch.from_numpy(p) for p in pixels]))
+    outcomes = encoder.run_plans(groups, "cpu")
+    assert encoder.stats().replays_per_budget == {64: 1}  # 25 tokens: one replay of the 64-token budget
+    for items, got in zip(batches, outcomes):
+        assert_same(got, reference_encoder.encode(items))

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import image, make_encoder, reference_outputs, relative_error, video
+from conftest import ROW_WIDTH, image, make_encoder, reference_outputs, relative_error, video
 
 from vitpool import Embedding
+from vitpool.packing import SEQUENCES, Budget
 
 BUDGETS = [16, 32, 64, 128]
 TOLERANCE = 1e-5
@@ -143,7 +144,38 @@ def test_few_and_many_sequence_variants_match(tiny_adapter, reference_tower):
 
 
 def test_metadata_refuses_a_batch_larger_than_its_buffers(tiny_adapter):
+    rules = tiny_adapter.item_rules
+    wide = rules.item_spec("image", (80, ROW_WIDTH), "float32", (1, 8, 10))
+    clip = rules.item_spec("video", (32, ROW_WIDTH), "float32", (2, 4, 4))
     with pytest.raises(ValueError, match="need 80 rows and 1 sequences; the buffers hold 64 and 4"):
-        tiny_adapter.build_metadata([(1, 8, 10)], num_rows=64, max_sequences=4)
+        tiny_adapter.build_metadata([wide], num_rows=64, budget=Budget(16, ((SEQUENCES, 4),), 4))
     with pytest.raises(ValueError, match="need 32 rows and 2 sequences; the buffers hold 64 and 1"):
-        tiny_adapter.build_metadata([(2, 4, 4)], num_rows=64, max_sequences=1)
+        tiny_adapter.build_metadata([clip], num_rows=64, budget=Budget(16, ((SEQUENCES, 1),), 1))
+
+
+def planned(encoder, items):
+    from conftest import plan_batch
+
+    plan, arrays = plan_batch(items, encoder.adapter.item_rules, encoder.budgets)
+    return plan, [torch.from_numpy(array) for array in arrays]
+
+
+def test_planned_batches_run_as_planned_when_they_do_not_fit_together(tiny_adapter, reference_tower):
+    encoder = make_encoder(tiny_adapter, [16, 64])
+    generator = torch.Generator().manual_seed(5)
+    batches = [[image(16, 16, generator)], [image(8, 8, generator)], [image(24, 24, generator)], [image(2, 2, generator)]]
+    groups = [planned(encoder, items) for items in batches]
+    assert [plan.budget.num_tokens if plan.budget else None for plan, _ in groups] == [64, 16, None, 16]
+    outcomes = encoder.run_plans(groups, output_device=None)
+    for items, embeddings in zip(batches, outcomes):
+        assert_matches_reference(reference_tower, items, embeddings)
+    stats = encoder.stats()
+    # 64 + 16 tokens fit no budget; the eager item runs alone; the last plan runs on its own
+    assert stats.replays_per_budget == {64: 1, 16: 2} and stats.eager_batches == 1
+
+
+def test_a_plan_for_a_budget_the_encoder_lacks_fails(tiny_adapter):
+    encoder = make_encoder(tiny_adapter, [16, 64])
+    plan, pixels = planned(make_encoder(tiny_adapter, [32]), [image(4, 4)])
+    with pytest.raises(ValueError, match="not one of this encoder's budgets"):
+        encoder.run_plans([(plan, pixels)])

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from vitpool import CheckpointError, GraphEncoder
 from vitpool.models import SHIPPED_CHECKPOINT
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from make_tiny_checkpoint import TINY_CONFIG
 
 
@@ -110,3 +110,24 @@ def test_config_only_gives_random_weights(tmp_path, item, shipped_tokens):
     tokens = encode_tokens(tower_copy(tmp_path), item)
     assert tokens.shape == shipped_tokens.shape and torch.isfinite(tokens).all()
     assert not torch.allclose(tokens, shipped_tokens)
+
+
+# (config.json, words the CheckpointError must contain)
+UNSUPPORTED = {
+    "unknown to transformers": ({"model_type": "not_a_vision_model"}, "'not_a_vision_model' is not supported"),
+    "a family vitpool lacks": ("qwen2_vl", "vision model type 'qwen2_vl_vision' is not supported"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNSUPPORTED))
+def test_an_unsupported_model_lists_the_supported_ones(tmp_path, name):
+    config, words = UNSUPPORTED[name]
+    if isinstance(config, dict):
+        (tmp_path / "config.json").write_text(json.dumps(config))
+    else:
+        from transformers import AutoConfig
+
+        AutoConfig.for_model(config).save_pretrained(tmp_path)
+    with pytest.raises(CheckpointError) as raised:
+        GraphEncoder.from_pretrained(tmp_path, budgets=[16], device="cpu")
+    assert words in str(raised.value) and "qwen3_vl_vision" in str(raised.value)

@@ -10,6 +10,9 @@ in progress and its own, and the GPU does fewer, fuller replays.
 No thread hand-off is added: the thread that finds the encoder free runs the waiting batches
 itself (its own among them) and hands the others their outcomes (flat combining). A batch that
 arrives at an idle encoder runs at once in its own thread, as it would without combining.
+
+The combiner knows nothing of what it runs: in the actor, each batch is one (plan, pixels) group
+and the run function is the encoder's `run_plans`, which decides which groups share a replay.
 """
 
 from __future__ import annotations

@@ -1,10 +1,16 @@
-"""The encoder actor: one GraphEncoder on one GPU (or a CPU), fed packed batches by the pool.
+"""The encoder actor: one GraphEncoder on one GPU (or a CPU), fed planned batches by the pool.
 
 A plain class; the pool wraps it with `ray.remote`, so this module imports no Ray and the class
-can be tested in-process. Batches come two ways. Through Ray (`encode_batch`), items arrive as
-NumPy views of the object store and results leave as pinned host copies, one transfer per tensor
-per batch. Through the same-node channel (`vitpool.actors.local_channel`), items arrive in a
-caller's shared-memory segment and results go back into it.
+can be tested in-process. Batches come two ways, both as a `BatchPlan` (the item specs the
+caller's process computed, and the budget its dispatcher chose) with one pixel array per item.
+Through Ray (`encode_batch`), pixels arrive as NumPy views of the object store and results leave
+as pinned host copies, one transfer per tensor per batch. Through the same-node channel
+(`vitpool.transport.channel`), pixels arrive in a caller's shared-memory segment and results go
+back into it. The actor trusts the plan after the encoder's cheap consistency check.
+
+The engine (`vitpool.graphs`, transformers, the model's code) is imported when an actor is built,
+not with this module: Ray loads an actor's class wherever a handle to it is unpickled, and a
+pool's callers hold handles.
 """
 
 from __future__ import annotations
@@ -13,20 +19,28 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from vitpool.actors.combining import BatchCombiner
-from vitpool.actors.local_channel import ChannelInfo, ChannelServer, channel_supported
-from vitpool.actors.reports import OK, RETIRED, ActorInfo, ActorStats, BatchReceipt
+from vitpool.actors.reports import ActorInfo, ActorStats
 from vitpool.errors import EncodeError, InvalidItemError
-from vitpool.graphs import GraphEncoder
-from vitpool.items import Embedding, ItemMetadata, item_from_wire
-from vitpool.transport.wire import to_array, wire_dtype_name
+from vitpool.items import Embedding, PreparedItem
+from vitpool.specs import ActorSpec, BatchPlan, ItemSpec
+from vitpool.transport.channel import ChannelServer, channel_supported
+from vitpool.transport.link import OK, RETIRED, BatchReceipt
+from vitpool.transport.wire import from_array, to_array
+
+if TYPE_CHECKING:
+    from vitpool.graphs import GraphEncoder
 
 logger = logging.getLogger(__name__)
+
+# A planned batch with its pixels, as the combiner hands batches to the encoder.
+PlannedPixels = tuple[BatchPlan, list[torch.Tensor]]
 
 
 class EncoderActor:
@@ -34,39 +48,16 @@ class EncoderActor:
 
     Args:
         actor_index: the actor's number in its pool, for logs and stats.
-        model: local checkpoint directory, or None for the shipped tiny model.
-        budgets, max_items_per_batch, max_frames_per_batch: as for GraphEncoder.
-        dtype_name: "bfloat16", "float16", "float32", or None for the device's default.
-        device: "cpu", "cuda", or None for the actor's GPU if it has one.
-        num_threads: torch's CPU threads (Ray starts actors with OMP_NUM_THREADS=1).
-        serve_channel: also take batches from callers on the same node through shared memory
-            (`vitpool.actors.local_channel`), where the platform allows it.
-        channel_spin_s: after answering on the channel, poll this long for the next batch.
-        max_tokens_per_run: the most output tokens of batches combined into one run; None: the
-            largest budget.
+        spec: the encoder to build and how to serve it (`vitpool.specs.ActorSpec`).
     """
 
-    def __init__(
-        self,
-        actor_index: int,
-        model: str | None,
-        budgets: Sequence[int] | None,
-        max_items_per_batch: int | None,
-        max_frames_per_batch: int | None,
-        dtype_name: str | None,
-        device: str | None,
-        num_threads: int,
-        serve_channel: bool = True,
-        channel_spin_s: float = 0.0,
-        max_tokens_per_run: int | None = None,
-    ) -> None:
+    def __init__(self, actor_index: int, spec: ActorSpec) -> None:
         start = time.perf_counter()
-        torch.set_num_threads(num_threads)
+        torch.set_num_threads(spec.num_threads)
         self.actor_index = actor_index
-        dtype = getattr(torch, dtype_name) if dtype_name else None
-        self.encoder = GraphEncoder.from_pretrained(
-            model, budgets, max_items_per_batch, max_frames_per_batch, device=device, dtype=dtype
-        )
+        from vitpool.graphs import GraphEncoder  # the engine: see the module's docstring
+
+        self.encoder: GraphEncoder = GraphEncoder.from_spec(spec.encoder)
         self._startup_seconds = time.perf_counter() - start
         self._gpu_ids = [str(g) for g in (_ray_context("get_accelerator_ids") or {}).get("GPU", [])]
         self._started_at = time.monotonic()
@@ -78,10 +69,14 @@ class EncoderActor:
         self._stats = ActorStats(actor_index, self._device_name())
         # Batches from many callers that wait for the encoder run together (see combining.py).
         largest = self.encoder.budgets[-1].num_tokens
-        self._combiner = BatchCombiner(self._encode_splitting, min(largest, max_tokens_per_run or largest))
+        max_tokens_per_run = min(largest, spec.max_tokens_per_run or largest)
+        self._combiner = BatchCombiner(self._run_splitting, max_tokens_per_run)
         self._channel = (
-            ChannelServer(self.run_batch, f"actor{actor_index}", self.encoder.device, channel_spin_s)
-            if serve_channel and channel_supported()
+            ChannelServer(
+                self.run_batch, f"actor{actor_index}", self.encoder.device, spec.channel_spin_s,
+                self.encoder.output_layout,
+            )
+            if spec.serve_channel and channel_supported()
             else None
         )
         logger.info("encoder actor %d ready on %s in %.1f s", actor_index, self._stats.device, self._startup_seconds)
@@ -95,100 +90,81 @@ class EncoderActor:
             gpu_ids=list(self._gpu_ids),
             item_rules=self.encoder.adapter.item_rules,
             budgets=list(self.encoder.budgets),
+            output_layout=self.encoder.output_layout,
             disabled_budgets=list(encoder_stats.disabled_budgets),
             startup_seconds=self._startup_seconds,
             pid=os.getpid(),
             placement_group_id=_placement_group_id(),
-            channel=self._channel_info(),
-            dtype_name=wire_dtype_name(self.encoder.dtype),
+            channel=None if self._channel is None else self._channel.info,
+            dtype_name=self.encoder.output_layout.dtype,
         )
 
-    def _channel_info(self) -> ChannelInfo | None:
-        if self._channel is None:
-            return None
-        adapter = self.encoder.adapter
-        return ChannelInfo(
-            self._channel.address, adapter.output_width, adapter.num_deepstack, wire_dtype_name(self.encoder.dtype)
-        )
-
-    def encode_batch(self, metadata: list[ItemMetadata], *pixels: np.ndarray) -> tuple:
-        """Encode one packed batch sent through Ray: per item its metadata and its pixels (Ray
-        resolves each pixel reference to a NumPy view of the object store before the call).
+    def encode_batch(self, plan: BatchPlan, *pixels: np.ndarray) -> tuple:
+        """Run one planned batch sent through Ray: the plan, then per item its pixels (Ray resolves
+        each pixel reference to a NumPy view of the object store before the call).
 
         Returns one value per item (its Embedding, or None if it failed; the receipt says why),
         then the BatchReceipt.
         """
-        values, receipt = self.run_batch(metadata, list(pixels))
+        values, receipt = self.run_batch(plan, list(pixels))
         return (*values, receipt)
 
-    def encode_concatenated_arrays(self, metadata: list[ItemMetadata], *pixels: np.ndarray) -> list[np.ndarray]:
-        """One call for every rank of an LLM deployment (`vitpool.pool.rank_delivery`): its outputs
-        as host arrays [tokens, *deepstack], each the items' rows in order."""
-        return [to_array(tensor) for tensor in self.concatenated_outputs(metadata, pixels, output_device="cpu")]
-
-    def concatenated_outputs(
-        self, metadata: list[ItemMetadata], pixels: Sequence[np.ndarray], output_device: str | None
-    ) -> list[torch.Tensor]:
-        """A call's outputs as [tokens, *deepstack], each the items' rows in order. Raises if the
-        actor is retiring or an item fails (naming the first such item)."""
-        values, receipt = self.run_batch(metadata, list(pixels), output_device=output_device)
-        if receipt.status != OK:
-            raise EncodeError(f"encoder actor {self.actor_index} refused the call ({receipt.status}); send it again")
-        if receipt.item_errors:
-            position, reason = min(receipt.item_errors.items())
-            raise InvalidItemError(position, reason)
-        return [
-            torch.cat([v.tokens for v in values]),
-            *[torch.cat([v.deepstack[k] for v in values]) for k in range(len(values[0].deepstack))],
-        ]
-
     def run_batch(
-        self, metadata: list[ItemMetadata], pixels: list[np.ndarray], output_device: str | None = "cpu"
+        self, plan: BatchPlan, pixels: list[np.ndarray], output_device: str | None = "cpu"
     ) -> tuple[list[Embedding | None], BatchReceipt]:
-        """Encode one batch, from Ray or the same-node channel: per-item values and the receipt.
-        Outputs go to pinned host memory, or stay on the device for `output_device=None`."""
-        with self._lock:
-            if self._retiring:
-                return [None] * len(metadata), BatchReceipt(RETIRED)
-            if self._running == 0:
-                self._busy_since = time.monotonic()
-            self._running += 1
+        """Run one planned batch, from Ray or the same-node channel: per-item values and the
+        receipt. Outputs go to pinned host memory, or stay on the device for `output_device=None`.
+
+        Raises:
+            ValueError: the plan does not match its pixels or this encoder (the batch fails).
+        """
+        if not self._enter():
+            return [None] * len(plan.specs), BatchReceipt(RETIRED)
         start = time.perf_counter()
         try:
-            items = [item_from_wire(m, p) for m, p in zip(metadata, pixels, strict=True)]
-            tokens = sum(_output_tokens(m, self.encoder.adapter.merge_unit) for m in metadata)
-            outcomes = self._combiner(items, tokens, output_device)
+            tensors = _tensors(plan.specs, pixels)
+            outcomes = self._combiner([(plan, tensors)], plan.num_tokens, output_device)[0]
         finally:
-            with self._lock:
-                self._running -= 1
-                if self._running == 0:
-                    self._stats.busy_seconds += time.monotonic() - self._busy_since
-                    self._idle.notify_all()
-        errors = {i: o.reason for i, o in enumerate(outcomes) if not isinstance(o, Embedding)}
+            self._leave()
+        errors = {i: o.reason for i, o in enumerate(outcomes) if isinstance(o, InvalidItemError)}
         with self._lock:
             self._stats.batches += 1
-            self._stats.items += len(metadata)
+            self._stats.items += len(plan.specs)
             self._stats.rejected_items += len(errors)
         values = [o if isinstance(o, Embedding) else None for o in outcomes]
         return values, BatchReceipt(OK, errors, time.perf_counter() - start)
 
-    def _encode_splitting(self, items: list, output_device: str | None) -> list:
-        """encode_each; on running out of GPU memory, free the cache and encode each half on its
-        own (down to single items), so the batch is still answered and the actor stays up."""
+    def encode_concatenated_arrays(self, specs: list[ItemSpec], *pixels: np.ndarray) -> list[np.ndarray]:
+        """One call for every rank of an LLM deployment (`vitpool.pool.rank_delivery`): its outputs
+        as host arrays in `OutputLayout` order, each the items' rows in order."""
+        return [to_array(tensor) for tensor in self.concatenated_outputs(specs, pixels, output_device="cpu")]
+
+    def concatenated_outputs(
+        self, specs: Sequence[ItemSpec], pixels: Sequence[np.ndarray], output_device: str | None
+    ) -> list[torch.Tensor]:
+        """A call's outputs in `OutputLayout` order, each the items' rows in order. The items come
+        checked (specs made by the caller's item rules) and are packed here, as one call.
+
+        Raises:
+            EncodeError: the actor is retiring.
+            InvalidItemError: an item's pixels are not finite (the first such item).
+        """
+        if not self._enter():
+            raise EncodeError(f"encoder actor {self.actor_index} refused the call (retiring); send it again")
         try:
-            return self.encoder.encode_each(items, output_device=output_device)
-        except torch.cuda.OutOfMemoryError:
-            if self.encoder.device.type == "cuda":
-                torch.cuda.empty_cache()
-            with self._lock:
-                self._stats.oom_splits += 1
-            if len(items) == 1:
-                logger.error("encoder actor %d: out of GPU memory on a single item", self.actor_index)
-                raise
-            logger.warning("encoder actor %d: out of GPU memory on %d items; encoding them in halves",
-                           self.actor_index, len(items))
-            half = len(items) // 2
-            return self._encode_splitting(items[:half], output_device) + self._encode_splitting(items[half:], output_device)
+            prepared = [PreparedItem(spec, tensor) for spec, tensor in zip(specs, _tensors(specs, pixels))]
+            outcomes = self.encoder.encode_specs(prepared, output_device)
+        finally:
+            self._leave()
+        errors = [outcome for outcome in outcomes if isinstance(outcome, InvalidItemError)]
+        with self._lock:
+            self._stats.batches += 1
+            self._stats.items += len(specs)
+            self._stats.rejected_items += len(errors)
+        if errors:
+            raise errors[0]
+        num_outputs = len(self.encoder.output_layout.row_shapes)
+        return [torch.cat([outcome.outputs[k] for outcome in outcomes]) for k in range(num_outputs)]
 
     def stats(self) -> ActorStats:
         encoder_stats = self.encoder.stats()
@@ -211,6 +187,51 @@ class EncoderActor:
             self._retiring = True
             return self._idle.wait_for(lambda: self._running == 0, timeout=timeout_s)
 
+    def _enter(self) -> bool:
+        """Count a batch as running; False (and nothing counted) once the actor is retiring."""
+        with self._lock:
+            if self._retiring:
+                return False
+            if self._running == 0:
+                self._busy_since = time.monotonic()
+            self._running += 1
+            return True
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._running -= 1
+            if self._running == 0:
+                self._stats.busy_seconds += time.monotonic() - self._busy_since
+                self._idle.notify_all()
+
+    def _run_splitting(self, groups: list[PlannedPixels], output_device: Hashable) -> list:
+        """The encoder's `run_plans`; on running out of GPU memory, free the cache and run each half
+        on its own (batches, then a batch's items, down to single items), so that every batch is
+        still answered and the actor stays up."""
+        try:
+            return self.encoder.run_plans(groups, output_device)
+        except torch.cuda.OutOfMemoryError:
+            if self.encoder.device.type == "cuda":
+                torch.cuda.empty_cache()
+            with self._lock:
+                self._stats.oom_splits += 1
+            if len(groups) > 1:
+                logger.warning("encoder actor %d: out of GPU memory on %d batches; running them in halves",
+                               self.actor_index, len(groups))
+                half = len(groups) // 2
+                return self._run_splitting(groups[:half], output_device) + self._run_splitting(groups[half:], output_device)
+            plan, pixels = groups[0]
+            if len(plan.specs) == 1:
+                logger.error("encoder actor %d: out of GPU memory on a single item", self.actor_index)
+                raise
+            logger.warning("encoder actor %d: out of GPU memory on %d items; encoding them in halves",
+                           self.actor_index, len(plan.specs))
+            half = len(plan.specs) // 2
+            # A part of a planned batch fits the batch's budget.
+            first = self._run_splitting([(BatchPlan(plan.budget, plan.specs[:half]), pixels[:half])], output_device)
+            second = self._run_splitting([(BatchPlan(plan.budget, plan.specs[half:]), pixels[half:])], output_device)
+            return [first[0] + [_shifted(outcome, half) for outcome in second[0]]]
+
     def _device_name(self) -> str:
         device = self.encoder.device
         if device.type == "cuda":
@@ -220,13 +241,30 @@ class EncoderActor:
         return f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
 
 
-def _output_tokens(metadata: ItemMetadata, merge_unit: int) -> int:
-    """An item's output tokens from its grid, for combining batches; 0 for a grid the encoder
-    will reject anyway."""
-    try:
-        return max(0, int(np.prod([int(n) for n in metadata[1]]))) // merge_unit
-    except (TypeError, ValueError, IndexError):
-        return 0
+def _tensors(specs: Sequence[ItemSpec], pixels: Sequence[np.ndarray | torch.Tensor]) -> list[torch.Tensor]:
+    """The pixels as torch tensors of their specs' dtypes, sharing memory (the encoder only reads
+    them, so read-only object-store arrays are not copied).
+
+    Raises:
+        ValueError: not one array per spec, or an array that does not travel as its spec says.
+    """
+    if len(pixels) != len(specs):
+        raise ValueError(f"a batch of {len(specs)} item specs came with {len(pixels)} pixel arrays")
+    tensors = []
+    for position, (spec, array) in enumerate(zip(specs, pixels)):
+        if isinstance(array, torch.Tensor):
+            tensors.append(array)
+            continue
+        try:
+            tensors.append(from_array(np.asarray(array), spec.pixel_dtype, copy_read_only=False))
+        except (KeyError, TypeError) as error:
+            raise ValueError(f"item {position} of the batch: pixels do not travel as {spec.pixel_dtype}: {error}") from None
+    return tensors
+
+
+def _shifted(outcome: Embedding | InvalidItemError, offset: int) -> Embedding | InvalidItemError:
+    """An outcome of the second half of a split batch, numbered by its position in the whole."""
+    return InvalidItemError(outcome.index + offset, outcome.reason) if isinstance(outcome, InvalidItemError) else outcome
 
 
 def _placement_group_id() -> str | None:

@@ -1,15 +1,20 @@
-"""Plain data an encoder actor sends back: who it is, what a batch did, what it has done."""
+"""Plain data an encoder actor sends back: who it is and what it has done. Importing it loads no
+model code and no torch: a pool's callers unpickle these.
+
+A batch's receipt (`BatchReceipt`, `OK`, `RETIRED`) belongs to the transport seam:
+`vitpool.transport.link`.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from vitpool.models import ItemRules
 from vitpool.packing import Budget
+from vitpool.specs import ItemRules, OutputLayout
 
 if TYPE_CHECKING:
-    from vitpool.actors.local_channel import ChannelInfo
+    from vitpool.transport.channel import ChannelInfo
 
 
 @dataclass(frozen=True)
@@ -20,28 +25,15 @@ class ActorInfo:
     device: str  # "cuda:0 (NVIDIA H200)" or "cpu"
     node_id: str
     gpu_ids: list[str]
-    item_rules: ItemRules
+    item_rules: ItemRules  # the model's, for callers to check and size items in their process
     budgets: list[Budget]  # every budget, captured or not
+    output_layout: OutputLayout  # the tensors each item gets back
     disabled_budgets: list[tuple[int, int]]
     startup_seconds: float  # load, capture and check
     pid: int = 0  # the actor's process
     placement_group_id: str | None = None  # set for an actor colocated in a placement group
     channel: ChannelInfo | None = None  # the same-node fast path, where the actor serves one
     dtype_name: str = ""  # of its outputs, as they travel ("bfloat16", ...)
-
-
-# a batch's outcome
-OK = "ok"
-RETIRED = "retired"  # the actor is leaving the pool: nothing was encoded, send the items elsewhere
-
-
-@dataclass(frozen=True)
-class BatchReceipt:
-    """The last return value of every batch, small so that the pool can watch it cheaply."""
-
-    status: str
-    item_errors: dict[int, str] = field(default_factory=dict)  # position in the batch -> reason
-    busy_seconds: float = 0.0
 
 
 @dataclass

@@ -7,37 +7,54 @@ so nothing stale from a larger batch is ever read.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from vitpool.models.protocol import VisionAdapter
+from vitpool.models.protocol import TensorSpec, VisionAdapter
+from vitpool.packing import Budget
 
 
 class StaticBuffers:
-    def __init__(
-        self,
-        adapter: VisionAdapter,
-        max_rows: int,
-        max_sequences: int,
-        device: torch.device,
-        dtype: torch.dtype,
-    ) -> None:
+    """pixels [max_rows, *row_shape]; metadata as the adapter names it, each as large as any
+    budget needs; outputs [max_tokens, *output_row_shape], one per output tensor."""
+
+    def __init__(self, adapter: VisionAdapter, budgets: Sequence[Budget], device: torch.device, dtype: torch.dtype) -> None:
         self._adapter = adapter
-        self.pixels = torch.zeros(max_rows, adapter.row_width, device=device, dtype=dtype)
+        max_rows = max(adapter.max_rows(budget.num_tokens) for budget in budgets)
+        max_tokens = max(budget.num_tokens for budget in budgets)
+        self.pixels = torch.zeros(max_rows, *adapter.row_shape, device=device, dtype=dtype)
         self.metadata = {
             name: torch.zeros(spec.shape, dtype=spec.dtype, device=device)
-            for name, spec in adapter.metadata_specs(max_rows, max_sequences).items()
+            for name, spec in _largest_metadata(adapter, budgets).items()
         }
-        max_tokens = max_rows // adapter.merge_unit
-        # outputs: [tokens, output_width], written by the captured graphs
-        self.tokens = torch.zeros(max_tokens, adapter.output_width, device=device, dtype=dtype)
-        self.deepstack = [torch.zeros_like(self.tokens) for _ in range(adapter.num_deepstack)]
+        # written by the captured graphs
+        self.outputs = [
+            torch.zeros(max_tokens, *row_shape, device=device, dtype=dtype) for row_shape in adapter.output_row_shapes
+        ]
 
-    def input_views(self, num_rows: int, max_sequences: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        specs = self._adapter.metadata_specs(num_rows, max_sequences)
+    def input_views(self, num_rows: int, budget: Budget) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        specs = self._adapter.metadata_specs(num_rows, budget)
         metadata = {
             name: self.metadata[name][tuple(slice(0, n) for n in spec.shape)] for name, spec in specs.items()
         }
         return self.pixels[:num_rows], metadata
 
-    def output_views(self, num_tokens: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        return self.tokens[:num_tokens], [d[:num_tokens] for d in self.deepstack]
+    def output_views(self, num_tokens: int) -> list[torch.Tensor]:
+        return [output[:num_tokens] for output in self.outputs]
+
+
+def _largest_metadata(adapter: VisionAdapter, budgets: Sequence[Budget]) -> dict[str, TensorSpec]:
+    """Per metadata name, a shape that holds every budget's view (the largest in each dimension)."""
+    largest: dict[str, TensorSpec] = {}
+    for budget in budgets:
+        for name, spec in adapter.metadata_specs(adapter.max_rows(budget.num_tokens), budget).items():
+            known = largest.get(name)
+            if known is None:
+                largest[name] = spec
+                continue
+            assert known.dtype == spec.dtype and len(known.shape) == len(spec.shape), (
+                f"metadata {name!r} changes dtype or rank between budgets"
+            )
+            largest[name] = TensorSpec(tuple(map(max, known.shape, spec.shape)), spec.dtype)
+    return largest

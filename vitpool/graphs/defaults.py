@@ -52,3 +52,13 @@ def default_token_budgets(device: torch.device) -> list[int]:
     total_memory = torch.cuda.get_device_properties(device).total_memory
     max_tokens = 4096 if total_memory >= 40 * _GIB else 2048 if total_memory >= 16 * _GIB else 1024
     return budget_ladder(64, max_tokens, LADDER_GROWTH, LADDER_ALIGN_TOKENS)
+
+
+def dtype_from_name(name: str | None) -> torch.dtype | None:
+    """The torch dtype named "bfloat16", "float16" or "float32"; None for the device's default."""
+    if name is None:
+        return None
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if dtype not in _SUPPORTED_DTYPES:
+        raise ConfigError(f"dtype {name!r} is not supported; use 'bfloat16', 'float16' or 'float32'")
+    return dtype

@@ -2,9 +2,14 @@
 
 The recipe: static buffers sized for the largest budget; capture every budget, largest first,
 into one shared memory pool; check each graph against the eager run of the same static forward
-right after capture; per call, pack the items into budgets, copy them (and their metadata) into
-the buffers, write the padding rows, replay, and clone each item's rows out. An item larger than
-every budget runs eager, alone. On a CPU the same static forward runs without capture.
+right after capture; per batch, copy the items (and their metadata) into the buffers, write the
+padding rows, replay, and clone each item's rows out. An item larger than every budget runs
+eager, alone. On a CPU the same static forward runs without capture.
+
+Batches come three ways: `encode` / `encode_each` check and pack the caller's items themselves;
+`run_plans` runs batches a pool's dispatcher already planned (item specs computed in the
+caller's process, trusted after a cheap consistency check); `encode_specs` packs checked items.
+The encoder never looks inside an item: its adapter does (`vitpool.models.VisionAdapter`).
 """
 
 from __future__ import annotations
@@ -13,7 +18,6 @@ import copy
 import logging
 import random
 import threading
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -21,24 +25,27 @@ import torch
 
 from vitpool.errors import ConfigError, InvalidItemError
 from vitpool.graphs.buffers import StaticBuffers
-from vitpool.graphs.defaults import default_token_budgets, resolve_device, resolve_dtype
+from vitpool.graphs.capture import capture_all
+from vitpool.graphs.defaults import default_token_budgets, dtype_from_name, resolve_device, resolve_dtype
 from vitpool.graphs.inputs import (
     NONFINITE_MESSAGE,
-    PreparedItem,
-    nonfinite_items,
-    prepare_item,
-    prepare_items,
+    check_pixels,
+    check_plan,
+    finite_rows,
+    nonfinite_positions,
+    totals,
 )
 from vitpool.graphs.stats import EncoderStats
-from vitpool.items import Embedding, Item
+from vitpool.items import Embedding, Item, PreparedItem, prepare_item, prepare_items
 from vitpool.models import VisionAdapter, load_adapter
-from vitpool.packing import Batch, Budget, ItemCost, make_budgets, pack
+from vitpool.packing import Budget, pack, smallest_fitting
+from vitpool.specs import BatchPlan, EncoderSpec, OutputLayout
+from vitpool.transport.wire import wire_dtype_name
 
 logger = logging.getLogger(__name__)
 
-# Largest relative error (Frobenius norm) a replay may show against eager before its budget is
-# disabled. Graph and eager run the same kernels, so a healthy graph is far below these.
-CHECK_TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+# A batch as the encoder runs it: its budget (None: eager, at the items' own size) and items.
+RunBatch = tuple[Budget | None, list[PreparedItem]]
 
 
 class GraphEncoder:
@@ -49,10 +56,14 @@ class GraphEncoder:
         budgets: token budgets (output tokens per batch) to capture. None: derived from the
             device (a ladder up to 4096 tokens on a large GPU, up to 1024 on a CPU).
         max_items_per_batch: most items in one batch (default min(32, smallest budget)).
-        max_frames_per_batch: most attention sequences (video frames / temporal patches) in
-            one batch (default 64); it sizes the `cu_seqlens` buffer.
+        max_frames_per_batch: for families with one attention sequence per frame, most sequences
+            (video frames / temporal patches) in one batch (default 64); it sizes `cu_seqlens`.
         device: "cuda", "cuda:N" or "cpu"; default the current GPU if there is one.
         dtype: compute dtype; default bfloat16 on a GPU, float32 on a CPU.
+
+    Attributes:
+        budgets: the batch shapes, from the adapter's item rules.
+        output_layout: the tensors each item gets (`Embedding.outputs` order).
 
     Raises:
         ConfigError: invalid budgets, batch limits, device or dtype.
@@ -73,18 +84,18 @@ class GraphEncoder:
         _place_tower(adapter.tower, self.device, self.dtype)
         token_budgets = default_token_budgets(self.device) if budgets is None else budgets
         try:
-            self.budgets: list[Budget] = make_budgets(token_budgets, max_items_per_batch, max_frames_per_batch)
+            self.budgets: list[Budget] = adapter.item_rules.budgets(
+                token_budgets, max_items_per_batch, max_frames_per_batch
+            )
         except ValueError as error:
             raise ConfigError(str(error)) from None
-        largest = self.budgets[-1]
-        self._buffers = StaticBuffers(
-            adapter, self._rows(largest), largest.max_sequences, self.device, self.dtype
-        )
+        self.output_layout = OutputLayout(tuple(adapter.output_row_shapes), wire_dtype_name(self.dtype))
+        self._buffers = StaticBuffers(adapter, self.budgets, self.device, self.dtype)
         self._graphs: dict[Budget, torch.cuda.CUDAGraph] = {}
         self._stats = EncoderStats()
         self._lock = threading.Lock()  # one batch at a time owns the static buffers
         if self.device.type == "cuda":
-            self._capture_all()
+            capture_all(self)
 
     @classmethod
     def from_pretrained(
@@ -99,7 +110,7 @@ class GraphEncoder:
         """Load a local Hugging Face checkpoint and capture its graphs.
 
         Args:
-            path: a directory with a vision-tower-only save or a full Qwen3-VL checkpoint
+            path: a directory with a vision-tower-only save or a full multimodal checkpoint
                 (safetensors), or only a config (random weights). None: the tiny Qwen3-VL-shaped
                 model shipped with vitpool (random weights), so everything runs offline.
             budgets, max_items_per_batch, max_frames_per_batch, device, dtype: as for the
@@ -113,6 +124,19 @@ class GraphEncoder:
         resolved_dtype = resolve_dtype(dtype, resolved_device)
         adapter = load_adapter(path, resolved_device, resolved_dtype)
         return cls(adapter, budgets, max_items_per_batch, max_frames_per_batch, resolved_device, resolved_dtype)
+
+    @classmethod
+    def from_spec(cls, spec: EncoderSpec) -> GraphEncoder:
+        """The encoder `spec` describes (an actor's, or a pool's settings), loaded and captured.
+
+        Raises:
+            CheckpointError, ConfigError: as for `from_pretrained`.
+        """
+        budgets = None if spec.budgets is None else list(spec.budgets)
+        return cls.from_pretrained(
+            spec.model, budgets, spec.max_items_per_batch, spec.max_frames_per_batch,
+            spec.device, dtype_from_name(spec.dtype),
+        )
 
     # encode
 
@@ -130,11 +154,11 @@ class GraphEncoder:
         """
         if not items:
             return []
-        prepared = prepare_items(items, self.adapter)
-        results, bad = self._encode_prepared(prepared, output_device)
-        if bad:
-            raise InvalidItemError(bad[0], NONFINITE_MESSAGE)
-        return results  # type: ignore[return-value]  # every slot is filled when nothing is bad
+        outcomes = self.encode_specs(prepare_items(items, self.adapter.item_rules), output_device)
+        for outcome in outcomes:
+            if isinstance(outcome, InvalidItemError):
+                raise outcome
+        return outcomes  # type: ignore[return-value]  # no slot holds an error
 
     def encode_each(
         self, items: Sequence[Item], output_device: str | torch.device | None = None
@@ -144,47 +168,110 @@ class GraphEncoder:
         For servers that batch the items of several callers together.
         """
         outcomes: list[Embedding | InvalidItemError | None] = [None] * len(items)
-        prepared: list[PreparedItem | None] = []
+        prepared: list[PreparedItem] = []
+        indices: list[int] = []
         for index, item in enumerate(items):
             try:
-                prepared.append(prepare_item(index, item, self.adapter))
+                prepared.append(prepare_item(index, item, self.adapter.item_rules))
+                indices.append(index)
             except InvalidItemError as error:
-                prepared.append(None)
                 outcomes[index] = error
-        results, bad = self._encode_prepared(prepared, output_device)
-        for index, result in enumerate(results):
-            if result is not None:
-                outcomes[index] = result
-        for index in bad:
-            outcomes[index] = InvalidItemError(index, NONFINITE_MESSAGE)
+        for index, outcome in zip(indices, self.encode_specs(prepared, output_device)):
+            outcomes[index] = _renumbered(outcome, index)
         return outcomes  # type: ignore[return-value]  # every slot holds a result or an error
 
-    def _encode_prepared(
-        self, prepared: list[PreparedItem | None], output_device: str | torch.device | None
-    ) -> tuple[list[Embedding | None], list[int]]:
-        """Results (None where prepared is None or the pixels were not finite) and the indices of
-        items with non-finite pixels."""
+    def encode_specs(
+        self, prepared: Sequence[PreparedItem], output_device: str | torch.device | None = None
+    ) -> list[Embedding | InvalidItemError]:
+        """Encode items already checked by the model's item rules (`vitpool.items.prepare_items`),
+        packing them into budgets here. Per item its Embedding, or an InvalidItemError (its
+        position in `prepared`) where its pixels were not finite.
+
+        Raises:
+            ValueError: an item's pixels do not have the shape its spec says.
+        """
+        for position, item in enumerate(prepared):
+            check_pixels(position, item.spec, item.pixels, self.adapter.row_shape)
+        batches = pack([item.spec for item in prepared], self.budgets)
+        runs: list[RunBatch] = [(batch.budget, [prepared[i] for i in batch.item_indices]) for batch in batches]
+        outcomes: list[Embedding | InvalidItemError | None] = [None] * len(prepared)
+        for batch, results in zip(batches, self._run_batches(runs, output_device)):
+            for index, result in zip(batch.item_indices, results):
+                outcomes[index] = InvalidItemError(index, NONFINITE_MESSAGE) if result is None else result
+        return outcomes  # type: ignore[return-value]  # every item is in one batch
+
+    def run_plans(
+        self,
+        groups: Sequence[tuple[BatchPlan, Sequence[torch.Tensor]]],
+        output_device: str | torch.device | None = "cpu",
+    ) -> list[list[Embedding | InvalidItemError]]:
+        """Run batches as their planner packed them: per plan, per item its Embedding, or an
+        InvalidItemError (its position in the plan) where its pixels were not finite.
+
+        Consecutive plans that together fit one budget run as one replay (batches that waited
+        for the encoder together); the others run as planned.
+
+        Raises:
+            ValueError: a plan does not match its pixels or this encoder's budgets (the batch
+                fails as a whole).
+        """
+        for plan, pixels in groups:
+            rows = None if plan.budget is None else self._rows(plan.budget)
+            check_plan(plan, pixels, self.adapter.row_shape, self.budgets, rows)
+        members = [[PreparedItem(s, p) for s, p in zip(plan.specs, pixels)] for plan, pixels in groups]
+        runs = self._merge_plans([plan for plan, _ in groups])
+        batches: list[RunBatch] = [(budget, [m for i in indices for m in members[i]]) for budget, indices in runs]
+        outcomes: list[list[Embedding | InvalidItemError]] = []
+        for (_, indices), results in zip(runs, self._run_batches(batches, output_device)):
+            offset = 0
+            for index in indices:
+                mine = results[offset : offset + len(members[index])]
+                outcomes.append([
+                    InvalidItemError(position, NONFINITE_MESSAGE) if result is None else result
+                    for position, result in enumerate(mine)
+                ])
+                offset += len(members[index])
+        return outcomes
+
+    def stats(self) -> EncoderStats:
+        """A snapshot of the counters."""
+        with self._lock:
+            return copy.deepcopy(self._stats)
+
+    def _merge_plans(self, plans: Sequence[BatchPlan]) -> list[tuple[Budget | None, list[int]]]:
+        """(budget, plan indices) per run: a plan joins the run before it when together they fit
+        one budget (the smallest that holds them); an eager plan runs alone."""
+        runs: list[tuple[Budget | None, list[int]]] = []
+        for index, plan in enumerate(plans):
+            if plan.budget is not None and runs and runs[-1][0] is not None:
+                indices = [*runs[-1][1], index]
+                specs = [spec for i in indices for spec in plans[i].specs]
+                merged = smallest_fitting(self.budgets, *totals(specs))
+                if merged is not None and sum(spec.num_rows for spec in specs) <= self._rows(merged):
+                    runs[-1] = (merged, indices)
+                    continue
+            runs.append((plan.budget, [index]))
+        return runs
+
+    def _run_batches(
+        self, batches: Sequence[RunBatch], output_device: str | torch.device | None
+    ) -> list[list[Embedding | None]]:
+        """Per batch, per item its Embedding, or None where its pixels were not finite."""
         to_host = self._wants_host(output_device)
-        indices = [i for i, p in enumerate(prepared) if p is not None]
-        costs = [ItemCost(prepared[i].size.num_tokens, prepared[i].size.num_sequences) for i in indices]
-        results: list[Embedding | None] = [None] * len(prepared)
-        finite_checks = []
         with torch.no_grad(), self._lock:
-            for batch in pack(costs, self.budgets):
-                batch_indices = [indices[i] for i in batch.item_indices]
-                members = [prepared[i] for i in batch_indices]
-                tokens, deepstack, finite_rows = self._run_batch(batch, members, to_host)
-                finite_checks.append((batch_indices, members, finite_rows))
-                offset = 0
-                for index, member in zip(batch_indices, members):
-                    end = offset + member.size.num_tokens
-                    results[index] = Embedding(tokens[offset:end], [d[offset:end] for d in deepstack])
-                    offset = end
-        # Waits for the device, so the non-blocking copies to the host are complete too.
-        bad = nonfinite_items(finite_checks)
-        for index in bad:
-            results[index] = None
-        return results, bad
+            runs = [self._run(budget, members, to_host) for budget, members in batches]
+        results = []
+        for (_, members), (outputs, finite) in zip(batches, runs):
+            # The first waits for the device, so the non-blocking copies to the host are complete too.
+            bad = set(nonfinite_positions(members, finite))
+            embeddings: list[Embedding | None] = []
+            offset = 0
+            for position, member in enumerate(members):
+                end = offset + member.spec.num_tokens
+                embeddings.append(None if position in bad else Embedding.from_outputs([o[offset:end] for o in outputs]))
+                offset = end
+            results.append(embeddings)
+        return results
 
     def _wants_host(self, output_device: str | torch.device | None) -> bool:
         if output_device is None:
@@ -206,174 +293,88 @@ class GraphEncoder:
         host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
         return host.copy_(tensor, non_blocking=True)
 
-    def stats(self) -> EncoderStats:
-        """A snapshot of the counters."""
-        with self._lock:
-            return copy.deepcopy(self._stats)
-
-    def _run_batch(
-        self, batch: Batch, members: list[PreparedItem], to_host: bool
-    ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    def _run(self, budget: Budget | None, members: list[PreparedItem], to_host: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Outputs of the batch's items, concatenated and owned by the caller (on the host if
-        `to_host`): tokens [tokens, width], deepstack, and whether each of the items' pixel rows
-        was finite [rows] (on the device)."""
-        num_tokens = batch.num_tokens
-        if batch.budget is None:
+        `to_host`), one tensor per output [tokens, *row_shape]; and whether each of the items'
+        pixel rows was finite [rows] (on the device)."""
+        specs = [member.spec for member in members]
+        num_tokens = sum(spec.num_tokens for spec in specs)
+        if budget is None:
             self._stats.eager_batches += 1
             self._stats.eager_items += len(members)
-            tokens, deepstack, finite_rows = self._run_exact(members)
+            outputs, finite = self._run_exact(members)
+            outputs = [output[:num_tokens] for output in outputs]
         else:
-            budget = batch.budget
+            rows = self._rows(budget)
             self._stats.replays_per_budget[budget.num_tokens] = self._stats.replays_per_budget.get(budget.num_tokens, 0) + 1
-            self._stats.batch_rows += self._rows(budget)
-            self._stats.padding_rows += batch.padding_tokens * self.adapter.merge_unit
-            finite_rows = self._fill(budget, [m.grid for m in members], [m.pixels for m in members])
+            self._stats.batch_rows += rows
+            self._stats.padding_rows += rows - sum(spec.num_rows for spec in specs)
+            finite = self._fill(budget, specs, [member.pixels for member in members])
             graph = self._graphs.get(budget)
             if graph is None:
                 self._stats.eager_items += len(members)
-                tokens, deepstack = self._static_forward(budget)
-                tokens, deepstack = tokens[:num_tokens], [d[:num_tokens] for d in deepstack]
+                outputs = [output[:num_tokens] for output in self._static_forward(budget)]
             else:
                 self._stats.graph_items += len(members)
                 graph.replay()
-                tokens, deepstack = self._buffers.output_views(num_tokens)
+                outputs = self._buffers.output_views(num_tokens)
                 if not to_host:  # the next replay overwrites the output buffers
-                    return tokens.clone(), [d.clone() for d in deepstack], finite_rows
+                    return [output.clone() for output in outputs], finite
         if to_host:
-            return self._to_host(tokens), [self._to_host(d) for d in deepstack], finite_rows
-        return tokens, deepstack, finite_rows
+            outputs = [self._to_host(output) for output in outputs]
+        return outputs, finite
 
-    def _run_exact(
-        self, members: list[PreparedItem]
-    ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    def _run_exact(self, members: list[PreparedItem]) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Eager run at the items' own size: no padding, fresh tensors."""
-        grids = [m.grid for m in members]
-        num_rows = sum(m.size.num_rows for m in members)
-        num_sequences = sum(m.size.num_sequences for m in members)
-        pixels = torch.cat([m.pixels.to(self.device, self.dtype) for m in members])
+        specs = [member.spec for member in members]
+        num_items, num_tokens, needs = totals(specs)
+        exact = Budget(num_tokens, needs, num_items)  # capacities exactly what the items use
+        pixels = torch.cat([member.pixels.to(self.device, self.dtype) for member in members])
         metadata = {
             name: tensor.to(self.device)
-            for name, tensor in self.adapter.build_metadata(grids, num_rows, num_sequences).items()
+            for name, tensor in self.adapter.build_metadata(specs, pixels.shape[0], exact).items()
         }
-        finite_rows = torch.isfinite(pixels).all(dim=1)
+        finite = finite_rows(pixels)
         _zero_nonfinite(pixels)
-        tokens, deepstack = self.adapter.forward(pixels, metadata)
-        return tokens, deepstack, finite_rows
+        return self.adapter.forward(pixels, metadata), finite
 
-    def _fill(self, budget: Budget, grids: list, pixel_list: list[torch.Tensor]) -> torch.Tensor:
+    def _fill(self, budget: Budget, specs: list, pixel_list: list[torch.Tensor]) -> torch.Tensor:
         """Write a batch into the budget's views of the static buffers, padding rows included.
 
         Returns whether each item row is finite [rows], computed on the device.
         """
         rows = self._rows(budget)
-        pixels, metadata = self._buffers.input_views(rows, budget.max_sequences)
+        pixels, metadata = self._buffers.input_views(rows, budget)
         row = 0
         for item_pixels in pixel_list:
             pixels[row : row + item_pixels.shape[0]].copy_(item_pixels, non_blocking=True)
             row += item_pixels.shape[0]
-        finite_rows = torch.isfinite(pixels[:row]).all(dim=1)
+        finite = finite_rows(pixels[:row])
         _zero_nonfinite(pixels[:row])
         pixels[row:].zero_()
-        for name, tensor in self.adapter.build_metadata(grids, rows, budget.max_sequences).items():
+        for name, tensor in self.adapter.build_metadata(specs, rows, budget).items():
             metadata[name].copy_(tensor, non_blocking=True)
-        return finite_rows
+        return finite
 
-    def _static_forward(self, budget: Budget) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        pixels, metadata = self._buffers.input_views(self._rows(budget), budget.max_sequences)
+    def _static_forward(self, budget: Budget) -> list[torch.Tensor]:
+        pixels, metadata = self._buffers.input_views(self._rows(budget), budget)
         return self.adapter.forward(pixels, metadata)
 
     def _rows(self, budget: Budget) -> int:
-        return budget.num_tokens * self.adapter.merge_unit
-
-    # capture
-
-    def _capture_all(self) -> None:
-        """Capture every budget, largest first, into one shared pool; check each right after."""
-        start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        rng = random.Random(0)
-        generator = torch.Generator(device=self.device).manual_seed(0)
-        total = len(self.budgets)
-        with torch.no_grad():
-            for number, budget in enumerate(reversed(self.budgets), start=1):
-                budget_start = time.perf_counter()
-                graph = self._capture(budget, pool, rng, generator)
-                error = self._check(budget, graph, rng, generator)
-                tolerance = CHECK_TOLERANCE[self.dtype]
-                if error <= tolerance:
-                    self._graphs[budget] = graph
-                    self._stats.captured_budgets.append((budget.num_tokens, budget.max_sequences))
-                    logger.info(
-                        "captured budget %d/%d: %d tokens (%d rows), %d sequences in %.2f s, rel. error %.1e",
-                        number, total, budget.num_tokens, self._rows(budget), budget.max_sequences,
-                        time.perf_counter() - budget_start, error,
-                    )
-                else:
-                    self._stats.disabled_budgets.append((budget.num_tokens, budget.max_sequences))
-                    logger.warning(
-                        "budget %d tokens, %d sequences disabled, it will run eager: replay vs eager "
-                        "rel. error %.1e (tolerance %.0e, inf = non-finite output)",
-                        budget.num_tokens, budget.max_sequences, error, tolerance,
-                    )
-        # Give back what the eager warm-ups and checks cached; the graphs' pool stays reserved.
-        torch.cuda.empty_cache()
-        self._stats.capture_seconds = time.perf_counter() - start
-        logger.info(
-            "captured %d of %d budgets in %.2f s (%.2f GiB reserved on %s, weights included)",
-            len(self._graphs), total, self._stats.capture_seconds,
-            torch.cuda.memory_reserved(self.device) / 1024**3, self.device,
-        )
-
-    def _capture(
-        self, budget: Budget, pool: tuple, rng: random.Random, generator: torch.Generator
-    ) -> torch.cuda.CUDAGraph:
-        self._fill_random(budget, rng, generator)
-        # warm-up on a side stream: lazy initialisation (cuBLAS handles, kernels) stays out of the graph
-        side_stream = torch.cuda.Stream(self.device)
-        side_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side_stream):
-            self._forward_into_outputs(budget)
-        torch.cuda.current_stream(self.device).wait_stream(side_stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            self._forward_into_outputs(budget)
-        return graph
-
-    def _forward_into_outputs(self, budget: Budget) -> None:
-        # Copy into the shared output buffers, so no graph keeps outputs of its own alive in the pool.
-        tokens, deepstack = self._static_forward(budget)
-        out_tokens, out_deepstack = self._buffers.output_views(budget.num_tokens)
-        out_tokens.copy_(tokens)
-        for out, feature in zip(out_deepstack, deepstack):
-            out.copy_(feature)
-
-    def _check(
-        self, budget: Budget, graph: torch.cuda.CUDAGraph, rng: random.Random, generator: torch.Generator
-    ) -> float:
-        """Replay on fresh random items and compare with eager; inf if any output row is non-finite."""
-        self._fill_random(budget, rng, generator)
-        graph.replay()
-        replayed_tokens, replayed_deepstack = self._buffers.output_views(budget.num_tokens)
-        eager_tokens, eager_deepstack = self._static_forward(budget)
-        error = 0.0
-        for replayed, eager in zip([replayed_tokens, *replayed_deepstack], [eager_tokens, *eager_deepstack]):
-            if not bool(torch.isfinite(replayed).all()):
-                return float("inf")
-            difference = torch.linalg.vector_norm((replayed - eager).float())
-            scale = torch.linalg.vector_norm(eager.float()).clamp_min(1e-12)
-            error = max(error, float(difference / scale))
-        return error
+        return self.adapter.max_rows(budget.num_tokens)
 
     def _fill_random(self, budget: Budget, rng: random.Random, generator: torch.Generator) -> None:
-        grids = self.adapter.sample_grids(self._rows(budget), budget.max_sequences, rng)
+        """Random valid items of the adapter's choosing into the budget's buffers (capture, checks)."""
+        specs = self.adapter.sample_specs(self._rows(budget), budget, rng)
         pixels = [
-            torch.randn(
-                self.adapter.item_size(grid).num_rows, self.adapter.row_width,
-                device=self.device, dtype=self.dtype, generator=generator,
-            )
-            for grid in grids
+            torch.randn(spec.pixel_shape, device=self.device, dtype=self.dtype, generator=generator) for spec in specs
         ]
-        self._fill(budget, grids, pixels)
+        self._fill(budget, specs, pixels)
+
+
+def _renumbered(outcome: Embedding | InvalidItemError, index: int) -> Embedding | InvalidItemError:
+    """An item's error under its index in the caller's list."""
+    return InvalidItemError(index, outcome.reason) if isinstance(outcome, InvalidItemError) else outcome
 
 
 def _zero_nonfinite(pixels: torch.Tensor) -> None:

@@ -1,119 +1,89 @@
-"""Checks of the caller's items, done before any work so that an error names the item."""
+"""What the encoder checks of a batch it is given, and how it finds items with non-finite pixels.
+
+Items are checked and sized once, by the model's item rules (`vitpool.items.prepare_items`),
+usually in the caller's process. A batch planned elsewhere (`vitpool.specs.BatchPlan`) gets only
+a cheap consistency check here: pixels shaped as their specs say, totals within the budget.
+Non-finite pixels are found on the device, once the pixels are there: scanning them on the host
+would cost as much as a small encode.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
 
-import numpy as np
 import torch
 
-from vitpool.errors import InvalidItemError
-from vitpool.items import Image, Video
-from vitpool.models.protocol import Grid, ItemRules, ItemSize
-
-_NUMPY_FLOATS = (np.float16, np.float32, np.float64)
-
-
-@dataclass(frozen=True)
-class PreparedItem:
-    """An item that passed every check: its grid, sizes and pixels as a torch tensor (not copied)."""
-
-    grid: Grid
-    size: ItemSize
-    pixels: torch.Tensor  # [num_rows, row_width]
-
-
-def prepare_items(items: Sequence[Any], rules: ItemRules) -> list[PreparedItem]:
-    """Check every item against the model's rules (an adapter, or its `item_rules`).
-
-    Raises InvalidItemError naming the first bad item. Non-finite pixels are found later, on the
-    device, once the pixels are there (see `nonfinite_items`): scanning them on the host would
-    cost as much as a small encode.
-    """
-    return [prepare_item(index, item, rules) for index, item in enumerate(items)]
-
-
-def nonfinite_items(checks: list[tuple[Sequence[int], list[PreparedItem], torch.Tensor]]) -> list[int]:
-    """checks: (item indices, items, finite flag per row of their concatenated pixels) per batch.
-
-    Returns the indices of the items with a NaN or infinite pixel, ascending. Waits for the device.
-    """
-    bad = []
-    for indices, members, finite_rows in checks:
-        flags = finite_rows.cpu()  # the first one waits for the GPU; the rest are ready
-        row = 0
-        for index, member in zip(indices, members):
-            end = row + member.size.num_rows
-            if not bool(flags[row:end].all()):
-                bad.append(index)
-            row = end
-    return sorted(bad)
-
+from vitpool.items import PreparedItem
+from vitpool.packing import Budget, Needs, fits
+from vitpool.specs import BatchPlan, ItemSpec
 
 NONFINITE_MESSAGE = "pixel_values contain NaN or infinity (or values too large for the model's dtype)"
 
 
-def prepare_item(index: int, item: Any, rules: ItemRules) -> PreparedItem:
-    """Check one item; `index` is its position in the caller's list, for the error message."""
-    if not isinstance(item, (Image, Video)):
-        raise InvalidItemError(index, f"expected vitpool.Image or vitpool.Video, got {type(item).__name__}")
-    grid = _grid(index, item.grid_thw)
-    if isinstance(item, Image) and grid[0] != 1:
-        raise InvalidItemError(index, f"an Image has grid t == 1, got grid_thw {grid}; use Video for clips")
-    try:
-        size = rules.item_size(grid)
-    except ValueError as error:
-        raise InvalidItemError(index, str(error)) from None
-    pixels = _pixels(index, item.pixel_values)
-    if pixels.shape[1] != rules.row_width:
-        raise InvalidItemError(
-            index,
-            f"pixel_values have {pixels.shape[1]} features per row; the model takes "
-            f"{rules.row_width} (channels * temporal patch * patch * patch)",
-        )
-    if pixels.shape[0] != size.num_rows:
-        raise InvalidItemError(
-            index,
-            f"pixel_values have {pixels.shape[0]} rows but grid_thw {grid} needs t*h*w = {size.num_rows}",
-        )
-    return PreparedItem(grid, size, pixels)
+def totals(specs: Sequence[ItemSpec]) -> tuple[int, int, Needs]:
+    """Items, output tokens and summed capacity needs of a batch."""
+    needs: dict[str, int] = {}
+    for spec in specs:
+        for name, amount in spec.needs:
+            needs[name] = needs.get(name, 0) + amount
+    return len(specs), sum(spec.num_tokens for spec in specs), tuple(sorted(needs.items()))
 
 
-def _grid(index: int, grid_thw: Any) -> Grid:
-    values = grid_thw.tolist() if isinstance(grid_thw, (torch.Tensor, np.ndarray)) else grid_thw
-    # A processor's grid_thw for one item is often [[t, h, w]].
-    if isinstance(values, (list, tuple)) and len(values) == 1 and isinstance(values[0], (list, tuple)):
-        values = values[0]
-    if (
-        not isinstance(values, (list, tuple))
-        or len(values) != 3
-        or not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in values)
-    ):
-        raise InvalidItemError(index, f"grid_thw must be three integers (t, h, w); got {grid_thw!r}")
-    return (int(values[0]), int(values[1]), int(values[2]))
+def check_plan(
+    plan: BatchPlan, pixels: Sequence[torch.Tensor], row_shape: tuple[int, ...], budgets: Sequence[Budget],
+    max_rows: int | None,
+) -> None:
+    """A planned batch the encoder can run as given; `max_rows` is the rows of the plan's budget.
+
+    Raises:
+        ValueError: what does not match (the batch fails as a whole: its planner and this encoder
+            disagree, which no item of the caller's can cause).
+    """
+    if not plan.specs:
+        raise ValueError("a batch plan has no items")
+    if len(pixels) != len(plan.specs):
+        raise ValueError(f"a batch plan of {len(plan.specs)} items came with {len(pixels)} pixel tensors")
+    for position, (spec, tensor) in enumerate(zip(plan.specs, pixels)):
+        check_pixels(position, spec, tensor, row_shape)
+    if plan.budget is None:
+        return
+    if plan.budget not in budgets:
+        raise ValueError(f"the batch's budget {plan.budget} is not one of this encoder's budgets")
+    num_items, num_tokens, needs = totals(plan.specs)
+    num_rows = sum(spec.num_rows for spec in plan.specs)
+    if not fits(plan.budget, num_items, num_tokens, needs) or (max_rows is not None and num_rows > max_rows):
+        raise ValueError(
+            f"a batch of {num_items} items, {num_tokens} tokens, {num_rows} rows and needs {dict(needs)} "
+            f"does not fit its budget {plan.budget}"
+        )
 
 
-def _pixels(index: int, pixel_values: Any) -> torch.Tensor:
-    if isinstance(pixel_values, np.ndarray):
-        if pixel_values.dtype.type not in _NUMPY_FLOATS:
-            raise InvalidItemError(
-                index, f"pixel_values have dtype {pixel_values.dtype}; expected a floating-point dtype"
-            )
-        pixel_values = torch.from_numpy(pixel_values)
-    elif not isinstance(pixel_values, torch.Tensor):
-        raise InvalidItemError(
-            index, f"pixel_values must be a torch tensor or NumPy array, got {type(pixel_values).__name__}"
+def check_pixels(position: int, spec: ItemSpec, pixels: torch.Tensor, row_shape: tuple[int, ...]) -> None:
+    """Pixels shaped as their spec says, in rows the model takes; ValueError naming the item's
+    position in its batch otherwise."""
+    if tuple(pixels.shape) != spec.pixel_shape:
+        raise ValueError(
+            f"item {position} of the batch: pixels of shape {tuple(pixels.shape)}, its spec says {spec.pixel_shape}"
         )
-    if not pixel_values.is_floating_point():
-        raise InvalidItemError(
-            index, f"pixel_values have dtype {pixel_values.dtype}; expected a floating-point dtype"
+    if spec.pixel_shape[1:] != row_shape:
+        raise ValueError(
+            f"item {position} of the batch: rows of shape {spec.pixel_shape[1:]}; the model takes {row_shape}"
         )
-    if pixel_values.ndim != 2:
-        raise InvalidItemError(
-            index,
-            f"pixel_values must be 2-D [t*h*w, C*T*P*P] (flattened patches); got shape "
-            f"{tuple(pixel_values.shape)}",
-        )
-    return pixel_values
+
+
+def nonfinite_positions(members: Sequence[PreparedItem], finite_rows: torch.Tensor) -> list[int]:
+    """Positions of the batch's items with a NaN or infinite pixel; `finite_rows` says per row of
+    their concatenated pixels whether it is finite. Waits for the device."""
+    flags = finite_rows.cpu()
+    bad, row = [], 0
+    for position, member in enumerate(members):
+        end = row + member.spec.num_rows
+        if not bool(flags[row:end].all()):
+            bad.append(position)
+        row = end
+    return bad
+
+
+def finite_rows(pixels: torch.Tensor) -> torch.Tensor:
+    """Whether each row of `pixels` [rows, *row_shape] is finite: [rows], on their device."""
+    return torch.isfinite(pixels).reshape(pixels.shape[0], -1).all(dim=1)

@@ -10,7 +10,9 @@ import importlib
 from typing import Any
 
 _NAMES = {
-    "FAMILIES": "vitpool.models.loading",
+    "FAMILIES": "vitpool.models.registry",
+    "Family": "vitpool.models.registry",
+    "register_family": "vitpool.models.registry",
     "SHIPPED_CHECKPOINT": "vitpool.models.loading",
     "load_adapter": "vitpool.models.loading",
     "Qwen3VLAdapter": "vitpool.models.qwen3_vl",
@@ -19,7 +21,17 @@ _NAMES = {
     "TensorSpec": "vitpool.models.protocol",
 }
 
-__all__ = sorted(_NAMES)
+__all__ = [
+    "FAMILIES",
+    "SHIPPED_CHECKPOINT",
+    "Family",
+    "Qwen3VLAdapter",
+    "SpatialMergeRules",
+    "TensorSpec",
+    "VisionAdapter",
+    "load_adapter",
+    "register_family",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -5,23 +5,22 @@ or a full multimodal checkpoint (a config with `vision_config`; the tower's weig
 `model.visual.` or `visual.`). Only safetensors are read, and of a full checkpoint only the
 shards that hold vision weights. Weights load strictly: a missing or unexpected key is an error
 that names it. A directory with a config and no weights gives random weights (benchmarks).
+Which tower and adapter a config gets is `vitpool.models.registry`'s business.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig, PretrainedConfig
 
 from vitpool.errors import CheckpointError
 from vitpool.models.protocol import VisionAdapter
-from vitpool.models.qwen3_vl import Qwen3VLAdapter
+from vitpool.models.registry import Family, find_family, supported_model_types
 
 logger = logging.getLogger(__name__)
 
@@ -29,33 +28,6 @@ SHIPPED_CHECKPOINT = Path(__file__).parent / "checkpoints" / "tiny-qwen3-vl"
 
 _VISION_PREFIXES = ("model.visual.", "visual.")
 _SHOWN_KEYS = 8
-
-
-@dataclass(frozen=True)
-class Family:
-    """How to build one model family's tower and adapter."""
-
-    tower_class: Callable[[], type[torch.nn.Module]]  # imported lazily
-    adapter: Callable[[torch.nn.Module], VisionAdapter]
-
-
-def _qwen3_vl_tower() -> type[torch.nn.Module]:
-    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
-
-    return Qwen3VLVisionModel
-
-
-def _qwen3_vl_moe_tower() -> type[torch.nn.Module]:
-    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVisionModel
-
-    return Qwen3VLMoeVisionModel
-
-
-# Keyed by the vision config's model_type; a new family adds one line here and one adapter file.
-FAMILIES: dict[str, Family] = {
-    "qwen3_vl_vision": Family(_qwen3_vl_tower, Qwen3VLAdapter),
-    "qwen3_vl_moe_vision": Family(_qwen3_vl_moe_tower, Qwen3VLAdapter),
-}
 
 
 def load_adapter(
@@ -70,17 +42,9 @@ def load_adapter(
     directory = Path(path) if path is not None else SHIPPED_CHECKPOINT
     if not (directory / "config.json").is_file():
         raise CheckpointError(f"{directory} has no config.json; pass a local Hugging Face directory")
-    config = AutoConfig.from_pretrained(directory)
-    vision_config = getattr(config, "vision_config", None)
-    is_full_model = vision_config is not None
-    vision_config = vision_config if is_full_model else config
-    family = FAMILIES.get(vision_config.model_type)
-    if family is None:
-        raise CheckpointError(
-            f"{directory}: vision model type {vision_config.model_type!r} is not supported; "
-            f"supported: {sorted(FAMILIES)}"
-        )
-    tower = _build_tower(family, vision_config, device, dtype)
+    family, vision_config, is_full_model = _read_config(directory)
+    with torch.device(device):
+        tower = family.build_tower(vision_config, dtype)
     weight_files = _weight_files(directory)
     if weight_files:
         state = _read_vision_weights(weight_files, is_full_model)
@@ -90,11 +54,39 @@ def load_adapter(
     return family.adapter(tower.eval().requires_grad_(False))
 
 
-def _build_tower(
-    family: Family, config: PretrainedConfig, device: torch.device, dtype: torch.dtype
-) -> torch.nn.Module:
-    with torch.device(device):
-        return family.tower_class()._from_config(config, dtype=dtype)
+def _read_config(directory: Path) -> tuple[Family, Any, bool]:
+    """The family, its vision config, and whether the directory holds a full multimodal model.
+
+    A tower-only save names its family at the top of config.json; a full model's vision
+    sub-config is read through transformers, which knows how each model nests it.
+    """
+    try:
+        raw = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{directory}/config.json cannot be read: {error}") from None
+    model_type = raw.get("model_type") if isinstance(raw, dict) else None
+    family = find_family(model_type) if isinstance(model_type, str) else None
+    if family is not None:
+        return family, family.read_config(directory), False
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(directory)
+    except (KeyError, ValueError) as error:
+        raise CheckpointError(
+            f"{directory}: model type {model_type!r} is not supported ({error}); "
+            f"supported vision model types: {supported_model_types()}"
+        ) from None
+    vision_config = getattr(config, "vision_config", None)
+    is_full_model = vision_config is not None
+    vision_config = vision_config if is_full_model else config
+    family = find_family(vision_config.model_type)
+    if family is None:
+        raise CheckpointError(
+            f"{directory}: vision model type {vision_config.model_type!r} is not supported; "
+            f"supported: {supported_model_types()}"
+        )
+    return family, vision_config, is_full_model
 
 
 def _weight_files(directory: Path) -> list[Path]:

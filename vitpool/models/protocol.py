@@ -1,17 +1,21 @@
 """The adapter protocol: all that graphs/ knows of a vision model.
 
-A model family is one adapter file. The graph code owns the static buffers and never looks
-inside a model; an adapter owns everything that depends on the grids:
+A model family is one adapter file plus its item rules (`vitpool.specs.ItemRules`). The graph
+code owns the static buffers and never looks inside an item or a model; an adapter owns
+everything that depends on the family:
 
-- sizes: how many patch rows, output tokens and attention sequences an item has;
-- metadata: the grid-dependent tensors of a batch (positions, interpolation taps,
+- sizes: how many input rows a budget's buffer holds (`max_rows`), the shape of one input row
+  (`row_shape`: a flattened patch, a patch, a tile) and of one output row per output tensor;
+- metadata: the tensors a batch needs besides its pixels (positions, interpolation taps,
   `cu_seqlens`, window permutations, ...) laid out for a buffer of `num_rows` rows, with the
-  padding rows forming a trailing dummy sequence so that every row is written;
-- the forward over static tensors, free of host synchronisation, so it can be captured.
+  padding rows given valid values too (a trailing dummy sequence), so that every row is written;
+- the forward over static tensors, free of host synchronisation, so it can be captured;
+- random valid items for a budget, to warm up and check each captured graph.
 
-Window attention (Qwen2.5-VL: a second `cu_seqlens` and a token permutation), fixed tiles
-(InternVL), learned-position resampling (GLM-4.1V) and clip-level attention (MoonViT) all
-become more named metadata tensors plus their own `forward`; the graph code does not change.
+An item's layout inside the adapter is its `ItemSpec.layout` (Qwen: the grid (t, h, w); tiled
+towers: nothing). Window attention (Qwen2.5-VL: a second `cu_seqlens` and a token permutation),
+fixed tiles (InternVL), learned-position resampling (GLM-4.1V) and clip-level attention
+(MoonViT) all become more named metadata tensors plus their own `forward`.
 """
 
 from __future__ import annotations
@@ -23,16 +27,8 @@ from typing import Protocol
 
 import torch
 
-Grid = tuple[int, int, int]
-
-
-@dataclass(frozen=True)
-class ItemSize:
-    """What packing needs to know of one item."""
-
-    num_rows: int  # patch rows the item feeds into the tower
-    num_tokens: int  # output tokens it produces (rows / merge unit)
-    num_sequences: int  # attention sequences it adds to cu_seqlens (frames for a video)
+from vitpool.packing import Budget
+from vitpool.specs import ItemRules, ItemSpec
 
 
 @dataclass(frozen=True)
@@ -43,54 +39,50 @@ class TensorSpec:
     dtype: torch.dtype
 
 
-class ItemRules(Protocol):
-    """What checking an item needs, without the weights; picklable, so a pool's callers have it."""
-
-    row_width: int  # features per patch row: C * T * P * P
-
-    def item_size(self, grid: Grid) -> ItemSize:
-        """Sizes of an item with this grid. Raises ValueError for a grid the model cannot take."""
-        ...
-
-
 class VisionAdapter(Protocol):
-    """A vision tower seen through the operations the graph code needs."""
+    """A vision tower seen through the operations the graph code needs.
+
+    Attributes:
+        tower: the torch module (the graph code moves it to the device and dtype).
+        item_rules: checks and sizes items; small and picklable (a pool's callers get it).
+        row_shape: shape of one input row (`item_rules.row_shape`).
+        output_row_shapes: per output tensor, shape of one output token's row
+            (`item_rules.output_row_shapes`): tokens first, then the extra outputs.
+    """
 
     tower: torch.nn.Module
     item_rules: ItemRules
-    row_width: int  # features per patch row: C * T * P * P
-    merge_unit: int  # patch rows per output token (4 for a 2x2 merge)
-    output_width: int  # hidden size of the output tokens
-    num_deepstack: int  # deepstack feature maps per item (0 for models without)
+    row_shape: tuple[int, ...]
+    output_row_shapes: tuple[tuple[int, ...], ...]
 
-    def item_size(self, grid: Grid) -> ItemSize:
-        """Sizes of an item with this grid. Raises ValueError for a grid the model cannot take."""
+    def max_rows(self, num_tokens: int) -> int:
+        """Input rows of a buffer for a batch of up to `num_tokens` output tokens (round up)."""
         ...
 
-    def metadata_specs(self, num_rows: int, max_sequences: int) -> dict[str, TensorSpec]:
-        """Static metadata buffers for a batch of `num_rows` rows and up to `max_sequences` sequences."""
+    def metadata_specs(self, num_rows: int, budget: Budget) -> dict[str, TensorSpec]:
+        """Static metadata buffers for a batch of `num_rows` input rows within `budget`."""
         ...
 
-    def build_metadata(
-        self, grids: Sequence[Grid], num_rows: int, max_sequences: int
-    ) -> dict[str, torch.Tensor]:
-        """CPU tensors matching `metadata_specs`, for `grids` laid out in order from row 0.
+    def build_metadata(self, specs: Sequence[ItemSpec], num_rows: int, budget: Budget) -> dict[str, torch.Tensor]:
+        """CPU tensors matching `metadata_specs(num_rows, budget)`, for the items laid out in order
+        from row 0. Rows past the items' rows are padding and get valid values too.
 
-        Rows past the items' rows are padding and must get valid values too.
+        Raises:
+            ValueError: the items do not fit `num_rows` or the budget's capacities.
         """
         ...
 
-    def forward(
-        self, pixels: torch.Tensor, metadata: dict[str, torch.Tensor]
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """pixels: [num_rows, row_width] -> (tokens [num_rows / merge_unit, output_width], deepstack).
+    def forward(self, pixels: torch.Tensor, metadata: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """pixels [num_rows, *row_shape] -> one tensor per `output_row_shapes` entry, each
+        [n, *row_shape] with n at least the output tokens of the items laid into the rows; each
+        item's output rows follow the previous item's, from row 0.
 
         Must not synchronise with the host: it is captured into a CUDA graph.
         """
         ...
 
-    def sample_grids(self, num_rows: int, max_sequences: int, rng: random.Random) -> list[Grid]:
-        """Random valid grids using at most `num_rows` rows and `max_sequences` sequences.
+    def sample_specs(self, num_rows: int, budget: Budget, rng: random.Random) -> list[ItemSpec]:
+        """Random valid items that together use at most `num_rows` rows and fit `budget`.
 
         Used to warm up and check each captured budget on inputs unlike any earlier ones.
         """

@@ -2,6 +2,8 @@
 
 The tower's forward accepts every grid-dependent tensor through keyword arguments
 (`transformers.vision_utils`); given them it has no host synchronisation and no graph break.
+Pixels are flattened patches [rows, C*T*P*P]; an item's layout is its grid (t, h, w); one
+attention sequence per temporal patch; a 2x2 merge makes four rows one output token.
 """
 
 from __future__ import annotations
@@ -18,7 +20,11 @@ from transformers.vision_utils import (
 
 from vitpool.models.attention import install_packed_attention
 from vitpool.models.item_rules import SpatialMergeRules
-from vitpool.models.protocol import Grid, ItemSize, TensorSpec
+from vitpool.models.protocol import TensorSpec
+from vitpool.packing import Budget
+from vitpool.specs import IMAGE, VIDEO, ItemSpec
+
+Grid = tuple[int, int, int]
 
 # Sampled check batches stay small so that checking a budget costs little host time.
 _MAX_SAMPLED_ITEMS = 8
@@ -31,49 +37,54 @@ class Qwen3VLAdapter:
         config = tower.config
         self.tower = tower
         self.merge_size: int = config.spatial_merge_size
-        self.merge_unit = self.merge_size**2
-        self.row_width = config.in_channels * config.temporal_patch_size * config.patch_size**2
-        self.output_width: int = config.out_hidden_size
-        self.num_deepstack = len(config.deepstack_visual_indexes)
-        self.item_rules = SpatialMergeRules(self.row_width, self.merge_size)
+        self.merge_unit = self.merge_size**2  # patch rows per output token
+        self.row_width = config.in_channels * config.temporal_patch_size * config.patch_size**2  # C*T*P*P
+        # tokens, then one deepstack feature map per index, all [tokens, out_hidden_size]
+        num_outputs = 1 + len(config.deepstack_visual_indexes)
+        self.item_rules = SpatialMergeRules(
+            self.row_width, self.merge_size, ((config.out_hidden_size,),) * num_outputs
+        )
+        self.row_shape = self.item_rules.row_shape
+        self.output_row_shapes = self.item_rules.output_row_shapes
         self._num_grid_per_side: int = tower.num_grid_per_side
         self._interpolation_mode: str = tower.interpolation_mode
         self._align_corners: bool = tower.interpolation_align_corners
         self._per_grid_metadata = lru_cache(maxsize=1024)(self._compute_grid_metadata)
         install_packed_attention(tower)
 
-    def item_size(self, grid: Grid) -> ItemSize:
-        return self.item_rules.item_size(grid)
+    def max_rows(self, num_tokens: int) -> int:
+        return num_tokens * self.merge_unit
 
-    def metadata_specs(self, num_rows: int, max_sequences: int) -> dict[str, TensorSpec]:
+    def metadata_specs(self, num_rows: int, budget: Budget) -> dict[str, TensorSpec]:
         return {
             "interp_indices": TensorSpec((num_rows, 4), torch.long),
             "interp_weights": TensorSpec((num_rows, 4), torch.float32),
             "position_ids": TensorSpec((num_rows, 2), torch.long),
             # real sequences, one trailing padding sequence, and the leading 0
-            "cu_seqlens": TensorSpec((max_sequences + 2,), torch.int32),
+            "cu_seqlens": TensorSpec((budget.max_sequences + 2,), torch.int32),
         }
 
-    def build_metadata(
-        self, grids: Sequence[Grid], num_rows: int, max_sequences: int
-    ) -> dict[str, torch.Tensor]:
+    def build_metadata(self, specs: Sequence[ItemSpec], num_rows: int, budget: Budget) -> dict[str, torch.Tensor]:
+        grids = [_grid(spec) for spec in specs]
         needed_rows = sum(t * h * w for t, h, w in grids)
         needed_sequences = sum(t for t, _, _ in grids)
-        if needed_rows > num_rows or needed_sequences > max_sequences:
+        if needed_rows > num_rows or needed_sequences > budget.max_sequences:
             raise ValueError(
                 f"{len(grids)} items need {needed_rows} rows and {needed_sequences} sequences; "
-                f"the buffers hold {num_rows} and {max_sequences}"
+                f"the buffers hold {num_rows} and {budget.max_sequences}"
             )
-        specs = self.metadata_specs(num_rows, max_sequences)
+        metadata = {
+            name: torch.zeros(spec.shape, dtype=spec.dtype)
+            for name, spec in self.metadata_specs(num_rows, budget).items()
+        }
         # Padding rows read position-table row 0 with weight 0 and rotary position (0, 0).
-        metadata = {name: torch.zeros(spec.shape, dtype=spec.dtype) for name, spec in specs.items()}
         # Unused cu_seqlens entries repeat the end, so the padding rows form one sequence.
         metadata["cu_seqlens"].fill_(num_rows)
         metadata["cu_seqlens"][0] = 0
         row = 0
         boundaries = []
         for grid in grids:
-            indices, weights, position_ids = self._per_grid_metadata(tuple(grid))
+            indices, weights, position_ids = self._per_grid_metadata(grid)
             end = row + indices.shape[0]
             metadata["interp_indices"][row:end] = indices
             metadata["interp_weights"][row:end] = weights
@@ -84,21 +95,20 @@ class Qwen3VLAdapter:
         metadata["cu_seqlens"][1 : len(boundaries) + 1] = torch.tensor(boundaries, dtype=torch.int32)
         return metadata
 
-    def forward(
-        self, pixels: torch.Tensor, metadata: dict[str, torch.Tensor]
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def forward(self, pixels: torch.Tensor, metadata: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         output = self.tower(
             pixels,
             grid_thw=None,  # every grid-derived tensor is given below
             max_seqlen=pixels.shape[0],  # static: a Python int from the buffer's shape
             **metadata,
         )
-        return output.pooler_output, list(output.deepstack_features)
+        return [output.pooler_output, *output.deepstack_features]
 
-    def sample_grids(self, num_rows: int, max_sequences: int, rng: random.Random) -> list[Grid]:
-        grids: list[Grid] = []
-        rows_left, sequences_left = num_rows, max_sequences
-        while rows_left >= self.merge_unit and sequences_left > 0 and len(grids) < _MAX_SAMPLED_ITEMS:
+    def sample_specs(self, num_rows: int, budget: Budget, rng: random.Random) -> list[ItemSpec]:
+        specs: list[ItemSpec] = []
+        rows_left, sequences_left = num_rows, budget.max_sequences
+        max_items = min(_MAX_SAMPLED_ITEMS, budget.max_items)
+        while rows_left >= self.merge_unit and sequences_left > 0 and len(specs) < max_items:
             frames = 2 if sequences_left >= 2 and rows_left >= 2 * self.merge_unit and rng.random() < 0.3 else 1
             max_blocks = rows_left // (self.merge_unit * frames)
             # Sometimes fill the rest, usually not, so that padding rows are exercised too.
@@ -106,10 +116,12 @@ class Qwen3VLAdapter:
             height_blocks = rng.randint(1, num_blocks)
             width_blocks = max(1, num_blocks // height_blocks)
             grid = (frames, height_blocks * self.merge_size, width_blocks * self.merge_size)
-            grids.append(grid)
-            rows_left -= grid[0] * grid[1] * grid[2]
+            num_grid_rows = grid[0] * grid[1] * grid[2]
+            modality = VIDEO if frames > 1 else IMAGE
+            specs.append(self.item_rules.item_spec(modality, (num_grid_rows, *self.row_shape), "float32", grid))
+            rows_left -= num_grid_rows
             sequences_left -= frames
-        return grids
+        return specs
 
     def _compute_grid_metadata(self, grid: Grid) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         grid_thw = torch.tensor([grid], dtype=torch.long)
@@ -122,3 +134,8 @@ class Qwen3VLAdapter:
         )
         position_ids = get_vision_position_ids(grid_thw, self.merge_size)
         return indices, weights.to(torch.float32), position_ids
+
+
+def _grid(spec: ItemSpec) -> Grid:
+    t, h, w = spec.layout
+    return (t, h, w)

@@ -1,7 +1,22 @@
-"""The coordinator: launch or connect a pool on Ray, accept calls, pack, dispatch, gather, scale."""
+"""The coordinator: launch or connect a pool on Ray, accept calls, pack, dispatch, gather, scale.
 
-from vitpool.pool.encoder_pool import EncoderPool
-from vitpool.pool.settings import PoolSettings
-from vitpool.pool.stats import PoolStats
+Names load on first use, so that `vitpool.pool.policy` and friends import without Ray."""
 
-__all__ = ["EncoderPool", "PoolSettings", "PoolStats"]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_NAMES = {
+    "EncoderPool": "vitpool.pool.encoder_pool",
+    "PoolSettings": "vitpool.pool.settings",
+    "PoolStats": "vitpool.pool.stats",
+}
+
+__all__ = sorted(_NAMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _NAMES:
+        raise AttributeError(f"module 'vitpool.pool' has no attribute {name!r}")
+    return getattr(importlib.import_module(_NAMES[name]), name)

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from vitpool.packing import ItemCost
+from vitpool.specs import ItemSpec
 
 
 @dataclass
@@ -17,10 +17,7 @@ class QueuedItem:
 
     call: Call
     index: int  # position in the caller's list
-    cost: ItemCost
-    is_video: bool
-    grid: tuple[int, int, int]
-    dtype_name: str
+    spec: ItemSpec  # computed once, in the caller's process; travels with the pixels
     pixels: Any  # np.ndarray or ray.ObjectRef
     nbytes: int  # the pixels' size, for the queue's bound
     attempts: int = 0

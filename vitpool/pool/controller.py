@@ -1,27 +1,33 @@
 """The pool's named Ray actor: it owns the encoder actors and knows who is in the pool.
 
-It is off the hot path: callers send batches straight to the encoder actors and ask the
-controller only who the actors are (when its membership version changes) and to scale.
-Encoder actors are created here, so they share the controller's lifetime, not a caller's.
+It is off the hot path: callers send batches straight to the encoder actors. Each handle keeps
+one long poll open here (`wait_for_change`), answered as soon as the membership changes, so a
+new or departed actor is known to every caller at once, with no polling in between. Encoder
+actors are created here, so they share the controller's lifetime, not a caller's.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from vitpool.actors import ActorInfo, EncoderActor
+from vitpool.actors.reports import ActorInfo
 from vitpool.pool.cluster import Placement
 from vitpool.pool.settings import PoolSettings
 
 logger = logging.getLogger(__name__)
 
 NAMESPACE = "vitpool"  # fixed, so that every job in the cluster finds a pool by its name
+# Long polls run in a concurrency group of their own, so that they never hold up scaling,
+# failure reports or stats; each handle keeps one open.
+WATCH_GROUP = "watch"
+MAX_WATCHING_HANDLES = 128
 STARTING, ACTIVE, RETIRING = "starting", "active", "retiring"
 
 
@@ -68,6 +74,7 @@ class PoolController:
         self._failures = 0
         self._restarts = 0
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
 
     def settings(self) -> PoolSettings:
         return self._settings
@@ -88,13 +95,29 @@ class PoolController:
 
     def membership(self) -> Membership:
         with self._lock:
-            active = {i: m for i, m in self._members.items() if m.state == ACTIVE}
-            return Membership(
-                self._version,
-                {i: m.handle for i, m in active.items()},
-                {i: m.info for i, m in active.items() if m.info is not None},
-                self._settings,
-            )
+            return self._membership_locked()
+
+    @ray.method(concurrency_group=WATCH_GROUP)
+    def wait_for_change(self, known_version: int, timeout_s: float) -> Membership | None:
+        """The membership once its version differs from `known_version`, or None after
+        `timeout_s` without a change (the caller asks again)."""
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while self._version == known_version:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self._changed.wait(remaining)
+            return self._membership_locked()
+
+    def _membership_locked(self) -> Membership:
+        active = {i: m for i, m in self._members.items() if m.state == ACTIVE}
+        return Membership(
+            self._version,
+            {i: m.handle for i, m in active.items()},
+            {i: m.info for i, m in active.items() if m.info is not None},
+            self._settings,
+        )
 
     def all_actors(self) -> dict[int, Any]:
         """Every actor the pool holds, starting and retiring ones too (for stats)."""
@@ -115,7 +138,7 @@ class PoolController:
             for index in retired:
                 self._members[index].state = RETIRING
             if retired:
-                self._version += 1
+                self._bump()
         for index in retired:
             threading.Thread(target=self._retire, args=(index,), daemon=True).start()
         return started, retired
@@ -126,14 +149,14 @@ class PoolController:
             if member is None or member.state != STARTING:
                 return
             member.state, member.info = ACTIVE, info
-            self._version += 1
+            self._bump()
 
     def forget(self, index: int) -> None:
         """Drop an actor that failed to start or died."""
         with self._lock:
             member = self._members.pop(index, None)
             if member is not None and member.state == ACTIVE:
-                self._version += 1
+                self._bump()
         if member is not None:
             ray.kill(member.handle, no_restart=True)
 
@@ -146,7 +169,7 @@ class PoolController:
             if member is None or member.state != ACTIVE:
                 return False
             del self._members[index]
-            self._version += 1
+            self._bump()
             self._failures += 1
             replace = self._restarts < self._settings.max_actor_restarts
             if replace:
@@ -179,10 +202,15 @@ class PoolController:
         """Kill every encoder actor; returns how many there were."""
         with self._lock:
             members, self._members = self._members, {}
-            self._version += 1
+            self._bump()
         for member in members.values():
             ray.kill(member.handle, no_restart=True)
         return len(members)
+
+    def _bump(self) -> None:
+        """The membership changed (lock held): answer every waiting long poll."""
+        self._version += 1
+        self._changed.notify_all()
 
     def _start_actor(self) -> tuple[int, Any, Any]:
         index = self._next_index
@@ -199,28 +227,13 @@ class PoolController:
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 placement_group=self._placement.placement_group, placement_group_bundle_index=bundle
             )
-        actor_class = EncoderActor
+        # Imported here: the controller's process loads the engine's module (not the engine), and
+        # the callers, which import this module, do not.
         if settings.rank_transport is not None:  # its methods for Ray Direct Transport need Ray
-            from vitpool.pool.rank_delivery import DeliveringEncoderActor
-
-            actor_class = DeliveringEncoderActor
-        handle = (
-            ray.remote(actor_class)
-            .options(**options)
-            .remote(
-                index,
-                settings.model,
-                settings.budgets,
-                settings.max_items_per_batch,
-                settings.max_frames_per_batch,
-                settings.dtype,
-                settings.device,
-                self._actor_threads,
-                settings.same_node_channel,
-                settings.channel_spin_s,
-                settings.max_tokens_per_run,
-            )
-        )
+            from vitpool.actors.delivering_actor import DeliveringEncoderActor as actor_class
+        else:
+            from vitpool.actors.encoder_actor import EncoderActor as actor_class
+        handle = ray.remote(actor_class).options(**options).remote(index, settings.actor_spec(self._actor_threads))
         self._members[index] = _Member(handle, STARTING, bundle=bundle)
         return index, handle, handle.info.remote()
 

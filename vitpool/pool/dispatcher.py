@@ -1,12 +1,12 @@
 """The dispatcher: the coordinator's logic, run in each caller's process.
 
-Every process that calls the pool has one. It queues the items of all its concurrent calls,
-packs them into token budgets, and sends each batch straight to the encoder actor with the
-least outstanding estimated cost, keeping at most `max_in_flight` batches on each actor. The
-hot path is one hop: caller -> encoder actor -> caller; the controller is never on it. To an
-actor on the caller's node a batch goes through the same-node channel (shared memory, see
-`vitpool.actors.local_channel`); to others, and for callers that want object references, it is
-a Ray actor call with the pixels in the object store.
+Every process that calls the pool has one. It queues the items of all its concurrent calls and
+sends batches straight to the encoder actors; which items go together, in which budget, and to
+which actor is the policy's choice (`vitpool.pool.policy`), and how a batch travels is the
+actor's link's (`vitpool.transport.link`: shared memory to an actor on this node, a Ray call
+otherwise). The batch plan sent is the one the actor runs. The hot path is one hop: caller ->
+encoder actor -> caller; the controller is never on it. Here: the queue, its bounds, the calls,
+the batches in flight, their timeouts, and what each outcome means for the items.
 
 The queue is bounded (items and pixel bytes): a call that would pass the bounds waits for room.
 A batch unanswered after `batch_timeout_s` counts as failed, like one whose actor died: its items
@@ -17,9 +17,9 @@ Items go out at once while some actor is idle; while every actor is busy they wa
 `batch_window_s` for others to share a batch, or until an actor frees a slot. A batch whose
 actor left the pool (retired or died) goes back to the queue and to another actor.
 
-Threads: callers submit and may dispatch in their own thread. Completion callbacks (Ray's, and
-the channel's connection threads) only update state, making no Ray calls; the dispatcher's thread
-sends whatever they freed room for.
+Threads: callers submit and may dispatch in their own thread. Outcome callbacks (from Ray's
+threads, the channel's connection threads, or a caller carrying its own batch) only update
+state, making no Ray calls; the dispatcher's thread sends whatever they freed room for.
 """
 
 from __future__ import annotations
@@ -28,34 +28,27 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-import ray
-
-from vitpool.actors import OK, RETIRED, BatchReceipt
-from vitpool.actors.local_channel import ChannelClient, ChannelClosed, ChannelReply, Exchange
 from vitpool.errors import EncodeError, InvalidItemError, PoolUnavailableError
-from vitpool.packing import Budget, batch_cost, pack
+from vitpool.packing import Budget
 from vitpool.pool.calls import Call, QueuedItem
+from vitpool.pool.policy import ActorLoad, DispatchPolicy
 from vitpool.pool.settings import PoolSettings
+from vitpool.specs import BatchPlan
+from vitpool.transport.link import OK, ActorGone, ActorLink, BatchFailed, Done, InlineExchange, Outcome, Refused
 
 logger = logging.getLogger(__name__)
 
-# Errors that mean the actor is gone (or going), not that the batch was bad: send it elsewhere.
-_ACTOR_GONE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 _LATENCY_SAMPLES = 4096
 
 
 @dataclass
 class _ActorSlot:
-    handle: Any
-    channel: ChannelClient | None = None  # the same-node fast path, if the actor is on this node
-    accepting: bool = True
-    in_flight: int = 0
-    outstanding_cost: float = 0.0
+    link: ActorLink
+    load: ActorLoad = field(default_factory=ActorLoad)
 
 
 @dataclass(eq=False)  # identity: a flight is tracked in a set
@@ -63,7 +56,6 @@ class _Flight:
     actor_index: int
     members: list[QueuedItem]
     cost: float
-    results: list[Any]  # per member: a Ray reference to its Embedding, or (by channel) the Embedding
     sent_at: float = field(default_factory=time.monotonic)
 
 
@@ -74,7 +66,7 @@ class DispatchCounters:
     calls: int = 0
     items: int = 0
     batches: int = 0
-    channel_batches: int = 0  # sent through the same-node channel rather than a Ray call
+    channel_batches: int = 0  # answered through the same-node channel rather than a Ray call
     requeued_items: int = 0
     failed_calls: int = 0
     failed_batches: int = 0  # the actor died, went silent past the timeout, or failed the batch
@@ -87,23 +79,29 @@ class DispatchCounters:
 
 
 class Dispatcher:
+    """Args:
+        budgets: the budgets every actor captured.
+        settings: the pool's settings (queue bounds, batch window, timeouts, batch limits).
+        on_actor_failed: told the index of a dead or silent actor; it must make no Ray calls.
+        make_link: the link to an actor, by index, when it joins.
+    """
+
     def __init__(
         self,
         budgets: list[Budget],
         settings: PoolSettings,
         on_actor_failed: Callable[[int], None],
-        make_channel: Callable[[int], ChannelClient | None] = lambda actor_index: None,
+        make_link: Callable[[int], ActorLink],
     ) -> None:
-        self._budgets = budgets
-        self._max_in_flight = settings.max_batches_in_flight_per_actor
-        self._max_tokens_per_run = settings.max_tokens_per_run
+        self._policy = _policy(budgets, settings)
+        self._settings = settings
         self._window_s = settings.batch_window_s
         self._max_attempts = settings.max_attempts_per_item
         self._batch_timeout_s = settings.batch_timeout_s
         self._max_queued_items = settings.max_queued_items
         self._max_queued_bytes = settings.max_queued_bytes
-        self._on_actor_failed = on_actor_failed  # told the index of a dead or silent actor; no Ray calls here
-        self._make_channel = make_channel
+        self._on_actor_failed = on_actor_failed
+        self._make_link = make_link
         self._actors: dict[int, _ActorSlot] = {}
         self._failed_actors: set[int] = set()  # never taken back, whatever a stale membership says
         self._flights: set[_Flight] = set()
@@ -123,15 +121,17 @@ class Dispatcher:
 
     # membership
 
-    def set_actors(self, actors: dict[int, Any], budgets: list[Budget]) -> None:
-        """The actors that take work now. Others stop getting batches; theirs in flight finish."""
+    def set_actors(self, actors: Iterable[int], budgets: list[Budget]) -> None:
+        """The actors (by index) that take work now. Others stop getting batches; theirs in
+        flight finish."""
+        actors = set(actors)
         with self._lock:
-            self._budgets = budgets
+            self._policy = _policy(budgets, self._settings)
             for index, slot in self._actors.items():
-                slot.accepting = index in actors
-            for index, handle in actors.items():
+                slot.load.accepting = index in actors
+            for index in sorted(actors):
                 if index not in self._actors and index not in self._failed_actors:
-                    self._actors[index] = _ActorSlot(handle, self._make_channel(index))
+                    self._actors[index] = _ActorSlot(self._make_link(index))
             self._forget_idle_leavers()
             self._fail_queue_if_no_actor()
             self._wake.notify_all()
@@ -169,20 +169,20 @@ class Dispatcher:
                 self._room.wait(remaining)
             self.counters.calls += 1
             self._enqueue(items)
-            exchanges: list[tuple[Exchange, _Flight]] | None = [] if inline else None
-            if self._has_idle_actor():
+            exchanges: list[InlineExchange] | None = [] if inline else None
+            if self._policy.has_idle_actor(self._loads()):
                 self._dispatch(exchanges)
             else:
                 self._wake.notify_all()
-        for exchange, _ in exchanges or ():
+        for exchange in exchanges or ():
             exchange.send()  # all first, so that batches to several actors run at once
-        for exchange, flight in exchanges or ():
-            self._on_channel_reply(flight, exchange.receive())
+        for exchange in exchanges or ():
+            exchange.finish()
 
     def _check_open(self) -> None:
         if self._closed:
             raise PoolUnavailableError("this pool handle is closed")
-        if not any(slot.accepting for slot in self._actors.values()):
+        if not any(slot.load.accepting for slot in self._actors.values()):
             raise PoolUnavailableError("the pool has no encoder actor left; see the log for why")
 
     def _enqueue(self, items: list[QueuedItem], front: bool = False) -> None:
@@ -214,7 +214,7 @@ class Dispatcher:
     def has_channel(self) -> bool:
         """Whether some actor takes batches through the same-node channel (callers then keep
         pixels as arrays instead of putting them in the object store)."""
-        return any(slot.channel is not None for slot in self._actors.values())
+        return any(slot.link.is_local for slot in self._actors.values())
 
     @property
     def queue_depth(self) -> int:
@@ -226,7 +226,7 @@ class Dispatcher:
 
     def in_flight(self) -> dict[int, int]:
         with self._lock:
-            return {index: slot.in_flight for index, slot in self._actors.items()}
+            return {index: slot.load.in_flight for index, slot in self._actors.items()}
 
     def close(self) -> None:
         with self._lock:
@@ -235,48 +235,39 @@ class Dispatcher:
                 self._finish_locked(*self._early_outcomes.pop(0))
             self._fail_queue(PoolUnavailableError("the pool handle was closed"))
             for slot in self._actors.values():
-                _close_channel(slot)
+                slot.link.close()
             self._wake.notify_all()
             self._room.notify_all()
         self._thread.join(timeout=5)
 
     # dispatching (lock held)
 
-    def _has_idle_actor(self) -> bool:
-        return any(slot.accepting and slot.in_flight == 0 for slot in self._actors.values())
-
-    def _free_slots(self) -> int:
-        return sum(
-            self._max_in_flight - slot.in_flight for slot in self._actors.values() if slot.accepting
-        )
+    def _loads(self) -> dict[int, ActorLoad]:
+        return {index: slot.load for index, slot in self._actors.items()}
 
     def _dispatch(self, exchanges: list | None = None) -> None:
-        """Send as much of the queue as the actors have room for. Same-node batches go to
-        `exchanges` for the caller to carry, if it gives a list; else to connection threads."""
+        """Send as much of the queue as the actors have room for. Batches this thread can carry
+        itself go to `exchanges`, if it gives a list; else the links carry them."""
         while self._queue:
-            free_slots = self._free_slots()
+            free_slots = self._policy.free_slots(self._loads())
             if free_slots <= 0:
                 return
             taken = self._take(free_slots)  # drops the items of failed or timed-out calls
-            batches = pack([item.cost for item in taken], self._budgets, self._max_tokens_per_run)
-            batches.sort(key=lambda b: min(b.item_indices))  # oldest items first
+            batches = self._policy.plan([item.spec for item in taken])
             for number, batch in enumerate(batches):
-                actor_index = self._least_loaded()
+                actor_index = self._policy.choose_actor(self._loads())
                 if actor_index is None:
                     # No room after all: put the rest back at the front, in queue order.
                     rest = sorted(i for b in batches[number:] for i in b.item_indices)
                     self._enqueue([taken[i] for i in rest], front=True)
                     return
-                budget_tokens = batch.budget.num_tokens if batch.budget else batch.num_tokens
-                cost = batch_cost(budget_tokens, batch.num_sequences)
-                self._send(actor_index, [taken[i] for i in batch.item_indices], cost, exchanges)
+                members = [taken[i] for i in batch.item_indices]
+                self._send(actor_index, BatchPlan(batch.budget, tuple(m.spec for m in members)), members,
+                           self._policy.cost(batch), exchanges)
 
     def _take(self, free_slots: int) -> list[QueuedItem]:
-        """Queued items, oldest first, as many as `free_slots` full batches would hold: packing
-        the whole of a long queue on every dispatch would cost more than it gains."""
-        largest = self._budgets[-1]
-        token_room = free_slots * largest.num_tokens
-        item_room = free_slots * largest.max_items
+        """Queued items, oldest first, as many as the policy plans at once."""
+        token_room, item_room = self._policy.room(free_slots)
         taken: list[QueuedItem] = []
         dropped: list[QueuedItem] = []
         tokens = 0
@@ -285,77 +276,54 @@ class Dispatcher:
             if item.call.done:
                 dropped.append(self._queue.popleft())
                 continue
-            if taken and tokens + item.cost.num_tokens > token_room:
+            if taken and tokens + item.spec.num_tokens > token_room:
                 break
             taken.append(self._queue.popleft())
-            tokens += item.cost.num_tokens
+            tokens += item.spec.num_tokens
         self._dequeued(taken + dropped)
         return taken
 
-    def _least_loaded(self) -> int | None:
-        candidates = [
-            (slot.outstanding_cost, index)
-            for index, slot in self._actors.items()
-            if slot.accepting and slot.in_flight < self._max_in_flight
-        ]
-        return min(candidates)[1] if candidates else None
-
-    def _send(self, actor_index: int, members: list[QueuedItem], cost: float, exchanges: list | None) -> None:
+    def _send(
+        self, actor_index: int, plan: BatchPlan, members: list[QueuedItem], cost: float, exchanges: list | None
+    ) -> None:
         slot = self._actors[actor_index]
-        metadata = [(m.is_video, m.grid, m.dtype_name) for m in members]
-        slot.in_flight += 1
-        slot.outstanding_cost += cost
+        slot.load.in_flight += 1
+        slot.load.outstanding_cost += cost
         self.counters.batches += 1
         if self._thread_waits_untimed:  # the dispatcher's thread must watch this batch's deadline
             self._thread_waits_untimed = False
             self._wake.notify_all()
-        if slot.channel is not None and all(isinstance(m.pixels, np.ndarray) for m in members):
-            flight = _Flight(actor_index, members, cost, [])
-            self._flights.add(flight)
-            self.counters.channel_batches += 1
-            items = [(meta, m.pixels, m.cost.num_tokens) for meta, m in zip(metadata, members)]
-            if exchanges is not None:
-                exchanges.append((slot.channel.exchange(items), flight))
-            else:
-                slot.channel.submit(items, lambda outcome: self._on_channel_reply(flight, outcome))
-            return
-        refs = slot.handle.encode_batch.options(num_returns=len(members) + 1).remote(
-            metadata, *[m.pixels for m in members]
-        )
-        flight = _Flight(actor_index, members, cost, refs[:-1])
+        flight = _Flight(actor_index, members, cost)
         self._flights.add(flight)
+        pixels = [m.pixels for m in members]
+
+        def on_outcome(outcome: Outcome) -> None:
+            self._on_outcome(flight, outcome)
+
+        if exchanges is not None:
+            exchange = slot.link.exchange(plan, pixels, on_outcome)
+            if exchange is not None:
+                exchanges.append(exchange)
+                return
         self._registering.active = True
         try:
-            refs[-1].future().add_done_callback(lambda future: self._on_receipt(flight, future))
+            slot.link.send(plan, pixels, on_outcome)
         finally:
             self._registering.active = False
 
-    # completion (Ray's callback thread or a channel connection's: no Ray calls here)
+    # outcomes (any thread; no Ray calls here)
 
-    def _on_receipt(self, flight: _Flight, future: Any) -> None:
-        try:
-            outcome = future.result()
-        except Exception as error:  # noqa: BLE001 - handed on as the batch's outcome
-            outcome = error
+    def _on_outcome(self, flight: _Flight, outcome: Outcome) -> None:
         if getattr(self._registering, "active", False):
-            # The call was over before its callback was added (its actor is gone), so the callback
-            # runs here, in _send, with the lock held: the dispatcher's thread finishes it.
+            # The outcome was known before `send` returned (its actor is gone), so this runs in
+            # _send with the lock held: the dispatcher's thread finishes it.
             self._early_outcomes.append((flight, outcome))
             self._wake.notify_all()
             return
-        self._finish(flight, outcome)
-
-    def _on_channel_reply(self, flight: _Flight, outcome: ChannelReply | BaseException) -> None:
-        if isinstance(outcome, ChannelReply):
-            flight.results = outcome.values
-            outcome = outcome.receipt
-        self._finish(flight, outcome)
-
-    def _finish(self, flight: _Flight, outcome: BatchReceipt | BaseException) -> None:
         with self._lock:
             self._finish_locked(flight, outcome)
 
-    def _finish_locked(self, flight: _Flight, outcome: BatchReceipt | BaseException) -> None:
+    def _finish_locked(self, flight: _Flight, outcome: Outcome) -> None:
         index = flight.actor_index
         if flight not in self._flights:
             return  # it timed out before: its items went elsewhere already
@@ -363,29 +331,23 @@ class Dispatcher:
         failed_before = self.counters.failed_calls
         slot = self._actors.get(index)
         if slot is not None:
-            slot.in_flight -= 1
-            slot.outstanding_cost -= flight.cost
-        if isinstance(outcome, BaseException) and not isinstance(outcome, ChannelClosed):
+            slot.load.in_flight -= 1
+            slot.load.outstanding_cost -= flight.cost
+        if isinstance(outcome, Done) and outcome.receipt.status == OK:
+            self._complete(flight, outcome)
+        elif isinstance(outcome, Refused):
+            self._actor_left(flight, f"encoder actor {index} left the pool ({outcome.reason})")
+        elif isinstance(outcome, ActorGone):
             self.counters.failed_batches += 1
-        if isinstance(outcome, ChannelClosed):
-            # The actor may be alive: go on through Ray, which tells a dead actor apart.
-            if slot is not None and slot.channel is not None:
-                logger.warning("%s (actor %d); its batches go through Ray from now on", outcome, index)
-                _close_channel(slot)
-            self._requeue(flight, str(outcome), count_attempt=False)  # at most once per actor
-        elif isinstance(outcome, _ACTOR_GONE):
-            self._actor_failed(index, f"encoder actor {index} died: {outcome}")
+            self._actor_failed(index, f"encoder actor {index} died: {outcome.reason}")
             self._requeue(flight, f"encoder actor {index} died")
-        elif isinstance(outcome, BaseException):  # the actor failed on the batch itself
-            failure = EncodeError(f"encoder actor {index} failed on a batch: {outcome}")
-            failure.__cause__ = outcome
+        else:  # the actor failed on the batch itself
+            self.counters.failed_batches += 1
+            cause = outcome.error if isinstance(outcome, BatchFailed) else RuntimeError(f"unexpected outcome {outcome!r}")
+            failure = EncodeError(f"encoder actor {index} failed on a batch: {cause}")
+            failure.__cause__ = cause
             for member in flight.members:
                 self._fail_call(member.call, failure)
-        elif outcome.status == RETIRED:
-            self._actor_left(flight, f"encoder actor {index} left the pool")
-        else:
-            assert outcome.status == OK, outcome.status
-            self._complete(flight, outcome)
         if self.counters.failed_calls != failed_before:
             self._drop_finished_calls()
         self._forget_idle_leavers()
@@ -393,15 +355,16 @@ class Dispatcher:
         if self._queue:  # else the dispatcher's thread has nothing to do: waking it costs the caller
             self._wake.notify_all()
 
-    def _complete(self, flight: _Flight, receipt: BatchReceipt) -> None:
+    def _complete(self, flight: _Flight, outcome: Done) -> None:
         now = time.monotonic()
+        self.counters.channel_batches += outcome.through_channel
         for position, member in enumerate(flight.members):
             call = member.call
-            reason = receipt.item_errors.get(position)
+            reason = outcome.receipt.item_errors.get(position)
             if reason is not None:
                 self.counters.rejected_items += 1
                 self._fail_call(call, InvalidItemError(member.index, reason))
-            elif call.complete_item(member.index, flight.results[position]):
+            elif call.complete_item(member.index, outcome.values[position]):
                 self.counters.latencies_s.append(now - call.submitted_at)
                 self.counters.completions.append((now, len(call.results)))
         self.counters.items += len(flight.members)
@@ -409,8 +372,8 @@ class Dispatcher:
     def _actor_left(self, flight: _Flight, why: str) -> None:
         """A retiring actor refused a batch (the controller knows; the next refresh drops it)."""
         slot = self._actors.get(flight.actor_index)
-        if slot is not None and slot.accepting:
-            slot.accepting = False
+        if slot is not None and slot.load.accepting:
+            slot.load.accepting = False
             logger.info("%s; its batches go to other actors", why)
         self._requeue(flight, why)
 
@@ -421,8 +384,8 @@ class Dispatcher:
         self._failed_actors.add(index)
         slot = self._actors.get(index)
         if slot is not None:
-            slot.accepting = False
-            _close_channel(slot)
+            slot.load.accepting = False
+            slot.link.close()
         logger.warning("%s; its batches go to other actors", why)
         self._on_actor_failed(index)
 
@@ -438,8 +401,8 @@ class Dispatcher:
                 self.counters.timed_out_batches += 1
                 slot = self._actors.get(flight.actor_index)
                 if slot is not None:
-                    slot.in_flight -= 1
-                    slot.outstanding_cost -= flight.cost
+                    slot.load.in_flight -= 1
+                    slot.load.outstanding_cost -= flight.cost
                 why = f"encoder actor {flight.actor_index} did not answer a batch within {self._batch_timeout_s} s"
                 self._actor_failed(flight.actor_index, why)
                 self._requeue(flight, why)
@@ -456,7 +419,7 @@ class Dispatcher:
             self._dequeued(dropped)
 
     def _fail_queue_if_no_actor(self) -> None:
-        if not any(slot.accepting for slot in self._actors.values()):
+        if not any(slot.load.accepting for slot in self._actors.values()):
             self._fail_queue(PoolUnavailableError("the pool has no encoder actor left; see the log for why"))
 
     def _requeue(self, flight: _Flight, why: str, count_attempt: bool = True) -> None:
@@ -475,8 +438,8 @@ class Dispatcher:
         self._fail_queue_if_no_actor()
 
     def _forget_idle_leavers(self) -> None:
-        for index in [i for i, s in self._actors.items() if not s.accepting and s.in_flight == 0]:
-            _close_channel(self._actors.pop(index))
+        for index in [i for i, s in self._actors.items() if not s.load.accepting and s.load.in_flight == 0]:
+            self._actors.pop(index).link.close()
 
     def _fail_queue(self, error: BaseException) -> None:
         failed = list(self._queue)
@@ -499,9 +462,10 @@ class Dispatcher:
                 while self._early_outcomes:
                     self._finish_locked(*self._early_outcomes.pop(0))
                 timeout = self._check_timeouts()
-                if self._queue and self._free_slots() > 0:
+                loads = self._loads()
+                if self._queue and self._policy.free_slots(loads) > 0:
                     waited = time.monotonic() - self._queue[0].enqueued_at
-                    if self._has_idle_actor() or waited >= self._window_s or self._slot_freed:
+                    if self._policy.has_idle_actor(loads) or waited >= self._window_s or self._slot_freed:
                         self._slot_freed = False
                         try:
                             self._dispatch()
@@ -515,7 +479,5 @@ class Dispatcher:
                 self._wake.wait(timeout)
 
 
-def _close_channel(slot: _ActorSlot) -> None:
-    if slot.channel is not None:
-        slot.channel.close()
-        slot.channel = None
+def _policy(budgets: list[Budget], settings: PoolSettings) -> DispatchPolicy:
+    return DispatchPolicy(tuple(budgets), settings.max_batches_in_flight_per_actor, settings.max_tokens_per_run)

@@ -5,6 +5,11 @@ Every handle, in the launching process or any other process in the cluster, runs
 dispatcher: calls go from the caller's process straight to the encoder actors. Pixels and
 embeddings go through shared memory to actors on the caller's node and through Ray's object store
 to the others; only small control messages go anywhere else.
+
+This module is the facade: it checks a call's items against the model's rules (in this process,
+once), queues them with the dispatcher, and waits. Starting actors is `launcher`'s, keeping the
+membership current `membership`'s, choosing batches and actors `policy`'s, moving batches the
+transport's. A caller's process loads no model code: the rules arrive pickled from an actor.
 """
 
 from __future__ import annotations
@@ -13,40 +18,28 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import ray
 
-from vitpool.actors import ActorInfo
-from vitpool.actors.local_channel import ChannelClient
 from vitpool.codec import decode_request, encode_results
 from vitpool.errors import ConfigError, InvalidItemError, PoolUnavailableError, VitpoolError
-from vitpool.graphs.inputs import prepare_items
-from vitpool.items import Embedding, Item, Video
-from vitpool.packing import Budget, ItemCost
+from vitpool.items import Embedding, Item, prepare_items
+from vitpool.packing import Budget
 from vitpool.pool.calls import Call, QueuedItem
-from vitpool.pool.cluster import (
-    check_bundles,
-    check_capacity,
-    cluster_gpus,
-    colocated_options,
-    default_threads,
-    free_resources,
-    join_ray,
-)
-from vitpool.pool.controller import NAMESPACE, Membership, PoolController
+from vitpool.pool.controller import Membership
 from vitpool.pool.dispatcher import Dispatcher
+from vitpool.pool.launcher import find_pool, launch_pool, scale_pool, stop_controller
+from vitpool.pool.membership import MembershipWatcher
 from vitpool.pool.rank_delivery import RDT_TRANSPORTS, RankDelivery, choose_transport
 from vitpool.pool.settings import PoolSettings
 from vitpool.pool.stats import PoolStats, percentile, recent_rate
-from vitpool.transport.wire import to_array, wire_dtype_name
+from vitpool.transport.link import ActorLink
+from vitpool.transport.links import make_link
+from vitpool.transport.wire import to_array
 
 logger = logging.getLogger(__name__)
-
-MEMBERSHIP_REFRESH_S = 0.5  # how often a handle asks the controller whether the actors changed
-PROGRESS_EVERY_S = 15.0
 
 
 class EncoderPool:
@@ -68,16 +61,13 @@ class EncoderPool:
         self._membership = membership
         self._rules = _item_rules(membership)
         self._node_id = ray.get_runtime_context().get_node_id()
-        budgets = _common_budgets(membership.infos.values())
-        self._refresh_now = threading.Event()
-        self._failed_actors: list[int] = []  # to report to the controller, from the refresher thread
-        self._dispatcher = Dispatcher(
-            budgets, self._settings, on_actor_failed=self._actor_failed, make_channel=self._channel_to
-        )
-        self._dispatcher.set_actors(membership.actors, budgets)
         self._closed = threading.Event()
-        self._refresher = threading.Thread(target=self._refresh_loop, name="vitpool-membership", daemon=True)
-        self._refresher.start()
+        self._dispatcher = Dispatcher(
+            _common_budgets(membership.infos.values()), self._settings,
+            on_actor_failed=self._actor_failed, make_link=self._link_to,
+        )
+        self._dispatcher.set_actors(membership.actors, _common_budgets(membership.infos.values()))
+        self._watcher = MembershipWatcher(controller, membership, self._membership_changed, self._controller_lost)
 
     # launch and connect
 
@@ -119,52 +109,10 @@ class EncoderPool:
                 the launch started is left behind.
         """
         pool_settings = PoolSettings(model=model, budgets=budgets, **settings)
-        if num_actors is not None and (isinstance(num_actors, bool) or not isinstance(num_actors, int) or num_actors < 1):
-            raise ConfigError(f"num_actors must be a positive integer or None; got {num_actors!r}")
-        owns_ray = join_ray(address)
-        controller = None
-        try:
-            placement = None
-            if placement_group is not None:
-                options, placement = colocated_options(placement_group, actor_options)
-                num_actors = len(placement.bundles) if num_actors is None else num_actors
-                check_bundles(placement, num_actors)
-            else:
-                gpus = cluster_gpus()
-                options = {"num_gpus": 1 if gpus >= 1 else 0, "num_cpus": 1, **(actor_options or {})}
-                if num_actors is None:
-                    num_actors = max(1, int(gpus)) if options.get("num_gpus") else 1
-                check_capacity(options, num_actors)
-            threads = pool_settings.actor_threads or default_threads(options, num_actors)
-            try:
-                controller = (
-                    ray.remote(PoolController)
-                    .options(name=name, namespace=NAMESPACE, num_cpus=0, max_concurrency=32)
-                    .remote(name, pool_settings, options, threads, placement)
-                )
-                ray.get(controller.version.remote())
-            except ValueError as error:  # Ray: the name is taken
-                controller = None
-                raise ConfigError(
-                    f"a pool named {name!r} is already running ({error}); connect to it with "
-                    f"EncoderPool.connect({name!r}) or launch with another name"
-                ) from None
-            logger.info(
-                "launching pool %r: %d encoder actors (%s), model %s",
-                name, num_actors, options, pool_settings.model or "shipped tiny Qwen3-VL",
-            )
-            started, _ = ray.get(controller.scale.remote(num_actors))
-            failures = _await_started(controller, started, pool_settings.startup_timeout_s)
-            if failures:
-                raise VitpoolError(f"{len(failures)} of {num_actors} encoder actors failed to start: {failures[0]}")
-            membership = ray.get(controller.membership.remote())
-            return cls(name, controller, owns_pool=True, owns_ray=owns_ray, membership=membership)
-        except BaseException:
-            if controller is not None:
-                _stop_controller(controller)
-            if owns_ray:
-                ray.shutdown()
-            raise
+        controller, owns_ray, membership = launch_pool(
+            pool_settings, num_actors, name, address, actor_options, placement_group
+        )
+        return cls(name, controller, owns_pool=True, owns_ray=owns_ray, membership=membership)
 
     @classmethod
     def connect(cls, name: str = "vitpool", address: str | None = None, timeout_s: float = 60.0) -> EncoderPool:
@@ -174,26 +122,8 @@ class EncoderPool:
             PoolUnavailableError: no pool of this name runs (or none of its actors is ready
                 within `timeout_s`).
         """
-        owns_ray = join_ray(address)
-        try:
-            try:
-                controller = ray.get_actor(name, namespace=NAMESPACE)
-            except ValueError:
-                raise PoolUnavailableError(
-                    f"no pool named {name!r} runs in this Ray cluster; start one with EncoderPool.launch"
-                ) from None
-            deadline = time.monotonic() + timeout_s
-            membership = ray.get(controller.membership.remote(), timeout=timeout_s)
-            while not membership.actors:
-                if time.monotonic() > deadline:
-                    raise PoolUnavailableError(f"pool {name!r} has no ready encoder actor after {timeout_s:.0f} s")
-                time.sleep(0.2)
-                membership = ray.get(controller.membership.remote(), timeout=timeout_s)
-            return cls(name, controller, owns_pool=False, owns_ray=owns_ray, membership=membership)
-        except BaseException:
-            if owns_ray:
-                ray.shutdown()
-            raise
+        controller, owns_ray, membership = find_pool(name, address, timeout_s)
+        return cls(name, controller, owns_pool=False, owns_ray=owns_ray, membership=membership)
 
     # encode
 
@@ -278,7 +208,7 @@ class EncoderPool:
         """
         if transport not in ("auto", "object_store", *RDT_TRANSPORTS):
             raise ConfigError(f"transport {transport!r}: use 'auto', 'object_store', 'nccl' or 'gloo'")
-        self._refresh()
+        self._watcher.refresh()
         actors = self._membership.actors
         index = min(actors) if actor_index is None else actor_index
         if index not in actors:
@@ -295,14 +225,15 @@ class EncoderPool:
         return call
 
     def _prepare_call(self, items: Sequence[Item], want_refs: bool) -> tuple[Call, list[QueuedItem]]:
-        # Checked here, in the caller's process, so a bad item costs no hop and harms no one.
+        # Checked and sized here, once, in the caller's process: a bad item costs no hop and harms
+        # no one, and the specs travel with the pixels.
         try:
             prepared = prepare_items(items, self._rules)
             limit = self._settings.max_item_tokens
             for index, item in enumerate(prepared):
-                if limit is not None and item.size.num_tokens > limit:
+                if limit is not None and item.spec.num_tokens > limit:
                     raise InvalidItemError(
-                        index, f"{item.size.num_tokens} output tokens is over this pool's max_item_tokens={limit}"
+                        index, f"{item.spec.num_tokens} output tokens is over this pool's max_item_tokens={limit}"
                     )
         except InvalidItemError:
             self._dispatcher.count_rejected(1)
@@ -313,12 +244,11 @@ class EncoderPool:
         keep_arrays = not want_refs and self._dispatcher.has_channel
         queued = [
             QueuedItem(
-                call, index, ItemCost(p.size.num_tokens, p.size.num_sequences),
-                isinstance(item, Video), p.grid, wire_dtype_name(p.pixels.dtype),
+                call, index, p.spec,
                 to_array(p.pixels) if keep_arrays else ray.put(to_array(p.pixels)),
                 p.pixels.nbytes,
             )
-            for index, (item, p) in enumerate(zip(items, prepared))
+            for index, p in enumerate(prepared)
         ]
         return call, queued
 
@@ -337,18 +267,10 @@ class EncoderPool:
     def scale(self, num_actors: int) -> None:
         """Add or remove encoder actors while work is in flight; returns when the new ones are
         ready (removed ones finish their batches first; nothing in flight is lost)."""
-        if isinstance(num_actors, bool) or not isinstance(num_actors, int) or num_actors < 1:
-            raise ConfigError(f"num_actors must be a positive integer; got {num_actors!r}")
-        placement = ray.get(self._controller.placement.remote())
-        if placement is not None:
-            check_bundles(placement, num_actors)
-        else:
-            check_capacity(ray.get(self._controller.actor_options.remote()), num_actors)
-        started, retired = ray.get(self._controller.scale.remote(num_actors))
+        retired, failures = scale_pool(self._controller, num_actors, self._settings.startup_timeout_s)
         if retired:
             logger.info("pool %r: retiring encoder actors %s", self.name, retired)
-        failures = _await_started(self._controller, started, self._settings.startup_timeout_s)
-        self._refresh()
+        self._watcher.refresh()
         if failures:
             raise VitpoolError(f"{len(failures)} new encoder actors failed to start: {failures[0]}")
 
@@ -392,16 +314,15 @@ class EncoderPool:
         if self._closed.is_set():
             return
         self._closed.set()
-        self._refresh_now.set()
+        self._watcher.close()
         self._dispatcher.close()
-        self._refresher.join(timeout=5)
 
     def shutdown(self) -> None:
         """Stop what this handle started: the pool's actors if it launched them, and the Ray
         cluster (or connection) if it started it. A handle from `connect` only detaches."""
         self.close()
         if self._owns_pool:
-            _stop_controller(self._controller)
+            stop_controller(self._controller)
             logger.info("pool %r stopped", self.name)
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
@@ -415,49 +336,31 @@ class EncoderPool:
     # membership
 
     def _actor_failed(self, actor_index: int) -> None:
-        # The dispatcher's callback (no Ray calls there): the refresher thread reports it.
-        self._failed_actors.append(actor_index)
-        self._refresh_now.set()
+        # The dispatcher's callback (no Ray calls there): the watcher's thread reports it.
+        self._watcher.report_failure(actor_index)
 
-    def _refresh_loop(self) -> None:
-        while not self._closed.is_set():
-            self._refresh_now.wait(MEMBERSHIP_REFRESH_S)
-            self._refresh_now.clear()
-            if self._closed.is_set():
-                return
-            try:
-                while self._failed_actors:
-                    index = self._failed_actors.pop(0)
-                    ray.get(self._controller.report_failure.remote(index), timeout=30)
-                self._refresh()
-            except ray.exceptions.RayError as error:
-                logger.warning("pool %r: its controller is gone (%s); calls will fail", self.name, error)
-                self._dispatcher.set_actors({}, self._dispatcher_budgets())
-                return
-
-    def _refresh(self) -> None:
-        version = ray.get(self._controller.version.remote())
-        if version == self._membership.version:
-            return
-        membership = ray.get(self._controller.membership.remote())
+    def _membership_changed(self, membership: Membership) -> None:
         self._membership = membership
-        self._dispatcher.set_actors(membership.actors, self._dispatcher_budgets())
+        self._dispatcher.set_actors(membership.actors, _common_budgets(membership.infos.values()))
         logger.info("pool %r: %d encoder actors take work", self.name, len(membership.actors))
 
-    def _channel_to(self, actor_index: int) -> ChannelClient | None:
-        """A same-node channel to the actor, if the settings allow it and the actor is on this node."""
+    def _controller_lost(self, error: BaseException) -> None:
+        self._dispatcher.set_actors({}, _common_budgets(self._membership.infos.values()))
+
+    def _link_to(self, actor_index: int) -> ActorLink:
+        """How to reach an actor: the same-node channel where the settings allow it and the actor
+        serves one on this node, else Ray calls."""
         info = self._membership.infos.get(actor_index)
-        if not self._settings.same_node_channel or info is None or info.channel is None:
-            return None
-        if info.node_id != self._node_id:
-            return None
+        channel = None
+        if self._settings.same_node_channel and info is not None and info.node_id == self._node_id:
+            channel = info.channel
         # a reply later than the batch timeout counts as a broken connection (the dispatcher has
         # given up on the batch by then)
         settings = self._settings
-        return ChannelClient(info.channel, settings.batch_timeout_s + 5.0, settings.channel_spin_s)
-
-    def _dispatcher_budgets(self) -> list[Budget]:
-        return _common_budgets(self._membership.infos.values())
+        return make_link(
+            self._membership.actors[actor_index], channel, settings.batch_timeout_s + 5.0, settings.channel_spin_s,
+            f"encoder actor {actor_index}",
+        )
 
 
 def _refs_among(results: list[Any]) -> dict[int, ray.ObjectRef]:
@@ -473,51 +376,6 @@ def _checked_list(items: Any) -> bool:
     return len(items) > 0
 
 
-def _await_started(controller: Any, started: list[tuple[int, Any, Any]], timeout_s: float) -> list[str]:
-    """Wait for new actors to load and capture, logging progress; activate each that is ready.
-    Returns the errors of those that failed (they are dropped from the pool)."""
-    pending = {ref: index for index, _, ref in started}
-    total, failures = len(started), []
-    start = last_report = time.monotonic()
-    while pending:
-        ready, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)
-        for ref in ready:
-            index = pending.pop(ref)
-            try:
-                info: ActorInfo = ray.get(ref)
-            except ray.exceptions.RayError as error:
-                failures.append(f"actor {index}: {error}")
-                ray.get(controller.forget.remote(index))
-                continue
-            ray.get(controller.activate.remote(index, info))
-            logger.info(
-                "encoder actor %d ready on %s in %.1f s (%d budgets, %d disabled) [%d/%d]",
-                index, info.device, info.startup_seconds, len(info.budgets), len(info.disabled_budgets),
-                total - len(pending), total,
-            )
-        now = time.monotonic()
-        if pending and now - last_report >= PROGRESS_EVERY_S:
-            last_report = now
-            logger.info(
-                "waiting for %d of %d encoder actors to be placed, load and capture (%.0f s; free in the "
-                "cluster now: %s)", len(pending), total, now - start, free_resources(),
-            )
-        if pending and now - start > timeout_s:
-            for ref, index in pending.items():
-                failures.append(f"actor {index}: not ready after {timeout_s:.0f} s")
-                ray.get(controller.forget.remote(index))
-            break
-    return failures
-
-
-def _stop_controller(controller: Any) -> None:
-    try:
-        ray.get(controller.shutdown.remote(), timeout=60)
-    except ray.exceptions.RayError:
-        pass
-    ray.kill(controller, no_restart=True)
-
-
 def _item_rules(membership: Membership):
     if not membership.infos:
         raise PoolUnavailableError("the pool has no ready encoder actor")
@@ -528,6 +386,6 @@ def _common_budgets(infos: Any) -> list[Budget]:
     """The budgets every actor has (they differ only if actors chose defaults on unlike GPUs)."""
     infos = list(infos)
     if not infos:
-        return [Budget(64, 64, 32)]  # placeholder until an actor joins; nothing is sent without one
+        return [Budget(64, (), 32)]  # placeholder until an actor joins; nothing is sent without one
     common = set(infos[0].budgets).intersection(*(set(i.budgets) for i in infos[1:]))
     return sorted(common) or sorted(infos[0].budgets)

@@ -32,16 +32,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import ray
 import torch
 
-from vitpool.actors import EncoderActor
 from vitpool.errors import ConfigError
-from vitpool.graphs.inputs import prepare_items
-from vitpool.items import Embedding, Item, ItemMetadata, Video
-from vitpool.models import ItemRules
-from vitpool.transport.wire import from_array, to_array, wire_dtype_name
+from vitpool.items import Embedding, Item, prepare_items
+from vitpool.specs import ItemRules
+from vitpool.transport.wire import from_array, to_array
 
 logger = logging.getLogger(__name__)
 
@@ -79,37 +76,9 @@ def received_embeddings(outputs: Sequence[Any], layout: DeliveryLayout) -> list[
     embeddings, start = [], 0
     for num_tokens in layout.tokens_per_item:
         end = start + num_tokens
-        embeddings.append(Embedding(tensors[0][start:end], [t[start:end] for t in tensors[1:]]))
+        embeddings.append(Embedding.from_outputs([t[start:end] for t in tensors]))
         start = end
     return embeddings
-
-
-class DeliveringEncoderActor(EncoderActor):
-    """An encoder actor that can also hand a call's outputs to other actors over Ray Direct
-    Transport. Ray creates actors of a class with such methods with enable_tensor_transport."""
-
-    @ray.method(tensor_transport="nccl")
-    def encode_concatenated_nccl(self, metadata: list[ItemMetadata], *pixels: np.ndarray) -> list[torch.Tensor]:
-        return self.concatenated_outputs(metadata, pixels, output_device=None)
-
-    @ray.method(tensor_transport="gloo")
-    def encode_concatenated_gloo(self, metadata: list[ItemMetadata], *pixels: np.ndarray) -> list[torch.Tensor]:
-        return self.concatenated_outputs(metadata, pixels, output_device=None)
-
-    def rdt_unavailable(self, transport: str) -> str | None:
-        """Why RDT over `transport` cannot work from this actor, or None if it can."""
-        from ray.util.collective import collective
-
-        on_gpu = self.encoder.device.type == "cuda"
-        if transport == "nccl" and not on_gpu:
-            return "NCCL moves GPU tensors, and this encoder actor runs on its CPU"
-        if transport == "nccl" and not collective.nccl_available():
-            return "Ray's NCCL collectives need cupy in the actors' environment, and it is not installed"
-        if transport == "gloo" and on_gpu:
-            return "gloo moves CPU tensors, and this encoder actor runs on a GPU (use nccl)"
-        if transport == "gloo" and not collective.gloo_available():
-            return "Ray's gloo collectives (torch.distributed) are not available in the actors' environment"
-        return None
 
 
 class RankDelivery:
@@ -136,12 +105,9 @@ class RankDelivery:
         if not items:
             raise ValueError("a delivery needs at least one item")
         prepared = prepare_items(items, self._rules)
-        metadata = [
-            (isinstance(item, Video), p.grid, wire_dtype_name(p.pixels.dtype)) for item, p in zip(items, prepared)
-        ]
         method = getattr(self._actor, _ACTOR_METHODS[self.transport])
-        reference = method.remote(metadata, *[to_array(p.pixels) for p in prepared])
-        return reference, DeliveryLayout(self.transport, self._dtype_name, tuple(p.size.num_tokens for p in prepared))
+        reference = method.remote([p.spec for p in prepared], *[to_array(p.pixels) for p in prepared])
+        return reference, DeliveryLayout(self.transport, self._dtype_name, tuple(p.spec.num_tokens for p in prepared))
 
 
 def _node_and_gpus(actor: Any) -> tuple[str, list[str]]:

@@ -8,6 +8,7 @@ from typing import Any
 
 from vitpool.errors import ConfigError
 from vitpool.packing import make_budgets
+from vitpool.specs import ActorSpec, EncoderSpec
 
 _DTYPES = ("bfloat16", "float16", "float32")
 
@@ -119,6 +120,24 @@ class PoolSettings:
         _non_negative_seconds("batch_window_s", self.batch_window_s)
         _non_negative_seconds("startup_timeout_s", self.startup_timeout_s, positive=True)
         _non_negative_seconds("retire_timeout_s", self.retire_timeout_s, positive=True)
+
+
+    def encoder_spec(self) -> EncoderSpec:
+        """What each actor's encoder is built from."""
+        return EncoderSpec(
+            self.model, self.budgets, self.max_items_per_batch, self.max_frames_per_batch, self.dtype, self.device
+        )
+
+    def actor_spec(self, num_threads: int) -> ActorSpec:
+        """What each encoder actor is built from."""
+        return ActorSpec(
+            self.encoder_spec(),
+            num_threads=num_threads,
+            serve_channel=self.same_node_channel,
+            channel_spin_s=self.channel_spin_s,
+            max_tokens_per_run=self.max_tokens_per_run,
+            deliver_to_ranks=self.rank_transport,
+        )
 
 
 def _positive_int(name: str, value: Any) -> None:

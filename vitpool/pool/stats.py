@@ -6,7 +6,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from vitpool.actors import ActorStats
+from vitpool.actors.reports import ActorStats
 
 RATE_WINDOW_S = 10.0
 

@@ -41,6 +41,7 @@ class BatchReceipt:
 class Done:
     values: list[Any]
     receipt: BatchReceipt
+    through_channel: bool = False  # came over the same-node channel (values are Embeddings)
 
 
 @dataclass(frozen=True)

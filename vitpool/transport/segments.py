@@ -1,4 +1,4 @@
-"""The shared-memory segments of the same-node channel (`vitpool.actors.local_channel`).
+"""The shared-memory segments of the same-node channel (`vitpool.transport.channel`).
 
 A caller owns its segments: files under /dev/shm that it creates, maps, and unlinks once the actor
 has mapped them too. It writes a batch's pixels into one; the actor writes the outputs back, by
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import mmap
 import os
 import tempfile
@@ -38,6 +39,9 @@ MAX_OUTPUT_SEGMENT_BYTES = 32 << 20
 # live ones (a pixel segment and the output segments). Past this many it closes the least
 # recently used: a caller that never says would otherwise grow the actor's mappings for ever.
 MAX_MAPPED_PER_CONNECTION = 32
+# Pixels have 1 to 5 dimensions (rows, or tiles [N, C, P, P], ...); an output tensor has one more
+# than its row shape. A bound keeps a peer's shape list small.
+MAX_ARRAY_DIMENSIONS = 8
 
 
 def shm_directory() -> str:
@@ -54,16 +58,28 @@ def segment_size(nbytes: int) -> int:
 
 
 def array_at(buffer: mmap.mmap, dtype_name: str, offset: int, shape: Sequence[int]) -> np.ndarray:
-    """A view of `buffer` as an array; ValueError if it does not lie inside."""
+    """A view of `buffer` as an array of `shape` (1 to MAX_ARRAY_DIMENSIONS dimensions) and wire
+    dtype `dtype_name`, starting at byte `offset`; ValueError if it does not lie inside.
+
+    Every value may come from a peer, so each is checked before NumPy sees it.
+    """
     if dtype_name not in WIRE_DTYPES:
         raise ValueError(f"unknown dtype {dtype_name!r}")
     dtype = WIRE_DTYPES[dtype_name][1]
-    if len(shape) != 2 or any(not isinstance(n, int) or n < 0 for n in shape):
-        raise ValueError(f"bad shape {shape!r}")
-    count = shape[0] * shape[1]
-    if not isinstance(offset, int) or offset < 0 or offset + count * dtype.itemsize > len(buffer):
+    if (
+        not isinstance(shape, (list, tuple))
+        or not 1 <= len(shape) <= MAX_ARRAY_DIMENSIONS
+        or any(not _is_int(n) or n < 0 for n in shape)
+    ):
+        raise ValueError(f"bad shape {shape!r}: 1 to {MAX_ARRAY_DIMENSIONS} non-negative integers are needed")
+    count = math.prod(shape)  # Python integers: a huge shape cannot overflow past the check below
+    if not _is_int(offset) or offset < 0 or offset + count * dtype.itemsize > len(buffer):
         raise ValueError(f"{count} values at offset {offset} do not fit the {len(buffer)}-byte segment")
-    return np.frombuffer(buffer, dtype=dtype, count=count, offset=offset).reshape(shape)
+    return np.frombuffer(buffer, dtype=dtype, count=count, offset=offset).reshape(tuple(shape))
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 # the caller's side

@@ -1,0 +1,236 @@
+"""What every model adapter must do, checked the same way for each family (CPU, fp32).
+
+A new family adds one line to FAMILIES: how to build an encoder of it, its reference forward on
+one item alone (Hugging Face's own tower where transformers has the family), how an item looks
+given its spec, and a few bad items. The suite checks:
+
+- the static forward through GraphEncoder against the reference, item by item, at every budget;
+- padding rows and neighbours do not change an item's rows;
+- `sample_specs` gives valid items that fit the budget (capture and checks rely on them);
+- bad items raise InvalidItemError naming the item; non-finite pixels fail their item alone;
+- the item rules pickle, and import without transformers (a pool's callers load them).
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import random
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import toy_family
+from conftest import ROW_WIDTH, reference_outputs, relative_error
+
+from vitpool import GraphEncoder, Image, InvalidItemError, Video
+from vitpool.graphs.inputs import totals
+from vitpool.items import prepare_item
+from vitpool.packing import fits
+from vitpool.specs import VIDEO, BatchPlan, ItemSpec
+
+TOLERANCE = 1e-5
+TESTS_DIRECTORY = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class FamilyCase:
+    """One family under the suite.
+
+    Attributes:
+        make_encoder: a CPU fp32 encoder of the family with these token budgets.
+        reference: the encoder -> the family's reference forward of one item alone (its outputs
+            in `OutputLayout` order).
+        item_for: an item with this spec and these pixels, as a caller would build it.
+        bad_items: (an item the rules must refuse, words of the message).
+        budgets: a small ladder of token budgets.
+    """
+
+    make_encoder: Callable[[list[int]], GraphEncoder]
+    reference: Callable[[GraphEncoder], Callable[[Any], list[torch.Tensor]]]
+    item_for: Callable[[ItemSpec, torch.Tensor], Any]
+    bad_items: tuple[tuple[Any, str], ...]
+    budgets: tuple[int, ...]
+
+
+def qwen3_vl_reference(encoder: GraphEncoder) -> Callable[[Any], list[torch.Tensor]]:
+    tower = copy.deepcopy(encoder.adapter.tower)
+    tower.config._attn_implementation = "sdpa"  # Hugging Face's own path, one item at a time
+
+    def outputs(item: Any) -> list[torch.Tensor]:
+        tokens, deepstack = reference_outputs(tower, item)
+        return [tokens, *deepstack]
+
+    return outputs
+
+
+QWEN3_VL = FamilyCase(
+    make_encoder=lambda budgets: GraphEncoder.from_pretrained(None, budgets=budgets, device="cpu", dtype=torch.float32),
+    reference=qwen3_vl_reference,
+    item_for=lambda spec, pixels: (Video if spec.modality == VIDEO else Image)(pixels, spec.layout),
+    bad_items=(
+        (Image(torch.randn(16, 1000), (1, 4, 4)), "1000 features per row"),
+        (Image(torch.randn(1, 16, ROW_WIDTH), (1, 4, 4)), "must be 2-D"),
+        (Image(torch.randn(16, ROW_WIDTH)), "three integers"),
+    ),
+    budgets=(16, 32, 64),
+)
+
+
+def toy_reference(encoder: GraphEncoder) -> Callable[[Any], list[torch.Tensor]]:
+    return lambda item: list(encoder.adapter.tower(item.pixel_values))
+
+
+TOY_TILES = FamilyCase(
+    make_encoder=lambda budgets: GraphEncoder(
+        toy_family.ToyTilesAdapter(toy_family.ToyTilesTower(toy_family.ToyTilesConfig())),
+        budgets=budgets, device="cpu", dtype=torch.float32,
+    ),
+    reference=toy_reference,
+    item_for=lambda spec, pixels: Image(pixels),
+    bad_items=(
+        (Image(torch.randn(2, 3, 8, 8), (1, 2, 2)), "no grid"),
+        (Image(torch.randn(4, 192)), "must be tiles"),
+    ),
+    budgets=(8, 16, 32),
+)
+
+# One line per family.
+FAMILIES = {
+    "qwen3_vl": QWEN3_VL,
+    "toy_tiles": TOY_TILES,
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def case(request) -> FamilyCase:
+    return FAMILIES[request.param]
+
+
+@pytest.fixture(scope="module")
+def encoder(case) -> GraphEncoder:
+    return case.make_encoder(list(case.budgets))
+
+
+@pytest.fixture(scope="module")
+def reference(case, encoder):
+    return case.reference(encoder)
+
+
+def sampled(case: FamilyCase, encoder: GraphEncoder, budget, seed: int) -> tuple[list[ItemSpec], list[torch.Tensor]]:
+    """Random valid items for `budget` from the adapter, with random pixels."""
+    specs = encoder.adapter.sample_specs(encoder.adapter.max_rows(budget.num_tokens), budget, random.Random(seed))
+    generator = torch.Generator().manual_seed(seed)
+    return specs, [torch.randn(spec.pixel_shape, generator=generator) for spec in specs]
+
+
+def fitting_budget(encoder: GraphEncoder, specs: list[ItemSpec]):
+    """The smallest budget that holds these items, rows included; None if none does."""
+    for budget in encoder.budgets:
+        rows_fit = sum(spec.num_rows for spec in specs) <= encoder.adapter.max_rows(budget.num_tokens)
+        if rows_fit and fits(budget, *totals(specs)):
+            return budget
+    return None
+
+
+def assert_matches(case, encoder, reference, specs, pixels, outcomes) -> None:
+    assert len(outcomes) == len(specs)
+    for spec, item_pixels, embedding in zip(specs, pixels, outcomes):
+        assert [tuple(t.shape) for t in embedding.outputs] == encoder.output_layout.shapes(spec.num_tokens)
+        with torch.no_grad():
+            expected = reference(case.item_for(spec, item_pixels))
+        for got, want in zip(embedding.outputs, expected, strict=True):
+            assert torch.isfinite(got).all()
+            assert relative_error(got, want) <= TOLERANCE
+
+
+def test_every_budget_matches_the_reference(case, encoder, reference):
+    for number, budget in enumerate(encoder.budgets):
+        specs, pixels = sampled(case, encoder, budget, seed=number)
+        before = encoder.stats().replays_per_budget.get(budget.num_tokens, 0)
+        [outcomes] = encoder.run_plans([(BatchPlan(budget, tuple(specs)), pixels)], "cpu")
+        assert_matches(case, encoder, reference, specs, pixels, outcomes)
+        assert encoder.stats().replays_per_budget[budget.num_tokens] == before + 1
+
+
+def test_padding_and_neighbours_do_not_change_an_items_rows(case, encoder):
+    smallest, largest = encoder.budgets[0], encoder.budgets[-1]
+    [spec], [pixels] = (values[:1] for values in sampled(case, encoder, smallest, seed=11))
+    neighbours, neighbour_pixels = sampled(case, encoder, largest, seed=12)
+    plans = {
+        "alone, smallest budget": BatchPlan(smallest, (spec,)),
+        "alone, largest budget": BatchPlan(largest, (spec,)),
+    }
+    runs = {name: encoder.run_plans([(plan, [pixels])], "cpu")[0][0] for name, plan in plans.items()}
+    crowded_specs, crowded_pixels = [], []
+    for neighbour, neighbour_pixel in zip(neighbours, neighbour_pixels):  # as many as fit beside the item
+        if fitting_budget(encoder, [*crowded_specs, neighbour, spec]) is not None:
+            crowded_specs.append(neighbour)
+            crowded_pixels.append(neighbour_pixel)
+    assert crowded_specs, "no neighbour fits beside the item"
+    crowded_specs, crowded_pixels = [*crowded_specs, spec], [*crowded_pixels, pixels]
+    crowded = BatchPlan(fitting_budget(encoder, crowded_specs), tuple(crowded_specs))
+    runs["with neighbours"] = encoder.run_plans([(crowded, crowded_pixels)], "cpu")[0][-1]
+    for name, embedding in runs.items():
+        for got, want in zip(embedding.outputs, runs["alone, smallest budget"].outputs, strict=True):
+            assert relative_error(got, want) <= TOLERANCE, name
+
+
+def test_sampled_items_are_valid_and_fit_their_budget(case, encoder):
+    rules = encoder.adapter.item_rules
+    for number, budget in enumerate(encoder.budgets):
+        specs, pixels = sampled(case, encoder, budget, seed=100 + number)
+        assert specs, f"no items sampled for {budget}"
+        for spec, item_pixels in zip(specs, pixels):
+            assert prepare_item(0, case.item_for(spec, item_pixels), rules).spec == spec
+        assert fits(budget, *totals(specs))
+        assert sum(spec.num_rows for spec in specs) <= encoder.adapter.max_rows(budget.num_tokens)
+
+
+def test_a_bad_item_is_named_and_the_encoder_keeps_working(case, encoder):
+    [good], [good_pixels] = (values[:1] for values in sampled(case, encoder, encoder.budgets[0], seed=21))
+    good_item = case.item_for(good, good_pixels)
+    before = encoder.encode([good_item])[0].tokens
+    for bad, words in case.bad_items:
+        with pytest.raises(InvalidItemError) as raised:
+            encoder.encode([good_item, bad])
+        assert raised.value.index == 1 and words in str(raised.value)
+    assert torch.equal(encoder.encode([good_item])[0].tokens, before)
+
+
+def test_non_finite_pixels_fail_their_item_alone(case, encoder, reference):
+    specs, pixels = next(
+        sample for seed in range(31, 100) if len((sample := sampled(case, encoder, encoder.budgets[-1], seed))[0]) >= 2
+    )
+    specs, pixels = specs[:2], pixels[:2]
+    pixels[1].view(-1)[0] = float("nan")
+    [outcomes] = encoder.run_plans([(BatchPlan(fitting_budget(encoder, specs), tuple(specs)), pixels)], "cpu")
+    assert isinstance(outcomes[1], InvalidItemError) and outcomes[1].index == 1
+    assert "NaN or infinity" in outcomes[1].reason
+    assert_matches(case, encoder, reference, specs[:1], pixels[:1], outcomes[:1])
+
+
+def test_item_rules_pickle_and_give_equal_specs(case, encoder):
+    rules = encoder.adapter.item_rules
+    unpickled = pickle.loads(pickle.dumps(rules))
+    assert unpickled == rules
+    specs, pixels = sampled(case, encoder, encoder.budgets[-1], seed=41)
+    for spec, item_pixels in zip(specs, pixels):
+        item = case.item_for(spec, item_pixels)
+        assert prepare_item(0, item, unpickled).spec == prepare_item(0, item, rules).spec == spec
+    assert unpickled.budgets(list(case.budgets), None, None) == encoder.budgets
+
+
+def test_item_rules_import_without_transformers(encoder):
+    module = type(encoder.adapter.item_rules).__module__
+    check = (
+        f"import sys; sys.path.insert(0, {str(TESTS_DIRECTORY)!r}); import {module}; "
+        "assert 'transformers' not in sys.modules, sorted(m for m in sys.modules if 'transformers' in m)"
+    )
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr

@@ -1,0 +1,106 @@
+"""Capturing a GraphEncoder's budgets: largest first, into one shared memory pool, each checked
+against the eager run of the same static forward right after its capture.
+
+A budget whose replay does not match eager (or gives a non-finite row) is disabled: its batches
+run the static forward eagerly, counted in the stats.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from vitpool.packing import Budget
+
+if TYPE_CHECKING:
+    from vitpool.graphs.encoder import GraphEncoder
+
+logger = logging.getLogger(__name__)
+
+# Largest relative error (Frobenius norm) a replay may show against eager before its budget is
+# disabled. Graph and eager run the same kernels, so a healthy graph is far below these.
+CHECK_TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+
+
+def capture_all(encoder: GraphEncoder) -> None:
+    """Capture every budget of `encoder`, largest first, into one shared pool; check each right after."""
+    start = time.perf_counter()
+    pool = torch.cuda.graph_pool_handle()
+    rng = random.Random(0)
+    generator = torch.Generator(device=encoder.device).manual_seed(0)
+    stats = encoder._stats
+    total = len(encoder.budgets)
+    with torch.no_grad():
+        for number, budget in enumerate(reversed(encoder.budgets), start=1):
+            budget_start = time.perf_counter()
+            graph = _capture(encoder, budget, pool, rng, generator)
+            error = _check(encoder, budget, graph, rng, generator)
+            tolerance = CHECK_TOLERANCE[encoder.dtype]
+            if error <= tolerance:
+                encoder._graphs[budget] = graph
+                stats.captured_budgets.append((budget.num_tokens, budget.max_sequences))
+                logger.info(
+                    "captured budget %d/%d: %d tokens (%d rows), limits %s, %d items in %.2f s, rel. error %.1e",
+                    number, total, budget.num_tokens, encoder._rows(budget), dict(budget.limits), budget.max_items,
+                    time.perf_counter() - budget_start, error,
+                )
+            else:
+                stats.disabled_budgets.append((budget.num_tokens, budget.max_sequences))
+                logger.warning(
+                    "budget %d tokens, limits %s disabled, it will run eager: replay vs eager "
+                    "rel. error %.1e (tolerance %.0e, inf = non-finite output)",
+                    budget.num_tokens, dict(budget.limits), error, tolerance,
+                )
+    # Give back what the eager warm-ups and checks cached; the graphs' pool stays reserved.
+    torch.cuda.empty_cache()
+    stats.capture_seconds = time.perf_counter() - start
+    logger.info(
+        "captured %d of %d budgets in %.2f s (%.2f GiB reserved on %s, weights included)",
+        len(encoder._graphs), total, stats.capture_seconds,
+        torch.cuda.memory_reserved(encoder.device) / 1024**3, encoder.device,
+    )
+
+
+def _capture(
+    encoder: GraphEncoder, budget: Budget, pool: tuple, rng: random.Random, generator: torch.Generator
+) -> torch.cuda.CUDAGraph:
+    encoder._fill_random(budget, rng, generator)
+    # warm-up on a side stream: lazy initialisation (cuBLAS handles, kernels) stays out of the graph
+    side_stream = torch.cuda.Stream(encoder.device)
+    side_stream.wait_stream(torch.cuda.current_stream(encoder.device))
+    with torch.cuda.stream(side_stream):
+        _forward_into_outputs(encoder, budget)
+    torch.cuda.current_stream(encoder.device).wait_stream(side_stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        _forward_into_outputs(encoder, budget)
+    return graph
+
+
+def _forward_into_outputs(encoder: GraphEncoder, budget: Budget) -> None:
+    # Copy into the shared output buffers, so no graph keeps outputs of its own alive in the pool.
+    outputs = encoder._static_forward(budget)
+    for target, output in zip(encoder._buffers.output_views(budget.num_tokens), outputs):
+        target.copy_(output[: budget.num_tokens])
+
+
+def _check(
+    encoder: GraphEncoder, budget: Budget, graph: torch.cuda.CUDAGraph, rng: random.Random, generator: torch.Generator
+) -> float:
+    """Replay on fresh random items and compare with eager; inf if any output row is non-finite."""
+    encoder._fill_random(budget, rng, generator)
+    graph.replay()
+    replayed = encoder._buffers.output_views(budget.num_tokens)
+    eager = [output[: budget.num_tokens] for output in encoder._static_forward(budget)]
+    error = 0.0
+    for got, expected in zip(replayed, eager):
+        if not bool(torch.isfinite(got).all()):
+            return float("inf")
+        difference = torch.linalg.vector_norm((got - expected).float())
+        scale = torch.linalg.vector_norm(expected.float()).clamp_min(1e-12)
+        error = max(error, float(difference / scale))
+    return error

@@ -1,0 +1,171 @@
+"""Starting a pool's actors and finding a running pool: what `EncoderPool.launch`, `connect` and
+`scale` do on Ray before a handle exists."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import ray
+
+from vitpool.actors.reports import ActorInfo
+from vitpool.errors import ConfigError, PoolUnavailableError, VitpoolError
+from vitpool.pool.cluster import (
+    check_bundles,
+    check_capacity,
+    cluster_gpus,
+    colocated_options,
+    default_threads,
+    free_resources,
+    join_ray,
+)
+from vitpool.pool.controller import MAX_WATCHING_HANDLES, NAMESPACE, WATCH_GROUP, Membership, PoolController
+from vitpool.pool.settings import PoolSettings
+
+logger = logging.getLogger(__name__)
+
+PROGRESS_EVERY_S = 15.0
+CONTROLLER_CONCURRENCY = 32  # scaling, failure reports, stats; long polls have their own group
+
+
+def launch_pool(
+    settings: PoolSettings,
+    num_actors: int | None,
+    name: str,
+    address: str | None,
+    actor_options: dict[str, Any] | None,
+    placement_group: Any,
+) -> tuple[Any, bool, Membership]:
+    """Start the controller and its actors; returns (controller, whether this joined Ray, the
+    membership once every actor is ready). Leaves nothing behind when it raises."""
+    if num_actors is not None and (isinstance(num_actors, bool) or not isinstance(num_actors, int) or num_actors < 1):
+        raise ConfigError(f"num_actors must be a positive integer or None; got {num_actors!r}")
+    owns_ray = join_ray(address)
+    controller = None
+    try:
+        placement = None
+        if placement_group is not None:
+            options, placement = colocated_options(placement_group, actor_options)
+            num_actors = len(placement.bundles) if num_actors is None else num_actors
+            check_bundles(placement, num_actors)
+        else:
+            gpus = cluster_gpus()
+            options = {"num_gpus": 1 if gpus >= 1 else 0, "num_cpus": 1, **(actor_options or {})}
+            if num_actors is None:
+                num_actors = max(1, int(gpus)) if options.get("num_gpus") else 1
+            check_capacity(options, num_actors)
+        threads = settings.actor_threads or default_threads(options, num_actors)
+        try:
+            controller = (
+                ray.remote(concurrency_groups={WATCH_GROUP: MAX_WATCHING_HANDLES})(PoolController)
+                .options(name=name, namespace=NAMESPACE, num_cpus=0, max_concurrency=CONTROLLER_CONCURRENCY)
+                .remote(name, settings, options, threads, placement)
+            )
+            ray.get(controller.version.remote())
+        except ValueError as error:  # Ray: the name is taken
+            controller = None
+            raise ConfigError(
+                f"a pool named {name!r} is already running ({error}); connect to it with "
+                f"EncoderPool.connect({name!r}) or launch with another name"
+            ) from None
+        logger.info(
+            "launching pool %r: %d encoder actors (%s), model %s",
+            name, num_actors, options, settings.model or "shipped tiny Qwen3-VL",
+        )
+        started, _ = ray.get(controller.scale.remote(num_actors))
+        failures = await_started(controller, started, settings.startup_timeout_s)
+        if failures:
+            raise VitpoolError(f"{len(failures)} of {num_actors} encoder actors failed to start: {failures[0]}")
+        return controller, owns_ray, ray.get(controller.membership.remote())
+    except BaseException:
+        if controller is not None:
+            stop_controller(controller)
+        if owns_ray:
+            ray.shutdown()
+        raise
+
+
+def find_pool(name: str, address: str | None, timeout_s: float) -> tuple[Any, bool, Membership]:
+    """A running pool's controller, whether this joined Ray, and its membership once an actor is
+    ready. Raises PoolUnavailableError when there is no such pool or no ready actor in time."""
+    owns_ray = join_ray(address)
+    try:
+        try:
+            controller = ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:
+            raise PoolUnavailableError(
+                f"no pool named {name!r} runs in this Ray cluster; start one with EncoderPool.launch"
+            ) from None
+        deadline = time.monotonic() + timeout_s
+        membership = ray.get(controller.membership.remote(), timeout=timeout_s)
+        while not membership.actors:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise PoolUnavailableError(f"pool {name!r} has no ready encoder actor after {timeout_s:.0f} s")
+            changed = ray.get(controller.wait_for_change.remote(membership.version, remaining), timeout=timeout_s)
+            membership = changed or membership
+        return controller, owns_ray, membership
+    except BaseException:
+        if owns_ray:
+            ray.shutdown()
+        raise
+
+
+def scale_pool(controller: Any, num_actors: int, startup_timeout_s: float) -> tuple[list[int], list[str]]:
+    """Start or retire actors so that `num_actors` take work; returns (retired indices, errors of
+    new actors that failed to start)."""
+    if isinstance(num_actors, bool) or not isinstance(num_actors, int) or num_actors < 1:
+        raise ConfigError(f"num_actors must be a positive integer; got {num_actors!r}")
+    placement = ray.get(controller.placement.remote())
+    if placement is not None:
+        check_bundles(placement, num_actors)
+    else:
+        check_capacity(ray.get(controller.actor_options.remote()), num_actors)
+    started, retired = ray.get(controller.scale.remote(num_actors))
+    return retired, await_started(controller, started, startup_timeout_s)
+
+
+def await_started(controller: Any, started: list[tuple[int, Any, Any]], timeout_s: float) -> list[str]:
+    """Wait for new actors to load and capture, logging progress; activate each that is ready.
+    Returns the errors of those that failed (they are dropped from the pool)."""
+    pending = {ref: index for index, _, ref in started}
+    total, failures = len(started), []
+    start = last_report = time.monotonic()
+    while pending:
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=1.0)
+        for ref in ready:
+            index = pending.pop(ref)
+            try:
+                info: ActorInfo = ray.get(ref)
+            except ray.exceptions.RayError as error:
+                failures.append(f"actor {index}: {error}")
+                ray.get(controller.forget.remote(index))
+                continue
+            ray.get(controller.activate.remote(index, info))
+            logger.info(
+                "encoder actor %d ready on %s in %.1f s (%d budgets, %d disabled) [%d/%d]",
+                index, info.device, info.startup_seconds, len(info.budgets), len(info.disabled_budgets),
+                total - len(pending), total,
+            )
+        now = time.monotonic()
+        if pending and now - last_report >= PROGRESS_EVERY_S:
+            last_report = now
+            logger.info(
+                "waiting for %d of %d encoder actors to be placed, load and capture (%.0f s; free in the "
+                "cluster now: %s)", len(pending), total, now - start, free_resources(),
+            )
+        if pending and now - start > timeout_s:
+            for index in pending.values():
+                failures.append(f"actor {index}: not ready after {timeout_s:.0f} s")
+                ray.get(controller.forget.remote(index))
+            break
+    return failures
+
+
+def stop_controller(controller: Any) -> None:
+    try:
+        ray.get(controller.shutdown.remote(), timeout=60)
+    except ray.exceptions.RayError:
+        pass
+    ray.kill(controller, no_restart=True)

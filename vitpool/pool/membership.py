@@ -1,0 +1,87 @@
+"""A handle's view of who is in the pool, kept current by the controller's answers rather than
+by polling: one long poll is always open (`PoolController.wait_for_change`), answered the
+moment the membership changes, and asked again after it times out. The same thread reports the
+actors this handle saw die, so that the dispatcher's callbacks never make Ray calls.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import ray
+
+from vitpool.pool.controller import Membership
+
+logger = logging.getLogger(__name__)
+
+LONG_POLL_S = 10.0  # how long one poll waits for a change before it is asked again
+REPORT_TIMEOUT_S = 30.0
+
+
+class MembershipWatcher:
+    """Calls `on_change(membership)` with every newer membership, in version order, from its
+    thread (or from `refresh`'s caller); `report_failure(index)` tells the controller of a dead or
+    silent actor, from any thread, without blocking; `on_lost()` runs once if the controller goes.
+    """
+
+    def __init__(
+        self,
+        controller: Any,
+        membership: Membership,
+        on_change: Callable[[Membership], None],
+        on_lost: Callable[[BaseException], None],
+    ) -> None:
+        self._controller = controller
+        self._on_change = on_change
+        self._on_lost = on_lost
+        self._version = membership.version
+        self._lock = threading.Lock()  # orders the memberships handed to on_change
+        self._wake = threading.Event()
+        self._closed = False
+        self._failed: list[int] = []
+        self._thread = threading.Thread(target=self._run, name="vitpool-membership", daemon=True)
+        self._thread.start()
+
+    def report_failure(self, actor_index: int) -> None:
+        self._failed.append(actor_index)
+        self._wake.set()
+
+    def refresh(self) -> None:
+        """Bring the view up to date now (after scaling, before picking an actor)."""
+        self._apply(ray.get(self._controller.membership.remote()))
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake.set()
+        self._thread.join(timeout=5)
+
+    def _apply(self, membership: Membership | None) -> None:
+        with self._lock:
+            if membership is None or membership.version <= self._version:
+                return
+            self._version = membership.version
+            self._on_change(membership)
+
+    def _run(self) -> None:
+        poll = None
+        try:
+            while not self._closed:
+                while self._failed:
+                    index = self._failed.pop(0)
+                    ray.get(self._controller.report_failure.remote(index), timeout=REPORT_TIMEOUT_S)
+                if poll is None:
+                    poll = self._controller.wait_for_change.remote(self._version, LONG_POLL_S)
+                    poll.future().add_done_callback(lambda _: self._wake.set())
+                self._wake.wait()
+                self._wake.clear()
+                ready, _ = ray.wait([poll], timeout=0)
+                if ready:
+                    self._apply(ray.get(poll))
+                    poll = None
+        except ray.exceptions.RayError as error:
+            if not self._closed:
+                logger.warning("the pool's controller is gone (%s); calls will fail", error)
+                self._on_lost(error)
