@@ -35,7 +35,7 @@ import torch
 from common import image, once_ms, save_random_tower, summarize
 
 from vitpool import EncoderPool, GraphEncoder
-from vitpool.actors import local_channel, segments
+from vitpool.transport import channel_client, segments
 
 WORKLOADS = {"1x224": lambda: [image(224)], "4x224": lambda: [image(224) for _ in range(4)]}
 PHASES = (
@@ -46,10 +46,10 @@ PHASES = (
 
 def install_actor_probes(actor) -> bool:
     """Run inside the encoder actor: every channel reply carries the actor's timestamps."""
-    from vitpool.actors import local_channel as channel
+    from vitpool.transport import channel_server as channel
 
     stamps = threading.local()
-    receive, send = channel._receive_message, channel._send_message
+    receive, send = channel.receive_message, channel.send_message
     server = actor._channel
     run_batch = server._run_batch
 
@@ -69,7 +69,7 @@ def install_actor_probes(actor) -> bool:
         probe = [stamps.received, stamps.run_start, stamps.run_end, time.perf_counter()]
         send(connection, dict(message, probe=probe))
 
-    channel._receive_message, channel._send_message = timed_receive, timed_send
+    channel.receive_message, channel.send_message = timed_receive, timed_send
     server._run_batch = timed_run_batch
     return True
 
@@ -80,7 +80,7 @@ class CallerProbes:
 
     def __init__(self) -> None:
         self.last = threading.local()
-        receive, send = local_channel._receive_message, local_channel._send_message
+        receive, send = channel_client.receive_message, channel_client.send_message
 
         def timed_send(connection, message):
             self.last.sent = time.perf_counter()  # before: the actor may read it before sendall returns
@@ -91,7 +91,7 @@ class CallerProbes:
             self.last.received, self.last.probe = time.perf_counter(), (message or {}).get("probe")
             return message
 
-        local_channel._receive_message, local_channel._send_message = timed_receive, timed_send
+        channel_client.receive_message, channel_client.send_message = timed_receive, timed_send
 
     def phases(self, start: float, end: float) -> dict[str, float]:
         received_at, run_start, run_end, replied_at = self.last.probe

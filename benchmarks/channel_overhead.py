@@ -26,52 +26,54 @@ import numpy as np
 import torch
 from common import image, once_ms, save_random_tower, summarize
 
-from vitpool import EncoderPool, GraphEncoder, Video
-from vitpool.actors import OK, BatchReceipt, EncoderActor
-from vitpool.actors.local_channel import ChannelClient, ChannelInfo, ChannelServer
-from vitpool.items import Embedding
-from vitpool.transport.wire import to_array, wire_dtype_name
+from vitpool import EncoderPool, GraphEncoder
+from vitpool.actors.encoder_actor import EncoderActor
+from vitpool.items import Embedding, prepare_items
+from vitpool.packing import pack
+from vitpool.specs import ActorSpec, BatchPlan, EncoderSpec, OutputLayout
+from vitpool.transport.channel import ChannelClient, ChannelInfo, ChannelServer
+from vitpool.transport.link import OK, BatchReceipt
+from vitpool.transport.wire import to_array
 
 WORKLOADS = {"1x224": lambda: [image(224)], "4x224": lambda: [image(224) for _ in range(4)]}
 
 
-def serve_echo(connection, output_width: int, num_deepstack: int) -> None:
-    def zeros(tokens: int) -> torch.Tensor:  # NumPy's: torch's would wake a CPU thread pool
-        return torch.from_numpy(np.zeros((tokens, output_width), dtype=np.int16)).view(torch.bfloat16)
+def actor_spec(directory: str, serve_channel: bool = True) -> ActorSpec:
+    return ActorSpec(EncoderSpec(model=directory, dtype="bfloat16", device="cuda"), num_threads=4,
+                     serve_channel=serve_channel)
 
-    def run_batch(metadata, pixels, output_device):
-        values = []
-        for rows in pixels:
-            tokens = rows.shape[0] // 4
-            values.append(Embedding(zeros(tokens), [zeros(tokens) for _ in range(num_deepstack)]))
+
+def serve_echo(connection, layout: OutputLayout) -> None:
+    def zeros(shape: tuple[int, ...]) -> torch.Tensor:  # NumPy's: torch's would wake a CPU thread pool
+        return torch.from_numpy(np.zeros(shape, dtype=np.int16)).view(torch.bfloat16)
+
+    def run_batch(plan, pixels, output_device):
+        values = [Embedding.from_outputs([zeros(s) for s in layout.shapes(spec.num_tokens)]) for spec in plan.specs]
         return values, BatchReceipt(OK)
 
-    server = ChannelServer(run_batch, name="echo")
-    connection.send(server.address)
+    server = ChannelServer(run_batch, "echo", None, 0.0, layout)
+    connection.send(server.info)
     connection.recv()  # until told to stop
 
 
 def serve_actor(connection, directory: str) -> None:
-    actor = EncoderActor(0, directory, None, None, None, "bfloat16", "cuda", num_threads=4)
-    info = actor.info().channel
-    connection.send(info.address)
+    actor = EncoderActor(0, actor_spec(directory))
+    connection.send(actor.info().channel)
     connection.recv()
 
 
-def channel_items(items) -> list:
-    return [
-        (
-            (isinstance(item, Video), tuple(item.grid_thw), wire_dtype_name(item.pixel_values.dtype)),
-            to_array(item.pixel_values),
-            item.pixel_values.shape[0] // 4,
-        )
-        for item in items
+def planned(items, actor) -> tuple[BatchPlan, list]:
+    """The items as the pool's dispatcher would send them: one plan, their pixels as arrays."""
+    prepared = prepare_items(items, actor.encoder.adapter.item_rules)
+    [batch] = pack([p.spec for p in prepared], actor.encoder.budgets)
+    return BatchPlan(batch.budget, tuple(prepared[i].spec for i in batch.item_indices)), [
+        to_array(prepared[i].pixels) for i in batch.item_indices
     ]
 
 
-def channel_call(client: ChannelClient, items: list) -> None:
+def channel_call(client: ChannelClient, plan: BatchPlan, pixels: list) -> None:
     future: concurrent.futures.Future = concurrent.futures.Future()
-    client.submit(items, future.set_result)
+    client.submit(plan, pixels, future.set_result)
     reply = future.result(60)
     assert not isinstance(reply, BaseException), reply
 
@@ -89,21 +91,20 @@ def main() -> None:
     gpu = torch.cuda.get_device_name()
     directory = str(save_random_tower(tempfile.mkdtemp(prefix="vitpool-bench-")))
     encoder = GraphEncoder.from_pretrained(directory, device="cuda", dtype=torch.bfloat16)
-    actor = EncoderActor(0, directory, None, None, None, "bfloat16", "cuda", num_threads=4, serve_channel=False)
-    spec = actor.encoder.adapter
+    actor = EncoderActor(0, actor_spec(directory, serve_channel=False))
 
     context = multiprocessing.get_context("spawn")
     clients, children = {}, []
     for name, target, target_args in (
-        ("echo_channel", serve_echo, (spec.output_width, spec.num_deepstack)),
+        ("echo_channel", serve_echo, (actor.encoder.output_layout,)),
         ("actor_channel", serve_actor, (directory,)),
     ):
         parent_end, child_end = context.Pipe()
         child = context.Process(target=target, args=(child_end, *target_args), daemon=True)
         child.start()
         children.append((child, parent_end))
-        address = parent_end.recv()
-        clients[name] = ChannelClient(ChannelInfo(address, spec.output_width, spec.num_deepstack, "bfloat16"))
+        info: ChannelInfo = parent_end.recv()
+        clients[name] = ChannelClient(info)
     pool = EncoderPool.launch(model=directory, num_actors=1, dtype="bfloat16", actor_options={"num_gpus": 0.5})
 
     results = {
@@ -112,13 +113,12 @@ def main() -> None:
     }
     for workload, build in WORKLOADS.items():
         items = build()
-        wire = channel_items(items)
-        metadata, pixels = [w[0] for w in wire], [w[1] for w in wire]
+        plan, pixels = planned(items, actor)
         paths = {
             "in_process": lambda: encoder.encode(items),
-            "actor_in_process": lambda: actor.run_batch(metadata, pixels),
-            "echo_channel": lambda: channel_call(clients["echo_channel"], wire),
-            "actor_channel": lambda: channel_call(clients["actor_channel"], wire),
+            "actor_in_process": lambda: actor.run_batch(plan, pixels),
+            "echo_channel": lambda: channel_call(clients["echo_channel"], plan, pixels),
+            "actor_channel": lambda: channel_call(clients["actor_channel"], plan, pixels),
             "pool": lambda: pool.encode(items),
         }
         if args.paths:

@@ -15,6 +15,7 @@ from encoder_latency import QWEN3_VL_8B_VISION
 from torch.profiler import ProfilerActivity, profile
 
 from vitpool.models import load_adapter
+from vitpool.packing import SEQUENCES, Budget
 
 
 def main() -> None:
@@ -26,8 +27,10 @@ def main() -> None:
         adapter = load_adapter(directory, torch.device("cuda"), torch.bfloat16)
     side = 2 * int(args.rows**0.5 / 2)  # one square image, the rest padding
     grids = [(1, side, side)]
-    metadata = {k: v.cuda() for k, v in adapter.build_metadata(grids, args.rows, 4).items()}
-    pixels = torch.randn(args.rows, adapter.row_width, device="cuda", dtype=torch.bfloat16)
+    spec = adapter.item_rules.item_spec("image", (side * side, *adapter.row_shape), "bfloat16", grids[0])
+    budget = Budget(args.rows // 4, ((SEQUENCES, 4),), 4)
+    metadata = {k: v.cuda() for k, v in adapter.build_metadata([spec], args.rows, budget).items()}
+    pixels = torch.randn(args.rows, *adapter.row_shape, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         for _ in range(3):
             adapter.forward(pixels, metadata)

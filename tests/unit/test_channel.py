@@ -170,10 +170,10 @@ def test_the_output_layout_is_aligned_and_packed():
     layout = OutputLayout(MIXED, "float32")
     offsets, nbytes = item_output_offsets(layout, 3)
     sizes = [3 * 48 * 4, 3 * 15 * 4, 3 * 7 * 4, 3 * 8 * 4]
-    assert offsets == [0, segments.aligned(sizes[0]), segments.aligned(sizes[0]) + segments.aligned(sizes[1]),
-                       segments.aligned(sizes[0]) + segments.aligned(sizes[1]) + segments.aligned(sizes[2])]
+    assert offsets == (0, segments.aligned(sizes[0]), segments.aligned(sizes[0]) + segments.aligned(sizes[1]),
+                       segments.aligned(sizes[0]) + segments.aligned(sizes[1]) + segments.aligned(sizes[2]))
     assert nbytes == sum(segments.aligned(size) for size in sizes)
-    assert item_output_offsets(layout, 0) == ([0, 0, 0, 0], 0)
+    assert item_output_offsets(layout, 0) == ((0, 0, 0, 0), 0)
 
 
 def test_a_bad_item_fails_alone(server):

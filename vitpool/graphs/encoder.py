@@ -84,12 +84,13 @@ class GraphEncoder:
         _place_tower(adapter.tower, self.device, self.dtype)
         token_budgets = default_token_budgets(self.device) if budgets is None else budgets
         try:
-            self.budgets: list[Budget] = adapter.item_rules.budgets(
+            self.budgets: list[Budget] = sorted(adapter.item_rules.budgets(
                 token_budgets, max_items_per_batch, max_frames_per_batch
-            )
+            ))
         except ValueError as error:
             raise ConfigError(str(error)) from None
         self.output_layout = OutputLayout(tuple(adapter.output_row_shapes), wire_dtype_name(self.dtype))
+        self._known_budgets = frozenset(self.budgets)  # a plan's budget is checked on every batch
         self._buffers = StaticBuffers(adapter, self.budgets, self.device, self.dtype)
         self._graphs: dict[Budget, torch.cuda.CUDAGraph] = {}
         self._stats = EncoderStats()
@@ -192,7 +193,7 @@ class GraphEncoder:
         """
         for position, item in enumerate(prepared):
             check_pixels(position, item.spec, item.pixels, self.adapter.row_shape)
-        batches = pack([item.spec for item in prepared], self.budgets)
+        batches = pack([item.spec for item in prepared], self.budgets, budgets_sorted=True)
         runs: list[RunBatch] = [(batch.budget, [prepared[i] for i in batch.item_indices]) for batch in batches]
         outcomes: list[Embedding | InvalidItemError | None] = [None] * len(prepared)
         for batch, results in zip(batches, self._run_batches(runs, output_device)):
@@ -217,7 +218,7 @@ class GraphEncoder:
         """
         for plan, pixels in groups:
             rows = None if plan.budget is None else self._rows(plan.budget)
-            check_plan(plan, pixels, self.adapter.row_shape, self.budgets, rows)
+            check_plan(plan, pixels, self.adapter.row_shape, self._known_budgets, rows)
         members = [[PreparedItem(s, p) for s, p in zip(plan.specs, pixels)] for plan, pixels in groups]
         runs = self._merge_plans([plan for plan, _ in groups])
         batches: list[RunBatch] = [(budget, [m for i in indices for m in members[i]]) for budget, indices in runs]
@@ -246,7 +247,7 @@ class GraphEncoder:
             if plan.budget is not None and runs and runs[-1][0] is not None:
                 indices = [*runs[-1][1], index]
                 specs = [spec for i in indices for spec in plans[i].specs]
-                merged = smallest_fitting(self.budgets, *totals(specs))
+                merged = smallest_fitting(self.budgets, *totals(specs), is_sorted=True)
                 if merged is not None and sum(spec.num_rows for spec in specs) <= self._rows(merged):
                     runs[-1] = (merged, indices)
                     continue

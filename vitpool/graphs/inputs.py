@@ -9,7 +9,7 @@ would cost as much as a small encode.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 
@@ -30,7 +30,7 @@ def totals(specs: Sequence[ItemSpec]) -> tuple[int, int, Needs]:
 
 
 def check_plan(
-    plan: BatchPlan, pixels: Sequence[torch.Tensor], row_shape: tuple[int, ...], budgets: Sequence[Budget],
+    plan: BatchPlan, pixels: Sequence[torch.Tensor], row_shape: tuple[int, ...], budgets: Collection[Budget],
     max_rows: int | None,
 ) -> None:
     """A planned batch the encoder can run as given; `max_rows` is the rows of the plan's budget.

@@ -51,29 +51,35 @@ def add_needs(total: dict[str, int], needs: Needs) -> None:
 def fits(budget: Budget, num_items: int, num_tokens: int, needs: Needs | dict[str, int]) -> bool:
     if num_items > budget.max_items or num_tokens > budget.num_tokens:
         return False
-    used = dict(needs)
+    used = needs if isinstance(needs, dict) else dict(needs)
     return all(used.get(name, 0) <= limit for name, limit in budget.limits)
 
 
-def smallest_fitting(budgets: Sequence[Budget], num_items: int, num_tokens: int, needs: Needs) -> Budget | None:
-    """The cheapest budget that holds such a batch, or None."""
-    for budget in sorted(budgets):
-        if fits(budget, num_items, num_tokens, needs):
+def smallest_fitting(budgets: Sequence[Budget], num_items: int, num_tokens: int, needs: Needs | dict[str, int],
+                     is_sorted: bool = False) -> Budget | None:
+    """The cheapest budget that holds such a batch, or None. `is_sorted`: `budgets` is already in
+    order (the dispatcher packs on every dispatch, so it sorts once)."""
+    used = needs if isinstance(needs, dict) else dict(needs)
+    for budget in budgets if is_sorted else sorted(budgets):
+        if fits(budget, num_items, num_tokens, used):
             return budget
     return None
 
 
-def pack(items: Sequence[Packable], budgets: Sequence[Budget], max_tokens: int | None = None) -> list[Batch]:
+def pack(
+    items: Sequence[Packable], budgets: Sequence[Budget], max_tokens: int | None = None, budgets_sorted: bool = False
+) -> list[Batch]:
     """Pack `items` into batches: every item exactly once, each batch in its smallest fitting budget.
 
     First-fit decreasing into bins the size of the largest budget keeps replays few; each bin then
     takes the smallest budget that holds it, which keeps padding small. An item that fits no
     budget alone gets a batch of its own with `budget=None`. `max_tokens` caps the tokens of a
     batch of several items below the largest budget (an item over it still gets a batch).
+    `budgets_sorted`: `budgets` are in order already (a caller that packs often sorts them once).
     """
     if not budgets:
         return [Batch((i,), None, item.num_tokens, _sorted(item.needs)) for i, item in enumerate(items)]
-    ordered_budgets = sorted(budgets)
+    ordered_budgets = budgets if budgets_sorted else sorted(budgets)
     largest = ordered_budgets[-1]
     oversized: list[Batch] = []
     bins: list[list[int]] = []
@@ -102,7 +108,7 @@ def pack(items: Sequence[Packable], budgets: Sequence[Budget], max_tokens: int |
             bin_needs.append(dict(item.needs))
     batches = []
     for members, tokens, needs in zip(bins, bin_tokens, bin_needs):
-        budget = smallest_fitting(ordered_budgets, len(members), tokens, needs)
+        budget = smallest_fitting(ordered_budgets, len(members), tokens, needs, is_sorted=True)
         assert budget is not None, "a bin always fits the largest budget"
         batches.append(Batch(tuple(members), budget, tokens, _sorted(needs)))
     return batches + oversized

@@ -40,13 +40,16 @@ class DispatchPolicy:
     max_in_flight: int
     max_tokens_per_run: int | None = None
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "budgets", tuple(sorted(self.budgets)))  # once: plan runs on every dispatch
+
     @property
     def largest(self) -> Budget:
-        return max(self.budgets)
+        return self.budgets[-1]
 
     def plan(self, specs: Sequence[ItemSpec]) -> list[Batch]:
         """Batches of `specs` (indices into it), the one holding the oldest item first."""
-        batches = pack(specs, self.budgets, self.max_tokens_per_run)
+        batches = pack(specs, self.budgets, self.max_tokens_per_run, budgets_sorted=True)
         return sorted(batches, key=lambda batch: min(batch.item_indices))
 
     def room(self, free_slots: int) -> tuple[int, int]:

@@ -20,6 +20,7 @@ them back with the same function. Nothing here knows a model.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import select
@@ -62,7 +63,8 @@ def channel_supported() -> bool:
     return sys.platform == "linux" and os.path.isdir(shm_directory())
 
 
-def item_output_offsets(layout: OutputLayout, num_tokens: int) -> tuple[list[int], int]:
+@functools.lru_cache(maxsize=4096)  # a few layouts, and the item sizes of the traffic
+def item_output_offsets(layout: OutputLayout, num_tokens: int) -> tuple[tuple[int, ...], int]:
     """Where one item's output tensors lie in its block of output memory, and the block's size.
 
     The tensors of `layout.shapes(num_tokens)` follow each other, each starting at an aligned
@@ -77,7 +79,7 @@ def item_output_offsets(layout: OutputLayout, num_tokens: int) -> tuple[list[int
     for shape in layout.shapes(num_tokens):
         offsets.append(offset)
         offset = aligned(offset + math.prod(shape) * itemsize)
-    return offsets, offset
+    return tuple(offsets), offset
 
 
 # framing: a little-endian length, then msgpack
