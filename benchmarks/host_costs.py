@@ -27,7 +27,6 @@ import time
 import numpy as np
 from common import summarize, time_ms
 
-
 PAUSE_S = 0.004
 
 

@@ -91,13 +91,15 @@ class ToyTileRules:
     def item_spec(self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, metadata: Any) -> ItemSpec:
         if modality != IMAGE:
             raise ValueError("this model takes images (tiles) only; send each frame as an Image")
-        if metadata is not None:
+        if metadata is not None and metadata != ():  # (): a spec's own layout, given back to check it
             raise ValueError(f"tiled items have no grid; pass Image(pixels) without grid_thw, got {metadata!r}")
         if len(pixel_shape) != 4 or tuple(pixel_shape[1:]) != self.row_shape:
             raise ValueError(
                 f"pixel_values must be tiles [tiles, {self.channels}, {self.tile_size}, {self.tile_size}]; "
                 f"got shape {tuple(pixel_shape)}"
             )
+        if pixel_shape[0] < 1:
+            raise ValueError("pixel_values hold no tiles")
         return ItemSpec(modality, tuple(pixel_shape), pixel_dtype, (), pixel_shape[0] * self.tokens_per_tile)
 
     def budgets(

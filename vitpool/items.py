@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -154,8 +153,8 @@ def _pixels(index: int, pixel_values: Any) -> torch.Tensor:
             f"pixel_values have dtype {pixel_values.dtype}; expected a floating-point dtype "
             "(float32, float16, bfloat16 or float64)",
         )
-    if pixel_values.ndim == 0 or pixel_values.shape[0] == 0:
-        raise InvalidItemError(index, f"pixel_values are empty (shape {tuple(pixel_values.shape)})")
+    if pixel_values.ndim == 0:
+        raise InvalidItemError(index, "pixel_values are a single number; expected rows of patches or tiles")
     return pixel_values
 
 

@@ -50,10 +50,12 @@ class ItemSpec:
         return self.pixel_shape[0]
 
     def need(self, name: str) -> int:
+        """What the item uses of capacity `name` (0 where it uses none)."""
         return dict(self.needs).get(name, 0)
 
 
 def spec_to_wire(spec: ItemSpec) -> list:
+    """The spec as msgpack-able plain values."""
     return [spec.modality, list(spec.pixel_shape), spec.pixel_dtype, list(spec.layout), spec.num_tokens,
             [[name, amount] for name, amount in spec.needs]]
 
@@ -87,6 +89,7 @@ class BatchPlan:
 
 
 def plan_to_wire(plan: BatchPlan) -> dict:
+    """The plan as msgpack-able plain values."""
     budget = plan.budget
     return {
         "budget": None if budget is None else [budget.num_tokens, [list(p) for p in budget.limits], budget.max_items],
@@ -121,6 +124,7 @@ class OutputLayout:
     dtype: str  # a wire dtype name; every output has the encoder's dtype
 
     def shapes(self, num_tokens: int) -> list[tuple[int, ...]]:
+        """The shapes of an item's output tensors, for an item of `num_tokens` output tokens."""
         return [(num_tokens, *row_shape) for row_shape in self.row_shapes]
 
 
@@ -141,7 +145,12 @@ class ItemRules(Protocol):
 
     def item_spec(self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, metadata: Any) -> ItemSpec:
         """The spec of an item with these pixels and this metadata (what the processor emitted
-        besides the pixels, e.g. `grid_thw`). Raises ValueError naming what is wrong."""
+        besides the pixels, e.g. `grid_thw`). Raises ValueError naming what is wrong.
+
+        Given a spec's own `layout` as the metadata it must give back that spec: an actor checks
+        every spec it receives this way, so a spec that lies about its item fails its batch
+        instead of corrupting its neighbours' rows.
+        """
         ...
 
     def budgets(self, token_budgets: Sequence[int], max_items_per_batch: int | None,
@@ -194,8 +203,6 @@ class ActorSpec:
         channel_spin_s: after answering on the channel, poll this long for the next batch.
         max_tokens_per_run: the most output tokens of batches combined into one run; None: the
             largest budget.
-        deliver_to_ranks: the pool hands calls to tensor-parallel ranks over Ray Direct
-            Transport ("nccl" or "gloo"), so the actor has the methods for it; None: it does not.
     """
 
     encoder: EncoderSpec = EncoderSpec()
@@ -203,4 +210,3 @@ class ActorSpec:
     serve_channel: bool = True
     channel_spin_s: float = 0.0
     max_tokens_per_run: int | None = None
-    deliver_to_ranks: str | None = None

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import ray
-import toy_family
 import torch
+import toy_family
 
 from vitpool import EncoderPool, GraphEncoder, Image, InvalidItemError
 from vitpool.codec import decode_results, encode_request

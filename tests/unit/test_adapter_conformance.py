@@ -226,6 +226,14 @@ def test_item_rules_pickle_and_give_equal_specs(case, encoder):
     assert unpickled.budgets(list(case.budgets), None, None) == encoder.budgets
 
 
+def test_the_rules_give_back_a_spec_from_its_own_layout(case, encoder):
+    """An actor checks each spec it receives by deriving it again from its layout."""
+    rules = encoder.adapter.item_rules
+    for number, budget in enumerate(encoder.budgets):
+        for spec in sampled(case, encoder, budget, seed=200 + number)[0]:
+            assert rules.item_spec(spec.modality, spec.pixel_shape, spec.pixel_dtype, spec.layout) == spec
+
+
 def test_item_rules_import_without_transformers(encoder):
     module = type(encoder.adapter.item_rules).__module__
     check = (

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -218,6 +219,15 @@ BROKEN_PLANS = {
     "pixels unlike the spec": (lambda plan, pixels: (plan, [pixels[0][:-4]]), "its spec says"),
     "one array missing": (lambda plan, pixels: (plan, []), "1 item specs came with 0"),
     "over its budget": (lambda plan, pixels: (BatchPlan(plan.budget, plan.specs * 20), pixels * 20), "does not fit"),
+    # 16 rows that claim a 2x2 grid and one token: the next item's rows would be read as this one's
+    "a spec that lies about its grid": (
+        lambda plan, pixels: (BatchPlan(plan.budget, (replace(plan.specs[0], layout=(1, 2, 2), num_tokens=1),)), pixels),
+        "not what the model's rules make of it",
+    ),
+    "a layout of the wrong length": (
+        lambda plan, pixels: (BatchPlan(plan.budget, (replace(plan.specs[0], layout=(1, 4)),)), pixels),
+        "not what the model's rules make of it",
+    ),
 }
 
 
@@ -225,8 +235,10 @@ BROKEN_PLANS = {
 def test_a_plan_that_does_not_match_fails_the_batch(actor, name):
     breaks, words = BROKEN_PLANS[name]
     plan, pixels = plan_batch([image(4, 4)], actor.encoder.adapter.item_rules, actor.encoder.budgets)
+    runs_before = actor.stats().runs
     with pytest.raises(ValueError, match=words):
         actor.run_batch(*breaks(plan, pixels))
+    assert actor.stats().runs == runs_before  # refused before it could share a run with other batches
     values, receipt = actor.run_batch(plan, pixels)  # still serves
     assert receipt.status == OK and values[0] is not None
 
@@ -264,7 +276,7 @@ def test_a_retiring_actor_refuses_batches():
         actor.concatenated_outputs(list(plan.specs), pixels, output_device="cpu")
 
 
-def test_out_of_memory_splits_batches_then_items(monkeypatch):
+def test_out_of_memory_splits_batches_then_items(monkeypatch, reference_encoder):
     """A run that runs out of GPU memory with more than two items is split until it fits; every
     batch is still answered, and errors keep their positions."""
     actor = cpu_actor()
@@ -281,8 +293,9 @@ def test_out_of_memory_splits_batches_then_items(monkeypatch):
     items = [image(2, 2), image(2, 4), image(4, 2), bad]
     plan, pixels = plan_batch(items, actor.encoder.adapter.item_rules, actor.encoder.budgets)
     values, receipt = actor.run_batch(plan, pixels)
-    assert list(receipt.item_errors) == [3] and all(v is not None for v in values[:3])
-    assert actor.stats().oom_splits >= 1
+    assert list(receipt.item_errors) == [3]
+    assert_same(values[:3], reference_encoder.encode(items[:3]))  # plan_batch keeps the items' order
+    assert actor.stats().oom_splits == 1  # four items: one split into two halves of two
 
 
 def test_run_plans_combines_waiting_plans_into_one_replay(reference_encoder):

@@ -12,13 +12,14 @@ import pytest
 import torch
 from conftest import BUDGETS
 
+from vitpool.errors import PoolUnavailableError
 from vitpool.items import Embedding
 from vitpool.packing import make_budgets
 from vitpool.pool.calls import Call, QueuedItem
 from vitpool.pool.dispatcher import Dispatcher
 from vitpool.pool.settings import PoolSettings
 from vitpool.specs import BatchPlan, ItemSpec
-from vitpool.transport.link import OK, ActorGone, BatchReceipt, Done
+from vitpool.transport.link import OK, ActorGone, BatchReceipt, Done, Refused
 
 
 class FakeLink:
@@ -180,3 +181,72 @@ def test_the_plan_the_actor_gets_is_the_dispatchers_packing():
         assert len(link.plans) == 2 and len(link.plans[1].specs) == 4
     finally:
         subject.close()
+
+
+class InlineLink(FakeLink):
+    """A link whose batches the calling thread carries (`exchange`): `finish` answers in that
+    thread, or reports the actor gone."""
+
+    def __init__(self, gone: bool = False) -> None:
+        super().__init__(delay_s=0.0)
+        self.gone = gone
+        self.finished_in: list[str] = []
+
+    def exchange(self, plan, pixels, on_outcome):
+        link = self
+
+        class Exchange:
+            def send(self) -> None:
+                link.batches += 1
+                link.plans.append(plan)
+
+            def finish(self) -> None:
+                link.finished_in.append(threading.current_thread().name)
+                if link.gone:
+                    on_outcome(ActorGone("the connection dropped and the actor is dead"))
+                    return
+                values = [Embedding(torch.tensor([[float(spec.num_tokens)]])) for spec in plan.specs]
+                on_outcome(Done(values, BatchReceipt(OK), through_channel=True))
+
+        return Exchange()
+
+
+def test_a_caller_carries_its_own_batch_inline():
+    link = InlineLink()
+    subject = dispatcher({0: link}, [], batch_window_s=0.0)
+    try:
+        call = Call(2)
+        subject.submit(call, queued(call, [3, 5]), inline=True)
+        assert call.done  # answered before submit returned: this thread carried the batch
+        assert [float(r.tokens) for r in call.future.result(timeout=0)] == [3, 5]
+        assert link.finished_in == [threading.current_thread().name]
+        assert subject.counters.channel_batches == 1
+    finally:
+        subject.close()
+
+
+def test_an_inline_batch_whose_actor_is_gone_goes_to_another():
+    failed: list[int] = []
+    gone, alive = InlineLink(gone=True), FakeLink(delay_s=0.01)
+    subject = dispatcher({0: gone, 1: alive}, failed, batch_window_s=0.0)
+    try:
+        call = Call(2)
+        subject.submit(call, queued(call, [3, 5]), inline=True)
+        assert [float(r.tokens) for r in call.future.result(timeout=10)] == [3, 5]
+        assert failed == [0] and gone.batches >= 1 and alive.batches >= 1
+        assert subject.counters.requeued_items >= 1 and subject.counters.failed_calls == 0
+    finally:
+        subject.close()
+
+
+def test_a_batch_that_comes_back_after_close_fails_its_call():
+    """Nothing dispatches after close: an item that would be sent again fails instead of waiting."""
+    link = FakeLink(delay_s=None)
+    subject = dispatcher({0: link}, [], batch_window_s=0.0)
+    call = Call(1)
+    subject.submit(call, queued(call, [4]))
+    [flight] = list(subject._flights)
+    subject.close()
+    subject._on_outcome(flight, Refused("leaving"))
+    with pytest.raises(PoolUnavailableError, match="closed"):
+        call.future.result(timeout=5)

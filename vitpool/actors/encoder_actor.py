@@ -123,6 +123,8 @@ class EncoderActor:
         start = time.perf_counter()
         try:
             tensors = _tensors(plan.specs, pixels)
+            # Checked before it can share a run: a plan that does not hold fails its own batch only.
+            self.encoder.check_plan(plan, tensors)
             outcomes = self._combiner([(plan, tensors)], plan.num_tokens, output_device)[0]
         finally:
             self._leave()

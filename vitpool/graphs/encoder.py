@@ -15,6 +15,7 @@ The encoder never looks inside an item: its adapter does (`vitpool.models.Vision
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import random
 import threading
@@ -39,7 +40,7 @@ from vitpool.graphs.stats import EncoderStats
 from vitpool.items import Embedding, Item, PreparedItem, prepare_item, prepare_items
 from vitpool.models import VisionAdapter, load_adapter
 from vitpool.packing import Budget, pack, smallest_fitting
-from vitpool.specs import BatchPlan, EncoderSpec, OutputLayout
+from vitpool.specs import BatchPlan, EncoderSpec, ItemSpec, OutputLayout
 from vitpool.transport.wire import wire_dtype_name
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,7 @@ class GraphEncoder:
             raise ConfigError(str(error)) from None
         self.output_layout = OutputLayout(tuple(adapter.output_row_shapes), wire_dtype_name(self.dtype))
         self._known_budgets = frozenset(self.budgets)  # a plan's budget is checked on every batch
+        self._is_consistent = functools.lru_cache(maxsize=4096)(self._spec_is_consistent)
         self._buffers = StaticBuffers(adapter, self.budgets, self.device, self.dtype)
         self._graphs: dict[Budget, torch.cuda.CUDAGraph] = {}
         self._stats = EncoderStats()
@@ -217,8 +219,7 @@ class GraphEncoder:
                 fails as a whole).
         """
         for plan, pixels in groups:
-            rows = None if plan.budget is None else self._rows(plan.budget)
-            check_plan(plan, pixels, self.adapter.row_shape, self._known_budgets, rows)
+            self.check_plan(plan, pixels)
         members = [[PreparedItem(s, p) for s, p in zip(plan.specs, pixels)] for plan, pixels in groups]
         runs = self._merge_plans([plan for plan, _ in groups])
         batches: list[RunBatch] = [(budget, [m for i in indices for m in members[i]]) for budget, indices in runs]
@@ -233,6 +234,24 @@ class GraphEncoder:
                 ])
                 offset += len(members[index])
         return outcomes
+
+    def check_plan(self, plan: BatchPlan, pixels: Sequence[torch.Tensor]) -> None:
+        """Whether a batch planned elsewhere can run as given: its pixels shaped as their specs
+        say, each spec what the model's rules make of its layout, its totals within its budget
+        (one of this encoder's). Cheap: specs seen before are not derived again.
+
+        Raises:
+            ValueError: what does not match; the batch fails as a whole.
+        """
+        rows = None if plan.budget is None else self._rows(plan.budget)
+        check_plan(plan, pixels, self.adapter.row_shape, self._known_budgets, rows, self._is_consistent)
+
+    def _spec_is_consistent(self, spec: ItemSpec) -> bool:
+        try:
+            derived = self.adapter.item_rules.item_spec(spec.modality, spec.pixel_shape, spec.pixel_dtype, spec.layout)
+        except (ValueError, TypeError):
+            return False
+        return derived == spec
 
     def stats(self) -> EncoderStats:
         """A snapshot of the counters."""

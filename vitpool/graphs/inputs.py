@@ -9,7 +9,7 @@ would cost as much as a small encode.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 
@@ -31,9 +31,10 @@ def totals(specs: Sequence[ItemSpec]) -> tuple[int, int, Needs]:
 
 def check_plan(
     plan: BatchPlan, pixels: Sequence[torch.Tensor], row_shape: tuple[int, ...], budgets: Collection[Budget],
-    max_rows: int | None,
+    max_rows: int | None, is_consistent: Callable[[ItemSpec], bool],
 ) -> None:
-    """A planned batch the encoder can run as given; `max_rows` is the rows of the plan's budget.
+    """A planned batch the encoder can run as given; `max_rows` is the rows of the plan's budget;
+    `is_consistent` tells whether a spec is what the model's rules make of its own layout.
 
     Raises:
         ValueError: what does not match (the batch fails as a whole: its planner and this encoder
@@ -45,6 +46,8 @@ def check_plan(
         raise ValueError(f"a batch plan of {len(plan.specs)} items came with {len(pixels)} pixel tensors")
     for position, (spec, tensor) in enumerate(zip(plan.specs, pixels)):
         check_pixels(position, spec, tensor, row_shape)
+        if not is_consistent(spec):
+            raise ValueError(f"item {position} of the batch: its spec {spec} is not what the model's rules make of it")
     if plan.budget is None:
         return
     if plan.budget not in budgets:

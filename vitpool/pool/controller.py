@@ -94,6 +94,7 @@ class PoolController:
         return self._version
 
     def membership(self) -> Membership:
+        """The actors that take work now."""
         with self._lock:
             return self._membership_locked()
 
@@ -144,6 +145,7 @@ class PoolController:
         return started, retired
 
     def activate(self, index: int, info: ActorInfo) -> None:
+        """A started actor is ready (its graphs captured and checked): it takes work from now."""
         with self._lock:
             member = self._members.get(index)
             if member is None or member.state != STARTING:

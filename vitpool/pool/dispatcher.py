@@ -38,7 +38,16 @@ from vitpool.pool.calls import Call, QueuedItem
 from vitpool.pool.policy import ActorLoad, DispatchPolicy
 from vitpool.pool.settings import PoolSettings
 from vitpool.specs import BatchPlan
-from vitpool.transport.link import OK, ActorGone, ActorLink, BatchFailed, Done, InlineExchange, Outcome, Refused
+from vitpool.transport.link import (
+    OK,
+    ActorGone,
+    ActorLink,
+    BatchFailed,
+    Done,
+    InlineExchange,
+    Outcome,
+    Refused,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +88,9 @@ class DispatchCounters:
 
 
 class Dispatcher:
-    """Args:
+    """Queues a process's calls and keeps the actors busy with their batches.
+
+    Args:
         budgets: the budgets every actor captured.
         settings: the pool's settings (queue bounds, batch window, timeouts, batch limits).
         on_actor_failed: told the index of a dead or silent actor; it must make no Ray calls.
@@ -201,6 +212,7 @@ class Dispatcher:
             self._room.notify_all()
 
     def count_rejected(self, count: int) -> None:
+        """Count items the caller's checks refused (they never reach the queue)."""
         with self._lock:
             self.counters.rejected_items += count
 
@@ -214,7 +226,8 @@ class Dispatcher:
     def has_channel(self) -> bool:
         """Whether some actor takes batches through the same-node channel (callers then keep
         pixels as arrays instead of putting them in the object store)."""
-        return any(slot.link.is_local for slot in self._actors.values())
+        with self._lock:  # outcome callbacks change the actors
+            return any(slot.link.is_local for slot in self._actors.values())
 
     @property
     def queue_depth(self) -> int:
@@ -225,10 +238,12 @@ class Dispatcher:
         return self._queued_bytes
 
     def in_flight(self) -> dict[int, int]:
+        """Batches sent and not yet answered, per actor."""
         with self._lock:
             return {index: slot.load.in_flight for index, slot in self._actors.items()}
 
     def close(self) -> None:
+        """Fail what waits, close the links; batches in flight fail when their outcome comes."""
         with self._lock:
             self._closed = True
             while self._early_outcomes:
@@ -370,7 +385,7 @@ class Dispatcher:
         self.counters.items += len(flight.members)
 
     def _actor_left(self, flight: _Flight, why: str) -> None:
-        """A retiring actor refused a batch (the controller knows; the next refresh drops it)."""
+        """A retiring actor refused a batch (the controller knows; the membership drops it soon)."""
         slot = self._actors.get(flight.actor_index)
         if slot is not None and slot.load.accepting:
             slot.load.accepting = False
@@ -422,12 +437,15 @@ class Dispatcher:
         if not any(slot.load.accepting for slot in self._actors.values()):
             self._fail_queue(PoolUnavailableError("the pool has no encoder actor left; see the log for why"))
 
-    def _requeue(self, flight: _Flight, why: str, count_attempt: bool = True) -> None:
+    def _requeue(self, flight: _Flight, why: str) -> None:
         requeued = []
         for member in flight.members:
             if member.call.done:
                 continue
-            member.attempts += count_attempt
+            if self._closed:  # nothing dispatches any more
+                self._fail_call(member.call, PoolUnavailableError(f"the pool handle was closed ({why})"))
+                continue
+            member.attempts += 1
             if member.attempts >= self._max_attempts:
                 error = PoolUnavailableError(f"item {member.index} was sent {member.attempts} times: {why}")
                 self._fail_call(member.call, error)

@@ -46,6 +46,7 @@ class MembershipWatcher:
         self._thread.start()
 
     def report_failure(self, actor_index: int) -> None:
+        """Tell the controller (from this watcher's thread) that an actor died or went silent."""
         self._failed.append(actor_index)
         self._wake.set()
 
@@ -54,6 +55,7 @@ class MembershipWatcher:
         self._apply(ray.get(self._controller.membership.remote()))
 
     def close(self) -> None:
+        """Stop watching; an open long poll is left to time out on the controller."""
         self._closed = True
         self._wake.set()
         self._thread.join(timeout=5)
@@ -67,11 +69,11 @@ class MembershipWatcher:
 
     def _run(self) -> None:
         poll = None
-        try:
-            while not self._closed:
+        while not self._closed:
+            try:
                 while self._failed:
-                    index = self._failed.pop(0)
-                    ray.get(self._controller.report_failure.remote(index), timeout=REPORT_TIMEOUT_S)
+                    self._report(self._failed[0])
+                    self._failed.pop(0)
                 if poll is None:
                     poll = self._controller.wait_for_change.remote(self._version, LONG_POLL_S)
                     poll.future().add_done_callback(lambda _: self._wake.set())
@@ -79,9 +81,18 @@ class MembershipWatcher:
                 self._wake.clear()
                 ready, _ = ray.wait([poll], timeout=0)
                 if ready:
-                    self._apply(ray.get(poll))
-                    poll = None
-        except ray.exceptions.RayError as error:
-            if not self._closed:
-                logger.warning("the pool's controller is gone (%s); calls will fail", error)
-                self._on_lost(error)
+                    poll, answered = None, poll
+                    self._apply(ray.get(answered))
+            except ray.exceptions.GetTimeoutError:
+                logger.warning("the pool's controller is slow to answer; trying again")
+            except ray.exceptions.RayActorError as error:  # the controller itself is gone
+                if not self._closed:
+                    logger.warning("the pool's controller is gone (%s); calls will fail", error)
+                    self._on_lost(error)
+                return
+            except Exception:  # noqa: BLE001 - a failed update must not stop the watching
+                logger.exception("updating the pool's membership failed; watching on")
+                poll = None
+
+    def _report(self, actor_index: int) -> None:
+        ray.get(self._controller.report_failure.remote(actor_index), timeout=REPORT_TIMEOUT_S)

@@ -64,9 +64,11 @@ class DispatchPolicy:
         return batch_cost(tokens, batch.need(SEQUENCES) or len(batch.item_indices))
 
     def free_slots(self, loads: Mapping[int, ActorLoad]) -> int:
+        """Batches the accepting actors can take now."""
         return sum(self.max_in_flight - load.in_flight for load in loads.values() if load.accepting)
 
     def has_idle_actor(self, loads: Mapping[int, ActorLoad]) -> bool:
+        """Whether an accepting actor has nothing in flight (items then go at once, unbatched)."""
         return any(load.accepting and load.in_flight == 0 for load in loads.values())
 
     def choose_actor(self, loads: Mapping[int, ActorLoad]) -> int | None:

@@ -136,7 +136,6 @@ class PoolSettings:
             serve_channel=self.same_node_channel,
             channel_spin_s=self.channel_spin_s,
             max_tokens_per_run=self.max_tokens_per_run,
-            deliver_to_ranks=self.rank_transport,
         )
 
 

@@ -39,6 +39,8 @@ class BatchReceipt:
 
 @dataclass(frozen=True)
 class Done:
+    """The actor ran the batch: per item its value (or None where the receipt names an error)."""
+
     values: list[Any]
     receipt: BatchReceipt
     through_channel: bool = False  # came over the same-node channel (values are Embeddings)
@@ -46,16 +48,22 @@ class Done:
 
 @dataclass(frozen=True)
 class Refused:
+    """The actor is leaving the pool and ran nothing."""
+
     reason: str
 
 
 @dataclass(frozen=True)
 class ActorGone:
+    """The actor died or cannot be reached; the batch may not have run."""
+
     reason: str
 
 
 @dataclass(frozen=True)
 class BatchFailed:
+    """The actor failed on the batch as a whole (not on one bad item)."""
+
     error: BaseException
 
 
