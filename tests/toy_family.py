@@ -25,7 +25,7 @@ import dataclasses
 import json
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from vitpool.models.protocol import TensorSpec
 from vitpool.models.registry import Family, register_family
 from vitpool.packing import Budget, plain_budgets
-from vitpool.specs import IMAGE, ItemSpec
+from vitpool.specs import IMAGE, ItemSpec, check_capacity_limits
 
 MODEL_TYPE = "vitpool_toy_tiles"
 
@@ -103,8 +103,9 @@ class ToyTileRules:
         return ItemSpec(modality, tuple(pixel_shape), pixel_dtype, (), pixel_shape[0] * self.tokens_per_tile)
 
     def budgets(
-        self, token_budgets: Sequence[int], max_items_per_batch: int | None, max_frames_per_batch: int | None
+        self, token_budgets: Sequence[int], max_items_per_batch: int | None, capacity_limits: Mapping[str, int]
     ) -> list[Budget]:
+        check_capacity_limits(capacity_limits, self.capacities)
         return plain_budgets(token_budgets, max_items_per_batch)  # no frames: the bound does not apply
 
 

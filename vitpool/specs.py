@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from vitpool.packing import Budget, Needs
+from vitpool.packing import SEQUENCES, Budget, Needs
 
 IMAGE = "image"
 VIDEO = "video"
@@ -154,10 +154,30 @@ class ItemRules(Protocol):
         ...
 
     def budgets(self, token_budgets: Sequence[int], max_items_per_batch: int | None,
-                max_frames_per_batch: int | None) -> list[Budget]:
-        """The captured batch shapes for these token budgets, with the family's capacity limits.
-        Raises ValueError naming a bad setting."""
+                capacity_limits: Mapping[str, int]) -> list[Budget]:
+        """The captured batch shapes for these token budgets, each with a limit per capacity the
+        family declares: the user's from `capacity_limits` (checked by `check_capacity_limits`),
+        else the family's default. Raises ValueError naming a bad setting."""
         ...
+
+
+def capacity_limits(max_frames_per_batch: int | None, limits: Mapping[str, int] | None) -> dict[str, int]:
+    """The user's per-batch bounds by capacity name: `limits`, with `max_frames_per_batch` (the
+    long-standing setting) as the bound on attention sequences."""
+    merged = dict(limits or {})
+    if max_frames_per_batch is not None:
+        merged[SEQUENCES] = max_frames_per_batch
+    return merged
+
+
+def check_capacity_limits(limits: Mapping[str, int], capacities: Sequence[str]) -> None:
+    """ValueError for a bound on a capacity the model does not have, or one that is not positive."""
+    for name, value in limits.items():
+        if name not in capacities:
+            setting = "max_frames_per_batch" if name == SEQUENCES else f"capacity_limits[{name!r}]"
+            raise ValueError(f"{setting}: this model bounds no {name!r} per batch; its capacities are {tuple(capacities)}")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"capacity_limits[{name!r}] must be a positive integer; got {value!r}")
 
 
 def _int(value: Any) -> int:
@@ -179,7 +199,8 @@ class EncoderSpec:
     Attributes:
         model: local checkpoint directory; None for the tiny model shipped with vitpool.
         budgets: token budgets to capture; None for the device's defaults.
-        max_items_per_batch, max_frames_per_batch: batch limits (see `GraphEncoder`).
+        max_items_per_batch, max_frames_per_batch, capacity_limits: batch limits (see
+            `GraphEncoder`); `capacity_limits` as sorted (name, limit) pairs.
         dtype: "bfloat16", "float16" or "float32"; None for the device's default.
         device: "cpu", "cuda" or "cuda:N"; None for the current GPU if there is one.
     """
@@ -190,6 +211,7 @@ class EncoderSpec:
     max_frames_per_batch: int | None = None
     dtype: str | None = None
     device: str | None = None
+    capacity_limits: Needs = ()
 
 
 @dataclass(frozen=True)

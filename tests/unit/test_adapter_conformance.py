@@ -223,7 +223,7 @@ def test_item_rules_pickle_and_give_equal_specs(case, encoder):
     for spec, item_pixels in zip(specs, pixels):
         item = case.item_for(spec, item_pixels)
         assert prepare_item(0, item, unpickled).spec == prepare_item(0, item, rules).spec == spec
-    assert unpickled.budgets(list(case.budgets), None, None) == encoder.budgets
+    assert unpickled.budgets(list(case.budgets), None, {}) == encoder.budgets
 
 
 def test_the_rules_give_back_a_spec_from_its_own_layout(case, encoder):

@@ -71,6 +71,8 @@ BAD_SETTINGS = [
     (dict(budgets=[64], max_items_per_batch=8, max_frames_per_batch=4), "max_frames_per_batch"),
     (dict(budgets=[64], dtype=torch.int32), "not supported"),
     (dict(budgets=[64], device="tpu"), "torch device"),
+    (dict(budgets=[64], capacity_limits={"windows": 8}), "bounds no 'windows'"),  # Qwen3-VL has no windows
+    (dict(budgets=[64], capacity_limits={"sequences": 0}), "positive integer"),
 ]
 
 
@@ -81,3 +83,50 @@ def test_invalid_settings_are_rejected(tiny_adapter, settings, words):
     settings = {"device": "cpu", **settings}
     with pytest.raises(ConfigError, match=words):
         GraphEncoder(tiny_adapter, **settings)
+
+
+def test_capacity_limits_bound_the_familys_own_capacities(tiny_adapter):
+    """A limit is set by the capacity's name, for any family; max_frames_per_batch is the
+    attention-sequence bound under its long-standing name."""
+    from vitpool import GraphEncoder
+
+    by_name = GraphEncoder(tiny_adapter, budgets=[64, 512], device="cpu", max_items_per_batch=6,
+                           capacity_limits={"sequences": 6})
+    by_frames = GraphEncoder(tiny_adapter, budgets=[64, 512], device="cpu", max_items_per_batch=6,
+                             max_frames_per_batch=6)
+    assert {b.limit("sequences") for b in by_name.budgets} == {4, 6}  # the few-sequence variant, and 6
+    assert {b.limit("sequences") for b in by_frames.budgets} == {4, 6}
+
+
+def test_a_family_without_sequences_refuses_a_frame_bound():
+    import toy_family
+
+    from vitpool import GraphEncoder
+
+    adapter = toy_family.ToyTilesAdapter(toy_family.ToyTilesTower(toy_family.ToyTilesConfig()))
+    with pytest.raises(ConfigError, match="max_frames_per_batch: this model bounds no 'sequences'"):
+        GraphEncoder(adapter, budgets=[8, 16], device="cpu", max_frames_per_batch=8)
+
+
+@pytest.mark.parametrize(
+    "limits, expected",
+    [
+        (None, ()),
+        ({"windows": 64, "sequences": 8}, (("sequences", 8), ("windows", 64))),  # sorted, hashable
+        ([("windows", 64)], (("windows", 64),)),
+    ],
+)
+def test_pool_settings_keep_capacity_limits_as_pairs(limits, expected):
+    from vitpool import PoolSettings
+
+    settings = PoolSettings(capacity_limits=limits)
+    assert settings.capacity_limits == expected
+    assert settings.encoder_spec().capacity_limits == expected
+
+
+@pytest.mark.parametrize("limits", [{"windows": 0}, {"windows": 1.5}, "windows", [("windows",)]])
+def test_pool_settings_refuse_bad_capacity_limits(limits):
+    from vitpool import PoolSettings
+
+    with pytest.raises(ConfigError, match="capacity_limits"):
+        PoolSettings(capacity_limits=limits)

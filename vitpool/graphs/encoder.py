@@ -19,7 +19,7 @@ import functools
 import logging
 import random
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -41,6 +41,7 @@ from vitpool.items import Embedding, Item, PreparedItem, prepare_item, prepare_i
 from vitpool.models import VisionAdapter, load_adapter
 from vitpool.packing import Budget, pack, smallest_fitting
 from vitpool.specs import BatchPlan, EncoderSpec, ItemSpec, OutputLayout
+from vitpool.specs import capacity_limits as merged_capacity_limits
 from vitpool.transport.wire import wire_dtype_name
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,8 @@ class GraphEncoder:
             (video frames / temporal patches) in one batch (default 64); it sizes `cu_seqlens`.
         device: "cuda", "cuda:N" or "cpu"; default the current GPU if there is one.
         dtype: compute dtype; default bfloat16 on a GPU, float32 on a CPU.
+        capacity_limits: most per batch of other capacities the family declares, by name (its
+            item rules' `capacities`, e.g. windows); None: the family's defaults.
 
     Attributes:
         budgets: the batch shapes, from the adapter's item rules.
@@ -78,6 +81,7 @@ class GraphEncoder:
         max_frames_per_batch: int | None = None,
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
+        capacity_limits: Mapping[str, int] | None = None,
     ) -> None:
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
@@ -85,9 +89,8 @@ class GraphEncoder:
         _place_tower(adapter.tower, self.device, self.dtype)
         token_budgets = default_token_budgets(self.device) if budgets is None else budgets
         try:
-            self.budgets: list[Budget] = sorted(adapter.item_rules.budgets(
-                token_budgets, max_items_per_batch, max_frames_per_batch
-            ))
+            limits = merged_capacity_limits(max_frames_per_batch, capacity_limits)
+            self.budgets: list[Budget] = sorted(adapter.item_rules.budgets(token_budgets, max_items_per_batch, limits))
         except ValueError as error:
             raise ConfigError(str(error)) from None
         self.output_layout = OutputLayout(tuple(adapter.output_row_shapes), wire_dtype_name(self.dtype))
@@ -109,6 +112,7 @@ class GraphEncoder:
         max_frames_per_batch: int | None = None,
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
+        capacity_limits: Mapping[str, int] | None = None,
     ) -> GraphEncoder:
         """Load a local Hugging Face checkpoint and capture its graphs.
 
@@ -116,8 +120,8 @@ class GraphEncoder:
             path: a directory with a vision-tower-only save or a full multimodal checkpoint
                 (safetensors), or only a config (random weights). None: the tiny Qwen3-VL-shaped
                 model shipped with vitpool (random weights), so everything runs offline.
-            budgets, max_items_per_batch, max_frames_per_batch, device, dtype: as for the
-                constructor.
+            budgets, max_items_per_batch, max_frames_per_batch, device, dtype, capacity_limits: as
+                for the constructor.
 
         Raises:
             CheckpointError: the directory cannot be loaded (names the missing or unexpected keys).
@@ -126,7 +130,9 @@ class GraphEncoder:
         resolved_device = resolve_device(device)
         resolved_dtype = resolve_dtype(dtype, resolved_device)
         adapter = load_adapter(path, resolved_device, resolved_dtype)
-        return cls(adapter, budgets, max_items_per_batch, max_frames_per_batch, resolved_device, resolved_dtype)
+        return cls(
+            adapter, budgets, max_items_per_batch, max_frames_per_batch, resolved_device, resolved_dtype, capacity_limits
+        )
 
     @classmethod
     def from_spec(cls, spec: EncoderSpec) -> GraphEncoder:
@@ -138,7 +144,7 @@ class GraphEncoder:
         budgets = None if spec.budgets is None else list(spec.budgets)
         return cls.from_pretrained(
             spec.model, budgets, spec.max_items_per_batch, spec.max_frames_per_batch,
-            spec.device, dtype_from_name(spec.dtype),
+            spec.device, dtype_from_name(spec.dtype), dict(spec.capacity_limits),
         )
 
     # encode

@@ -7,12 +7,12 @@ in their own process before anything is sent.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from vitpool.packing import SEQUENCES, Budget, make_budgets
-from vitpool.specs import IMAGE, ItemSpec
+from vitpool.specs import IMAGE, ItemSpec, check_capacity_limits
 
 
 @dataclass(frozen=True)
@@ -56,9 +56,10 @@ class SpatialMergeRules:
         return ItemSpec(modality, pixel_shape, pixel_dtype, grid, num_rows // self.merge_size**2, ((SEQUENCES, t),))
 
     def budgets(
-        self, token_budgets: Sequence[int], max_items_per_batch: int | None, max_frames_per_batch: int | None
+        self, token_budgets: Sequence[int], max_items_per_batch: int | None, capacity_limits: Mapping[str, int]
     ) -> list[Budget]:
-        return make_budgets(token_budgets, max_items_per_batch, max_frames_per_batch)
+        check_capacity_limits(capacity_limits, self.capacities)
+        return make_budgets(token_budgets, max_items_per_batch, capacity_limits.get(SEQUENCES))
 
 
 def parse_grid(grid_thw: Any) -> tuple[int, int, int]:

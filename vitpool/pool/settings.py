@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +21,7 @@ class PoolSettings:
     Attributes:
         model: local checkpoint directory; None for the tiny model shipped with vitpool.
         budgets: token budgets each actor captures; None for the defaults of its device.
-        max_items_per_batch, max_frames_per_batch: as for `GraphEncoder`.
+        max_items_per_batch, max_frames_per_batch, capacity_limits: as for `GraphEncoder`.
         dtype: "bfloat16", "float16" or "float32"; None for the device's default.
         device: "cpu" runs every actor on its CPU even where it was given a GPU (tests, debugging);
             None: the actor's GPU if it has one.
@@ -63,6 +64,7 @@ class PoolSettings:
     budgets: tuple[int, ...] | None = None
     max_items_per_batch: int | None = None
     max_frames_per_batch: int | None = None
+    capacity_limits: Any = None  # {capacity name: limit}; kept as sorted (name, limit) pairs
     dtype: str | None = None
     device: str | None = None
     max_batches_in_flight_per_actor: int = 2
@@ -86,6 +88,7 @@ class PoolSettings:
             object.__setattr__(self, "model", str(self.model))
         if self.budgets is not None:
             object.__setattr__(self, "budgets", tuple(self.budgets))
+        object.__setattr__(self, "capacity_limits", _limit_pairs(self.capacity_limits))
         try:  # the actors check these too, but a mistake should not cost an actor start
             make_budgets(self.budgets or [64], self.max_items_per_batch, self.max_frames_per_batch)
         except ValueError as error:
@@ -125,7 +128,8 @@ class PoolSettings:
     def encoder_spec(self) -> EncoderSpec:
         """What each actor's encoder is built from."""
         return EncoderSpec(
-            self.model, self.budgets, self.max_items_per_batch, self.max_frames_per_batch, self.dtype, self.device
+            self.model, self.budgets, self.max_items_per_batch, self.max_frames_per_batch, self.dtype, self.device,
+            self.capacity_limits,
         )
 
     def actor_spec(self, num_threads: int) -> ActorSpec:
@@ -137,6 +141,21 @@ class PoolSettings:
             channel_spin_s=self.channel_spin_s,
             max_tokens_per_run=self.max_tokens_per_run,
         )
+
+
+def _limit_pairs(limits: Any) -> tuple[tuple[str, int], ...]:
+    """Capacity limits as sorted (name, limit) pairs; which names the model has is checked by the
+    actors, which know the model."""
+    if limits is None:
+        return ()
+    pairs = limits.items() if isinstance(limits, Mapping) else limits
+    try:
+        checked = tuple(sorted((str(name), value) for name, value in pairs))
+    except (TypeError, ValueError):
+        raise ConfigError(f"capacity_limits must map capacity names to limits, e.g. {{'windows': 64}}; got {limits!r}") from None
+    for name, value in checked:
+        _positive_int(f"capacity_limits[{name!r}]", value)
+    return checked
 
 
 def _positive_int(name: str, value: Any) -> None:
