@@ -140,7 +140,7 @@ def test_a_full_queue_makes_callers_wait_then_time_out():
         with pytest.raises(TimeoutError, match="queue stayed full"):
             subject.submit(late, queued(late, [4]), timeout_s=0.2)
         assert 0.2 <= time.monotonic() - start < 2
-        assert subject.queue_depth == 4 and subject.counters.peak_queued_items == 4
+        assert subject.queue_depth == 4 and subject.peak_queued[0] == 4
         with pytest.raises(ValueError, match="can never fit"):
             subject.submit(Call(5), queued(Call(5), [1] * 5))
         # room frees when the waiting call gives up: a blocked caller goes on

@@ -35,6 +35,7 @@ from typing import Any
 from vitpool.errors import EncodeError, InvalidItemError, PoolUnavailableError
 from vitpool.packing import Budget
 from vitpool.pool.calls import Call, QueuedItem
+from vitpool.pool.item_queue import ItemQueue
 from vitpool.pool.policy import ActorLoad, DispatchPolicy
 from vitpool.pool.settings import PoolSettings
 from vitpool.specs import BatchPlan
@@ -81,8 +82,6 @@ class DispatchCounters:
     failed_batches: int = 0  # the actor died, went silent past the timeout, or failed the batch
     timed_out_batches: int = 0
     rejected_items: int = 0  # bad items, found here or by the actor
-    peak_queued_items: int = 0
-    peak_queued_bytes: int = 0
     latencies_s: collections.deque = field(default_factory=lambda: collections.deque(maxlen=_LATENCY_SAMPLES))
     completions: collections.deque = field(default_factory=lambda: collections.deque(maxlen=_LATENCY_SAMPLES))
 
@@ -109,18 +108,15 @@ class Dispatcher:
         self._window_s = settings.batch_window_s
         self._max_attempts = settings.max_attempts_per_item
         self._batch_timeout_s = settings.batch_timeout_s
-        self._max_queued_items = settings.max_queued_items
-        self._max_queued_bytes = settings.max_queued_bytes
         self._on_actor_failed = on_actor_failed
         self._make_link = make_link
         self._actors: dict[int, _ActorSlot] = {}
         self._failed_actors: set[int] = set()  # never taken back, whatever a stale membership says
         self._flights: set[_Flight] = set()
-        self._queue: collections.deque[QueuedItem] = collections.deque()
-        self._queued_bytes = 0
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._room = threading.Condition(self._lock)  # the queue has room again
+        self._queue = ItemQueue(settings.max_queued_items, settings.max_queued_bytes, self._room)
         self._closed = False
         self._slot_freed = False  # a batch finished since the last dispatch: send without a window
         self._thread_waits_untimed = False  # no flight's deadline armed in the dispatcher's thread
@@ -159,27 +155,24 @@ class Dispatcher:
         that would only wait for its results anyway: one thread hand-off and wake-up fewer.
         """
         nbytes = sum(item.nbytes for item in items)
-        if len(items) > self._max_queued_items or nbytes > self._max_queued_bytes:
+        if not self._queue.can_ever_hold(len(items), nbytes):
             raise ValueError(
                 f"a call of {len(items)} items and {nbytes} pixel bytes can never fit the queue "
-                f"(max_queued_items={self._max_queued_items}, max_queued_bytes={self._max_queued_bytes}); "
+                f"(max_queued_items={self._queue.max_items}, max_queued_bytes={self._queue.max_bytes}); "
                 "split it into smaller calls"
             )
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._lock:
             while True:
                 self._check_open()
-                if (
-                    len(self._queue) + len(items) <= self._max_queued_items
-                    and self._queued_bytes + nbytes <= self._max_queued_bytes
-                ):
+                if self._queue.has_room(len(items), nbytes):
                     break
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise TimeoutError(f"the pool's queue stayed full for {timeout_s} s")
                 self._room.wait(remaining)
             self.counters.calls += 1
-            self._enqueue(items)
+            self._queue.push(items)
             exchanges: list[InlineExchange] | None = [] if inline else None
             if self._policy.has_idle_actor(self._loads()):
                 self._dispatch(exchanges)
@@ -196,21 +189,6 @@ class Dispatcher:
         if not any(slot.load.accepting for slot in self._actors.values()):
             raise PoolUnavailableError("the pool has no encoder actor left; see the log for why")
 
-    def _enqueue(self, items: list[QueuedItem], front: bool = False) -> None:
-        if front:
-            self._queue.extendleft(reversed(items))
-        else:
-            self._queue.extend(items)
-        self._queued_bytes += sum(item.nbytes for item in items)
-        counters = self.counters
-        counters.peak_queued_items = max(counters.peak_queued_items, len(self._queue))
-        counters.peak_queued_bytes = max(counters.peak_queued_bytes, self._queued_bytes)
-
-    def _dequeued(self, items: list[QueuedItem]) -> None:
-        if items:
-            self._queued_bytes -= sum(item.nbytes for item in items)
-            self._room.notify_all()
-
     def count_rejected(self, count: int) -> None:
         """Count items the caller's checks refused (they never reach the queue)."""
         with self._lock:
@@ -220,7 +198,7 @@ class Dispatcher:
         """Give up on a call (its caller timed out); its queued items leave the queue at once."""
         with self._lock:
             self._fail_call(call, error)
-            self._drop_finished_calls()
+            self._queue.drop_finished_calls()
 
     @property
     def has_channel(self) -> bool:
@@ -235,7 +213,12 @@ class Dispatcher:
 
     @property
     def queued_bytes(self) -> int:
-        return self._queued_bytes
+        return self._queue.nbytes
+
+    @property
+    def peak_queued(self) -> tuple[int, int]:
+        """The most items and pixel bytes that waited at once."""
+        return self._queue.peak_items, self._queue.peak_bytes
 
     def in_flight(self) -> dict[int, int]:
         """Batches sent and not yet answered, per actor."""
@@ -267,36 +250,18 @@ class Dispatcher:
             free_slots = self._policy.free_slots(self._loads())
             if free_slots <= 0:
                 return
-            taken = self._take(free_slots)  # drops the items of failed or timed-out calls
+            taken = self._queue.take(*self._policy.room(free_slots))  # drops items of calls that are over
             batches = self._policy.plan([item.spec for item in taken])
             for number, batch in enumerate(batches):
                 actor_index = self._policy.choose_actor(self._loads())
                 if actor_index is None:
                     # No room after all: put the rest back at the front, in queue order.
                     rest = sorted(i for b in batches[number:] for i in b.item_indices)
-                    self._enqueue([taken[i] for i in rest], front=True)
+                    self._queue.push([taken[i] for i in rest], front=True)
                     return
                 members = [taken[i] for i in batch.item_indices]
                 self._send(actor_index, BatchPlan(batch.budget, tuple(m.spec for m in members)), members,
                            self._policy.cost(batch), exchanges)
-
-    def _take(self, free_slots: int) -> list[QueuedItem]:
-        """Queued items, oldest first, as many as the policy plans at once."""
-        token_room, item_room = self._policy.room(free_slots)
-        taken: list[QueuedItem] = []
-        dropped: list[QueuedItem] = []
-        tokens = 0
-        while self._queue and len(taken) < item_room:
-            item = self._queue[0]
-            if item.call.done:
-                dropped.append(self._queue.popleft())
-                continue
-            if taken and tokens + item.spec.num_tokens > token_room:
-                break
-            taken.append(self._queue.popleft())
-            tokens += item.spec.num_tokens
-        self._dequeued(taken + dropped)
-        return taken
 
     def _send(
         self, actor_index: int, plan: BatchPlan, members: list[QueuedItem], cost: float, exchanges: list | None
@@ -364,7 +329,7 @@ class Dispatcher:
             for member in flight.members:
                 self._fail_call(member.call, failure)
         if self.counters.failed_calls != failed_before:
-            self._drop_finished_calls()
+            self._queue.drop_finished_calls()
         self._forget_idle_leavers()
         self._slot_freed = True
         if self._queue:  # else the dispatcher's thread has nothing to do: waking it costs the caller
@@ -426,13 +391,6 @@ class Dispatcher:
                 next_deadline = deadline
         return None if next_deadline is None else next_deadline - now
 
-    def _drop_finished_calls(self) -> None:
-        """Free the queue room of calls that failed or were given up while their items waited."""
-        dropped = [item for item in self._queue if item.call.done]
-        if dropped:
-            self._queue = collections.deque(item for item in self._queue if not item.call.done)
-            self._dequeued(dropped)
-
     def _fail_queue_if_no_actor(self) -> None:
         if not any(slot.load.accepting for slot in self._actors.values()):
             self._fail_queue(PoolUnavailableError("the pool has no encoder actor left; see the log for why"))
@@ -452,7 +410,7 @@ class Dispatcher:
             else:
                 requeued.append(member)
         self.counters.requeued_items += len(requeued)
-        self._enqueue(requeued, front=True)  # already accepted: the bound does not apply
+        self._queue.push(requeued, front=True)  # already accepted: the bound does not apply
         self._fail_queue_if_no_actor()
 
     def _forget_idle_leavers(self) -> None:
@@ -460,9 +418,7 @@ class Dispatcher:
             self._actors.pop(index).link.close()
 
     def _fail_queue(self, error: BaseException) -> None:
-        failed = list(self._queue)
-        self._queue.clear()
-        self._dequeued(failed)
+        failed = self._queue.clear()
         for item in failed:
             self._fail_call(item.call, error)
 
@@ -482,7 +438,7 @@ class Dispatcher:
                 timeout = self._check_timeouts()
                 loads = self._loads()
                 if self._queue and self._policy.free_slots(loads) > 0:
-                    waited = time.monotonic() - self._queue[0].enqueued_at
+                    waited = time.monotonic() - self._queue.oldest().enqueued_at
                     if self._policy.has_idle_actor(loads) or waited >= self._window_s or self._slot_freed:
                         self._slot_freed = False
                         try:
