@@ -115,7 +115,7 @@ def test_config_only_gives_random_weights(tmp_path, item, shipped_tokens):
 # (config.json, words the CheckpointError must contain)
 UNSUPPORTED = {
     "unknown to transformers": ({"model_type": "not_a_vision_model"}, "'not_a_vision_model' is not supported"),
-    "a family vitpool lacks": ("qwen2_vl", "vision model type 'qwen2_vl_vision' is not supported"),
+    "a family vitpool lacks": ("llava", "vision model type 'clip_vision_model' is not supported"),
 }
 
 

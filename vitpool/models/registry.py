@@ -71,8 +71,74 @@ def _qwen3_vl_adapter(tower: torch.nn.Module) -> VisionAdapter:
     return Qwen3VLAdapter(tower)
 
 
+def _qwen3_5_tower(config: Any, dtype: torch.dtype) -> torch.nn.Module:
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
+
+    return Qwen3_5VisionModel._from_config(config, dtype=dtype)
+
+
+def _qwen3_5_moe_tower(config: Any, dtype: torch.dtype) -> torch.nn.Module:
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeVisionModel
+
+    return Qwen3_5MoeVisionModel._from_config(config, dtype=dtype)
+
+
+def _qwen3_5_adapter(tower: torch.nn.Module) -> VisionAdapter:
+    from vitpool.models.qwen3_5 import Qwen3_5Adapter
+
+    return Qwen3_5Adapter(tower)
+
+
+def _qwen2_vl_tower(config: Any, dtype: torch.dtype) -> torch.nn.Module:
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+
+    return Qwen2VisionTransformerPretrainedModel._from_config(config, dtype=dtype)
+
+
+def _qwen2_vl_adapter(tower: torch.nn.Module) -> VisionAdapter:
+    from vitpool.models.qwen2_vl import Qwen2VLAdapter
+
+    return Qwen2VLAdapter(tower)
+
+
+def _glm4v_tower(config: Any, dtype: torch.dtype) -> torch.nn.Module:
+    from transformers.models.glm4v.modeling_glm4v import Glm4vVisionModel
+
+    return Glm4vVisionModel._from_config(config, dtype=dtype)
+
+
+def _glm4v_moe_tower(config: Any, dtype: torch.dtype) -> torch.nn.Module:
+    from transformers.models.glm4v_moe.modeling_glm4v_moe import Glm4vMoeVisionModel
+
+    return Glm4vMoeVisionModel._from_config(config, dtype=dtype)
+
+
+def _glm4v_adapter(tower: torch.nn.Module) -> VisionAdapter:
+    from vitpool.models.glm4v import Glm4vAdapter
+
+    return Glm4vAdapter(tower)
+
+
+def _qwen2_5_vl_tower(config: Any, dtype: torch.dtype) -> torch.nn.Module:
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    return Qwen2_5_VisionTransformerPretrainedModel._from_config(config, dtype=dtype)
+
+
+def _qwen2_5_vl_adapter(tower: torch.nn.Module) -> VisionAdapter:
+    from vitpool.models.qwen2_5_vl import Qwen2_5_VLAdapter
+
+    return Qwen2_5_VLAdapter(tower)
+
+
 # Keyed by the vision config's model_type; a new family adds one line here and one adapter file.
 FAMILIES: dict[str, Family] = {
+    "qwen2_5_vl_vision": Family(_qwen2_5_vl_tower, _qwen2_5_vl_adapter),  # Qwen2.5-VL (qwen2_5_vl)
+    "glm4v_vision": Family(_glm4v_tower, _glm4v_adapter),  # GLM-4.1V (glm4v), GLM-4.6V (glm46v)
+    "glm4v_moe_vision": Family(_glm4v_moe_tower, _glm4v_adapter),  # GLM-4.5V (glm4v_moe)
+    "qwen2_vl_vision": Family(_qwen2_vl_tower, _qwen2_vl_adapter),
+    "qwen3_5_vision": Family(_qwen3_5_tower, _qwen3_5_adapter),
+    "qwen3_5_moe_vision": Family(_qwen3_5_moe_tower, _qwen3_5_adapter),
     "qwen3_vl_vision": Family(_qwen3_vl_tower, _qwen3_vl_adapter),
     "qwen3_vl_moe_vision": Family(_qwen3_vl_moe_tower, _qwen3_vl_adapter),
 }

@@ -1,0 +1,138 @@
+"""GLM-4.1V, GLM-4.5V and GLM-4.6V: the Hugging Face `Glm4vVisionModel` (and the identical
+`Glm4vMoeVisionModel`) driven with precomputed metadata.
+
+Items are what `Glm4vImageProcessor` / `Glm4vVideoProcessor` emit for one image or video:
+`pixel_values` [t*h*w, C*T*P*P] with `image_grid_thw` (1, h, w), or `pixel_values_videos` with
+`video_grid_thw` (t, h, w). The rules are Qwen's (`SpatialMergeRules`): one attention sequence per
+temporal patch, a 2x2 merge (here a strided conv, `downsample`) makes four rows one output token.
+
+The tower's forward takes `position_ids`, `cu_seqlens` and `max_seqlen` precomputed
+(`transformers.vision_utils`); what is left of `grid_thw` is its use by the learned position
+embeddings, which resample the position table to each sequence's (h, w) with `grid_sample`: they
+index `grid_thw` by sequence (`image_shapes[seq_ids]`, seq_ids from `cu_seqlens`). So
+`grid_thw` is given as a static per-sequence table, (1, h, w) for each frame of each item (as
+`get_video_features` flattens a video), (1, 1, 1) for the trailing padding sequence and unused
+entries. Given these, the forward has no host synchronisation and only static shapes.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from functools import lru_cache
+
+import torch
+from transformers.vision_utils import get_vision_position_ids
+
+from vitpool.models.attention import install_packed_attention
+from vitpool.models.item_rules import SpatialMergeRules
+from vitpool.models.protocol import TensorSpec
+from vitpool.packing import Budget
+from vitpool.specs import IMAGE, VIDEO, ItemSpec
+
+Grid = tuple[int, int, int]
+
+# Sampled check batches stay small so that checking a budget costs little host time.
+_MAX_SAMPLED_ITEMS = 8
+
+
+class Glm4vAdapter:
+    """Adapter for `Glm4vVisionModel` / `Glm4vMoeVisionModel` (GLM-4.1V, GLM-4.5V, GLM-4.6V)."""
+
+    def __init__(self, tower: torch.nn.Module) -> None:
+        config = tower.config
+        self.tower = tower
+        self.merge_size: int = config.spatial_merge_size
+        self.merge_unit = self.merge_size**2  # patch rows per output token
+        self.row_width = config.in_channels * config.temporal_patch_size * config.patch_size**2  # C*T*P*P
+        # the merger's output goes to the LLM as is: [tokens, out_hidden_size]
+        self.item_rules = SpatialMergeRules(self.row_width, self.merge_size, ((config.out_hidden_size,),))
+        self.row_shape = self.item_rules.row_shape
+        self.output_row_shapes = self.item_rules.output_row_shapes
+        self._position_ids = lru_cache(maxsize=1024)(self._compute_position_ids)
+        install_packed_attention(tower)
+
+    def max_rows(self, num_tokens: int) -> int:
+        return num_tokens * self.merge_unit
+
+    def metadata_specs(self, num_rows: int, budget: Budget) -> dict[str, TensorSpec]:
+        sequences = budget.max_sequences
+        return {
+            "position_ids": TensorSpec((num_rows, 2), torch.long),
+            # real sequences, one trailing padding sequence, and the leading 0
+            "cu_seqlens": TensorSpec((sequences + 2,), torch.int32),
+            # (1, h, w) per attention sequence, padding sequence included: the position embeddings'
+            # resampling target, indexed by sequence
+            "sequence_grids": TensorSpec((sequences + 1, 3), torch.long),
+        }
+
+    def build_metadata(self, specs: Sequence[ItemSpec], num_rows: int, budget: Budget) -> dict[str, torch.Tensor]:
+        grids = [_grid(spec) for spec in specs]
+        needed_rows = sum(t * h * w for t, h, w in grids)
+        needed_sequences = sum(t for t, _, _ in grids)
+        if needed_rows > num_rows or needed_sequences > budget.max_sequences:
+            raise ValueError(
+                f"{len(grids)} items need {needed_rows} rows and {needed_sequences} sequences; "
+                f"the buffers hold {num_rows} and {budget.max_sequences}"
+            )
+        metadata = {
+            name: torch.zeros(spec.shape, dtype=spec.dtype)
+            for name, spec in self.metadata_specs(num_rows, budget).items()
+        }
+        # Padding rows get rotary position (0, 0) and resample the table for a 1x1 grid; unused
+        # cu_seqlens entries repeat the end, so the padding rows form one trailing sequence.
+        metadata["cu_seqlens"].fill_(num_rows)
+        metadata["cu_seqlens"][0] = 0
+        metadata["sequence_grids"].fill_(1)
+        row = 0
+        boundaries = []
+        sequence = 0
+        for grid in grids:
+            position_ids = self._position_ids(grid)
+            end = row + position_ids.shape[0]
+            metadata["position_ids"][row:end] = position_ids
+            t, h, w = grid
+            boundaries.extend(row + h * w * (frame + 1) for frame in range(t))
+            metadata["sequence_grids"][sequence : sequence + t, 1] = h
+            metadata["sequence_grids"][sequence : sequence + t, 2] = w
+            sequence += t
+            row = end
+        metadata["cu_seqlens"][1 : len(boundaries) + 1] = torch.tensor(boundaries, dtype=torch.int32)
+        return metadata
+
+    def forward(self, pixels: torch.Tensor, metadata: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        output = self.tower(
+            pixels,
+            grid_thw=metadata["sequence_grids"],  # only the position embeddings read it, per sequence
+            position_ids=metadata["position_ids"],
+            cu_seqlens=metadata["cu_seqlens"],
+            max_seqlen=pixels.shape[0],  # static: a Python int from the buffer's shape
+        )
+        return [output.pooler_output]
+
+    def sample_specs(self, num_rows: int, budget: Budget, rng: random.Random) -> list[ItemSpec]:
+        specs: list[ItemSpec] = []
+        rows_left, sequences_left = num_rows, budget.max_sequences
+        max_items = min(_MAX_SAMPLED_ITEMS, budget.max_items)
+        while rows_left >= self.merge_unit and sequences_left > 0 and len(specs) < max_items:
+            frames = 2 if sequences_left >= 2 and rows_left >= 2 * self.merge_unit and rng.random() < 0.3 else 1
+            max_blocks = rows_left // (self.merge_unit * frames)
+            # Sometimes fill the rest, usually not, so that padding rows are exercised too.
+            num_blocks = max_blocks if rng.random() < 0.2 else rng.randint(1, max(1, max_blocks // 2))
+            height_blocks = rng.randint(1, num_blocks)
+            width_blocks = max(1, num_blocks // height_blocks)
+            grid = (frames, height_blocks * self.merge_size, width_blocks * self.merge_size)
+            num_grid_rows = grid[0] * grid[1] * grid[2]
+            modality = VIDEO if frames > 1 else IMAGE
+            specs.append(self.item_rules.item_spec(modality, (num_grid_rows, *self.row_shape), "float32", grid))
+            rows_left -= num_grid_rows
+            sequences_left -= frames
+        return specs
+
+    def _compute_position_ids(self, grid: Grid) -> torch.Tensor:
+        return get_vision_position_ids(torch.tensor([grid], dtype=torch.long), self.merge_size)
+
+
+def _grid(spec: ItemSpec) -> Grid:
+    t, h, w = spec.layout
+    return (t, h, w)
