@@ -25,12 +25,12 @@ from transformers.vision_utils import get_vision_position_ids, get_vision_window
 from vitpool.models.attention import install_packed_attention
 from vitpool.models.protocol import TensorSpec
 from vitpool.models.qwen2_5_vl_rules import WINDOWS, WindowedMergeRules, frame_windows
+from vitpool.models.spatial_merge import sample_grid_specs
 from vitpool.packing import Budget
-from vitpool.specs import IMAGE, VIDEO, ItemSpec
+from vitpool.specs import ItemSpec
 
 Grid = tuple[int, int, int]
 
-_MAX_SAMPLED_ITEMS = 8
 
 
 class Qwen2_5_VLAdapter:
@@ -143,28 +143,7 @@ class Qwen2_5_VLAdapter:
         return [output.pooler_output]
 
     def sample_specs(self, num_rows: int, budget: Budget, rng: random.Random) -> list[ItemSpec]:
-        specs: list[ItemSpec] = []
-        rows_left, sequences_left = num_rows, budget.max_sequences
-        windows_left = budget.limit(WINDOWS) or num_rows
-        max_items = min(_MAX_SAMPLED_ITEMS, budget.max_items)
-        while rows_left >= self.merge_unit and sequences_left > 0 and windows_left > 0 and len(specs) < max_items:
-            frames = 2 if sequences_left >= 2 and rows_left >= 2 * self.merge_unit and rng.random() < 0.3 else 1
-            max_blocks = rows_left // (self.merge_unit * frames)
-            # Sometimes fill the rest, usually not, so that padding rows are exercised too.
-            num_blocks = max_blocks if rng.random() < 0.2 else rng.randint(1, max(1, max_blocks // 2))
-            height_blocks = rng.randint(1, num_blocks)
-            width_blocks = max(1, num_blocks // height_blocks)
-            grid = (frames, height_blocks * self.merge_size, width_blocks * self.merge_size)
-            num_grid_rows = grid[0] * grid[1] * grid[2]
-            modality = VIDEO if frames > 1 else IMAGE
-            spec = self.item_rules.item_spec(modality, (num_grid_rows, *self.row_shape), "float32", grid)
-            if spec.need(WINDOWS) > windows_left:
-                break
-            specs.append(spec)
-            rows_left -= num_grid_rows
-            sequences_left -= frames
-            windows_left -= spec.need(WINDOWS)
-        return specs
+        return sample_grid_specs(self.item_rules, num_rows, budget, rng)  # windows within the budget too
 
     def _compute_grid_metadata(self, grid: Grid) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
         """An item's rotary positions [rows, 2], its window permutation of merged tokens

@@ -21,13 +21,9 @@ from transformers.vision_utils import (
 from vitpool.models.attention import install_packed_attention
 from vitpool.models.item_rules import SpatialMergeRules
 from vitpool.models.protocol import TensorSpec
+from vitpool.models.spatial_merge import Grid, frame_cu_seqlens, grids_of, sample_grid_specs
 from vitpool.packing import Budget
-from vitpool.specs import IMAGE, VIDEO, ItemSpec
-
-Grid = tuple[int, int, int]
-
-# Sampled check batches stay small so that checking a budget costs little host time.
-_MAX_SAMPLED_ITEMS = 8
+from vitpool.specs import ItemSpec
 
 
 class Qwen3VLAdapter:
@@ -65,34 +61,22 @@ class Qwen3VLAdapter:
         }
 
     def build_metadata(self, specs: Sequence[ItemSpec], num_rows: int, budget: Budget) -> dict[str, torch.Tensor]:
-        grids = [_grid(spec) for spec in specs]
-        needed_rows = sum(t * h * w for t, h, w in grids)
-        needed_sequences = sum(t for t, _, _ in grids)
-        if needed_rows > num_rows or needed_sequences > budget.max_sequences:
-            raise ValueError(
-                f"{len(grids)} items need {needed_rows} rows and {needed_sequences} sequences; "
-                f"the buffers hold {num_rows} and {budget.max_sequences}"
-            )
+        grids = grids_of(specs, num_rows, budget)
         metadata = {
             name: torch.zeros(spec.shape, dtype=spec.dtype)
             for name, spec in self.metadata_specs(num_rows, budget).items()
         }
         # Padding rows read position-table row 0 with weight 0 and rotary position (0, 0).
         # Unused cu_seqlens entries repeat the end, so the padding rows form one sequence.
-        metadata["cu_seqlens"].fill_(num_rows)
-        metadata["cu_seqlens"][0] = 0
         row = 0
-        boundaries = []
         for grid in grids:
             indices, weights, position_ids = self._per_grid_metadata(grid)
             end = row + indices.shape[0]
             metadata["interp_indices"][row:end] = indices
             metadata["interp_weights"][row:end] = weights
             metadata["position_ids"][row:end] = position_ids
-            t, h, w = grid
-            boundaries.extend(row + h * w * (frame + 1) for frame in range(t))
             row = end
-        metadata["cu_seqlens"][1 : len(boundaries) + 1] = torch.tensor(boundaries, dtype=torch.int32)
+        metadata["cu_seqlens"] = frame_cu_seqlens(grids, num_rows, budget.max_sequences)
         return metadata
 
     def forward(self, pixels: torch.Tensor, metadata: dict[str, torch.Tensor]) -> list[torch.Tensor]:
@@ -105,23 +89,7 @@ class Qwen3VLAdapter:
         return [output.pooler_output, *output.deepstack_features]
 
     def sample_specs(self, num_rows: int, budget: Budget, rng: random.Random) -> list[ItemSpec]:
-        specs: list[ItemSpec] = []
-        rows_left, sequences_left = num_rows, budget.max_sequences
-        max_items = min(_MAX_SAMPLED_ITEMS, budget.max_items)
-        while rows_left >= self.merge_unit and sequences_left > 0 and len(specs) < max_items:
-            frames = 2 if sequences_left >= 2 and rows_left >= 2 * self.merge_unit and rng.random() < 0.3 else 1
-            max_blocks = rows_left // (self.merge_unit * frames)
-            # Sometimes fill the rest, usually not, so that padding rows are exercised too.
-            num_blocks = max_blocks if rng.random() < 0.2 else rng.randint(1, max(1, max_blocks // 2))
-            height_blocks = rng.randint(1, num_blocks)
-            width_blocks = max(1, num_blocks // height_blocks)
-            grid = (frames, height_blocks * self.merge_size, width_blocks * self.merge_size)
-            num_grid_rows = grid[0] * grid[1] * grid[2]
-            modality = VIDEO if frames > 1 else IMAGE
-            specs.append(self.item_rules.item_spec(modality, (num_grid_rows, *self.row_shape), "float32", grid))
-            rows_left -= num_grid_rows
-            sequences_left -= frames
-        return specs
+        return sample_grid_specs(self.item_rules, num_rows, budget, rng)
 
     def _compute_grid_metadata(self, grid: Grid) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         grid_thw = torch.tensor([grid], dtype=torch.long)
@@ -135,7 +103,3 @@ class Qwen3VLAdapter:
         position_ids = get_vision_position_ids(grid_thw, self.merge_size)
         return indices, weights.to(torch.float32), position_ids
 
-
-def _grid(spec: ItemSpec) -> Grid:
-    t, h, w = spec.layout
-    return (t, h, w)

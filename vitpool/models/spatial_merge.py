@@ -1,0 +1,77 @@
+"""What the adapters of spatial-merge towers share (Qwen2-VL through Qwen3.5, GLM-4.1V): items
+with a (t, h, w) grid of patches, one attention sequence per temporal patch, and padding rows
+that form one trailing sequence of their own."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import torch
+
+from vitpool.models.item_rules import SpatialMergeRules
+from vitpool.packing import Budget
+from vitpool.specs import IMAGE, VIDEO, ItemSpec
+
+Grid = tuple[int, int, int]
+
+# Sampled check batches stay small so that checking a budget costs little host time.
+MAX_SAMPLED_ITEMS = 8
+
+
+def grids_of(specs: Sequence[ItemSpec], num_rows: int, budget: Budget) -> list[Grid]:
+    """The items' (t, h, w) grids; ValueError if their rows or frames overflow the buffers."""
+    grids = [(spec.layout[0], spec.layout[1], spec.layout[2]) for spec in specs]
+    needed_rows = sum(t * h * w for t, h, w in grids)
+    needed_sequences = sum(t for t, _, _ in grids)
+    if needed_rows > num_rows or needed_sequences > budget.max_sequences:
+        raise ValueError(
+            f"{len(grids)} items need {needed_rows} rows and {needed_sequences} sequences; "
+            f"the buffers hold {num_rows} and {budget.max_sequences}"
+        )
+    return grids
+
+
+def frame_cu_seqlens(grids: Sequence[Grid], num_rows: int, max_sequences: int) -> torch.Tensor:
+    """cu_seqlens [max_sequences + 2] (int32): one sequence per frame of each item, in order from
+    row 0; the unused entries repeat `num_rows`, so the padding rows form one trailing sequence."""
+    cu_seqlens = torch.full((max_sequences + 2,), num_rows, dtype=torch.int32)
+    cu_seqlens[0] = 0
+    boundaries, row = [], 0
+    for t, h, w in grids:
+        boundaries.extend(row + h * w * (frame + 1) for frame in range(t))
+        row += t * h * w
+    cu_seqlens[1 : len(boundaries) + 1] = torch.tensor(boundaries, dtype=torch.int32)
+    return cu_seqlens
+
+
+def sample_grid_specs(
+    rules: SpatialMergeRules, num_rows: int, budget: Budget, rng: random.Random
+) -> list[ItemSpec]:
+    """Random valid images and two-frame videos within `num_rows` rows and every limit of
+    `budget` (frames, and any other capacity the rules declare), for warming up and checking
+    a captured budget on inputs unlike any before."""
+    merge_unit = rules.merge_size**2
+    specs: list[ItemSpec] = []
+    used: dict[str, int] = {}
+    rows_left, sequences_left = num_rows, budget.max_sequences
+    while rows_left >= merge_unit and sequences_left > 0 and len(specs) < min(MAX_SAMPLED_ITEMS, budget.max_items):
+        frames = 2 if sequences_left >= 2 and rows_left >= 2 * merge_unit and rng.random() < 0.3 else 1
+        max_blocks = rows_left // (merge_unit * frames)
+        # Sometimes fill the rest, usually not, so that padding rows are exercised too.
+        num_blocks = max_blocks if rng.random() < 0.2 else rng.randint(1, max(1, max_blocks // 2))
+        height_blocks = rng.randint(1, num_blocks)
+        width_blocks = max(1, num_blocks // height_blocks)
+        grid = (frames, height_blocks * rules.merge_size, width_blocks * rules.merge_size)
+        num_grid_rows = grid[0] * grid[1] * grid[2]
+        spec = rules.item_spec(VIDEO if frames > 1 else IMAGE, (num_grid_rows, *rules.row_shape), "float32", grid)
+        needs = dict(used)
+        for name, amount in spec.needs:
+            needs[name] = needs.get(name, 0) + amount
+        if any(needs.get(name, 0) > limit for name, limit in budget.limits):
+            break
+        specs.append(spec)
+        used = needs
+        rows_left -= num_grid_rows
+        sequences_left -= frames
+    return specs
