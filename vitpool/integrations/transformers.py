@@ -1,5 +1,7 @@
-"""A drop-in vision tower for Hugging Face Qwen3-VL models: `model.generate(...)` encodes images
-and videos through an `EncoderPool` (or an in-process `GraphEncoder`), deepstack features included.
+"""A drop-in vision tower for Hugging Face vision-language models of every family vitpool serves
+(Qwen3-VL, Qwen3.5, Qwen2.5-VL, Qwen2-VL, GLM-4.1V / 4.5V / 4.6V): `model.generate(...)` encodes
+images and videos through an `EncoderPool` (or an in-process `GraphEncoder`), deepstack features
+included where the family has them.
 
     from vitpool.integrations.transformers import replace_vision_tower
     original = replace_vision_tower(model, pool)       # model.model.visual now asks the pool
@@ -7,7 +9,9 @@ and videos through an `EncoderPool` (or an in-process `GraphEncoder`), deepstack
 
 The model calls its tower with the processor's pixel rows of all images (or all videos) of a
 request and their grids; the stand-in splits them into items, encodes them, and answers in the
-tower's own output type, on the model's device and in its dtype.
+tower's own output type (`pooler_output`, and `deepstack_features` for a family that has them),
+on the model's device and in its dtype. GLM passes a video as one (1, h, w) grid row per frame;
+its tower encodes each frame alone, so those rows are encoded as images, with the same result.
 """
 
 from __future__ import annotations
@@ -16,11 +20,12 @@ import copy
 from typing import Any, Protocol
 
 import torch
+from transformers.modeling_outputs import BaseModelOutputWithPooling
 from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 
 from vitpool.graphs import GraphEncoder
 from vitpool.items import Embedding, Image, Item, Video
-from vitpool.models import Qwen3VLAdapter
+from vitpool.models.registry import find_family, supported_model_types
 
 
 class Encoder(Protocol):
@@ -28,12 +33,13 @@ class Encoder(Protocol):
 
 
 class PooledVisionTower(torch.nn.Module):
-    """Stands in for `model.model.visual` of a Qwen3-VL model.
+    """Stands in for `model.model.visual` of a vision-language model of a vitpool family.
 
     Args:
         encoder: an `EncoderPool` or a `GraphEncoder` (anything with `encode(items)`), loaded with
             the same vision weights as the model.
-        spatial_merge_size: the tower's merge size (2 for Qwen3-VL).
+        spatial_merge_size: the tower's merge size (2 in every family so far); the model's
+            `get_image_features` / `get_video_features` read it from the tower.
         dtype, device: where the model expects the embeddings.
     """
 
@@ -54,7 +60,7 @@ class PooledVisionTower(torch.nn.Module):
 
     def forward(
         self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, **kwargs: Any
-    ) -> BaseModelOutputWithDeepstackFeatures:
+    ) -> BaseModelOutputWithPooling:
         grids = [tuple(int(n) for n in grid) for grid in grid_thw.tolist()]
         rows = [t * h * w for t, h, w in grids]
         if sum(rows) != pixel_values.shape[0]:
@@ -67,6 +73,8 @@ class PooledVisionTower(torch.nn.Module):
         results = self.encoder.encode(items)
         tokens = self._gather([r.tokens for r in results])
         num_deepstack = len(results[0].deepstack) if results else 0
+        if not num_deepstack:  # Qwen2-VL, Qwen2.5-VL, Qwen3.5, GLM: the merged tokens alone
+            return BaseModelOutputWithPooling(pooler_output=tokens)
         deepstack = [self._gather([r.deepstack[k] for r in results]) for k in range(num_deepstack)]
         return BaseModelOutputWithDeepstackFeatures(pooler_output=tokens, deepstack_features=deepstack)
 
@@ -75,14 +83,16 @@ class PooledVisionTower(torch.nn.Module):
 
 
 def replace_vision_tower(model: torch.nn.Module, encoder: Encoder) -> torch.nn.Module:
-    """Make `model` (a Hugging Face Qwen3-VL model: `model.model.visual`) encode through
-    `encoder`. Returns the original tower, to put back or free."""
+    """Make `model` (a Hugging Face vision-language model with its tower at `model.model.visual`:
+    Qwen3-VL, Qwen3.5, Qwen2.5-VL, Qwen2-VL, GLM-4.1V / 4.5V / 4.6V) encode through `encoder`.
+    Returns the original tower, to put back or free."""
     inner = getattr(model, "model", model)
     original = getattr(inner, "visual", None)
     if original is None:
         raise TypeError(f"{type(model).__name__} has no vision tower at .model.visual")
     weight = next(original.parameters())
-    inner.visual = PooledVisionTower(encoder, original.spatial_merge_size, weight.dtype, weight.device)
+    merge = getattr(original, "spatial_merge_size", None) or original.config.spatial_merge_size
+    inner.visual = PooledVisionTower(encoder, merge, weight.dtype, weight.device)
     return original
 
 
@@ -92,6 +102,13 @@ def graph_encoder_for(model: torch.nn.Module, **kwargs: Any) -> GraphEncoder:
     tower = getattr(model, "model", model).visual
     if isinstance(tower, PooledVisionTower):
         raise TypeError("the model's tower is already replaced; pass the original tower's model")
+    model_type = getattr(getattr(tower, "config", None), "model_type", None)
+    family = find_family(model_type) if model_type else None
+    if family is None:
+        raise TypeError(
+            f"{type(model).__name__}'s vision tower ({model_type!r}) is of no vitpool family; "
+            f"supported: {', '.join(supported_model_types())}"
+        )
     weight = next(tower.parameters())
-    adapter = Qwen3VLAdapter(copy.deepcopy(tower))  # the adapter changes the tower's attention
+    adapter = family.adapter(copy.deepcopy(tower))  # the adapter changes the tower's attention
     return GraphEncoder(adapter, device=weight.device, dtype=weight.dtype, **kwargs)
