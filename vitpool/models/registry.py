@@ -131,8 +131,21 @@ def _qwen2_5_vl_adapter(tower: torch.nn.Module) -> VisionAdapter:
     return Qwen2_5_VLAdapter(tower)
 
 
+def _kimi_k25_tower(config: Any, dtype: torch.dtype) -> torch.nn.Module:
+    from vitpool.models.kimi_k25 import build_encoder
+
+    return build_encoder(config, dtype)  # Kimi_K25VisionModel + mm_projector
+
+
+def _kimi_k25_adapter(tower: torch.nn.Module) -> VisionAdapter:
+    from vitpool.models.kimi_k25 import KimiK25Adapter
+
+    return KimiK25Adapter(tower)
+
+
 # Keyed by the vision config's model_type; a new family adds one line here and one adapter file.
 FAMILIES: dict[str, Family] = {
+    "kimi_k25_vision": Family(_kimi_k25_tower, _kimi_k25_adapter),  # Kimi-K2.5 / K2.6 (kimi_k25)
     "qwen2_5_vl_vision": Family(_qwen2_5_vl_tower, _qwen2_5_vl_adapter),  # Qwen2.5-VL (qwen2_5_vl)
     "glm4v_vision": Family(_glm4v_tower, _glm4v_adapter),  # GLM-4.1V (glm4v), GLM-4.6V (glm46v)
     "glm4v_moe_vision": Family(_glm4v_moe_tower, _glm4v_adapter),  # GLM-4.5V (glm4v_moe)
