@@ -27,6 +27,11 @@ import pytest
 import torch
 import toy_family
 from conftest import ROW_WIDTH, reference_outputs, relative_error
+from family_cases import glm4v as glm4v_case
+from family_cases import kimi_k25 as kimi_k25_case
+from family_cases import qwen2_5_vl as qwen2_5_vl_case
+from family_cases import qwen2_vl as qwen2_vl_case
+from family_cases import qwen3_5 as qwen3_5_case
 
 from vitpool import GraphEncoder, Image, InvalidItemError, Video
 from vitpool.graphs.inputs import totals
@@ -100,18 +105,12 @@ TOY_TILES = FamilyCase(
     budgets=(8, 16, 32),
 )
 
-from family_cases import glm4v as glm4v_case  # noqa: E402
-from family_cases import qwen2_5_vl as qwen2_5_vl_case  # noqa: E402
-from family_cases import qwen2_vl as qwen2_vl_case  # noqa: E402
-from family_cases import qwen3_5 as qwen3_5_case  # noqa: E402
-from family_cases import kimi_k25 as kimi_k25_case  # noqa: E402
-
 # One line per family.
 FAMILIES = {
-    "kimi_k25": FamilyCase(**kimi_k25_case.CASE_FIELDS),
-    "qwen2_vl": FamilyCase(**qwen2_vl_case.CASE_FIELDS),
     "glm4v": FamilyCase(**glm4v_case.CASE_FIELDS),
+    "kimi_k25": FamilyCase(**kimi_k25_case.CASE_FIELDS),
     "qwen2_5_vl": FamilyCase(**qwen2_5_vl_case.CASE_FIELDS),
+    "qwen2_vl": FamilyCase(**qwen2_vl_case.CASE_FIELDS),
     "qwen3_5": FamilyCase(**qwen3_5_case.CASE_FIELDS),
     "qwen3_vl": QWEN3_VL,
     "toy_tiles": TOY_TILES,
