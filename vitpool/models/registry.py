@@ -53,107 +53,64 @@ class Family:
     read_config: Callable[[Path], Any] = read_hf_config
 
 
-def _qwen3_vl_tower(config: Any, dtype: torch.dtype) -> torch.nn.Module:
-    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+def _hf_tower(module: str, class_name: str) -> Callable[[Any, torch.dtype], torch.nn.Module]:
+    """A builder of the Hugging Face tower `module.class_name`, imported when first called."""
 
-    return Qwen3VLVisionModel._from_config(config, dtype=dtype)
+    def build(config: Any, dtype: torch.dtype) -> torch.nn.Module:
+        return getattr(importlib.import_module(module), class_name)._from_config(config, dtype=dtype)
 
-
-def _qwen3_vl_moe_tower(config: Any, dtype: torch.dtype) -> torch.nn.Module:
-    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVisionModel
-
-    return Qwen3VLMoeVisionModel._from_config(config, dtype=dtype)
+    return build
 
 
-def _qwen3_vl_adapter(tower: torch.nn.Module) -> VisionAdapter:
-    from vitpool.models.qwen3_vl import Qwen3VLAdapter
+def _lazy(module: str, name: str) -> Callable[..., Any]:
+    """`module.name` (an adapter class or a builder), imported when first called."""
 
-    return Qwen3VLAdapter(tower)
+    def call(*args: Any) -> Any:
+        return getattr(importlib.import_module(module), name)(*args)
 
-
-def _qwen3_5_tower(config: Any, dtype: torch.dtype) -> torch.nn.Module:
-    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
-
-    return Qwen3_5VisionModel._from_config(config, dtype=dtype)
+    return call
 
 
-def _qwen3_5_moe_tower(config: Any, dtype: torch.dtype) -> torch.nn.Module:
-    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeVisionModel
-
-    return Qwen3_5MoeVisionModel._from_config(config, dtype=dtype)
-
-
-def _qwen3_5_adapter(tower: torch.nn.Module) -> VisionAdapter:
-    from vitpool.models.qwen3_5 import Qwen3_5Adapter
-
-    return Qwen3_5Adapter(tower)
-
-
-def _qwen2_vl_tower(config: Any, dtype: torch.dtype) -> torch.nn.Module:
-    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
-
-    return Qwen2VisionTransformerPretrainedModel._from_config(config, dtype=dtype)
-
-
-def _qwen2_vl_adapter(tower: torch.nn.Module) -> VisionAdapter:
-    from vitpool.models.qwen2_vl import Qwen2VLAdapter
-
-    return Qwen2VLAdapter(tower)
-
-
-def _glm4v_tower(config: Any, dtype: torch.dtype) -> torch.nn.Module:
-    from transformers.models.glm4v.modeling_glm4v import Glm4vVisionModel
-
-    return Glm4vVisionModel._from_config(config, dtype=dtype)
-
-
-def _glm4v_moe_tower(config: Any, dtype: torch.dtype) -> torch.nn.Module:
-    from transformers.models.glm4v_moe.modeling_glm4v_moe import Glm4vMoeVisionModel
-
-    return Glm4vMoeVisionModel._from_config(config, dtype=dtype)
-
-
-def _glm4v_adapter(tower: torch.nn.Module) -> VisionAdapter:
-    from vitpool.models.glm4v import Glm4vAdapter
-
-    return Glm4vAdapter(tower)
-
-
-def _qwen2_5_vl_tower(config: Any, dtype: torch.dtype) -> torch.nn.Module:
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
-
-    return Qwen2_5_VisionTransformerPretrainedModel._from_config(config, dtype=dtype)
-
-
-def _qwen2_5_vl_adapter(tower: torch.nn.Module) -> VisionAdapter:
-    from vitpool.models.qwen2_5_vl import Qwen2_5_VLAdapter
-
-    return Qwen2_5_VLAdapter(tower)
-
-
-def _kimi_k25_tower(config: Any, dtype: torch.dtype) -> torch.nn.Module:
-    from vitpool.models.kimi_k25 import build_encoder
-
-    return build_encoder(config, dtype)  # Kimi_K25VisionModel + mm_projector
-
-
-def _kimi_k25_adapter(tower: torch.nn.Module) -> VisionAdapter:
-    from vitpool.models.kimi_k25 import KimiK25Adapter
-
-    return KimiK25Adapter(tower)
+_QWEN3_VL = _lazy("vitpool.models.qwen3_vl", "Qwen3VLAdapter")
+_QWEN3_5 = _lazy("vitpool.models.qwen3_5", "Qwen3_5Adapter")
+_GLM4V = _lazy("vitpool.models.glm4v", "Glm4vAdapter")
 
 
 # Keyed by the vision config's model_type; a new family adds one line here and one adapter file.
 FAMILIES: dict[str, Family] = {
-    "kimi_k25_vision": Family(_kimi_k25_tower, _kimi_k25_adapter),  # Kimi-K2.5 / K2.6 (kimi_k25)
-    "qwen2_5_vl_vision": Family(_qwen2_5_vl_tower, _qwen2_5_vl_adapter),  # Qwen2.5-VL (qwen2_5_vl)
-    "glm4v_vision": Family(_glm4v_tower, _glm4v_adapter),  # GLM-4.1V (glm4v), GLM-4.6V (glm46v)
-    "glm4v_moe_vision": Family(_glm4v_moe_tower, _glm4v_adapter),  # GLM-4.5V (glm4v_moe)
-    "qwen2_vl_vision": Family(_qwen2_vl_tower, _qwen2_vl_adapter),
-    "qwen3_5_vision": Family(_qwen3_5_tower, _qwen3_5_adapter),
-    "qwen3_5_moe_vision": Family(_qwen3_5_moe_tower, _qwen3_5_adapter),
-    "qwen3_vl_vision": Family(_qwen3_vl_tower, _qwen3_vl_adapter),
-    "qwen3_vl_moe_vision": Family(_qwen3_vl_moe_tower, _qwen3_vl_adapter),
+    # Kimi-K2.5 / K2.6 (kimi_k25): Kimi_K25VisionModel + mm_projector
+    "kimi_k25_vision": Family(
+        _lazy("vitpool.models.kimi_k25", "build_encoder"), _lazy("vitpool.models.kimi_k25", "KimiK25Adapter")
+    ),
+    "qwen2_5_vl_vision": Family(  # Qwen2.5-VL (qwen2_5_vl)
+        _hf_tower(
+            "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "Qwen2_5_VisionTransformerPretrainedModel"
+        ),
+        _lazy("vitpool.models.qwen2_5_vl", "Qwen2_5_VLAdapter"),
+    ),
+    "glm4v_vision": Family(  # GLM-4.1V (glm4v), GLM-4.6V (glm46v)
+        _hf_tower("transformers.models.glm4v.modeling_glm4v", "Glm4vVisionModel"), _GLM4V
+    ),
+    "glm4v_moe_vision": Family(  # GLM-4.5V (glm4v_moe)
+        _hf_tower("transformers.models.glm4v_moe.modeling_glm4v_moe", "Glm4vMoeVisionModel"), _GLM4V
+    ),
+    "qwen2_vl_vision": Family(
+        _hf_tower("transformers.models.qwen2_vl.modeling_qwen2_vl", "Qwen2VisionTransformerPretrainedModel"),
+        _lazy("vitpool.models.qwen2_vl", "Qwen2VLAdapter"),
+    ),
+    "qwen3_5_vision": Family(
+        _hf_tower("transformers.models.qwen3_5.modeling_qwen3_5", "Qwen3_5VisionModel"), _QWEN3_5
+    ),
+    "qwen3_5_moe_vision": Family(
+        _hf_tower("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeVisionModel"), _QWEN3_5
+    ),
+    "qwen3_vl_vision": Family(
+        _hf_tower("transformers.models.qwen3_vl.modeling_qwen3_vl", "Qwen3VLVisionModel"), _QWEN3_VL
+    ),
+    "qwen3_vl_moe_vision": Family(
+        _hf_tower("transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe", "Qwen3VLMoeVisionModel"),
+        _QWEN3_VL,
+    ),
 }
 
 
