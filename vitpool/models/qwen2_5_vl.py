@@ -15,17 +15,15 @@ window's rows each (so that `max_window_seqlen` stays a window's size).
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 from functools import lru_cache
 
 import torch
 from transformers.vision_utils import get_vision_position_ids, get_vision_window_index
 
-from vitpool.models.attention import install_packed_attention
 from vitpool.models.protocol import TensorSpec
 from vitpool.models.qwen2_5_vl_rules import WINDOWS, WindowedMergeRules, frame_windows
-from vitpool.models.spatial_merge import sample_grid_specs
+from vitpool.models.spatial_merge import SpatialMergeAdapter, row_width_of
 from vitpool.packing import Budget
 from vitpool.specs import ItemSpec
 
@@ -33,14 +31,11 @@ Grid = tuple[int, int, int]
 
 
 
-class Qwen2_5_VLAdapter:
+class Qwen2_5_VLAdapter(SpatialMergeAdapter):
     """Adapter for `Qwen2_5_VisionTransformerPretrainedModel`."""
 
     def __init__(self, tower: torch.nn.Module) -> None:
         config = tower.config
-        self.tower = tower
-        self.merge_size: int = config.spatial_merge_size
-        self.merge_unit = self.merge_size**2  # patch rows per output token
         self.patch_size: int = config.patch_size
         self.window_size: int = config.window_size
         window_tokens = config.window_size // config.spatial_merge_size // config.patch_size
@@ -49,21 +44,15 @@ class Qwen2_5_VLAdapter:
                 f"window_size {config.window_size} is smaller than a merged token "
                 f"({config.spatial_merge_size} x {config.patch_size} pixels)"
             )
-        self.window_rows = window_tokens**2 * self.merge_unit  # rows of the largest window
-        row_width = config.in_channels * config.temporal_patch_size * config.patch_size**2
-        self.item_rules = WindowedMergeRules(
-            row_width=row_width,
-            merge_size=self.merge_size,
+        rules = WindowedMergeRules(
+            row_width=row_width_of(config),
+            merge_size=config.spatial_merge_size,
             output_row_shapes=((config.out_hidden_size,),),
             window_tokens=window_tokens,
         )
-        self.row_shape = self.item_rules.row_shape
-        self.output_row_shapes = self.item_rules.output_row_shapes
+        super().__init__(tower, rules)
+        self.window_rows = window_tokens**2 * self.merge_unit  # rows of the largest window
         self._per_grid_metadata = lru_cache(maxsize=1024)(self._compute_grid_metadata)
-        install_packed_attention(tower)
-
-    def max_rows(self, num_tokens: int) -> int:
-        return num_tokens * self.merge_unit
 
     def _padding_windows(self, num_rows: int) -> int:
         return max(1, -(-num_rows // self.window_rows))
@@ -142,8 +131,6 @@ class Qwen2_5_VLAdapter:
         )
         return [output.pooler_output]
 
-    def sample_specs(self, num_rows: int, budget: Budget, rng: random.Random) -> list[ItemSpec]:
-        return sample_grid_specs(self.item_rules, num_rows, budget, rng)  # windows within the budget too
 
     def _compute_grid_metadata(self, grid: Grid) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
         """An item's rotary positions [rows, 2], its window permutation of merged tokens

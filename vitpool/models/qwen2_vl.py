@@ -13,39 +13,29 @@ so the item rules are `SpatialMergeRules`.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 from functools import lru_cache
 
 import torch
 from transformers.vision_utils import get_vision_position_ids
 
-from vitpool.models.attention import install_packed_attention
 from vitpool.models.item_rules import SpatialMergeRules
 from vitpool.models.protocol import TensorSpec
-from vitpool.models.spatial_merge import Grid, frame_cu_seqlens, grids_of, sample_grid_specs
+from vitpool.models.spatial_merge import Grid, SpatialMergeAdapter, frame_cu_seqlens, grids_of, row_width_of
 from vitpool.packing import Budget
 from vitpool.specs import ItemSpec
 
 
-class Qwen2VLAdapter:
+class Qwen2VLAdapter(SpatialMergeAdapter):
     """Adapter for `Qwen2VisionTransformerPretrainedModel` (vision model_type "qwen2_vl_vision")."""
 
     def __init__(self, tower: torch.nn.Module) -> None:
         config = tower.config
-        self.tower = tower
-        self.merge_size: int = config.spatial_merge_size
-        self.merge_unit = self.merge_size**2  # patch rows per output token
-        self.row_width = config.in_channels * config.temporal_patch_size * config.patch_size**2  # C*T*P*P
         # one output: the merger's tokens, in the LLM's width
-        self.item_rules = SpatialMergeRules(self.row_width, self.merge_size, ((config.hidden_size,),))
-        self.row_shape = self.item_rules.row_shape
-        self.output_row_shapes = self.item_rules.output_row_shapes
+        rules = SpatialMergeRules(row_width_of(config), config.spatial_merge_size, ((config.hidden_size,),))
+        super().__init__(tower, rules)
         self._position_ids = lru_cache(maxsize=1024)(self._compute_position_ids)
-        install_packed_attention(tower)
 
-    def max_rows(self, num_tokens: int) -> int:
-        return num_tokens * self.merge_unit
 
     def metadata_specs(self, num_rows: int, budget: Budget) -> dict[str, TensorSpec]:
         return {
@@ -80,8 +70,6 @@ class Qwen2VLAdapter:
         )
         return [output.pooler_output]
 
-    def sample_specs(self, num_rows: int, budget: Budget, rng: random.Random) -> list[ItemSpec]:
-        return sample_grid_specs(self.item_rules, num_rows, budget, rng)
 
     def _compute_position_ids(self, grid: Grid) -> torch.Tensor:
         return get_vision_position_ids(torch.tensor([grid], dtype=torch.long), self.merge_size)

@@ -8,7 +8,6 @@ attention sequence per temporal patch; a 2x2 merge makes four rows one output to
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 from functools import lru_cache
 
@@ -18,38 +17,30 @@ from transformers.vision_utils import (
     get_vision_position_ids,
 )
 
-from vitpool.models.attention import install_packed_attention
 from vitpool.models.item_rules import SpatialMergeRules
 from vitpool.models.protocol import TensorSpec
-from vitpool.models.spatial_merge import Grid, frame_cu_seqlens, grids_of, sample_grid_specs
+from vitpool.models.spatial_merge import Grid, SpatialMergeAdapter, frame_cu_seqlens, grids_of, row_width_of
 from vitpool.packing import Budget
 from vitpool.specs import ItemSpec
 
 
-class Qwen3VLAdapter:
-    """Adapter for `Qwen3VLVisionModel` / `Qwen3VLMoeVisionModel`."""
+class Qwen3VLAdapter(SpatialMergeAdapter):
+    """Adapter for `Qwen3VLVisionModel` / `Qwen3VLMoeVisionModel`, and (with no deepstack indexes)
+    Qwen3.5's tower."""
 
     def __init__(self, tower: torch.nn.Module) -> None:
         config = tower.config
-        self.tower = tower
-        self.merge_size: int = config.spatial_merge_size
-        self.merge_unit = self.merge_size**2  # patch rows per output token
-        self.row_width = config.in_channels * config.temporal_patch_size * config.patch_size**2  # C*T*P*P
         # tokens, then one deepstack feature map per index, all [tokens, out_hidden_size]
-        num_outputs = 1 + len(config.deepstack_visual_indexes)
-        self.item_rules = SpatialMergeRules(
-            self.row_width, self.merge_size, ((config.out_hidden_size,),) * num_outputs
+        num_outputs = 1 + len(getattr(config, "deepstack_visual_indexes", None) or ())
+        rules = SpatialMergeRules(
+            row_width_of(config), config.spatial_merge_size, ((config.out_hidden_size,),) * num_outputs
         )
-        self.row_shape = self.item_rules.row_shape
-        self.output_row_shapes = self.item_rules.output_row_shapes
+        super().__init__(tower, rules)
         self._num_grid_per_side: int = tower.num_grid_per_side
         self._interpolation_mode: str = tower.interpolation_mode
         self._align_corners: bool = tower.interpolation_align_corners
         self._per_grid_metadata = lru_cache(maxsize=1024)(self._compute_grid_metadata)
-        install_packed_attention(tower)
 
-    def max_rows(self, num_tokens: int) -> int:
-        return num_tokens * self.merge_unit
 
     def metadata_specs(self, num_rows: int, budget: Budget) -> dict[str, TensorSpec]:
         return {
@@ -88,8 +79,6 @@ class Qwen3VLAdapter:
         )
         return [output.pooler_output, *output.deepstack_features]
 
-    def sample_specs(self, num_rows: int, budget: Budget, rng: random.Random) -> list[ItemSpec]:
-        return sample_grid_specs(self.item_rules, num_rows, budget, rng)
 
     def _compute_grid_metadata(self, grid: Grid) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         grid_thw = torch.tensor([grid], dtype=torch.long)

@@ -9,11 +9,39 @@ from collections.abc import Sequence
 
 import torch
 
+from vitpool.models.attention import install_packed_attention
 from vitpool.models.item_rules import SpatialMergeRules
 from vitpool.packing import Budget
 from vitpool.specs import IMAGE, VIDEO, ItemSpec
 
 Grid = tuple[int, int, int]
+
+def row_width_of(config: object) -> int:
+    """Features per patch row of a tower config: channels * temporal patch * patch * patch."""
+    return config.in_channels * config.temporal_patch_size * config.patch_size**2
+
+
+class SpatialMergeAdapter:
+    """What every spatial-merge adapter shares: its sizes (from its item rules), the buffer rows
+    of a budget, the capture-check sampler, and the packed attention hook in its tower.
+    Subclasses add their metadata and forward."""
+
+    def __init__(self, tower: torch.nn.Module, item_rules: SpatialMergeRules) -> None:
+        self.tower = tower
+        self.item_rules = item_rules
+        self.merge_size = item_rules.merge_size
+        self.merge_unit = self.merge_size**2  # patch rows per output token
+        self.row_width = item_rules.row_width
+        self.row_shape = item_rules.row_shape
+        self.output_row_shapes = item_rules.output_row_shapes
+        install_packed_attention(tower)
+
+    def max_rows(self, num_tokens: int) -> int:
+        return num_tokens * self.merge_unit
+
+    def sample_specs(self, num_rows: int, budget: Budget, rng: random.Random) -> list[ItemSpec]:
+        return sample_grid_specs(self.item_rules, num_rows, budget, rng)
+
 
 # Sampled check batches stay small so that checking a budget costs little host time.
 MAX_SAMPLED_ITEMS = 8
@@ -55,7 +83,8 @@ def sample_grid_specs(
     specs: list[ItemSpec] = []
     used: dict[str, int] = {}
     rows_left, sequences_left = num_rows, budget.max_sequences
-    while rows_left >= merge_unit and sequences_left > 0 and len(specs) < min(MAX_SAMPLED_ITEMS, budget.max_items):
+    max_items = min(MAX_SAMPLED_ITEMS, budget.max_items)
+    while rows_left >= merge_unit and sequences_left > 0 and len(specs) < max_items:
         frames = 2 if sequences_left >= 2 and rows_left >= 2 * merge_unit and rng.random() < 0.3 else 1
         max_blocks = rows_left // (merge_unit * frames)
         # Sometimes fill the rest, usually not, so that padding rows are exercised too.
@@ -64,7 +93,8 @@ def sample_grid_specs(
         width_blocks = max(1, num_blocks // height_blocks)
         grid = (frames, height_blocks * rules.merge_size, width_blocks * rules.merge_size)
         num_grid_rows = grid[0] * grid[1] * grid[2]
-        spec = rules.item_spec(VIDEO if frames > 1 else IMAGE, (num_grid_rows, *rules.row_shape), "float32", grid)
+        modality = VIDEO if frames > 1 else IMAGE
+        spec = rules.item_spec(modality, (num_grid_rows, *rules.row_shape), "float32", grid)
         needs = dict(used)
         for name, amount in spec.needs:
             needs[name] = needs.get(name, 0) + amount
