@@ -64,8 +64,7 @@ class RayLink:
         receipt_future.add_done_callback(lambda future: on_outcome(self._outcome_of(values, future)))
 
     def exchange(self, plan: BatchPlan, pixels: list[Any], on_outcome: OutcomeCallback) -> None:
-        """A Ray call has nothing for the calling thread to carry: use `send`."""
-        return None
+        """A Ray call has nothing for the calling thread to carry (None): use `send`."""
 
     def close(self) -> None:
         """Nothing to close: calls in flight finish on their own."""
