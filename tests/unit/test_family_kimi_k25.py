@@ -15,7 +15,7 @@ import torch
 from family_cases.kimi_k25 import BAD_ITEMS, ROW_SHAPE, full_config, randomize, reference_tokens
 from safetensors.torch import load_file, save_file
 
-from vitpool import GraphEncoder, Image, InvalidItemError, Video
+from vitpool import CheckpointError, GraphEncoder, Image, InvalidItemError, Video
 from vitpool.models.kimi_k25 import KimiK25Adapter, KimiK25Encoder, encoder_state, tower_only_config
 from vitpool.models.kimi_k25_rules import EXTRA_ROWS
 from vitpool.models.registry import find_family
@@ -139,12 +139,40 @@ def test_full_checkpoint_weights_convert_to_the_encoder(hf_model, tmp_path: Path
     assert relative_error(encoder.encode([item])[0].tokens, image_features(hf_model, item)) <= TOLERANCE
 
 
-@pytest.mark.xfail(strict=True, reason="loading.py reads only model.visual./visual. and passes the vision config alone")
 def test_loads_a_full_model_save(hf_model, tmp_path: Path):
+    """`save_pretrained` writes Moonshot's layout (fused wqkv, `vision_tower.encoder.blocks`)."""
     hf_model.save_pretrained(tmp_path)
     loaded = GraphEncoder.from_pretrained(tmp_path, budgets=BUDGETS, device="cpu", dtype=torch.float32)
     item = image(4, 4, 16)
     assert relative_error(loaded.encode([item])[0].tokens, image_features(hf_model, item)) <= TOLERANCE
+
+
+def full_save_in_transformers_layout(hf_model, directory: Path, drop: str = "", add: str = "") -> Path:
+    """A full checkpoint keyed as the loaded model names its tensors (`model.vision_tower.layers...`),
+    the text model's tensors included, less the key `drop` and plus a key `add`."""
+    hf_model.config.save_pretrained(directory)
+    state = {key: value.contiguous() for key, value in hf_model.state_dict().items() if key != drop}
+    state.pop("lm_head.weight", None)  # tied to the embeddings: safetensors keeps one of them
+    if add:
+        state[add] = torch.zeros(2)
+    save_file(state, str(directory / "model.safetensors"))
+    return directory
+
+
+def test_loads_a_full_model_in_transformers_layout(hf_model, tmp_path: Path):
+    directory = full_save_in_transformers_layout(hf_model, tmp_path)
+    loaded = GraphEncoder.from_pretrained(directory, budgets=BUDGETS, device="cpu", dtype=torch.float32)
+    item = image(6, 6, 17)
+    assert relative_error(loaded.encode([item])[0].tokens, image_features(hf_model, item)) <= TOLERANCE
+
+
+def test_a_full_model_with_a_missing_or_unexpected_key_is_refused(hf_model, tmp_path: Path):
+    missing = full_save_in_transformers_layout(hf_model, tmp_path / "missing", drop="model.mm_projector.out_proj.bias")
+    with pytest.raises(CheckpointError, match=r"missing keys \['mm_projector.out_proj.bias'\]"):
+        GraphEncoder.from_pretrained(missing, budgets=BUDGETS, device="cpu", dtype=torch.float32)
+    extra = full_save_in_transformers_layout(hf_model, tmp_path / "extra", add="model.vision_tower.layers.9.extra")
+    with pytest.raises(CheckpointError, match=r"unexpected keys \['vision_tower.layers.9.extra'\]"):
+        GraphEncoder.from_pretrained(extra, budgets=BUDGETS, device="cpu", dtype=torch.float32)
 
 
 @pytest.mark.parametrize("bad, words", BAD_ITEMS, ids=[words for _, words in BAD_ITEMS])

@@ -12,6 +12,7 @@ from typing import Any
 _NAMES = {
     "FAMILIES": "vitpool.models.registry",
     "Family": "vitpool.models.registry",
+    "CheckpointLayout": "vitpool.models.registry",
     "register_family": "vitpool.models.registry",
     "SHIPPED_CHECKPOINT": "vitpool.models.loading",
     "load_adapter": "vitpool.models.loading",
@@ -24,6 +25,7 @@ _NAMES = {
 __all__ = [
     "FAMILIES",
     "SHIPPED_CHECKPOINT",
+    "CheckpointLayout",
     "Family",
     "Qwen3VLAdapter",
     "SpatialMergeRules",

@@ -272,6 +272,12 @@ def encoder_state(checkpoint: dict[str, torch.Tensor], num_heads: int) -> dict[s
     return state
 
 
+def convert_checkpoint(checkpoint: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
+    """The loader's hook (`CheckpointLayout.convert`): `encoder_state` with the tower's head count
+    from its vision config."""
+    return encoder_state(checkpoint, int(config.num_attention_heads))
+
+
 def _permute_for_rope(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Rows of each head from interleaved (x0, y0, x1, y1, ...) to split-half rotary order."""
     rows = tensor.shape[0]

@@ -1,11 +1,13 @@
 """Build a model adapter from a local Hugging Face directory, or from the checkpoint vitpool ships.
 
 A directory holds either a vision-tower-only save (config `model_type` like "qwen3_vl_vision")
-or a full multimodal checkpoint (a config with `vision_config`; the tower's weights sit under
-`model.visual.` or `visual.`). Only safetensors are read, and of a full checkpoint only the
-shards that hold vision weights. Weights load strictly: a missing or unexpected key is an error
-that names it. A directory with a config and no weights gives random weights (benchmarks).
-Which tower and adapter a config gets is `vitpool.models.registry`'s business.
+or a full multimodal checkpoint (a config with `vision_config`; the vision weights sit under the
+prefixes the family's `CheckpointLayout` names, `model.visual.` or `visual.` by default, and the
+layout's `convert` turns them into the module's state). Only safetensors are read, and of a full
+checkpoint only the shards that hold vision weights. Weights load strictly: a missing or
+unexpected key is an error that names it. A directory with a config and no weights gives random
+weights (benchmarks). Which tower and adapter a config gets is `vitpool.models.registry`'s
+business.
 """
 
 from __future__ import annotations
@@ -20,13 +22,12 @@ from safetensors import safe_open
 
 from vitpool.errors import CheckpointError
 from vitpool.models.protocol import VisionAdapter
-from vitpool.models.registry import Family, find_family, supported_model_types
+from vitpool.models.registry import CheckpointLayout, Family, find_family, supported_model_types
 
 logger = logging.getLogger(__name__)
 
 SHIPPED_CHECKPOINT = Path(__file__).parent / "checkpoints" / "tiny-qwen3-vl"
 
-_VISION_PREFIXES = ("model.visual.", "visual.")
 _SHOWN_KEYS = 8
 
 
@@ -42,12 +43,14 @@ def load_adapter(
     directory = Path(path) if path is not None else SHIPPED_CHECKPOINT
     if not (directory / "config.json").is_file():
         raise CheckpointError(f"{directory} has no config.json; pass a local Hugging Face directory")
-    family, vision_config, is_full_model = _read_config(directory)
+    family, tower_config, is_full_model = _read_config(directory)
     with torch.device(device):
-        tower = family.build_tower(vision_config, dtype)
+        tower = family.build_tower(tower_config, dtype)
     weight_files = _weight_files(directory)
     if weight_files:
-        state = _read_vision_weights(weight_files, is_full_model)
+        state = _read_vision_weights(weight_files, family.checkpoint, is_full_model)
+        if family.checkpoint.convert is not None:
+            state = family.checkpoint.convert(state, tower_config)
         _load_strictly(tower, state, directory)
     else:
         logger.warning("%s has no weights: the tower has random weights", directory)
@@ -55,7 +58,8 @@ def load_adapter(
 
 
 def _read_config(directory: Path) -> tuple[Family, Any, bool]:
-    """The family, its vision config, and whether the directory holds a full multimodal model.
+    """The family, the config its tower is built from, and whether the directory holds a full
+    multimodal model.
 
     A tower-only save names its family at the top of config.json; a full model's vision
     sub-config is read through transformers, which knows how each model nests it.
@@ -86,7 +90,7 @@ def _read_config(directory: Path) -> tuple[Family, Any, bool]:
             f"{directory}: vision model type {vision_config.model_type!r} is not supported; "
             f"supported: {supported_model_types()}"
         )
-    return family, vision_config, is_full_model
+    return family, family.checkpoint.tower_config(config) if is_full_model else vision_config, is_full_model
 
 
 def _weight_files(directory: Path) -> list[Path]:
@@ -99,34 +103,38 @@ def _weight_files(directory: Path) -> list[Path]:
     return files
 
 
-def _read_vision_weights(files: list[Path], is_full_model: bool) -> dict[str, torch.Tensor]:
+def _read_vision_weights(
+    files: list[Path], layout: CheckpointLayout, is_full_model: bool
+) -> dict[str, torch.Tensor]:
+    """A full model's tensors under the layout's prefixes, or all of a tower-only save's; keyed
+    as saved if the layout converts them, else with the prefix stripped."""
     index_file = files[0].parent / "model.safetensors.index.json"
     if is_full_model and index_file.is_file():
         # Open only the shards that hold vision weights: the language model is most of the bytes.
         weight_map: dict[str, str] = json.loads(index_file.read_text())["weight_map"]
-        shard_names = {shard for key, shard in weight_map.items() if _strip_prefix(key) is not None}
+        shard_names = {shard for key, shard in weight_map.items() if key.startswith(layout.prefixes)}
         files = [file for file in files if file.name in shard_names]
     state: dict[str, torch.Tensor] = {}
     for file in files:
         with safe_open(str(file), framework="pt") as shard:
             for key in shard.keys():  # noqa: SIM118  (a safe_open handle is not iterable)
-                name = _strip_prefix(key)
-                if name is None and not is_full_model:
-                    name = key  # a tower-only save may have no prefix
-                if name is not None:
-                    state[name] = shard.get_tensor(key)
+                if is_full_model and not key.startswith(layout.prefixes):
+                    continue
+                name = key if layout.convert is not None else _strip_prefix(key, layout.prefixes)
+                state[name] = shard.get_tensor(key)
     if is_full_model and not state:
         raise CheckpointError(
-            f"{files[0].parent}: no vision weights under {' or '.join(_VISION_PREFIXES)}"
+            f"{files[0].parent}: no vision weights under {' or '.join(layout.prefixes)}"
         )
     return state
 
 
-def _strip_prefix(key: str) -> str | None:
-    for prefix in _VISION_PREFIXES:
+def _strip_prefix(key: str, prefixes: tuple[str, ...]) -> str:
+    """`key` less the first of `prefixes` it starts with (a tower-only save may have none)."""
+    for prefix in prefixes:
         if key.startswith(prefix):
             return key[len(prefix) :]
-    return None
+    return key
 
 
 def _load_strictly(tower: torch.nn.Module, state: dict[str, torch.Tensor], directory: Path) -> None:

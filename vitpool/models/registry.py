@@ -37,6 +37,32 @@ def read_hf_config(directory: Path) -> Any:
     return AutoConfig.from_pretrained(directory)
 
 
+def vision_config_of(full_config: Any) -> Any:
+    """The vision sub-config of a full multimodal model's config."""
+    return full_config.vision_config
+
+
+@dataclass(frozen=True)
+class CheckpointLayout:
+    """Where a family's weights sit in a full multimodal checkpoint and how they become the state
+    of the module `build_tower` makes.
+
+    Attributes:
+        prefixes: the full checkpoint's keys that belong to the module start with one of these
+            (only shards holding such keys are opened).
+        tower_config: the full model's config -> the config `build_tower` takes (default: its
+            `vision_config`). A family whose module holds more than the tower (a projector that
+            needs the LLM's width) adds what it needs here.
+        convert: (the tensors under `prefixes`, keyed as saved; the tower config) -> the module's
+            state. Also given a tower-only save's tensors, so it maps the module's own keys to
+            themselves. Default: strip the prefix.
+    """
+
+    prefixes: tuple[str, ...] = ("model.visual.", "visual.")
+    tower_config: Callable[[Any], Any] = vision_config_of
+    convert: Callable[[dict[str, torch.Tensor], Any], dict[str, torch.Tensor]] | None = None
+
+
 @dataclass(frozen=True)
 class Family:
     """How to build one model family's tower and adapter.
@@ -46,11 +72,14 @@ class Family:
             `torch.device(device)`, so its tensors are made on the target device.
         adapter: tower (weights loaded, in eval mode) -> its `VisionAdapter`.
         read_config: a tower-only checkpoint directory -> its vision config (default: AutoConfig).
+        checkpoint: where its weights sit in a full checkpoint (default: the Qwen and GLM layout,
+            the tower under `model.visual.` or `visual.`).
     """
 
     build_tower: Callable[[Any, torch.dtype], torch.nn.Module]
     adapter: Callable[[torch.nn.Module], VisionAdapter]
     read_config: Callable[[Path], Any] = read_hf_config
+    checkpoint: CheckpointLayout = CheckpointLayout()
 
 
 def _hf_tower(module: str, class_name: str) -> Callable[[Any, torch.dtype], torch.nn.Module]:
@@ -78,9 +107,25 @@ _GLM4V = _lazy("vitpool.models.glm4v", "Glm4vAdapter")
 
 # Keyed by the vision config's model_type; a new family adds one line here and one adapter file.
 FAMILIES: dict[str, Family] = {
-    # Kimi-K2.5 / K2.6 (kimi_k25): Kimi_K25VisionModel + mm_projector
+    # Kimi-K2.5 / K2.6 (kimi_k25): Kimi_K25VisionModel + mm_projector, Moonshot's or transformers' keys
     "kimi_k25_vision": Family(
-        _lazy("vitpool.models.kimi_k25", "build_encoder"), _lazy("vitpool.models.kimi_k25", "KimiK25Adapter")
+        _lazy("vitpool.models.kimi_k25", "build_encoder"),
+        _lazy("vitpool.models.kimi_k25", "KimiK25Adapter"),
+        checkpoint=CheckpointLayout(
+            prefixes=("vision_tower.", "mm_projector.", "model.vision_tower.", "model.mm_projector."),
+            tower_config=_lazy("vitpool.models.kimi_k25", "tower_only_config"),
+            convert=_lazy("vitpool.models.kimi_k25", "convert_checkpoint"),
+        ),
+    ),
+    # PaddleOCR-VL (paddleocr_vl): PaddleOCRVisionModel + projector, transformers' or the release's keys
+    "paddleocr_vl_vision": Family(
+        _lazy("vitpool.models.paddleocr_vl", "build_encoder"),
+        _lazy("vitpool.models.paddleocr_vl", "PaddleOCRVLAdapter"),
+        checkpoint=CheckpointLayout(
+            prefixes=("model.visual.", "visual.", "model.projector.", "mlp_AR.", "projector."),
+            tower_config=_lazy("vitpool.models.paddleocr_vl", "tower_only_config"),
+            convert=_lazy("vitpool.models.paddleocr_vl", "convert_checkpoint"),
+        ),
     ),
     "qwen2_5_vl_vision": Family(  # Qwen2.5-VL (qwen2_5_vl)
         _hf_tower(
