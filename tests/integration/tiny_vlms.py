@@ -17,10 +17,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))  # family_cases/ lives beside the unit tests
 
-from family_cases import glm4v, qwen2_5_vl, qwen2_vl, qwen3_5
+from family_cases import glm4v, kimi_k25, qwen2_5_vl, qwen2_vl, qwen3_5
 
 # special tokens inside every tiny vocabulary (128 tokens)
 QWEN_TOKENS = {"vision_start_token_id": 120, "vision_end_token_id": 121, "image_token_id": 122, "video_token_id": 123}
+KIMI_TOKENS = {"vision_start_token_id": 120, "vision_end_token_id": 121, "image_token_id": 122, "video_token_id": 123}
 GLM_TOKENS = {"image_start_token_id": 120, "image_end_token_id": 121, "image_token_id": 122, "video_token_id": 123,
               "video_start_token_id": 124, "video_end_token_id": 125}
 TEXT = 0
@@ -31,9 +32,13 @@ VIDEO = 2
 @dataclass(frozen=True)
 class TinyVLM:
     build: Callable[[], torch.nn.Module]
-    row_width: int
+    row_shape: tuple[int, ...]
     video_per_frame: bool  # the prompt holds one placeholder group per temporal patch (Qwen3.5, GLM)
     glm: bool = False  # GLM's placeholders: image tokens between image or video start/end tokens
+    tokens_per_item: Callable[[int, int, int], int] = lambda t, h, w: t * h * w // 4
+    # what the family's full Hugging Face model can take in one request
+    requests: tuple[str, ...] = ("images", "video", "both")
+    mrope: bool = True  # the text model reads token types (mm_token_type_ids) for M-RoPE
 
 
 def _seeded(make: Callable[[], torch.nn.Module]) -> Callable[[], torch.nn.Module]:
@@ -44,6 +49,19 @@ def _seeded(make: Callable[[], torch.nn.Module]) -> Callable[[], torch.nn.Module
         return model
 
     return build
+
+
+def _kimi_k25() -> torch.nn.Module:
+    from transformers import Kimi_K25ForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = kimi_k25.full_config()
+    for name, value in KIMI_TOKENS.items():
+        setattr(config, name, value)
+    model = Kimi_K25ForConditionalGeneration(config).eval()
+    kimi_k25.randomize(model.model.vision_tower, 1)
+    kimi_k25.randomize(model.model.mm_projector, 2)
+    return model
 
 
 def _text(config: dict, partial_rotary_factor: float = 1.0) -> dict:
@@ -110,14 +128,21 @@ def _glm4v_moe() -> torch.nn.Module:
                                                            **GLM_TOKENS))
 
 
+# GLM marks image and video placeholders with one token id, so HF's own model takes either images
+# or videos in one request, never both. Kimi-K2.5's get_video_features (transformers 5.23) splits
+# its output by t*h*w/4 after pooling a clip's frames, which fails for t > 1: images only.
+GLM_REQUESTS = ("images", "video")
 TINY_VLMS: dict[str, TinyVLM] = {
-    "qwen2_vl": TinyVLM(_seeded(_qwen2_vl), qwen2_vl.ROW_WIDTH, video_per_frame=False),
-    "qwen2_5_vl": TinyVLM(_seeded(_qwen2_5_vl), qwen2_5_vl.ROW_WIDTH, video_per_frame=False),
-    "qwen3_5": TinyVLM(_seeded(_qwen3_5), qwen3_5.ROW_WIDTH, video_per_frame=True),
-    "qwen3_5_moe": TinyVLM(_seeded(_qwen3_5_moe), qwen3_5.ROW_WIDTH, video_per_frame=True),
-    "glm4v": TinyVLM(_seeded(_glm4v), glm4v.ROW_WIDTH, video_per_frame=True, glm=True),
-    "glm46v": TinyVLM(_seeded(_glm46v), glm4v.ROW_WIDTH, video_per_frame=True, glm=True),
-    "glm4v_moe": TinyVLM(_seeded(_glm4v_moe), glm4v.ROW_WIDTH, video_per_frame=True, glm=True),
+    "qwen2_vl": TinyVLM(_seeded(_qwen2_vl), (qwen2_vl.ROW_WIDTH,), video_per_frame=False),
+    "qwen2_5_vl": TinyVLM(_seeded(_qwen2_5_vl), (qwen2_5_vl.ROW_WIDTH,), video_per_frame=False),
+    "qwen3_5": TinyVLM(_seeded(_qwen3_5), (qwen3_5.ROW_WIDTH,), video_per_frame=True),
+    "qwen3_5_moe": TinyVLM(_seeded(_qwen3_5_moe), (qwen3_5.ROW_WIDTH,), video_per_frame=True),
+    "glm4v": TinyVLM(_seeded(_glm4v), (glm4v.ROW_WIDTH,), video_per_frame=True, glm=True, requests=GLM_REQUESTS),
+    "glm46v": TinyVLM(_seeded(_glm46v), (glm4v.ROW_WIDTH,), video_per_frame=True, glm=True, requests=GLM_REQUESTS),
+    "glm4v_moe": TinyVLM(_seeded(_glm4v_moe), (glm4v.ROW_WIDTH,), video_per_frame=True, glm=True,
+                         requests=GLM_REQUESTS),
+    "kimi_k25": TinyVLM(_kimi_k25, kimi_k25.ROW_SHAPE, video_per_frame=False, tokens_per_item=lambda t, h, w: h * w // 4,
+                        requests=("images",), mrope=False),
 }
 
 
@@ -143,24 +168,25 @@ def request(vlm: TinyVLM, config: Any, images=(), videos=()) -> dict[str, torch.
     if images:
         for t, h, w in images:
             start, token, end = image_group
-            group(start, token, t * h * w // 4, end, IMAGE)
-        inputs["pixel_values"] = torch.cat([torch.randn(t * h * w, vlm.row_width, generator=generator)
+            group(start, token, vlm.tokens_per_item(t, h, w), end, IMAGE)
+        inputs["pixel_values"] = torch.cat([torch.randn(t * h * w, *vlm.row_shape, generator=generator)
                                             for t, h, w in images])
         inputs["image_grid_thw"] = torch.tensor(images)
     if videos:
         for t, h, w in videos:
             start, token, end = video_group
             for _ in range(t if vlm.video_per_frame else 1):
-                group(start, token, (1 if vlm.video_per_frame else t) * h * w // 4, end, VIDEO)
+                group(start, token, vlm.tokens_per_item(1 if vlm.video_per_frame else t, h, w), end, VIDEO)
                 if vlm.video_per_frame:
                     ids.append(9)  # a timestamp's text between frames
                     types.append(TEXT)
-        inputs["pixel_values_videos"] = torch.cat([torch.randn(t * h * w, vlm.row_width, generator=generator)
+        inputs["pixel_values_videos"] = torch.cat([torch.randn(t * h * w, *vlm.row_shape, generator=generator)
                                                    for t, h, w in videos])
         inputs["video_grid_thw"] = torch.tensor(videos)
     ids += [4, 5]
     types += [TEXT, TEXT]
     inputs["input_ids"] = torch.tensor([ids])
     inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
-    inputs["mm_token_type_ids"] = torch.tensor([types], dtype=torch.int32)
+    if vlm.mrope:
+        inputs["mm_token_type_ids"] = torch.tensor([types], dtype=torch.int32)
     return inputs

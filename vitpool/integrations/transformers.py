@@ -1,7 +1,7 @@
 """A drop-in vision tower for Hugging Face vision-language models of every family vitpool serves
-(Qwen3-VL, Qwen3.5, Qwen2.5-VL, Qwen2-VL, GLM-4.1V / 4.5V / 4.6V): `model.generate(...)` encodes
-images and videos through an `EncoderPool` (or an in-process `GraphEncoder`), deepstack features
-included where the family has them.
+(Qwen3-VL, Qwen3.5, Qwen2.5-VL, Qwen2-VL, GLM-4.1V / 4.5V / 4.6V, Kimi-K2.5, PaddleOCR-VL):
+`model.generate(...)` encodes images and videos through an `EncoderPool` (or an in-process
+`GraphEncoder`), deepstack features included where the family has them.
 
     from vitpool.integrations.transformers import replace_vision_tower
     original = replace_vision_tower(model, pool)       # model.model.visual now asks the pool
@@ -12,11 +12,17 @@ request and their grids; the stand-in splits them into items, encodes them, and 
 tower's own output type (`pooler_output`, and `deepstack_features` for a family that has them),
 on the model's device and in its dtype. GLM passes a video as one (1, h, w) grid row per frame;
 its tower encodes each frame alone, so those rows are encoded as images, with the same result.
+
+Where the model's projector lives outside its tower class (Kimi-K2.5's `mm_projector`,
+PaddleOCR-VL's `projector`), vitpool's embeddings are already projected: the stand-in answers in
+the field the model reads after its tower, and the projector is replaced by a pass-through.
 """
 
 from __future__ import annotations
 
 import copy
+import importlib
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -32,6 +38,47 @@ class Encoder(Protocol):
     def encode(self, items: list[Item]) -> list[Embedding]: ...
 
 
+@dataclass(frozen=True)
+class ModelParts:
+    """Where a Hugging Face model keeps its vision modules and how it calls its tower.
+
+    Attributes:
+        tower: the tower's attribute on `model.model`.
+        projector: the projector's attribute there, when it sits outside the tower (vitpool runs it).
+        encoder_module: "module:Class" of vitpool's module holding the tower and that projector,
+            built as Class(tower, projector).
+        output: the tower output's field the model reads.
+        batch_dim: the model adds a leading batch dimension of 1 to the pixels.
+    """
+
+    tower: str = "visual"
+    projector: str | None = None
+    encoder_module: str | None = None
+    output: str = "pooler_output"
+    batch_dim: bool = False
+
+
+# by the tower's config model_type; Qwen and GLM models: `ModelParts()`
+_MODEL_PARTS = {
+    "kimi_k25_vision": ModelParts(
+        tower="vision_tower", projector="mm_projector",
+        encoder_module="vitpool.models.kimi_k25:KimiK25Encoder",
+    ),
+    "paddleocr_vl_vision": ModelParts(
+        projector="projector", encoder_module="vitpool.models.paddleocr_vl:PaddleOCREncoder",
+        output="last_hidden_state", batch_dim=True,
+    ),
+}
+_TOWER_ATTRIBUTES = sorted({parts.tower for parts in (ModelParts(), *_MODEL_PARTS.values())})
+
+
+class PassThroughProjector(torch.nn.Module):
+    """Stands in for a projector whose work vitpool already did: returns the features unchanged."""
+
+    def forward(self, features: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return features
+
+
 class PooledVisionTower(torch.nn.Module):
     """Stands in for `model.model.visual` of a vision-language model of a vitpool family.
 
@@ -39,14 +86,25 @@ class PooledVisionTower(torch.nn.Module):
         encoder: an `EncoderPool` or a `GraphEncoder` (anything with `encode(items)`), loaded with
             the same vision weights as the model.
         spatial_merge_size: the tower's merge size (2 in every family so far); the model's
-            `get_image_features` / `get_video_features` read it from the tower.
+            `get_image_features` / `get_video_features` read it from the tower (Kimi-K2.5 as
+            `merge_kernel_size`).
         dtype, device: where the model expects the embeddings.
+        parts: how the model calls its tower (`ModelParts`).
     """
 
-    def __init__(self, encoder: Encoder, spatial_merge_size: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        encoder: Encoder,
+        spatial_merge_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        parts: ModelParts | None = None,
+    ) -> None:
         super().__init__()
         self.encoder = encoder
         self.spatial_merge_size = spatial_merge_size
+        self.merge_kernel_size = (spatial_merge_size, spatial_merge_size)
+        self.parts = parts or ModelParts()
         self._dtype = dtype
         self._device = torch.device(device)
 
@@ -61,10 +119,14 @@ class PooledVisionTower(torch.nn.Module):
     def forward(
         self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, **kwargs: Any
     ) -> BaseModelOutputWithPooling:
+        if self.parts.batch_dim:
+            pixel_values = pixel_values.squeeze(0)
         grids = [tuple(int(n) for n in grid) for grid in grid_thw.tolist()]
         rows = [t * h * w for t, h, w in grids]
         if sum(rows) != pixel_values.shape[0]:
-            raise ValueError(f"pixel_values have {pixel_values.shape[0]} rows; grid_thw {grids} needs {sum(rows)}")
+            raise ValueError(
+                f"pixel_values have {pixel_values.shape[0]} rows; grid_thw {grids} needs {sum(rows)}"
+            )
         # A grid with one temporal patch is an image to the tower, whether it came as one or not.
         items: list[Item] = [
             (Image if grid[0] == 1 else Video)(chunk.detach().cpu(), grid)
@@ -73,8 +135,8 @@ class PooledVisionTower(torch.nn.Module):
         results = self.encoder.encode(items)
         tokens = self._gather([r.tokens for r in results])
         num_deepstack = len(results[0].deepstack) if results else 0
-        if not num_deepstack:  # Qwen2-VL, Qwen2.5-VL, Qwen3.5, GLM: the merged tokens alone
-            return BaseModelOutputWithPooling(pooler_output=tokens)
+        if not num_deepstack:  # every family but Qwen3-VL: the merged tokens alone
+            return BaseModelOutputWithPooling(**{self.parts.output: tokens})
         deepstack = [self._gather([r.deepstack[k] for r in results]) for k in range(num_deepstack)]
         return BaseModelOutputWithDeepstackFeatures(pooler_output=tokens, deepstack_features=deepstack)
 
@@ -83,32 +145,71 @@ class PooledVisionTower(torch.nn.Module):
 
 
 def replace_vision_tower(model: torch.nn.Module, encoder: Encoder) -> torch.nn.Module:
-    """Make `model` (a Hugging Face vision-language model with its tower at `model.model.visual`:
-    Qwen3-VL, Qwen3.5, Qwen2.5-VL, Qwen2-VL, GLM-4.1V / 4.5V / 4.6V) encode through `encoder`.
-    Returns the original tower, to put back or free."""
-    inner = getattr(model, "model", model)
-    original = getattr(inner, "visual", None)
-    if original is None:
-        raise TypeError(f"{type(model).__name__} has no vision tower at .model.visual")
-    weight = next(original.parameters())
-    merge = getattr(original, "spatial_merge_size", None) or original.config.spatial_merge_size
-    inner.visual = PooledVisionTower(encoder, merge, weight.dtype, weight.device)
+    """Make `model` (a Hugging Face vision-language model of a vitpool family: Qwen3-VL, Qwen3.5,
+    Qwen2.5-VL, Qwen2-VL, GLM-4.1V / 4.5V / 4.6V, Kimi-K2.5, PaddleOCR-VL) encode through
+    `encoder`. Returns the original tower, to put back with `restore_vision_tower` (for Kimi-K2.5
+    and PaddleOCR-VL the tower and the projector, which vitpool runs too)."""
+    inner, tower, parts = _vision_parts(model)
+    weight = next(tower.parameters())
+    merge = getattr(tower, "spatial_merge_size", None) or getattr(tower.config, "spatial_merge_size", None)
+    if merge is None:  # Kimi-K2.5: a square merge kernel
+        merge = int(tower.config.merge_kernel_size[0])
+    original: torch.nn.Module = tower
+    if parts.projector is not None:
+        original = torch.nn.ModuleDict({"tower": tower, "projector": getattr(inner, parts.projector)})
+        setattr(inner, parts.projector, PassThroughProjector())
+    setattr(inner, parts.tower, PooledVisionTower(encoder, merge, weight.dtype, weight.device, parts))
     return original
 
 
+def restore_vision_tower(model: torch.nn.Module, original: torch.nn.Module) -> None:
+    """Put back what `replace_vision_tower(model, ...)` returned."""
+    inner = getattr(model, "model", model)
+    stand_in = next((getattr(inner, name) for name in _TOWER_ATTRIBUTES
+                     if isinstance(getattr(inner, name, None), PooledVisionTower)), None)
+    if stand_in is None:
+        raise TypeError(f"{type(model).__name__}'s vision tower is not replaced")
+    if stand_in.parts.projector is not None:
+        setattr(inner, stand_in.parts.tower, original["tower"])
+        setattr(inner, stand_in.parts.projector, original["projector"])
+    else:
+        setattr(inner, stand_in.parts.tower, original)
+
+
 def graph_encoder_for(model: torch.nn.Module, **kwargs: Any) -> GraphEncoder:
-    """An in-process GraphEncoder over a copy of `model`'s own vision tower (same weights, same
-    device and dtype). `kwargs` go to GraphEncoder (budgets, max_items_per_batch, ...)."""
-    tower = getattr(model, "model", model).visual
+    """An in-process GraphEncoder over a copy of `model`'s own vision tower (and projector, where
+    vitpool runs it), same weights, device and dtype. `kwargs` go to GraphEncoder (budgets,
+    max_items_per_batch, ...)."""
+    inner, tower, parts = _vision_parts(model)
+    family = find_family(tower.config.model_type)
+    weight = next(tower.parameters())
+    module = copy.deepcopy(tower)  # the adapter changes the tower's attention
+    if parts.projector is not None and parts.encoder_module is not None:
+        module_name, class_name = parts.encoder_module.split(":")
+        encoder_class = getattr(importlib.import_module(module_name), class_name)
+        module = encoder_class(module, copy.deepcopy(getattr(inner, parts.projector)))
+    return GraphEncoder(family.adapter(module), device=weight.device, dtype=weight.dtype, **kwargs)
+
+
+def _vision_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module, ModelParts]:
+    """`model.model`, its (original) vision tower, and how the model calls it.
+
+    Raises:
+        TypeError: no tower of a vitpool family, or one already replaced.
+    """
+    inner = getattr(model, "model", model)
+    towers = [getattr(inner, name) for name in _TOWER_ATTRIBUTES
+              if isinstance(getattr(inner, name, None), torch.nn.Module)]
+    if not towers:
+        where = " or ".join(f".model.{name}" for name in _TOWER_ATTRIBUTES)
+        raise TypeError(f"{type(model).__name__} has no vision tower at {where}")
+    tower = towers[0]
     if isinstance(tower, PooledVisionTower):
         raise TypeError("the model's tower is already replaced; pass the original tower's model")
     model_type = getattr(getattr(tower, "config", None), "model_type", None)
-    family = find_family(model_type) if model_type else None
-    if family is None:
+    if not model_type or find_family(model_type) is None:
         raise TypeError(
             f"{type(model).__name__}'s vision tower ({model_type!r}) is of no vitpool family; "
             f"supported: {', '.join(supported_model_types())}"
         )
-    weight = next(tower.parameters())
-    adapter = family.adapter(copy.deepcopy(tower))  # the adapter changes the tower's attention
-    return GraphEncoder(adapter, device=weight.device, dtype=weight.dtype, **kwargs)
+    return inner, tower, _MODEL_PARTS.get(model_type, ModelParts())
