@@ -30,59 +30,88 @@ VISION_MODEL_TYPES = {
     "qwen2_5_vl": "qwen2_5_vl_vision",
     "qwen3_5": "qwen3_5_vision",
     "glm4v": "glm4v_vision",
+    "kimi_k25": "kimi_k25_vision",
+    "paddleocr_vl": "paddleocr_vl_vision",
 }
+# Families whose vitpool module holds the projector too: what their tower-only config adds (the
+# flagship's LLM width and projector settings, from the config file's "extra").
+PROJECTOR_FIELDS = {
+    "kimi_k25": {"text_hidden_size": 7168, "projection_hidden_size": 1152, "projection_layer_norm_eps": 1e-5},
+    "paddleocr_vl": {"text_hidden_size": 1024},
+}
+PATCH_ROWS = {"kimi_k25", "paddleocr_vl"}  # pixels are unflattened patches [rows, 3, P, P]
+IMAGES_ONLY = {"paddleocr_vl"}
 
 
-def workloads(patch: int, merge: int) -> dict[str, list]:
-    """Small, several small, large, and a video, at this family's patch size."""
-    row_width = 3 * 2 * patch * patch
+def workloads(family: str, vision_config: dict) -> dict[str, list]:
+    """Small, several small, large, and a video where the family takes one, at its patch size."""
+    patch = vision_config["patch_size"]
+    merge = vision_config.get("spatial_merge_size") or vision_config["merge_kernel_size"][0]
+    row_shape = (3, patch, patch) if family in PATCH_ROWS else (3 * 2 * patch * patch,)
+    # frames per temporal row: 2 for the Qwen and GLM towers; Kimi-K2.5 takes frames as they are
+    # (at most pos_emb_time of them in one clip)
+    frames_per_row = 1 if family == "kimi_k25" else 2
 
     def side(pixels: int) -> int:  # patches per side, a multiple of the merge size
         return max(merge, round(pixels / (patch * merge)) * merge)
 
     def image(pixels: int) -> Image:
         s = side(pixels)
-        return Image(torch.randn(s * s, row_width), (1, s, s))
+        return Image(torch.randn(s * s, *row_shape), (1, s, s))
 
     def video(frames: int, pixels: int) -> Video:
-        s, t = side(pixels), frames // 2
-        return Video(torch.randn(t * s * s, row_width), (t, s, s))
+        s, t = side(pixels), frames // frames_per_row
+        return Video(torch.randn(t * s * s, *row_shape), (t, s, s))
 
-    return {
-        "1x224": [image(224)],
-        "4x224": [image(224) for _ in range(4)],
-        "1x1024": [image(1024)],
-        "video 8x224": [video(8, 224)],
-    }
+    loads = {"1x224": [image(224)], "4x224": [image(224) for _ in range(4)], "1x1024": [image(1024)]}
+    if family == "kimi_k25":
+        loads["video 4x224"] = [video(4, 224)]
+    elif family not in IMAGES_ONLY:
+        loads["video 8x224"] = [video(8, 224)]
+    return loads
 
 
-def hugging_face_eager(tower: torch.nn.Module, items: list, per_frame_grid: bool) -> torch.Tensor:
+def hugging_face_eager(family: str, module: torch.nn.Module, items: list) -> torch.Tensor:
+    """All of a call's items in one tower call, as the model's get_image_features runs them."""
     pixels = torch.cat([item.pixel_values for item in items]).to("cuda", torch.bfloat16)
     rows = []
     for item in items:
         t, h, w = item.grid_thw
-        rows.extend([[1, h, w]] * t if per_frame_grid else [[t, h, w]])  # GLM: one row per frame
-    return tower(pixels, grid_thw=torch.tensor(rows, device="cuda")).pooler_output
+        rows.extend([[1, h, w]] * t if family == "glm4v" else [[t, h, w]])  # GLM: one row per frame
+    grid = torch.tensor(rows, device="cuda")
+    if family == "kimi_k25":
+        return module.mm_projector(module.vision_tower(pixels, grid_thw=grid).pooler_output).squeeze(1)
+    if family == "paddleocr_vl":
+        hidden = module.visual(pixel_values=pixels.unsqueeze(0), grid_thw=grid).last_hidden_state
+        return module.projector(hidden, grid)
+    return module(pixels, grid_thw=grid).pooler_output
+
+
+def use_sdpa(module: torch.nn.Module) -> torch.nn.Module:
+    for sub in module.modules():
+        config = getattr(sub, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            config._attn_implementation = "sdpa"
+    return module
 
 
 def measure(family: str, vision_config: dict, runs: int, warmup: int) -> dict:
-    config = {**vision_config, "model_type": VISION_MODEL_TYPES[family]}
+    config = {**vision_config, **PROJECTOR_FIELDS.get(family, {}), "model_type": VISION_MODEL_TYPES[family]}
     with tempfile.TemporaryDirectory() as directory:
         (Path(directory) / "config.json").write_text(json.dumps(config))
         torch.manual_seed(0)
         encoder = GraphEncoder.from_pretrained(directory, device="cuda", dtype=torch.bfloat16)
     stats = encoder.stats()
-    reference = copy.deepcopy(encoder.adapter.tower)
-    reference.config._attn_implementation = "sdpa"
-    per_frame_grid = family == "glm4v"
+    reference = use_sdpa(copy.deepcopy(encoder.adapter.tower))
     rows = {}
     with torch.no_grad():
-        for name, items in workloads(vision_config["patch_size"], vision_config["spatial_merge_size"]).items():
+        for name, items in workloads(family, vision_config).items():
             got = torch.cat([e.tokens for e in encoder.encode(items)]).float()
-            want = hugging_face_eager(reference, items, per_frame_grid).float()
+            want = hugging_face_eager(family, reference, items).float()
             rel_error = float(torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want))
-            eager = summarize(time_ms(lambda items=items: hugging_face_eager(reference, items, per_frame_grid),
-                                      runs, warmup))
+            eager = summarize(
+                time_ms(lambda items=items: hugging_face_eager(family, reference, items), runs, warmup)
+            )
             graph = summarize(time_ms(lambda items=items: encoder.encode(items), runs, warmup))
             rows[name] = {
                 "patches": sum(item.pixel_values.shape[0] for item in items),
