@@ -20,10 +20,11 @@ FAMILY_CASES = {
     "qwen3_5": "family_cases.qwen3_5",
     "glm4v": "family_cases.glm4v",
     "kimi_k25": "family_cases.kimi_k25",
+    "paddleocr_vl": "family_cases.paddleocr_vl",
 }
 # families whose vitpool module holds the tower and a projector (saved with its own config)
-WITH_PROJECTOR = {"kimi_k25"}
-IMAGES_ONLY: set[str] = set()
+WITH_PROJECTOR = {"kimi_k25", "paddleocr_vl"}
+IMAGES_ONLY = {"paddleocr_vl"}
 
 
 def case_module(family: str):
@@ -74,6 +75,9 @@ def reference_tokens(family: str, module: torch.nn.Module, item, device: torch.d
         if family == "kimi_k25":
             grid = torch.tensor([[t, h, w]], device=device)
             return module.mm_projector(module.vision_tower(pixels, grid_thw=grid).pooler_output).squeeze(1)
+        if family == "paddleocr_vl":
+            grid = torch.tensor([[t, h, w]], device=device)
+            return module.projector(module.visual(pixels.unsqueeze(0), grid_thw=grid).last_hidden_state, grid)
         # GLM's tower takes a video as one (1, h, w) row per temporal patch, as get_video_features does
         grid = [[1, h, w]] * t if module.config.model_type.startswith("glm4v") else [[t, h, w]]
         return module(pixels, grid_thw=torch.tensor(grid, device=device)).pooler_output

@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))  # family_cases/ lives beside the unit tests
 
-from family_cases import glm4v, kimi_k25, qwen2_5_vl, qwen2_vl, qwen3_5
+from family_cases import glm4v, kimi_k25, paddleocr_vl, qwen2_5_vl, qwen2_vl, qwen3_5
 
 # special tokens inside every tiny vocabulary (128 tokens)
 QWEN_TOKENS = {"vision_start_token_id": 120, "vision_end_token_id": 121, "image_token_id": 122, "video_token_id": 123}
@@ -128,6 +128,18 @@ def _glm4v_moe() -> torch.nn.Module:
                                                            **GLM_TOKENS))
 
 
+def _paddleocr_vl() -> torch.nn.Module:
+    from transformers import PaddleOCRVLConfig, PaddleOCRVLForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = PaddleOCRVLConfig(vision_config=dict(paddleocr_vl.TINY_VISION), text_config=_text(paddleocr_vl.TINY_TEXT),
+                               **QWEN_TOKENS)
+    model = PaddleOCRVLForConditionalGeneration(config).eval()
+    paddleocr_vl.randomize(model.model.visual, 1)
+    paddleocr_vl.randomize(model.model.projector, 2)
+    return model
+
+
 # GLM marks image and video placeholders with one token id, so HF's own model takes either images
 # or videos in one request, never both. Kimi-K2.5's get_video_features (transformers 5.23) splits
 # its output by t*h*w/4 after pooling a clip's frames, which fails for t > 1: images only.
@@ -143,6 +155,7 @@ TINY_VLMS: dict[str, TinyVLM] = {
                          requests=GLM_REQUESTS),
     "kimi_k25": TinyVLM(_kimi_k25, kimi_k25.ROW_SHAPE, video_per_frame=False, tokens_per_item=lambda t, h, w: h * w // 4,
                         requests=("images",), mrope=False),
+    "paddleocr_vl": TinyVLM(_paddleocr_vl, paddleocr_vl.ROW_SHAPE, video_per_frame=False, requests=("images",)),
 }
 
 

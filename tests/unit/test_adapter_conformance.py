@@ -29,6 +29,7 @@ import toy_family
 from conftest import ROW_WIDTH, reference_outputs, relative_error
 from family_cases import glm4v as glm4v_case
 from family_cases import kimi_k25 as kimi_k25_case
+from family_cases import paddleocr_vl as paddleocr_vl_case
 from family_cases import qwen2_5_vl as qwen2_5_vl_case
 from family_cases import qwen2_vl as qwen2_vl_case
 from family_cases import qwen3_5 as qwen3_5_case
@@ -109,6 +110,7 @@ TOY_TILES = FamilyCase(
 FAMILIES = {
     "glm4v": FamilyCase(**glm4v_case.CASE_FIELDS),
     "kimi_k25": FamilyCase(**kimi_k25_case.CASE_FIELDS),
+    "paddleocr_vl": FamilyCase(**paddleocr_vl_case.CASE_FIELDS),
     "qwen2_5_vl": FamilyCase(**qwen2_5_vl_case.CASE_FIELDS),
     "qwen2_vl": FamilyCase(**qwen2_vl_case.CASE_FIELDS),
     "qwen3_5": FamilyCase(**qwen3_5_case.CASE_FIELDS),

@@ -1,0 +1,252 @@
+"""PaddleOCR-VL (`PaddleOCRVisionModel`, a SigLIP-style NaViT) and its `PaddleOCRProjector`.
+
+The tower takes 4-D patches [rows, 3, P, P] with a (1, h, w) grid per image: a Conv2d patch
+embedding, a learned square position table resampled bilinearly to each grid, 2D axial rotary
+positions (row, column), attention over each image alone (one sequence per image) and a final
+LayerNorm. The projector (outside the tower class in Hugging Face) LayerNorms every row, merges
+2 x 2 patches into one row of 4*d and runs a GELU MLP into the LLM's width. `PaddleOCREncoder`
+holds both, so the adapter hands out exactly what `PaddleOCRVLModel.get_image_features` gives the
+LLM (its `pooler_output`, split per image).
+
+What differs for static capture:
+
+- Every grid-dependent tensor is precomputed on the host and passed to the tower's forward as
+  the keywords Hugging Face's helpers pop (`interp_indices`, `interp_weights`, `position_ids`,
+  `cu_seqlens`, `max_seqlen`), with `grid_thw=None`. `max_seqlen` is the buffer's row count, a
+  Python int, so the packed attention never reads `cu_seqlens` back.
+- Hugging Face's embeddings take 5-D pixels (`get_image_features` adds a batch dimension); the
+  adapter adds it to its [rows, 3, P, P] buffer.
+- The projector splits its input per image on the host (`grid.prod().tolist()`) and reshapes each
+  image by its own (h, w). The adapter runs its layers itself: `pre_norm` over all rows (per-row,
+  so padding rows change nothing), then a gather by a precomputed [tokens, merge²] index into the
+  rows in the projector's order (row-major 2 x 2 blocks, within a block row-major), reshaped to
+  [tokens, merge² * d], then `linear_1`, `act`, `linear_2`.
+
+Padding rows read table row 0 with weight 0 and rotary position (0, 0), and form one trailing
+attention sequence of their own; padding tokens gather row 0.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import re
+from collections.abc import Sequence
+from functools import lru_cache
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from transformers.vision_utils import get_vision_interpolation_indices_and_weights, get_vision_position_ids
+
+from vitpool.models.attention import install_packed_attention
+from vitpool.models.paddleocr_vl_rules import PaddleOCRVLRules
+from vitpool.models.protocol import TensorSpec
+from vitpool.packing import Budget
+from vitpool.specs import IMAGE, ItemSpec
+
+Grid = tuple[int, int, int]
+MAX_SAMPLED_ITEMS = 8
+# What a tower-only save's vision config carries besides Hugging Face's fields, for the projector.
+TEXT_HIDDEN_SIZE = "text_hidden_size"
+
+
+class PaddleOCREncoder(torch.nn.Module):
+    """The tower and its projector; state keys `visual.vision_model.*` and `projector.*` (a full
+    checkpoint has them under `model.`, or as `visual.*` and `mlp_AR.*` in the release layout)."""
+
+    def __init__(self, visual: torch.nn.Module, projector: torch.nn.Module) -> None:
+        super().__init__()
+        self.visual = visual
+        self.projector = projector
+        self.config = visual.config
+
+
+def _vision_and_text_width(config: Any) -> tuple[Any, int]:
+    """The vision config and the LLM's hidden size, from a full `PaddleOCRVLConfig` or from a
+    vision config carrying `text_hidden_size` (a tower-only save)."""
+    vision_config = getattr(config, "vision_config", None)
+    text_config = getattr(config, "text_config", None)
+    if vision_config is not None and text_config is not None:
+        return vision_config, int(text_config.hidden_size)
+    if getattr(config, "model_type", None) == "paddleocr_vl_vision" and getattr(config, TEXT_HIDDEN_SIZE, None):
+        return config, int(getattr(config, TEXT_HIDDEN_SIZE))
+    raise ValueError(
+        f"PaddleOCR-VL's projector needs the LLM's hidden size: give the full model's config "
+        f"(PaddleOCRVLConfig) or a vision config (paddleocr_vl_vision) with {TEXT_HIDDEN_SIZE!r}, as "
+        f"tower_only_config writes it; got a {type(config).__name__} "
+        f"(model_type {getattr(config, 'model_type', None)!r})"
+    )
+
+
+def build_encoder(config: Any, dtype: torch.dtype | None = None) -> PaddleOCREncoder:
+    """Fresh tower and projector from a full PaddleOCRVLConfig or a vision config with
+    `text_hidden_size`."""
+    from transformers.models.paddleocr_vl.modeling_paddleocr_vl import (
+        PaddleOCRProjector,
+        PaddleOCRVisionModel,
+    )
+
+    vision_config, text_width = _vision_and_text_width(config)
+    if dtype is not None:
+        visual = PaddleOCRVisionModel._from_config(vision_config, dtype=dtype)
+    else:
+        visual = PaddleOCRVisionModel(vision_config)
+    # PaddleOCRProjector reads vision_config.{spatial_merge_size, hidden_size} and text_config.hidden_size
+    projector = PaddleOCRProjector(
+        SimpleNamespace(vision_config=vision_config, text_config=SimpleNamespace(hidden_size=text_width))
+    )
+    if dtype is not None:
+        projector = projector.to(dtype)
+    return PaddleOCREncoder(visual, projector)
+
+
+def tower_only_config(full_config: Any) -> Any:
+    """The vision config of a full PaddleOCRVLConfig with `text_hidden_size` added: what a
+    tower-only save of `PaddleOCREncoder` writes as its config.json."""
+    config = copy.deepcopy(full_config.vision_config)
+    setattr(config, TEXT_HIDDEN_SIZE, int(full_config.text_config.hidden_size))
+    return config
+
+
+# A full checkpoint's tower and projector: transformers' layout (`model.visual.`, `model.projector.`,
+# its state_dict), PaddlePaddle's release layout (`visual.`, `mlp_AR.`; what `save_pretrained` writes
+# back too, through conversion_mapping.py's "paddleocr_vl" renames), or the encoder's own keys.
+CHECKPOINT_PREFIXES = ("model.visual.", "visual.", "model.projector.", "mlp_AR.", "projector.")
+_RENAMES = (
+    (re.compile(r"^model\.visual\."), "visual."),
+    (re.compile(r"^(model\.projector|mlp_AR)\."), "projector."),
+)
+# What PaddleOCRVLModel drops on load (`_keys_to_ignore_on_load_unexpected`): the release's packed
+# position table and SigLIP's unused pooling head.
+_IGNORED = (re.compile(r"packing_position_embedding"), re.compile(r"vision_model\.head"))
+
+
+def convert_checkpoint(state: dict[str, torch.Tensor], config: Any = None) -> dict[str, torch.Tensor]:
+    """`PaddleOCREncoder`'s state from a checkpoint's tensors in any of the layouts above; the
+    encoder's own keys map to themselves, other keys pass unchanged (a strict load names them),
+    and the keys Hugging Face ignores on load are dropped. `config` is not needed."""
+    converted: dict[str, torch.Tensor] = {}
+    for key, tensor in state.items():
+        if any(pattern.search(key) for pattern in _IGNORED):
+            continue
+        name = key
+        for pattern, target in _RENAMES:
+            name, count = pattern.subn(target, name)
+            if count:
+                break
+        converted[name] = tensor
+    return converted
+
+
+class PaddleOCRVLAdapter:
+    """Adapter for `PaddleOCREncoder` (PaddleOCRVisionModel + PaddleOCRProjector)."""
+
+    def __init__(self, tower: PaddleOCREncoder) -> None:
+        config = tower.visual.config
+        self.tower = tower
+        self.merge_size = int(config.spatial_merge_size)
+        self.merge_unit = self.merge_size * self.merge_size
+        self.item_rules = PaddleOCRVLRules(
+            int(config.num_channels), int(config.patch_size), self.merge_size,
+            int(tower.projector.linear_2.out_features),
+        )
+        self.row_shape = self.item_rules.row_shape
+        self.output_row_shapes = self.item_rules.output_row_shapes
+        embeddings = tower.visual.vision_model.embeddings
+        self._num_grid_per_side: int = embeddings.num_grid_per_side
+        if self._num_grid_per_side**2 != embeddings.num_positions:
+            raise ValueError("PaddleOCR-VL's position table must be square ((image_size / patch_size)² positions)")
+        self._interpolation_mode: str = embeddings.interpolation_mode
+        self._align_corners: bool = embeddings.interpolation_align_corners
+        self._per_grid = lru_cache(maxsize=1024)(self._grid_metadata)
+        install_packed_attention(tower.visual)
+
+    def max_rows(self, num_tokens: int) -> int:
+        return num_tokens * self.merge_unit
+
+    def metadata_specs(self, num_rows: int, budget: Budget) -> dict[str, TensorSpec]:
+        taps = 16 if self._interpolation_mode == "bicubic" else 4
+        return {
+            "interp_indices": TensorSpec((num_rows, taps), torch.long),
+            "interp_weights": TensorSpec((num_rows, taps), torch.float32),
+            "position_ids": TensorSpec((num_rows, 2), torch.long),
+            # one sequence per image, the padding's, the leading 0
+            "cu_seqlens": TensorSpec((budget.max_items + 2,), torch.int32),
+            "merge_index": TensorSpec((budget.num_tokens, self.merge_unit), torch.long),
+        }
+
+    def build_metadata(self, specs: Sequence[ItemSpec], num_rows: int, budget: Budget) -> dict[str, torch.Tensor]:
+        grids = [(spec.layout[0], spec.layout[1], spec.layout[2]) for spec in specs]
+        rows = sum(t * h * w for t, h, w in grids)
+        tokens = sum(spec.num_tokens for spec in specs)
+        if rows > num_rows or tokens > budget.num_tokens or len(specs) > budget.max_items:
+            raise ValueError(
+                f"{len(specs)} items need {rows} rows and {tokens} tokens; the buffers hold {num_rows} rows, "
+                f"{budget.num_tokens} tokens and {budget.max_items} items"
+            )
+        specs_by_name = self.metadata_specs(num_rows, budget)
+        metadata = {name: torch.zeros(spec.shape, dtype=spec.dtype) for name, spec in specs_by_name.items()}
+        # Padding rows: table row 0 with weight 0, rotary (0, 0), one trailing sequence; padding
+        # tokens gather row 0.
+        cu_seqlens = metadata["cu_seqlens"]
+        cu_seqlens.fill_(num_rows)
+        cu_seqlens[0] = 0
+        row = token = 0
+        for number, grid in enumerate(grids):
+            indices, weights, positions, merge_index = self._per_grid(grid)
+            end, token_end = row + indices.shape[0], token + merge_index.shape[0]
+            metadata["interp_indices"][row:end] = indices
+            metadata["interp_weights"][row:end] = weights
+            metadata["position_ids"][row:end] = positions
+            metadata["merge_index"][token:token_end] = merge_index + row
+            cu_seqlens[number + 1] = end
+            row, token = end, token_end
+        return metadata
+
+    def forward(self, pixels: torch.Tensor, metadata: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        metadata = dict(metadata)
+        merge_index = metadata.pop("merge_index")
+        output = self.tower.visual(
+            pixels.unsqueeze(0),  # HF's embeddings take [1, rows, C, P, P], as get_image_features gives them
+            grid_thw=None,  # every grid-derived tensor is given in `metadata`
+            max_seqlen=pixels.shape[0],  # static: a Python int from the buffer's shape
+            **metadata,
+        )
+        hidden = output.last_hidden_state  # [rows, d]
+        projector = self.tower.projector
+        normed = projector.pre_norm(hidden)
+        merged = normed[merge_index].reshape(merge_index.shape[0], -1)  # [tokens, merge² * d]
+        return [projector.linear_2(projector.act(projector.linear_1(merged)))]
+
+    def sample_specs(self, num_rows: int, budget: Budget, rng: random.Random) -> list[ItemSpec]:
+        rules, unit, merge = self.item_rules, self.merge_unit, self.merge_size
+        specs: list[ItemSpec] = []
+        rows_left, tokens_left = num_rows, budget.num_tokens
+        while tokens_left >= 1 and len(specs) < min(MAX_SAMPLED_ITEMS, budget.max_items):
+            max_blocks = min(tokens_left, rows_left // unit)
+            if max_blocks < 1:
+                break
+            num_blocks = max_blocks if rng.random() < 0.2 else rng.randint(1, max(1, max_blocks // 2))
+            height_blocks = rng.randint(1, num_blocks)
+            width_blocks = max(1, num_blocks // height_blocks)
+            h, w = height_blocks * merge, width_blocks * merge
+            spec = rules.item_spec(IMAGE, (h * w, *rules.row_shape), "float32", (1, h, w))
+            specs.append(spec)
+            rows_left -= spec.num_rows
+            tokens_left -= spec.num_tokens
+        return specs
+
+    def _grid_metadata(self, grid: Grid) -> tuple[torch.Tensor, ...]:
+        _, h, w = grid
+        grid_thw = torch.tensor([grid], dtype=torch.long)
+        indices, weights = get_vision_interpolation_indices_and_weights(
+            grid_thw, self._num_grid_per_side, mode=self._interpolation_mode, align_corners=self._align_corners,
+            spatial_merge_size=1,
+        )
+        positions = get_vision_position_ids(grid_thw, spatial_merge_size=1)
+        # The projector's reshape(h/m, m, w/m, m).transpose: token (bh, bw) takes rows
+        # (bh*m + i) * w + bw*m + j for i, j in row-major order.
+        m = self.merge_size
+        merge_index = torch.arange(h * w).view(h // m, m, w // m, m).transpose(1, 2).reshape(-1, m * m)
+        return indices, weights.to(torch.float32), positions, merge_index
