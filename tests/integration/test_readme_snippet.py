@@ -1,0 +1,27 @@
+"""The README's processor-to-pool snippet runs as written: a PIL image through Qwen3-VL's image
+processor into `vitpool.Image`, encoded by a local pool on the shipped tiny model."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("PIL")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+from test_processor_items import readme_snippet
+
+ROOT = Path(__file__).resolve().parents[2]
+RAY_ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": ""}  # a fresh local cluster
+
+
+@pytest.mark.ray
+def test_readme_snippet_encodes_a_pil_image_in_a_pool():
+    result = subprocess.run(
+        [sys.executable, "-c", readme_snippet()],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=RAY_ENV, check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "(300, 128) 2"
