@@ -5,6 +5,7 @@ Both paths start from the processor's output (float32 pixels on the host) and en
 embeddings on the GPU, synchronised. Prints a Markdown table; writes JSON with --out.
 
     python benchmarks/encoder_latency.py [--runs 60] [--warmup 10] [--out results.json]
+    python benchmarks/encoder_latency.py --family glm4v     # another family: family_latency.py's run
 """
 
 from __future__ import annotations
@@ -46,7 +47,19 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--budgets", type=str, default=None, help="comma-separated token budgets")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--family", default="qwen3_vl",
+                        help="qwen3_vl (this script's workloads) or a family of family_latency.py")
     args = parser.parse_args()
+    if args.family != "qwen3_vl":
+        import sys
+
+        import family_latency
+
+        sys.argv = [sys.argv[0], "--families", args.family, "--runs", str(args.runs), "--warmup", str(args.warmup)]
+        if args.out:
+            sys.argv += ["--out", str(args.out)]
+        family_latency.main()
+        return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     gpu = torch.cuda.get_device_name()
 
