@@ -133,6 +133,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    unknown = sorted(set(args.families.split(",")) - set(VISION_MODEL_TYPES))
+    if unknown:
+        parser.error(f"unknown families {unknown}; known: {', '.join(VISION_MODEL_TYPES)}")
     logging.basicConfig(level=logging.WARNING)
     configs = json.loads(CONFIGS.read_text())
     gpu = torch.cuda.get_device_name()
