@@ -89,6 +89,28 @@ def test_oversized_item_runs_eager(gpu_encoder, gpu_reference):
     assert after.graph_items == before.graph_items
 
 
+def test_an_eager_single_sequence_takes_dense_attention(monkeypatch, gpu_encoder, gpu_reference):
+    """An image too large for every budget runs eager at its own rows: one attention sequence,
+    known on the host, so the hook runs dense SDPA (cuDNN) instead of packed FA2; a video's
+    per-frame sequences stay packed."""
+    from vitpool.models import attention
+
+    decisions = []
+    original = attention._is_one_sequence
+    monkeypatch.setattr(attention, "_is_one_sequence",
+                        lambda cu, rows: decisions.append(original(cu, rows)) or decisions[-1])
+    items = [image(40, 40, torch.Generator().manual_seed(5))]
+    assert_close_to_reference(gpu_reference, items, gpu_encoder.encode(items))
+    assert decisions and all(decisions)
+    decisions.clear()
+    clip = [video(4, 24, 24, torch.Generator().manual_seed(6))]  # 4 frames of 144 tokens: eager
+    assert_close_to_reference(gpu_reference, clip, gpu_encoder.encode(clip))
+    assert decisions and not any(decisions)
+    decisions.clear()
+    gpu_encoder.encode([image(10, 10)])  # a replayed graph never asks the host
+    assert decisions == []
+
+
 def test_failed_check_disables_budget_and_eager_is_used(monkeypatch, gpu_reference):
     # A negative tolerance fails every check: every budget must fall back to eager.
     monkeypatch.setitem(capture_module.CHECK_TOLERANCE, torch.bfloat16, -1.0)

@@ -8,7 +8,6 @@ from vitpool.errors import ConfigError
 from vitpool.packing import budget_ladder
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_GIB = 1024**3
 
 # Above 256 tokens a batch costs about its rows, so budgets step by 12.5% there (padding
 # stays under that); see `budget_ladder`.
@@ -41,17 +40,23 @@ def resolve_dtype(dtype: torch.dtype | None, device: torch.device) -> torch.dtyp
     return dtype
 
 
-def default_token_budgets(device: torch.device) -> list[int]:
-    """Budgets from the device: graphs on a GPU sized by its memory, small ones on a CPU.
+# Above this many tokens (4096 patch rows for a 2x2 merge: one ~1024² image) a batch runs eager at
+# its own rows instead of padded into a graph: it is compute-bound, so launches cost little, it
+# pays no padding, and one image is one unpadded attention sequence, which dense cuDNN attention
+# runs 1.5x faster than packed FA2. On an H100 (Qwen3-VL-8B tower, benchmarks/size_sweep.py) the
+# eager run beats the padded graph from 1120² up (34.9 vs 38.7 ms; 1792²: 107.6 vs 144.9 ms) and
+# loses below 896² (672²: 19.9 vs 11.4 ms), where launches dominate.
+GRAPH_MAX_TOKENS = 1024
 
-    Items larger than the largest budget still run (eager, alone): they are compute-bound,
-    where a graph gains little.
+
+def default_token_budgets(device: torch.device) -> list[int]:
+    """Budgets from the device: 64…GRAPH_MAX_TOKENS tokens on a GPU, 16…1024 on a CPU.
+
+    Items larger than the largest budget still run (eager, alone, at their own rows).
     """
     if device.type != "cuda":
         return budget_ladder(16, 1024, LADDER_GROWTH, LADDER_ALIGN_TOKENS)
-    total_memory = torch.cuda.get_device_properties(device).total_memory
-    max_tokens = 4096 if total_memory >= 40 * _GIB else 2048 if total_memory >= 16 * _GIB else 1024
-    return budget_ladder(64, max_tokens, LADDER_GROWTH, LADDER_ALIGN_TOKENS)
+    return budget_ladder(64, GRAPH_MAX_TOKENS, LADDER_GROWTH, LADDER_ALIGN_TOKENS)
 
 
 def dtype_from_name(name: str | None) -> torch.dtype | None:

@@ -39,6 +39,7 @@ from vitpool.graphs.inputs import (
 from vitpool.graphs.stats import EncoderStats
 from vitpool.items import Embedding, Item, PreparedItem, prepare_item, prepare_items
 from vitpool.models import VisionAdapter, load_adapter
+from vitpool.models.attention import host_boundaries
 from vitpool.packing import Budget, pack, smallest_fitting
 from vitpool.specs import BatchPlan, EncoderSpec, ItemSpec, OutputLayout
 from vitpool.specs import capacity_limits as merged_capacity_limits
@@ -56,7 +57,8 @@ class GraphEncoder:
     Args:
         adapter: the model, seen through `vitpool.models.VisionAdapter`.
         budgets: token budgets (output tokens per batch) to capture. None: derived from the
-            device (a ladder up to 4096 tokens on a large GPU, up to 1024 on a CPU).
+            device (a ladder up to `GRAPH_MAX_TOKENS` = 1024 tokens on a GPU, larger batches run
+            eager at their own rows; up to 1024 on a CPU).
         max_items_per_batch: most items in one batch (default min(32, smallest budget)).
         max_frames_per_batch: for families with one attention sequence per frame, most sequences
             (video frames / temporal patches) in one batch (default 64); it sizes `cu_seqlens`.
@@ -356,13 +358,13 @@ class GraphEncoder:
         num_items, num_tokens, needs = totals(specs)
         exact = Budget(num_tokens, needs, num_items)  # capacities exactly what the items use
         pixels = torch.cat([member.pixels.to(self.device, self.dtype) for member in members])
-        metadata = {
-            name: tensor.to(self.device)
-            for name, tensor in self.adapter.build_metadata(specs, pixels.shape[0], exact).items()
-        }
+        on_host = self.adapter.build_metadata(specs, pixels.shape[0], exact)
+        metadata = {name: tensor.to(self.device) for name, tensor in on_host.items()}
         finite = finite_rows(pixels)
         _zero_nonfinite(pixels)
-        return self.adapter.forward(pixels, metadata), finite
+        # not captured: the attention hook may read the batch's sequence boundaries from the host
+        with host_boundaries(on_host, metadata):
+            return self.adapter.forward(pixels, metadata), finite
 
     def _fill(self, budget: Budget, specs: list, pixel_list: list[torch.Tensor]) -> torch.Tensor:
         """Write a batch into the budget's views of the static buffers, padding rows included.
