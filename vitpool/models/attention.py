@@ -17,15 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import logging
 from collections.abc import Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
-
-logger = logging.getLogger(__name__)
 
 ATTENTION_NAME = "vitpool_flash_varlen"
 
