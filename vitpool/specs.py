@@ -203,6 +203,7 @@ class EncoderSpec:
             `GraphEncoder`); `capacity_limits` as sorted (name, limit) pairs.
         dtype: "bfloat16", "float16" or "float32"; None for the device's default.
         device: "cpu", "cuda" or "cuda:N"; None for the current GPU if there is one.
+        dense_attention: let an eager batch of one attention sequence take dense attention.
     """
 
     model: str | None = None
@@ -212,6 +213,7 @@ class EncoderSpec:
     dtype: str | None = None
     device: str | None = None
     capacity_limits: Needs = ()
+    dense_attention: bool = True
 
 
 @dataclass(frozen=True)

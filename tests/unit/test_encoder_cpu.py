@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import ROW_WIDTH, image, make_encoder, reference_outputs, relative_error, video
 
-from vitpool import Embedding
+from vitpool import Embedding, GraphEncoder
 from vitpool.packing import SEQUENCES, Budget
 
 BUDGETS = [16, 32, 64, 128]
@@ -179,3 +179,12 @@ def test_a_plan_for_a_budget_the_encoder_lacks_fails(tiny_adapter):
     plan, pixels = planned(make_encoder(tiny_adapter, [32]), [image(4, 4)])
     with pytest.raises(ValueError, match="not one of this encoder's budgets"):
         encoder.run_plans([(plan, pixels)])
+
+
+def test_dense_attention_is_a_setting_of_the_encoder_and_the_pool():
+    from vitpool.pool.settings import PoolSettings
+
+    spec = PoolSettings(dense_attention=False, budgets=(16,), device="cpu", dtype="float32").encoder_spec()
+    assert spec.dense_attention is False
+    assert GraphEncoder.from_spec(spec).dense_attention is False
+    assert GraphEncoder.from_pretrained(None, budgets=[16], device="cpu").dense_attention is True
