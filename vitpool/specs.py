@@ -203,7 +203,7 @@ class EncoderSpec:
             `GraphEncoder`); `capacity_limits` as sorted (name, limit) pairs.
         dtype: "bfloat16", "float16" or "float32"; None for the device's default.
         device: "cpu", "cuda" or "cuda:N"; None for the current GPU if there is one.
-        dense_attention: let an eager batch of one attention sequence take dense attention.
+        attention: the attention kernel on a GPU: "auto", "fa2" or "fa4" (see `GraphEncoder`).
     """
 
     model: str | None = None
@@ -213,7 +213,7 @@ class EncoderSpec:
     dtype: str | None = None
     device: str | None = None
     capacity_limits: Needs = ()
-    dense_attention: bool = True
+    attention: str = "auto"
 
 
 @dataclass(frozen=True)

@@ -89,26 +89,33 @@ def test_oversized_item_runs_eager(gpu_encoder, gpu_reference):
     assert after.graph_items == before.graph_items
 
 
-def test_an_eager_single_sequence_takes_dense_attention(monkeypatch, gpu_encoder, gpu_reference):
-    """An image too large for every budget runs eager at its own rows: one attention sequence,
-    known on the host, so the hook runs dense SDPA (cuDNN) instead of packed FA2; a video's
-    per-frame sequences stay packed."""
+def test_an_eager_batch_picks_its_attention_from_its_boundaries(monkeypatch, gpu_encoder, gpu_reference):
+    """An image too large for every budget runs eager at its own rows: one sequence, known on the
+    host, so the hook runs FA4 (when installed) or dense cuDNN SDPA; a video's short per-frame
+    sequences stay on FA2; a replayed graph never asks."""
     from vitpool.models import attention
 
     decisions = []
-    original = attention._is_one_sequence
-    monkeypatch.setattr(attention, "_is_one_sequence",
-                        lambda cu, rows: decisions.append(original(cu, rows)) or decisions[-1])
-    items = [image(40, 40, torch.Generator().manual_seed(5))]
+    original = attention.eager_backend
+    monkeypatch.setattr(attention, "eager_backend", lambda *args: decisions.append(original(*args)) or decisions[-1])
+    long_image = "fa4" if attention.fa4_available(gpu_encoder.device) else "dense"
+    items = [image(40, 40, torch.Generator().manual_seed(5))]  # 1600 rows, 400 tokens > 256
     assert_close_to_reference(gpu_reference, items, gpu_encoder.encode(items))
-    assert decisions and all(decisions)
+    assert decisions and set(decisions) == {long_image}
     decisions.clear()
-    clip = [video(4, 24, 24, torch.Generator().manual_seed(6))]  # 4 frames of 144 tokens: eager
+    clip = [video(4, 24, 24, torch.Generator().manual_seed(6))]  # 4 frames of 576 rows: eager
     assert_close_to_reference(gpu_reference, clip, gpu_encoder.encode(clip))
-    assert decisions and not any(decisions)
+    assert decisions and set(decisions) == {"fa2"}
     decisions.clear()
-    gpu_encoder.encode([image(10, 10)])  # a replayed graph never asks the host
+    gpu_encoder.encode([image(10, 10)])
     assert decisions == []
+
+
+def test_forced_fa2_matches_the_tower(gpu_reference):
+    encoder = GraphEncoder.from_pretrained(None, budgets=[64, 256], device="cuda", attention="fa2")
+    assert encoder.stats().disabled_budgets == []
+    items = [image(40, 40, torch.Generator().manual_seed(8)), image(10, 12, torch.Generator().manual_seed(9))]
+    assert_close_to_reference(gpu_reference, items, encoder.encode(items))
 
 
 def test_failed_check_disables_budget_and_eager_is_used(monkeypatch, gpu_reference):

@@ -181,10 +181,13 @@ def test_a_plan_for_a_budget_the_encoder_lacks_fails(tiny_adapter):
         encoder.run_plans([(plan, pixels)])
 
 
-def test_dense_attention_is_a_setting_of_the_encoder_and_the_pool():
+def test_attention_is_a_setting_of_the_encoder_and_the_pool():
+    from vitpool.errors import ConfigError
     from vitpool.pool.settings import PoolSettings
 
-    spec = PoolSettings(dense_attention=False, budgets=(16,), device="cpu", dtype="float32").encoder_spec()
-    assert spec.dense_attention is False
-    assert GraphEncoder.from_spec(spec).dense_attention is False
-    assert GraphEncoder.from_pretrained(None, budgets=[16], device="cpu").dense_attention is True
+    spec = PoolSettings(attention="fa2", budgets=(16,), device="cpu", dtype="float32").encoder_spec()
+    assert spec.attention == "fa2"
+    assert GraphEncoder.from_spec(spec).attention == "fa2"
+    assert GraphEncoder.from_pretrained(None, budgets=[16], device="cpu").attention == "auto"
+    with pytest.raises(ConfigError, match="'fa3' is not one of"):
+        GraphEncoder.from_pretrained(None, budgets=[16], device="cpu", attention="fa3")

@@ -39,7 +39,13 @@ from vitpool.graphs.inputs import (
 from vitpool.graphs.stats import EncoderStats
 from vitpool.items import Embedding, Item, PreparedItem, prepare_item, prepare_items
 from vitpool.models import VisionAdapter, load_adapter
-from vitpool.models.attention import host_boundaries
+from vitpool.models.attention import (
+    ATTENTION_CHOICES,
+    fa4_available,
+    graph_backend,
+    host_boundaries,
+    use_attention,
+)
 from vitpool.packing import Budget, pack, smallest_fitting
 from vitpool.specs import BatchPlan, EncoderSpec, ItemSpec, OutputLayout
 from vitpool.specs import capacity_limits as merged_capacity_limits
@@ -66,10 +72,12 @@ class GraphEncoder:
         dtype: compute dtype; default bfloat16 on a GPU, float32 on a CPU.
         capacity_limits: most per batch of other capacities the family declares, by name (its
             item rules' `capacities`, e.g. windows); None: the family's defaults.
-        dense_attention: a batch that runs eager at its own rows (larger than every budget) and
-            is one attention sequence (one image) takes dense SDPA attention (cuDNN first)
-            instead of packed FA2: 1.5x faster at the towers' shapes on an H100. False: packed
-            FA2 always (debugging, GPUs where it does not help).
+        attention: the attention kernel on a GPU (`vitpool.models.attention`). "auto" (default):
+            FlashAttention-4 where the optional `flash-attn-4` package is installed and the GPU
+            is Hopper or newer, for graphs of a few long sequences and eager batches of long
+            ones; dense cuDNN SDPA for an eager batch of one sequence; FlashAttention-2 for the
+            rest. "fa2": FlashAttention-2 always (debugging, GPUs where the others do not help).
+            "fa4": FlashAttention-4 always (ConfigError where it cannot run).
 
     Attributes:
         budgets: the batch shapes, from the adapter's item rules.
@@ -88,10 +96,10 @@ class GraphEncoder:
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
         capacity_limits: Mapping[str, int] | None = None,
-        dense_attention: bool = True,
+        attention: str = "auto",
     ) -> None:
         self.device = resolve_device(device)
-        self.dense_attention = dense_attention
+        self.attention = _check_attention(attention, self.device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.adapter = adapter
         _place_tower(adapter.tower, self.device, self.dtype)
@@ -121,7 +129,7 @@ class GraphEncoder:
         device: str | torch.device | None = None,
         dtype: torch.dtype | None = None,
         capacity_limits: Mapping[str, int] | None = None,
-        dense_attention: bool = True,
+        attention: str = "auto",
     ) -> GraphEncoder:
         """Load a local Hugging Face checkpoint and capture its graphs.
 
@@ -130,7 +138,7 @@ class GraphEncoder:
                 (safetensors), or only a config (random weights). None: the tiny Qwen3-VL-shaped
                 model shipped with vitpool (random weights), so everything runs offline.
             budgets, max_items_per_batch, max_frames_per_batch, device, dtype, capacity_limits,
-                dense_attention: as for the constructor.
+                attention: as for the constructor.
 
         Raises:
             CheckpointError: the directory cannot be loaded (names the missing or unexpected keys).
@@ -141,7 +149,7 @@ class GraphEncoder:
         adapter = load_adapter(path, resolved_device, resolved_dtype)
         return cls(
             adapter, budgets, max_items_per_batch, max_frames_per_batch, resolved_device, resolved_dtype,
-            capacity_limits, dense_attention,
+            capacity_limits, attention,
         )
 
     @classmethod
@@ -154,7 +162,7 @@ class GraphEncoder:
         budgets = None if spec.budgets is None else list(spec.budgets)
         return cls.from_pretrained(
             spec.model, budgets, spec.max_items_per_batch, spec.max_frames_per_batch,
-            spec.device, dtype_from_name(spec.dtype), dict(spec.capacity_limits), spec.dense_attention,
+            spec.device, dtype_from_name(spec.dtype), dict(spec.capacity_limits), spec.attention,
         )
 
     # encode
@@ -370,10 +378,11 @@ class GraphEncoder:
         metadata = {name: tensor.to(self.device) for name, tensor in on_host.items()}
         finite = finite_rows(pixels)
         _zero_nonfinite(pixels)
-        if not self.dense_attention:
-            return self.adapter.forward(pixels, metadata), finite
-        # not captured: the attention hook may read the batch's sequence boundaries from the host
-        with host_boundaries(on_host, metadata):
+        if self.attention != "auto":
+            with use_attention(self.attention):
+                return self.adapter.forward(pixels, metadata), finite
+        # not captured: the attention hook picks its kernel from the batch's boundaries on the host
+        with host_boundaries(on_host, metadata), use_attention(None):
             return self.adapter.forward(pixels, metadata), finite
 
     def _fill(self, budget: Budget, specs: list, pixel_list: list[torch.Tensor]) -> torch.Tensor:
@@ -395,8 +404,12 @@ class GraphEncoder:
         return finite
 
     def _static_forward(self, budget: Budget) -> list[torch.Tensor]:
-        pixels, metadata = self._buffers.input_views(self._rows(budget), budget)
-        return self.adapter.forward(pixels, metadata)
+        """The forward over the budget's buffers (captured, checked, or run eager when disabled),
+        with the attention kernel its graph is captured with."""
+        rows = self._rows(budget)
+        pixels, metadata = self._buffers.input_views(rows, budget)
+        with use_attention(graph_backend(self.attention, self.device, rows, budget.max_sequences)):
+            return self.adapter.forward(pixels, metadata)
 
     def _rows(self, budget: Budget) -> int:
         return self.adapter.max_rows(budget.num_tokens)
@@ -408,6 +421,17 @@ class GraphEncoder:
             torch.randn(spec.pixel_shape, device=self.device, dtype=self.dtype, generator=generator) for spec in specs
         ]
         self._fill(budget, specs, pixels)
+
+
+def _check_attention(attention: str, device: torch.device) -> str:
+    if attention not in ATTENTION_CHOICES:
+        raise ConfigError(f"attention {attention!r} is not one of {ATTENTION_CHOICES}")
+    if attention == "fa4" and device.type == "cuda" and not fa4_available(device):
+        raise ConfigError(
+            "attention 'fa4' needs the flash-attn-4 package and a GPU of compute capability 9.0 or newer; "
+            "use 'auto' to take it where it can run"
+        )
+    return attention
 
 
 def _renumbered(outcome: Embedding | InvalidItemError, index: int) -> Embedding | InvalidItemError:

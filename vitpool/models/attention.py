@@ -1,22 +1,30 @@
-"""The attention hook vitpool installs in Hugging Face towers.
+"""The attention hook vitpool installs in Hugging Face towers, and the choice of kernel behind it.
 
 The name contains "flash" so that the towers take their packed-sequence path: they pass
 `cu_seq_lens_q/k` and an integer `max_length_q/k` instead of splitting sequences on the host.
-On CUDA in half precision it runs PyTorch's own FlashAttention-2 (`varlen_attn`); elsewhere
-(CPU, fp32) it runs SDPA with a block-diagonal mask built from `cu_seqlens`. Neither path
-synchronises with the host, so both can be captured.
+On a CPU (fp32) it runs SDPA with a block-diagonal mask built from `cu_seqlens`. On CUDA in half
+precision it runs one of these kernels (all free of host synchronisation, so all capturable):
 
-One dense sequence is faster through SDPA's cuDNN backend (1.5x FA2 at the towers' head size 72
-on an H100, `benchmarks/attention_backends.py`), but only with no mask, and its packed-sequence
-path cannot be captured. So it is used where the batch is known on the host to be one sequence
-over all its rows: an eager run at the items' own size declares its boundaries with
-`host_boundaries`, and the hook looks them up instead of reading the device.
+- "fa2": PyTorch's own FlashAttention-2, `varlen_attn` (always there: the fallback);
+- "fa4": FlashAttention-4 (the optional `flash-attn-4` package, CuTe DSL; Hopper and newer). At
+  the towers' head size 72 on an H100 it is 1.9x FA2 on long sequences (3136 rows: 141 vs 268
+  µs; 4 x 4096: 732 vs 1337) but slower on many short ones (64 x 256: 162 vs 131 µs);
+- "dense": SDPA on one dense sequence, cuDNN first (1.5x FA2 at 3136 rows), for a batch known
+  on the host to be one sequence over all its rows; with a padding mask it loses that gain.
+
+The encoder picks per graph (`use_attention` around capture: FA4 for graphs of a few long
+sequences) and, for an eager run at the items' own size, lets the hook pick from the batch's
+boundaries, which it declares on the host with `host_boundaries`
+(`benchmarks/attention_backends.py` has the measurements).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
+import importlib.util
+import logging
 from collections.abc import Iterator, Mapping
 
 import torch
@@ -24,14 +32,75 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 
+logger = logging.getLogger(__name__)
+
 ATTENTION_NAME = "vitpool_flash_varlen"
+# What a GraphEncoder's `attention` setting takes: "auto" picks per batch; the others force one.
+ATTENTION_CHOICES = ("auto", "fa2", "fa4")
+# FA4 beats FA2 from sequences of about this many rows on an H100 (and loses at 256).
+FA4_MIN_ROWS_PER_SEQUENCE = 1024
+FA4_MAX_SEQUENCES = 4  # a graph for this few sequences holds long ones: FA4 there
 
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
+# The kernel the batch running now must use ("fa2", "fa4", "dense"); None: the hook decides
+_BACKEND: contextvars.ContextVar[str | None] = contextvars.ContextVar("vitpool_attention", default=None)
 # id(device tensor) -> its values, for the 1-D int32 metadata of the batch running now (eager only)
 _KNOWN_BOUNDARIES: contextvars.ContextVar[dict[int, tuple[int, ...]] | None] = contextvars.ContextVar(
     "vitpool_known_boundaries", default=None
 )
 _DENSE_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+
+
+@functools.lru_cache(maxsize=8)
+def fa4_available(device: torch.device) -> bool:
+    """Whether FlashAttention-4 can run on `device`: the package imports and the GPU is Hopper
+    (compute capability 9.0) or newer. Logged once per device."""
+    if device.type != "cuda":
+        return False
+    major, _ = torch.cuda.get_device_capability(device)
+    if importlib.util.find_spec("flash_attn") is None:
+        logger.info("attention on %s: FlashAttention-2 (flash-attn-4 is not installed)", device)
+        return False
+    try:
+        importlib.import_module("flash_attn.cute")
+    except Exception as error:  # noqa: BLE001 - a broken optional install must not stop the encoder
+        logger.warning("attention on %s: FlashAttention-2; flash-attn-4 does not import: %s", device, error)
+        return False
+    if major < 9:
+        logger.info("attention on %s: FlashAttention-2 (FlashAttention-4 needs compute capability 9.0+)", device)
+        return False
+    logger.info("attention on %s: FlashAttention-4 for long sequences, FlashAttention-2 for short ones", device)
+    return True
+
+
+def graph_backend(choice: str, device: torch.device, num_rows: int, max_sequences: int) -> str:
+    """The kernel a graph of `num_rows` rows and at most `max_sequences` sequences is captured with."""
+    if choice == "fa4":
+        return "fa4"
+    if choice == "auto" and fa4_available(device):
+        if max_sequences <= FA4_MAX_SEQUENCES or num_rows >= FA4_MIN_ROWS_PER_SEQUENCE * max_sequences:
+            return "fa4"
+    return "fa2"
+
+
+def eager_backend(boundaries: tuple[int, ...], num_rows: int, fa4: bool) -> str:
+    """The kernel for a batch run at its own rows whose `cu_seqlens` are `boundaries`."""
+    lengths = [end - start for start, end in zip(boundaries, boundaries[1:]) if end > start]
+    if not lengths or boundaries[0] != 0 or boundaries[-1] != num_rows:
+        return "fa2"
+    if fa4 and sum(lengths) >= FA4_MIN_ROWS_PER_SEQUENCE * len(lengths):
+        return "fa4"
+    return "dense" if len(lengths) == 1 else "fa2"
+
+
+@contextlib.contextmanager
+def use_attention(backend: str | None) -> Iterator[None]:
+    """Run the towers' attention with `backend` ("fa2", "fa4", "dense"; None: the hook decides)."""
+    token = _BACKEND.set(backend)
+    try:
+        yield
+    finally:
+        _BACKEND.reset(token)
 
 
 @contextlib.contextmanager
@@ -52,13 +121,14 @@ def host_boundaries(
         _KNOWN_BOUNDARIES.reset(token)
 
 
-def _is_one_sequence(cu_seqlens: torch.Tensor, num_rows: int) -> bool:
-    """Whether `cu_seqlens` is known on the host to hold one non-empty sequence of all the rows."""
+def _backend_for(query: torch.Tensor, cu_seq_lens_q: torch.Tensor, cu_seq_lens_k: torch.Tensor) -> str:
+    backend = _BACKEND.get()
+    if backend is not None:
+        return backend
     known = _KNOWN_BOUNDARIES.get()
-    boundaries = known.get(id(cu_seqlens)) if known else None
-    if not boundaries or boundaries[0] != 0 or boundaries[-1] != num_rows:
-        return False
-    return sum(1 for start, end in zip(boundaries, boundaries[1:]) if end > start) == 1
+    if not known or id(cu_seq_lens_q) not in known or cu_seq_lens_k is not cu_seq_lens_q:
+        return "fa2"
+    return eager_backend(known[id(cu_seq_lens_q)], query.shape[2], fa4_available(query.device))
 
 
 def packed_attention(
@@ -78,20 +148,28 @@ def packed_attention(
     """query/key/value: [1, heads, rows, head_dim] -> ([1, rows, heads, head_dim], None)."""
     if cu_seq_lens_q is None or max_length_q is None:
         raise RuntimeError(f"{ATTENTION_NAME} needs cu_seqlens and max_seqlen from the tower")
-    if query.is_cuda and query.dtype in _FLASH_DTYPES:
-        if _is_one_sequence(cu_seq_lens_q, query.shape[2]) and _is_one_sequence(cu_seq_lens_k, key.shape[2]):
-            with sdpa_kernel(_DENSE_BACKENDS, set_priority=True):
-                out = F.scaled_dot_product_attention(query, key, value, scale=scaling)
-            return out.transpose(1, 2), None
+    if not (query.is_cuda and query.dtype in _FLASH_DTYPES):
+        return _block_diagonal_sdpa(query, key, value, cu_seq_lens_q, scaling).transpose(1, 2), None
+    backend = _backend_for(query, cu_seq_lens_q, cu_seq_lens_k)
+    if backend == "dense":
+        with sdpa_kernel(_DENSE_BACKENDS, set_priority=True):
+            out = F.scaled_dot_product_attention(query, key, value, scale=scaling)
+        return out.transpose(1, 2), None
+    # the packed kernels take [rows, heads, head_dim]
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    if backend == "fa4":
+        from flash_attn.cute import flash_attn_varlen_func
+
+        out = flash_attn_varlen_func(
+            q, k, v, cu_seqlens_q=cu_seq_lens_q, cu_seqlens_k=cu_seq_lens_k,
+            max_seqlen_q=max_length_q, max_seqlen_k=max_length_k, softmax_scale=scaling,
+        )
+        out = out[0] if isinstance(out, tuple) else out
+    else:
         from torch.nn.attention.varlen import varlen_attn
 
-        # varlen_attn takes [rows, heads, head_dim]
-        q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
-        out = varlen_attn(
-            q, k, v, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, scale=scaling
-        )
-        return out.unsqueeze(0), None
-    return _block_diagonal_sdpa(query, key, value, cu_seq_lens_q, scaling).transpose(1, 2), None
+        out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, scale=scaling)
+    return out.unsqueeze(0), None
 
 
 def _block_diagonal_sdpa(

@@ -12,6 +12,7 @@ from vitpool.packing import make_budgets
 from vitpool.specs import ActorSpec, EncoderSpec
 
 _DTYPES = ("bfloat16", "float16", "float32")
+_ATTENTION_CHOICES = ("auto", "fa2", "fa4")  # as vitpool.models.attention (not imported: no torch here)
 
 
 @dataclass(frozen=True)
@@ -21,7 +22,7 @@ class PoolSettings:
     Attributes:
         model: local checkpoint directory; None for the tiny model shipped with vitpool.
         budgets: token budgets each actor captures; None for the defaults of its device.
-        max_items_per_batch, max_frames_per_batch, capacity_limits, dense_attention: as for
+        max_items_per_batch, max_frames_per_batch, capacity_limits, attention: as for
             `GraphEncoder`.
         dtype: "bfloat16", "float16" or "float32"; None for the device's default.
         device: "cpu" runs every actor on its CPU even where it was given a GPU (tests, debugging);
@@ -66,7 +67,7 @@ class PoolSettings:
     max_items_per_batch: int | None = None
     max_frames_per_batch: int | None = None
     capacity_limits: Any = None  # {capacity name: limit}; kept as sorted (name, limit) pairs
-    dense_attention: bool = True
+    attention: str = "auto"
     dtype: str | None = None
     device: str | None = None
     max_batches_in_flight_per_actor: int = 2
@@ -100,6 +101,8 @@ class PoolSettings:
             if name not in _DTYPES:
                 raise ConfigError(f"dtype {self.dtype!r}: use one of {_DTYPES} (or None for the device's default)")
             object.__setattr__(self, "dtype", name)
+        if self.attention not in _ATTENTION_CHOICES:
+            raise ConfigError(f"attention {self.attention!r}: use one of {_ATTENTION_CHOICES}")
         if self.device not in (None, "cpu", "cuda"):
             raise ConfigError(f"device {self.device!r}: use None (the actor's GPU if any), 'cuda' or 'cpu'")
         _positive_int("max_batches_in_flight_per_actor", self.max_batches_in_flight_per_actor)
@@ -131,7 +134,7 @@ class PoolSettings:
         """What each actor's encoder is built from."""
         return EncoderSpec(
             self.model, self.budgets, self.max_items_per_batch, self.max_frames_per_batch, self.dtype, self.device,
-            self.capacity_limits, self.dense_attention,
+            self.capacity_limits, self.attention,
         )
 
     def actor_spec(self, num_threads: int) -> ActorSpec:
