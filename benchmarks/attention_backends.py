@@ -31,6 +31,14 @@ SHAPES = {  # name -> sequence lengths packed into one batch
 }
 
 
+def flash_attention_4(q, k, v, cu, max_len):
+    """FlashAttention-4 (`flash-attn-4`, CuTe DSL; FA3-style kernels on Hopper), when installed."""
+    from flash_attn.cute import flash_attn_varlen_func
+
+    out = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len, max_seqlen_k=max_len)
+    return out[0] if isinstance(out, tuple) else out
+
+
 def varlen(q, k, v, cu, max_len):
     from torch.nn.attention.varlen import varlen_attn
 
@@ -122,6 +130,7 @@ def main() -> None:
     args = parser.parse_args()
     backends = {
         "varlen_attn (FA2)": varlen,
+        "FA4 varlen": flash_attention_4,
         "nested cuDNN": nested_sdpa(SDPBackend.CUDNN_ATTENTION),
         "ragged cuDNN (aten)": ragged_cudnn,
         "nested flash": nested_sdpa(SDPBackend.FLASH_ATTENTION),

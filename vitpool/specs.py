@@ -204,6 +204,7 @@ class EncoderSpec:
         dtype: "bfloat16", "float16" or "float32"; None for the device's default.
         device: "cpu", "cuda" or "cuda:N"; None for the current GPU if there is one.
         attention: the attention kernel on a GPU: "auto", "fa2" or "fa4" (see `GraphEncoder`).
+        fused_ops: fused rotary and patch embedding on a GPU (see `GraphEncoder`).
     """
 
     model: str | None = None
@@ -214,6 +215,7 @@ class EncoderSpec:
     device: str | None = None
     capacity_limits: Needs = ()
     attention: str = "auto"
+    fused_ops: bool = True
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ from vitpool.models.attention import (
     host_boundaries,
     use_attention,
 )
+from vitpool.models.fused import use_fused_ops
 from vitpool.packing import Budget, pack, smallest_fitting
 from vitpool.specs import BatchPlan, EncoderSpec, ItemSpec, OutputLayout
 from vitpool.specs import capacity_limits as merged_capacity_limits
@@ -78,6 +79,9 @@ class GraphEncoder:
             ones; dense cuDNN SDPA for an eager batch of one sequence; FlashAttention-2 for the
             rest. "fa2": FlashAttention-2 always (debugging, GPUs where the others do not help).
             "fa4": FlashAttention-4 always (ConfigError where it cannot run).
+        fused_ops: on a GPU, run every family's rotary embedding as one Triton kernel per tensor
+            and its patch embedding as a GEMM (`vitpool.models.fused`). False: Hugging Face's own
+            code (debugging).
 
     Attributes:
         budgets: the batch shapes, from the adapter's item rules.
@@ -97,9 +101,11 @@ class GraphEncoder:
         dtype: torch.dtype | None = None,
         capacity_limits: Mapping[str, int] | None = None,
         attention: str = "auto",
+        fused_ops: bool = True,
     ) -> None:
         self.device = resolve_device(device)
         self.attention = _check_attention(attention, self.device)
+        self.fused_ops = fused_ops
         self.dtype = resolve_dtype(dtype, self.device)
         self.adapter = adapter
         _place_tower(adapter.tower, self.device, self.dtype)
@@ -130,6 +136,7 @@ class GraphEncoder:
         dtype: torch.dtype | None = None,
         capacity_limits: Mapping[str, int] | None = None,
         attention: str = "auto",
+        fused_ops: bool = True,
     ) -> GraphEncoder:
         """Load a local Hugging Face checkpoint and capture its graphs.
 
@@ -138,7 +145,7 @@ class GraphEncoder:
                 (safetensors), or only a config (random weights). None: the tiny Qwen3-VL-shaped
                 model shipped with vitpool (random weights), so everything runs offline.
             budgets, max_items_per_batch, max_frames_per_batch, device, dtype, capacity_limits,
-                attention: as for the constructor.
+                attention, fused_ops: as for the constructor.
 
         Raises:
             CheckpointError: the directory cannot be loaded (names the missing or unexpected keys).
@@ -149,7 +156,7 @@ class GraphEncoder:
         adapter = load_adapter(path, resolved_device, resolved_dtype)
         return cls(
             adapter, budgets, max_items_per_batch, max_frames_per_batch, resolved_device, resolved_dtype,
-            capacity_limits, attention,
+            capacity_limits, attention, fused_ops,
         )
 
     @classmethod
@@ -163,6 +170,7 @@ class GraphEncoder:
         return cls.from_pretrained(
             spec.model, budgets, spec.max_items_per_batch, spec.max_frames_per_batch,
             spec.device, dtype_from_name(spec.dtype), dict(spec.capacity_limits), spec.attention,
+            spec.fused_ops,
         )
 
     # encode
@@ -379,10 +387,10 @@ class GraphEncoder:
         finite = finite_rows(pixels)
         _zero_nonfinite(pixels)
         if self.attention != "auto":
-            with use_attention(self.attention):
+            with use_attention(self.attention), use_fused_ops(self.fused_ops):
                 return self.adapter.forward(pixels, metadata), finite
         # not captured: the attention hook picks its kernel from the batch's boundaries on the host
-        with host_boundaries(on_host, metadata), use_attention(None):
+        with host_boundaries(on_host, metadata), use_attention(None), use_fused_ops(self.fused_ops):
             return self.adapter.forward(pixels, metadata), finite
 
     def _fill(self, budget: Budget, specs: list, pixel_list: list[torch.Tensor]) -> torch.Tensor:
@@ -408,7 +416,8 @@ class GraphEncoder:
         with the attention kernel its graph is captured with."""
         rows = self._rows(budget)
         pixels, metadata = self._buffers.input_views(rows, budget)
-        with use_attention(graph_backend(self.attention, self.device, rows, budget.max_sequences)):
+        backend = graph_backend(self.attention, self.device, rows, budget.max_sequences)
+        with use_attention(backend), use_fused_ops(self.fused_ops):
             return self.adapter.forward(pixels, metadata)
 
     def _rows(self, budget: Budget) -> int:

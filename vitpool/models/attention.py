@@ -32,6 +32,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 
+from vitpool.models.fused import install_fused_ops
+
 logger = logging.getLogger(__name__)
 
 ATTENTION_NAME = "vitpool_flash_varlen"
@@ -190,6 +192,8 @@ def _block_diagonal_sdpa(
 
 
 def install_packed_attention(tower: torch.nn.Module) -> None:
-    """Register the hook and make `tower` use it. Registering again is harmless."""
+    """Register the hook and make `tower` use it, and install the fused rotary embedding and patch
+    embedding (`vitpool.models.fused`; in effect under `use_fused_ops`). Doing it again is harmless."""
     AttentionInterface.register(ATTENTION_NAME, packed_attention)
     tower.config._attn_implementation = ATTENTION_NAME
+    install_fused_ops(tower)

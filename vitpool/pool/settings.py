@@ -22,7 +22,7 @@ class PoolSettings:
     Attributes:
         model: local checkpoint directory; None for the tiny model shipped with vitpool.
         budgets: token budgets each actor captures; None for the defaults of its device.
-        max_items_per_batch, max_frames_per_batch, capacity_limits, attention: as for
+        max_items_per_batch, max_frames_per_batch, capacity_limits, attention, fused_ops: as for
             `GraphEncoder`.
         dtype: "bfloat16", "float16" or "float32"; None for the device's default.
         device: "cpu" runs every actor on its CPU even where it was given a GPU (tests, debugging);
@@ -68,6 +68,7 @@ class PoolSettings:
     max_frames_per_batch: int | None = None
     capacity_limits: Any = None  # {capacity name: limit}; kept as sorted (name, limit) pairs
     attention: str = "auto"
+    fused_ops: bool = True
     dtype: str | None = None
     device: str | None = None
     max_batches_in_flight_per_actor: int = 2
@@ -134,7 +135,7 @@ class PoolSettings:
         """What each actor's encoder is built from."""
         return EncoderSpec(
             self.model, self.budgets, self.max_items_per_batch, self.max_frames_per_batch, self.dtype, self.device,
-            self.capacity_limits, self.attention,
+            self.capacity_limits, self.attention, self.fused_ops,
         )
 
     def actor_spec(self, num_threads: int) -> ActorSpec:

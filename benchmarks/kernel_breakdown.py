@@ -1,0 +1,105 @@
+"""GPU time of one static forward of the Qwen3-VL-8B tower (random bf16 weights) by kernel class:
+attention, GEMM, convolution, norm, elementwise, copy / gather, other. One square image padded to
+the rows of a budget, the forward run as vitpool captures it, under the profiler.
+
+    python benchmarks/kernel_breakdown.py [--rows 196,3136] [--attention fa2,fa4] [--fused off,on] [--out f.json]
+
+Prints one table per (rows, attention kernel): ms per class, its share, kernel launches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from common import QWEN3_VL_8B_VISION
+from torch.profiler import ProfilerActivity, profile
+
+from vitpool.models import load_adapter
+from vitpool.models.attention import fa4_available, use_attention
+from vitpool.models.fused import use_fused_ops
+from vitpool.packing import SEQUENCES, Budget
+
+# First match wins: (class, pattern over the kernel's name)
+CLASSES = [
+    ("attention", re.compile(r"flash|fmha|attn|attention|cudnn.*sdpa|FlashAttn", re.I)),
+    ("convolution", re.compile(r"conv|implicit", re.I)),
+    ("gemm", re.compile(r"gemm|sm90_xmma|cutlass|nvjet|matmul|wgmma", re.I)),
+    ("norm", re.compile(r"layer_norm|layernorm|rms_norm|rmsnorm", re.I)),
+    ("copy / gather", re.compile(r"copy|cat|index|gather|scatter|memcpy|memset|fill", re.I)),
+    ("elementwise", re.compile(r"elementwise|vectorized|unrolled|reduce|triton|pointwise|rotary", re.I)),
+]
+
+
+def kernel_class(name: str) -> str:
+    for label, pattern in CLASSES:
+        if pattern.search(name):
+            return label
+    return "other"
+
+
+def breakdown(adapter, rows: int, backend: str, fused: bool) -> dict:
+    side = 2 * int(rows**0.5 / 2)  # one square image; the rest of the rows are padding
+    spec = adapter.item_rules.item_spec("image", (side * side, *adapter.row_shape), "bfloat16", (1, side, side))
+    budget = Budget(rows // 4, ((SEQUENCES, 4),), 4)
+    metadata = {k: v.cuda() for k, v in adapter.build_metadata([spec], rows, budget).items()}
+    pixels = torch.randn(rows, *adapter.row_shape, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad(), use_attention(backend), use_fused_ops(fused):
+        for _ in range(3):
+            adapter.forward(pixels, metadata)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            adapter.forward(pixels, metadata)
+            torch.cuda.synchronize()
+    per_class: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    top: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        label = kernel_class(event.name)
+        per_class[label][0] += event.device_time / 1000
+        per_class[label][1] += 1
+        top[event.name] += event.device_time / 1000
+    total = sum(ms for ms, _ in per_class.values())
+    return {
+        "rows": rows, "attention": backend, "fused": fused, "total_ms": total, "kernels": sum(n for _, n in per_class.values()),
+        "classes": {label: {"ms": ms, "share": ms / total, "kernels": n} for label, (ms, n) in per_class.items()},
+        "top_kernels": sorted(top.items(), key=lambda kv: -kv[1])[:8],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", default="196,3136")
+    parser.add_argument("--attention", default="fa2,fa4")
+    parser.add_argument("--fused", default="off,on", help="fused rotary and patch GEMM: off, on or both")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as directory:
+        (Path(directory) / "config.json").write_text(json.dumps(QWEN3_VL_8B_VISION))
+        adapter = load_adapter(directory, torch.device("cuda"), torch.bfloat16)
+    backends = [b for b in args.attention.split(",") if b != "fa4" or fa4_available(torch.device("cuda"))]
+    results = [
+        breakdown(adapter, int(rows), backend, fused == "on")
+        for rows in args.rows.split(",") for backend in backends for fused in args.fused.split(",")
+    ]
+    if args.out:
+        args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "results": results}, indent=2))
+    print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}; one static forward, Qwen3-VL-8B tower")
+    for result in results:
+        print(f"\n{result['rows']} rows, attention {result['attention']}, fused {result['fused']}: "
+              f"{result['total_ms']:.2f} ms GPU time, "
+              f"{result['kernels']} kernels")
+        print("| class | ms | share | kernels |\n|---|---|---|---|")
+        for label, row in sorted(result["classes"].items(), key=lambda kv: -kv[1]["ms"]):
+            print(f"| {label} | {row['ms']:.3f} | {100 * row['share']:.0f}% | {row['kernels']} |")
+        print("top kernels: " + "; ".join(f"{name[:60]} {ms:.3f}" for name, ms in result["top_kernels"][:5]))
+
+
+if __name__ == "__main__":
+    main()

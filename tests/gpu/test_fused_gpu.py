@@ -1,0 +1,57 @@
+"""GPU: the fused rotary kernel and the patch embedding as a GEMM against Hugging Face's own code
+(bf16), and an encoder with them against one without (each budget checked at capture)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from conftest import image, relative_error, video
+
+from vitpool import GraphEncoder
+from vitpool.models.fused import ROTARY_FUNCTION, fused_rotary, use_fused_ops
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("rows, heads, head_dim", [(196, 16, 72), (3136, 16, 72), (7, 2, 16), (100, 12, 80)])
+def test_the_rotary_kernel_matches_hugging_face(rows, heads, head_dim):
+    from transformers.models.qwen3_vl import modeling_qwen3_vl
+
+    original = getattr(modeling_qwen3_vl, ROTARY_FUNCTION)
+    original = getattr(original, "__vitpool_original__", original)
+    generator = torch.Generator(device="cuda").manual_seed(rows)
+    # q and k as the towers make them: views into one [rows, 3, heads, head_dim] projection
+    qkv = torch.randn(rows, 3, heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=generator)
+    q, k = qkv[:, 0], qkv[:, 1]
+    angles = torch.randn(rows, head_dim // 2, device="cuda", generator=generator)
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    want_q, want_k = original(q, k, cos, sin)
+    got_q, got_k = fused_rotary(q, cos, sin), fused_rotary(k, cos, sin)
+    assert got_q.dtype == torch.bfloat16 and got_q.shape == want_q.shape
+    # the same fp32 math, one bf16 rounding at the end: at most one bf16 ulp apart
+    assert (got_q.float() - want_q.float()).abs().max() <= want_q.float().abs().max() * 2**-7
+    assert relative_error(got_k, want_k) <= 1e-3 and relative_error(got_q, want_q) <= 1e-3
+
+
+def test_the_patch_embedding_as_a_gemm_matches_the_convolution():
+    encoder = GraphEncoder.from_pretrained(None, budgets=[16], device="cuda")
+    conv = next(m for m in encoder.adapter.tower.modules() if isinstance(m, torch.nn.Conv3d))
+    x = torch.randn(300, conv.in_channels, *conv.kernel_size, device="cuda", dtype=torch.bfloat16)
+    with use_fused_ops(True):
+        got = conv(x)
+    assert relative_error(got, torch.nn.Conv3d.forward(conv, x)) <= 1e-2
+
+
+def test_fused_and_unfused_encoders_agree():
+    fused = GraphEncoder.from_pretrained(None, budgets=[64, 256], device="cuda")
+    plain = GraphEncoder.from_pretrained(None, budgets=[64, 256], device="cuda", fused_ops=False)
+    assert fused.stats().disabled_budgets == [] and plain.stats().disabled_budgets == []
+    generator = torch.Generator().manual_seed(4)
+    items = [image(10, 12, generator), video(2, 8, 8, generator), image(40, 40, generator)]  # the last: eager
+    for got, want in zip(fused.encode(items), plain.encode(items), strict=True):
+        assert torch.isfinite(got.tokens).all()
+        assert relative_error(got.tokens, want.tokens) <= 1e-2
+    modeling = sys.modules[type(fused.adapter.tower).__module__]
+    assert getattr(modeling, ROTARY_FUNCTION).__vitpool_original__ is not None

@@ -1,0 +1,170 @@
+"""Fused work in the Hugging Face towers on a GPU, installed through shared code for every family.
+
+What it replaces, with where it came from (`benchmarks/kernel_breakdown.py`, Qwen3-VL-8B tower on
+an H100):
+
+- rotary position embedding: every family's `apply_rotary_pos_emb_vision(q, k, cos, sin)` casts
+  q and k to fp32, multiplies, rotates halves with a `cat`, adds and casts back: about 16 kernels
+  and several fp32 copies of [rows, heads, head_dim] per layer, most of the 310 elementwise and
+  196 copy kernels of a 196-row forward. Here one Triton kernel per tensor computes the same
+  fp32 math from the bf16 input and writes bf16.
+- patch embedding: a Conv3d / Conv2d whose kernel equals its stride, applied to one patch per row
+  (every family's patch embedding), runs as an implicit fp32-accumulating convolution (0.26 ms
+  at 196 rows); it is the same product as a Linear over the flattened patch, a small GEMM.
+
+Both take effect only inside `use_fused_ops(True)` (the encoder sets it around its forwards) and
+only on CUDA tensors in half precision; anything else runs Hugging Face's own code, so a reference
+tower in the same process is untouched and the CPU path stays the exact reference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import importlib.util
+import logging
+import sys
+import types
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+ROTARY_FUNCTION = "apply_rotary_pos_emb_vision"
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+_FUSED: contextvars.ContextVar[bool] = contextvars.ContextVar("vitpool_fused_ops", default=False)
+
+
+@contextlib.contextmanager
+def use_fused_ops(enabled: bool) -> Iterator[None]:
+    """Let the installed fused kernels run (on CUDA, half precision) while the block runs."""
+    token = _FUSED.set(enabled)
+    try:
+        yield
+    finally:
+        _FUSED.reset(token)
+
+
+def install_fused_ops(tower: torch.nn.Module) -> None:
+    """Route `tower`'s rotary embedding and patch convolutions through the fused versions (in
+    effect only under `use_fused_ops(True)`). Installing again is harmless."""
+    for module in tower.modules():
+        modeling = sys.modules.get(type(module).__module__)
+        if modeling is not None and callable(getattr(modeling, ROTARY_FUNCTION, None)):
+            _patch_rotary(modeling)
+        if isinstance(module, (torch.nn.Conv2d, torch.nn.Conv3d)) and _is_patch_conv(module):
+            module.forward = types.MethodType(_patch_conv_forward, module)
+
+
+# ---- rotary -----------------------------------------------------------------------------------
+
+
+def _patch_rotary(modeling: types.ModuleType) -> None:
+    original = getattr(modeling, ROTARY_FUNCTION)
+    if getattr(original, "__vitpool_original__", None) is not None:
+        return
+
+    @functools.wraps(original)
+    def apply_rotary_pos_emb_vision(q, k, cos, sin):
+        if _FUSED.get() and _rotary_fits(q, k, cos, sin):
+            return fused_rotary(q, cos, sin), fused_rotary(k, cos, sin)
+        return original(q, k, cos, sin)
+
+    apply_rotary_pos_emb_vision.__vitpool_original__ = original
+    setattr(modeling, ROTARY_FUNCTION, apply_rotary_pos_emb_vision)
+
+
+def _rotary_fits(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """The shapes every family passes: q, k [rows, heads, head_dim] in half precision with unit
+    stride in head_dim; cos, sin [rows, head_dim] fp32 with unit stride."""
+    if not (q.is_cuda and q.dtype in _HALF_DTYPES and k.dtype == q.dtype and triton_available()):
+        return False
+    if q.dim() != 3 or k.shape != q.shape or cos.dim() != 2 or sin.shape != cos.shape:
+        return False
+    rows, _, head_dim = q.shape
+    return (
+        cos.shape == (rows, head_dim) and head_dim % 2 == 0 and cos.dtype == sin.dtype == torch.float32
+        and q.stride(-1) == 1 and k.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride(-1) == 1
+        and cos.stride(0) == sin.stride(0)
+    )
+
+
+@functools.cache
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None and torch.cuda.is_available()
+
+
+def fused_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin in fp32, cast back to x's dtype: [rows, heads, head_dim]."""
+    rows, heads, head_dim = x.shape
+    out = torch.empty((rows, heads, head_dim), device=x.device, dtype=x.dtype)
+    if rows:
+        half = head_dim // 2
+        _rotary_kernel()[(rows,)](
+            x, cos, sin, out, heads, x.stride(0), x.stride(1), cos.stride(0),
+            HALF=half, BLOCK_HEADS=_next_power_of_two(heads), BLOCK_HALF=_next_power_of_two(half),
+        )
+    return out
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@functools.cache
+def _rotary_kernel() -> Callable:
+    """The Triton kernel, defined on first use (triton is imported only where it runs)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def rotary(x_ptr, cos_ptr, sin_ptr, out_ptr, num_heads, x_row_stride, x_head_stride, cos_row_stride,
+               HALF: tl.constexpr, BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr):
+        row = tl.program_id(0)
+        heads = tl.arange(0, BLOCK_HEADS)[:, None]
+        cols = tl.arange(0, BLOCK_HALF)[None, :]
+        col_ok = cols < HALF
+        mask = (heads < num_heads) & col_ok
+        x = x_ptr + row * x_row_stride + heads * x_head_stride + cols
+        x1 = tl.load(x, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x + HALF, mask=mask, other=0.0).to(tl.float32)
+        c = cos_ptr + row * cos_row_stride + cols
+        s = sin_ptr + row * cos_row_stride + cols
+        cos1 = tl.load(c, mask=col_ok, other=0.0)
+        cos2 = tl.load(c + HALF, mask=col_ok, other=0.0)
+        sin1 = tl.load(s, mask=col_ok, other=0.0)
+        sin2 = tl.load(s + HALF, mask=col_ok, other=0.0)
+        # rotate_half(x) = cat(-x2, x1), as Hugging Face computes it, in fp32
+        first = x1 * cos1 + (-x2) * sin1
+        second = x2 * cos2 + x1 * sin2
+        out = out_ptr + row * (num_heads * 2 * HALF) + heads * (2 * HALF) + cols
+        tl.store(out, first.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out + HALF, second.to(out_ptr.dtype.element_ty), mask=mask)
+
+    return rotary
+
+
+# ---- patch embedding ----------------------------------------------------------------------------
+
+
+def _is_patch_conv(conv: torch.nn.Conv2d | torch.nn.Conv3d) -> bool:
+    """A convolution that cuts non-overlapping patches: kernel == stride, no padding or groups."""
+    return (
+        tuple(conv.kernel_size) == tuple(conv.stride) and all(p == 0 for p in _padding(conv))
+        and all(d == 1 for d in conv.dilation) and conv.groups == 1
+    )
+
+
+def _padding(conv: torch.nn.Conv2d | torch.nn.Conv3d) -> tuple[int, ...]:
+    return (0,) * len(conv.kernel_size) if conv.padding == "valid" else tuple(conv.padding)
+
+
+def _patch_conv_forward(self: torch.nn.Conv2d | torch.nn.Conv3d, x: torch.Tensor) -> torch.Tensor:
+    """One patch per input (spatial size == kernel): a Linear over the flattened patch."""
+    if _FUSED.get() and x.is_cuda and x.dtype in _HALF_DTYPES and tuple(x.shape[2:]) == tuple(self.kernel_size):
+        out = F.linear(x.reshape(x.shape[0], -1), self.weight.reshape(self.out_channels, -1), self.bias)
+        return out.reshape(x.shape[0], self.out_channels, *([1] * len(self.kernel_size)))
+    return type(self).forward(self, x)
