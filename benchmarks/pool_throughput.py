@@ -160,6 +160,9 @@ def main() -> None:
     parser.add_argument("--calls-per-caller", type=int, default=24, help="distinct prepared calls per caller")
     parser.add_argument("--spin", type=float, default=None, help="the pool's channel_spin_s (default: the pool's)")
     parser.add_argument("--max-tokens-per-run", type=int, default=None, help="the pool's max_tokens_per_run")
+    parser.add_argument("--attention", default="auto", help="the pool's attention kernel: auto, fa2, fa4")
+    parser.add_argument("--fused-ops", default="on", choices=("on", "off"), help="fused rotary and patch GEMM")
+    parser.add_argument("--budgets", default=None, help="comma-separated token budgets (default: the device's)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -169,6 +172,10 @@ def main() -> None:
     directory = save_random_tower(tempfile.mkdtemp(prefix="vitpool-bench-"))
     settings = {} if args.spin is None else {"channel_spin_s": args.spin}
     settings["max_tokens_per_run"] = args.max_tokens_per_run
+    settings["attention"] = args.attention
+    settings["fused_ops"] = args.fused_ops == "on"
+    if args.budgets:
+        settings["budgets"] = tuple(int(b) for b in args.budgets.split(","))
     pool = EncoderPool.launch(model=str(directory), num_actors=sizes[0], name=POOL_NAME, dtype="bfloat16", **settings)
     callers = [Caller.remote(seed, args.calls_per_caller) for seed in range(args.callers)]
     items_per_call = statistics.mean(ray.get([c.mean_items_per_call.remote() for c in callers]))
@@ -178,6 +185,7 @@ def main() -> None:
         "gpu": gpu, "gpus": torch.cuda.device_count(), "ray": ray.__version__, "callers": args.callers,
         "threads_per_caller": args.threads, "seconds": args.seconds, "channel_spin_s": args.spin,
         "max_tokens_per_run": args.max_tokens_per_run, "items_per_call": items_per_call, "sizes": {},
+        "attention": args.attention, "fused_ops": args.fused_ops, "budgets": args.budgets,
     }
     # The floor for any p99 / p50 under load: the mix's own spread, with every call alone in the pool.
     unloaded = [x for seconds in alone for x in seconds]
