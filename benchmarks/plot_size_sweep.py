@@ -1,0 +1,55 @@
+"""Latency against image side (one image per side) from `size_sweep.py`'s JSON: Hugging Face eager,
+HF under torch.compile(mode="reduce-overhead"), and vitpool before and after issue 14; written as a
+PNG beside benchmarks/RESULTS.md. Needs matplotlib (`pip install -e ".[bench]"`), a benchmark-only
+dependency.
+
+    python benchmarks/plot_size_sweep.py [--before results/size_sweep_before.json] [--after ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+HERE = Path(__file__).parent
+
+
+def load(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--before", type=Path, default=HERE / "results" / "size_sweep_before.json")
+    parser.add_argument("--after", type=Path, default=HERE / "results" / "size_sweep_after.json")
+    parser.add_argument("--compiled", type=Path, default=HERE / "results" / "size_sweep_compiled_after.json")
+    parser.add_argument("--out", type=Path, default=HERE / "size_sweep.png")
+    args = parser.parse_args()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    before, after, compiled = load(args.before), load(args.after), load(args.compiled)
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+
+    def plot(rows: list[dict], key: str, label: str, style: str) -> None:
+        axis.plot([r["side"] for r in rows], [r[key]["median_ms"] for r in rows], style, label=label)
+
+    plot(after["rows"], "hf_eager", "Hugging Face eager (sdpa)", "o-")
+    plot(compiled["rows"], "hf_compiled", 'HF torch.compile("reduce-overhead")', "D")
+    plot(before["rows"], "graph", "vitpool before (graphs to 4096 tokens, FA2)", "s--")
+    plot(after["rows"], "graph", "vitpool after (fused ops, FA4, eager above 1024 tokens)", "^-")
+    axis.set_xlabel("image side (pixels), one image")
+    axis.set_ylabel("latency, median ms")
+    axis.set_title(f"Qwen3-VL-8B vision tower, {after['gpu']}, bf16")
+    axis.grid(True, alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(args.out, dpi=120)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
