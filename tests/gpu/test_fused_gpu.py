@@ -35,13 +35,34 @@ def test_the_rotary_kernel_matches_hugging_face(rows, heads, head_dim):
     assert relative_error(got_k, want_k) <= 1e-3 and relative_error(got_q, want_q) <= 1e-3
 
 
-def test_the_patch_embedding_as_a_gemm_matches_the_convolution():
+def test_the_patch_embedding_as_a_gemm_matches_the_convolution(monkeypatch):
+    from vitpool.models import fused
+
+    linears = []
+    monkeypatch.setattr(fused.F, "linear", lambda *args: linears.append(1) or torch.nn.functional.linear(*args))
     encoder = GraphEncoder.from_pretrained(None, budgets=[16], device="cuda")
     conv = next(m for m in encoder.adapter.tower.modules() if isinstance(m, torch.nn.Conv3d))
     x = torch.randn(300, conv.in_channels, *conv.kernel_size, device="cuda", dtype=torch.bfloat16)
     with use_fused_ops(True):
         got = conv(x)
+    assert linears  # the GEMM path ran
     assert relative_error(got, torch.nn.Conv3d.forward(conv, x)) <= 1e-2
+
+
+def test_every_family_runs_the_fused_rotary(monkeypatch, tmp_path):
+    """Each family's tower reaches the Triton kernel (Kimi-K2.5's 4-D q and k included)."""
+    from family_tiny import FAMILY_CASES, mixed_items, save_tiny_tower
+
+    from vitpool.models import fused
+
+    calls = []
+    original = fused.fused_rotary
+    monkeypatch.setattr(fused, "fused_rotary", lambda *args: calls.append(1) or original(*args))
+    for family in sorted(FAMILY_CASES):
+        calls.clear()
+        encoder = GraphEncoder.from_pretrained(save_tiny_tower(family, tmp_path / family), budgets=[64], device="cuda")
+        assert calls, family  # captured with the fused kernel
+        assert all(torch.isfinite(e.tokens).all() for e in encoder.encode(mixed_items(family, seed=3)))
 
 
 def test_fused_and_unfused_encoders_agree():

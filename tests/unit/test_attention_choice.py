@@ -26,6 +26,7 @@ def fa4(monkeypatch):
     "choice, available, rows, sequences, expected",
     [
         ("auto", True, 4096, 4, "fa4"),  # few sequences: long ones
+        ("auto", True, 1152, 4, "fa2"),  # few, but at most 288 rows each on average
         ("auto", True, 4096, 32, "fa2"),  # many short sequences
         ("auto", True, 65536, 32, "fa4"),  # many, but long on average
         ("auto", False, 4096, 4, "fa2"),  # not installed: the fallback
@@ -33,7 +34,7 @@ def fa4(monkeypatch):
         ("fa4", False, 256, 64, "fa4"),  # forced (the encoder refuses it where it cannot run)
     ],
 )
-def test_a_graph_takes_fa4_for_few_or_long_sequences(fa4, choice, available, rows, sequences, expected):
+def test_a_graph_takes_fa4_where_its_sequences_may_be_long(fa4, choice, available, rows, sequences, expected):
     fa4(available)
     assert graph_backend(choice, CUDA, rows, sequences) == expected
 

@@ -40,3 +40,13 @@ def test_a_strided_or_padded_convolution_is_not_a_patch_convolution():
     assert not _is_patch_conv(torch.nn.Conv2d(3, 8, kernel_size=3, stride=1))
     assert not _is_patch_conv(torch.nn.Conv2d(3, 8, kernel_size=2, stride=2, padding=1))
     assert _is_patch_conv(torch.nn.Conv2d(3, 8, kernel_size=14, stride=14))
+
+
+def test_a_tower_with_fused_ops_installed_still_pickles(tmp_path):
+    encoder = GraphEncoder.from_pretrained(None, budgets=[16], device="cpu")
+    path = tmp_path / "tower.pt"
+    torch.save(encoder.adapter.tower, path)
+    loaded = torch.load(path, weights_only=False)
+    conv = next(m for m in loaded.modules() if isinstance(m, torch.nn.Conv3d))
+    x = torch.randn(2, conv.in_channels, *conv.kernel_size)
+    assert torch.equal(conv(x), torch.nn.Conv3d.forward(conv, x))

@@ -14,6 +14,7 @@ The encoder never looks inside an item: its adapter does (`vitpool.models.Vision
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import logging
@@ -104,9 +105,11 @@ class GraphEncoder:
         fused_ops: bool = True,
     ) -> None:
         self.device = resolve_device(device)
-        self.attention = _check_attention(attention, self.device)
+        if not isinstance(fused_ops, bool):
+            raise ConfigError(f"fused_ops must be True or False; got {fused_ops!r}")
         self.fused_ops = fused_ops
         self.dtype = resolve_dtype(dtype, self.device)
+        self.attention = _check_attention(attention, self.device, self.dtype)
         self.adapter = adapter
         _place_tower(adapter.tower, self.device, self.dtype)
         token_budgets = default_token_budgets(self.device) if budgets is None else budgets
@@ -387,10 +390,11 @@ class GraphEncoder:
         finite = finite_rows(pixels)
         _zero_nonfinite(pixels)
         if self.attention != "auto":
-            with use_attention(self.attention), use_fused_ops(self.fused_ops):
+            with _on_device(self.device), use_attention(self.attention), use_fused_ops(self.fused_ops):
                 return self.adapter.forward(pixels, metadata), finite
         # not captured: the attention hook picks its kernel from the batch's boundaries on the host
-        with host_boundaries(on_host, metadata), use_attention(None), use_fused_ops(self.fused_ops):
+        with _on_device(self.device), host_boundaries(on_host, metadata), use_attention(None), \
+                use_fused_ops(self.fused_ops):
             return self.adapter.forward(pixels, metadata), finite
 
     def _fill(self, budget: Budget, specs: list, pixel_list: list[torch.Tensor]) -> torch.Tensor:
@@ -417,7 +421,7 @@ class GraphEncoder:
         rows = self._rows(budget)
         pixels, metadata = self._buffers.input_views(rows, budget)
         backend = graph_backend(self.attention, self.device, rows, budget.max_sequences)
-        with use_attention(backend), use_fused_ops(self.fused_ops):
+        with _on_device(self.device), use_attention(backend), use_fused_ops(self.fused_ops):
             return self.adapter.forward(pixels, metadata)
 
     def _rows(self, budget: Budget) -> int:
@@ -432,15 +436,24 @@ class GraphEncoder:
         self._fill(budget, specs, pixels)
 
 
-def _check_attention(attention: str, device: torch.device) -> str:
+def _check_attention(attention: str, device: torch.device, dtype: torch.dtype) -> str:
     if attention not in ATTENTION_CHOICES:
         raise ConfigError(f"attention {attention!r} is not one of {ATTENTION_CHOICES}")
-    if attention == "fa4" and device.type == "cuda" and not fa4_available(device):
-        raise ConfigError(
-            "attention 'fa4' needs the flash-attn-4 package and a GPU of compute capability 9.0 or newer; "
-            "use 'auto' to take it where it can run"
-        )
+    if attention == "fa4" and device.type == "cuda":
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ConfigError(f"attention 'fa4' runs in bfloat16 or float16, not {dtype}")
+        if not fa4_available(device):
+            raise ConfigError(
+                "attention 'fa4' needs the flash-attn-4 package and a GPU of compute capability 9.0 or "
+                "newer; use 'auto' to take it where it can run"
+            )
     return attention
+
+
+def _on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """Make `device` the current CUDA device, so kernels launched by device index (Triton, FA4)
+    run where the tensors are."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _renumbered(outcome: Embedding | InvalidItemError, index: int) -> Embedding | InvalidItemError:

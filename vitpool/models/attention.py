@@ -12,8 +12,8 @@ precision it runs one of these kernels (all free of host synchronisation, so all
 - "dense": SDPA on one dense sequence, cuDNN first (1.5x FA2 at 3136 rows), for a batch known
   on the host to be one sequence over all its rows; with a padding mask it loses that gain.
 
-The encoder picks per graph (`use_attention` around capture: FA4 for graphs of a few long
-sequences) and, for an eager run at the items' own size, lets the hook pick from the batch's
+The encoder picks per graph (`use_attention` around capture: FA4 for graphs whose sequences
+may be long) and, for an eager run at the items' own size, lets the hook pick from the batch's
 boundaries, which it declares on the host with `host_boundaries`
 (`benchmarks/attention_backends.py` has the measurements).
 """
@@ -39,9 +39,11 @@ logger = logging.getLogger(__name__)
 ATTENTION_NAME = "vitpool_flash_varlen"
 # What a GraphEncoder's `attention` setting takes: "auto" picks per batch; the others force one.
 ATTENTION_CHOICES = ("auto", "fa2", "fa4")
-# FA4 beats FA2 from sequences of about this many rows on an H100 (and loses at 256).
+# FA4 beats FA2 on sequences of 3136 rows and more on an H100 and loses at 256: an eager batch takes
+# it from this mean sequence length, a graph from this many rows per sequence it may hold
+# (a few-sequence variant from 544 tokens: 2176 rows in at most 4 sequences).
 FA4_MIN_ROWS_PER_SEQUENCE = 1024
-FA4_MAX_SEQUENCES = 4  # a graph for this few sequences holds long ones: FA4 there
+FA4_MIN_ROWS_PER_GRAPH_SEQUENCE = 512
 
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 # The kernel the batch running now must use ("fa2", "fa4", "dense"); None: the hook decides
@@ -79,9 +81,8 @@ def graph_backend(choice: str, device: torch.device, num_rows: int, max_sequence
     """The kernel a graph of `num_rows` rows and at most `max_sequences` sequences is captured with."""
     if choice == "fa4":
         return "fa4"
-    if choice == "auto" and fa4_available(device):
-        if max_sequences <= FA4_MAX_SEQUENCES or num_rows >= FA4_MIN_ROWS_PER_SEQUENCE * max_sequences:
-            return "fa4"
+    if choice == "auto" and fa4_available(device) and num_rows >= FA4_MIN_ROWS_PER_GRAPH_SEQUENCE * max_sequences:
+        return "fa4"
     return "fa2"
 
 

@@ -56,7 +56,8 @@ def install_fused_ops(tower: torch.nn.Module) -> None:
         if modeling is not None and callable(getattr(modeling, ROTARY_FUNCTION, None)):
             _patch_rotary(modeling)
         if isinstance(module, (torch.nn.Conv2d, torch.nn.Conv3d)) and _is_patch_conv(module):
-            module.forward = types.MethodType(_patch_conv_forward, module)
+            # a partial of a module-level function (not a bound method): the tower still pickles
+            module.forward = functools.partial(_patch_conv_forward, module)
 
 
 # ---- rotary -----------------------------------------------------------------------------------
@@ -69,8 +70,15 @@ def _patch_rotary(modeling: types.ModuleType) -> None:
 
     @functools.wraps(original)
     def apply_rotary_pos_emb_vision(q, k, cos, sin):
-        if _FUSED.get() and _rotary_fits(q, k, cos, sin):
-            return fused_rotary(q, cos, sin), fused_rotary(k, cos, sin)
+        if _FUSED.get():
+            # Kimi-K2.5 passes [1, rows, heads, head_dim] (and may pass cos as [1, rows, head_dim])
+            batched = q.dim() == 4 and q.shape[0] == 1 and k.dim() == 4 and k.shape[0] == 1
+            q3, k3 = (q[0], k[0]) if batched else (q, k)
+            cos2 = cos[0] if cos.dim() == 3 and cos.shape[0] == 1 else cos
+            sin2 = sin[0] if sin.dim() == 3 and sin.shape[0] == 1 else sin
+            if _rotary_fits(q3, k3, cos2, sin2):
+                q_out, k_out = fused_rotary(q3, cos2, sin2), fused_rotary(k3, cos2, sin2)
+                return (q_out[None], k_out[None]) if batched else (q_out, k_out)
         return original(q, k, cos, sin)
 
     apply_rotary_pos_emb_vision.__vitpool_original__ = original
@@ -82,6 +90,8 @@ def _rotary_fits(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     stride in head_dim; cos, sin [rows, head_dim] fp32 with unit stride."""
     if not (q.is_cuda and q.dtype in _HALF_DTYPES and k.dtype == q.dtype and triton_available()):
         return False
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+        return False  # the kernel has no backward
     if q.dim() != 3 or k.shape != q.shape or cos.dim() != 2 or sin.shape != cos.shape:
         return False
     rows, _, head_dim = q.shape
@@ -123,7 +133,7 @@ def _rotary_kernel() -> Callable:
     @triton.jit
     def rotary(x_ptr, cos_ptr, sin_ptr, out_ptr, num_heads, x_row_stride, x_head_stride, cos_row_stride,
                HALF: tl.constexpr, BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr):
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)  # row * stride overflows int32 past ~600k rows
         heads = tl.arange(0, BLOCK_HEADS)[:, None]
         cols = tl.arange(0, BLOCK_HALF)[None, :]
         col_ok = cols < HALF

@@ -67,8 +67,6 @@ class PoolSettings:
     max_items_per_batch: int | None = None
     max_frames_per_batch: int | None = None
     capacity_limits: Any = None  # {capacity name: limit}; kept as sorted (name, limit) pairs
-    attention: str = "auto"
-    fused_ops: bool = True
     dtype: str | None = None
     device: str | None = None
     max_batches_in_flight_per_actor: int = 2
@@ -86,6 +84,8 @@ class PoolSettings:
     channel_spin_s: float = 0.002
     rank_transport: str | None = None
     same_node_channel: bool = True
+    attention: str = "auto"
+    fused_ops: bool = True
 
     def __post_init__(self) -> None:
         if self.model is not None:
@@ -104,6 +104,8 @@ class PoolSettings:
             object.__setattr__(self, "dtype", name)
         if self.attention not in _ATTENTION_CHOICES:
             raise ConfigError(f"attention {self.attention!r}: use one of {_ATTENTION_CHOICES}")
+        if not isinstance(self.fused_ops, bool):
+            raise ConfigError(f"fused_ops must be True or False; got {self.fused_ops!r}")
         if self.device not in (None, "cpu", "cuda"):
             raise ConfigError(f"device {self.device!r}: use None (the actor's GPU if any), 'cuda' or 'cpu'")
         _positive_int("max_batches_in_flight_per_actor", self.max_batches_in_flight_per_actor)
