@@ -90,15 +90,15 @@ def test_oversized_item_runs_eager(gpu_encoder, gpu_reference):
 
 
 def test_an_eager_batch_picks_its_attention_from_its_boundaries(monkeypatch, gpu_encoder, gpu_reference):
-    """An image too large for every budget runs eager at its own rows: one sequence, known on the
-    host, so the hook runs FA4 (when installed) or dense cuDNN SDPA; a video's short per-frame
-    sequences stay on FA2; a replayed graph never asks."""
+    """An image too large for every budget runs eager at its own rows: one long sequence, known on
+    the host, so the hook runs FA4 where it is installed (FA2 otherwise); a video's short
+    per-frame sequences stay on FA2; a replayed graph never asks."""
     from vitpool.models import attention
 
     decisions = []
     original = attention.eager_backend
     monkeypatch.setattr(attention, "eager_backend", lambda *args: decisions.append(original(*args)) or decisions[-1])
-    long_image = "fa4" if attention.fa4_available(gpu_encoder.device) else "dense"
+    long_image = "fa4" if attention.fa4_available(gpu_encoder.device) else "fa2"
     items = [image(40, 40, torch.Generator().manual_seed(5))]  # 1600 rows, 400 tokens > 256
     assert_close_to_reference(gpu_reference, items, gpu_encoder.encode(items))
     assert decisions and set(decisions) == {long_image}

@@ -76,10 +76,10 @@ class GraphEncoder:
             item rules' `capacities`, e.g. windows); None: the family's defaults.
         attention: the attention kernel on a GPU (`vitpool.models.attention`). "auto" (default):
             FlashAttention-4 where the optional `flash-attn-4` package is installed and the GPU
-            is Hopper or newer, for graphs of a few long sequences and eager batches of long
-            ones; dense cuDNN SDPA for an eager batch of one sequence; FlashAttention-2 for the
-            rest. "fa2": FlashAttention-2 always (debugging, GPUs where the others do not help).
-            "fa4": FlashAttention-4 always (ConfigError where it cannot run).
+            is Hopper or newer, for graphs and eager batches whose sequences are long;
+            FlashAttention-2 (`varlen_attn`) for the rest. "fa2": FlashAttention-2 always
+            (debugging, GPUs where FA4 does not help). "fa4": FlashAttention-4 always
+            (ConfigError where it cannot run).
         fused_ops: on a GPU, run every family's rotary embedding as one Triton kernel per tensor
             and its patch embedding as a GEMM (`vitpool.models.fused`). False: Hugging Face's own
             code (debugging).

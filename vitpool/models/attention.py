@@ -9,8 +9,11 @@ precision it runs one of these kernels (all free of host synchronisation, so all
 - "fa4": FlashAttention-4 (the optional `flash-attn-4` package, CuTe DSL; Hopper and newer). At
   the towers' head size 72 on an H100 it is 1.9x FA2 on long sequences (3136 rows: 141 vs 268
   µs; 4 x 4096: 732 vs 1337) but slower on many short ones (64 x 256: 162 vs 131 µs);
-- "dense": SDPA on one dense sequence, cuDNN first (1.5x FA2 at 3136 rows), for a batch known
-  on the host to be one sequence over all its rows; with a padding mask it loses that gain.
+
+SDPA's cuDNN backend on one dense sequence is 1.5x FA2 too, but not used: with a padding mask it
+loses that gain, its packed path cannot be captured, and eagerly it builds a plan for every new
+sequence length (60-100 ms on the first call at each new image size on an H100,
+`benchmarks/new_sizes.py`), which traffic of varied sizes would pay again and again.
 
 The encoder picks per graph (`use_attention` around capture: FA4 for graphs whose sequences
 may be long) and, for an eager run at the items' own size, lets the hook pick from the batch's
@@ -29,7 +32,6 @@ from collections.abc import Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 
 from vitpool.models.fused import install_fused_ops
@@ -46,13 +48,12 @@ FA4_MIN_ROWS_PER_SEQUENCE = 1024
 FA4_MIN_ROWS_PER_GRAPH_SEQUENCE = 512
 
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
-# The kernel the batch running now must use ("fa2", "fa4", "dense"); None: the hook decides
+# The kernel the batch running now must use ("fa2", "fa4"); None: the hook decides
 _BACKEND: contextvars.ContextVar[str | None] = contextvars.ContextVar("vitpool_attention", default=None)
 # id(device tensor) -> its values, for the 1-D int32 metadata of the batch running now (eager only)
 _KNOWN_BOUNDARIES: contextvars.ContextVar[dict[int, tuple[int, ...]] | None] = contextvars.ContextVar(
     "vitpool_known_boundaries", default=None
 )
-_DENSE_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
 
 
 @functools.lru_cache(maxsize=8)
@@ -93,12 +94,12 @@ def eager_backend(boundaries: tuple[int, ...], num_rows: int, fa4: bool) -> str:
         return "fa2"
     if fa4 and sum(lengths) >= FA4_MIN_ROWS_PER_SEQUENCE * len(lengths):
         return "fa4"
-    return "dense" if len(lengths) == 1 else "fa2"
+    return "fa2"
 
 
 @contextlib.contextmanager
 def use_attention(backend: str | None) -> Iterator[None]:
-    """Run the towers' attention with `backend` ("fa2", "fa4", "dense"; None: the hook decides)."""
+    """Run the towers' attention with `backend` ("fa2", "fa4"; None: the hook decides)."""
     token = _BACKEND.set(backend)
     try:
         yield
@@ -154,10 +155,6 @@ def packed_attention(
     if not (query.is_cuda and query.dtype in _FLASH_DTYPES):
         return _block_diagonal_sdpa(query, key, value, cu_seq_lens_q, scaling).transpose(1, 2), None
     backend = _backend_for(query, cu_seq_lens_q, cu_seq_lens_k)
-    if backend == "dense":
-        with sdpa_kernel(_DENSE_BACKENDS, set_priority=True):
-            out = F.scaled_dot_product_attention(query, key, value, scale=scaling)
-        return out.transpose(1, 2), None
     # the packed kernels take [rows, heads, head_dim]
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
     if backend == "fa4":
