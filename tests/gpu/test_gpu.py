@@ -99,7 +99,8 @@ def test_an_eager_batch_picks_its_attention_from_its_boundaries(monkeypatch, gpu
     original = attention.eager_backend
     monkeypatch.setattr(attention, "eager_backend", lambda *args: decisions.append(original(*args)) or decisions[-1])
     long_image = "fa4" if attention.fa4_available(gpu_encoder.device) else "fa2"
-    items = [image(40, 40, torch.Generator().manual_seed(5))]  # 1600 rows, 400 tokens > 256
+    items = [image(96, 96, torch.Generator().manual_seed(5))]  # 9216 rows: one long sequence, eager
+    assert 96 * 96 >= attention.FA4_MIN_ROWS_PER_SEQUENCE
     assert_close_to_reference(gpu_reference, items, gpu_encoder.encode(items))
     assert decisions and set(decisions) == {long_image}
     decisions.clear()

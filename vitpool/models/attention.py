@@ -41,11 +41,14 @@ logger = logging.getLogger(__name__)
 ATTENTION_NAME = "vitpool_flash_varlen"
 # What a GraphEncoder's `attention` setting takes: "auto" picks per batch; the others force one.
 ATTENTION_CHOICES = ("auto", "fa2", "fa4")
-# FA4 beats FA2 on sequences of 3136 rows and more on an H100 and loses at 256: an eager batch takes
-# it from this mean sequence length, a graph from this many rows per sequence it may hold
-# (a few-sequence variant from 544 tokens: 2176 rows in at most 4 sequences).
-FA4_MIN_ROWS_PER_SEQUENCE = 1024
+# FA4 beats FA2 on sequences of 3136 rows and more on an H100 and loses at 256. A graph takes it
+# from this many rows per sequence it may hold (a few-sequence variant from 544 tokens: 2176 rows
+# in at most 4 sequences). An eager batch pays FA4's host-side set-up again at each new size
+# (20-35 ms on the first call, `benchmarks/new_sizes.py`), which only long sequences earn back:
+# one 1536² image (9216 rows) took 58 ms on its first call against FA2's 74, one 1088² image
+# (4624 rows) 62 against 30.
 FA4_MIN_ROWS_PER_GRAPH_SEQUENCE = 512
+FA4_MIN_ROWS_PER_SEQUENCE = 8192
 
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 # The kernel the batch running now must use ("fa2", "fa4"); None: the hook decides
@@ -160,9 +163,13 @@ def packed_attention(
     if backend == "fa4":
         from flash_attn.cute import flash_attn_varlen_func
 
+        # FA4 picks (and compiles) a kernel configuration from max_seqlen: a captured graph has a
+        # fixed one, but eager batches come in every size, so their bound is rounded up to a power
+        # of two (an upper bound is all varlen needs), keeping the configurations few.
+        max_q, max_k = (max_length_q, max_length_k) if _BACKEND.get() else (_bucket(max_length_q), _bucket(max_length_k))
         out = flash_attn_varlen_func(
             q, k, v, cu_seqlens_q=cu_seq_lens_q, cu_seqlens_k=cu_seq_lens_k,
-            max_seqlen_q=max_length_q, max_seqlen_k=max_length_k, softmax_scale=scaling,
+            max_seqlen_q=max_q, max_seqlen_k=max_k, softmax_scale=scaling,
         )
         out = out[0] if isinstance(out, tuple) else out
     else:
@@ -170,6 +177,10 @@ def packed_attention(
 
         out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, scale=scaling)
     return out.unsqueeze(0), None
+
+
+def _bucket(length: int) -> int:
+    return 1 << max(0, (int(length) - 1).bit_length())
 
 
 def _block_diagonal_sdpa(
