@@ -27,12 +27,12 @@ from vitpool.packing import SEQUENCES, Budget
 
 # First match wins: (class, pattern over the kernel's name)
 CLASSES = [
-    ("attention", re.compile(r"flash|fmha|attn|attention|cudnn.*sdpa|FlashAttn", re.I)),
-    ("convolution", re.compile(r"conv|implicit", re.I)),
-    ("gemm", re.compile(r"gemm|sm90_xmma|cutlass|nvjet|matmul|wgmma", re.I)),
-    ("norm", re.compile(r"layer_norm|layernorm|rms_norm|rmsnorm", re.I)),
-    ("copy / gather", re.compile(r"copy|cat|index|gather|scatter|memcpy|memset|fill", re.I)),
-    ("elementwise", re.compile(r"elementwise|vectorized|unrolled|reduce|triton|pointwise|rotary", re.I)),
+    ("attention", re.compile(r"flash|fmha|attn|attention|cudnn.*sdpa|FlashAttn", re.IGNORECASE)),
+    ("convolution", re.compile(r"conv|implicit", re.IGNORECASE)),
+    ("gemm", re.compile(r"gemm|sm90_xmma|cutlass|nvjet|matmul|wgmma", re.IGNORECASE)),
+    ("norm", re.compile(r"layer_norm|layernorm|rms_norm|rmsnorm", re.IGNORECASE)),
+    ("copy / gather", re.compile(r"copy|cat|index|gather|scatter|memcpy|memset|fill", re.IGNORECASE)),
+    ("elementwise", re.compile(r"elementwise|vectorized|unrolled|reduce|triton|pointwise|rotary", re.IGNORECASE)),
 ]
 
 

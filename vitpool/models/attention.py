@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from vitpool.models.fused import install_fused_ops
+import itertools
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ def graph_backend(choice: str, device: torch.device, num_rows: int, max_sequence
 
 def eager_backend(boundaries: tuple[int, ...], num_rows: int, fa4: bool) -> str:
     """The kernel for a batch run at its own rows whose `cu_seqlens` are `boundaries`."""
-    lengths = [end - start for start, end in zip(boundaries, boundaries[1:]) if end > start]
+    lengths = [end - start for start, end in itertools.pairwise(boundaries) if end > start]
     if not lengths or boundaries[0] != 0 or boundaries[-1] != num_rows:
         return "fa2"
     if fa4 and sum(lengths) >= FA4_MIN_ROWS_PER_SEQUENCE * len(lengths):
