@@ -27,6 +27,7 @@ import contextlib
 import contextvars
 import functools
 import importlib.util
+import itertools
 import logging
 from collections.abc import Iterator, Mapping
 
@@ -35,7 +36,6 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from vitpool.models.fused import install_fused_ops
-import itertools
 
 logger = logging.getLogger(__name__)
 
