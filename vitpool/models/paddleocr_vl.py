@@ -41,7 +41,8 @@ from transformers.vision_utils import get_vision_interpolation_indices_and_weigh
 
 from vitpool.models.attention import install_packed_attention
 from vitpool.models.paddleocr_vl_rules import PaddleOCRVLRules
-from vitpool.models.protocol import TensorSpec
+from vitpool.models.protocol import TensorSpec, zero_metadata
+from vitpool.models.spatial_merge import item_cu_seqlens, item_grids
 from vitpool.packing import Budget
 from vitpool.specs import IMAGE, ItemSpec
 
@@ -177,30 +178,19 @@ class PaddleOCRVLAdapter:
         }
 
     def build_metadata(self, specs: Sequence[ItemSpec], num_rows: int, budget: Budget) -> dict[str, torch.Tensor]:
-        grids = [(spec.layout[0], spec.layout[1], spec.layout[2]) for spec in specs]
-        rows = sum(t * h * w for t, h, w in grids)
-        tokens = sum(spec.num_tokens for spec in specs)
-        if rows > num_rows or tokens > budget.num_tokens or len(specs) > budget.max_items:
-            raise ValueError(
-                f"{len(specs)} items need {rows} rows and {tokens} tokens; the buffers hold {num_rows} rows, "
-                f"{budget.num_tokens} tokens and {budget.max_items} items"
-            )
-        specs_by_name = self.metadata_specs(num_rows, budget)
-        metadata = {name: torch.zeros(spec.shape, dtype=spec.dtype) for name, spec in specs_by_name.items()}
+        grids = item_grids(specs, num_rows, budget)
+        metadata = zero_metadata(self.metadata_specs(num_rows, budget))
         # Padding rows: table row 0 with weight 0, rotary (0, 0), one trailing sequence; padding
         # tokens gather row 0.
-        cu_seqlens = metadata["cu_seqlens"]
-        cu_seqlens.fill_(num_rows)
-        cu_seqlens[0] = 0
+        metadata["cu_seqlens"] = item_cu_seqlens(grids, num_rows, budget.max_items)
         row = token = 0
-        for number, grid in enumerate(grids):
+        for grid in grids:
             indices, weights, positions, merge_index = self._per_grid(grid)
             end, token_end = row + indices.shape[0], token + merge_index.shape[0]
             metadata["interp_indices"][row:end] = indices
             metadata["interp_weights"][row:end] = weights
             metadata["position_ids"][row:end] = positions
             metadata["merge_index"][token:token_end] = merge_index + row
-            cu_seqlens[number + 1] = end
             row, token = end, token_end
         return metadata
 

@@ -21,7 +21,7 @@ fixed tiles (InternVL), learned-position resampling (GLM-4.1V) and clip-level at
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -37,6 +37,11 @@ class TensorSpec:
 
     shape: tuple[int, ...]
     dtype: torch.dtype
+
+
+def zero_metadata(specs: Mapping[str, TensorSpec]) -> dict[str, torch.Tensor]:
+    """CPU tensors of zeros shaped as `specs` (an adapter's `metadata_specs`), to fill in."""
+    return {name: torch.zeros(spec.shape, dtype=spec.dtype) for name, spec in specs.items()}
 
 
 class VisionAdapter(Protocol):

@@ -21,7 +21,7 @@ from functools import lru_cache
 import torch
 from transformers.vision_utils import get_vision_position_ids, get_vision_window_index
 
-from vitpool.models.protocol import TensorSpec
+from vitpool.models.protocol import TensorSpec, zero_metadata
 from vitpool.models.qwen2_5_vl_rules import WINDOWS, WindowedMergeRules, frame_windows
 from vitpool.models.spatial_merge import SpatialMergeAdapter, row_width_of
 from vitpool.packing import Budget
@@ -85,10 +85,7 @@ class Qwen2_5_VLAdapter(SpatialMergeAdapter):
                 f"{len(grids)} items need {needed_rows} rows, {needed_sequences} sequences and {needed_windows} "
                 f"windows; the buffers hold {num_rows}, {budget.max_sequences} and {max_windows}"
             )
-        metadata = {
-            name: torch.zeros(spec.shape, dtype=spec.dtype)
-            for name, spec in self.metadata_specs(num_rows, budget).items()
-        }
+        metadata = zero_metadata(self.metadata_specs(num_rows, budget))
         # Unused cu_seqlens entries repeat the end; padding rows have rotary position (0, 0)
         # and keep their place in window order.
         metadata["cu_seqlens"].fill_(num_rows)

@@ -20,7 +20,7 @@ import torch
 from transformers.vision_utils import get_vision_position_ids
 
 from vitpool.models.item_rules import SpatialMergeRules
-from vitpool.models.protocol import TensorSpec
+from vitpool.models.protocol import TensorSpec, zero_metadata
 from vitpool.models.spatial_merge import Grid, SpatialMergeAdapter, frame_cu_seqlens, grids_of, row_width_of
 from vitpool.packing import Budget
 from vitpool.specs import ItemSpec
@@ -46,10 +46,7 @@ class Qwen2VLAdapter(SpatialMergeAdapter):
 
     def build_metadata(self, specs: Sequence[ItemSpec], num_rows: int, budget: Budget) -> dict[str, torch.Tensor]:
         grids = grids_of(specs, num_rows, budget)
-        metadata = {
-            name: torch.zeros(spec.shape, dtype=spec.dtype)
-            for name, spec in self.metadata_specs(num_rows, budget).items()
-        }
+        metadata = zero_metadata(self.metadata_specs(num_rows, budget))
         # Padding rows get rotary position (0, 0). Unused cu_seqlens entries repeat the end, so
         # the padding rows form one trailing sequence of their own.
         row = 0

@@ -18,7 +18,7 @@ from transformers.vision_utils import (
 )
 
 from vitpool.models.item_rules import SpatialMergeRules
-from vitpool.models.protocol import TensorSpec
+from vitpool.models.protocol import TensorSpec, zero_metadata
 from vitpool.models.spatial_merge import Grid, SpatialMergeAdapter, frame_cu_seqlens, grids_of, row_width_of
 from vitpool.packing import Budget
 from vitpool.specs import ItemSpec
@@ -53,10 +53,7 @@ class Qwen3VLAdapter(SpatialMergeAdapter):
 
     def build_metadata(self, specs: Sequence[ItemSpec], num_rows: int, budget: Budget) -> dict[str, torch.Tensor]:
         grids = grids_of(specs, num_rows, budget)
-        metadata = {
-            name: torch.zeros(spec.shape, dtype=spec.dtype)
-            for name, spec in self.metadata_specs(num_rows, budget).items()
-        }
+        metadata = zero_metadata(self.metadata_specs(num_rows, budget))
         # Padding rows read position-table row 0 with weight 0 and rotary position (0, 0).
         # Unused cu_seqlens entries repeat the end, so the padding rows form one sequence.
         row = 0

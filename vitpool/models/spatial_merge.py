@@ -1,6 +1,7 @@
 """What the adapters of spatial-merge towers share (Qwen2-VL through Qwen3.5, GLM-4.1V): items
 with a (t, h, w) grid of patches, one attention sequence per temporal patch, and padding rows
-that form one trailing sequence of their own."""
+that form one trailing sequence of their own. Towers that attend over a whole item at once
+(Kimi-K2.5, PaddleOCR-VL) share the per-item versions: `item_grids`, `item_cu_seqlens`."""
 
 from __future__ import annotations
 
@@ -70,6 +71,30 @@ def frame_cu_seqlens(grids: Sequence[Grid], num_rows: int, max_sequences: int) -
         boundaries.extend(row + h * w * (frame + 1) for frame in range(t))
         row += t * h * w
     cu_seqlens[1 : len(boundaries) + 1] = torch.tensor(boundaries, dtype=torch.int32)
+    return cu_seqlens
+
+
+def item_grids(specs: Sequence[ItemSpec], num_rows: int, budget: Budget) -> list[Grid]:
+    """The items' (t, h, w) grids; ValueError if their rows, tokens or count overflow the buffers."""
+    grids = [(spec.layout[0], spec.layout[1], spec.layout[2]) for spec in specs]
+    rows = sum(t * h * w for t, h, w in grids)
+    tokens = sum(spec.num_tokens for spec in specs)
+    if rows > num_rows or tokens > budget.num_tokens or len(specs) > budget.max_items:
+        raise ValueError(
+            f"{len(specs)} items need {rows} rows and {tokens} tokens; the buffers hold {num_rows} rows, "
+            f"{budget.num_tokens} tokens and {budget.max_items} items"
+        )
+    return grids
+
+
+def item_cu_seqlens(grids: Sequence[Grid], num_rows: int, max_items: int) -> torch.Tensor:
+    """cu_seqlens [max_items + 2] (int32): one sequence per item (a clip attends across its
+    frames), in order from row 0; the unused entries repeat `num_rows`, so the padding rows form
+    one trailing sequence."""
+    cu_seqlens = torch.full((max_items + 2,), num_rows, dtype=torch.int32)
+    cu_seqlens[0] = 0
+    ends = torch.tensor([t * h * w for t, h, w in grids], dtype=torch.int64).cumsum(0)
+    cu_seqlens[1 : len(grids) + 1] = ends.to(torch.int32)
     return cu_seqlens
 
 
