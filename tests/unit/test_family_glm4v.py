@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import relative_error
 from family_cases.glm4v import (
     BAD_ITEMS,
     ROW_WIDTH,
@@ -27,9 +28,6 @@ from vitpool.models.registry import find_family
 TOLERANCE = 1e-5
 BUDGETS = [16, 32, 64]
 
-
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return float(torch.linalg.vector_norm(actual - expected) / torch.linalg.vector_norm(expected))
 
 
 def image(h: int, w: int, seed: int) -> Image:

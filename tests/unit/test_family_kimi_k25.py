@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import relative_error
 from family_cases.kimi_k25 import BAD_ITEMS, ROW_SHAPE, full_config, randomize, reference_tokens
 from safetensors.torch import load_file, save_file
 
@@ -23,9 +24,6 @@ from vitpool.models.registry import find_family
 TOLERANCE = 1e-5
 BUDGETS = [16, 32, 64]
 
-
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return float(torch.linalg.vector_norm(actual - expected) / torch.linalg.vector_norm(expected))
 
 
 def pixels(rows: int, seed: int) -> torch.Tensor:

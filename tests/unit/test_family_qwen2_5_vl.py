@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import relative_error
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -20,9 +21,6 @@ from vitpool.models.qwen2_5_vl_rules import WINDOWS, frame_windows, max_windows
 TOLERANCE = 1e-5
 BUDGETS = [16, 32, 64]
 
-
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return float(torch.linalg.vector_norm(actual - expected) / torch.linalg.vector_norm(expected))
 
 
 @pytest.fixture(scope="module")

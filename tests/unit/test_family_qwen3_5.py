@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import relative_error
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -19,9 +20,6 @@ from vitpool.models.qwen3_5 import Qwen3_5Adapter
 TOLERANCE = 1e-5
 BUDGETS = [8, 16, 32]
 
-
-def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return float(torch.linalg.vector_norm(actual - expected) / torch.linalg.vector_norm(expected))
 
 
 def full_model(kind: str):
