@@ -5,11 +5,11 @@ tower with SDPA, one item alone, a video's grid flattened per frame as `get_vide
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from family_cases.weights import randomize
 
 from vitpool import GraphEncoder, Image, Video
 from vitpool.specs import VIDEO, ItemSpec
@@ -24,20 +24,6 @@ TINY_TEXT = {
     "hidden_size": 48, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
     "vocab_size": 128, "max_position_embeddings": 512,
 }
-
-
-def randomize(module: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Weights of unit scale (HF's init is tiny): every row, position and norm matters."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in module.named_parameters():
-            values = torch.randn(parameter.shape, generator=generator)
-            if parameter.ndim >= 2 and "position_embedding" not in name:
-                values = values / math.sqrt(parameter[0].numel())
-            elif parameter.ndim == 1:
-                values = (1 + 0.1 * values) if "norm" in name else 0.1 * values
-            parameter.copy_(values)
-    return module
 
 
 def tiny_tower(seed: int = 0, model_type: str = "glm4v_vision") -> torch.nn.Module:

@@ -5,11 +5,11 @@ followed by the model's projector, as `PaddleOCRVLModel.get_image_features` runs
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from family_cases.weights import randomize
 
 from vitpool import GraphEncoder, Image, Video
 from vitpool.specs import ItemSpec
@@ -30,20 +30,6 @@ def full_config() -> Any:
     from transformers import PaddleOCRVLConfig
 
     return PaddleOCRVLConfig(vision_config=dict(TINY_VISION), text_config=dict(TINY_TEXT))
-
-
-def randomize(module: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Weights of unit scale (HF's init is tiny): every row, position and norm matters."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in module.named_parameters():
-            values = torch.randn(parameter.shape, generator=generator)
-            if parameter.ndim >= 2 and "position_embedding" not in name:
-                values = values / math.sqrt(parameter[0].numel())
-            elif parameter.ndim == 1:
-                values = (1 + 0.1 * values) if "norm" in name else 0.1 * values
-            parameter.copy_(values)
-    return module
 
 
 def tiny_encoder_module(seed: int = 0) -> torch.nn.Module:
