@@ -33,12 +33,13 @@ from family_cases import paddleocr_vl as paddleocr_vl_case
 from family_cases import qwen2_5_vl as qwen2_5_vl_case
 from family_cases import qwen2_vl as qwen2_vl_case
 from family_cases import qwen3_5 as qwen3_5_case
+from family_cases.common import item_for
 
-from vitpool import GraphEncoder, Image, InvalidItemError, Video
+from vitpool import GraphEncoder, Image, InvalidItemError
 from vitpool.graphs.inputs import totals
 from vitpool.items import prepare_item
 from vitpool.packing import fits
-from vitpool.specs import VIDEO, BatchPlan, ItemSpec
+from vitpool.specs import BatchPlan, ItemSpec
 
 TOLERANCE = 1e-5
 TESTS_DIRECTORY = Path(__file__).resolve().parents[1]
@@ -78,7 +79,7 @@ def qwen3_vl_reference(encoder: GraphEncoder) -> Callable[[Any], list[torch.Tens
 QWEN3_VL = FamilyCase(
     make_encoder=lambda budgets: GraphEncoder.from_pretrained(None, budgets=budgets, device="cpu", dtype=torch.float32),
     reference=qwen3_vl_reference,
-    item_for=lambda spec, pixels: (Video if spec.modality == VIDEO else Image)(pixels, spec.layout),
+    item_for=item_for,
     bad_items=(
         (Image(torch.randn(16, 1000), (1, 4, 4)), "1000 features per row"),
         (Image(torch.randn(1, 16, ROW_WIDTH), (1, 4, 4)), "must be 2-D"),

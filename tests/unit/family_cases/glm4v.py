@@ -9,10 +9,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from family_cases.weights import randomize
+from family_cases.common import item_for, randomize
 
 from vitpool import GraphEncoder, Image, Video
-from vitpool.specs import VIDEO, ItemSpec
 
 # C * T * P * P = 3 * 2 * 2 * 2; an 8x8 learned position table (image_size / patch_size)
 TINY_VISION = {
@@ -59,10 +58,6 @@ def make_encoder(budgets: list[int]) -> GraphEncoder:
     from vitpool.models.glm4v import Glm4vAdapter
 
     return GraphEncoder(Glm4vAdapter(tiny_tower()), budgets=budgets, device="cpu", dtype=torch.float32)
-
-
-def item_for(spec: ItemSpec, pixels: torch.Tensor) -> Any:
-    return (Video if spec.modality == VIDEO else Image)(pixels, spec.layout)
 
 
 BAD_ITEMS = (

@@ -11,10 +11,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from family_cases.weights import randomize
+from family_cases.common import item_for, randomize
 
 from vitpool import GraphEncoder, Image, Video
-from vitpool.specs import VIDEO, ItemSpec
 
 PATCH = 2
 TINY_VISION = {
@@ -63,10 +62,6 @@ def make_encoder(budgets: list[int], row_factor: int = 2) -> GraphEncoder:
 
     adapter = KimiK25Adapter(tiny_encoder_module(), row_factor=row_factor)
     return GraphEncoder(adapter, budgets=budgets, device="cpu", dtype=torch.float32)
-
-
-def item_for(spec: ItemSpec, pixels: torch.Tensor) -> Any:
-    return (Video if spec.modality == VIDEO else Image)(pixels, spec.layout)
 
 
 BAD_ITEMS = (

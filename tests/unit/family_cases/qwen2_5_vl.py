@@ -5,14 +5,12 @@ the reference."""
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Callable
 from typing import Any
 
 import torch
+from family_cases.common import item_for, tower_reference
 
 from vitpool import GraphEncoder, Image, Video
-from vitpool.specs import VIDEO, ItemSpec
 
 # 14-pixel patches, two frames per temporal patch, three channels
 ROW_WIDTH = 3 * 2 * 14 * 14
@@ -45,24 +43,6 @@ def tiny_encoder(budgets: list[int], seed: int = 0, **kwargs: Any) -> GraphEncod
 
     adapter = Qwen2_5_VLAdapter(tiny_tower(seed).requires_grad_(False))
     return GraphEncoder(adapter, budgets=budgets, device="cpu", dtype=torch.float32, **kwargs)
-
-
-def tower_reference(encoder: GraphEncoder) -> Callable[[Any], list[torch.Tensor]]:
-    """Hugging Face's forward of the encoder's tower, SDPA, on one item alone."""
-    tower = copy.deepcopy(encoder.adapter.tower)
-    tower.config._attn_implementation = "sdpa"
-
-    def outputs(item: Any) -> list[torch.Tensor]:
-        with torch.no_grad():
-            pixels = torch.as_tensor(item.pixel_values).to(torch.float32)
-            output = tower(pixels, grid_thw=torch.tensor([item.grid_thw]))
-        return [output.pooler_output]
-
-    return outputs
-
-
-def item_for(spec: ItemSpec, pixels: torch.Tensor) -> Any:
-    return (Video if spec.modality == VIDEO else Image)(pixels, spec.layout)
 
 
 BAD_ITEMS = (

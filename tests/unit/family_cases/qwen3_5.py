@@ -11,9 +11,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from family_cases.common import item_for
 
-from vitpool import GraphEncoder, Image, Video
-from vitpool.specs import VIDEO, ItemSpec
+from vitpool import GraphEncoder, Image
 
 # patch 4: rows of 3 * 2 * 4 * 4 = 96 features; an 8 x 8 position table; 2 x 2 merge
 TINY_VISION = dict(
@@ -54,10 +54,6 @@ def reference(encoder: GraphEncoder) -> Callable[[Any], list[torch.Tensor]]:
         return [tower(pixels, grid_thw=torch.tensor([item.grid_thw])).pooler_output]
 
     return outputs
-
-
-def item_for(spec: ItemSpec, pixels: torch.Tensor) -> Any:
-    return (Video if spec.modality == VIDEO else Image)(pixels, spec.layout)
 
 
 CASE_FIELDS = dict(

@@ -1,0 +1,47 @@
+"""What the families' cases share: random weights for their tiny towers, items from specs, and
+Hugging Face's own tower as the reference."""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from vitpool import GraphEncoder, Image, Video
+from vitpool.specs import VIDEO, ItemSpec
+
+
+def randomize(module: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Weights of unit scale (HF's init is tiny): every row, position and norm matters."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in module.named_parameters():
+            values = torch.randn(parameter.shape, generator=generator)
+            if parameter.ndim >= 2 and "position_embedding" not in name:
+                values = values / math.sqrt(parameter[0].numel())
+            elif parameter.ndim == 1:
+                values = (1 + 0.1 * values) if "norm" in name else 0.1 * values
+            parameter.copy_(values)
+    return module
+
+
+def item_for(spec: ItemSpec, pixels: torch.Tensor) -> Any:
+    """The item a caller builds for this spec: an Image or a Video of these pixels and its grid."""
+    return (Video if spec.modality == VIDEO else Image)(pixels, spec.layout)
+
+
+def tower_reference(encoder: GraphEncoder) -> Callable[[Any], list[torch.Tensor]]:
+    """Hugging Face's forward of the encoder's tower, SDPA, on one item alone."""
+    tower = copy.deepcopy(encoder.adapter.tower)
+    tower.config._attn_implementation = "sdpa"
+
+    def outputs(item: Any) -> list[torch.Tensor]:
+        with torch.no_grad():
+            pixels = torch.as_tensor(item.pixel_values).to(torch.float32)
+            output = tower(pixels, grid_thw=torch.tensor([item.grid_thw]))
+        return [output.pooler_output]
+
+    return outputs
