@@ -192,6 +192,10 @@ def _ints(values: Any) -> tuple[int, ...]:
     return tuple(_int(v) for v in values)
 
 
+# What an encoder's `attention` setting takes (see `GraphEncoder`): "auto" picks per batch.
+ATTENTION_CHOICES = ("auto", "fa2", "fa4")
+
+
 @dataclass(frozen=True)
 class EncoderSpec:
     """What a `GraphEncoder` is built from; `EncoderActor` gets it inside its `ActorSpec`.

@@ -41,7 +41,6 @@ from vitpool.graphs.stats import EncoderStats
 from vitpool.items import Embedding, Item, PreparedItem, prepare_item, prepare_items
 from vitpool.models import VisionAdapter, load_adapter
 from vitpool.models.attention import (
-    ATTENTION_CHOICES,
     fa4_available,
     graph_backend,
     host_boundaries,
@@ -49,7 +48,7 @@ from vitpool.models.attention import (
 )
 from vitpool.models.fused import use_fused_ops
 from vitpool.packing import Budget, pack, smallest_fitting
-from vitpool.specs import BatchPlan, EncoderSpec, ItemSpec, OutputLayout
+from vitpool.specs import ATTENTION_CHOICES, BatchPlan, EncoderSpec, ItemSpec, OutputLayout
 from vitpool.specs import capacity_limits as merged_capacity_limits
 from vitpool.transport.wire import wire_dtype_name
 

@@ -40,8 +40,6 @@ from vitpool.models.fused import install_fused_ops
 logger = logging.getLogger(__name__)
 
 ATTENTION_NAME = "vitpool_flash_varlen"
-# What a GraphEncoder's `attention` setting takes: "auto" picks per batch; the others force one.
-ATTENTION_CHOICES = ("auto", "fa2", "fa4")
 # FA4 beats FA2 on sequences of 3136 rows and more on an H100 and loses at 256. A graph takes it
 # from this many rows per sequence it may hold (a few-sequence variant from 544 tokens: 2176 rows
 # in at most 4 sequences). An eager batch pays FA4's host-side set-up again at each new size

@@ -9,10 +9,9 @@ from typing import Any
 
 from vitpool.errors import ConfigError
 from vitpool.packing import make_budgets
-from vitpool.specs import ActorSpec, EncoderSpec
+from vitpool.specs import ATTENTION_CHOICES, ActorSpec, EncoderSpec
 
 _DTYPES = ("bfloat16", "float16", "float32")
-_ATTENTION_CHOICES = ("auto", "fa2", "fa4")  # as vitpool.models.attention (not imported: no torch here)
 
 
 @dataclass(frozen=True)
@@ -102,8 +101,8 @@ class PoolSettings:
             if name not in _DTYPES:
                 raise ConfigError(f"dtype {self.dtype!r}: use one of {_DTYPES} (or None for the device's default)")
             object.__setattr__(self, "dtype", name)
-        if self.attention not in _ATTENTION_CHOICES:
-            raise ConfigError(f"attention {self.attention!r}: use one of {_ATTENTION_CHOICES}")
+        if self.attention not in ATTENTION_CHOICES:
+            raise ConfigError(f"attention {self.attention!r}: use one of {ATTENTION_CHOICES}")
         if not isinstance(self.fused_ops, bool):
             raise ConfigError(f"fused_ops must be True or False; got {self.fused_ops!r}")
         if self.device not in (None, "cpu", "cuda"):
