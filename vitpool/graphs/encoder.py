@@ -388,11 +388,11 @@ class GraphEncoder:
         metadata = {name: tensor.to(self.device) for name, tensor in on_host.items()}
         finite = finite_rows(pixels)
         _zero_nonfinite(pixels)
-        if self.attention != "auto":
-            with _on_device(self.device), use_attention(self.attention), use_fused_ops(self.fused_ops):
-                return self.adapter.forward(pixels, metadata), finite
-        # not captured: the attention hook picks its kernel from the batch's boundaries on the host
-        with _on_device(self.device), host_boundaries(on_host, metadata), use_attention(None), \
+        # not captured: with "auto" the attention hook picks its kernel from the batch's
+        # boundaries on the host (backend None)
+        auto = self.attention == "auto"
+        boundaries = host_boundaries(on_host, metadata) if auto else contextlib.nullcontext()
+        with _on_device(self.device), boundaries, use_attention(None if auto else self.attention), \
                 use_fused_ops(self.fused_ops):
             return self.adapter.forward(pixels, metadata), finite
 
