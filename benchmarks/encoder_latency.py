@@ -47,6 +47,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--budgets", type=str, default=None, help="comma-separated token budgets")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--attention", default="auto", help="the encoder's attention kernel: auto, fa2, fa4")
+    parser.add_argument("--fused-ops", default="on", choices=("on", "off"), help="fused rotary and patch GEMM")
+    parser.add_argument("--compiled-blocks", default="on", choices=("on", "off"), help="torch.compile'd blocks")
     parser.add_argument("--family", default="qwen3_vl",
                         help="qwen3_vl (this script's workloads) or a family of family_latency.py")
     args = parser.parse_args()
@@ -68,7 +71,10 @@ def main() -> None:
         torch.manual_seed(0)
         budgets = [int(b) for b in args.budgets.split(",")] if args.budgets else None
         start = time.perf_counter()
-        encoder = GraphEncoder.from_pretrained(directory, budgets=budgets, device="cuda", dtype=torch.bfloat16)
+        encoder = GraphEncoder.from_pretrained(
+            directory, budgets=budgets, device="cuda", dtype=torch.bfloat16, attention=args.attention,
+            fused_ops=args.fused_ops == "on", compiled_blocks=args.compiled_blocks == "on",
+        )
         build_s = time.perf_counter() - start
     stats = encoder.stats()
     memory_after_capture_gib = torch.cuda.memory_reserved() / 1024**3
@@ -78,6 +84,9 @@ def main() -> None:
     results = {
         "gpu": gpu,
         "torch": torch.__version__,
+        "attention": args.attention,
+        "fused_ops": args.fused_ops,
+        "compiled_blocks": args.compiled_blocks,
         "num_budgets": len(encoder.budgets),
         "budgets": [b.num_tokens for b in encoder.budgets],
         "capture_and_check_s": stats.capture_seconds,
@@ -111,10 +120,11 @@ def main() -> None:
 
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))
-    print(f"\nGPU: {gpu}, torch {torch.__version__}; {args.runs} runs after {args.warmup} warm-up")
+    print(f"\nGPU: {gpu}, torch {torch.__version__}; {args.runs} runs after {args.warmup} warm-up; attention "
+          f"{args.attention}, fused ops {args.fused_ops}, compiled blocks {args.compiled_blocks}")
     print(
         f"{len(encoder.budgets)} budgets {results['budgets'][0]}..{results['budgets'][-1]} tokens, "
-        f"captured and checked in {stats.capture_seconds:.2f} s, "
+        f"built in {build_s:.1f} s (captured and checked in {stats.capture_seconds:.2f} s), "
         f"{memory_after_capture_gib:.2f} GiB reserved after capture "
         f"({results['weights_gib']:.2f} GiB of it weights), disabled: {stats.disabled_budgets}"
     )

@@ -2,9 +2,11 @@
 attention, GEMM, convolution, norm, elementwise, copy / gather, other. One square image padded to
 the rows of a budget, the forward run as vitpool captures it, under the profiler.
 
-    python benchmarks/kernel_breakdown.py [--rows 196,3136] [--attention fa2,fa4] [--fused off,on] [--out f.json]
+    python benchmarks/kernel_breakdown.py [--rows 196,3136] [--attention fa2,fa4] [--fused off,on,compiled]
 
-Prints one table per (rows, attention kernel): ms per class, its share, kernel launches.
+Prints one table per (rows, attention kernel, fused work): ms per class, its share, kernel launches,
+and the replay time of the same forward captured as a CUDA graph (GPU time plus the gaps between
+kernels). "compiled" is the fused ops plus the torch.compile'd blocks (`vitpool.models.compiled`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from vitpool.models import load_adapter
 from vitpool.models.attention import fa4_available, use_attention
+from vitpool.models.compiled import use_compiled_blocks
 from vitpool.models.fused import use_fused_ops
 from vitpool.packing import SEQUENCES, Budget
 
@@ -43,19 +46,21 @@ def kernel_class(name: str) -> str:
     return "other"
 
 
-def breakdown(adapter, rows: int, backend: str, fused: bool) -> dict:
+def breakdown(adapter, rows: int, backend: str, fused_work: str) -> dict:
     side = 2 * int(rows**0.5 / 2)  # one square image; the rest of the rows are padding
     spec = adapter.item_rules.item_spec("image", (side * side, *adapter.row_shape), "bfloat16", (1, side, side))
     budget = Budget(rows // 4, ((SEQUENCES, 4),), 4)
     metadata = {k: v.cuda() for k, v in adapter.build_metadata([spec], rows, budget).items()}
     pixels = torch.randn(rows, *adapter.row_shape, device="cuda", dtype=torch.bfloat16)
-    with torch.no_grad(), use_attention(backend), use_fused_ops(fused):
+    fused, compiled = fused_work in ("on", "compiled"), fused_work == "compiled"
+    with torch.no_grad(), use_attention(backend), use_fused_ops(fused), use_compiled_blocks(compiled):
         for _ in range(3):
             adapter.forward(pixels, metadata)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             adapter.forward(pixels, metadata)
             torch.cuda.synchronize()
+        replay_ms = _replay_ms(lambda: adapter.forward(pixels, metadata))
     per_class: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     top: dict[str, float] = defaultdict(float)
     for event in prof.events():
@@ -67,17 +72,39 @@ def breakdown(adapter, rows: int, backend: str, fused: bool) -> dict:
         top[event.name] += event.device_time / 1000
     total = sum(ms for ms, _ in per_class.values())
     return {
-        "rows": rows, "attention": backend, "fused": fused, "total_ms": total, "kernels": sum(n for _, n in per_class.values()),
+        "rows": rows, "attention": backend, "fused": fused_work, "total_ms": total, "replay_ms": replay_ms, "kernels": sum(n for _, n in per_class.values()),
         "classes": {label: {"ms": ms, "share": ms / total, "kernels": n} for label, (ms, n) in per_class.items()},
         "top_kernels": sorted(top.items(), key=lambda kv: -kv[1])[:8],
     }
+
+
+def _replay_ms(forward, runs: int = 50) -> float:
+    """Median time of one replay of `forward` captured as a CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        forward()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        forward()
+    times = []
+    for _ in range(runs + 5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times[5:])[runs // 2]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", default="196,3136")
     parser.add_argument("--attention", default="fa2,fa4")
-    parser.add_argument("--fused", default="off,on", help="fused rotary and patch GEMM: off, on or both")
+    parser.add_argument("--fused", default="off,on,compiled",
+                        help="off, on (fused rotary and patch GEMM), compiled (also torch.compile'd blocks)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as directory:
@@ -85,7 +112,7 @@ def main() -> None:
         adapter = load_adapter(directory, torch.device("cuda"), torch.bfloat16)
     backends = [b for b in args.attention.split(",") if b != "fa4" or fa4_available(torch.device("cuda"))]
     results = [
-        breakdown(adapter, int(rows), backend, fused == "on")
+        breakdown(adapter, int(rows), backend, fused)
         for rows in args.rows.split(",") for backend in backends for fused in args.fused.split(",")
     ]
     if args.out:
@@ -94,7 +121,7 @@ def main() -> None:
     for result in results:
         print(f"\n{result['rows']} rows, attention {result['attention']}, fused {result['fused']}: "
               f"{result['total_ms']:.2f} ms GPU time, "
-              f"{result['kernels']} kernels")
+              f"{result['kernels']} kernels, graph replay {result['replay_ms']:.2f} ms")
         print("| class | ms | share | kernels |\n|---|---|---|---|")
         for label, row in sorted(result["classes"].items(), key=lambda kv: -kv[1]["ms"]):
             print(f"| {label} | {row['ms']:.3f} | {100 * row['share']:.0f}% | {row['kernels']} |")

@@ -162,6 +162,7 @@ def main() -> None:
     parser.add_argument("--max-tokens-per-run", type=int, default=None, help="the pool's max_tokens_per_run")
     parser.add_argument("--attention", default="auto", help="the pool's attention kernel: auto, fa2, fa4")
     parser.add_argument("--fused-ops", default="on", choices=("on", "off"), help="fused rotary and patch GEMM")
+    parser.add_argument("--compiled-blocks", default="on", choices=("on", "off"), help="torch.compile'd blocks")
     parser.add_argument("--budgets", default=None, help="comma-separated token budgets (default: the device's)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -174,6 +175,7 @@ def main() -> None:
     settings["max_tokens_per_run"] = args.max_tokens_per_run
     settings["attention"] = args.attention
     settings["fused_ops"] = args.fused_ops == "on"
+    settings["compiled_blocks"] = args.compiled_blocks == "on"
     if args.budgets:
         settings["budgets"] = tuple(int(b) for b in args.budgets.split(","))
     pool = EncoderPool.launch(model=str(directory), num_actors=sizes[0], name=POOL_NAME, dtype="bfloat16", **settings)
@@ -185,7 +187,7 @@ def main() -> None:
         "gpu": gpu, "gpus": torch.cuda.device_count(), "ray": ray.__version__, "callers": args.callers,
         "threads_per_caller": args.threads, "seconds": args.seconds, "channel_spin_s": args.spin,
         "max_tokens_per_run": args.max_tokens_per_run, "items_per_call": items_per_call, "sizes": {},
-        "attention": args.attention, "fused_ops": args.fused_ops, "budgets": args.budgets,
+        "attention": args.attention, "fused_ops": args.fused_ops, "compiled_blocks": args.compiled_blocks, "budgets": args.budgets,
     }
     # The floor for any p99 / p50 under load: the mix's own spread, with every call alone in the pool.
     unloaded = [x for seconds in alone for x in seconds]

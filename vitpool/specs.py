@@ -209,6 +209,9 @@ class EncoderSpec:
         device: "cpu", "cuda" or "cuda:N"; None for the current GPU if there is one.
         attention: the attention kernel on a GPU: "auto", "fa2" or "fa4" (see `GraphEncoder`).
         fused_ops: fused rotary and patch embedding on a GPU (see `GraphEncoder`).
+        compiled_blocks: the tower's blocks through `torch.compile` on a GPU (see `GraphEncoder`).
+        compile_cache_dir: where compiled kernels are kept; None: TORCHINDUCTOR_CACHE_DIR or
+            ~/.cache/vitpool/inductor.
     """
 
     model: str | None = None
@@ -220,6 +223,8 @@ class EncoderSpec:
     capacity_limits: Needs = ()
     attention: str = "auto"
     fused_ops: bool = True
+    compiled_blocks: bool = True
+    compile_cache_dir: str | None = None
 
 
 @dataclass(frozen=True)

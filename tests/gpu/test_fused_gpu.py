@@ -38,10 +38,10 @@ def test_the_rotary_kernel_matches_hugging_face(rows, heads, head_dim):
 def test_the_patch_embedding_as_a_gemm_matches_the_convolution(monkeypatch):
     from vitpool.models import fused
 
+    encoder = GraphEncoder.from_pretrained(None, budgets=[16], device="cuda")
     linears = []
     linear = torch.nn.functional.linear
     monkeypatch.setattr(fused.F, "linear", lambda *args: linears.append(1) or linear(*args))
-    encoder = GraphEncoder.from_pretrained(None, budgets=[16], device="cuda")
     conv = next(m for m in encoder.adapter.tower.modules() if isinstance(m, torch.nn.Conv3d))
     x = torch.randn(300, conv.in_channels, *conv.kernel_size, device="cuda", dtype=torch.bfloat16)
     with use_fused_ops(True):
@@ -61,8 +61,26 @@ def test_every_family_runs_the_fused_rotary(monkeypatch, tmp_path):
     monkeypatch.setattr(fused, "fused_rotary", lambda *args: calls.append(1) or original(*args))
     for family in sorted(FAMILY_CASES):
         calls.clear()
-        encoder = GraphEncoder.from_pretrained(save_tiny_tower(family, tmp_path / family), budgets=[64], device="cuda")
+        # compiled blocks run the rotary as inductor fuses it, so they are off here
+        encoder = GraphEncoder.from_pretrained(
+            save_tiny_tower(family, tmp_path / family), budgets=[64], device="cuda", compiled_blocks=False
+        )
         assert calls, family  # captured with the fused kernel
+        assert all(torch.isfinite(e.tokens).all() for e in encoder.encode(mixed_items(family, seed=3)))
+
+
+def test_every_familys_blocks_compile(tmp_path):
+    """Each family's repeated blocks run compiled (none falls back to eager), inside its graphs."""
+    from family_tiny import FAMILY_CASES, mixed_items, save_tiny_tower
+
+    from vitpool.models import compiled
+
+    for family in sorted(FAMILY_CASES):
+        encoder = GraphEncoder.from_pretrained(save_tiny_tower(family, tmp_path / family), budgets=[64], device="cuda")
+        classes = {type(stack[0]) for stack in compiled.repeated_block_stacks(encoder.adapter.tower)}
+        assert classes and classes <= compiled._WORKING, family
+        assert not classes & compiled._FAILED, family
+        assert encoder.stats().disabled_budgets == [], family
         assert all(torch.isfinite(e.tokens).all() for e in encoder.encode(mixed_items(family, seed=3)))
 
 

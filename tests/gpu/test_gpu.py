@@ -168,3 +168,15 @@ def toy_family_item(num_tiles: int, generator: torch.Generator):
     from vitpool import Image
 
     return Image(torch.randn(num_tiles, 3, 8, 8, generator=generator))
+
+
+def test_batches_queued_back_to_back_keep_their_own_pixels(gpu_encoder):
+    """One call packed into many batches: each batch's host pixels and metadata pass through the
+    same pinned staging memory while earlier batches may still be copying or running."""
+    generator = torch.Generator().manual_seed(21)
+    items = [image(14, 16, generator) for _ in range(12)]  # 56 tokens each: one batch per item at 64
+    together = gpu_encoder.encode(items)
+    assert gpu_encoder.stats().replays_per_budget
+    for item, got in zip(items, together):
+        alone = gpu_encoder.encode([item])[0]
+        assert torch.equal(got.tokens, alone.tokens)

@@ -20,13 +20,13 @@ import functools
 import logging
 import random
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
 
 from vitpool.errors import ConfigError, InvalidItemError
-from vitpool.graphs.buffers import StaticBuffers
+from vitpool.graphs.buffers import HostStaging, StaticBuffers
 from vitpool.graphs.capture import capture_all
 from vitpool.graphs.defaults import default_token_budgets, dtype_from_name, resolve_device, resolve_dtype
 from vitpool.graphs.inputs import (
@@ -46,6 +46,7 @@ from vitpool.models.attention import (
     host_boundaries,
     use_attention,
 )
+from vitpool.models.compiled import set_compile_cache_dir, use_compiled_blocks
 from vitpool.models.fused import use_fused_ops
 from vitpool.packing import Budget, pack, smallest_fitting
 from vitpool.specs import ATTENTION_CHOICES, BatchPlan, EncoderSpec, ItemSpec, OutputLayout
@@ -82,6 +83,11 @@ class GraphEncoder:
         fused_ops: on a GPU, run every family's rotary embedding as one Triton kernel per tensor
             and its patch embedding as a GEMM (`vitpool.models.fused`). False: Hugging Face's own
             code (debugging).
+        compiled_blocks: on a GPU, run the tower's repeated blocks through one `torch.compile` per
+            block class (`vitpool.models.compiled`), before capture, so the graphs replay fused
+            elementwise kernels. False: no compile (debugging, faster first start).
+        compile_cache_dir: where compiled kernels are kept between starts, shared by the actors of
+            a node. None: TORCHINDUCTOR_CACHE_DIR if set, else ~/.cache/vitpool/inductor.
 
     Attributes:
         budgets: the batch shapes, from the adapter's item rules.
@@ -102,11 +108,17 @@ class GraphEncoder:
         capacity_limits: Mapping[str, int] | None = None,
         attention: str = "auto",
         fused_ops: bool = True,
+        compiled_blocks: bool = True,
+        compile_cache_dir: str | Path | None = None,
     ) -> None:
         self.device = resolve_device(device)
-        if not isinstance(fused_ops, bool):
-            raise ConfigError(f"fused_ops must be True or False; got {fused_ops!r}")
+        for name, value in (("fused_ops", fused_ops), ("compiled_blocks", compiled_blocks)):
+            if not isinstance(value, bool):
+                raise ConfigError(f"{name} must be True or False; got {value!r}")
         self.fused_ops = fused_ops
+        self.compiled_blocks = compiled_blocks and self.device.type == "cuda"
+        if self.compiled_blocks:
+            set_compile_cache_dir(compile_cache_dir)
         self.dtype = resolve_dtype(dtype, self.device)
         self.attention = _check_attention(attention, self.device, self.dtype)
         self.adapter = adapter
@@ -121,6 +133,7 @@ class GraphEncoder:
         self._known_budgets = frozenset(self.budgets)  # a plan's budget is checked on every batch
         self._is_consistent = functools.lru_cache(maxsize=4096)(self._spec_is_consistent)
         self._buffers = StaticBuffers(adapter, self.budgets, self.device, self.dtype)
+        self._staging = HostStaging(self.device) if self.device.type == "cuda" else None
         self._graphs: dict[Budget, torch.cuda.CUDAGraph] = {}
         self._stats = EncoderStats()
         self._lock = threading.Lock()  # one batch at a time owns the static buffers
@@ -139,6 +152,8 @@ class GraphEncoder:
         capacity_limits: Mapping[str, int] | None = None,
         attention: str = "auto",
         fused_ops: bool = True,
+        compiled_blocks: bool = True,
+        compile_cache_dir: str | Path | None = None,
     ) -> GraphEncoder:
         """Load a local Hugging Face checkpoint and capture its graphs.
 
@@ -147,7 +162,7 @@ class GraphEncoder:
                 (safetensors), or only a config (random weights). None: the tiny Qwen3-VL-shaped
                 model shipped with vitpool (random weights), so everything runs offline.
             budgets, max_items_per_batch, max_frames_per_batch, device, dtype, capacity_limits,
-                attention, fused_ops: as for the constructor.
+                attention, fused_ops, compiled_blocks, compile_cache_dir: as for the constructor.
 
         Raises:
             CheckpointError: the directory cannot be loaded (names the missing or unexpected keys).
@@ -158,7 +173,7 @@ class GraphEncoder:
         adapter = load_adapter(path, resolved_device, resolved_dtype)
         return cls(
             adapter, budgets, max_items_per_batch, max_frames_per_batch, resolved_device, resolved_dtype,
-            capacity_limits, attention, fused_ops,
+            capacity_limits, attention, fused_ops, compiled_blocks, compile_cache_dir,
         )
 
     @classmethod
@@ -172,7 +187,7 @@ class GraphEncoder:
         return cls.from_pretrained(
             spec.model, budgets, spec.max_items_per_batch, spec.max_frames_per_batch,
             spec.device, dtype_from_name(spec.dtype), dict(spec.capacity_limits), spec.attention,
-            spec.fused_ops,
+            spec.fused_ops, spec.compiled_blocks, spec.compile_cache_dir,
         )
 
     # encode
@@ -392,8 +407,7 @@ class GraphEncoder:
         # boundaries on the host (backend None)
         auto = self.attention == "auto"
         boundaries = host_boundaries(on_host, metadata) if auto else contextlib.nullcontext()
-        with _on_device(self.device), boundaries, use_attention(None if auto else self.attention), \
-                use_fused_ops(self.fused_ops):
+        with boundaries, self._kernels(None if auto else self.attention):
             return self.adapter.forward(pixels, metadata), finite
 
     def _fill(self, budget: Budget, specs: list, pixel_list: list[torch.Tensor]) -> torch.Tensor:
@@ -403,25 +417,43 @@ class GraphEncoder:
         """
         rows = self._rows(budget)
         pixels, metadata = self._buffers.input_views(rows, budget)
+        copies = []
         row = 0
         for item_pixels in pixel_list:
-            pixels[row : row + item_pixels.shape[0]].copy_(item_pixels, non_blocking=True)
+            copies.append((pixels[row : row + item_pixels.shape[0]], item_pixels))
             row += item_pixels.shape[0]
+        on_host = self.adapter.build_metadata(specs, rows, budget)
+        copies += [(metadata[name], tensor) for name, tensor in on_host.items()]
+        self._copy_in(copies)
         finite = finite_rows(pixels[:row])
         _zero_nonfinite(pixels[:row])
         pixels[row:].zero_()
-        for name, tensor in self.adapter.build_metadata(specs, rows, budget).items():
-            metadata[name].copy_(tensor, non_blocking=True)
         return finite
+
+    def _copy_in(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        if self._staging is None:
+            for target, source in pairs:
+                target.copy_(source)
+        else:
+            self._staging.copy(pairs)
 
     def _static_forward(self, budget: Budget) -> list[torch.Tensor]:
         """The forward over the budget's buffers (captured, checked, or run eager when disabled),
         with the attention kernel its graph is captured with."""
         rows = self._rows(budget)
         pixels, metadata = self._buffers.input_views(rows, budget)
-        backend = graph_backend(self.attention, self.device, rows, budget.max_sequences)
-        with _on_device(self.device), use_attention(backend), use_fused_ops(self.fused_ops):
+        with self._kernels(graph_backend(self.attention, self.device, rows, budget.max_sequences)):
             return self.adapter.forward(pixels, metadata)
+
+    @contextlib.contextmanager
+    def _kernels(self, attention_backend: str | None) -> Iterator[None]:
+        """The kernels the tower's forward runs with: this device current (kernels launched by
+        device index, Triton and FA4, run where the tensors are), the attention backend (None:
+        the hook picks per batch), and the fused and compiled parts as set."""
+        device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+        with device, use_attention(attention_backend), use_fused_ops(self.fused_ops), \
+                use_compiled_blocks(self.compiled_blocks):
+            yield
 
     def _rows(self, budget: Budget) -> int:
         return self.adapter.max_rows(budget.num_tokens)
@@ -447,12 +479,6 @@ def _check_attention(attention: str, device: torch.device, dtype: torch.dtype) -
                 "newer; use 'auto' to take it where it can run"
             )
     return attention
-
-
-def _on_device(device: torch.device) -> contextlib.AbstractContextManager:
-    """Make `device` the current CUDA device, so kernels launched by device index (Triton, FA4)
-    run where the tensors are."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _renumbered(outcome: Embedding | InvalidItemError, index: int) -> Embedding | InvalidItemError:

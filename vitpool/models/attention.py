@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from vitpool.models.compiled import install_compiled_blocks
 from vitpool.models.fused import install_fused_ops
 
 logger = logging.getLogger(__name__)
@@ -52,8 +53,8 @@ FA4_MIN_ROWS_PER_SEQUENCE = 8192
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 # The kernel the batch running now must use ("fa2", "fa4"); None: the hook decides
 _BACKEND: contextvars.ContextVar[str | None] = contextvars.ContextVar("vitpool_attention", default=None)
-# id(device tensor) -> its values, for the 1-D int32 metadata of the batch running now (eager only)
-_KNOWN_BOUNDARIES: contextvars.ContextVar[dict[int, tuple[int, ...]] | None] = contextvars.ContextVar(
+# (data_ptr, numel) of a device tensor -> its values, for the 1-D int32 metadata of the batch running now (eager only)
+_KNOWN_BOUNDARIES: contextvars.ContextVar[dict[tuple[int, int], tuple[int, ...]] | None] = contextvars.ContextVar(
     "vitpool_known_boundaries", default=None
 )
 
@@ -114,9 +115,9 @@ def host_boundaries(
     on_host: Mapping[str, torch.Tensor], on_device: Mapping[str, torch.Tensor]
 ) -> Iterator[None]:
     """While a batch runs eagerly: the host values of its 1-D int32 metadata (`cu_seqlens` and
-    the like), keyed by the device tensors the tower will pass to the hook."""
+    the like), keyed by the memory of the device tensors the tower will pass to the hook."""
     known = {
-        id(on_device[name]): tuple(tensor.tolist())
+        _boundary_key(on_device[name]): tuple(tensor.tolist())
         for name, tensor in on_host.items()
         if tensor.dim() == 1 and tensor.dtype == torch.int32
     }
@@ -132,9 +133,16 @@ def _backend_for(query: torch.Tensor, cu_seq_lens_q: torch.Tensor, cu_seq_lens_k
     if backend is not None:
         return backend
     known = _KNOWN_BOUNDARIES.get()
-    if not known or id(cu_seq_lens_q) not in known or cu_seq_lens_k is not cu_seq_lens_q:
+    key = _boundary_key(cu_seq_lens_q)
+    if not known or key not in known or _boundary_key(cu_seq_lens_k) != key:
         return "fa2"
-    return eager_backend(known[id(cu_seq_lens_q)], query.shape[2], fa4_available(query.device))
+    return eager_backend(known[key], query.shape[0], fa4_available(query.device))
+
+
+def _boundary_key(tensor: torch.Tensor) -> tuple[int, int]:
+    """Names a metadata tensor by its memory, not its Python object: compiled code may hand the
+    hook another tensor object over the same memory."""
+    return tensor.data_ptr(), tensor.numel()
 
 
 def packed_attention(
@@ -156,10 +164,29 @@ def packed_attention(
         raise RuntimeError(f"{ATTENTION_NAME} needs cu_seqlens and max_seqlen from the tower")
     if not (query.is_cuda and query.dtype in _FLASH_DTYPES):
         return _block_diagonal_sdpa(query, key, value, cu_seq_lens_q, scaling).transpose(1, 2), None
-    backend = _backend_for(query, cu_seq_lens_q, cu_seq_lens_k)
     # the packed kernels take [rows, heads, head_dim]
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
-    if backend == "fa4":
+    cu_seq_lens_k = cu_seq_lens_q if cu_seq_lens_k is None else cu_seq_lens_k
+    max_length_k = max_length_q if max_length_k is None else max_length_k
+    out = flash_varlen(q, k, v, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, scaling)
+    return out.unsqueeze(0), None
+
+
+# An opaque op to torch.compile (`vitpool.models.compiled`): the kernel is chosen when it runs,
+# from the encoder's context, not baked in when a block is traced.
+@torch.library.custom_op("vitpool::flash_varlen", mutates_args=(), device_types="cuda")
+def flash_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seq_lens_q: torch.Tensor,
+    cu_seq_lens_k: torch.Tensor,
+    max_length_q: int,
+    max_length_k: int,
+    scaling: float | None,
+) -> torch.Tensor:
+    """Packed attention over [rows, heads, head_dim] with the kernel `_backend_for` picks."""
+    if _backend_for(q, cu_seq_lens_q, cu_seq_lens_k) == "fa4":
         from flash_attn.cute import flash_attn_varlen_func
 
         # FA4 picks (and compiles) a kernel configuration from max_seqlen: a captured graph has a
@@ -170,12 +197,15 @@ def packed_attention(
             q, k, v, cu_seqlens_q=cu_seq_lens_q, cu_seqlens_k=cu_seq_lens_k,
             max_seqlen_q=max_q, max_seqlen_k=max_k, softmax_scale=scaling,
         )
-        out = out[0] if isinstance(out, tuple) else out
-    else:
-        from torch.nn.attention.varlen import varlen_attn
+        return out[0] if isinstance(out, tuple) else out
+    from torch.nn.attention.varlen import varlen_attn
 
-        out = varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, scale=scaling)
-    return out.unsqueeze(0), None
+    return varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, scale=scaling)
+
+
+@flash_varlen.register_fake
+def _flash_varlen_shape(q, k, v, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, scaling):
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 
 def _bucket(length: int) -> int:
@@ -201,7 +231,9 @@ def _block_diagonal_sdpa(
 
 def install_packed_attention(tower: torch.nn.Module) -> None:
     """Register the hook and make `tower` use it, and install the fused rotary embedding and patch
-    embedding (`vitpool.models.fused`; in effect under `use_fused_ops`). Doing it again is harmless."""
+    embedding (`vitpool.models.fused`; in effect under `use_fused_ops`) and the compiled blocks
+    (`vitpool.models.compiled`; under `use_compiled_blocks`). Doing it again is harmless."""
     AttentionInterface.register(ATTENTION_NAME, packed_attention)
     tower.config._attn_implementation = ATTENTION_NAME
     install_fused_ops(tower)
+    install_compiled_blocks(tower)

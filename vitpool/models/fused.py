@@ -70,7 +70,8 @@ def _patch_rotary(modeling: types.ModuleType) -> None:
 
     @functools.wraps(original)
     def apply_rotary_pos_emb_vision(q, k, cos, sin):
-        if _FUSED.get():
+        # inside a compiled block (`vitpool.models.compiled`) inductor fuses Hugging Face's math itself
+        if not torch.compiler.is_compiling() and _FUSED.get():
             # Kimi-K2.5 passes [1, rows, heads, head_dim] (and may pass cos as [1, rows, head_dim])
             batched = q.dim() == 4 and q.shape[0] == 1 and k.dim() == 4 and k.shape[0] == 1
             q3, k3 = (q[0], k[0]) if batched else (q, k)

@@ -21,8 +21,9 @@ class PoolSettings:
     Attributes:
         model: local checkpoint directory; None for the tiny model shipped with vitpool.
         budgets: token budgets each actor captures; None for the defaults of its device.
-        max_items_per_batch, max_frames_per_batch, capacity_limits, attention, fused_ops: as for
-            `GraphEncoder`.
+        max_items_per_batch, max_frames_per_batch, capacity_limits, attention, fused_ops,
+            compiled_blocks, compile_cache_dir: as for `GraphEncoder` (the cache directory is
+            on each actor's node).
         dtype: "bfloat16", "float16" or "float32"; None for the device's default.
         device: "cpu" runs every actor on its CPU even where it was given a GPU (tests, debugging);
             None: the actor's GPU if it has one.
@@ -85,6 +86,8 @@ class PoolSettings:
     same_node_channel: bool = True
     attention: str = "auto"
     fused_ops: bool = True
+    compiled_blocks: bool = True
+    compile_cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None:
@@ -103,8 +106,11 @@ class PoolSettings:
             object.__setattr__(self, "dtype", name)
         if self.attention not in ATTENTION_CHOICES:
             raise ConfigError(f"attention {self.attention!r}: use one of {ATTENTION_CHOICES}")
-        if not isinstance(self.fused_ops, bool):
-            raise ConfigError(f"fused_ops must be True or False; got {self.fused_ops!r}")
+        for name in ("fused_ops", "compiled_blocks"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False; got {getattr(self, name)!r}")
+        if self.compile_cache_dir is not None:
+            object.__setattr__(self, "compile_cache_dir", str(self.compile_cache_dir))
         if self.device not in (None, "cpu", "cuda"):
             raise ConfigError(f"device {self.device!r}: use None (the actor's GPU if any), 'cuda' or 'cpu'")
         _positive_int("max_batches_in_flight_per_actor", self.max_batches_in_flight_per_actor)
@@ -136,7 +142,7 @@ class PoolSettings:
         """What each actor's encoder is built from."""
         return EncoderSpec(
             self.model, self.budgets, self.max_items_per_batch, self.max_frames_per_batch, self.dtype, self.device,
-            self.capacity_limits, self.attention, self.fused_ops,
+            self.capacity_limits, self.attention, self.fused_ops, self.compiled_blocks, self.compile_cache_dir,
         )
 
     def actor_spec(self, num_threads: int) -> ActorSpec:
