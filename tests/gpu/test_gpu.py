@@ -174,7 +174,7 @@ def test_batches_queued_back_to_back_keep_their_own_pixels(gpu_encoder):
     """One call packed into many batches: each batch's host pixels and metadata pass through the
     same pinned staging memory while earlier batches may still be copying or running."""
     generator = torch.Generator().manual_seed(21)
-    items = [image(14, 16, generator) for _ in range(12)]  # 56 tokens each: one batch per item at 64
+    items = [image(14, 16, generator) for _ in range(12)]  # 56 tokens each: several batches
     together = gpu_encoder.encode(items)
     assert gpu_encoder.stats().replays_per_budget
     for item, got in zip(items, together):

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from vitpool.errors import ConfigError, InvalidItemError
-from vitpool.graphs.buffers import HostStaging, StaticBuffers
+from vitpool.graphs.buffers import StaticBuffers
 from vitpool.graphs.capture import capture_all
 from vitpool.graphs.defaults import default_token_budgets, dtype_from_name, resolve_device, resolve_dtype
 from vitpool.graphs.inputs import (
@@ -133,7 +133,6 @@ class GraphEncoder:
         self._known_budgets = frozenset(self.budgets)  # a plan's budget is checked on every batch
         self._is_consistent = functools.lru_cache(maxsize=4096)(self._spec_is_consistent)
         self._buffers = StaticBuffers(adapter, self.budgets, self.device, self.dtype)
-        self._staging = HostStaging(self.device) if self.device.type == "cuda" else None
         self._graphs: dict[Budget, torch.cuda.CUDAGraph] = {}
         self._stats = EncoderStats()
         self._lock = threading.Lock()  # one batch at a time owns the static buffers
@@ -417,25 +416,16 @@ class GraphEncoder:
         """
         rows = self._rows(budget)
         pixels, metadata = self._buffers.input_views(rows, budget)
-        copies = []
         row = 0
         for item_pixels in pixel_list:
-            copies.append((pixels[row : row + item_pixels.shape[0]], item_pixels))
+            pixels[row : row + item_pixels.shape[0]].copy_(item_pixels, non_blocking=True)
             row += item_pixels.shape[0]
-        on_host = self.adapter.build_metadata(specs, rows, budget)
-        copies += [(metadata[name], tensor) for name, tensor in on_host.items()]
-        self._copy_in(copies)
         finite = finite_rows(pixels[:row])
         _zero_nonfinite(pixels[:row])
         pixels[row:].zero_()
+        for name, tensor in self.adapter.build_metadata(specs, rows, budget).items():
+            metadata[name].copy_(tensor, non_blocking=True)
         return finite
-
-    def _copy_in(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        if self._staging is None:
-            for target, source in pairs:
-                target.copy_(source)
-        else:
-            self._staging.copy(pairs)
 
     def _static_forward(self, budget: Budget) -> list[torch.Tensor]:
         """The forward over the budget's buffers (captured, checked, or run eager when disabled),
