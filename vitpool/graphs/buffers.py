@@ -58,4 +58,3 @@ def _largest_metadata(adapter: VisionAdapter, budgets: Sequence[Budget]) -> dict
             )
             largest[name] = TensorSpec(tuple(map(max, known.shape, spec.shape)), spec.dtype)
     return largest
-
