@@ -223,7 +223,7 @@ class EncoderSpec:
     capacity_limits: Needs = ()
     attention: str = "auto"
     fused_ops: bool = True
-    compiled_blocks: bool = True
+    compiled_blocks: bool = False
     compile_cache_dir: str | None = None
 
 

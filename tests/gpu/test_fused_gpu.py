@@ -69,29 +69,22 @@ def test_every_family_runs_the_fused_rotary(monkeypatch, tmp_path):
         assert all(torch.isfinite(e.tokens).all() for e in encoder.encode(mixed_items(family, seed=3)))
 
 
-def test_every_familys_blocks_compile(tmp_path):
-    """Each family's repeated blocks run compiled (none falls back to eager), inside its graphs."""
+def test_every_familys_blocks_compile_and_agree_with_the_uncompiled_encoder(tmp_path):
+    """Each family's repeated blocks run compiled (none falls back to eager), inside its graphs,
+    and give what the same weights give without the compile (bf16: different roundings)."""
     from family_tiny import FAMILY_CASES, mixed_items, save_tiny_tower
 
     from vitpool.models import compiled
 
     for family in sorted(FAMILY_CASES):
-        encoder = GraphEncoder.from_pretrained(save_tiny_tower(family, tmp_path / family), budgets=[64], device="cuda")
-        classes = {type(stack[0]) for stack in compiled.repeated_block_stacks(encoder.adapter.tower)}
+        path = save_tiny_tower(family, tmp_path / family)
+        plain = GraphEncoder.from_pretrained(path, budgets=[64], device="cuda")
+        fast = GraphEncoder.from_pretrained(path, budgets=[64], device="cuda", compiled_blocks=True)
+        classes = {type(stack[0]) for stack in compiled.repeated_block_stacks(fast.adapter.tower)}
         assert classes and classes <= compiled._WORKING, family
         assert not classes & compiled._FAILED, family
-        assert encoder.stats().disabled_budgets == [], family
-        assert all(torch.isfinite(e.tokens).all() for e in encoder.encode(mixed_items(family, seed=3)))
-
-
-def test_fused_and_unfused_encoders_agree():
-    fused = GraphEncoder.from_pretrained(None, budgets=[64, 256], device="cuda")
-    plain = GraphEncoder.from_pretrained(None, budgets=[64, 256], device="cuda", fused_ops=False)
-    assert fused.stats().disabled_budgets == [] and plain.stats().disabled_budgets == []
-    generator = torch.Generator().manual_seed(4)
-    items = [image(10, 12, generator), video(2, 8, 8, generator), image(40, 40, generator)]  # the last: eager
-    for got, want in zip(fused.encode(items), plain.encode(items), strict=True):
-        assert torch.isfinite(got.tokens).all()
-        assert relative_error(got.tokens, want.tokens) <= 1e-2
-    modeling = sys.modules[type(fused.adapter.tower).__module__]
-    assert getattr(modeling, ROTARY_FUNCTION).__vitpool_original__ is not None
+        assert fast.stats().disabled_budgets == [], family
+        items = mixed_items(family, seed=3)
+        for got, want in zip(fast.encode(items), plain.encode(items), strict=True):
+            assert torch.isfinite(got.tokens).all(), family
+            assert relative_error(got.tokens, want.tokens) <= 1.5e-2, family

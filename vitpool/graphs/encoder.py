@@ -108,7 +108,7 @@ class GraphEncoder:
         capacity_limits: Mapping[str, int] | None = None,
         attention: str = "auto",
         fused_ops: bool = True,
-        compiled_blocks: bool = True,
+        compiled_blocks: bool = False,
         compile_cache_dir: str | Path | None = None,
     ) -> None:
         self.device = resolve_device(device)
@@ -151,7 +151,7 @@ class GraphEncoder:
         capacity_limits: Mapping[str, int] | None = None,
         attention: str = "auto",
         fused_ops: bool = True,
-        compiled_blocks: bool = True,
+        compiled_blocks: bool = False,
         compile_cache_dir: str | Path | None = None,
     ) -> GraphEncoder:
         """Load a local Hugging Face checkpoint and capture its graphs.

@@ -44,11 +44,13 @@ ATTENTION_NAME = "vitpool_flash_varlen"
 # FA4 beats FA2 on sequences of 3136 rows and more on an H100 and loses at 256. A graph takes it
 # from this many rows per sequence it may hold (a few-sequence variant from 544 tokens: 2176 rows
 # in at most 4 sequences). An eager batch pays FA4's host-side set-up again at each new size
-# (20-35 ms on the first call, `benchmarks/new_sizes.py`), which only long sequences earn back:
-# one 1536² image (9216 rows) took 58 ms on its first call against FA2's 74, one 1088² image
-# (4624 rows) 62 against 30.
+# (`benchmarks/new_sizes.py`, H100, first / second call): from 4096 rows per sequence FA4 wins
+# every call at a size seen before (1056², 4356 rows: 20.6 against FA2's 29.1 ms; 1376²: 36.0
+# against 53.9) and costs 5-18 ms more than FA2 on the first call at a new size up to about
+# 1250² (1248²: 56.9 against 38.8), nothing from 1312² on. Sizes repeat in real traffic (a
+# processor's resize targets), so the threshold favours the repeat.
 FA4_MIN_ROWS_PER_GRAPH_SEQUENCE = 512
-FA4_MIN_ROWS_PER_SEQUENCE = 8192
+FA4_MIN_ROWS_PER_SEQUENCE = 4096
 
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 # The kernel the batch running now must use ("fa2", "fa4"); None: the hook decides

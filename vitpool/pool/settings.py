@@ -86,7 +86,7 @@ class PoolSettings:
     same_node_channel: bool = True
     attention: str = "auto"
     fused_ops: bool = True
-    compiled_blocks: bool = True
+    compiled_blocks: bool = False
     compile_cache_dir: str | None = None
 
     def __post_init__(self) -> None:
