@@ -88,6 +88,19 @@ def time_ms(function, runs: int, warmup: int, synchronize: bool = True) -> list[
     return samples
 
 
+def gpu_ms(function, runs: int, warmup: int = 5) -> list[float]:
+    """`runs` GPU-side timings (CUDA events around each call) of `function` in ms after `warmup`."""
+    samples = []
+    for _ in range(warmup + runs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        function()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end))
+    return samples[warmup:]
+
+
 def summarize(samples: list[float]) -> dict:
     """Median and p99 (nearest rank) of samples in ms."""
     ordered = sorted(samples)

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import QWEN3_VL_8B_VISION, image, summarize, time_ms
+from common import QWEN3_VL_8B_VISION, gpu_ms, image, summarize, time_ms
 from torch.profiler import ProfilerActivity, profile
 
 from vitpool import GraphEncoder
@@ -39,16 +39,7 @@ def main() -> None:
     call = summarize(time_ms(lambda: encoder.encode(items), args.runs, 20))
     encoder.encode(items)
     budget = next(b for b in encoder._graphs if b.num_tokens == max(encoder.stats().replays_per_budget))
-    graph = encoder._graphs[budget]
-    replays = []
-    for _ in range(args.runs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        replays.append(start.elapsed_time(end))
-    replay = summarize(replays)
+    replay = summarize(gpu_ms(encoder._graphs[budget].replay, args.runs))
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(args.runs):
             encoder.encode(items)

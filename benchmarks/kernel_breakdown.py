@@ -19,7 +19,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from common import QWEN3_VL_8B_VISION
+from common import QWEN3_VL_8B_VISION, gpu_ms, summarize
 from torch.profiler import ProfilerActivity, profile
 
 from vitpool.models import load_adapter
@@ -88,15 +88,7 @@ def _replay_ms(forward, runs: int = 50) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         forward()
-    times = []
-    for _ in range(runs + 5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times[5:])[runs // 2]
+    return summarize(gpu_ms(graph.replay, runs))["median_ms"]
 
 
 def main() -> None:

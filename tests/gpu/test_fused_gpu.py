@@ -88,3 +88,16 @@ def test_every_familys_blocks_compile_and_agree_with_the_uncompiled_encoder(tmp_
         for got, want in zip(fast.encode(items), plain.encode(items), strict=True):
             assert torch.isfinite(got.tokens).all(), family
             assert relative_error(got.tokens, want.tokens) <= 1.5e-2, family
+
+
+def test_fused_and_unfused_encoders_agree():
+    fused = GraphEncoder.from_pretrained(None, budgets=[64, 256], device="cuda")
+    plain = GraphEncoder.from_pretrained(None, budgets=[64, 256], device="cuda", fused_ops=False)
+    assert fused.stats().disabled_budgets == [] and plain.stats().disabled_budgets == []
+    generator = torch.Generator().manual_seed(4)
+    items = [image(10, 12, generator), video(2, 8, 8, generator), image(40, 40, generator)]  # the last: eager
+    for got, want in zip(fused.encode(items), plain.encode(items), strict=True):
+        assert torch.isfinite(got.tokens).all()
+        assert relative_error(got.tokens, want.tokens) <= 1e-2
+    modeling = sys.modules[type(fused.adapter.tower).__module__]
+    assert getattr(modeling, ROTARY_FUNCTION).__vitpool_original__ is not None
