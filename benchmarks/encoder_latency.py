@@ -50,6 +50,8 @@ def main() -> None:
     parser.add_argument("--attention", default="auto", help="the encoder's attention kernel: auto, fa2, fa4")
     parser.add_argument("--fused-ops", default="on", choices=("on", "off"), help="fused rotary and patch GEMM")
     parser.add_argument("--compiled-blocks", default="on", choices=("on", "off"), help="torch.compile'd blocks")
+    parser.add_argument("--pinned-staging", default="on", choices=("on", "off"),
+                        help="off: large host pixels copy straight from pageable memory (the code before it)")
     parser.add_argument("--family", default="qwen3_vl",
                         help="qwen3_vl (this script's workloads) or a family of family_latency.py")
     args = parser.parse_args()
@@ -65,6 +67,10 @@ def main() -> None:
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     gpu = torch.cuda.get_device_name()
+    if args.pinned_staging == "off":
+        from vitpool.graphs.buffers import PinnedStaging
+
+        PinnedStaging.MIN_BYTES = PinnedStaging.MAX_BYTES + 1  # nothing is staged
 
     with tempfile.TemporaryDirectory() as directory:
         (Path(directory) / "config.json").write_text(json.dumps(QWEN3_VL_8B_VISION))
@@ -87,6 +93,7 @@ def main() -> None:
         "attention": args.attention,
         "fused_ops": args.fused_ops,
         "compiled_blocks": args.compiled_blocks,
+        "pinned_staging": args.pinned_staging,
         "num_budgets": len(encoder.budgets),
         "budgets": [b.num_tokens for b in encoder.budgets],
         "capture_and_check_s": stats.capture_seconds,
@@ -121,7 +128,8 @@ def main() -> None:
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))
     print(f"\nGPU: {gpu}, torch {torch.__version__}; {args.runs} runs after {args.warmup} warm-up; attention "
-          f"{args.attention}, fused ops {args.fused_ops}, compiled blocks {args.compiled_blocks}")
+          f"{args.attention}, fused ops {args.fused_ops}, compiled blocks {args.compiled_blocks}, "
+          f"pinned staging {args.pinned_staging}")
     print(
         f"{len(encoder.budgets)} budgets {results['budgets'][0]}..{results['budgets'][-1]} tokens, "
         f"built in {build_s:.1f} s (captured and checked in {stats.capture_seconds:.2f} s), "

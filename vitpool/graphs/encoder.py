@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from vitpool.errors import ConfigError, InvalidItemError
-from vitpool.graphs.buffers import StaticBuffers
+from vitpool.graphs.buffers import PinnedStaging, StaticBuffers
 from vitpool.graphs.capture import capture_all
 from vitpool.graphs.defaults import default_token_budgets, dtype_from_name, resolve_device, resolve_dtype
 from vitpool.graphs.inputs import (
@@ -133,6 +133,8 @@ class GraphEncoder:
         self._known_budgets = frozenset(self.budgets)  # a plan's budget is checked on every batch
         self._is_consistent = functools.lru_cache(maxsize=4096)(self._spec_is_consistent)
         self._buffers = StaticBuffers(adapter, self.budgets, self.device, self.dtype)
+        on_gpu = self.device.type == "cuda"
+        self._staging = PinnedStaging(adapter.row_shape, self.dtype, self.device) if on_gpu else None
         self._graphs: dict[Budget, torch.cuda.CUDAGraph] = {}
         self._stats = EncoderStats()
         self._lock = threading.Lock()  # one batch at a time owns the static buffers
@@ -397,7 +399,9 @@ class GraphEncoder:
         specs = [member.spec for member in members]
         num_items, num_tokens, needs = totals(specs)
         exact = Budget(num_tokens, needs, num_items)  # capacities exactly what the items use
-        pixels = torch.cat([member.pixels.to(self.device, self.dtype) for member in members])
+        num_rows = sum(member.pixels.shape[0] for member in members)
+        pixels = torch.empty((num_rows, *self.adapter.row_shape), device=self.device, dtype=self.dtype)
+        self._copy_rows(pixels, [member.pixels for member in members])
         on_host = self.adapter.build_metadata(specs, pixels.shape[0], exact)
         metadata = {name: tensor.to(self.device) for name, tensor in on_host.items()}
         finite = finite_rows(pixels)
@@ -416,16 +420,27 @@ class GraphEncoder:
         """
         rows = self._rows(budget)
         pixels, metadata = self._buffers.input_views(rows, budget)
-        row = 0
-        for item_pixels in pixel_list:
-            pixels[row : row + item_pixels.shape[0]].copy_(item_pixels, non_blocking=True)
-            row += item_pixels.shape[0]
+        row = self._copy_rows(pixels, pixel_list)
         finite = finite_rows(pixels[:row])
         _zero_nonfinite(pixels[:row])
         pixels[row:].zero_()
         for name, tensor in self.adapter.build_metadata(specs, rows, budget).items():
             metadata[name].copy_(tensor, non_blocking=True)
         return finite
+
+    def _copy_rows(self, target: torch.Tensor, pixel_list: list[torch.Tensor]) -> int:
+        """Copy the items' pixels one after another into `target`'s first rows (large host
+        tensors through pinned memory); returns the rows written."""
+        pairs, row = [], 0
+        for item_pixels in pixel_list:
+            pairs.append((target[row : row + item_pixels.shape[0]], item_pixels))
+            row += item_pixels.shape[0]
+        if self._staging is None:
+            for rows, item_pixels in pairs:
+                rows.copy_(item_pixels)
+        else:
+            self._staging.copy(pairs)
+        return row
 
     def _static_forward(self, budget: Budget) -> list[torch.Tensor]:
         """The forward over the budget's buffers (captured, checked, or run eager when disabled),
