@@ -29,7 +29,7 @@ def main() -> None:
     parser.add_argument("--side", type=int, default=224)
     parser.add_argument("--items", type=int, default=1)
     parser.add_argument("--runs", type=int, default=100)
-    parser.add_argument("--compiled-blocks", default="on", choices=("on", "off"))
+    parser.add_argument("--compiled-blocks", default="off", choices=("on", "off"))
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as directory:
