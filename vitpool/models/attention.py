@@ -55,7 +55,8 @@ FA4_MIN_ROWS_PER_SEQUENCE = 4096
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 # The kernel the batch running now must use ("fa2", "fa4"); None: the hook decides
 _BACKEND: contextvars.ContextVar[str | None] = contextvars.ContextVar("vitpool_attention", default=None)
-# (data_ptr, numel) of a device tensor -> its values, for the 1-D int32 metadata of the batch running now (eager only)
+# (data_ptr, numel) of a device tensor -> its values, for the 1-D int32 metadata of the batch
+# running now (eager only)
 _KNOWN_BOUNDARIES: contextvars.ContextVar[dict[tuple[int, int], tuple[int, ...]] | None] = contextvars.ContextVar(
     "vitpool_known_boundaries", default=None
 )
