@@ -10,8 +10,12 @@ symbolic, so 27 blocks and every budget share one compile per class (the "region
 PyTorch recommends for repeated layers). Attention stays outside the compiled code, as an opaque
 custom op (`vitpool.models.attention`), so the kernel behind it is still chosen at run time.
 
-It takes effect only inside `use_compiled_blocks(True)` (the encoder sets it around its GPU
-forwards, before capture, so every graph records the compiled kernels) and only on CUDA tensors;
+It is off by default (`GraphEncoder(compiled_blocks=True)` turns it on): on an H100 it cut a
+224-row forward's replay from 2.34 to 1.97 ms but moved neither the pool's throughput nor the
+latency benchmarks measurably, and it adds the compile (or, warm, the trace) to every start
+(`benchmarks/RESULTS.md`). It takes effect only inside `use_compiled_blocks(True)` (the encoder
+sets it around its GPU forwards, before capture, so every graph records the compiled kernels) and
+only on CUDA tensors;
 anything else runs Hugging Face's forward, so the CPU path stays the exact reference. A block class
 whose compile fails runs eager from then on, with a warning in the log.
 
@@ -127,7 +131,10 @@ def _compiled_forward(cls: type) -> Callable:
     with _STATE_LOCK:
         compiled = _COMPILED_FORWARDS.get(cls)
         if compiled is None:
-            logger.info("compiling %s blocks (a first start on this node takes a while; later ones read the cache)", cls.__name__)
+            logger.info(
+                "compiling %s blocks (a first start on this node takes a while; later ones read the cache)",
+                cls.__name__,
+            )
             compiled = torch.compile(cls.forward, dynamic=True)
             _COMPILED_FORWARDS[cls] = compiled
         return compiled
