@@ -15,13 +15,13 @@ It is off by default (`GraphEncoder(compiled_blocks=True)` turns it on): on an H
 latency benchmarks measurably, and it adds the compile (or, warm, the trace) to every start
 (`benchmarks/RESULTS.md`). It takes effect only inside `use_compiled_blocks(True)` (the encoder
 sets it around its GPU forwards, before capture, so every graph records the compiled kernels) and
-only on CUDA tensors;
-anything else runs Hugging Face's forward, so the CPU path stays the exact reference. A block class
-whose compile fails runs eager from then on, with a warning in the log.
+only on CUDA tensors; anything else runs Hugging Face's forward, so the CPU path stays the exact
+reference. A block class whose compile fails runs eager from then on, with a warning in the log.
 
 Inductor keeps what it compiles on disk (`compile_cache_dir`: FX graphs, Triton kernels, autotuning
-results), written atomically, so actors on one node share it and may start at the same time; a
-second start skips the code generation.
+results); it writes each entry to a temporary file and renames it into place, so the actors of a
+node can share one directory. A start with a warm cache skips the code generation (on an H100 the
+blocks took 3.8 s instead of 8.8 s); dynamo still traces.
 """
 
 from __future__ import annotations
