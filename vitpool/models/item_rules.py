@@ -32,15 +32,9 @@ class SpatialMergeRules:
         return (self.row_width,)
 
     def item_spec(self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, metadata: Any) -> ItemSpec:
-        t, h, w = grid = parse_grid(metadata)
-        if modality == IMAGE and t != 1:
-            raise ValueError(f"an Image has grid t == 1, got grid_thw {grid}; use Video for clips")
-        if t <= 0 or h <= 0 or w <= 0:
-            raise ValueError(f"grid_thw {grid} has a zero or negative size")
-        if h % self.merge_size or w % self.merge_size:
-            raise ValueError(
-                f"grid_thw {grid}: h and w must be multiples of the spatial merge size {self.merge_size}"
-            )
+        t, h, w = grid = checked_grid(
+            modality, metadata, (self.merge_size, self.merge_size), f"spatial merge size {self.merge_size}"
+        )
         if len(pixel_shape) != 2:
             raise ValueError(
                 f"pixel_values must be 2-D [t*h*w, C*T*P*P] (flattened patches); got shape {pixel_shape}"
@@ -51,8 +45,7 @@ class SpatialMergeRules:
                 f"{self.row_width} (channels * temporal patch * patch * patch)"
             )
         num_rows = t * h * w
-        if pixel_shape[0] != num_rows:
-            raise ValueError(f"pixel_values have {pixel_shape[0]} rows but grid_thw {grid} needs t*h*w = {num_rows}")
+        check_row_count(pixel_shape, grid, num_rows, "t*h*w")
         return ItemSpec(modality, pixel_shape, pixel_dtype, grid, num_rows // self.merge_size**2, ((SEQUENCES, t),))
 
     def budgets(
@@ -60,6 +53,48 @@ class SpatialMergeRules:
     ) -> list[Budget]:
         check_capacity_limits(capacity_limits, self.capacities)
         return make_budgets(token_budgets, max_items_per_batch, capacity_limits.get(SEQUENCES))
+
+
+def checked_grid(
+    modality: str, grid_thw: Any, merge: tuple[int, int], merge_name: str, takes_video: bool = True
+) -> tuple[int, int, int]:
+    """One item's (t, h, w) with the checks every grid family makes: an Image has one frame, no
+    size is zero or negative, h and w are multiples of the merge window `merge` (called
+    `merge_name` in the message). ValueError naming what is wrong."""
+    t, h, w = grid = parse_grid(grid_thw)
+    if modality == IMAGE and t != 1:
+        advice = "; use Video for clips" if takes_video else ""
+        raise ValueError(f"an Image has grid t == 1, got grid_thw {grid}{advice}")
+    if t <= 0 or h <= 0 or w <= 0:
+        raise ValueError(f"grid_thw {grid} has a zero or negative size")
+    if h % merge[0] or w % merge[1]:
+        raise ValueError(f"grid_thw {grid}: h and w must be multiples of the {merge_name}")
+    return grid
+
+
+def check_patch_rows(
+    pixel_shape: tuple[int, ...],
+    row_shape: tuple[int, ...],
+    grid: tuple[int, int, int],
+    num_rows: int,
+    rows_formula: str,
+) -> None:
+    """Pixels of towers that take one patch per row: [num_rows, *row_shape]."""
+    if len(pixel_shape) != 1 + len(row_shape):
+        raise ValueError(
+            f"pixel_values must be {1 + len(row_shape)}-D [{rows_formula}, C, P, P] (one patch per row); "
+            f"got shape {pixel_shape}"
+        )
+    if tuple(pixel_shape[1:]) != row_shape:
+        raise ValueError(f"pixel_values have patches of shape {tuple(pixel_shape[1:])}; the model takes {row_shape}")
+    check_row_count(pixel_shape, grid, num_rows, rows_formula)
+
+
+def check_row_count(pixel_shape: tuple[int, ...], grid: tuple[int, int, int], num_rows: int, rows_formula: str) -> None:
+    if pixel_shape[0] != num_rows:
+        raise ValueError(
+            f"pixel_values have {pixel_shape[0]} rows but grid_thw {grid} needs {rows_formula} = {num_rows}"
+        )
 
 
 def parse_grid(grid_thw: Any) -> tuple[int, int, int]:

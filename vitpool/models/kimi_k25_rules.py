@@ -18,9 +18,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vitpool.models.item_rules import parse_grid
+from vitpool.models.item_rules import check_patch_rows, checked_grid
 from vitpool.packing import Budget, plain_budgets
-from vitpool.specs import IMAGE, ItemSpec, check_capacity_limits
+from vitpool.specs import ItemSpec, check_capacity_limits
 
 EXTRA_ROWS = "extra_rows"  # rows of a clip's frames past its first (t - 1) * h * w
 
@@ -50,23 +50,10 @@ class KimiK25Rules:
         return self.merge_kernel[0] * self.merge_kernel[1]
 
     def item_spec(self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, metadata: Any) -> ItemSpec:
-        t, h, w = grid = parse_grid(metadata)
-        if modality == IMAGE and t != 1:
-            raise ValueError(f"an Image has grid t == 1, got grid_thw {grid}; use Video for clips")
-        if t <= 0 or h <= 0 or w <= 0:
-            raise ValueError(f"grid_thw {grid} has a zero or negative size")
+        t, h, w = grid = checked_grid(modality, metadata, self.merge_kernel, f"merge kernel {self.merge_kernel}")
         if t > self.max_frames:
             raise ValueError(f"grid_thw {grid}: at most {self.max_frames} frames per clip (the model's pos_emb_time)")
-        kh, kw = self.merge_kernel
-        if h % kh or w % kw:
-            raise ValueError(f"grid_thw {grid}: h and w must be multiples of the merge kernel {self.merge_kernel}")
-        if len(pixel_shape) != 4:
-            raise ValueError(f"pixel_values must be 4-D [t*h*w, C, P, P] (one patch per row); got shape {pixel_shape}")
-        if tuple(pixel_shape[1:]) != self.row_shape:
-            raise ValueError(f"pixel_values have patches of shape {tuple(pixel_shape[1:])}; the model takes {self.row_shape}")
-        num_rows = t * h * w
-        if pixel_shape[0] != num_rows:
-            raise ValueError(f"pixel_values have {pixel_shape[0]} rows but grid_thw {grid} needs t*h*w = {num_rows}")
+        check_patch_rows(pixel_shape, self.row_shape, grid, t * h * w, "t*h*w")
         return ItemSpec(modality, tuple(pixel_shape), pixel_dtype, grid, h * w // self.merge_unit, ((EXTRA_ROWS, (t - 1) * h * w),))
 
     def extra_rows(self, num_tokens: int) -> int:

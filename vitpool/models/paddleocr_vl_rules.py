@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vitpool.models.item_rules import parse_grid
+from vitpool.models.item_rules import check_patch_rows, checked_grid
 from vitpool.packing import Budget, plain_budgets
 from vitpool.specs import VIDEO, ItemSpec, check_capacity_limits
 
@@ -45,20 +45,12 @@ class PaddleOCRVLRules:
     def item_spec(self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, metadata: Any) -> ItemSpec:
         if modality == VIDEO:
             raise ValueError("PaddleOCR-VL takes images only; pass each frame as an Image")
-        t, h, w = grid = parse_grid(metadata)
-        if t <= 0 or h <= 0 or w <= 0:
-            raise ValueError(f"grid_thw {grid} has a zero or negative size")
-        if t != 1:
-            raise ValueError(f"an Image has grid t == 1, got grid_thw {grid}")
-        if h % self.merge_size or w % self.merge_size:
-            raise ValueError(f"grid_thw {grid}: h and w must be multiples of the spatial merge size {self.merge_size}")
-        if len(pixel_shape) != 4:
-            raise ValueError(f"pixel_values must be 4-D [h*w, C, P, P] (one patch per row); got shape {pixel_shape}")
-        if tuple(pixel_shape[1:]) != self.row_shape:
-            raise ValueError(f"pixel_values have patches of shape {tuple(pixel_shape[1:])}; the model takes {self.row_shape}")
+        _, h, w = grid = checked_grid(
+            modality, metadata, (self.merge_size, self.merge_size), f"spatial merge size {self.merge_size}",
+            takes_video=False,
+        )
         num_rows = h * w
-        if pixel_shape[0] != num_rows:
-            raise ValueError(f"pixel_values have {pixel_shape[0]} rows but grid_thw {grid} needs h*w = {num_rows}")
+        check_patch_rows(pixel_shape, self.row_shape, grid, num_rows, "h*w")
         return ItemSpec(modality, tuple(pixel_shape), pixel_dtype, grid, num_rows // self.merge_unit)
 
     def budgets(
