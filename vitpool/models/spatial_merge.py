@@ -5,6 +5,7 @@ that form one trailing sequence of their own. Towers that attend over a whole it
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Sequence
 
@@ -64,14 +65,7 @@ def grids_of(specs: Sequence[ItemSpec], num_rows: int, budget: Budget) -> list[G
 def frame_cu_seqlens(grids: Sequence[Grid], num_rows: int, max_sequences: int) -> torch.Tensor:
     """cu_seqlens [max_sequences + 2] (int32): one sequence per frame of each item, in order from
     row 0; the unused entries repeat `num_rows`, so the padding rows form one trailing sequence."""
-    cu_seqlens = torch.full((max_sequences + 2,), num_rows, dtype=torch.int32)
-    cu_seqlens[0] = 0
-    boundaries, row = [], 0
-    for t, h, w in grids:
-        boundaries.extend(row + h * w * (frame + 1) for frame in range(t))
-        row += t * h * w
-    cu_seqlens[1 : len(boundaries) + 1] = torch.tensor(boundaries, dtype=torch.int32)
-    return cu_seqlens
+    return _packed_cu_seqlens([h * w for t, h, w in grids for _ in range(t)], num_rows, max_sequences)
 
 
 def item_grids(specs: Sequence[ItemSpec], num_rows: int, budget: Budget) -> list[Grid]:
@@ -91,10 +85,15 @@ def item_cu_seqlens(grids: Sequence[Grid], num_rows: int, max_items: int) -> tor
     """cu_seqlens [max_items + 2] (int32): one sequence per item (a clip attends across its
     frames), in order from row 0; the unused entries repeat `num_rows`, so the padding rows form
     one trailing sequence."""
-    cu_seqlens = torch.full((max_items + 2,), num_rows, dtype=torch.int32)
+    return _packed_cu_seqlens([t * h * w for t, h, w in grids], num_rows, max_items)
+
+
+def _packed_cu_seqlens(lengths: Sequence[int], num_rows: int, capacity: int) -> torch.Tensor:
+    """cu_seqlens [capacity + 2] (int32) of sequences of `lengths` packed from row 0, then the
+    padding rows as one trailing sequence (the unused entries repeat `num_rows`)."""
+    cu_seqlens = torch.full((capacity + 2,), num_rows, dtype=torch.int32)
     cu_seqlens[0] = 0
-    ends = torch.tensor([t * h * w for t, h, w in grids], dtype=torch.int64).cumsum(0)
-    cu_seqlens[1 : len(grids) + 1] = ends.to(torch.int32)
+    cu_seqlens[1 : len(lengths) + 1] = torch.tensor(list(itertools.accumulate(lengths)), dtype=torch.int32)
     return cu_seqlens
 
 
