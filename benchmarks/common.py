@@ -88,6 +88,19 @@ def time_ms(function, runs: int, warmup: int, synchronize: bool = True) -> list[
     return samples
 
 
+def padded_image_batch(adapter, rows: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Pixels and metadata on the GPU for one square image padded to `rows` rows (a budget of
+    rows // 4 tokens, at most 4 sequences): the inputs of one static forward, as captured."""
+    from vitpool.packing import SEQUENCES, Budget
+
+    side = 2 * int(rows**0.5 / 2)  # the rest of the rows are padding
+    spec = adapter.item_rules.item_spec("image", (side * side, *adapter.row_shape), "bfloat16", (1, side, side))
+    budget = Budget(rows // 4, ((SEQUENCES, 4),), 4)
+    metadata = {k: v.cuda() for k, v in adapter.build_metadata([spec], rows, budget).items()}
+    pixels = torch.randn(rows, *adapter.row_shape, device="cuda", dtype=torch.bfloat16)
+    return pixels, metadata
+
+
 def gpu_ms(function, runs: int, warmup: int = 5) -> list[float]:
     """`runs` GPU-side timings (CUDA events around each call) of `function` in ms after `warmup`."""
     samples = []

@@ -19,14 +19,13 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from common import QWEN3_VL_8B_VISION, gpu_ms, summarize
+from common import QWEN3_VL_8B_VISION, gpu_ms, padded_image_batch, summarize
 from torch.profiler import ProfilerActivity, profile
 
 from vitpool.models import load_adapter
 from vitpool.models.attention import fa4_available, use_attention
 from vitpool.models.compiled import use_compiled_blocks
 from vitpool.models.fused import use_fused_ops
-from vitpool.packing import SEQUENCES, Budget
 
 # First match wins: (class, pattern over the kernel's name)
 CLASSES = [
@@ -47,11 +46,7 @@ def kernel_class(name: str) -> str:
 
 
 def breakdown(adapter, rows: int, backend: str, fused_work: str) -> dict:
-    side = 2 * int(rows**0.5 / 2)  # one square image; the rest of the rows are padding
-    spec = adapter.item_rules.item_spec("image", (side * side, *adapter.row_shape), "bfloat16", (1, side, side))
-    budget = Budget(rows // 4, ((SEQUENCES, 4),), 4)
-    metadata = {k: v.cuda() for k, v in adapter.build_metadata([spec], rows, budget).items()}
-    pixels = torch.randn(rows, *adapter.row_shape, device="cuda", dtype=torch.bfloat16)
+    pixels, metadata = padded_image_batch(adapter, rows)
     fused, compiled = fused_work in ("on", "compiled"), fused_work == "compiled"
     with torch.no_grad(), use_attention(backend), use_fused_ops(fused), use_compiled_blocks(compiled):
         for _ in range(3):

@@ -11,11 +11,10 @@ import tempfile
 from pathlib import Path
 
 import torch
-from encoder_latency import QWEN3_VL_8B_VISION
+from common import QWEN3_VL_8B_VISION, padded_image_batch
 from torch.profiler import ProfilerActivity, profile
 
 from vitpool.models import load_adapter
-from vitpool.packing import SEQUENCES, Budget
 
 
 def main() -> None:
@@ -25,12 +24,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as directory:
         (Path(directory) / "config.json").write_text(json.dumps(QWEN3_VL_8B_VISION))
         adapter = load_adapter(directory, torch.device("cuda"), torch.bfloat16)
-    side = 2 * int(args.rows**0.5 / 2)  # one square image, the rest padding
-    grids = [(1, side, side)]
-    spec = adapter.item_rules.item_spec("image", (side * side, *adapter.row_shape), "bfloat16", grids[0])
-    budget = Budget(args.rows // 4, ((SEQUENCES, 4),), 4)
-    metadata = {k: v.cuda() for k, v in adapter.build_metadata([spec], args.rows, budget).items()}
-    pixels = torch.randn(args.rows, *adapter.row_shape, device="cuda", dtype=torch.bfloat16)
+    pixels, metadata = padded_image_batch(adapter, args.rows)
     with torch.no_grad():
         for _ in range(3):
             adapter.forward(pixels, metadata)
@@ -38,7 +32,7 @@ def main() -> None:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             adapter.forward(pixels, metadata)
             torch.cuda.synchronize()
-    print(f"GPU: {torch.cuda.get_device_name()}, rows {args.rows}, grid {grids}")
+    print(f"GPU: {torch.cuda.get_device_name()}, rows {args.rows} (one square image, the rest padding)")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15, max_name_column_width=70))
 
 
