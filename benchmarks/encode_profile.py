@@ -83,8 +83,23 @@ def _phases(encoder, items, budget, runs: int) -> dict:
             samples.append((time.perf_counter() - start) * 1e3)
         return summarize(samples)
 
+    rows = encoder._rows(budget)
+    views, metadata_views = encoder._buffers.input_views(rows, budget)
+    filled = sum(p.shape[0] for p in pixels)
+    metadata = encoder.adapter.build_metadata(specs, rows, budget)
+
+    def zero_padding() -> None:
+        views[filled:].zero_()
+
+    def copy_metadata() -> None:
+        for name, tensor in metadata.items():
+            metadata_views[name].copy_(tensor, non_blocking=True)
+
     return {
         "prepare items (checks)": timed(lambda: prepare_items(items, encoder.adapter.item_rules), False),
+        "fill: copy pixels": timed(lambda: encoder._copy_rows(views, pixels), False),
+        "fill: zero padding": timed(zero_padding, False),
+        "fill: metadata copies": timed(copy_metadata, False),
         "fill buffers": timed(lambda: encoder._fill(budget, specs, pixels), False),
         "fill buffers + wait": timed(lambda: encoder._fill(budget, specs, pixels), True),
         "metadata on the host": timed(lambda: encoder.adapter.build_metadata(specs, encoder._rows(budget), budget), False),

@@ -1,5 +1,6 @@
-"""GPU: the fused rotary kernel and the patch embedding as a GEMM against Hugging Face's own code
-(bf16), and an encoder with them against one without (each budget checked at capture)."""
+"""GPU: the fused rotary kernel, the patch embedding as a GEMM and the GELU-epilogue MLP against
+Hugging Face's own code (bf16), and an encoder with them against one without (each budget checked
+at capture)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 from conftest import image, relative_error, video
 
 from vitpool import GraphEncoder
-from vitpool.models.fused import ROTARY_FUNCTION, fused_rotary, use_fused_ops
+from vitpool.models.fused import ROTARY_FUNCTION, fused_rotary, gelu_mlp_layout, use_fused_ops
 
 pytestmark = pytest.mark.gpu
 
@@ -50,23 +51,47 @@ def test_the_patch_embedding_as_a_gemm_matches_the_convolution(monkeypatch):
     assert relative_error(got, torch.nn.Conv3d.forward(conv, x)) <= 1e-2
 
 
+@pytest.mark.parametrize("rows", [1, 196, 3136])
+def test_the_gelu_epilogue_mlp_matches_hugging_face(monkeypatch, rows):
+    encoder = GraphEncoder.from_pretrained(None, budgets=[16], device="cuda")
+    mlp = next(m for m in encoder.adapter.tower.modules() if gelu_mlp_layout(m) is not None)
+    epilogues = []
+    addmm_activation = torch._addmm_activation
+    monkeypatch.setattr(torch, "_addmm_activation", lambda *a, **k: epilogues.append(1) or addmm_activation(*a, **k))
+    generator = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, mlp.linear_fc1.in_features, device="cuda", dtype=torch.bfloat16, generator=generator)
+    with torch.no_grad(), use_fused_ops(True):
+        got = mlp(x)
+    assert epilogues  # the epilogue path ran
+    want = type(mlp).forward(mlp, x)
+    assert torch.isfinite(got).all() and relative_error(got, want) <= 1e-2
+
+
 def test_every_family_runs_the_fused_rotary(monkeypatch, tmp_path):
     """Each family's tower reaches the Triton kernel (Kimi-K2.5's 4-D q and k included)."""
     from family_tiny import FAMILY_CASES, mixed_items, save_tiny_tower
 
     from vitpool.models import fused
 
-    calls = []
+    calls, epilogues = [], []
     original = fused.fused_rotary
     monkeypatch.setattr(fused, "fused_rotary", lambda *args: calls.append(1) or original(*args))
+    addmm_activation = torch._addmm_activation
+    monkeypatch.setattr(torch, "_addmm_activation", lambda *a, **k: epilogues.append(1) or addmm_activation(*a, **k))
+    with_tanh_gelu_mlps = set()
     for family in sorted(FAMILY_CASES):
         calls.clear()
+        epilogues.clear()
         # compiled blocks run the rotary as inductor fuses it, so they are off here
         encoder = GraphEncoder.from_pretrained(
             save_tiny_tower(family, tmp_path / family), budgets=[64], device="cuda", compiled_blocks=False
         )
         assert calls, family  # captured with the fused kernel
+        if any(gelu_mlp_layout(m) is not None for m in encoder.adapter.tower.modules()):
+            with_tanh_gelu_mlps.add(family)
+            assert epilogues, family  # and with the GELU in the GEMM's epilogue
         assert all(torch.isfinite(e.tokens).all() for e in encoder.encode(mixed_items(family, seed=3)))
+    assert with_tanh_gelu_mlps == {"kimi_k25", "paddleocr_vl", "qwen3_5"}
 
 
 def test_every_familys_blocks_compile_and_agree_with_the_uncompiled_encoder(tmp_path):

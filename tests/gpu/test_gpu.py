@@ -182,6 +182,44 @@ def test_batches_queued_back_to_back_keep_their_own_pixels(gpu_encoder):
         assert torch.equal(got.tokens, alone.tokens)
 
 
+def test_non_finite_pixels_fail_their_item_alone_inside_a_graph(gpu_encoder):
+    """The graph checks and cleans its own pixels: a NaN or infinite item fails alone, the others
+    of its batch (and the next batch, in the same buffers) give what they give alone."""
+    generator = torch.Generator().manual_seed(37)
+    good = [image(8, 8, generator), image(8, 12, generator)]
+    bad = [image(8, 8, generator), image(4, 4, generator)]
+    bad[0].pixel_values[5, 3] = float("nan")
+    bad[1].pixel_values[0, 0] = float("inf")
+    replays = sum(gpu_encoder.stats().replays_per_budget.values())
+    outcomes = gpu_encoder.encode_each([good[0], bad[0], good[1], bad[1]])
+    assert sum(gpu_encoder.stats().replays_per_budget.values()) == replays + 1  # one graph batch
+    assert [type(o).__name__ for o in outcomes] == ["Embedding", "InvalidItemError", "Embedding", "InvalidItemError"]
+    assert outcomes[1].index == 1 and outcomes[3].index == 3 and "NaN or infinity" in outcomes[1].reason
+    for got, item in zip((outcomes[0], outcomes[2]), good):
+        assert torch.isfinite(got.tokens).all() and torch.equal(got.tokens, gpu_encoder.encode([item])[0].tokens)
+
+
+def test_small_host_items_are_staged_together_when_their_batch_is_large(gpu_encoder, gpu_reference):
+    """Items under 4 MB each but over it together pass through pinned memory as one batch; one of
+    them alone copies directly. Either way each gives what it gives alone, and what the tower gives."""
+    from vitpool.graphs.buffers import PinnedStaging
+
+    generator = torch.Generator().manual_seed(29)
+    items = [image(16, 16, generator) for _ in range(4)]
+    sizes = [it.pixel_values.nbytes for it in items]
+    assert max(sizes) < PinnedStaging.MIN_BYTES <= sum(sizes)
+    staging = gpu_encoder._staging
+    before = staging._copied
+    together = gpu_encoder.encode(items)
+    assert staging._copied is not before  # staged
+    before = staging._copied
+    alone = [gpu_encoder.encode([item])[0] for item in items]
+    assert staging._copied is before  # not staged
+    for got, want in zip(together, alone):
+        assert torch.equal(got.tokens, want.tokens)
+    assert_close_to_reference(gpu_reference, items, together)
+
+
 def test_large_host_pixels_pass_through_pinned_memory_unchanged(gpu_encoder, gpu_reference):
     """Items of 4 MB and more are converted into pinned memory before their copy: several such
     batches back to back (and an eager one) give what each item gives alone, and what the

@@ -1,4 +1,4 @@
-"""The fused rotary and patch embedding are installed in every family's modeling code through the
+"""The fused rotary, patch embedding and GELU-epilogue MLP are installed in every family's modeling code through the
 shared attention hook, and stay out of the way off the GPU (the kernels themselves: tests/gpu)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import sys
 import torch
 
 from vitpool import GraphEncoder
-from vitpool.models.fused import ROTARY_FUNCTION, _is_patch_conv, use_fused_ops
+from vitpool.models.fused import ROTARY_FUNCTION, _is_patch_conv, gelu_mlp_layout, use_fused_ops
 
 
 def test_installing_wraps_the_rotary_function_of_the_towers_modeling_module():
@@ -50,3 +50,35 @@ def test_a_tower_with_fused_ops_installed_still_pickles(tmp_path):
     conv = next(m for m in loaded.modules() if isinstance(m, torch.nn.Conv3d))
     x = torch.randn(2, conv.in_channels, *conv.kernel_size)
     assert torch.equal(conv(x), torch.nn.Conv3d.forward(conv, x))
+
+
+def test_tanh_gelu_mlps_take_the_epilogue_forward_and_keep_their_cpu_result():
+    encoder = GraphEncoder.from_pretrained(None, budgets=[16], device="cpu")
+    tower = encoder.adapter.tower
+    mlps = [m for m in tower.modules() if gelu_mlp_layout(m) is not None]
+    assert len(mlps) == tower.config.depth  # the blocks' MLPs; the mergers' erf GELU is not tanh
+    assert all("forward" in vars(mlp) for mlp in mlps)
+    mlp = mlps[0]
+    x = torch.randn(7, mlp.linear_fc1.in_features)
+    with use_fused_ops(True):  # CPU tensors: Hugging Face's own math, bit for bit
+        assert torch.equal(mlp(x), type(mlp).forward(mlp, x))
+
+
+class _Mlp(torch.nn.Module):
+    def __init__(self, activation: torch.nn.Module, bias: bool = True, extra: bool = False) -> None:
+        super().__init__()
+        self.fc1, self.act, self.fc2 = torch.nn.Linear(4, 8, bias=bias), activation, torch.nn.Linear(8, 4)
+        if extra:
+            self.dropout = torch.nn.Dropout(0.1)
+
+
+def test_only_linear_tanh_gelu_linear_mlps_qualify():
+    from transformers.activations import ACT2FN
+
+    assert gelu_mlp_layout(_Mlp(torch.nn.GELU(approximate="tanh"))) == ("fc1", "act", "fc2")
+    assert gelu_mlp_layout(_Mlp(ACT2FN["gelu_pytorch_tanh"])) is not None
+    assert gelu_mlp_layout(_Mlp(ACT2FN["gelu_new"])) is not None
+    assert gelu_mlp_layout(_Mlp(torch.nn.GELU())) is None  # erf GELU: not cuBLASLt's epilogue
+    assert gelu_mlp_layout(_Mlp(ACT2FN["quick_gelu"])) is None
+    assert gelu_mlp_layout(_Mlp(torch.nn.GELU(approximate="tanh"), bias=False)) is None
+    assert gelu_mlp_layout(_Mlp(torch.nn.GELU(approximate="tanh"), extra=True)) is None  # may take part in forward

@@ -18,7 +18,7 @@ from vitpool.packing import Budget
 
 class StaticBuffers:
     """pixels [max_rows, *row_shape]; metadata as the adapter names it, each as large as any
-    budget needs; outputs [max_tokens, *output_row_shape], one per output tensor."""
+    budget needs; finite [max_rows]; outputs [max_tokens, *output_row_shape], one per output tensor."""
 
     def __init__(self, adapter: VisionAdapter, budgets: Sequence[Budget], device: torch.device, dtype: torch.dtype) -> None:
         self._adapter = adapter
@@ -29,7 +29,8 @@ class StaticBuffers:
             name: torch.zeros(spec.shape, dtype=spec.dtype, device=device)
             for name, spec in _largest_metadata(adapter, budgets).items()
         }
-        # written by the captured graphs
+        # written by the captured graphs: whether each pixel row was finite, and the outputs
+        self.finite = torch.ones(max_rows, device=device, dtype=torch.bool)
         self.outputs = [
             torch.zeros(max_tokens, *row_shape, device=device, dtype=dtype) for row_shape in adapter.output_row_shapes
         ]
@@ -69,7 +70,7 @@ class PinnedStaging:
     pixels of one 896² image (19 MB) took 2.4 ms of host time on an H100 machine
     (`benchmarks/encode_profile.py`). Converting them to the compute dtype into pinned memory on
     the CPU (with torch's threads) and copying that by DMA moves half the bytes, and the copy no
-    longer holds the host. Small tensors go directly: for one 224² image (1.2 MB) a staging pass
+    longer holds the host. Small batches go directly: for one 224² image (1.2 MB) a staging pass
     cost more than it saved (0.76 against 0.49 ms). Tensors already pinned (the pool's shared
     segments are registered with CUDA) always go directly.
     """
@@ -84,16 +85,18 @@ class PinnedStaging:
 
     def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """target.copy_(source) for each (rows on the device, rows anywhere) pair; returns once the
-        copies are queued."""
+        copies are queued. The batch's host pixels are staged together when they add up to
+        MIN_BYTES: four 224² images (4.8 MB) are as slow through pageable memory as one tensor
+        of their size."""
         staged = [self._wants(source) for _, source in pairs]
+        staged_bytes = sum(source.nbytes for (_, source), stage in zip(pairs, staged) if stage)
+        num_rows = sum(source.shape[0] for (_, source), stage in zip(pairs, staged) if stage)
+        if staged_bytes < self.MIN_BYTES or num_rows * self._row_bytes() > self.MAX_BYTES:
+            staged = [False] * len(pairs)
         for (target, source), stage in zip(pairs, staged):
             if not stage:
                 target.copy_(source, non_blocking=True)
-        num_rows = sum(source.shape[0] for (_, source), stage in zip(pairs, staged) if stage)
-        if not num_rows or num_rows * self._row_bytes() > self.MAX_BYTES:
-            for (target, source), stage in zip(pairs, staged):
-                if stage:
-                    target.copy_(source, non_blocking=True)
+        if not any(staged):
             return
         if self._copied is not None:
             self._copied.synchronize()  # the previous batch's copies have left the pinned rows
@@ -110,10 +113,49 @@ class PinnedStaging:
         self._copied.record(torch.cuda.current_stream(self._device))
 
     def _wants(self, source: torch.Tensor) -> bool:
-        return (
-            source.device.type == "cpu" and source.nbytes >= self.MIN_BYTES
-            and tuple(source.shape[1:]) == self._row_shape and not source.is_pinned()
-        )
+        return source.device.type == "cpu" and tuple(source.shape[1:]) == self._row_shape and not source.is_pinned()
 
     def _row_bytes(self) -> int:
         return self._rows.element_size() * math.prod(self._row_shape)
+
+
+class PinnedMetadata:
+    """Pinned host memory that a batch's metadata passes through on its way to the static buffers.
+
+    CUDA makes a copy from pageable memory wait for the work already queued on its stream. From
+    pageable memory the metadata of the next batch would wait for the replay before it, and the
+    GPU would sit idle while the host finished that batch's fill and launched its replay. From
+    pinned memory the copies queue behind the replay and the host goes on. Two slots, so the
+    host never waits for the copies of the batch it has just queued.
+    """
+
+    SLOTS = 2
+    ALIGN = 64  # bytes; every dtype's views start aligned
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._arenas = [torch.empty(0, dtype=torch.uint8) for _ in range(self.SLOTS)]
+        self._copied: list[torch.cuda.Event | None] = [None] * self.SLOTS
+        self._slot = 0
+
+    def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """target.copy_(source) for each (device tensor, host tensor) pair; returns once queued."""
+        slot, self._slot = self._slot, (self._slot + 1) % self.SLOTS
+        if self._copied[slot] is not None:
+            self._copied[slot].synchronize()  # this slot's previous copies have left it
+        sizes = [_aligned(source.numel() * source.element_size(), self.ALIGN) for _, source in pairs]
+        if self._arenas[slot].numel() < sum(sizes):
+            self._arenas[slot] = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=True)
+        offset = 0
+        for (target, source), size in zip(pairs, sizes):
+            nbytes = source.numel() * source.element_size()
+            pinned = self._arenas[slot][offset : offset + nbytes].view(source.dtype).view(source.shape)
+            pinned.copy_(source)
+            target.copy_(pinned, non_blocking=True)
+            offset += size
+        self._copied[slot] = torch.cuda.Event()
+        self._copied[slot].record(torch.cuda.current_stream(self._device))
+
+
+def _aligned(nbytes: int, alignment: int) -> int:
+    return -(-nbytes // alignment) * alignment

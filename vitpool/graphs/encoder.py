@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from vitpool.errors import ConfigError, InvalidItemError
-from vitpool.graphs.buffers import PinnedStaging, StaticBuffers
+from vitpool.graphs.buffers import PinnedMetadata, PinnedStaging, StaticBuffers
 from vitpool.graphs.capture import capture_all
 from vitpool.graphs.defaults import default_token_budgets, dtype_from_name, resolve_device, resolve_dtype
 from vitpool.graphs.inputs import (
@@ -135,6 +135,7 @@ class GraphEncoder:
         self._buffers = StaticBuffers(adapter, self.budgets, self.device, self.dtype)
         on_gpu = self.device.type == "cuda"
         self._staging = PinnedStaging(adapter.row_shape, self.dtype, self.device) if on_gpu else None
+        self._metadata_staging = PinnedMetadata(self.device) if on_gpu else None
         self._graphs: dict[Budget, torch.cuda.CUDAGraph] = {}
         self._stats = EncoderStats()
         self._lock = threading.Lock()  # one batch at a time owns the static buffers
@@ -379,7 +380,7 @@ class GraphEncoder:
             self._stats.replays_per_budget[budget.num_tokens] = self._stats.replays_per_budget.get(budget.num_tokens, 0) + 1
             self._stats.batch_rows += rows
             self._stats.padding_rows += rows - sum(spec.num_rows for spec in specs)
-            finite = self._fill(budget, specs, [member.pixels for member in members])
+            item_rows = self._fill(budget, specs, [member.pixels for member in members])
             graph = self._graphs.get(budget)
             if graph is None:
                 self._stats.eager_items += len(members)
@@ -388,8 +389,9 @@ class GraphEncoder:
                 self._stats.graph_items += len(members)
                 graph.replay()
                 outputs = self._buffers.output_views(num_tokens)
-                if not to_host:  # the next replay overwrites the output buffers
-                    return [output.clone() for output in outputs], finite
+            finite = self._buffers.finite[:item_rows].clone()  # the next replay overwrites it
+            if graph is not None and not to_host:  # ... and the output buffers
+                return [output.clone() for output in outputs], finite
         if to_host:
             outputs = [self._to_host(output) for output in outputs]
         return outputs, finite
@@ -413,20 +415,20 @@ class GraphEncoder:
         with boundaries, self._kernels(None if auto else self.attention):
             return self.adapter.forward(pixels, metadata), finite
 
-    def _fill(self, budget: Budget, specs: list, pixel_list: list[torch.Tensor]) -> torch.Tensor:
-        """Write a batch into the budget's views of the static buffers, padding rows included.
-
-        Returns whether each item row is finite [rows], computed on the device.
-        """
+    def _fill(self, budget: Budget, specs: list, pixel_list: list[torch.Tensor]) -> int:
+        """Write a batch into the budget's views of the static buffers, padding rows included;
+        returns the items' rows. The static forward checks and cleans the pixels itself."""
         rows = self._rows(budget)
         pixels, metadata = self._buffers.input_views(rows, budget)
         row = self._copy_rows(pixels, pixel_list)
-        finite = finite_rows(pixels[:row])
-        _zero_nonfinite(pixels[:row])
         pixels[row:].zero_()
-        for name, tensor in self.adapter.build_metadata(specs, rows, budget).items():
-            metadata[name].copy_(tensor, non_blocking=True)
-        return finite
+        pairs = [(metadata[name], tensor) for name, tensor in self.adapter.build_metadata(specs, rows, budget).items()]
+        if self._metadata_staging is None:
+            for target, tensor in pairs:
+                target.copy_(tensor)
+        else:
+            self._metadata_staging.copy(pairs)
+        return row
 
     def _copy_rows(self, target: torch.Tensor, pixel_list: list[torch.Tensor]) -> int:
         """Copy the items' pixels one after another into `target`'s first rows (large host
@@ -444,9 +446,13 @@ class GraphEncoder:
 
     def _static_forward(self, budget: Budget) -> list[torch.Tensor]:
         """The forward over the budget's buffers (captured, checked, or run eager when disabled),
-        with the attention kernel its graph is captured with."""
+        with the attention kernel its graph is captured with; writes the buffers' `finite` flags."""
         rows = self._rows(budget)
         pixels, metadata = self._buffers.input_views(rows, budget)
+        # Part of the graph, so a call launches none of it: which rows are finite (read after the
+        # replay), and the non-finite values zeroed so that a bad item cannot reach the others.
+        self._buffers.finite[:rows].copy_(finite_rows(pixels))
+        _zero_nonfinite(pixels)
         with self._kernels(graph_backend(self.attention, self.device, rows, budget.max_sequences)):
             return self.adapter.forward(pixels, metadata)
 
