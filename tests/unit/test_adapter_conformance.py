@@ -216,6 +216,32 @@ def test_a_bad_item_is_named_and_the_encoder_keeps_working(case, encoder):
     assert torch.equal(encoder.encode([good_item])[0].tokens, before)
 
 
+def test_a_batch_shaped_like_the_last_reuses_its_metadata(monkeypatch, case, encoder, reference):
+    """Metadata depends only on the specs and the budget: a batch shaped like the one before it
+    is not given its metadata again, and still matches the reference; another shape in between
+    writes its own, and the first shape's comes back."""
+    budget = encoder.budgets[-1]
+    specs, pixels = sampled(case, encoder, budget, seed=43)
+    other_specs, other_pixels = next(
+        sample for seed in range(44, 120) if (sample := sampled(case, encoder, budget, seed))[0] != specs
+    )
+    builds = []
+    build = encoder.adapter.build_metadata
+    monkeypatch.setattr(encoder.adapter, "build_metadata", lambda *args: builds.append(1) or build(*args))
+    plan = BatchPlan(fitting_budget(encoder, specs), tuple(specs))
+    other_plan = BatchPlan(fitting_budget(encoder, other_specs), tuple(other_specs))
+    encoder.run_plans([(other_plan, other_pixels)], "cpu")
+    [first] = encoder.run_plans([(plan, pixels)], "cpu")
+    [again] = encoder.run_plans([(plan, [p + 1 for p in pixels])], "cpu")  # same shapes, other pixels
+    assert len(builds) == 2
+    encoder.run_plans([(other_plan, other_pixels)], "cpu")
+    [back] = encoder.run_plans([(plan, pixels)], "cpu")
+    assert len(builds) == 4
+    assert_matches(case, encoder, reference, specs, [p + 1 for p in pixels], again)
+    for got, want in zip(back, first, strict=True):
+        assert all(torch.equal(g, w) for g, w in zip(got.outputs, want.outputs))
+
+
 def test_non_finite_pixels_fail_their_item_alone(case, encoder, reference):
     specs, pixels = next(
         sample for seed in range(31, 100) if len((sample := sampled(case, encoder, encoder.budgets[-1], seed))[0]) >= 2

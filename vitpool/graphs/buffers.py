@@ -88,8 +88,10 @@ class PinnedStaging:
         copies are queued. The batch's host pixels are staged together when they add up to
         MIN_BYTES: four 224² images (4.8 MB) are as slow through pageable memory as one tensor
         of their size."""
-        staged = [self._wants(source) for _, source in pairs]
+        staged = [self._may_stage(source) for _, source in pairs]
         staged_bytes = sum(source.nbytes for (_, source), stage in zip(pairs, staged) if stage)
+        if staged_bytes >= self.MIN_BYTES:  # is_pinned asks the driver (tens of µs): only here
+            staged = [stage and not source.is_pinned() for (_, source), stage in zip(pairs, staged)]
         num_rows = sum(source.shape[0] for (_, source), stage in zip(pairs, staged) if stage)
         if staged_bytes < self.MIN_BYTES or num_rows * self._row_bytes() > self.MAX_BYTES:
             staged = [False] * len(pairs)
@@ -112,8 +114,8 @@ class PinnedStaging:
         self._copied = torch.cuda.Event()
         self._copied.record(torch.cuda.current_stream(self._device))
 
-    def _wants(self, source: torch.Tensor) -> bool:
-        return source.device.type == "cpu" and tuple(source.shape[1:]) == self._row_shape and not source.is_pinned()
+    def _may_stage(self, source: torch.Tensor) -> bool:
+        return source.device.type == "cpu" and tuple(source.shape[1:]) == self._row_shape
 
     def _row_bytes(self) -> int:
         return self._rows.element_size() * math.prod(self._row_shape)
