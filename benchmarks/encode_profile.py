@@ -105,7 +105,7 @@ def _phases(encoder, items, budget, runs: int) -> dict:
         "metadata on the host": timed(lambda: encoder.adapter.build_metadata(specs, encoder._rows(budget), budget), False),
         "replay launch": timed(graph.replay, False),
         "replay + wait": timed(graph.replay, True),
-        "clone outputs + wait": timed(lambda: [o.clone() for o in encoder._buffers.output_views(budget.num_tokens)], True),
+        "clone outputs + wait": timed(lambda: encoder._buffers.output_copies(budget.num_tokens, False), True),
     }
 
 

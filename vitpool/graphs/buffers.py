@@ -29,11 +29,18 @@ class StaticBuffers:
             name: torch.zeros(spec.shape, dtype=spec.dtype, device=device)
             for name, spec in _largest_metadata(adapter, budgets).items()
         }
-        # written by the captured graphs: whether each pixel row was finite, and the outputs
+        # written by the captured graphs: whether each pixel row was finite, and the outputs, one
+        # stacked tensor where they all have one row shape (Qwen3-VL's merger and deepstack
+        # features), so that a batch's outputs leave the buffers in one copy
         self.finite = torch.ones(max_rows, device=device, dtype=torch.bool)
-        self.outputs = [
-            torch.zeros(max_tokens, *row_shape, device=device, dtype=dtype) for row_shape in adapter.output_row_shapes
-        ]
+        shapes = [tuple(shape) for shape in adapter.output_row_shapes]
+        self._stacked = len(set(shapes)) == 1
+        if self._stacked:
+            stacked = torch.zeros(len(shapes), max_tokens, *shapes[0], device=device, dtype=dtype)
+            self.outputs = list(stacked.unbind(0))
+            self._stacked_outputs = stacked
+        else:
+            self.outputs = [torch.zeros(max_tokens, *shape, device=device, dtype=dtype) for shape in shapes]
 
     def input_views(self, num_rows: int, budget: Budget) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         specs = self._adapter.metadata_specs(num_rows, budget)
@@ -44,6 +51,20 @@ class StaticBuffers:
 
     def output_views(self, num_tokens: int) -> list[torch.Tensor]:
         return [output[:num_tokens] for output in self.outputs]
+
+    def output_copies(self, num_tokens: int, to_host: bool) -> list[torch.Tensor]:
+        """The first `num_tokens` rows of every output in fresh contiguous tensors, on the device
+        or (`to_host`) in pinned host memory, copied without waiting (the caller synchronises)."""
+        if self._stacked:
+            return list(_fresh_copy(self._stacked_outputs[:, :num_tokens], to_host).unbind(0))
+        return [_fresh_copy(output, to_host) for output in self.output_views(num_tokens)]
+
+
+def _fresh_copy(tensor: torch.Tensor, to_host: bool) -> torch.Tensor:
+    if not to_host:
+        return tensor.clone(memory_format=torch.contiguous_format)
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
 
 
 def _largest_metadata(adapter: VisionAdapter, budgets: Sequence[Budget]) -> dict[str, TensorSpec]:

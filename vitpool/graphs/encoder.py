@@ -389,10 +389,9 @@ class GraphEncoder:
             else:
                 self._stats.graph_items += len(members)
                 graph.replay()
-                outputs = self._buffers.output_views(num_tokens)
             finite = self._buffers.finite[:item_rows].clone()  # the next replay overwrites it
-            if graph is not None and not to_host:  # ... and the output buffers
-                return [output.clone() for output in outputs], finite
+            if graph is not None:  # ... and the output buffers
+                return self._buffers.output_copies(num_tokens, to_host), finite
         if to_host:
             outputs = [self._to_host(output) for output in outputs]
         return outputs, finite
