@@ -63,7 +63,7 @@ def test_the_gelu_epilogue_mlp_matches_hugging_face(monkeypatch, rows):
     with torch.no_grad(), use_fused_ops(True):
         got = mlp(x)
     assert epilogues  # the epilogue path ran
-    want = type(mlp).forward(mlp, x)
+    want = type(mlp).forward.__vitpool_original__(mlp, x)
     assert torch.isfinite(got).all() and relative_error(got, want) <= 1e-2
 
 

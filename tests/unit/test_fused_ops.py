@@ -8,7 +8,13 @@ import sys
 import torch
 
 from vitpool import GraphEncoder
-from vitpool.models.fused import ROTARY_FUNCTION, _is_patch_conv, gelu_mlp_layout, use_fused_ops
+from vitpool.models.fused import (
+    GELU_MLP_LAYOUT,
+    ROTARY_FUNCTION,
+    _is_patch_conv,
+    gelu_mlp_layout,
+    use_fused_ops,
+)
 
 
 def test_installing_wraps_the_rotary_function_of_the_towers_modeling_module():
@@ -57,11 +63,13 @@ def test_tanh_gelu_mlps_take_the_epilogue_forward_and_keep_their_cpu_result():
     tower = encoder.adapter.tower
     mlps = [m for m in tower.modules() if gelu_mlp_layout(m) is not None]
     assert len(mlps) == tower.config.depth  # the blocks' MLPs; the mergers' erf GELU is not tanh
-    assert all("forward" in vars(mlp) for mlp in mlps)
+    assert all(vars(mlp)[GELU_MLP_LAYOUT] == ("linear_fc1", "act_fn", "linear_fc2") for mlp in mlps)
     mlp = mlps[0]
+    original = type(mlp).forward.__vitpool_original__  # the class's forward, wrapped once
+    assert getattr(original, "__vitpool_original__", None) is None
     x = torch.randn(7, mlp.linear_fc1.in_features)
     with use_fused_ops(True):  # CPU tensors: Hugging Face's own math, bit for bit
-        assert torch.equal(mlp(x), type(mlp).forward(mlp, x))
+        assert torch.equal(mlp(x), original(mlp, x))
 
 
 class _Mlp(torch.nn.Module):

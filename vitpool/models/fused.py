@@ -66,7 +66,7 @@ def install_fused_ops(tower: torch.nn.Module) -> None:
             module.forward = functools.partial(_patch_conv_forward, module)
         layout = gelu_mlp_layout(module)
         if layout is not None:
-            module.forward = functools.partial(_gelu_mlp_forward, module, layout)
+            _patch_gelu_mlp(module, layout)
 
 
 # ---- rotary -----------------------------------------------------------------------------------
@@ -195,6 +195,7 @@ def _patch_conv_forward(self: torch.nn.Conv2d | torch.nn.Conv3d, x: torch.Tensor
 # (first Linear, activation, second Linear): the attribute names of the towers' two-layer MLPs whose
 # forward is second(activation(first(x))): Qwen3-VL / Qwen3.5, SigLIP-style (PaddleOCR-VL), Kimi-K2.5
 MLP_LAYOUTS = (("linear_fc1", "act_fn", "linear_fc2"), ("fc1", "activation_fn", "fc2"), ("fc1", "act", "fc2"))
+GELU_MLP_LAYOUT = "_vitpool_gelu_mlp_layout"  # the instance attribute that marks an MLP for the epilogue
 
 
 def gelu_mlp_layout(module: torch.nn.Module) -> tuple[str, str, str] | None:
@@ -221,14 +222,39 @@ def _is_tanh_gelu(activation: torch.nn.Module) -> bool:
     return type(activation).__name__ in ("GELUTanh", "PytorchGELUTanh", "NewGELUActivation", "FastGELUActivation")
 
 
-def _gelu_mlp_forward(self: torch.nn.Module, layout: tuple[str, str, str], x: torch.Tensor) -> torch.Tensor:
-    first_name, _, second_name = layout
-    first, second = getattr(self, first_name), getattr(self, second_name)
-    if (
-        _FUSED.get() and not torch.compiler.is_compiling() and x.is_cuda and x.dtype in _HALF_DTYPES
-        and first.weight.dtype == x.dtype and not (torch.is_grad_enabled() and x.requires_grad)
-    ):
-        rows = x.reshape(-1, x.shape[-1])
-        hidden = torch._addmm_activation(first.bias, rows, first.weight.t(), use_gelu=True)
-        return second(hidden.reshape(*x.shape[:-1], hidden.shape[-1]))
-    return type(self).forward(self, x)
+def _patch_gelu_mlp(module: torch.nn.Module, layout: tuple[str, str, str]) -> None:
+    """Mark `module` with its layout and wrap its class's forward once. The class, not the
+    instance: a compiled block (`vitpool.models.compiled`) would otherwise see another function
+    object in every block and compile once per block."""
+    module.__dict__[GELU_MLP_LAYOUT] = layout
+    cls = type(module)
+    original = cls.forward
+    if getattr(original, "__vitpool_original__", None) is not None:
+        return
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        # inside a compiled block inductor fuses Hugging Face's GELU itself
+        if not torch.compiler.is_compiling() and _FUSED.get() and len(args) == 1 and not kwargs:
+            layout = self.__dict__.get(GELU_MLP_LAYOUT)
+            if layout is not None:
+                fused = _gelu_mlp(self, layout, args[0])
+                if fused is not None:
+                    return fused
+        return original(self, *args, **kwargs)
+
+    forward.__vitpool_original__ = original
+    cls.forward = forward
+
+
+def _gelu_mlp(self: torch.nn.Module, layout: tuple[str, str, str], x: torch.Tensor) -> torch.Tensor | None:
+    """second(GELU(first(x))) with the first bias and the GELU in the GEMM's epilogue; None where
+    the input is not CUDA half precision in the weights' dtype."""
+    first, second = getattr(self, layout[0]), getattr(self, layout[2])
+    if not (x.is_cuda and x.dtype in _HALF_DTYPES and first.weight.dtype == x.dtype):
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or first.weight.requires_grad):
+        return None
+    rows = x.reshape(-1, x.shape[-1])
+    hidden = torch._addmm_activation(first.bias, rows, first.weight.t(), use_gelu=True)
+    return second(hidden.reshape(*x.shape[:-1], hidden.shape[-1]))
