@@ -208,7 +208,7 @@ class EncoderSpec:
         dtype: "bfloat16", "float16" or "float32"; None for the device's default.
         device: "cpu", "cuda" or "cuda:N"; None for the current GPU if there is one.
         attention: the attention kernel on a GPU: "auto", "fa2" or "fa4" (see `GraphEncoder`).
-        fused_ops: fused rotary and patch embedding on a GPU (see `GraphEncoder`).
+        fused_ops: fused rotary, patch embedding and MLP GELU on a GPU (see `GraphEncoder`).
         compiled_blocks: the tower's blocks through `torch.compile` on a GPU (see `GraphEncoder`).
         compile_cache_dir: where compiled kernels are kept; None: TORCHINDUCTOR_CACHE_DIR or
             ~/.cache/vitpool/inductor.

@@ -80,9 +80,10 @@ class GraphEncoder:
             FlashAttention-2 (`varlen_attn`) for the rest. "fa2": FlashAttention-2 always
             (debugging, GPUs where FA4 does not help). "fa4": FlashAttention-4 always
             (ConfigError where it cannot run).
-        fused_ops: on a GPU, run every family's rotary embedding as one Triton kernel per tensor
-            and its patch embedding as a GEMM (`vitpool.models.fused`). False: Hugging Face's own
-            code (debugging).
+        fused_ops: on a GPU, run every family's rotary embedding as one Triton kernel per tensor,
+            its patch embedding as a GEMM, and the first bias and tanh GELU of its two-layer MLPs
+            in the GEMM's epilogue (`vitpool.models.fused`). False: Hugging Face's own code
+            (debugging).
         compiled_blocks: on a GPU, run the tower's repeated blocks through one `torch.compile` per
             block class (`vitpool.models.compiled`), before capture, so the graphs replay fused
             elementwise kernels. False: no compile (debugging, faster first start).

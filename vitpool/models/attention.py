@@ -233,8 +233,8 @@ def _block_diagonal_sdpa(
 
 
 def install_packed_attention(tower: torch.nn.Module) -> None:
-    """Register the hook and make `tower` use it, and install the fused rotary embedding and patch
-    embedding (`vitpool.models.fused`; in effect under `use_fused_ops`) and the compiled blocks
+    """Register the hook and make `tower` use it, and install the fused rotary embedding, patch
+    embedding and MLP GELU (`vitpool.models.fused`; in effect under `use_fused_ops`) and the compiled blocks
     (`vitpool.models.compiled`; under `use_compiled_blocks`). Doing it again is harmless."""
     AttentionInterface.register(ATTENTION_NAME, packed_attention)
     tower.config._attn_implementation = ATTENTION_NAME
