@@ -48,7 +48,7 @@ def main() -> None:
     parser.add_argument("--budgets", type=str, default=None, help="comma-separated token budgets")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--attention", default="auto", help="the encoder's attention kernel: auto, fa2, fa4")
-    parser.add_argument("--fused-ops", default="on", choices=("on", "off"), help="fused rotary, patch GEMM and MLP GELU epilogue")
+    parser.add_argument("--fused-ops", default="on", choices=("on", "off"), help="fused rotary, patch GEMM, MLP GELU")
     parser.add_argument("--compiled-blocks", default="off", choices=("on", "off"), help="torch.compile'd blocks")
     parser.add_argument("--pinned-staging", default="on", choices=("on", "off"),
                         help="off: large host pixels copy straight from pageable memory (the code before it)")

@@ -25,7 +25,9 @@ from common import summarize
 
 BLOCKS = 27
 HIDDEN, INTERMEDIATE = 1152, 4304
-LAYERS = {"qkv": (HIDDEN, 3 * HIDDEN), "proj": (HIDDEN, HIDDEN), "fc1": (HIDDEN, INTERMEDIATE), "fc2": (INTERMEDIATE, HIDDEN)}
+LAYERS = {
+    "qkv": (HIDDEN, 3 * HIDDEN), "proj": (HIDDEN, HIDDEN), "fc1": (HIDDEN, INTERMEDIATE), "fc2": (INTERMEDIATE, HIDDEN),
+}
 
 
 def per_gemm_ms(step, inputs, weights, biases, runs: int) -> dict:
@@ -104,7 +106,8 @@ def _line(row: dict) -> str:
     for name in ("linear", "linear+gelu", "addmm_gelu", "triton"):
         if name in row:
             value = row[name]
-            parts.append(f"{name} {value['median_ms'] * 1e3:.1f} µs" if "median_ms" in value else f"{name} {value['error']}")
+            shown = f"{value['median_ms'] * 1e3:.1f} µs" if "median_ms" in value else value["error"]
+            parts.append(f"{name} {shown}")
     if "addmm_gelu_rel_err" in row:
         parts.append(f"epilogue rel err {row['addmm_gelu_rel_err']:.1e}")
     return " | ".join(parts)

@@ -91,7 +91,7 @@ def main() -> None:
     parser.add_argument("--rows", default="196,3136")
     parser.add_argument("--attention", default="fa2,fa4")
     parser.add_argument("--fused", default="off,on,compiled",
-                        help="off, on (fused rotary, patch GEMM, MLP GELU epilogue), compiled (also torch.compile'd blocks)")
+                        help="off, on (rotary, patch GEMM, MLP GELU), compiled (plus compiled blocks)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as directory:

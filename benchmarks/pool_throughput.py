@@ -161,7 +161,7 @@ def main() -> None:
     parser.add_argument("--spin", type=float, default=None, help="the pool's channel_spin_s (default: the pool's)")
     parser.add_argument("--max-tokens-per-run", type=int, default=None, help="the pool's max_tokens_per_run")
     parser.add_argument("--attention", default="auto", help="the pool's attention kernel: auto, fa2, fa4")
-    parser.add_argument("--fused-ops", default="on", choices=("on", "off"), help="fused rotary, patch GEMM and MLP GELU epilogue")
+    parser.add_argument("--fused-ops", default="on", choices=("on", "off"), help="fused rotary, patch GEMM, MLP GELU")
     parser.add_argument("--compiled-blocks", default="off", choices=("on", "off"), help="torch.compile'd blocks")
     parser.add_argument("--budgets", default=None, help="comma-separated token budgets (default: the device's)")
     parser.add_argument("--out", type=Path, default=None)

@@ -427,7 +427,8 @@ class GraphEncoder:
         # (a stream of same-sized images) finds it in the buffers already.
         key = (budget, tuple(specs))
         if key != self._metadata_key:
-            pairs = [(metadata[name], tensor) for name, tensor in self.adapter.build_metadata(specs, rows, budget).items()]
+            built = self.adapter.build_metadata(specs, rows, budget)
+            pairs = [(metadata[name], tensor) for name, tensor in built.items()]
             if self._metadata_staging is None:
                 for target, tensor in pairs:
                     target.copy_(tensor)

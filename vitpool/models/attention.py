@@ -234,8 +234,9 @@ def _block_diagonal_sdpa(
 
 def install_packed_attention(tower: torch.nn.Module) -> None:
     """Register the hook and make `tower` use it, and install the fused rotary embedding, patch
-    embedding and MLP GELU (`vitpool.models.fused`; in effect under `use_fused_ops`) and the compiled blocks
-    (`vitpool.models.compiled`; under `use_compiled_blocks`). Doing it again is harmless."""
+    embedding and MLP GELU (`vitpool.models.fused`; in effect under `use_fused_ops`) and the
+    compiled blocks (`vitpool.models.compiled`; under `use_compiled_blocks`). Doing it again is
+    harmless."""
     AttentionInterface.register(ATTENTION_NAME, packed_attention)
     tower.config._attn_implementation = ATTENTION_NAME
     install_fused_ops(tower)

@@ -61,8 +61,8 @@ def install_fused_ops(tower: torch.nn.Module) -> None:
         modeling = sys.modules.get(type(module).__module__)
         if modeling is not None and callable(getattr(modeling, ROTARY_FUNCTION, None)):
             _patch_rotary(modeling)
-        # partials of module-level functions (not bound methods): the tower still pickles
         if isinstance(module, (torch.nn.Conv2d, torch.nn.Conv3d)) and _is_patch_conv(module):
+            # a partial of a module-level function (not a bound method): the tower still pickles
             module.forward = functools.partial(_patch_conv_forward, module)
         layout = gelu_mlp_layout(module)
         if layout is not None:
