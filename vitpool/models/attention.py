@@ -37,6 +37,7 @@ from transformers import AttentionInterface
 
 from vitpool.models.compiled import install_compiled_blocks
 from vitpool.models.fused import install_fused_ops
+from vitpool.models.scoped import scoped_value
 
 logger = logging.getLogger(__name__)
 
@@ -103,14 +104,9 @@ def eager_backend(boundaries: tuple[int, ...], num_rows: int, fa4: bool) -> str:
     return "fa2"
 
 
-@contextlib.contextmanager
-def use_attention(backend: str | None) -> Iterator[None]:
+def use_attention(backend: str | None) -> contextlib.AbstractContextManager[None]:
     """Run the towers' attention with `backend` ("fa2", "fa4"; None: the hook decides)."""
-    token = _BACKEND.set(backend)
-    try:
-        yield
-    finally:
-        _BACKEND.reset(token)
+    return scoped_value(_BACKEND, backend)
 
 
 @contextlib.contextmanager

@@ -33,10 +33,12 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from vitpool.models.scoped import scoped_value
 
 logger = logging.getLogger(__name__)
 
@@ -49,14 +51,9 @@ _WORKING: set[type] = set()  # block classes whose compiled forward has run once
 _FAILED: set[type] = set()  # block classes that run eager: their compile failed
 
 
-@contextlib.contextmanager
-def use_compiled_blocks(enabled: bool) -> Iterator[None]:
+def use_compiled_blocks(enabled: bool) -> contextlib.AbstractContextManager[None]:
     """Let installed blocks run their compiled forward (on CUDA) while the block runs."""
-    token = _COMPILED.set(enabled)
-    try:
-        yield
-    finally:
-        _COMPILED.reset(token)
+    return scoped_value(_COMPILED, enabled)
 
 
 def set_compile_cache_dir(directory: str | Path | None) -> Path:

@@ -32,10 +32,12 @@ import importlib.util
 import logging
 import sys
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from vitpool.models.scoped import scoped_value
 
 logger = logging.getLogger(__name__)
 
@@ -44,14 +46,9 @@ _HALF_DTYPES = (torch.float16, torch.bfloat16)
 _FUSED: contextvars.ContextVar[bool] = contextvars.ContextVar("vitpool_fused_ops", default=False)
 
 
-@contextlib.contextmanager
-def use_fused_ops(enabled: bool) -> Iterator[None]:
+def use_fused_ops(enabled: bool) -> contextlib.AbstractContextManager[None]:
     """Let the installed fused kernels run (on CUDA, half precision) while the block runs."""
-    token = _FUSED.set(enabled)
-    try:
-        yield
-    finally:
-        _FUSED.reset(token)
+    return scoped_value(_FUSED, enabled)
 
 
 def install_fused_ops(tower: torch.nn.Module) -> None:
