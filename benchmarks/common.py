@@ -124,3 +124,33 @@ def summarize(samples: list[float]) -> dict:
     }
 
 
+
+
+class GpuBusy:
+    """The share of time the GPUs ran a kernel while the block ran, as nvidia-smi samples it
+    (`utilization.gpu`, every 100 ms): `busy` is the mean per GPU index, {} without nvidia-smi."""
+
+    def __enter__(self) -> GpuBusy:
+        import shutil
+        import subprocess
+
+        self.busy: dict[int, float] = {}
+        command = ["nvidia-smi", "--query-gpu=index,utilization.gpu", "--format=csv,noheader,nounits", "-lms", "100"]
+        self._process = (
+            subprocess.Popen(command, stdout=subprocess.PIPE, text=True) if shutil.which("nvidia-smi") else None
+        )
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._process is None:
+            return
+        self._process.terminate()
+        output, _ = self._process.communicate()
+        samples: dict[int, list[float]] = {}
+        for line in output.splitlines():
+            index, _, value = line.partition(",")
+            try:
+                samples.setdefault(int(index), []).append(float(value))
+            except ValueError:
+                continue
+        self.busy = {index: statistics.mean(values) / 100 for index, values in samples.items()}

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import ray
 import torch
-from common import PATCH, ROW_WIDTH, save_random_tower
+from common import PATCH, ROW_WIDTH, GpuBusy, save_random_tower
 
 from vitpool import EncoderPool
 
@@ -163,6 +163,7 @@ def main() -> None:
     parser.add_argument("--attention", default="auto", help="the pool's attention kernel: auto, fa2, fa4")
     parser.add_argument("--fused-ops", default="on", choices=("on", "off"), help="fused rotary, patch GEMM, MLP GELU")
     parser.add_argument("--compiled-blocks", default="off", choices=("on", "off"), help="torch.compile'd blocks")
+    parser.add_argument("--overlap-runs", default="on", choices=("on", "off"), help="actors overlap runs with host work")
     parser.add_argument("--budgets", default=None, help="comma-separated token budgets (default: the device's)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -176,6 +177,7 @@ def main() -> None:
     settings["attention"] = args.attention
     settings["fused_ops"] = args.fused_ops == "on"
     settings["compiled_blocks"] = args.compiled_blocks == "on"
+    settings["overlap_runs"] = args.overlap_runs == "on"
     if args.budgets:
         settings["budgets"] = tuple(int(b) for b in args.budgets.split(","))
     pool = EncoderPool.launch(model=str(directory), num_actors=sizes[0], name=POOL_NAME, dtype="bfloat16", **settings)
@@ -188,6 +190,7 @@ def main() -> None:
         "threads_per_caller": args.threads, "seconds": args.seconds, "channel_spin_s": args.spin,
         "max_tokens_per_run": args.max_tokens_per_run, "items_per_call": items_per_call, "sizes": {},
         "attention": args.attention, "fused_ops": args.fused_ops, "compiled_blocks": args.compiled_blocks, "budgets": args.budgets,
+        "overlap_runs": args.overlap_runs,
     }
     # The floor for any p99 / p50 under load: the mix's own spread, with every call alone in the pool.
     unloaded = [x for seconds in alone for x in seconds]
@@ -200,7 +203,8 @@ def main() -> None:
         if size != pool.num_actors:
             pool.scale(size)
         ray.get([c.closed_loop.remote(args.warmup_seconds, args.threads) for c in callers])
-        saturated = ray.get([c.closed_loop.remote(args.seconds, args.threads) for c in callers])
+        with GpuBusy() as gpu_busy:
+            saturated = ray.get([c.closed_loop.remote(args.seconds, args.threads) for c in callers])
         rate = sum(o["items"] for o in saturated) / max(o["seconds"] for o in saturated)
         closed_latencies = [x for o in saturated for x in o["latencies"]]
         target_calls_per_second = 0.7 * rate / items_per_call / len(callers)
@@ -219,6 +223,8 @@ def main() -> None:
             "saturated_items_per_s": rate,
             "saturated_p50_ms": percentile_ms(closed_latencies, 0.5),
             "saturated_p99_ms": percentile_ms(closed_latencies, 0.99),
+            # nvidia-smi's utilization per GPU while saturated: below 1, the GPUs waited for the host
+            "saturated_gpu_busy": gpu_busy.busy,
             "load70_items_per_s": open_rate,
             "load70_p50_ms": percentile_ms(open_latencies, 0.5),
             "load70_p99_ms": percentile_ms(open_latencies, 0.99),
@@ -233,7 +239,9 @@ def main() -> None:
         row["load70_slowdown_p99"] = percentile_ms(slowdowns, 0.99) / 1e3
         results["sizes"][size] = row
         print(f"{size} actors: {json.dumps(row)}", flush=True)
-        print(pool.stats().summary(), flush=True)
+        stats = pool.stats()
+        row["padding_waste"] = [actor.padding_waste for actor in stats.actors]
+        print(stats.summary(), flush=True)
     one = results["sizes"].get(sizes[0])["saturated_items_per_s"] / sizes[0]
     for size, row in results["sizes"].items():
         row["scaling_vs_one"] = row["saturated_items_per_s"] / (size * one)

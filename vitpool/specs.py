@@ -238,6 +238,7 @@ class ActorSpec:
         channel_spin_s: after answering on the channel, poll this long for the next batch.
         max_tokens_per_run: the most output tokens of batches combined into one run; None: the
             largest budget.
+        overlap_runs: queue the next run on the device before collecting the one in flight.
     """
 
     encoder: EncoderSpec = EncoderSpec()
@@ -245,3 +246,4 @@ class ActorSpec:
     serve_channel: bool = True
     channel_spin_s: float = 0.0
     max_tokens_per_run: int | None = None
+    overlap_runs: bool = True

@@ -11,7 +11,7 @@ import torch
 from conftest import BUDGETS, assert_same, image, plan_batch, video
 
 from vitpool import EncodeError, Image, InvalidItemError
-from vitpool.actors.combining import BatchCombiner
+from vitpool.actors.combining import BatchCombiner, finished
 from vitpool.actors.encoder_actor import EncoderActor
 from vitpool.specs import ActorSpec, BatchPlan, EncoderSpec
 from vitpool.transport.link import OK, RETIRED
@@ -70,7 +70,7 @@ def run_while_blocked(combiner: BatchCombiner, run: BlockingRun, batches: list[t
 
 def test_an_idle_combiner_runs_a_batch_at_once_in_the_callers_thread():
     seen_threads = []
-    combiner = BatchCombiner(lambda items, key: seen_threads.append(threading.get_ident()) or [i + 1 for i in items], 100)
+    combiner = BatchCombiner(finished(lambda items, key: seen_threads.append(threading.get_ident()) or [i + 1 for i in items]), 100)
     assert combiner([1, 2, 3], 3) == [2, 3, 4]
     assert seen_threads == [threading.get_ident()]
     assert combiner.counters.runs == 1 and combiner.counters.combined_batches == 0
@@ -78,7 +78,7 @@ def test_an_idle_combiner_runs_a_batch_at_once_in_the_callers_thread():
 
 def test_batches_that_wait_run_together_in_order_and_each_gets_its_own():
     run = BlockingRun()
-    combiner = BatchCombiner(run, max_tokens=100)
+    combiner = BatchCombiner(finished(run), max_tokens=100)
     batches = [([0], 5, None), ([1, 2], 10, None), ([3], 5, None), ([4, 5, 6], 15, None)]
     outcomes = run_while_blocked(combiner, run, batches)
     assert outcomes == [[0], [10, 20], [30], [40, 50, 60]]
@@ -88,7 +88,7 @@ def test_batches_that_wait_run_together_in_order_and_each_gets_its_own():
 
 def test_a_run_takes_waiting_batches_only_up_to_the_token_limit_and_never_skips_one():
     run = BlockingRun()
-    combiner = BatchCombiner(run, max_tokens=20)
+    combiner = BatchCombiner(finished(run), max_tokens=20)
     # 10 + 10 fit; 15 does not fit beside them and starts the next run; 30 is over the limit alone.
     batches = [([0], 1, None), ([1], 10, None), ([2], 10, None), ([3], 15, None), ([4], 30, None), ([5], 1, None)]
     outcomes = run_while_blocked(combiner, run, batches)
@@ -98,7 +98,7 @@ def test_a_run_takes_waiting_batches_only_up_to_the_token_limit_and_never_skips_
 
 def test_batches_with_different_keys_do_not_share_a_run():
     run = BlockingRun()
-    combiner = BatchCombiner(run, max_tokens=100)
+    combiner = BatchCombiner(finished(run), max_tokens=100)
     batches = [([0], 1, "cpu"), ([1], 1, "cpu"), ([2], 1, None), ([3], 1, None), ([4], 1, "cpu")]
     outcomes = run_while_blocked(combiner, run, batches)
     assert outcomes == [[0], [10], [20], [30], [40]]
@@ -107,7 +107,7 @@ def test_batches_with_different_keys_do_not_share_a_run():
 
 def test_an_error_reaches_every_batch_of_its_run_and_no_other():
     run = BlockingRun()
-    combiner = BatchCombiner(run, max_tokens=3)
+    combiner = BatchCombiner(finished(run), max_tokens=3)
     batches = [([0], 1, None), ([1], 1, None), ([-1], 1, None), ([2], 2, None)]
     outcomes = run_while_blocked(combiner, run, batches)
     assert outcomes[0] == [0] and outcomes[3] == [20]
@@ -115,10 +115,11 @@ def test_an_error_reaches_every_batch_of_its_run_and_no_other():
     assert combiner([7], 1) == [70]  # still usable
 
 
-def test_concurrent_actor_batches_equal_the_encoders_own_results():
+@pytest.mark.parametrize("overlap_runs", [True, False])
+def test_concurrent_actor_batches_equal_the_encoders_own_results(overlap_runs):
     """Sixteen threads send batches to one in-process actor at once: batches combine, and each
-    thread gets exactly its own items' embeddings."""
-    actor = cpu_actor()
+    thread gets exactly its own items' embeddings, whether runs overlap or not."""
+    actor = cpu_actor(overlap_runs=overlap_runs)
     generator = torch.Generator().manual_seed(7)
     batches = [
         [image(2 * h, 2 * w, generator) for h, w in ((1, 1 + n % 3), (2, 1))] for n in range(16)
@@ -147,7 +148,7 @@ def test_concurrent_actor_batches_equal_the_encoders_own_results():
 
 @pytest.mark.parametrize("max_tokens", [1, 1000])
 def test_an_oversized_batch_still_runs_alone(max_tokens):
-    combiner = BatchCombiner(lambda items, key: [i * 2 for i in items], max_tokens)
+    combiner = BatchCombiner(finished(lambda items, key: [i * 2 for i in items]), max_tokens)
     assert combiner([1, 2], 500) == [2, 4]
 
 
@@ -166,7 +167,7 @@ def test_many_threads_get_their_own_outcomes_and_runs_never_overlap():
             active[0] -= 1
         return [item + 1 for item in items]
 
-    combiner = BatchCombiner(run, max_tokens=6)
+    combiner = BatchCombiner(finished(run), max_tokens=6)
     failures: list[str] = []
 
     def caller(number: int) -> None:
@@ -280,14 +281,14 @@ def test_out_of_memory_splits_batches_then_items(monkeypatch, reference_encoder)
     """A run that runs out of GPU memory with more than two items is split until it fits; every
     batch is still answered, and errors keep their positions."""
     actor = cpu_actor()
-    real = actor.encoder.run_plans
+    real = actor.encoder.start_plans
 
-    def run_plans(groups, output_device):
+    def start_plans(groups, output_device):
         if sum(len(plan.specs) for plan, _ in groups) > 2:
             raise torch.cuda.OutOfMemoryError("out of memory")
         return real(groups, output_device)
 
-    monkeypatch.setattr(actor.encoder, "run_plans", run_plans)
+    monkeypatch.setattr(actor.encoder, "start_plans", start_plans)
     bad = image(2, 2)
     bad.pixel_values[0, 0] = float("nan")
     items = [image(2, 2), image(2, 4), image(4, 2), bad]
@@ -311,3 +312,51 @@ def test_run_plans_combines_waiting_plans_into_one_replay(reference_encoder):
     assert encoder.stats().replays_per_budget == {64: 1}  # 25 tokens: one replay of the 64-token budget
     for items, got in zip(batches, outcomes):
         assert_same(got, reference_encoder.encode(items))
+
+
+class StartedRuns:
+    """A start function that records when each run is started and collected; the first start
+    waits until released, so that the other batches queue behind it. A run holding item -1 fails
+    when collected."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, list[int]]] = []
+        self.started = threading.Event()
+        self.release = threading.Event()
+        self.runs: list = []  # as BlockingRun's, for run_while_blocked
+
+    def __call__(self, items: list[int], key: object):
+        self.events.append(("start", list(items)))
+        self.runs.append((list(items), key))
+        if len(self.events) == 1:
+            self.started.set()
+            assert self.release.wait(10)
+
+        def collect() -> list[int]:
+            self.events.append(("collect", list(items)))
+            if -1 in items:
+                raise RuntimeError("bad batch")
+            return [10 * item for item in items]
+
+        return collect
+
+
+def test_the_next_run_starts_before_the_last_is_collected():
+    """The leading thread queues the next run on the device before it waits for the run in
+    flight, and a run left in flight by a leader that is done is collected by the next one."""
+    start = StartedRuns()
+    combiner = BatchCombiner(start, max_tokens=1)
+    outcomes = run_while_blocked(combiner, start, [([0], 1, None), ([1], 1, None), ([2], 1, None)])
+    assert outcomes == [[0], [10], [20]]
+    assert start.events == [
+        ("start", [0]), ("start", [1]), ("collect", [0]), ("start", [2]), ("collect", [1]), ("collect", [2]),
+    ]
+
+
+def test_a_run_that_fails_when_collected_fails_only_its_own_batches():
+    start = StartedRuns()
+    combiner = BatchCombiner(start, max_tokens=2)
+    outcomes = run_while_blocked(combiner, start, [([0], 1, None), ([-1], 1, None), ([3], 1, None), ([4], 2, None)])
+    assert outcomes[0] == [0] and outcomes[3] == [40]
+    assert isinstance(outcomes[1], RuntimeError) and isinstance(outcomes[2], RuntimeError)
+    assert combiner([7], 1) == [70] and combiner._in_flight is None  # still usable, nothing left behind

@@ -11,8 +11,14 @@ No thread hand-off is added: the thread that finds the encoder free runs the wai
 itself (its own among them) and hands the others their outcomes (flat combining). A batch that
 arrives at an idle encoder runs at once in its own thread, as it would without combining.
 
+Runs overlap with the host work around them: a run is started (its work queued on the GPU) and
+collected later, and the leading thread starts the next waiting group before it collects the
+one in flight. So the GPU already has the next replay queued while the host turns one run's
+results into outcomes and wakes its callers; a leader that leaves with a run in flight leaves it
+for the next leader, one of that run's own callers, to collect.
+
 The combiner knows nothing of what it runs: in the actor, each batch is one (plan, pixels) group
-and the run function is the encoder's `run_plans`, which decides which groups share a replay.
+and the start function is the encoder's `start_plans`, which decides which groups share a replay.
 """
 
 from __future__ import annotations
@@ -40,16 +46,31 @@ class CombiningCounters:
     combined_batches: int = 0  # batches that shared a run with at least one other
 
 
+# Collects a started run: its outcomes, one per item (may raise, for every batch of the run).
+Collect = Callable[[], list[Any]]
+
+
+def finished(run: Callable[[list[Any], Hashable], list[Any]]) -> Callable[[list[Any], Hashable], Collect]:
+    """A start function for a run function that does all its work before it returns."""
+
+    def start(items: list[Any], key: Hashable) -> Collect:
+        outcomes = run(items, key)
+        return lambda: outcomes
+
+    return start
+
+
 @dataclass
 class BatchCombiner:
-    """Runs batches through `run(items, key) -> outcomes` (one outcome per item), one run at a
-    time, merging the batches that wait, oldest first, up to `max_tokens` output tokens per run.
+    """Runs batches through `start(items, key) -> collect` (collect() returns one outcome per
+    item), one run started at a time, merging the batches that wait, oldest first, up to
+    `max_tokens` output tokens per run. The next run is started before the last is collected.
 
-    A batch larger than `max_tokens` runs alone. The run function may raise: every batch of
+    A batch larger than `max_tokens` runs alone. Starting or collecting may raise: every batch of
     that run gets the error.
     """
 
-    run: Callable[[list[Any], Hashable], list[Any]]
+    start: Callable[[list[Any], Hashable], Collect]
     max_tokens: int
     counters: CombiningCounters = field(default_factory=CombiningCounters)
 
@@ -57,6 +78,7 @@ class BatchCombiner:
         self._changed = threading.Condition()
         self._waiting: collections.deque[_Waiting] = collections.deque()
         self._running = False
+        self._in_flight: tuple[list[_Waiting], Collect] | None = None  # started, not yet collected
 
     def __call__(self, items: list[Any], tokens: int, key: Hashable = None) -> list[Any]:
         """The outcomes of `items` (`tokens` output tokens in all), once they have run."""
@@ -71,10 +93,15 @@ class BatchCombiner:
                 self._running = leading = True
         if leading:
             try:
-                while not mine.done:
+                while not mine.done:  # mine waits, or is in flight
                     with self._changed:
-                        group = self._take_group()
-                    self._run_group(group)
+                        group = self._take_group() if self._waiting else None
+                        in_flight, self._in_flight = self._in_flight, None
+                    started = None if group is None else self._start_group(group)
+                    if in_flight is not None:
+                        self._collect(*in_flight)
+                    with self._changed:
+                        self._in_flight = started
             finally:
                 with self._changed:
                     self._running = False
@@ -96,18 +123,28 @@ class BatchCombiner:
             tokens += following.tokens
         return group
 
-    def _run_group(self, group: list[_Waiting]) -> None:
-        items = [item for waiting in group for item in waiting.items]
-        outcomes: list[Any] = []
-        error: BaseException | None = None
-        try:
-            outcomes = self.run(items, group[0].key)
-        except BaseException as raised:  # noqa: BLE001 - every batch of the run gets it; each thread raises its own
-            error = raised
+    def _start_group(self, group: list[_Waiting]) -> tuple[list[_Waiting], Collect] | None:
+        """Start the group's run; None if starting failed (its batches got the error)."""
         with self._changed:
             self.counters.runs += 1
             if len(group) > 1:
                 self.counters.combined_batches += len(group)
+        try:
+            return group, self.start([item for waiting in group for item in waiting.items], group[0].key)
+        except BaseException as raised:  # noqa: BLE001 - every batch of the run gets it; each thread raises its own
+            self._settle(group, [], raised)
+            return None
+
+    def _collect(self, group: list[_Waiting], collect: Collect) -> None:
+        try:
+            outcomes = collect()
+        except BaseException as raised:  # noqa: BLE001 - as in _start_group
+            self._settle(group, [], raised)
+            return
+        self._settle(group, outcomes, None)
+
+    def _settle(self, group: list[_Waiting], outcomes: list[Any], error: BaseException | None) -> None:
+        with self._changed:
             offset = 0
             for waiting in group:
                 if error is None:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from vitpool.actors.combining import BatchCombiner
+from vitpool.actors.combining import BatchCombiner, Collect, finished
 from vitpool.actors.reports import ActorInfo, ActorStats
 from vitpool.errors import EncodeError, InvalidItemError
 from vitpool.items import Embedding, PreparedItem
@@ -70,7 +70,8 @@ class EncoderActor:
         # Batches from many callers that wait for the encoder run together (see combining.py).
         largest = self.encoder.budgets[-1].num_tokens
         max_tokens_per_run = min(largest, spec.max_tokens_per_run or largest)
-        self._combiner = BatchCombiner(self._run_splitting, max_tokens_per_run)
+        start = self._start_splitting if spec.overlap_runs else finished(self._run_splitting)
+        self._combiner = BatchCombiner(start, max_tokens_per_run)
         self._channel = (
             ChannelServer(
                 self.run_batch, f"actor{actor_index}", self.encoder.device, spec.channel_spin_s,
@@ -206,33 +207,45 @@ class EncoderActor:
                 self._stats.busy_seconds += time.monotonic() - self._busy_since
                 self._idle.notify_all()
 
+    def _start_splitting(self, groups: list[PlannedPixels], output_device: Hashable) -> Collect:
+        """The encoder's `start_plans` (the combiner collects its result later); on running out of
+        GPU memory, the batches run split (`_run_splitting`) before this returns."""
+        try:
+            return self.encoder.start_plans(groups, output_device).result
+        except torch.cuda.OutOfMemoryError:
+            outcomes = self._split_after_oom(groups, output_device)
+            return lambda: outcomes
+
     def _run_splitting(self, groups: list[PlannedPixels], output_device: Hashable) -> list:
-        """The encoder's `run_plans`; on running out of GPU memory, free the cache and run each half
-        on its own (batches, then a batch's items, down to single items), so that every batch is
-        still answered and the actor stays up."""
+        """The encoder's `run_plans`, split on running out of GPU memory (`_split_after_oom`)."""
         try:
             return self.encoder.run_plans(groups, output_device)
         except torch.cuda.OutOfMemoryError:
-            if self.encoder.device.type == "cuda":
-                torch.cuda.empty_cache()
-            with self._lock:
-                self._stats.oom_splits += 1
-            if len(groups) > 1:
-                logger.warning("encoder actor %d: out of GPU memory on %d batches; running them in halves",
-                               self.actor_index, len(groups))
-                half = len(groups) // 2
-                return self._run_splitting(groups[:half], output_device) + self._run_splitting(groups[half:], output_device)
-            plan, pixels = groups[0]
-            if len(plan.specs) == 1:
-                logger.error("encoder actor %d: out of GPU memory on a single item", self.actor_index)
-                raise
-            logger.warning("encoder actor %d: out of GPU memory on %d items; encoding them in halves",
-                           self.actor_index, len(plan.specs))
-            half = len(plan.specs) // 2
-            # A part of a planned batch fits the batch's budget.
-            first = self._run_splitting([(BatchPlan(plan.budget, plan.specs[:half]), pixels[:half])], output_device)
-            second = self._run_splitting([(BatchPlan(plan.budget, plan.specs[half:]), pixels[half:])], output_device)
-            return [first[0] + [_shifted(outcome, half) for outcome in second[0]]]
+            return self._split_after_oom(groups, output_device)
+
+    def _split_after_oom(self, groups: list[PlannedPixels], output_device: Hashable) -> list:
+        """Free the cache and run each half on its own (batches, then a batch's items, down to
+        single items), so that every batch is still answered and the actor stays up."""
+        if self.encoder.device.type == "cuda":
+            torch.cuda.empty_cache()
+        with self._lock:
+            self._stats.oom_splits += 1
+        if len(groups) > 1:
+            logger.warning("encoder actor %d: out of GPU memory on %d batches; running them in halves",
+                           self.actor_index, len(groups))
+            half = len(groups) // 2
+            return self._run_splitting(groups[:half], output_device) + self._run_splitting(groups[half:], output_device)
+        plan, pixels = groups[0]
+        if len(plan.specs) == 1:
+            logger.error("encoder actor %d: out of GPU memory on a single item", self.actor_index)
+            raise torch.cuda.OutOfMemoryError(f"out of GPU memory on a single item of {plan.num_tokens} tokens")
+        logger.warning("encoder actor %d: out of GPU memory on %d items; encoding them in halves",
+                       self.actor_index, len(plan.specs))
+        half = len(plan.specs) // 2
+        # A part of a planned batch fits the batch's budget.
+        first = self._run_splitting([(BatchPlan(plan.budget, plan.specs[:half]), pixels[:half])], output_device)
+        second = self._run_splitting([(BatchPlan(plan.budget, plan.specs[half:]), pixels[half:])], output_device)
+        return [first[0] + [_shifted(outcome, half) for outcome in second[0]]]
 
     def _device_name(self) -> str:
         device = self.encoder.device

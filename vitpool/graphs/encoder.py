@@ -21,6 +21,7 @@ import logging
 import random
 import threading
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -271,22 +272,28 @@ class GraphEncoder:
             ValueError: a plan does not match its pixels or this encoder's budgets (the batch
                 fails as a whole).
         """
+        return self.start_plans(groups, output_device).result()
+
+    def start_plans(
+        self,
+        groups: Sequence[tuple[BatchPlan, Sequence[torch.Tensor]]],
+        output_device: str | torch.device | None = "cpu",
+    ) -> PlansInFlight:
+        """`run_plans` in two halves: this one checks the plans and queues their work on the
+        device, and returns without waiting for it; `PlansInFlight.result()` waits. A server that
+        queues its next batches before it waits for these keeps the GPU busy while its host
+        finishes one batch and prepares the next.
+
+        Raises:
+            ValueError: as for `run_plans`, before anything is queued.
+        """
         for plan, pixels in groups:
             self.check_plan(plan, pixels)
         members = [[PreparedItem(s, p) for s, p in zip(plan.specs, pixels)] for plan, pixels in groups]
         runs = self._merge_plans([plan for plan, _ in groups])
         batches: list[RunBatch] = [(budget, [m for i in indices for m in members[i]]) for budget, indices in runs]
-        outcomes: list[list[Embedding | InvalidItemError]] = []
-        for (_, indices), results in zip(runs, self._run_batches(batches, output_device)):
-            offset = 0
-            for index in indices:
-                mine = results[offset : offset + len(members[index])]
-                outcomes.append([
-                    InvalidItemError(position, NONFINITE_MESSAGE) if result is None else result
-                    for position, result in enumerate(mine)
-                ])
-                offset += len(members[index])
-        return outcomes
+        sizes = [[len(members[i]) for i in indices] for _, indices in runs]
+        return PlansInFlight(self._launch(batches, output_device), sizes)
 
     def check_plan(self, plan: BatchPlan, pixels: Sequence[torch.Tensor]) -> None:
         """Whether a batch planned elsewhere can run as given: its pixels shaped as their specs
@@ -330,21 +337,18 @@ class GraphEncoder:
         self, batches: Sequence[RunBatch], output_device: str | torch.device | None
     ) -> list[list[Embedding | None]]:
         """Per batch, per item its Embedding, or None where its pixels were not finite."""
+        return self._launch(batches, output_device).embeddings()
+
+    def _launch(self, batches: Sequence[RunBatch], output_device: str | torch.device | None) -> LaunchedBatches:
+        """Queue the batches' work on the device; their outputs are fresh tensors once it is done."""
         to_host = self._wants_host(output_device)
         with torch.no_grad(), self._lock:
             runs = [self._run(budget, members, to_host) for budget, members in batches]
-        results = []
-        for (_, members), (outputs, finite) in zip(batches, runs):
-            # The first waits for the device, so the non-blocking copies to the host are complete too.
-            bad = set(nonfinite_positions(members, finite))
-            embeddings: list[Embedding | None] = []
-            offset = 0
-            for position, member in enumerate(members):
-                end = offset + member.spec.num_tokens
-                embeddings.append(None if position in bad else Embedding.from_outputs([o[offset:end] for o in outputs]))
-                offset = end
-            results.append(embeddings)
-        return results
+            done = None
+            if self.device.type == "cuda":
+                done = torch.cuda.Event()
+                done.record(torch.cuda.current_stream(self.device))
+        return LaunchedBatches(list(batches), runs, done)
 
     def _wants_host(self, output_device: str | torch.device | None) -> bool:
         if output_device is None:
@@ -483,6 +487,57 @@ class GraphEncoder:
             torch.randn(spec.pixel_shape, device=self.device, dtype=self.dtype, generator=generator) for spec in specs
         ]
         self._fill(budget, specs, pixels)
+
+
+@dataclass
+class LaunchedBatches:
+    """Batches whose work is queued on the device: per batch its outputs (fresh tensors, one per
+    output, the items' tokens concatenated) and its pixel rows' finite flags; `done` is recorded
+    after the last of it (None on a CPU, where the work is done already)."""
+
+    batches: list[RunBatch]
+    runs: list[tuple[list[torch.Tensor], torch.Tensor]]
+    done: torch.cuda.Event | None
+
+    def embeddings(self) -> list[list[Embedding | None]]:
+        """Wait for the device; per batch, per item its Embedding, or None where its pixels were
+        not finite."""
+        if self.done is not None:
+            self.done.synchronize()  # the copies to pinned host memory are complete too
+        results = []
+        for (_, members), (outputs, finite) in zip(self.batches, self.runs):
+            bad = set(nonfinite_positions(members, finite))
+            embeddings: list[Embedding | None] = []
+            offset = 0
+            for position, member in enumerate(members):
+                end = offset + member.spec.num_tokens
+                embeddings.append(None if position in bad else Embedding.from_outputs([o[offset:end] for o in outputs]))
+                offset = end
+            results.append(embeddings)
+        return results
+
+
+@dataclass
+class PlansInFlight:
+    """Planned batches queued on the device by `GraphEncoder.start_plans`."""
+
+    launched: LaunchedBatches
+    plan_sizes: list[list[int]]  # per run (one replay or eager batch), the items of each of its plans
+
+    def result(self) -> list[list[Embedding | InvalidItemError]]:
+        """Wait for the device: per plan, per item its Embedding, or an InvalidItemError (its
+        position in the plan) where its pixels were not finite."""
+        outcomes: list[list[Embedding | InvalidItemError]] = []
+        for sizes, results in zip(self.plan_sizes, self.launched.embeddings()):
+            offset = 0
+            for size in sizes:
+                mine = results[offset : offset + size]
+                outcomes.append([
+                    InvalidItemError(position, NONFINITE_MESSAGE) if result is None else result
+                    for position, result in enumerate(mine)
+                ])
+                offset += size
+        return outcomes
 
 
 def _check_attention(attention: str, device: torch.device, dtype: torch.dtype) -> str:

@@ -48,6 +48,10 @@ class PoolSettings:
             runs, alone). Under load a small call waits behind the run in progress and then its
             own, so shorter runs cut its wait, at some cost in throughput. None: the largest
             budget.
+        overlap_runs: an actor queues its next run on the GPU before it collects the run in
+            flight, so the GPU does not wait while the host hands out one run's results and
+            prepares the next (`vitpool.actors.combining`). False: one run at a time (debugging,
+            comparisons).
         channel_spin_s: on the same-node channel, how long a waiting thread polls before it
             sleeps: an actor after each answer, for the connection's next batch; a caller from
             shortly before its reply is due (learnt from its earlier batches of the same size).
@@ -81,6 +85,7 @@ class PoolSettings:
     max_queued_bytes: int = 2 << 30
     max_item_tokens: int | None = None
     max_tokens_per_run: int | None = None
+    overlap_runs: bool = True
     channel_spin_s: float = 0.002
     rank_transport: str | None = None
     same_node_channel: bool = True
@@ -106,7 +111,7 @@ class PoolSettings:
             object.__setattr__(self, "dtype", name)
         if self.attention not in ATTENTION_CHOICES:
             raise ConfigError(f"attention {self.attention!r}: use one of {ATTENTION_CHOICES}")
-        for name in ("fused_ops", "compiled_blocks"):
+        for name in ("fused_ops", "compiled_blocks", "overlap_runs"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False; got {getattr(self, name)!r}")
         if self.compile_cache_dir is not None:
@@ -153,6 +158,7 @@ class PoolSettings:
             serve_channel=self.same_node_channel,
             channel_spin_s=self.channel_spin_s,
             max_tokens_per_run=self.max_tokens_per_run,
+            overlap_runs=self.overlap_runs,
         )
 
 

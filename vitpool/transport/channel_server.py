@@ -5,6 +5,7 @@ function it was given, and writes every item's outputs where the caller asked (s
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -98,6 +99,9 @@ class ChannelServer:
 
     def _serve(self, connection: socket.socket) -> None:
         segments = MappedSegments(self._cuda_device)
+        # This connection's copies of outputs to its segments: on their own stream, so that they
+        # neither wait for nor hold up the encoder's next replay, queued meanwhile on its stream.
+        copies = None if self._cuda_device is None else torch.cuda.Stream(self._cuda_device)
         try:
             with connection:
                 while True:
@@ -111,14 +115,16 @@ class ChannelServer:
                     output_segment = (
                         pixel_segment if output_path is None else segments.get(output_path, request.get("output_size"))
                     )
-                    send_message(connection, self._handle(pixel_segment.buffer, output_segment.buffer, request))
+                    send_message(connection, self._handle(pixel_segment.buffer, output_segment.buffer, request, copies))
         except (OSError, ValueError, msgpack.UnpackException) as error:
             # a bad segment name or bad framing: the peer is broken or hostile, so drop it unanswered
             logger.warning("channel connection dropped: %s", error)
         finally:
             segments.close()
 
-    def _handle(self, pixel_buffer: mmap.mmap, output_buffer: mmap.mmap, request: dict) -> dict:
+    def _handle(
+        self, pixel_buffer: mmap.mmap, output_buffer: mmap.mmap, request: dict, copies: torch.cuda.Stream | None
+    ) -> dict:
         try:
             plan = plan_from_wire(request.get("plan"))
             pixel_offsets = _offsets(request, "pixels", len(plan.specs))
@@ -131,11 +137,13 @@ class ChannelServer:
             del pixels  # views of the segment: it can be unmapped once they are gone
             if len(values) != len(plan.specs):
                 raise RuntimeError(f"the encoder answered {len(values)} values for {len(plan.specs)} items")
-            for spec, value, offset in zip(plan.specs, values, output_offsets):
-                if value is not None:
-                    self._write_outputs(output_buffer, offset, spec.num_tokens, value.outputs)
-            if self._cuda_device is not None:
-                torch.cuda.current_stream(self._cuda_device).synchronize()
+            # run_batch returns once the outputs are computed, so the copies need not wait for anything
+            with contextlib.nullcontext() if copies is None else torch.cuda.stream(copies):
+                for spec, value, offset in zip(plan.specs, values, output_offsets):
+                    if value is not None:
+                        self._write_outputs(output_buffer, offset, spec.num_tokens, value.outputs)
+            if copies is not None:
+                copies.synchronize()  # before the outputs are freed and the caller reads them
             return {
                 "status": receipt.status,
                 "errors": [[position, reason] for position, reason in receipt.item_errors.items()],
