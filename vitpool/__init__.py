@@ -21,7 +21,7 @@ if TYPE_CHECKING:
         PoolUnavailableError,
         VitpoolError,
     )
-    from vitpool.graphs import EncoderStats, GraphEncoder
+    from vitpool.graphs import EncoderStats, GraphEncoder, PlansInFlight
     from vitpool.items import Embedding, Image, Video, shared_results
     from vitpool.pool import EncoderPool, PoolSettings, PoolStats
     from vitpool.pool.rank_delivery import DeliveryLayout, RankDelivery, received_embeddings
@@ -39,6 +39,7 @@ _PUBLIC = {
     "VitpoolError": "vitpool.errors",
     "EncoderStats": "vitpool.graphs",
     "GraphEncoder": "vitpool.graphs",
+    "PlansInFlight": "vitpool.graphs",
     "Embedding": "vitpool.items",
     "Image": "vitpool.items",
     "Video": "vitpool.items",
@@ -62,6 +63,7 @@ __all__ = [
     "GraphEncoder",
     "Image",
     "InvalidItemError",
+    "PlansInFlight",
     "PoolSettings",
     "PoolStats",
     "PoolUnavailableError",

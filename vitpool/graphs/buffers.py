@@ -61,8 +61,12 @@ class StaticBuffers:
 
 
 def _fresh_copy(tensor: torch.Tensor, to_host: bool) -> torch.Tensor:
-    if not to_host:
-        return tensor.clone(memory_format=torch.contiguous_format)
+    return pinned_copy(tensor) if to_host else tensor.clone(memory_format=torch.contiguous_format)
+
+
+def pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of a device tensor in pinned host memory, queued without waiting (the caller
+    synchronises before reading it)."""
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
     return host.copy_(tensor, non_blocking=True)
 

@@ -8,8 +8,9 @@ eager, alone. On a CPU the same static forward runs without capture.
 
 Batches come three ways: `encode` / `encode_each` check and pack the caller's items themselves;
 `run_plans` runs batches a pool's dispatcher already planned (item specs computed in the
-caller's process, trusted after a cheap consistency check); `encode_specs` packs checked items.
-The encoder never looks inside an item: its adapter does (`vitpool.models.VisionAdapter`).
+caller's process, trusted after a cheap consistency check), or `start_plans` queues them and
+returns, for a server to queue its next batch before it collects these (`vitpool.graphs.in_flight`);
+`encode_specs` packs checked items. The encoder never looks inside an item: its adapter does (`vitpool.models.VisionAdapter`).
 """
 
 from __future__ import annotations
@@ -21,21 +22,20 @@ import logging
 import random
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from vitpool.errors import ConfigError, InvalidItemError
-from vitpool.graphs.buffers import PinnedMetadata, PinnedStaging, StaticBuffers
+from vitpool.graphs.buffers import PinnedMetadata, PinnedStaging, StaticBuffers, pinned_copy
 from vitpool.graphs.capture import capture_all
 from vitpool.graphs.defaults import default_token_budgets, dtype_from_name, resolve_device, resolve_dtype
+from vitpool.graphs.in_flight import LaunchedBatches, PlansInFlight, RunBatch
 from vitpool.graphs.inputs import (
     NONFINITE_MESSAGE,
     check_pixels,
     check_plan,
     finite_rows,
-    nonfinite_positions,
     totals,
 )
 from vitpool.graphs.stats import EncoderStats
@@ -55,10 +55,6 @@ from vitpool.specs import capacity_limits as merged_capacity_limits
 from vitpool.transport.wire import wire_dtype_name
 
 logger = logging.getLogger(__name__)
-
-# A batch as the encoder runs it: its budget (None: eager, at the items' own size) and items.
-RunBatch = tuple[Budget | None, list[PreparedItem]]
-
 
 class GraphEncoder:
     """Encodes images and videos with a vision tower, replaying a CUDA graph per token budget.
@@ -361,15 +357,6 @@ class GraphEncoder:
             raise ConfigError(f"output_device {output_device!r}: use None (the encoder's device) or 'cpu'")
         return resolved.type == "cpu"
 
-    @staticmethod
-    def _to_host(tensor: torch.Tensor) -> torch.Tensor:
-        """A pinned host copy of a device tensor, made without waiting (the caller synchronises).
-        A host tensor is returned as it is: on a CPU encoder the outputs are already fresh."""
-        if tensor.device.type == "cpu":
-            return tensor
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        return host.copy_(tensor, non_blocking=True)
-
     def _run(self, budget: Budget | None, members: list[PreparedItem], to_host: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Outputs of the batch's items, concatenated and owned by the caller (on the host if
         `to_host`), one tensor per output [tokens, *row_shape]; and whether each of the items'
@@ -398,7 +385,8 @@ class GraphEncoder:
             if graph is not None:  # ... and the output buffers
                 return self._buffers.output_copies(num_tokens, to_host), finite
         if to_host:
-            outputs = [self._to_host(output) for output in outputs]
+            # eager outputs are fresh; on a CPU encoder they are on the host already
+            outputs = [pinned_copy(output) if output.is_cuda else output for output in outputs]
         return outputs, finite
 
     def _run_exact(self, members: list[PreparedItem]) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -487,57 +475,6 @@ class GraphEncoder:
             torch.randn(spec.pixel_shape, device=self.device, dtype=self.dtype, generator=generator) for spec in specs
         ]
         self._fill(budget, specs, pixels)
-
-
-@dataclass
-class LaunchedBatches:
-    """Batches whose work is queued on the device: per batch its outputs (fresh tensors, one per
-    output, the items' tokens concatenated) and its pixel rows' finite flags; `done` is recorded
-    after the last of it (None on a CPU, where the work is done already)."""
-
-    batches: list[RunBatch]
-    runs: list[tuple[list[torch.Tensor], torch.Tensor]]
-    done: torch.cuda.Event | None
-
-    def embeddings(self) -> list[list[Embedding | None]]:
-        """Wait for the device; per batch, per item its Embedding, or None where its pixels were
-        not finite."""
-        if self.done is not None:
-            self.done.synchronize()  # the copies to pinned host memory are complete too
-        results = []
-        for (_, members), (outputs, finite) in zip(self.batches, self.runs):
-            bad = set(nonfinite_positions(members, finite))
-            embeddings: list[Embedding | None] = []
-            offset = 0
-            for position, member in enumerate(members):
-                end = offset + member.spec.num_tokens
-                embeddings.append(None if position in bad else Embedding.from_outputs([o[offset:end] for o in outputs]))
-                offset = end
-            results.append(embeddings)
-        return results
-
-
-@dataclass
-class PlansInFlight:
-    """Planned batches queued on the device by `GraphEncoder.start_plans`."""
-
-    launched: LaunchedBatches
-    plan_sizes: list[list[int]]  # per run (one replay or eager batch), the items of each of its plans
-
-    def result(self) -> list[list[Embedding | InvalidItemError]]:
-        """Wait for the device: per plan, per item its Embedding, or an InvalidItemError (its
-        position in the plan) where its pixels were not finite."""
-        outcomes: list[list[Embedding | InvalidItemError]] = []
-        for sizes, results in zip(self.plan_sizes, self.launched.embeddings()):
-            offset = 0
-            for size in sizes:
-                mine = results[offset : offset + size]
-                outcomes.append([
-                    InvalidItemError(position, NONFINITE_MESSAGE) if result is None else result
-                    for position, result in enumerate(mine)
-                ])
-                offset += size
-        return outcomes
 
 
 def _check_attention(attention: str, device: torch.device, dtype: torch.dtype) -> str:

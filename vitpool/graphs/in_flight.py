@@ -1,0 +1,72 @@
+"""Batches whose work the encoder has queued on the device, and the embeddings they become.
+
+`GraphEncoder` queues a batch (fill, replay, fresh copies of its outputs) and records a CUDA event
+after it; what is here waits for that event and cuts the outputs into per-item embeddings. The
+two halves are apart so that a server can queue its next batch before it waits for this one
+(`GraphEncoder.start_plans`, the actor's combiner).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vitpool.errors import InvalidItemError
+from vitpool.graphs.inputs import NONFINITE_MESSAGE, nonfinite_positions
+from vitpool.items import Embedding, PreparedItem
+from vitpool.packing import Budget
+
+# A batch as the encoder runs it: its budget (None: eager, at the items' own size) and items.
+RunBatch = tuple[Budget | None, list[PreparedItem]]
+
+
+@dataclass
+class LaunchedBatches:
+    """Batches whose work is queued on the device: per batch its outputs (fresh tensors, one per
+    output, the items' tokens concatenated) and its pixel rows' finite flags; `done` is recorded
+    after the last of it (None on a CPU, where the work is done already)."""
+
+    batches: list[RunBatch]
+    runs: list[tuple[list[torch.Tensor], torch.Tensor]]
+    done: torch.cuda.Event | None
+
+    def embeddings(self) -> list[list[Embedding | None]]:
+        """Wait for the device; per batch, per item its Embedding, or None where its pixels were
+        not finite."""
+        if self.done is not None:
+            self.done.synchronize()  # the copies to pinned host memory are complete too
+        results = []
+        for (_, members), (outputs, finite) in zip(self.batches, self.runs):
+            bad = set(nonfinite_positions(members, finite))
+            embeddings: list[Embedding | None] = []
+            offset = 0
+            for position, member in enumerate(members):
+                end = offset + member.spec.num_tokens
+                embeddings.append(None if position in bad else Embedding.from_outputs([o[offset:end] for o in outputs]))
+                offset = end
+            results.append(embeddings)
+        return results
+
+
+@dataclass
+class PlansInFlight:
+    """Planned batches queued on the device by `GraphEncoder.start_plans`."""
+
+    launched: LaunchedBatches
+    plan_sizes: list[list[int]]  # per run (one replay or eager batch), the items of each of its plans
+
+    def result(self) -> list[list[Embedding | InvalidItemError]]:
+        """Wait for the device: per plan, per item its Embedding, or an InvalidItemError (its
+        position in the plan) where its pixels were not finite."""
+        outcomes: list[list[Embedding | InvalidItemError]] = []
+        for sizes, results in zip(self.plan_sizes, self.launched.embeddings()):
+            offset = 0
+            for size in sizes:
+                mine = results[offset : offset + size]
+                outcomes.append([
+                    InvalidItemError(position, NONFINITE_MESSAGE) if result is None else result
+                    for position, result in enumerate(mine)
+                ])
+                offset += size
+        return outcomes
