@@ -8,9 +8,10 @@ eager, alone. On a CPU the same static forward runs without capture.
 
 Batches come three ways: `encode` / `encode_each` check and pack the caller's items themselves;
 `run_plans` runs batches a pool's dispatcher already planned (item specs computed in the
-caller's process, trusted after a cheap consistency check), or `start_plans` queues them and
-returns, for a server to queue its next batch before it collects these (`vitpool.graphs.in_flight`);
-`encode_specs` packs checked items. The encoder never looks inside an item: its adapter does (`vitpool.models.VisionAdapter`).
+caller's process, trusted after a cheap consistency check), and `start_plans` queues such batches
+and returns, so that a server can queue its next batch before it collects these
+(`vitpool.graphs.in_flight`); `encode_specs` packs checked items. The encoder never looks inside
+an item: its adapter does (`vitpool.models.VisionAdapter`).
 """
 
 from __future__ import annotations

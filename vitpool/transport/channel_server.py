@@ -138,12 +138,14 @@ class ChannelServer:
             if len(values) != len(plan.specs):
                 raise RuntimeError(f"the encoder answered {len(values)} values for {len(plan.specs)} items")
             # run_batch returns once the outputs are computed, so the copies need not wait for anything
-            with contextlib.nullcontext() if copies is None else torch.cuda.stream(copies):
-                for spec, value, offset in zip(plan.specs, values, output_offsets):
-                    if value is not None:
-                        self._write_outputs(output_buffer, offset, spec.num_tokens, value.outputs)
-            if copies is not None:
-                copies.synchronize()  # before the outputs are freed and the caller reads them
+            try:
+                with contextlib.nullcontext() if copies is None else torch.cuda.stream(copies):
+                    for spec, value, offset in zip(plan.specs, values, output_offsets):
+                        if value is not None:
+                            self._write_outputs(output_buffer, offset, spec.num_tokens, value.outputs)
+            finally:
+                if copies is not None:
+                    copies.synchronize()  # before the outputs are freed and the segment is reused
             return {
                 "status": receipt.status,
                 "errors": [[position, reason] for position, reason in receipt.item_errors.items()],
