@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import threading
 
 import pytest
 import torch
@@ -127,3 +128,23 @@ def plan_batch(items, rules, budgets):
     num_tokens = sum(item.spec.num_tokens for item in prepared)
     budget = smallest_fitting(budgets, len(prepared), num_tokens, tuple(sorted(needs.items())))
     return BatchPlan(budget, tuple(item.spec for item in prepared)), [to_array(item.pixels) for item in prepared]
+
+
+def send_concurrently(actor, batches: list[list], timeout_s: float = 60.0) -> list:
+    """Each batch planned as its caller would and sent to the in-process actor from its own
+    thread, all released at once; per batch, what `run_batch` returned (values, receipt)."""
+    got: list = [None] * len(batches)
+    barrier = threading.Barrier(len(batches))
+
+    def send(index: int) -> None:
+        plan, pixels = plan_batch(batches[index], actor.encoder.adapter.item_rules, actor.encoder.budgets)
+        barrier.wait()
+        got[index] = actor.run_batch(plan, pixels)
+
+    threads = [threading.Thread(target=send, args=(n,)) for n in range(len(batches))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout_s)
+        assert not thread.is_alive(), "a batch sent to the actor did not come back"
+    return got

@@ -3,11 +3,9 @@ overlapping combiner) give exactly what each batch gives alone. Skipped without 
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
-from conftest import image, plan_batch, relative_error, video
+from conftest import image, plan_batch, relative_error, send_concurrently, video
 
 from vitpool import GraphEncoder
 from vitpool.actors.encoder_actor import EncoderActor
@@ -55,19 +53,7 @@ def test_concurrent_batches_through_an_overlapping_actor_equal_the_encoder():
     generator = torch.Generator().manual_seed(9)
     batches = [[image(2 * (1 + n % 4), 2 * (2 + n % 3), generator), image(4, 6, generator)] for n in range(24)]
     wanted = [actor.encoder.encode(items, output_device="cpu") for items in batches]
-    got: list = [None] * len(batches)
-    barrier = threading.Barrier(len(batches))
-
-    def send(index: int) -> None:
-        plan, arrays = plan_batch(batches[index], actor.encoder.adapter.item_rules, actor.encoder.budgets)
-        barrier.wait()
-        got[index] = actor.run_batch(plan, arrays)
-
-    threads = [threading.Thread(target=send, args=(n,)) for n in range(len(batches))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
+    got = send_concurrently(actor, batches, timeout_s=120)
     for (values, receipt), want in zip(got, wanted, strict=True):
         assert receipt.status == OK and receipt.item_errors == {}
         for value, expected in zip(values, want, strict=True):

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import BUDGETS, assert_same, image, plan_batch, video
+from conftest import BUDGETS, assert_same, image, plan_batch, send_concurrently, video
 
 from vitpool import EncodeError, Image, InvalidItemError
 from vitpool.actors.combining import BatchCombiner, finished
@@ -125,19 +125,7 @@ def test_concurrent_actor_batches_equal_the_encoders_own_results(overlap_runs):
         [image(2 * h, 2 * w, generator) for h, w in ((1, 1 + n % 3), (2, 1))] for n in range(16)
     ]
     wanted = [actor.encoder.encode(batch) for batch in batches]
-    got: list = [None] * len(batches)
-    barrier = threading.Barrier(len(batches))
-
-    def send(index: int) -> None:
-        plan, pixels = plan_batch(batches[index], actor.encoder.adapter.item_rules, actor.encoder.budgets)
-        barrier.wait()
-        got[index] = actor.run_batch(plan, pixels)
-
-    threads = [threading.Thread(target=send, args=(n,)) for n in range(len(batches))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
+    got = send_concurrently(actor, batches)
     for (values, receipt), want in zip(got, wanted, strict=True):
         assert receipt.status == OK and receipt.item_errors == {}
         assert_same(values, want)
