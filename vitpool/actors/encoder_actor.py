@@ -209,7 +209,7 @@ class EncoderActor:
 
     def _start_splitting(self, groups: list[PlannedPixels], output_device: Hashable) -> Collect:
         """The encoder's `start_plans` (the combiner collects its result later); on running out of
-        GPU memory, the batches run split (`_run_splitting`) before this returns."""
+        GPU memory, the batches run split (`_split_after_oom`) before this returns."""
         try:
             return self.encoder.start_plans(groups, output_device).result
         except torch.cuda.OutOfMemoryError:
@@ -217,11 +217,8 @@ class EncoderActor:
             return lambda: outcomes
 
     def _run_splitting(self, groups: list[PlannedPixels], output_device: Hashable) -> list:
-        """The encoder's `run_plans`, split on running out of GPU memory (`_split_after_oom`)."""
-        try:
-            return self.encoder.run_plans(groups, output_device)
-        except torch.cuda.OutOfMemoryError:
-            return self._split_after_oom(groups, output_device)
+        """`_start_splitting`, collected at once: the batches have run when this returns."""
+        return self._start_splitting(groups, output_device)()
 
     def _split_after_oom(self, groups: list[PlannedPixels], output_device: Hashable) -> list:
         """Free the cache and run each half on its own (batches, then a batch's items, down to

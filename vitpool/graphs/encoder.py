@@ -249,7 +249,7 @@ class GraphEncoder:
         batches = pack([item.spec for item in prepared], self.budgets, budgets_sorted=True)
         runs: list[RunBatch] = [(batch.budget, [prepared[i] for i in batch.item_indices]) for batch in batches]
         outcomes: list[Embedding | InvalidItemError | None] = [None] * len(prepared)
-        for batch, results in zip(batches, self._run_batches(runs, output_device)):
+        for batch, results in zip(batches, self._launch(runs, output_device).embeddings()):
             for index, result in zip(batch.item_indices, results):
                 outcomes[index] = InvalidItemError(index, NONFINITE_MESSAGE) if result is None else result
         return outcomes  # type: ignore[return-value]  # every item is in one batch
@@ -329,12 +329,6 @@ class GraphEncoder:
                     continue
             runs.append((plan.budget, [index]))
         return runs
-
-    def _run_batches(
-        self, batches: Sequence[RunBatch], output_device: str | torch.device | None
-    ) -> list[list[Embedding | None]]:
-        """Per batch, per item its Embedding, or None where its pixels were not finite."""
-        return self._launch(batches, output_device).embeddings()
 
     def _launch(self, batches: Sequence[RunBatch], output_device: str | torch.device | None) -> LaunchedBatches:
         """Queue the batches' work on the device; their outputs are fresh tensors once it is done."""
