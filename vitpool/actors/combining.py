@@ -17,6 +17,11 @@ one in flight. So the GPU already has the next replay queued while the host turn
 results into outcomes and wakes its callers; a leader that leaves with a run in flight leaves it
 for the next leader, one of that run's own callers, to collect.
 
+Waiting threads are woken one by one, not all at once: each batch has its own event, set when
+its outcome is in or when its thread is handed the lead. Under load an actor has dozens of
+threads waiting here, and waking them all on every run makes each of them take the GIL in turn
+while the leader, whose every torch call releases the GIL, waits in line behind them.
+
 The combiner knows nothing of what it runs: in the actor, each batch is one (plan, pixels) group
 and the start function is the encoder's `start_plans`, which decides which groups share a replay.
 """
@@ -38,6 +43,7 @@ class _Waiting:
     outcomes: list[Any] | None = None
     error: BaseException | None = None
     done: bool = False
+    woken: threading.Event = field(default_factory=threading.Event)  # done, or handed the lead
 
 
 @dataclass
@@ -75,40 +81,49 @@ class BatchCombiner:
     counters: CombiningCounters = field(default_factory=CombiningCounters)
 
     def __post_init__(self) -> None:
-        self._changed = threading.Condition()
+        self._lock = threading.Lock()
         self._waiting: collections.deque[_Waiting] = collections.deque()
-        self._running = False
+        self._running = False  # a thread leads (or has been handed the lead)
         self._in_flight: tuple[list[_Waiting], Collect] | None = None  # started, not yet collected
 
     def __call__(self, items: list[Any], tokens: int, key: Hashable = None) -> list[Any]:
         """The outcomes of `items` (`tokens` output tokens in all), once they have run."""
         mine = _Waiting(list(items), tokens, key)
-        with self._changed:
+        with self._lock:
             self._waiting.append(mine)
-            while self._running and not mine.done:
-                self._changed.wait()
-            if mine.done:  # another thread ran it
-                leading = False
-            else:
-                self._running = leading = True
-        if leading:
+            leading, self._running = not self._running, True
+        if not leading:
+            mine.woken.wait()
+        if not mine.done:  # this thread leads: the encoder was free, or the lead was handed to it
             try:
                 while not mine.done:  # mine waits, or is in flight
-                    with self._changed:
+                    with self._lock:
                         group = self._take_group() if self._waiting else None
                         in_flight, self._in_flight = self._in_flight, None
                     started = None if group is None else self._start_group(group)
                     if in_flight is not None:
                         self._collect(*in_flight)
-                    with self._changed:
+                    with self._lock:
                         self._in_flight = started
             finally:
-                with self._changed:
-                    self._running = False
-                    self._changed.notify_all()
+                self._hand_over_the_lead()
         if mine.error is not None:
             raise mine.error
         return mine.outcomes  # type: ignore[return-value]  # set with done
+
+    def _hand_over_the_lead(self) -> None:
+        """Wake one thread to lead next: the oldest waiting batch's, else one whose batch is in
+        flight (it collects it); with neither, the encoder is free."""
+        with self._lock:
+            if self._waiting:
+                successor: _Waiting | None = self._waiting[0]
+            elif self._in_flight is not None:
+                successor = self._in_flight[0][0]
+            else:
+                successor = None
+            self._running = successor is not None
+        if successor is not None:
+            successor.woken.set()
 
     def _take_group(self) -> list[_Waiting]:
         """The oldest waiting batch and those after it that fit beside it (strictly in order, so
@@ -125,7 +140,7 @@ class BatchCombiner:
 
     def _start_group(self, group: list[_Waiting]) -> tuple[list[_Waiting], Collect] | None:
         """Start the group's run; None if starting failed (its batches got the error)."""
-        with self._changed:
+        with self._lock:
             self.counters.runs += 1
             if len(group) > 1:
                 self.counters.combined_batches += len(group)
@@ -144,7 +159,7 @@ class BatchCombiner:
         self._settle(group, outcomes, None)
 
     def _settle(self, group: list[_Waiting], outcomes: list[Any], error: BaseException | None) -> None:
-        with self._changed:
+        with self._lock:
             offset = 0
             for waiting in group:
                 if error is None:
@@ -152,4 +167,5 @@ class BatchCombiner:
                     offset += len(waiting.items)
                 waiting.error = error
                 waiting.done = True
-            self._changed.notify_all()
+        for waiting in group:
+            waiting.woken.set()

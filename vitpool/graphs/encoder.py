@@ -355,14 +355,16 @@ class GraphEncoder:
     def _run(self, budget: Budget | None, members: list[PreparedItem], to_host: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Outputs of the batch's items, concatenated and owned by the caller (on the host if
         `to_host`), one tensor per output [tokens, *row_shape]; and whether each of the items'
-        pixel rows was finite [rows] (on the device)."""
+        pixel rows was finite [rows], in host memory once the batch's work is done. Reading the
+        flags from the device would wait for whatever is queued after this batch, the next
+        replay included."""
         specs = [member.spec for member in members]
         num_tokens = sum(spec.num_tokens for spec in specs)
         if budget is None:
             self._stats.eager_batches += 1
             self._stats.eager_items += len(members)
             outputs, finite = self._run_exact(members)
-            outputs = [output[:num_tokens] for output in outputs]
+            outputs, finite = [output[:num_tokens] for output in outputs], _on_host(finite)
         else:
             rows = self._rows(budget)
             self._stats.replays_per_budget[budget.num_tokens] = self._stats.replays_per_budget.get(budget.num_tokens, 0) + 1
@@ -376,12 +378,13 @@ class GraphEncoder:
             else:
                 self._stats.graph_items += len(members)
                 graph.replay()
-            finite = self._buffers.finite[:item_rows].clone()  # the next replay overwrites it
+            flags = self._buffers.finite[:item_rows]  # the next replay overwrites them
+            finite = _on_host(flags) if flags.is_cuda else flags.clone()
             if graph is not None:  # ... and the output buffers
                 return self._buffers.output_copies(num_tokens, to_host), finite
         if to_host:
             # eager outputs are fresh; on a CPU encoder they are on the host already
-            outputs = [pinned_copy(output) if output.is_cuda else output for output in outputs]
+            outputs = [_on_host(output) for output in outputs]
         return outputs, finite
 
     def _run_exact(self, members: list[PreparedItem]) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -489,6 +492,12 @@ def _check_attention(attention: str, device: torch.device, dtype: torch.dtype) -
 def _renumbered(outcome: Embedding | InvalidItemError, index: int) -> Embedding | InvalidItemError:
     """An item's error under its index in the caller's list."""
     return InvalidItemError(index, outcome.reason) if isinstance(outcome, InvalidItemError) else outcome
+
+
+def _on_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A device tensor's pinned host copy, queued on the stream (read it once the stream has
+    passed it); a host tensor as it is."""
+    return pinned_copy(tensor) if tensor.is_cuda else tensor
 
 
 def _zero_nonfinite(pixels: torch.Tensor) -> None:

@@ -76,7 +76,7 @@ def check_pixels(position: int, spec: ItemSpec, pixels: torch.Tensor, row_shape:
 
 def nonfinite_positions(members: Sequence[PreparedItem], finite_rows: torch.Tensor) -> list[int]:
     """Positions of the batch's items with a NaN or infinite pixel; `finite_rows` says per row of
-    their concatenated pixels whether it is finite. Waits for the device."""
+    their concatenated pixels whether it is finite (on a device, this waits for its stream)."""
     flags = finite_rows.cpu()
     bad, row = [], 0
     for position, member in enumerate(members):
