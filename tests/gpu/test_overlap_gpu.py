@@ -61,3 +61,23 @@ def test_concurrent_batches_through_an_overlapping_actor_equal_the_encoder():
                 # a combined run replays a larger budget, whose GEMMs may round differently
                 assert torch.isfinite(got_tensor).all() and relative_error(got_tensor, want_tensor) <= 1e-2
     assert actor.stats().runs < len(batches)  # batches did wait and run together
+
+
+def test_a_runs_nonfinite_items_are_its_own_when_the_next_run_is_queued_first(gpu_encoder):
+    """Each run's finite flags are copied to the host behind its own replay: a batch collected
+    after the next one was queued reports its own bad items, graph and eager alike."""
+    from vitpool import InvalidItemError
+
+    generator = torch.Generator().manual_seed(11)
+    first = [image(8, 8, generator), image(8, 8, generator)]
+    first[1].pixel_values[3, 7] = float("nan")
+    eager = [image(40, 36, generator), image(4, 4, generator)]  # larger than every budget
+    eager[0].pixel_values[0, 0] = float("inf")
+    clean = [image(8, 8, generator), image(8, 8, generator)]
+    flights = [gpu_encoder.start_plans([planned(gpu_encoder, items)], "cpu") for items in (first, eager, clean)]
+    [got_first], [got_eager], [got_clean] = (flight.result() for flight in flights)
+    assert isinstance(got_first[1], InvalidItemError) and got_first[1].index == 1
+    assert isinstance(got_eager[0], InvalidItemError) and got_eager[0].index == 0
+    for good in (got_first[0], got_eager[1], *got_clean):
+        assert not isinstance(good, InvalidItemError)
+        assert all(torch.isfinite(output).all() for output in good.outputs)

@@ -348,3 +348,23 @@ def test_a_run_that_fails_when_collected_fails_only_its_own_batches():
     assert outcomes[0] == [0] and outcomes[3] == [40]
     assert isinstance(outcomes[1], RuntimeError) and isinstance(outcomes[2], RuntimeError)
     assert combiner([7], 1) == [70] and combiner._in_flight is None  # still usable, nothing left behind
+
+
+def test_threads_whose_batches_still_wait_are_not_woken():
+    """Only a batch's own outcome, or the lead, wakes its thread: with dozens of callers waiting,
+    waking them all on every run would make the leader queue behind them for the GIL."""
+    run = BlockingRun()
+    combiner = BatchCombiner(finished(run), max_tokens=1)
+    woken_while_waiting: list[bool] = []
+
+    def start(items: list[int], key: object):
+        with combiner._lock:
+            woken_while_waiting.extend(waiting.woken.is_set() for waiting in combiner._waiting)
+        return finished(run)(items, key)
+
+    combiner.start = start
+    batches = [([n], 1, None) for n in range(6)]
+    outcomes = run_while_blocked(combiner, run, batches)
+    assert outcomes == [[10 * n] for n in range(6)]
+    assert len(run.runs) == 6  # every batch ran alone
+    assert len(woken_while_waiting) >= 4 and not any(woken_while_waiting)
