@@ -131,6 +131,46 @@ def test_failed_check_disables_budget_and_eager_is_used(monkeypatch, gpu_referen
     assert stats.graph_items == 0 and stats.eager_items == 2
 
 
+def _small_graph() -> torch.cuda.CUDAGraph:
+    values = torch.zeros(16, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        values.add_(1)
+    return graph
+
+
+def test_a_graph_freed_by_the_garbage_collector_cannot_break_a_capture(monkeypatch):
+    """During each budget's capture an older graph becomes garbage held only by a new reference
+    cycle, and allocations give the collector every chance to run: had it freed the graph there
+    (CUDA forbids destroying a graph while a stream captures), the capture would be invalidated."""
+    import gc
+
+    held = [_small_graph() for _ in BUDGETS]
+    forward = capture_module._forward_into_outputs
+
+    def forward_leaving_garbage(encoder, budget):
+        if held and torch.cuda.is_current_stream_capturing():
+            cycle = {"graph": held.pop()}
+            cycle["itself"] = cycle  # young garbage: a collection of the youngest generation frees it
+            del cycle
+            _ = [[] for _ in range(100)]  # tracked allocations, each may start that collection
+        forward(encoder, budget)
+
+    monkeypatch.setattr(capture_module, "_forward_into_outputs", forward_leaving_garbage)
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1)
+    try:
+        encoder = GraphEncoder.from_pretrained(None, budgets=BUDGETS, device="cuda", dtype=torch.bfloat16)
+    finally:
+        gc.set_threshold(*thresholds)
+    assert held == []  # a graph became garbage during every capture
+    stats = encoder.stats()
+    assert sorted(t for t, _ in stats.captured_budgets) == BUDGETS and stats.disabled_budgets == []
+    gc.collect()  # the old graphs go now, with no capture running
+    [embedding] = encoder.encode([image(8, 8, torch.Generator().manual_seed(4))])
+    assert torch.isfinite(embedding.tokens).all()
+
+
 def test_planned_batches_to_the_host_equal_encode(gpu_encoder):
     from conftest import plan_batch
 

@@ -191,3 +191,25 @@ def test_attention_is_a_setting_of_the_encoder_and_the_pool():
     assert GraphEncoder.from_pretrained(None, budgets=[16], device="cpu").attention == "auto"
     with pytest.raises(ConfigError, match="'fa3' is not one of"):
         GraphEncoder.from_pretrained(None, budgets=[16], device="cpu", attention="fa3")
+
+
+def test_an_encoder_is_freed_with_its_last_reference_not_by_the_garbage_collector():
+    """No reference cycle through the encoder: its buffers (and, on a GPU, its graphs) go when the
+    caller drops it. Graphs left to the collector could be freed while another encoder captures,
+    which invalidates that capture."""
+    import gc
+    import weakref
+
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        encoder = GraphEncoder.from_pretrained(None, budgets=[16, 32], device="cpu")
+        bad = image(4, 4)
+        bad.pixel_values[0, 0] = float("nan")
+        encoder.encode_each([bad, image(4, 4), image(40, 40)])  # an invalid item, a graph run, an eager run
+        dropped = weakref.ref(encoder)
+        del encoder
+        assert dropped() is None
+    finally:
+        if was_enabled:
+            gc.enable()

@@ -7,9 +7,12 @@ run the static forward eagerly, counted in the stats.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import random
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,7 +37,7 @@ def capture_all(encoder: GraphEncoder) -> None:
     generator = torch.Generator(device=encoder.device).manual_seed(0)
     stats = encoder._stats
     total = len(encoder.budgets)
-    with torch.no_grad():
+    with torch.no_grad(), _no_collection_while_capturing():
         for number, budget in enumerate(reversed(encoder.budgets), start=1):
             budget_start = time.perf_counter()
             graph = _capture(encoder, budget, pool, rng, generator)
@@ -63,6 +66,24 @@ def capture_all(encoder: GraphEncoder) -> None:
         len(encoder._graphs), total, stats.capture_seconds,
         torch.cuda.memory_reserved(encoder.device) / 1024**3, encoder.device,
     )
+
+
+@contextlib.contextmanager
+def _no_collection_while_capturing() -> Iterator[None]:
+    """Collect garbage once, then keep Python's automatic collection off until every budget is
+    captured. A CUDA graph left in a reference cycle (of an earlier encoder, or of the caller's
+    objects) is freed only by the collector, and freeing it destroys its executable graph, which
+    CUDA forbids while a stream captures: the capture is invalidated ("operation not permitted
+    when stream is capturing (function reset)", seen on an H100). torch 2.11 no longer collects
+    before a capture."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _capture(

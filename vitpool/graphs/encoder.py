@@ -51,7 +51,7 @@ from vitpool.models.attention import (
 from vitpool.models.compiled import set_compile_cache_dir, use_compiled_blocks
 from vitpool.models.fused import use_fused_ops
 from vitpool.packing import Budget, pack, smallest_fitting
-from vitpool.specs import ATTENTION_CHOICES, BatchPlan, EncoderSpec, ItemSpec, OutputLayout
+from vitpool.specs import ATTENTION_CHOICES, BatchPlan, EncoderSpec, ItemRules, ItemSpec, OutputLayout
 from vitpool.specs import capacity_limits as merged_capacity_limits
 from vitpool.transport.wire import wire_dtype_name
 
@@ -130,7 +130,10 @@ class GraphEncoder:
             raise ConfigError(str(error)) from None
         self.output_layout = OutputLayout(tuple(adapter.output_row_shapes), wire_dtype_name(self.dtype))
         self._known_budgets = frozenset(self.budgets)  # a plan's budget is checked on every batch
-        self._is_consistent = functools.lru_cache(maxsize=4096)(self._spec_is_consistent)
+        # bound to the rules, not to self: an encoder in a reference cycle (and its graphs) would
+        # wait for the garbage collector, which may run while another encoder captures
+        consistent = functools.partial(_spec_is_consistent, adapter.item_rules)
+        self._is_consistent = functools.lru_cache(maxsize=4096)(consistent)
         self._buffers = StaticBuffers(adapter, self.budgets, self.device, self.dtype)
         on_gpu = self.device.type == "cuda"
         self._staging = PinnedStaging(adapter.row_shape, self.dtype, self.device) if on_gpu else None
@@ -302,13 +305,6 @@ class GraphEncoder:
         """
         rows = None if plan.budget is None else self._rows(plan.budget)
         check_plan(plan, pixels, self.adapter.row_shape, self._known_budgets, rows, self._is_consistent)
-
-    def _spec_is_consistent(self, spec: ItemSpec) -> bool:
-        try:
-            derived = self.adapter.item_rules.item_spec(spec.modality, spec.pixel_shape, spec.pixel_dtype, spec.layout)
-        except (ValueError, TypeError):
-            return False
-        return derived == spec
 
     def stats(self) -> EncoderStats:
         """A snapshot of the counters."""
@@ -487,6 +483,15 @@ def _check_attention(attention: str, device: torch.device, dtype: torch.dtype) -
                 "newer; use 'auto' to take it where it can run"
             )
     return attention
+
+
+def _spec_is_consistent(rules: ItemRules, spec: ItemSpec) -> bool:
+    """Whether `spec` is what the model's rules make of its own layout."""
+    try:
+        derived = rules.item_spec(spec.modality, spec.pixel_shape, spec.pixel_dtype, spec.layout)
+    except (ValueError, TypeError):
+        return False
+    return derived == spec
 
 
 def _renumbered(outcome: Embedding | InvalidItemError, index: int) -> Embedding | InvalidItemError:
