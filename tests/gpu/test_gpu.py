@@ -133,6 +133,7 @@ def test_failed_check_disables_budget_and_eager_is_used(monkeypatch, gpu_referen
 
 def _small_graph() -> torch.cuda.CUDAGraph:
     values = torch.zeros(16, device="cuda")
+    values.add_(1)  # warm-up: the kernel is loaded before the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         values.add_(1)
