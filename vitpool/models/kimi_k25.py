@@ -8,12 +8,13 @@ per item), and a pooling of kh x kw patches averaged over the clip's frames. The
 token into the LLM's width: `KimiK25Encoder` holds both, so the adapter hands out exactly what
 `Kimi_K25Model.get_image_features` gives the LLM.
 
-Every grid-dependent tensor is precomputed on the host and passed to the tower's forward as the
-keywords it pops (`interp_indices`, `interp_weights`, `frame_index`, `position_ids`,
-`cu_seqlens`, `max_seqlen`, `temporal_merge_index`). The tower's own frame pooling gathers a
-[tokens, t, kh*kw] index, which cannot be static across items of different t; the adapter gives
-it a one-token dummy index and pools the last hidden state itself with a [tokens, max_frames,
-kh*kw] index and per-frame weights 1/t (0 for slots past an item's frames).
+Every grid-dependent tensor is precomputed on the host (`interp_indices`, `interp_weights`,
+`frame_index`, `position_ids`, `cu_seqlens`, a static `max_seqlen`). `tower_hidden_states` is the
+one place that runs Hugging Face's tower, up to its final LayerNorm: the tower's own temporal
+pooling changed its helper's contract in transformers 5.24 (a gather index before, a scatter
+index, weights and a count since) and cannot be static across items of different t anyway, so
+the adapter pools the last hidden state itself with a [tokens, max_frames, kh*kw] index and
+per-frame weights 1/t (0 for slots past an item's frames).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 from transformers.vision_utils import get_vision_interpolation_indices_and_weights, get_vision_position_ids
 
 from vitpool.models.attention import install_packed_attention
+from vitpool.models.compat import check_tower_parts
 from vitpool.models.kimi_k25_rules import EXTRA_ROWS, KimiK25Rules
 from vitpool.models.protocol import TensorSpec, zero_metadata
 from vitpool.models.spatial_merge import item_cu_seqlens, item_grids
@@ -99,6 +101,37 @@ def tower_only_config(full_config: Any) -> Any:
     return config
 
 
+# What `tower_hidden_states` uses of transformers' Kimi_K25VisionModel (checked when an adapter is built).
+TOWER_PARTS = ("patch_embed", "patch_embed.pos_emb", "rotary_emb", "layers", "final_layernorm")
+
+
+def tower_hidden_states(
+    vision: torch.nn.Module, pixels: torch.Tensor, metadata: dict[str, torch.Tensor]
+) -> torch.Tensor:
+    """`Kimi_K25VisionModel.forward` up to its final LayerNorm [rows, hidden], with every
+    grid-dependent tensor taken from `metadata`; the tower's temporal pooling is left out.
+
+    The compatibility seam with transformers' Kimi-K2.5 tower: what a release changes in it
+    breaks here (the patch embedding's keywords, the rotary module, the blocks' keywords).
+    """
+    hidden = vision.patch_embed(
+        pixels,
+        grid_thw=None,  # every grid-derived tensor is given
+        interp_indices=metadata["interp_indices"],
+        interp_weights=metadata["interp_weights"],
+        frame_index=metadata["frame_index"],
+    )
+    position_embeddings = vision.rotary_emb(hidden, metadata["position_ids"])
+    for block in vision.layers:
+        hidden = block(
+            hidden,
+            cu_seqlens=metadata["cu_seqlens"],
+            max_seqlen=pixels.shape[0],  # static: a Python int from the buffer's shape
+            position_embeddings=position_embeddings,
+        )
+    return vision.final_layernorm(hidden)
+
+
 class KimiK25Adapter:
     """Adapter for `KimiK25Encoder` (Kimi_K25VisionModel + mm_projector)."""
 
@@ -123,6 +156,7 @@ class KimiK25Adapter:
         self._interpolation_mode: str = pos_emb.interpolation_mode
         self._align_corners: bool = pos_emb.interpolation_align_corners
         self._per_grid = lru_cache(maxsize=1024)(self._grid_metadata)
+        check_tower_parts("Kimi-K2.5", vision, TOWER_PARTS)
         install_packed_attention(vision)
 
     def max_rows(self, num_tokens: int) -> int:
@@ -139,7 +173,6 @@ class KimiK25Adapter:
             "cu_seqlens": TensorSpec((budget.max_items + 2,), torch.int32),
             "pool_index": TensorSpec((budget.num_tokens, self.max_frames, self.merge_unit), torch.long),
             "pool_weights": TensorSpec((budget.num_tokens, self.max_frames), torch.float32),
-            "temporal_merge_index": TensorSpec((1, 1, self.merge_unit), torch.long),
         }
 
     def build_metadata(self, specs: Sequence[ItemSpec], num_rows: int, budget: Budget) -> dict[str, torch.Tensor]:
@@ -162,18 +195,9 @@ class KimiK25Adapter:
         return metadata
 
     def forward(self, pixels: torch.Tensor, metadata: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        metadata = dict(metadata)
-        pool_index = metadata.pop("pool_index")
-        pool_weights = metadata.pop("pool_weights")
-        output = self.tower.vision_tower(
-            pixels,
-            grid_thw=None,  # every grid-derived tensor is given in `metadata`
-            max_seqlen=pixels.shape[0],  # static: a Python int from the buffer's shape
-            **metadata,
-        )
-        hidden = output.last_hidden_state
+        hidden = tower_hidden_states(self.tower.vision_tower, pixels, metadata)
         # [tokens, frames, kh*kw, D] weighted over frames: the tower's mean over each clip's frames
-        pooled = (hidden[pool_index] * pool_weights.to(hidden.dtype)[:, :, None, None]).sum(dim=1)
+        pooled = (hidden[metadata["pool_index"]] * metadata["pool_weights"].to(hidden.dtype)[:, :, None, None]).sum(dim=1)
         return [self.tower.mm_projector(pooled).squeeze(1)]
 
     def sample_specs(self, num_rows: int, budget: Budget, rng: random.Random) -> list[ItemSpec]:
