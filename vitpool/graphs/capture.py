@@ -97,9 +97,35 @@ def _capture(
         _forward_into_outputs(encoder, budget)
     torch.cuda.current_stream(encoder.device).wait_stream(side_stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with _workspace_in_graph_pool(), torch.cuda.graph(graph, pool=pool):
         _forward_into_outputs(encoder, budget)
     return graph
+
+
+@contextlib.contextmanager
+def _workspace_in_graph_pool() -> Iterator[None]:
+    """Let the capture allocate cuBLAS's workspace in the graphs' own pool, and forget it after.
+
+    cuBLAS keeps one workspace per (handle, stream) in a process-wide cache, and a graph bakes in
+    the address it used at capture. Captured with a cached workspace, the graphs depend on memory
+    they do not own: PyTorch's CUDA-graph trees (`torch.compile(mode="reduce-overhead")`) clear
+    that cache around every recording, and once the memory is handed back the replays write
+    their GEMM workspace into freed or reused memory. Seen on an H100: an encoder dropped after
+    capturing left the workspace of torch.cuda.graph's shared capture stream in its released
+    pool, the next encoder captured with it, and after a compiled model ran beside it the
+    replays slowed 7x and then faulted ("unspecified launch failure"). Cleared before the
+    capture, the workspace is allocated inside it, from the pool that lives as long as the
+    graphs and serves only their captures (which never run at once); cleared after, no cache
+    points into that pool. PyTorch's graph trees do the same around their recordings.
+    """
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+    try:
+        yield
+    finally:
+        if clear is not None:
+            clear()
 
 
 def _forward_into_outputs(encoder: GraphEncoder, budget: Budget) -> None:
