@@ -149,13 +149,13 @@ def test_a_graph_freed_by_the_garbage_collector_cannot_break_a_capture(monkeypat
     held = [_small_graph() for _ in BUDGETS]
     forward = capture_module._forward_into_outputs
 
-    def forward_leaving_garbage(encoder, budget):
+    def forward_leaving_garbage(runner, budget):
         if held and torch.cuda.is_current_stream_capturing():
             cycle = {"graph": held.pop()}
             cycle["itself"] = cycle  # young garbage: a collection of the youngest generation frees it
             del cycle
             _ = [[] for _ in range(100)]  # tracked allocations, each may start that collection
-        forward(encoder, budget)
+        forward(runner, budget)
 
     monkeypatch.setattr(capture_module, "_forward_into_outputs", forward_leaving_garbage)
     thresholds = gc.get_threshold()
@@ -249,7 +249,7 @@ def test_small_host_items_are_staged_together_when_their_batch_is_large(gpu_enco
     items = [image(16, 16, generator) for _ in range(4)]
     sizes = [it.pixel_values.nbytes for it in items]
     assert max(sizes) < PinnedStaging.MIN_BYTES <= sum(sizes)
-    staging = gpu_encoder._staging
+    staging = gpu_encoder._runner.staging
     before = staging._copied
     together = gpu_encoder.encode(items)
     assert staging._copied is not before  # staged
@@ -271,7 +271,7 @@ def test_large_host_pixels_pass_through_pinned_memory_unchanged(gpu_encoder, gpu
     items = [image(28, 28, generator) for _ in range(3)] + [image(40, 40, generator)]  # 196 tokens; eager
     assert all(it.pixel_values.nbytes >= PinnedStaging.MIN_BYTES for it in items)
     together = gpu_encoder.encode(items)
-    assert gpu_encoder._staging._rows.is_pinned()
+    assert gpu_encoder._runner.staging._rows.is_pinned()
     for item, got in zip(items, together):
         assert torch.equal(got.tokens, gpu_encoder.encode([item])[0].tokens)
     assert_close_to_reference(gpu_reference, items, together)

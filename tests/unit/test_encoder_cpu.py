@@ -213,3 +213,30 @@ def test_an_encoder_is_freed_with_its_last_reference_not_by_the_garbage_collecto
     finally:
         if was_enabled:
             gc.enable()
+
+
+def test_return_exceptions_gives_each_item_its_own_outcome(tiny_adapter):
+    """A NaN item and a malformed one beside good ones: by default the call raises (naming the
+    bad item); with return_exceptions=True each bad slot holds its own error and the good
+    items' embeddings equal those of a call without the bad ones."""
+    from vitpool import InvalidItemError
+
+    encoder = make_encoder(tiny_adapter, BUDGETS)
+    generator = torch.Generator().manual_seed(3)
+    good, other = image(4, 6, generator), image(6, 6, generator)
+    not_finite = image(4, 4, generator)
+    not_finite.pixel_values[2, 1] = float("nan")
+    wrong_rows = type(good)(good.pixel_values[:-1], torch.tensor([1, 4, 6]))  # 23 rows, grid says 24
+    items = [good, not_finite, other, wrong_rows]
+    with pytest.raises(InvalidItemError, match="item 3: pixel_values have 23 rows"):  # checked before any run
+        encoder.encode(items)
+    with pytest.raises(InvalidItemError, match="item 1: pixel_values contain NaN"):
+        encoder.encode(items[:3])
+    outcomes = encoder.encode(items, return_exceptions=True)
+    assert [type(o).__name__ for o in outcomes] == ["Embedding", "InvalidItemError", "Embedding", "InvalidItemError"]
+    assert outcomes[1].index == 1 and "NaN" in outcomes[1].reason
+    assert outcomes[3].index == 3
+    alone = encoder.encode([good, other])
+    for got, expected in zip([outcomes[0], outcomes[2]], alone):
+        assert torch.equal(got.tokens, expected.tokens)
+    assert encoder.encode([], return_exceptions=True) == []

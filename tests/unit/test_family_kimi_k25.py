@@ -186,3 +186,18 @@ def test_capacity_limit_beyond_the_buffers_is_refused(encoder):
         rules.budgets(BUDGETS, None, {EXTRA_ROWS: 10_000})
     with pytest.raises(ValueError, match="bounds no 'sequences'"):
         rules.budgets(BUDGETS, None, {"sequences": 4})
+
+
+def test_a_tower_whose_parts_moved_fails_at_once_naming_the_transformers_version(hf_model):
+    """The adapter runs the tower's parts itself (its compatibility seam); a release that renames
+    one fails when the adapter is built, with the installed and the tested versions named."""
+    import transformers
+
+    from vitpool import ConfigError
+
+    tower = copy.deepcopy(hf_model.model.vision_tower)
+    tower.rotary_embedding = tower.rotary_emb  # as a rename would leave it
+    del tower.rotary_emb
+    module = KimiK25Encoder(tower, copy.deepcopy(hf_model.model.mm_projector))
+    with pytest.raises(ConfigError, match=rf"Kimi-K2.5: transformers {transformers.__version__} .*'rotary_emb'.*tested with transformers"):
+        KimiK25Adapter(module)

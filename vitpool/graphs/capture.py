@@ -1,5 +1,6 @@
-"""Capturing a GraphEncoder's budgets: largest first, into one shared memory pool, each checked
-against the eager run of the same static forward right after its capture.
+"""Capturing an encoder's budgets through its batch runner (`vitpool.graphs.runner`): largest
+first, into one shared memory pool, each checked against the eager run of the same static forward
+right after its capture.
 
 A budget whose replay does not match eager (or gives a non-finite row) is disabled: its batches
 run the static forward eagerly, counted in the stats.
@@ -12,7 +13,7 @@ import gc
 import logging
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,7 +21,7 @@ import torch
 from vitpool.packing import Budget
 
 if TYPE_CHECKING:
-    from vitpool.graphs.encoder import GraphEncoder
+    from vitpool.graphs.runner import BatchRunner
 
 logger = logging.getLogger(__name__)
 
@@ -29,26 +30,27 @@ logger = logging.getLogger(__name__)
 CHECK_TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 
 
-def capture_all(encoder: GraphEncoder) -> None:
-    """Capture every budget of `encoder`, largest first, into one shared pool; check each right after."""
+def capture_all(runner: BatchRunner, budgets: Sequence[Budget]) -> None:
+    """Capture each of `budgets`, largest first, into one shared pool, each through `runner`'s
+    fill and static forward, and check it right after; checked graphs go to `runner.graphs`."""
     start = time.perf_counter()
     pool = torch.cuda.graph_pool_handle()
     rng = random.Random(0)
-    generator = torch.Generator(device=encoder.device).manual_seed(0)
-    stats = encoder._stats
-    total = len(encoder.budgets)
+    generator = torch.Generator(device=runner.device).manual_seed(0)
+    stats = runner.stats
+    total = len(budgets)
     with torch.no_grad(), _no_collection_while_capturing():
-        for number, budget in enumerate(reversed(encoder.budgets), start=1):
+        for number, budget in enumerate(reversed(sorted(budgets)), start=1):
             budget_start = time.perf_counter()
-            graph = _capture(encoder, budget, pool, rng, generator)
-            error = _check(encoder, budget, graph, rng, generator)
-            tolerance = CHECK_TOLERANCE[encoder.dtype]
+            graph = _capture(runner, budget, pool, rng, generator)
+            error = _check(runner, budget, graph, rng, generator)
+            tolerance = CHECK_TOLERANCE[runner.dtype]
             if error <= tolerance:
-                encoder._graphs[budget] = graph
+                runner.graphs[budget] = graph
                 stats.captured_budgets.append((budget.num_tokens, budget.max_sequences))
                 logger.info(
                     "captured budget %d/%d: %d tokens (%d rows), limits %s, %d items in %.2f s, rel. error %.1e",
-                    number, total, budget.num_tokens, encoder._rows(budget), dict(budget.limits), budget.max_items,
+                    number, total, budget.num_tokens, runner.rows(budget), dict(budget.limits), budget.max_items,
                     time.perf_counter() - budget_start, error,
                 )
             else:
@@ -63,8 +65,8 @@ def capture_all(encoder: GraphEncoder) -> None:
     stats.capture_seconds = time.perf_counter() - start
     logger.info(
         "captured %d of %d budgets in %.2f s (%.2f GiB reserved on %s, weights included)",
-        len(encoder._graphs), total, stats.capture_seconds,
-        torch.cuda.memory_reserved(encoder.device) / 1024**3, encoder.device,
+        len(runner.graphs), total, stats.capture_seconds,
+        torch.cuda.memory_reserved(runner.device) / 1024**3, runner.device,
     )
 
 
@@ -87,18 +89,18 @@ def _no_collection_while_capturing() -> Iterator[None]:
 
 
 def _capture(
-    encoder: GraphEncoder, budget: Budget, pool: tuple, rng: random.Random, generator: torch.Generator
+    runner: BatchRunner, budget: Budget, pool: tuple, rng: random.Random, generator: torch.Generator
 ) -> torch.cuda.CUDAGraph:
-    encoder._fill_random(budget, rng, generator)
+    runner.fill_random(budget, rng, generator)
     # warm-up on a side stream: lazy initialisation (cuBLAS handles, kernels) stays out of the graph
-    side_stream = torch.cuda.Stream(encoder.device)
-    side_stream.wait_stream(torch.cuda.current_stream(encoder.device))
+    side_stream = torch.cuda.Stream(runner.device)
+    side_stream.wait_stream(torch.cuda.current_stream(runner.device))
     with torch.cuda.stream(side_stream):
-        _forward_into_outputs(encoder, budget)
-    torch.cuda.current_stream(encoder.device).wait_stream(side_stream)
+        _forward_into_outputs(runner, budget)
+    torch.cuda.current_stream(runner.device).wait_stream(side_stream)
     graph = torch.cuda.CUDAGraph()
     with _workspace_in_graph_pool(), torch.cuda.graph(graph, pool=pool):
-        _forward_into_outputs(encoder, budget)
+        _forward_into_outputs(runner, budget)
     return graph
 
 
@@ -128,21 +130,21 @@ def _workspace_in_graph_pool() -> Iterator[None]:
             clear()
 
 
-def _forward_into_outputs(encoder: GraphEncoder, budget: Budget) -> None:
+def _forward_into_outputs(runner: BatchRunner, budget: Budget) -> None:
     # Copy into the shared output buffers, so no graph keeps outputs of its own alive in the pool.
-    outputs = encoder._static_forward(budget)
-    for target, output in zip(encoder._buffers.output_views(budget.num_tokens), outputs):
+    outputs = runner.static_forward(budget)
+    for target, output in zip(runner.buffers.output_views(budget.num_tokens), outputs):
         target.copy_(output[: budget.num_tokens])
 
 
 def _check(
-    encoder: GraphEncoder, budget: Budget, graph: torch.cuda.CUDAGraph, rng: random.Random, generator: torch.Generator
+    runner: BatchRunner, budget: Budget, graph: torch.cuda.CUDAGraph, rng: random.Random, generator: torch.Generator
 ) -> float:
     """Replay on fresh random items and compare with eager; inf if any output row is non-finite."""
-    encoder._fill_random(budget, rng, generator)
+    runner.fill_random(budget, rng, generator)
     graph.replay()
-    replayed = encoder._buffers.output_views(budget.num_tokens)
-    eager = [output[: budget.num_tokens] for output in encoder._static_forward(budget)]
+    replayed = runner.buffers.output_views(budget.num_tokens)
+    eager = [output[: budget.num_tokens] for output in runner.static_forward(budget)]
     error = 0.0
     for got, expected in zip(replayed, eager):
         if not bool(torch.isfinite(got).all()):

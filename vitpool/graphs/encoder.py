@@ -12,44 +12,33 @@ caller's process, trusted after a cheap consistency check), and `start_plans` qu
 and returns, so that a server can queue its next batch before it collects these
 (`vitpool.graphs.in_flight`); `encode_specs` packs checked items. The encoder never looks inside
 an item: its adapter does (`vitpool.models.VisionAdapter`).
+
+This module is the API: settings, loading, checking and packing. One batch's fill, forward and
+outputs are the batch runner's (`vitpool.graphs.runner`), which capture (`vitpool.graphs.capture`)
+uses too; neither imports this module.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import logging
-import random
-import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
 
 from vitpool.errors import ConfigError, InvalidItemError
-from vitpool.graphs.buffers import PinnedMetadata, PinnedStaging, StaticBuffers, pinned_copy
 from vitpool.graphs.capture import capture_all
 from vitpool.graphs.defaults import default_token_budgets, dtype_from_name, resolve_device, resolve_dtype
 from vitpool.graphs.in_flight import LaunchedBatches, PlansInFlight, RunBatch
-from vitpool.graphs.inputs import (
-    NONFINITE_MESSAGE,
-    check_pixels,
-    check_plan,
-    finite_rows,
-    totals,
-)
+from vitpool.graphs.inputs import NONFINITE_MESSAGE, check_pixels, check_plan, totals
+from vitpool.graphs.runner import BatchRunner
 from vitpool.graphs.stats import EncoderStats
 from vitpool.items import Embedding, Item, PreparedItem, prepare_item, prepare_items
 from vitpool.models import VisionAdapter, load_adapter
-from vitpool.models.attention import (
-    fa4_available,
-    graph_backend,
-    host_boundaries,
-    use_attention,
-)
-from vitpool.models.compiled import set_compile_cache_dir, use_compiled_blocks
-from vitpool.models.fused import use_fused_ops
+from vitpool.models.attention import fa4_available
+from vitpool.models.compiled import set_compile_cache_dir
 from vitpool.packing import Budget, pack, smallest_fitting
 from vitpool.specs import ATTENTION_CHOICES, BatchPlan, EncoderSpec, ItemRules, ItemSpec, OutputLayout
 from vitpool.specs import capacity_limits as merged_capacity_limits
@@ -134,16 +123,11 @@ class GraphEncoder:
         # wait for the garbage collector, which may run while another encoder captures
         consistent = functools.partial(_spec_is_consistent, adapter.item_rules)
         self._is_consistent = functools.lru_cache(maxsize=4096)(consistent)
-        self._buffers = StaticBuffers(adapter, self.budgets, self.device, self.dtype)
-        on_gpu = self.device.type == "cuda"
-        self._staging = PinnedStaging(adapter.row_shape, self.dtype, self.device) if on_gpu else None
-        self._metadata_staging = PinnedMetadata(self.device) if on_gpu else None
-        self._metadata_key: tuple | None = None  # what the metadata buffers hold
-        self._graphs: dict[Budget, torch.cuda.CUDAGraph] = {}
-        self._stats = EncoderStats()
-        self._lock = threading.Lock()  # one batch at a time owns the static buffers
+        self._runner = BatchRunner(
+            adapter, self.budgets, self.device, self.dtype, self.attention, fused_ops, self.compiled_blocks
+        )
         if self.device.type == "cuda":
-            capture_all(self)
+            capture_all(self._runner, self.budgets)
 
     @classmethod
     def from_pretrained(
@@ -197,18 +181,28 @@ class GraphEncoder:
 
     # encode
 
-    def encode(self, items: Sequence[Item], output_device: str | torch.device | None = None) -> list[Embedding]:
+    def encode(
+        self,
+        items: Sequence[Item],
+        output_device: str | torch.device | None = None,
+        return_exceptions: bool = False,
+    ) -> list[Embedding] | list[Embedding | InvalidItemError]:
         """Encode `items`; returns one Embedding per item, in input order.
 
         Args:
             items: Image and Video items.
             output_device: where the results go. None: the encoder's device. "cpu": each batch's
                 outputs are copied to pinned host memory in one transfer per tensor.
+            return_exceptions: False (default): a bad item raises and nothing is returned. True:
+                every item is encoded that can be, and a bad item's slot holds its
+                InvalidItemError instead (as `asyncio.gather(..., return_exceptions=True)`).
 
         Raises:
-            InvalidItemError: an item is malformed (the message names its index); nothing is
-                returned, and the encoder stays usable.
+            InvalidItemError: an item is malformed or its pixels are not finite (the message
+                names its index), unless `return_exceptions`; the encoder stays usable.
         """
+        if return_exceptions:
+            return self.encode_each(items, output_device)
         if not items:
             return []
         outcomes = self.encode_specs(prepare_items(items, self.adapter.item_rules), output_device)
@@ -220,10 +214,8 @@ class GraphEncoder:
     def encode_each(
         self, items: Sequence[Item], output_device: str | torch.device | None = None
     ) -> list[Embedding | InvalidItemError]:
-        """Like `encode`, but a bad item does not stop the others: its slot holds its error.
-
-        For servers that batch the items of several callers together.
-        """
+        """`encode(items, output_device, return_exceptions=True)`: a bad item does not stop the
+        others; its slot holds its InvalidItemError (naming its index in `items`)."""
         outcomes: list[Embedding | InvalidItemError | None] = [None] * len(items)
         prepared: list[PreparedItem] = []
         indices: list[int] = []
@@ -303,13 +295,13 @@ class GraphEncoder:
         Raises:
             ValueError: what does not match; the batch fails as a whole.
         """
-        rows = None if plan.budget is None else self._rows(plan.budget)
+        rows = None if plan.budget is None else self._runner.rows(plan.budget)
         check_plan(plan, pixels, self.adapter.row_shape, self._known_budgets, rows, self._is_consistent)
 
     def stats(self) -> EncoderStats:
         """A snapshot of the counters."""
-        with self._lock:
-            return copy.deepcopy(self._stats)
+        with self._runner.lock:
+            return copy.deepcopy(self._runner.stats)
 
     def _merge_plans(self, plans: Sequence[BatchPlan]) -> list[tuple[Budget | None, list[int]]]:
         """(budget, plan indices) per run: a plan joins the run before it when together they fit
@@ -320,7 +312,7 @@ class GraphEncoder:
                 indices = [*runs[-1][1], index]
                 specs = [spec for i in indices for spec in plans[i].specs]
                 merged = smallest_fitting(self.budgets, *totals(specs), is_sorted=True)
-                if merged is not None and sum(spec.num_rows for spec in specs) <= self._rows(merged):
+                if merged is not None and sum(spec.num_rows for spec in specs) <= self._runner.rows(merged):
                     runs[-1] = (merged, indices)
                     continue
             runs.append((plan.budget, [index]))
@@ -328,14 +320,7 @@ class GraphEncoder:
 
     def _launch(self, batches: Sequence[RunBatch], output_device: str | torch.device | None) -> LaunchedBatches:
         """Queue the batches' work on the device; their outputs are fresh tensors once it is done."""
-        to_host = self._wants_host(output_device)
-        with torch.no_grad(), self._lock:
-            runs = [self._run(budget, members, to_host) for budget, members in batches]
-            done = None
-            if self.device.type == "cuda":
-                done = torch.cuda.Event()
-                done.record(torch.cuda.current_stream(self.device))
-        return LaunchedBatches(list(batches), runs, done)
+        return self._runner.launch(batches, self._wants_host(output_device))
 
     def _wants_host(self, output_device: str | torch.device | None) -> bool:
         if output_device is None:
@@ -347,128 +332,6 @@ class GraphEncoder:
         if resolved is None or resolved.type not in ("cpu", self.device.type):
             raise ConfigError(f"output_device {output_device!r}: use None (the encoder's device) or 'cpu'")
         return resolved.type == "cpu"
-
-    def _run(self, budget: Budget | None, members: list[PreparedItem], to_host: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """Outputs of the batch's items, concatenated and owned by the caller (on the host if
-        `to_host`), one tensor per output [tokens, *row_shape]; and whether each of the items'
-        pixel rows was finite [rows], in host memory once the batch's work is done. Reading the
-        flags from the device would wait for whatever is queued after this batch, the next
-        replay included."""
-        specs = [member.spec for member in members]
-        num_tokens = sum(spec.num_tokens for spec in specs)
-        if budget is None:
-            self._stats.eager_batches += 1
-            self._stats.eager_items += len(members)
-            outputs, finite = self._run_exact(members)
-            outputs, finite = [output[:num_tokens] for output in outputs], _on_host(finite)
-        else:
-            rows = self._rows(budget)
-            self._stats.replays_per_budget[budget.num_tokens] = self._stats.replays_per_budget.get(budget.num_tokens, 0) + 1
-            self._stats.batch_rows += rows
-            self._stats.padding_rows += rows - sum(spec.num_rows for spec in specs)
-            item_rows = self._fill(budget, specs, [member.pixels for member in members])
-            graph = self._graphs.get(budget)
-            if graph is None:
-                self._stats.eager_items += len(members)
-                outputs = [output[:num_tokens] for output in self._static_forward(budget)]
-            else:
-                self._stats.graph_items += len(members)
-                graph.replay()
-            flags = self._buffers.finite[:item_rows]  # the next replay overwrites them
-            finite = _on_host(flags) if flags.is_cuda else flags.clone()
-            if graph is not None:  # ... and the output buffers
-                return self._buffers.output_copies(num_tokens, to_host), finite
-        if to_host:
-            # eager outputs are fresh; on a CPU encoder they are on the host already
-            outputs = [_on_host(output) for output in outputs]
-        return outputs, finite
-
-    def _run_exact(self, members: list[PreparedItem]) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """Eager run at the items' own size: no padding, fresh tensors."""
-        specs = [member.spec for member in members]
-        num_items, num_tokens, needs = totals(specs)
-        exact = Budget(num_tokens, needs, num_items)  # capacities exactly what the items use
-        num_rows = sum(member.pixels.shape[0] for member in members)
-        pixels = torch.empty((num_rows, *self.adapter.row_shape), device=self.device, dtype=self.dtype)
-        self._copy_rows(pixels, [member.pixels for member in members])
-        on_host = self.adapter.build_metadata(specs, pixels.shape[0], exact)
-        metadata = {name: tensor.to(self.device) for name, tensor in on_host.items()}
-        finite = finite_rows(pixels)
-        _zero_nonfinite(pixels)
-        # not captured: with "auto" the attention hook picks its kernel from the batch's
-        # boundaries on the host (backend None)
-        auto = self.attention == "auto"
-        boundaries = host_boundaries(on_host, metadata) if auto else contextlib.nullcontext()
-        with boundaries, self._kernels(None if auto else self.attention):
-            return self.adapter.forward(pixels, metadata), finite
-
-    def _fill(self, budget: Budget, specs: list, pixel_list: list[torch.Tensor]) -> int:
-        """Write a batch into the budget's views of the static buffers, padding rows included;
-        returns the items' rows. The static forward checks and cleans the pixels itself."""
-        rows = self._rows(budget)
-        pixels, metadata = self._buffers.input_views(rows, budget)
-        row = self._copy_rows(pixels, pixel_list)
-        pixels[row:].zero_()
-        # Metadata depends only on the specs and the budget: a batch shaped like the last one
-        # (a stream of same-sized images) finds it in the buffers already.
-        key = (budget, tuple(specs))
-        if key != self._metadata_key:
-            built = self.adapter.build_metadata(specs, rows, budget)
-            pairs = [(metadata[name], tensor) for name, tensor in built.items()]
-            if self._metadata_staging is None:
-                for target, tensor in pairs:
-                    target.copy_(tensor)
-            else:
-                self._metadata_staging.copy(pairs)
-            self._metadata_key = key
-        return row
-
-    def _copy_rows(self, target: torch.Tensor, pixel_list: list[torch.Tensor]) -> int:
-        """Copy the items' pixels one after another into `target`'s first rows (large host
-        tensors through pinned memory); returns the rows written."""
-        pairs, row = [], 0
-        for item_pixels in pixel_list:
-            pairs.append((target[row : row + item_pixels.shape[0]], item_pixels))
-            row += item_pixels.shape[0]
-        if self._staging is None:
-            for rows, item_pixels in pairs:
-                rows.copy_(item_pixels)
-        else:
-            self._staging.copy(pairs)
-        return row
-
-    def _static_forward(self, budget: Budget) -> list[torch.Tensor]:
-        """The forward over the budget's buffers (captured, checked, or run eager when disabled),
-        with the attention kernel its graph is captured with; writes the buffers' `finite` flags."""
-        rows = self._rows(budget)
-        pixels, metadata = self._buffers.input_views(rows, budget)
-        # Part of the graph, so a call launches none of it: which rows are finite (read after the
-        # replay), and the non-finite values zeroed so that a bad item cannot reach the others.
-        self._buffers.finite[:rows].copy_(finite_rows(pixels))
-        _zero_nonfinite(pixels)
-        with self._kernels(graph_backend(self.attention, self.device, rows, budget.max_sequences)):
-            return self.adapter.forward(pixels, metadata)
-
-    @contextlib.contextmanager
-    def _kernels(self, attention_backend: str | None) -> Iterator[None]:
-        """The kernels the tower's forward runs with: this device current (kernels launched by
-        device index, Triton and FA4, run where the tensors are), the attention backend (None:
-        the hook picks per batch), and the fused and compiled parts as set."""
-        device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
-        with device, use_attention(attention_backend), use_fused_ops(self.fused_ops), \
-                use_compiled_blocks(self.compiled_blocks):
-            yield
-
-    def _rows(self, budget: Budget) -> int:
-        return self.adapter.max_rows(budget.num_tokens)
-
-    def _fill_random(self, budget: Budget, rng: random.Random, generator: torch.Generator) -> None:
-        """Random valid items of the adapter's choosing into the budget's buffers (capture, checks)."""
-        specs = self.adapter.sample_specs(self._rows(budget), budget, rng)
-        pixels = [
-            torch.randn(spec.pixel_shape, device=self.device, dtype=self.dtype, generator=generator) for spec in specs
-        ]
-        self._fill(budget, specs, pixels)
 
 
 def _check_attention(attention: str, device: torch.device, dtype: torch.dtype) -> str:
@@ -497,18 +360,6 @@ def _spec_is_consistent(rules: ItemRules, spec: ItemSpec) -> bool:
 def _renumbered(outcome: Embedding | InvalidItemError, index: int) -> Embedding | InvalidItemError:
     """An item's error under its index in the caller's list."""
     return InvalidItemError(index, outcome.reason) if isinstance(outcome, InvalidItemError) else outcome
-
-
-def _on_host(tensor: torch.Tensor) -> torch.Tensor:
-    """A device tensor's pinned host copy, queued on the stream (read it once the stream has
-    passed it); a host tensor as it is."""
-    return pinned_copy(tensor) if tensor.is_cuda else tensor
-
-
-def _zero_nonfinite(pixels: torch.Tensor) -> None:
-    """A bad item fails alone: its NaN would otherwise reach the other items of its batch where
-    attention masks with a multiply (SDPA's block-diagonal mask on a CPU: 0 * NaN is NaN)."""
-    torch.nan_to_num_(pixels, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def _place_tower(tower: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:

@@ -9,6 +9,7 @@ deep inside a capture.
 
 from __future__ import annotations
 
+import importlib.metadata
 import operator
 from collections.abc import Sequence
 
@@ -16,8 +17,18 @@ import torch
 
 from vitpool.errors import ConfigError
 
-# The range pyproject.toml declares and `nox -s bounds` runs the suite on.
-TESTED_TRANSFORMERS = ("5.17.0", "5.24.0")
+
+
+def tested_transformers() -> str:
+    """The transformers requirement vitpool declares (pyproject.toml; `nox -s bounds` runs the
+    suite on both its bounds), e.g. "transformers<=5.24.0,>=5.17.0"."""
+    try:
+        for requirement in importlib.metadata.requires("vitpool") or []:
+            if requirement.startswith("transformers"):
+                return requirement.split(";")[0].strip()
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that is not installed
+        pass
+    return "the transformers range in vitpool's pyproject.toml"
 
 
 def installed_transformers() -> str:
@@ -28,11 +39,10 @@ def installed_transformers() -> str:
 
 def incompatible(family: str, what: str) -> ConfigError:
     """The error for a tower whose Hugging Face code no longer has what the adapter uses."""
-    lower, upper = TESTED_TRANSFORMERS
+    tested = tested_transformers()
     return ConfigError(
         f"{family}: transformers {installed_transformers()} changed the tower's code ({what}); vitpool "
-        f"is tested with transformers {lower} to {upper}: install one of those "
-        f"(pip install 'transformers>={lower},<={upper}')"
+        f"is tested with {tested}: pip install '{tested}'"
     )
 
 

@@ -1,0 +1,210 @@
+"""One batch at a time through an encoder's static buffers: fill, forward (a graph's replay or
+eager), fresh copies of the outputs. `GraphEncoder` (the API) runs its batches here, and
+`capture` captures and checks each budget's graph through the same fill and forward.
+
+A budgeted batch is copied into the budget's prefix views of the static buffers, its padding rows
+written too, and its graph replayed (or, where the budget has no graph, the same static forward
+run eagerly). A batch without a budget runs eagerly at its own rows. Either way the outputs are
+fresh tensors (on the device, or in pinned host memory) and each pixel row's finite flag is read
+back without waiting for later work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import threading
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from vitpool.graphs.buffers import PinnedMetadata, PinnedStaging, StaticBuffers, pinned_copy
+from vitpool.graphs.in_flight import LaunchedBatches, RunBatch
+from vitpool.graphs.inputs import finite_rows, totals
+from vitpool.graphs.stats import EncoderStats
+from vitpool.items import PreparedItem
+from vitpool.models import VisionAdapter
+from vitpool.models.attention import graph_backend, host_boundaries, use_attention
+from vitpool.models.compiled import use_compiled_blocks
+from vitpool.models.fused import use_fused_ops
+from vitpool.packing import Budget
+from vitpool.specs import ItemSpec
+
+
+class BatchRunner:
+    """The static buffers of one encoder, its graphs (filled in by `capture.capture_all`) and its
+    counters; runs batches through them, one at a time (`lock`).
+
+    Attributes:
+        graphs: budget -> its checked graph; a budget without one runs its static forward eagerly.
+        stats: the counters `GraphEncoder.stats()` copies (under `lock`).
+        attention, fused_ops, compiled_blocks: the kernels the forward runs with (`kernels`).
+    """
+
+    def __init__(
+        self,
+        adapter: VisionAdapter,
+        budgets: Sequence[Budget],
+        device: torch.device,
+        dtype: torch.dtype,
+        attention: str,
+        fused_ops: bool,
+        compiled_blocks: bool,
+    ) -> None:
+        self.adapter, self.device, self.dtype = adapter, device, dtype
+        self.attention, self.fused_ops, self.compiled_blocks = attention, fused_ops, compiled_blocks
+        self.buffers = StaticBuffers(adapter, budgets, device, dtype)
+        on_gpu = device.type == "cuda"
+        self.staging = PinnedStaging(adapter.row_shape, dtype, device) if on_gpu else None
+        self._metadata_staging = PinnedMetadata(device) if on_gpu else None
+        self._metadata_key: tuple | None = None  # what the metadata buffers hold
+        self.graphs: dict[Budget, torch.cuda.CUDAGraph] = {}
+        self.stats = EncoderStats()
+        self.lock = threading.Lock()  # one batch at a time owns the static buffers
+
+    def rows(self, budget: Budget) -> int:
+        """Pixel rows of the budget's static views."""
+        return self.adapter.max_rows(budget.num_tokens)
+
+    def launch(self, batches: Sequence[RunBatch], to_host: bool) -> LaunchedBatches:
+        """Queue the batches' work on the device; their outputs are fresh tensors (in pinned host
+        memory if `to_host`) once it is done."""
+        with torch.no_grad(), self.lock:
+            runs = [self._run(budget, members, to_host) for budget, members in batches]
+            done = None
+            if self.device.type == "cuda":
+                done = torch.cuda.Event()
+                done.record(torch.cuda.current_stream(self.device))
+        return LaunchedBatches(list(batches), runs, done)
+
+    def _run(self, budget: Budget | None, members: list[PreparedItem], to_host: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Outputs of the batch's items, concatenated and owned by the caller (on the host if
+        `to_host`), one tensor per output [tokens, *row_shape]; and whether each of the items'
+        pixel rows was finite [rows], in host memory once the batch's work is done. Reading the
+        flags from the device would wait for whatever is queued after this batch, the next
+        replay included."""
+        specs = [member.spec for member in members]
+        num_tokens = sum(spec.num_tokens for spec in specs)
+        if budget is None:
+            self.stats.eager_batches += 1
+            self.stats.eager_items += len(members)
+            outputs, finite = self.run_exact(members)
+            outputs, finite = [output[:num_tokens] for output in outputs], _on_host(finite)
+        else:
+            rows = self.rows(budget)
+            self.stats.replays_per_budget[budget.num_tokens] = self.stats.replays_per_budget.get(budget.num_tokens, 0) + 1
+            self.stats.batch_rows += rows
+            self.stats.padding_rows += rows - sum(spec.num_rows for spec in specs)
+            item_rows = self.fill(budget, specs, [member.pixels for member in members])
+            graph = self.graphs.get(budget)
+            if graph is None:
+                self.stats.eager_items += len(members)
+                outputs = [output[:num_tokens] for output in self.static_forward(budget)]
+            else:
+                self.stats.graph_items += len(members)
+                graph.replay()
+            flags = self.buffers.finite[:item_rows]  # the next replay overwrites them
+            finite = _on_host(flags) if flags.is_cuda else flags.clone()
+            if graph is not None:  # ... and the output buffers
+                return self.buffers.output_copies(num_tokens, to_host), finite
+        if to_host:
+            # eager outputs are fresh; on a CPU encoder they are on the host already
+            outputs = [_on_host(output) for output in outputs]
+        return outputs, finite
+
+    def run_exact(self, members: list[PreparedItem]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Eager run at the items' own size: no padding, fresh tensors; and each pixel row's
+        finite flag (on the device)."""
+        specs = [member.spec for member in members]
+        num_items, num_tokens, needs = totals(specs)
+        exact = Budget(num_tokens, needs, num_items)  # capacities exactly what the items use
+        num_rows = sum(member.pixels.shape[0] for member in members)
+        pixels = torch.empty((num_rows, *self.adapter.row_shape), device=self.device, dtype=self.dtype)
+        self.copy_rows(pixels, [member.pixels for member in members])
+        on_host = self.adapter.build_metadata(specs, pixels.shape[0], exact)
+        metadata = {name: tensor.to(self.device) for name, tensor in on_host.items()}
+        finite = finite_rows(pixels)
+        _zero_nonfinite(pixels)
+        # not captured: with "auto" the attention hook picks its kernel from the batch's
+        # boundaries on the host (backend None)
+        auto = self.attention == "auto"
+        boundaries = host_boundaries(on_host, metadata) if auto else contextlib.nullcontext()
+        with boundaries, self.kernels(None if auto else self.attention):
+            return self.adapter.forward(pixels, metadata), finite
+
+    def fill(self, budget: Budget, specs: Sequence[ItemSpec], pixel_list: Sequence[torch.Tensor]) -> int:
+        """Write a batch into the budget's views of the static buffers, padding rows included;
+        returns the items' rows. The static forward checks and cleans the pixels itself."""
+        rows = self.rows(budget)
+        pixels, metadata = self.buffers.input_views(rows, budget)
+        row = self.copy_rows(pixels, pixel_list)
+        pixels[row:].zero_()
+        # Metadata depends only on the specs and the budget: a batch shaped like the last one
+        # (a stream of same-sized images) finds it in the buffers already.
+        key = (budget, tuple(specs))
+        if key != self._metadata_key:
+            built = self.adapter.build_metadata(specs, rows, budget)
+            pairs = [(metadata[name], tensor) for name, tensor in built.items()]
+            if self._metadata_staging is None:
+                for target, tensor in pairs:
+                    target.copy_(tensor)
+            else:
+                self._metadata_staging.copy(pairs)
+            self._metadata_key = key
+        return row
+
+    def fill_random(self, budget: Budget, rng: random.Random, generator: torch.Generator) -> None:
+        """Random valid items of the adapter's choosing into the budget's buffers (capture, checks)."""
+        specs = self.adapter.sample_specs(self.rows(budget), budget, rng)
+        pixels = [
+            torch.randn(spec.pixel_shape, device=self.device, dtype=self.dtype, generator=generator) for spec in specs
+        ]
+        self.fill(budget, specs, pixels)
+
+    def copy_rows(self, target: torch.Tensor, pixel_list: Sequence[torch.Tensor]) -> int:
+        """Copy the items' pixels one after another into `target`'s first rows (large host
+        tensors through pinned memory); returns the rows written."""
+        pairs, row = [], 0
+        for item_pixels in pixel_list:
+            pairs.append((target[row : row + item_pixels.shape[0]], item_pixels))
+            row += item_pixels.shape[0]
+        if self.staging is None:
+            for rows, item_pixels in pairs:
+                rows.copy_(item_pixels)
+        else:
+            self.staging.copy(pairs)
+        return row
+
+    def static_forward(self, budget: Budget) -> list[torch.Tensor]:
+        """The forward over the budget's buffers (captured, checked, or run eager when disabled),
+        with the attention kernel its graph is captured with; writes the buffers' `finite` flags."""
+        rows = self.rows(budget)
+        pixels, metadata = self.buffers.input_views(rows, budget)
+        # Part of the graph, so a call launches none of it: which rows are finite (read after the
+        # replay), and the non-finite values zeroed so that a bad item cannot reach the others.
+        self.buffers.finite[:rows].copy_(finite_rows(pixels))
+        _zero_nonfinite(pixels)
+        with self.kernels(graph_backend(self.attention, self.device, rows, budget.max_sequences)):
+            return self.adapter.forward(pixels, metadata)
+
+    @contextlib.contextmanager
+    def kernels(self, attention_backend: str | None) -> Iterator[None]:
+        """The kernels the tower's forward runs with: this device current (kernels launched by
+        device index, Triton and FA4, run where the tensors are), the attention backend (None:
+        the hook picks per batch), and the fused and compiled parts as set."""
+        device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+        with device, use_attention(attention_backend), use_fused_ops(self.fused_ops), \
+                use_compiled_blocks(self.compiled_blocks):
+            yield
+
+
+def _on_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A device tensor's pinned host copy, queued on the stream (read it once the stream has
+    passed it); a host tensor as it is."""
+    return pinned_copy(tensor) if tensor.is_cuda else tensor
+
+
+def _zero_nonfinite(pixels: torch.Tensor) -> None:
+    """A bad item fails alone: its NaN would otherwise reach the other items of its batch where
+    attention masks with a multiply (SDPA's block-diagonal mask on a CPU: 0 * NaN is NaN)."""
+    torch.nan_to_num_(pixels, nan=0.0, posinf=0.0, neginf=0.0)
