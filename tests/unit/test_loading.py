@@ -131,3 +131,20 @@ def test_an_unsupported_model_lists_the_supported_ones(tmp_path, name):
     with pytest.raises(CheckpointError) as raised:
         GraphEncoder.from_pretrained(tmp_path, budgets=[16], device="cpu")
     assert words in str(raised.value) and "qwen3_vl_vision" in str(raised.value)
+
+
+def test_a_family_whose_transformers_code_moved_fails_alone_naming_the_versions(monkeypatch):
+    """A helper an adapter module imports that a release removed: that family's load raises a
+    ConfigError naming the installed and the declared transformers versions; others still load."""
+    import importlib
+
+    import transformers
+
+    from vitpool.errors import ConfigError
+    from vitpool.models.registry import FAMILIES
+
+    monkeypatch.delattr(importlib.import_module("transformers.vision_utils"), "get_vision_window_index")
+    monkeypatch.delitem(sys.modules, "vitpool.models.qwen2_5_vl", raising=False)
+    with pytest.raises(ConfigError, match=rf"transformers {transformers.__version__} .*get_vision_window_index.*tested with transformers"):
+        FAMILIES["qwen2_5_vl_vision"].adapter(None)
+    GraphEncoder.from_pretrained(None, budgets=[16], device="cpu")  # Qwen3-VL still loads

@@ -92,10 +92,17 @@ def _hf_tower(module: str, class_name: str) -> Callable[[Any, torch.dtype], torc
 
 
 def _lazy(module: str, name: str) -> Callable[..., Any]:
-    """`module.name` (an adapter class or a builder), imported when first called."""
+    """`module.name` (an adapter class or a builder), imported when first called. What a
+    transformers release removed (a helper the module imports, an attribute of the tower the
+    adapter reads) fails this family alone, with the installed and the tested versions named."""
 
     def call(*args: Any) -> Any:
-        return getattr(importlib.import_module(module), name)(*args)
+        try:
+            return getattr(importlib.import_module(module), name)(*args)
+        except (ImportError, AttributeError) as error:
+            from vitpool.models.compat import incompatible
+
+            raise incompatible(f"{module}.{name}", f"{type(error).__name__}: {error}") from error
 
     return call
 
