@@ -26,8 +26,20 @@ class InvalidItemError(VitpoolError, ValueError):
 
 
 class PoolUnavailableError(VitpoolError):
-    """The pool has no encoder actor that can take work (none started, or all have died)."""
+    """The pool cannot take work: it has no encoder actor left (none started, or all have died),
+    or this handle can no longer reach it (closed by `close`/`shutdown`, its controller gone, or
+    this process no longer connected to Ray). The message says which."""
 
 
 class EncodeError(VitpoolError):
     """An encoder actor failed on a batch for a reason other than the caller's items."""
+
+
+def counted(count: int, noun: str, plural: str | None = None) -> str:
+    """`count` and `noun` for a message, in the plural unless the count is one: "1 actor",
+    "2 actors", "3 batches" (nouns ending in s, x, ch or sh take "es"; pass `plural` otherwise)."""
+    if count == 1:
+        return f"{count} {noun}"
+    if plural is None:
+        plural = f"{noun}es" if noun.endswith(("s", "x", "ch", "sh")) else f"{noun}s"
+    return f"{count} {plural}"

@@ -1,9 +1,11 @@
-"""Every family through a CPU pool: the same results as its in-process GraphEncoder."""
+"""Every family through a CPU pool: the same results as its in-process GraphEncoder, every output
+tensor (tokens, and Qwen3-VL's deepstack features) compared."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from conftest import mixed_items as qwen3_vl_items
 from family_tiny import FAMILY_CASES, mixed_items, save_tiny_tower
 
 from vitpool import EncoderPool, GraphEncoder, InvalidItemError, Video
@@ -11,19 +13,32 @@ from vitpool import EncoderPool, GraphEncoder, InvalidItemError, Video
 pytestmark = pytest.mark.ray
 
 BUDGETS = [16, 64, 256]
+SHIPPED_QWEN3_VL = "qwen3_vl"  # the tiny tower shipped with vitpool (model=None): the family with deepstack
 
 
-@pytest.mark.parametrize("family", sorted(FAMILY_CASES))
+def assert_same_outputs(results, expected) -> None:
+    """Every output tensor of every item equal, in `Embedding.outputs` order."""
+    assert len(results) == len(expected)
+    for got, want in zip(results, expected, strict=True):
+        assert len(got.outputs) == len(want.outputs)
+        for got_tensor, want_tensor in zip(got.outputs, want.outputs, strict=True):
+            assert got_tensor.shape == want_tensor.shape
+            torch.testing.assert_close(got_tensor, want_tensor, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", [SHIPPED_QWEN3_VL, *sorted(FAMILY_CASES)])
 def test_a_pool_of_the_family_equals_its_encoder(ray_cluster, tmp_path, family):
-    directory = save_tiny_tower(family, tmp_path)
-    reference = GraphEncoder.from_pretrained(directory, budgets=BUDGETS, device="cpu", dtype=torch.float32)
-    items = mixed_items(family)
-    pool = EncoderPool.launch(model=str(directory), budgets=BUDGETS, name=f"family-{family}", num_actors=1,
-                              device="cpu")
+    if family == SHIPPED_QWEN3_VL:
+        model, items = None, qwen3_vl_items(0)  # images, a video, and one image larger than every budget
+    else:
+        model, items = str(save_tiny_tower(family, tmp_path)), mixed_items(family)
+    reference = GraphEncoder.from_pretrained(model, budgets=BUDGETS, device="cpu", dtype=torch.float32)
+    pool = EncoderPool.launch(model=model, budgets=BUDGETS, name=f"family-{family}", num_actors=1, device="cpu")
     try:
-        for got, want in zip(pool.encode(items), reference.encode(items), strict=True):
-            assert got.tokens.shape == want.tokens.shape and len(got.deepstack) == len(want.deepstack)
-            torch.testing.assert_close(got.tokens, want.tokens, rtol=1e-5, atol=1e-5)
+        expected = reference.encode(items)
+        if family == SHIPPED_QWEN3_VL:
+            assert all(len(embedding.deepstack) == 2 for embedding in expected)  # deepstack is compared
+        assert_same_outputs(pool.encode(items), expected)
         with pytest.raises(InvalidItemError, match="item 1"):  # checked in this process, by the rules
             pool.encode([items[0], Video(items[1].pixel_values, (2, 8, 6))])
     finally:

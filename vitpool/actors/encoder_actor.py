@@ -27,7 +27,7 @@ import torch
 
 from vitpool.actors.combining import BatchCombiner, Collect, finished
 from vitpool.actors.reports import ActorInfo, ActorStats
-from vitpool.errors import EncodeError, InvalidItemError
+from vitpool.errors import EncodeError, InvalidItemError, counted
 from vitpool.items import Embedding, PreparedItem
 from vitpool.specs import ActorSpec, BatchPlan, ItemSpec
 from vitpool.transport.channel import ChannelServer, channel_supported
@@ -49,12 +49,29 @@ class EncoderActor:
     Args:
         actor_index: the actor's number in its pool, for logs and stats.
         spec: the encoder to build and how to serve it (`vitpool.specs.ActorSpec`).
+
+    Raises:
+        CheckpointError, ConfigError: the encoder cannot be built. Inside a Ray actor the
+            constructor keeps the error instead and `info` raises it: Ray would report it as
+            ActorDiedError text, its type lost (`vitpool.pool.start_errors`); the pool then
+            stops the actor.
     """
 
     def __init__(self, actor_index: int, spec: ActorSpec) -> None:
+        self.actor_index = actor_index
+        self._start_error: Exception | None = None
+        try:
+            self._start(spec)
+        except Exception as error:
+            if _ray_context("get_actor_id") is None:
+                raise  # built in this process (tests, benchmarks): fail as any constructor does
+            logger.error("encoder actor %d failed to start: %s: %s", actor_index, type(error).__name__, error)
+            self._start_error = error
+
+    def _start(self, spec: ActorSpec) -> None:
         start = time.perf_counter()
         torch.set_num_threads(spec.num_threads)
-        self.actor_index = actor_index
+        actor_index = self.actor_index
         from vitpool.graphs import GraphEncoder  # the engine: see the module's docstring
 
         self.encoder: GraphEncoder = GraphEncoder.from_spec(spec.encoder)
@@ -83,6 +100,13 @@ class EncoderActor:
         logger.info("encoder actor %d ready on %s in %.1f s", actor_index, self._stats.device, self._startup_seconds)
 
     def info(self) -> ActorInfo:
+        """Who this actor is, once ready.
+
+        Raises:
+            Exception: the error the actor met as it started (see the class), as its own type.
+        """
+        if self._start_error is not None:
+            raise self._start_error
         encoder_stats = self.encoder.stats()
         return ActorInfo(
             actor_index=self.actor_index,
@@ -229,15 +253,15 @@ class EncoderActor:
             self._stats.oom_splits += 1
         if len(groups) > 1:
             logger.warning("encoder actor %d: out of GPU memory on %d batches; running them in halves",
-                           self.actor_index, len(groups))
+                           self.actor_index, len(groups))  # len(groups) > 1 here
             half = len(groups) // 2
             return self._run_splitting(groups[:half], output_device) + self._run_splitting(groups[half:], output_device)
         plan, pixels = groups[0]
         if len(plan.specs) == 1:
             logger.error("encoder actor %d: out of GPU memory on a single item", self.actor_index)
-            raise torch.cuda.OutOfMemoryError(f"out of GPU memory on a single item of {plan.num_tokens} tokens")
+            raise torch.cuda.OutOfMemoryError(f"out of GPU memory on a single item of {counted(plan.num_tokens, 'token')}")
         logger.warning("encoder actor %d: out of GPU memory on %d items; encoding them in halves",
-                       self.actor_index, len(plan.specs))
+                       self.actor_index, len(plan.specs))  # more than one item here
         half = len(plan.specs) // 2
         # A part of a planned batch fits the batch's budget.
         first = self._run_splitting([(BatchPlan(plan.budget, plan.specs[:half]), pixels[:half])], output_device)
@@ -250,7 +274,7 @@ class EncoderActor:
             # Ray narrows CUDA_VISIBLE_DEVICES, so every actor sees its GPU as cuda:0: name the node's GPU id.
             where = f", GPU {','.join(self._gpu_ids)} of the node" if self._gpu_ids else ""
             return f"{device} ({torch.cuda.get_device_name(device)}{where})"
-        return f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+        return f"cpu ({counted(os.cpu_count() or 1, 'core')}, {counted(torch.get_num_threads(), 'thread')})"
 
 
 def _tensors(specs: Sequence[ItemSpec], pixels: Sequence[np.ndarray | torch.Tensor]) -> list[torch.Tensor]:
@@ -261,7 +285,7 @@ def _tensors(specs: Sequence[ItemSpec], pixels: Sequence[np.ndarray | torch.Tens
         ValueError: not one array per spec, or an array that does not travel as its spec says.
     """
     if len(pixels) != len(specs):
-        raise ValueError(f"a batch of {len(specs)} item specs came with {len(pixels)} pixel arrays")
+        raise ValueError(f"a batch of {counted(len(specs), 'item spec')} came with {counted(len(pixels), 'pixel array')}")
     tensors = []
     for position, (spec, array) in enumerate(zip(specs, pixels)):
         if isinstance(array, torch.Tensor):

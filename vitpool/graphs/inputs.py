@@ -13,6 +13,7 @@ from collections.abc import Callable, Collection, Sequence
 
 import torch
 
+from vitpool.errors import counted
 from vitpool.items import PreparedItem
 from vitpool.packing import Budget, Needs, fits
 from vitpool.specs import BatchPlan, ItemSpec
@@ -43,7 +44,7 @@ def check_plan(
     if not plan.specs:
         raise ValueError("a batch plan has no items")
     if len(pixels) != len(plan.specs):
-        raise ValueError(f"a batch plan of {len(plan.specs)} items came with {len(pixels)} pixel tensors")
+        raise ValueError(f"a batch plan of {counted(len(plan.specs), 'item')} came with {counted(len(pixels), 'pixel tensor')}")
     for position, (spec, tensor) in enumerate(zip(plan.specs, pixels)):
         check_pixels(position, spec, tensor, row_shape)
         if not is_consistent(spec):

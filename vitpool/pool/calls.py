@@ -26,12 +26,17 @@ class QueuedItem:
 
 class Call:
     """The future of one call: resolves to its results in input order, each an Embedding (from
-    the same-node channel) or a reference to one (from a Ray call)."""
+    the same-node channel) or a reference to one (from a Ray call).
 
-    def __init__(self, num_items: int) -> None:
+    `return_exceptions`: an item's failure is its own outcome (its slot holds the exception and
+    the call goes on, as `asyncio.gather(..., return_exceptions=True)`); else it fails the call.
+    """
+
+    def __init__(self, num_items: int, return_exceptions: bool = False) -> None:
         self.future: concurrent.futures.Future = concurrent.futures.Future()
         self.results: list[Any] = [None] * num_items
         self.remaining = num_items
+        self.return_exceptions = return_exceptions
         self.submitted_at = time.monotonic()
 
     @property
@@ -50,5 +55,6 @@ class Call:
         return False
 
     def fail(self, error: BaseException) -> None:
+        """Fail the whole call (its caller gave up, or it never got in)."""
         if not self.done:
             self.future.set_exception(error)

@@ -10,7 +10,7 @@ from typing import Any
 
 import ray
 
-from vitpool.errors import ConfigError
+from vitpool.errors import ConfigError, counted
 
 logger = logging.getLogger(__name__)
 
@@ -57,12 +57,21 @@ def check_capacity(options: dict[str, Any], num_actors: int) -> None:
     total = ray.cluster_resources()
     for resource, key in (("GPU", "num_gpus"), ("CPU", "num_cpus")):
         needed = float(options.get(key) or 0) * num_actors
-        if needed > total.get(resource, 0.0) + 1e-9:
+        available = total.get(resource, 0.0)
+        if needed <= available + 1e-9:
+            continue
+        if resource == "GPU" and available <= 0:
             raise ConfigError(
-                f"{num_actors} encoder actors with {key}={options.get(key)} need {needed:g} {resource}s; "
-                f"the cluster has {total.get(resource, 0.0):g}. Use fewer actors or a fractional share "
-                f"(actor_options={{'{key}': ...}})"
+                f"the Ray cluster has no GPU, and each encoder actor asks for num_gpus={options.get(key)}: "
+                "to run on CPUs, leave num_gpus out of actor_options (or set it to 0) and launch with "
+                "device='cpu'; or join a cluster with GPUs (address=...)"
             )
+        actors = counted(num_actors, "encoder actor")
+        raise ConfigError(
+            f"{actors} with {key}={options.get(key)} {'needs' if num_actors == 1 else 'need'} "
+            f"{needed:g} {resource}{'' if needed == 1 else 's'}; the cluster has {available:g}. Use fewer "
+            f"actors or a fractional share (actor_options={{'{key}': ...}})"
+        )
 
 
 def colocated_options(placement_group: Any, actor_options: dict[str, Any] | None) -> tuple[dict, Placement]:
@@ -90,8 +99,8 @@ def colocated_options(placement_group: Any, actor_options: dict[str, Any] | None
 def check_bundles(placement: Placement, num_actors: int) -> None:
     if num_actors > len(placement.bundles):
         raise ConfigError(
-            f"{num_actors} encoder actors, but the placement group has {len(placement.bundles)} bundles to "
-            "hold them (one actor per bundle)"
+            f"{counted(num_actors, 'encoder actor')}, but the placement group has "
+            f"{counted(len(placement.bundles), 'bundle')} to hold them (one actor per bundle)"
         )
 
 

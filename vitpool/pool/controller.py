@@ -20,6 +20,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from vitpool.actors.reports import ActorInfo
 from vitpool.pool.cluster import Placement
 from vitpool.pool.settings import PoolSettings
+from vitpool.pool.start_errors import one_line, start_error
 
 logger = logging.getLogger(__name__)
 
@@ -194,7 +195,7 @@ class PoolController:
         try:
             info = ray.get(info_ref, timeout=self._settings.startup_timeout_s)
         except (ray.exceptions.RayError, TimeoutError) as error:
-            logger.error("replacement encoder actor %d failed to start: %s", index, error)
+            logger.error("replacement encoder actor %d failed to start: %s", index, one_line(start_error(error)))
             self.forget(index)
             return
         self.activate(index, info)

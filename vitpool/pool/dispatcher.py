@@ -13,6 +13,9 @@ A batch unanswered after `batch_timeout_s` counts as failed, like one whose acto
 go to other actors and the actor is reported, for the controller to replace. When no actor is
 left, waiting and new calls fail at once with PoolUnavailableError.
 
+An item's failure (bad pixels found by the actor, a failed batch, too many sends, no actor left)
+fails its call, or, for a call made with `return_exceptions`, fills the item's slot.
+
 Items go out at once while some actor is idle; while every actor is busy they wait up to
 `batch_window_s` for others to share a batch, or until an actor frees a slot. A batch whose
 actor left the pool (retired or died) goes back to the queue and to another actor.
@@ -32,10 +35,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from vitpool.errors import EncodeError, InvalidItemError, PoolUnavailableError
+from vitpool.errors import EncodeError, InvalidItemError, PoolUnavailableError, counted
 from vitpool.packing import Budget
 from vitpool.pool.calls import Call, QueuedItem
-from vitpool.pool.item_queue import ItemQueue
+from vitpool.pool.item_queue import ItemQueue, oversized_item_reason
 from vitpool.pool.policy import ActorLoad, DispatchPolicy
 from vitpool.pool.settings import PoolSettings
 from vitpool.specs import BatchPlan
@@ -53,6 +56,7 @@ from vitpool.transport.link import (
 logger = logging.getLogger(__name__)
 
 _LATENCY_SAMPLES = 4096
+NO_ACTOR_LEFT = "the pool has no encoder actor left; see the log for why"
 
 
 @dataclass
@@ -118,6 +122,7 @@ class Dispatcher:
         self._room = threading.Condition(self._lock)  # the queue has room again
         self._queue = ItemQueue(settings.max_queued_items, settings.max_queued_bytes, self._room)
         self._closed = False
+        self._closed_reason = "this pool handle is closed"
         self._slot_freed = False  # a batch finished since the last dispatch: send without a window
         self._thread_waits_untimed = False  # no flight's deadline armed in the dispatcher's thread
         self._registering = threading.local()  # set while _send adds a completion callback
@@ -156,11 +161,7 @@ class Dispatcher:
         """
         nbytes = sum(item.nbytes for item in items)
         if not self._queue.can_ever_hold(len(items), nbytes):
-            raise ValueError(
-                f"a call of {len(items)} items and {nbytes} pixel bytes can never fit the queue "
-                f"(max_queued_items={self._queue.max_items}, max_queued_bytes={self._queue.max_bytes}); "
-                "split it into smaller calls"
-            )
+            raise self._never_fits(items, nbytes)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._lock:
             while True:
@@ -183,11 +184,24 @@ class Dispatcher:
         for exchange in exchanges or ():
             exchange.finish()
 
+    def _never_fits(self, items: list[QueuedItem], nbytes: int) -> ValueError:
+        """Why a call can never be queued: one item too large (InvalidItemError naming it), or
+        the call as a whole (split it)."""
+        largest = max(items, key=lambda item: item.nbytes)
+        reason = oversized_item_reason(largest.nbytes, self._queue.max_bytes)
+        if reason is not None:
+            return InvalidItemError(largest.index, reason)
+        return ValueError(
+            f"a call of {counted(len(items), 'item')} and {nbytes} pixel bytes can never fit this process's queue "
+            f"(max_queued_items={self._queue.max_items}, max_queued_bytes={self._queue.max_bytes}), though each "
+            "item fits on its own: split the call into smaller calls"
+        )
+
     def _check_open(self) -> None:
         if self._closed:
-            raise PoolUnavailableError("this pool handle is closed")
+            raise PoolUnavailableError(self._closed_reason)
         if not any(slot.load.accepting for slot in self._actors.values()):
-            raise PoolUnavailableError("the pool has no encoder actor left; see the log for why")
+            raise PoolUnavailableError(NO_ACTOR_LEFT)
 
     def count_rejected(self, count: int) -> None:
         """Count items the caller's checks refused (they never reach the queue)."""
@@ -225,13 +239,19 @@ class Dispatcher:
         with self._lock:
             return {index: slot.load.in_flight for index, slot in self._actors.items()}
 
-    def close(self) -> None:
-        """Fail what waits, close the links; batches in flight fail when their outcome comes."""
+    def close(self, reason: str | None = None) -> None:
+        """Fail what waits, close the links; batches in flight fail when their outcome comes.
+        `reason`: the PoolUnavailableError's message for the calls that waited, and for later
+        ones (default: the handle is closed). Closing again does nothing: the first reason stands."""
         with self._lock:
+            if self._closed:
+                return
             self._closed = True
+            if reason is not None:
+                self._closed_reason = reason
             while self._early_outcomes:
                 self._finish_locked(*self._early_outcomes.pop(0))
-            self._fail_queue(PoolUnavailableError("the pool handle was closed"))
+            self._fail_queue(self._closed_reason)
             for slot in self._actors.values():
                 slot.link.close()
             self._wake.notify_all()
@@ -324,10 +344,10 @@ class Dispatcher:
         else:  # the actor failed on the batch itself
             self.counters.failed_batches += 1
             cause = outcome.error if isinstance(outcome, BatchFailed) else RuntimeError(f"unexpected outcome {outcome!r}")
-            failure = EncodeError(f"encoder actor {index} failed on a batch: {cause}")
-            failure.__cause__ = cause
             for member in flight.members:
-                self._fail_call(member.call, failure)
+                failure = EncodeError(f"item {member.index}: encoder actor {index} failed on its batch: {cause}")
+                failure.__cause__ = cause
+                self._fail_item(member, failure)
         if self.counters.failed_calls != failed_before:
             self._queue.drop_finished_calls()
         self._forget_idle_leavers()
@@ -336,18 +356,30 @@ class Dispatcher:
             self._wake.notify_all()
 
     def _complete(self, flight: _Flight, outcome: Done) -> None:
-        now = time.monotonic()
         self.counters.channel_batches += outcome.through_channel
         for position, member in enumerate(flight.members):
-            call = member.call
             reason = outcome.receipt.item_errors.get(position)
             if reason is not None:
                 self.counters.rejected_items += 1
-                self._fail_call(call, InvalidItemError(member.index, reason))
-            elif call.complete_item(member.index, outcome.values[position]):
-                self.counters.latencies_s.append(now - call.submitted_at)
-                self.counters.completions.append((now, len(call.results)))
+                self._fail_item(member, InvalidItemError(member.index, reason))
+            else:
+                self._item_done(member.call, member.index, outcome.values[position])
         self.counters.items += len(flight.members)
+
+    def _item_done(self, call: Call, index: int, value: object) -> None:
+        """Record one item's outcome (a result, or an error for a call that returns them)."""
+        if call.complete_item(index, value):
+            now = time.monotonic()
+            self.counters.latencies_s.append(now - call.submitted_at)
+            self.counters.completions.append((now, len(call.results)))
+
+    def _fail_item(self, item: QueuedItem, error: BaseException) -> None:
+        """One item failed: its slot holds the error where its call returns exceptions; else its
+        call fails."""
+        if item.call.return_exceptions:
+            self._item_done(item.call, item.index, error)
+        else:
+            self._fail_call(item.call, error)
 
     def _actor_left(self, flight: _Flight, why: str) -> None:
         """A retiring actor refused a batch (the controller knows; the membership drops it soon)."""
@@ -393,7 +425,7 @@ class Dispatcher:
 
     def _fail_queue_if_no_actor(self) -> None:
         if not any(slot.load.accepting for slot in self._actors.values()):
-            self._fail_queue(PoolUnavailableError("the pool has no encoder actor left; see the log for why"))
+            self._fail_queue(NO_ACTOR_LEFT)
 
     def _requeue(self, flight: _Flight, why: str) -> None:
         requeued = []
@@ -401,12 +433,12 @@ class Dispatcher:
             if member.call.done:
                 continue
             if self._closed:  # nothing dispatches any more
-                self._fail_call(member.call, PoolUnavailableError(f"the pool handle was closed ({why})"))
+                self._fail_item(member, PoolUnavailableError(f"item {member.index}: {self._closed_reason} ({why})"))
                 continue
             member.attempts += 1
             if member.attempts >= self._max_attempts:
-                error = PoolUnavailableError(f"item {member.index} was sent {member.attempts} times: {why}")
-                self._fail_call(member.call, error)
+                error = PoolUnavailableError(f"item {member.index} was sent {counted(member.attempts, 'time')}: {why}")
+                self._fail_item(member, error)
             else:
                 requeued.append(member)
         self.counters.requeued_items += len(requeued)
@@ -417,10 +449,13 @@ class Dispatcher:
         for index in [i for i, s in self._actors.items() if not s.load.accepting and s.load.in_flight == 0]:
             self._actors.pop(index).link.close()
 
-    def _fail_queue(self, error: BaseException) -> None:
+    def _fail_queue(self, reason: str) -> None:
+        """Fail every queued item with a PoolUnavailableError: `reason`, naming the item where its
+        call returns exceptions (the call's other items may still succeed)."""
         failed = self._queue.clear()
         for item in failed:
-            self._fail_call(item.call, error)
+            message = f"item {item.index}: {reason}" if item.call.return_exceptions else reason
+            self._fail_item(item, PoolUnavailableError(message))
 
     def _fail_call(self, call: Call, error: BaseException) -> None:
         """Fail a call once: its first error wins and is the one counted."""
@@ -445,7 +480,7 @@ class Dispatcher:
                             self._dispatch()
                         except Exception:
                             logger.exception("dispatch failed")
-                            self._fail_queue(PoolUnavailableError("dispatch failed; see the log"))
+                            self._fail_queue("dispatch failed; see the log")
                         continue
                     window_left = self._window_s - waited
                     timeout = window_left if timeout is None else min(timeout, window_left)

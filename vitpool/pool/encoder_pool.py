@@ -10,6 +10,10 @@ This module is the facade: it checks a call's items against the model's rules (i
 once), queues them with the dispatcher, and waits. Starting actors is `launcher`'s, keeping the
 membership current `membership`'s, choosing batches and actors `policy`'s, moving batches the
 transport's. A caller's process loads no model code: the rules arrive pickled from an actor.
+
+A handle that was closed, or whose pool's controller is gone, or whose process left Ray, raises
+PoolUnavailableError saying which from every method, before any Ray call: Ray's calls would
+start a new local Ray instance in a process that is not connected.
 """
 
 from __future__ import annotations
@@ -24,16 +28,18 @@ from typing import Any
 import ray
 
 from vitpool.codec import decode_request, encode_results
-from vitpool.errors import ConfigError, InvalidItemError, PoolUnavailableError, VitpoolError
-from vitpool.items import Embedding, Item, prepare_items
+from vitpool.errors import ConfigError, EncodeError, InvalidItemError, PoolUnavailableError, counted
+from vitpool.items import Embedding, Item
 from vitpool.packing import Budget
 from vitpool.pool.calls import Call, QueuedItem
 from vitpool.pool.controller import Membership
 from vitpool.pool.dispatcher import Dispatcher
+from vitpool.pool.item_checks import checked_items, each_checked
 from vitpool.pool.launcher import find_pool, launch_pool, scale_pool, stop_controller
 from vitpool.pool.membership import MembershipWatcher
 from vitpool.pool.rank_delivery import RDT_TRANSPORTS, RankDelivery, choose_transport
 from vitpool.pool.settings import PoolSettings
+from vitpool.pool.start_errors import start_failure
 from vitpool.pool.stats import PoolStats, percentile, recent_rate
 from vitpool.transport.link import ActorLink
 from vitpool.transport.links import make_link
@@ -47,6 +53,10 @@ class EncoderPool:
 
     Thread-safe: any number of threads (and asyncio tasks) may call one handle at once; their
     items are packed together.
+
+    Once the handle is closed (`close`, `shutdown`), its pool's controller is gone (the process
+    that launched the pool ended or shut it down), or this process left Ray, every method but
+    `close` and `shutdown` raises PoolUnavailableError saying which.
     """
 
     def __init__(
@@ -62,6 +72,9 @@ class EncoderPool:
         self._rules = _item_rules(membership)
         self._node_id = ray.get_runtime_context().get_node_id()
         self._closed = threading.Event()
+        self._closed_by: str | None = None  # "close()" or "shutdown()"
+        self._stopped = False  # shutdown has stopped what this handle started
+        self._lost: str | None = None  # why the pool cannot be reached (the controller is gone)
         self._dispatcher = Dispatcher(
             _common_budgets(membership.infos.values()), self._settings,
             on_actor_failed=self._actor_failed, make_link=self._link_to,
@@ -104,9 +117,14 @@ class EncoderPool:
                 max_batches_in_flight_per_actor, max_items_per_batch, ...).
 
         Raises:
-            ConfigError: bad settings, or a pool with this name already runs.
-            VitpoolError: an actor failed to start (the message carries its error); nothing
-                the launch started is left behind.
+            ConfigError: bad settings, or a pool with this name already runs; device="cuda" for
+                actors that get no GPU; or an actor's own ConfigError as it started.
+            CheckpointError: `model` is not a local checkpoint directory (a Hub id, a wrong
+                path), has no readable config.json, or is of a family vitpool does not serve
+                (checked here, before any actor starts); or an actor's own CheckpointError as it
+                loaded the weights.
+            VitpoolError: an actor failed to start for another reason (its one line; the full
+                error is the cause). Whatever the error, nothing the launch started is left behind.
         """
         pool_settings = PoolSettings(model=model, budgets=budgets, **settings)
         controller, owns_ray, membership = launch_pool(
@@ -127,45 +145,76 @@ class EncoderPool:
 
     # encode
 
-    def encode(self, items: Sequence[Item], timeout_s: float | None = None) -> list[Embedding]:
+    def encode(
+        self, items: Sequence[Item], timeout_s: float | None = None, return_exceptions: bool = False
+    ) -> list[Embedding] | list[Embedding | Exception]:
         """Encode `items` on the pool; one Embedding per item, in input order, on the CPU.
 
+        Args:
+            items: Image and Video items.
+            timeout_s: how long to wait for the call's results (and for room in the queue);
+                None: no bound.
+            return_exceptions: False (default): an item that fails raises its error and the
+                call's other results are not returned. True: every item is encoded that can be,
+                and a failed item's slot holds its exception instead of an Embedding (as
+                `asyncio.gather(..., return_exceptions=True)`): InvalidItemError (naming its index)
+                for an item refused here or found with NaN or infinite pixels on the actor,
+                EncodeError for one whose batch failed on the actor, PoolUnavailableError for one
+                that found no actor. A timeout, a closed handle or a call too large for the queue
+                still raise: those are the call's, not an item's.
+
         Raises:
-            InvalidItemError: an item is malformed (its index is named); nothing is sent.
+            InvalidItemError: an item is malformed or over `max_item_tokens` (nothing is sent), or
+                its pixels are not finite; its index is named. Not with `return_exceptions`.
             TimeoutError: no result within `timeout_s`.
-            PoolUnavailableError: the pool has no actor left.
+            PoolUnavailableError: the pool has no actor left, or this handle is closed or its
+                pool's controller gone.
+            ValueError: the call can never fit this process's queue (split it).
         """
+        self._check_usable()
         if not _checked_list(items):
             return []
         # Without a timeout this thread may carry its own batches; with one it must stay free to
         # give up, so connection threads carry them.
-        call = self._submit(items, want_refs=False, timeout_s=timeout_s, inline=timeout_s is None)
+        call = self._submit(items, False, timeout_s, inline=timeout_s is None, return_exceptions=return_exceptions)
         try:
             results = call.future.result(timeout_s)
         except concurrent.futures.TimeoutError:
             raise self._timed_out(call, timeout_s) from None
         refs = _refs_among(results)
         if refs:  # none when every batch took the same-node channel; ray.get costs even then
-            for index, value in zip(refs, ray.get(list(refs.values()))):
+            try:
+                values = ray.get(list(refs.values()))
+            except ray.exceptions.RayError:
+                if not return_exceptions:
+                    raise
+                values = [_fetched(index, ref) for index, ref in refs.items()]
+            for index, value in zip(refs, values):
                 results[index] = value
         return results
 
-    async def encode_async(self, items: Sequence[Item], timeout_s: float | None = None) -> list[Embedding]:
-        """`encode` for asyncio callers: awaits without blocking the event loop."""
+    async def encode_async(
+        self, items: Sequence[Item], timeout_s: float | None = None, return_exceptions: bool = False
+    ) -> list[Embedding] | list[Embedding | Exception]:
+        """`encode` for asyncio callers: awaits without blocking the event loop. Takes and raises
+        what `encode` does."""
+        self._check_usable()
         if not _checked_list(items):
             return []
-        call, queued = self._prepare_call(items, want_refs=False)
-        try:
-            self._dispatcher.submit(call, queued, timeout_s=0)
-        except TimeoutError:  # the queue is full: wait for room off the event loop
-            await asyncio.to_thread(self._dispatcher.submit, call, queued, timeout_s)
+        call, queued = self._prepare_call(items, want_refs=False, return_exceptions=return_exceptions)
+        if queued:
+            try:
+                self._dispatcher.submit(call, queued, timeout_s=0)
+            except TimeoutError:  # the queue is full: wait for room off the event loop
+                await asyncio.to_thread(self._dispatcher.submit, call, queued, timeout_s)
         try:
             results = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(call.future)), timeout_s)
         except asyncio.TimeoutError:
             raise self._timed_out(call, timeout_s) from None
         refs = _refs_among(results)
-        for index, value in zip(refs, await asyncio.gather(*refs.values())):
-            results[index] = value
+        values = await asyncio.gather(*refs.values(), return_exceptions=return_exceptions)
+        for index, value in zip(refs, values):
+            results[index] = _fetch_failure(index, value) if isinstance(value, BaseException) else value
         return results
 
     def encode_bytes(self, request: bytes, timeout_s: float | None = None) -> bytes:
@@ -175,14 +224,20 @@ class EncoderPool:
         Raises:
             ValueError: the bytes are not a well-formed request (InvalidItemError, a ValueError
                 too, for an item the model cannot take).
+            PoolUnavailableError, TimeoutError: as for `encode`.
         """
+        self._check_usable()
         return encode_results(self.encode(decode_request(request), timeout_s))
 
     def encode_refs(self, items: Sequence[Item], timeout_s: float | None = None) -> list[ray.ObjectRef]:
         """Encode `items`; returns one Ray object reference per item, in input order, each to an
         Embedding. Returns once the results are in the object store (so a reference never points
         at work that may still be retried), for callers that pass them on without fetching them.
+
+        Raises:
+            InvalidItemError, TimeoutError, PoolUnavailableError, ValueError: as for `encode`.
         """
+        self._check_usable()
         if not _checked_list(items):
             return []
         call = self._submit(items, want_refs=True, timeout_s=timeout_s)
@@ -205,40 +260,54 @@ class EncoderPool:
         Raises:
             ConfigError: an unknown transport, or an RDT transport asked for by name that cannot
                 work here (the message says why).
+            PoolUnavailableError: this handle is closed or its pool's controller gone.
         """
+        self._check_usable()
         if transport not in ("auto", "object_store", *RDT_TRANSPORTS):
             raise ConfigError(f"transport {transport!r}: use 'auto', 'object_store', 'nccl' or 'gloo'")
-        self._watcher.refresh()
+        self._refresh()
         actors = self._membership.actors
         index = min(actors) if actor_index is None else actor_index
         if index not in actors:
             raise ConfigError(f"no encoder actor {index} takes work; the pool has {sorted(actors)}")
         chosen = choose_transport(transport, self._settings.rank_transport, actors[index], ranks, self.name)
         dtype_name = self._membership.infos[index].dtype_name
-        return RankDelivery(actors[index], index, chosen, self._rules, dtype_name)
+        return RankDelivery(
+            actors[index], index, chosen, self._rules, dtype_name, self._settings.max_item_tokens
+        )
 
-    def _submit(self, items: Sequence[Item], want_refs: bool, timeout_s: float | None, inline: bool = False) -> Call:
+    def _submit(
+        self, items: Sequence[Item], want_refs: bool, timeout_s: float | None, inline: bool = False,
+        return_exceptions: bool = False,
+    ) -> Call:
         """Check and queue a call, waiting up to `timeout_s` for room in the queue. `inline`: this
         thread may carry batches over the same-node channel itself (it waits for them anyway)."""
-        call, queued = self._prepare_call(items, want_refs)
-        self._dispatcher.submit(call, queued, timeout_s, inline)
+        call, queued = self._prepare_call(items, want_refs, return_exceptions)
+        if queued:  # else every item was refused here, and the call is complete
+            self._dispatcher.submit(call, queued, timeout_s, inline)
         return call
 
-    def _prepare_call(self, items: Sequence[Item], want_refs: bool) -> tuple[Call, list[QueuedItem]]:
-        # Checked and sized here, once, in the caller's process: a bad item costs no hop and harms
-        # no one, and the specs travel with the pixels.
-        try:
-            prepared = prepare_items(items, self._rules)
-            limit = self._settings.max_item_tokens
-            for index, item in enumerate(prepared):
-                if limit is not None and item.spec.num_tokens > limit:
-                    raise InvalidItemError(
-                        index, f"{item.spec.num_tokens} output tokens is over this pool's max_item_tokens={limit}"
-                    )
-        except InvalidItemError:
-            self._dispatcher.count_rejected(1)
-            raise
-        call = Call(len(prepared))
+    def _prepare_call(
+        self, items: Sequence[Item], want_refs: bool, return_exceptions: bool = False
+    ) -> tuple[Call, list[QueuedItem]]:
+        """The call and its items to queue. Items are checked and sized here, once, in the caller's
+        process: a bad item costs no hop and harms no one, and the specs travel with the pixels.
+        A refused item raises, or with `return_exceptions` fills its slot at once."""
+        settings = self._settings
+        if return_exceptions:
+            outcomes = each_checked(items, self._rules, settings.max_item_tokens, settings.max_queued_bytes)
+        else:
+            try:
+                outcomes = checked_items(items, self._rules, settings.max_item_tokens, settings.max_queued_bytes)
+            except InvalidItemError:
+                self._dispatcher.count_rejected(1)
+                raise
+        call = Call(len(outcomes), return_exceptions)
+        refused = [(index, error) for index, error in enumerate(outcomes) if isinstance(error, InvalidItemError)]
+        if refused:
+            self._dispatcher.count_rejected(len(refused))
+        for index, error in refused:
+            call.complete_item(index, error)
         # Arrays can take the same-node channel; references (put in the caller's thread, outside
         # the dispatcher's lock) go through Ray and give results that stay in the object store.
         keep_arrays = not want_refs and self._dispatcher.has_channel
@@ -248,7 +317,8 @@ class EncoderPool:
                 to_array(p.pixels) if keep_arrays else ray.put(to_array(p.pixels)),
                 p.pixels.nbytes,
             )
-            for index, p in enumerate(prepared)
+            for index, p in enumerate(outcomes)
+            if not isinstance(p, InvalidItemError)
         ]
         return call, queued
 
@@ -261,22 +331,47 @@ class EncoderPool:
 
     @property
     def num_actors(self) -> int:
-        """Encoder actors taking work, as this handle last saw."""
+        """Encoder actors taking work, as this handle last saw.
+
+        Raises:
+            PoolUnavailableError: this handle is closed or its pool's controller gone.
+        """
+        self._check_usable()
         return len(self._membership.actors)
 
     def scale(self, num_actors: int) -> None:
         """Add or remove encoder actors while work is in flight; returns when the new ones are
-        ready (removed ones finish their batches first; nothing in flight is lost)."""
-        retired, failures = scale_pool(self._controller, num_actors, self._settings.startup_timeout_s)
+        ready (removed ones finish their batches first; nothing in flight is lost).
+
+        Raises:
+            ConfigError: the cluster (or placement group) cannot hold `num_actors`; or a new
+                actor's own ConfigError as it started.
+            CheckpointError, VitpoolError: a new actor failed to start (as for `launch`).
+            PoolUnavailableError: this handle is closed or its pool's controller gone.
+        """
+        self._check_usable()
+        try:
+            retired, num_started, failures = scale_pool(self._controller, num_actors, self._settings.startup_timeout_s)
+        except ray.exceptions.RayActorError as error:
+            raise self._orphaned(error) from None
         if retired:
             logger.info("pool %r: retiring encoder actors %s", self.name, retired)
-        self._watcher.refresh()
+        self._refresh()
         if failures:
-            raise VitpoolError(f"{len(failures)} new encoder actors failed to start: {failures[0]}")
+            raise start_failure(failures, num_started)
 
     def stats(self, timeout_s: float = 30.0) -> PoolStats:
-        actors = ray.get(self._controller.all_actors.remote(), timeout=timeout_s)
-        health = ray.get(self._controller.health.remote(), timeout=timeout_s)
+        """A snapshot of the pool's actors and of this process's calls.
+
+        Raises:
+            PoolUnavailableError: this handle is closed or its pool's controller gone.
+        """
+        self._check_usable()
+        try:
+            actors = ray.get(self._controller.all_actors.remote(), timeout=timeout_s)
+            health = ray.get(self._controller.health.remote(), timeout=timeout_s)
+        except ray.exceptions.RayActorError as error:
+            raise self._orphaned(error) from None
         actor_stats = []
         for handle in actors.values():
             try:
@@ -286,7 +381,7 @@ class EncoderPool:
         counters = self._dispatcher.counters
         return PoolStats(
             name=self.name,
-            num_actors=self.num_actors,
+            num_actors=len(self._membership.actors),
             actors=sorted(actor_stats, key=lambda s: s.actor_index),
             queue_depth=self._dispatcher.queue_depth,
             batches_in_flight=sum(self._dispatcher.in_flight().values()),
@@ -310,28 +405,76 @@ class EncoderPool:
         )
 
     def close(self) -> None:
-        """Detach this handle; the pool keeps running for its other callers."""
-        if self._closed.is_set():
-            return
-        self._closed.set()
-        self._watcher.close()
-        self._dispatcher.close()
+        """Detach this handle; the pool keeps running for its other callers. Calls waiting in
+        this process fail with PoolUnavailableError, as does every later use of the handle.
+        Closing again does nothing."""
+        self._close("close()")
 
     def shutdown(self) -> None:
         """Stop what this handle started: the pool's actors if it launched them, and the Ray
-        cluster (or connection) if it started it. A handle from `connect` only detaches."""
-        self.close()
+        cluster (or connection) if it started it. A handle from `connect` only detaches. Shutting
+        down again does nothing."""
+        self._close("shutdown()")
+        if self._stopped:
+            return
+        self._stopped = True
+        if not ray.is_initialized():
+            return  # whatever Ray held went with it; a Ray call here would start a new instance
         if self._owns_pool:
             stop_controller(self._controller)
             logger.info("pool %r stopped", self.name)
-        if self._owns_ray and ray.is_initialized():
+        if self._owns_ray:
             ray.shutdown()
 
     def __enter__(self) -> EncoderPool:
+        self._check_usable()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.shutdown()
+
+    # usability
+
+    def _close(self, closed_by: str) -> None:
+        if self._closed.is_set():
+            return
+        self._closed_by = closed_by
+        self._closed.set()
+        self._watcher.close()
+        self._dispatcher.close(self._unusable_reason())
+
+    def _unusable_reason(self) -> str | None:
+        """Why this handle cannot be used, or None."""
+        if self._closed_by is not None:
+            return (
+                f"pool {self.name!r}: this handle was closed by {self._closed_by}; launch a pool or "
+                "connect to one for a new handle"
+            )
+        if self._lost is not None:
+            return self._lost
+        if not ray.is_initialized():
+            return (
+                f"pool {self.name!r}: this process is no longer connected to Ray (ray.shutdown() was "
+                "called); connect to the pool again"
+            )
+        return None
+
+    def _check_usable(self) -> None:
+        """Raise PoolUnavailableError where this handle cannot be used; called before any Ray call."""
+        reason = self._unusable_reason()
+        if reason is not None:
+            raise PoolUnavailableError(reason)
+
+    def _orphaned(self, error: BaseException) -> PoolUnavailableError:
+        """A call to the controller found it gone: the handle is unusable from now on."""
+        self._controller_lost(error)
+        return PoolUnavailableError(self._unusable_reason() or str(error))
+
+    def _refresh(self) -> None:
+        try:
+            self._watcher.refresh()
+        except ray.exceptions.RayActorError as error:
+            raise self._orphaned(error) from None
 
     # membership
 
@@ -342,10 +485,25 @@ class EncoderPool:
     def _membership_changed(self, membership: Membership) -> None:
         self._membership = membership
         self._dispatcher.set_actors(membership.actors, _common_budgets(membership.infos.values()))
-        logger.info("pool %r: %d encoder actors take work", self.name, len(membership.actors))
+        logger.info("pool %r: %s take work", self.name, counted(len(membership.actors), "encoder actor"))
 
     def _controller_lost(self, error: BaseException) -> None:
-        self._dispatcher.set_actors({}, _common_budgets(self._membership.infos.values()))
+        """The pool's controller is gone (its actors went with it), or this process left Ray: what
+        waits fails, and so does every later use of the handle."""
+        if self._lost is not None or self._closed.is_set():
+            return
+        if ray.is_initialized():
+            self._lost = (
+                f"pool {self.name!r}: its controller is gone (the process that launched the pool ended "
+                "or shut it down, or the controller was killed), and its encoder actors with it; launch "
+                "the pool again"
+            )
+        else:
+            self._lost = (
+                f"pool {self.name!r}: this process is no longer connected to Ray (ray.shutdown() was "
+                "called); connect to the pool again"
+            )
+        self._dispatcher.close(self._lost)
 
     def _link_to(self, actor_index: int) -> ActorLink:
         """How to reach an actor: the same-node channel where the settings allow it and the actor
@@ -361,6 +519,20 @@ class EncoderPool:
             self._membership.actors[actor_index], channel, settings.batch_timeout_s + 5.0, settings.channel_spin_s,
             f"encoder actor {actor_index}",
         )
+
+
+def _fetched(index: int, ref: ray.ObjectRef) -> Any:
+    """One item's result from the object store, or the error that fetching it raised."""
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayError as error:
+        return _fetch_failure(index, error)
+
+
+def _fetch_failure(index: int, error: BaseException) -> EncodeError:
+    failure = EncodeError(f"item {index}: its result could not be fetched from Ray's object store: {error}")
+    failure.__cause__ = error
+    return failure
 
 
 def _refs_among(results: list[Any]) -> dict[int, ray.ObjectRef]:

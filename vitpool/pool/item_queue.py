@@ -12,6 +12,17 @@ import threading
 from vitpool.pool.calls import QueuedItem
 
 
+def oversized_item_reason(nbytes: int, max_bytes: int) -> str | None:
+    """Why one item of `nbytes` pixel bytes can never be queued (the item is the problem, not
+    its call), or None when it fits an empty queue."""
+    if nbytes <= max_bytes:
+        return None
+    return (
+        f"its pixels take {nbytes} bytes, more than this process's queue ever holds "
+        f"(max_queued_bytes={max_bytes}); send a smaller item or launch the pool with a larger max_queued_bytes"
+    )
+
+
 class ItemQueue:
     """Oldest first. Items sent again go back to the front, past the bounds: they were accepted."""
 

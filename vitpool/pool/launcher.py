@@ -1,16 +1,21 @@
 """Starting a pool's actors and finding a running pool: what `EncoderPool.launch`, `connect` and
-`scale` do on Ray before a handle exists."""
+`scale` do on Ray before a handle exists.
+
+Mistakes the caller's process can see (`preflight`) are refused before Ray is joined or any actor
+starts; an actor's own start error is raised as its own type (`start_errors`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import time
 from typing import Any
 
 import ray
 
 from vitpool.actors.reports import ActorInfo
-from vitpool.errors import ConfigError, PoolUnavailableError, VitpoolError
+from vitpool.errors import ConfigError, PoolUnavailableError, VitpoolError, counted
 from vitpool.pool.cluster import (
     check_bundles,
     check_capacity,
@@ -21,7 +26,9 @@ from vitpool.pool.cluster import (
     join_ray,
 )
 from vitpool.pool.controller import MAX_WATCHING_HANDLES, NAMESPACE, WATCH_GROUP, Membership, PoolController
+from vitpool.pool.preflight import check_device, check_family, checked_model_directory, family_modules_for_actors
 from vitpool.pool.settings import PoolSettings
+from vitpool.pool.start_errors import one_line, start_error, start_failure
 
 logger = logging.getLogger(__name__)
 
@@ -38,9 +45,18 @@ def launch_pool(
     placement_group: Any,
 ) -> tuple[Any, bool, Membership]:
     """Start the controller and its actors; returns (controller, whether this joined Ray, the
-    membership once every actor is ready). Leaves nothing behind when it raises."""
+    membership once every actor is ready). Leaves nothing behind when it raises.
+
+    Raises:
+        ConfigError, CheckpointError: a mistake seen here before anything starts, or the one an
+            actor met as it started (raised as its own type).
+        VitpoolError: an actor failed to start for another reason (its one line; the rest is
+            the error's cause).
+    """
     if num_actors is not None and (isinstance(num_actors, bool) or not isinstance(num_actors, int) or num_actors < 1):
         raise ConfigError(f"num_actors must be a positive integer or None; got {num_actors!r}")
+    joins_a_cluster = address not in (None, "local") or (address is None and bool(os.environ.get("RAY_ADDRESS")))
+    settings = dataclasses.replace(settings, model=checked_model_directory(settings.model, joins_a_cluster))
     owns_ray = join_ray(address)
     controller = None
     try:
@@ -55,6 +71,8 @@ def launch_pool(
             if num_actors is None:
                 num_actors = max(1, int(gpus)) if options.get("num_gpus") else 1
             check_capacity(options, num_actors)
+        check_device(settings.device, options, cluster_gpus())
+        check_family(settings.model, family_modules_for_actors(options))
         threads = settings.actor_threads or default_threads(options, num_actors)
         try:
             controller = (
@@ -70,13 +88,13 @@ def launch_pool(
                 f"EncoderPool.connect({name!r}) or launch with another name"
             ) from None
         logger.info(
-            "launching pool %r: %d encoder actors (%s), model %s",
-            name, num_actors, options, settings.model or "shipped tiny Qwen3-VL",
+            "launching pool %r: %s (%s), model %s",
+            name, counted(num_actors, "encoder actor"), options, settings.model or "shipped tiny Qwen3-VL",
         )
         started, _ = ray.get(controller.scale.remote(num_actors))
         failures = await_started(controller, started, settings.startup_timeout_s)
         if failures:
-            raise VitpoolError(f"{len(failures)} of {num_actors} encoder actors failed to start: {failures[0]}")
+            raise start_failure(failures, num_actors)
         return controller, owns_ray, ray.get(controller.membership.remote())
     except BaseException:
         if controller is not None:
@@ -112,9 +130,11 @@ def find_pool(name: str, address: str | None, timeout_s: float) -> tuple[Any, bo
         raise
 
 
-def scale_pool(controller: Any, num_actors: int, startup_timeout_s: float) -> tuple[list[int], list[str]]:
-    """Start or retire actors so that `num_actors` take work; returns (retired indices, errors of
-    new actors that failed to start)."""
+def scale_pool(
+    controller: Any, num_actors: int, startup_timeout_s: float
+) -> tuple[list[int], int, list[tuple[int, BaseException]]]:
+    """Start or retire actors so that `num_actors` take work; returns (retired indices, how many
+    actors were started, the index and start error of each new actor that failed to start)."""
     if isinstance(num_actors, bool) or not isinstance(num_actors, int) or num_actors < 1:
         raise ConfigError(f"num_actors must be a positive integer; got {num_actors!r}")
     placement = ray.get(controller.placement.remote())
@@ -123,12 +143,15 @@ def scale_pool(controller: Any, num_actors: int, startup_timeout_s: float) -> tu
     else:
         check_capacity(ray.get(controller.actor_options.remote()), num_actors)
     started, retired = ray.get(controller.scale.remote(num_actors))
-    return retired, await_started(controller, started, startup_timeout_s)
+    return retired, len(started), await_started(controller, started, startup_timeout_s)
 
 
-def await_started(controller: Any, started: list[tuple[int, Any, Any]], timeout_s: float) -> list[str]:
+def await_started(
+    controller: Any, started: list[tuple[int, Any, Any]], timeout_s: float
+) -> list[tuple[int, BaseException]]:
     """Wait for new actors to load and capture, logging progress; activate each that is ready.
-    Returns the errors of those that failed (they are dropped from the pool)."""
+    Returns the index and start error (`start_errors.start_error`) of each that failed (they
+    are dropped from the pool)."""
     pending = {ref: index for index, _, ref in started}
     total, failures = len(started), []
     start = last_report = time.monotonic()
@@ -139,25 +162,30 @@ def await_started(controller: Any, started: list[tuple[int, Any, Any]], timeout_
             try:
                 info: ActorInfo = ray.get(ref)
             except ray.exceptions.RayError as error:
-                failures.append(f"actor {index}: {error}")
+                failure = start_error(error)
+                logger.error("encoder actor %d failed to start: %s", index, one_line(failure))
+                failures.append((index, failure))
                 ray.get(controller.forget.remote(index))
                 continue
             ray.get(controller.activate.remote(index, info))
             logger.info(
-                "encoder actor %d ready on %s in %.1f s (%d budgets, %d disabled) [%d/%d]",
-                index, info.device, info.startup_seconds, len(info.budgets), len(info.disabled_budgets),
-                total - len(pending), total,
+                "encoder actor %d ready on %s in %.1f s (%s, %d disabled) [%d/%d]",
+                index, info.device, info.startup_seconds, counted(len(info.budgets), "budget"),
+                len(info.disabled_budgets), total - len(pending), total,
             )
         now = time.monotonic()
         if pending and now - last_report >= PROGRESS_EVERY_S:
             last_report = now
             logger.info(
-                "waiting for %d of %d encoder actors to be placed, load and capture (%.0f s; free in the "
-                "cluster now: %s)", len(pending), total, now - start, free_resources(),
+                "waiting for %d of %s to be placed, load and capture (%.0f s; free in the cluster now: %s)",
+                len(pending), counted(total, "encoder actor"), now - start, free_resources(),
             )
         if pending and now - start > timeout_s:
             for index in pending.values():
-                failures.append(f"actor {index}: not ready after {timeout_s:.0f} s")
+                failures.append((index, VitpoolError(
+                    f"encoder actor {index} was not ready after {timeout_s:.0f} s (startup_timeout_s); "
+                    f"free in the cluster now: {free_resources()}"
+                )))
                 ray.get(controller.forget.remote(index))
             break
     return failures

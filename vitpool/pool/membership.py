@@ -2,6 +2,9 @@
 by polling: one long poll is always open (`PoolController.wait_for_change`), answered the
 moment the membership changes, and asked again after it times out. The same thread reports the
 actors this handle saw die, so that the dispatcher's callbacks never make Ray calls.
+
+Ray's calls start a new local Ray instance where this process is not connected, so the thread
+makes none once Ray is shut down here: it reports the pool lost and stops.
 """
 
 from __future__ import annotations
@@ -18,13 +21,16 @@ from vitpool.pool.controller import Membership
 logger = logging.getLogger(__name__)
 
 LONG_POLL_S = 10.0  # how long one poll waits for a change before it is asked again
+# how often the thread looks whether this process is still connected to Ray, when no answer wakes it
+RAY_CHECK_S = 1.0
 REPORT_TIMEOUT_S = 30.0
 
 
 class MembershipWatcher:
     """Calls `on_change(membership)` with every newer membership, in version order, from its
     thread (or from `refresh`'s caller); `report_failure(index)` tells the controller of a dead or
-    silent actor, from any thread, without blocking; `on_lost()` runs once if the controller goes.
+    silent actor, from any thread, without blocking; `on_lost(error)` runs once if the controller
+    goes, or this process leaves Ray.
     """
 
     def __init__(
@@ -70,6 +76,9 @@ class MembershipWatcher:
     def _run(self) -> None:
         poll = None
         while not self._closed:
+            if not ray.is_initialized():  # ray.shutdown() here: a Ray call would start a new instance
+                self._on_lost(RuntimeError("this process is no longer connected to Ray"))
+                return
             try:
                 while self._failed:
                     self._report(self._failed[0])
@@ -77,7 +86,8 @@ class MembershipWatcher:
                 if poll is None:
                     poll = self._controller.wait_for_change.remote(self._version, LONG_POLL_S)
                     poll.future().add_done_callback(lambda _: self._wake.set())
-                self._wake.wait()
+                if not self._wake.wait(RAY_CHECK_S):
+                    continue  # nothing happened: look at Ray again
                 self._wake.clear()
                 ready, _ = ray.wait([poll], timeout=0)
                 if ready:
@@ -87,7 +97,7 @@ class MembershipWatcher:
                 logger.warning("the pool's controller is slow to answer; trying again")
             except ray.exceptions.RayActorError as error:  # the controller itself is gone
                 if not self._closed:
-                    logger.warning("the pool's controller is gone (%s); calls will fail", error)
+                    logger.warning("the pool's controller is gone (%s); calls will fail", str(error).strip().split("\n")[0])
                     self._on_lost(error)
                 return
             except Exception:  # noqa: BLE001 - a failed update must not stop the watching

@@ -36,7 +36,8 @@ import ray
 import torch
 
 from vitpool.errors import ConfigError
-from vitpool.items import Embedding, Item, prepare_items
+from vitpool.items import Embedding, Item
+from vitpool.pool.item_checks import checked_items
 from vitpool.specs import ItemRules
 from vitpool.transport.wire import from_array, to_array
 
@@ -89,22 +90,27 @@ class RankDelivery:
         actor_index: the encoder actor that encodes every call of this delivery.
     """
 
-    def __init__(self, actor: Any, actor_index: int, transport: str, rules: ItemRules, dtype_name: str) -> None:
+    def __init__(
+        self, actor: Any, actor_index: int, transport: str, rules: ItemRules, dtype_name: str,
+        max_item_tokens: int | None = None,
+    ) -> None:
         self._actor = actor
         self.actor_index = actor_index
         self.transport = transport
         self._rules = rules
         self._dtype_name = dtype_name
+        self._max_item_tokens = max_item_tokens
 
     def encode(self, items: Sequence[Item]) -> tuple[ray.ObjectRef, DeliveryLayout]:
         """Start encoding `items`; returns the reference and layout to pass to every rank.
 
         Raises:
-            InvalidItemError: an item is malformed (the message names its index); nothing is sent.
+            InvalidItemError: an item is malformed or over the pool's `max_item_tokens` (the
+                message names its index); nothing is sent.
         """
         if not items:
             raise ValueError("a delivery needs at least one item")
-        prepared = prepare_items(items, self._rules)
+        prepared = checked_items(items, self._rules, self._max_item_tokens)
         method = getattr(self._actor, _ACTOR_METHODS[self.transport])
         reference = method.remote([p.spec for p in prepared], *[to_array(p.pixels) for p in prepared])
         return reference, DeliveryLayout(self.transport, self._dtype_name, tuple(p.spec.num_tokens for p in prepared))

@@ -13,6 +13,17 @@ from vitpool.specs import ATTENTION_CHOICES, ActorSpec, EncoderSpec
 
 _DTYPES = ("bfloat16", "float16", "float32")
 
+# The default bound on one item's output tokens: the most any supported family's released
+# processor settings give one image. Qwen2-VL / Qwen2.5-VL (max_pixels 16384·28·28) and Qwen3-VL /
+# Qwen3.5 (longest_edge 16384·32·32) resize an image to at most 65 536 patches, 16 384 tokens;
+# GLM-4.1V's processor stops at 15 000, Qwen3-VL's videos at 12 288, Kimi-K2.5's images at 4 096,
+# PaddleOCR-VL's at about 3 000. So no image a processor made is refused, while an item built
+# by mistake (a raw frame, a grid off by a factor) is refused in the caller instead of holding an
+# actor for minutes or exhausting its memory (an item 100x the largest default budget, 102 400
+# tokens, failed in the actor's allocator in bf16). Longer videos (Qwen2-VL-style total pixel
+# budgets) can pass it: raise the bound, or set None.
+DEFAULT_MAX_ITEM_TOKENS = 16384
+
 
 @dataclass(frozen=True)
 class PoolSettings:
@@ -41,8 +52,10 @@ class PoolSettings:
         max_actor_restarts: how many dead (or silent) actors the pool replaces over its life.
         max_queued_items, max_queued_bytes: bounds on the items (and their pixel bytes) that wait
             in one caller process; a call that would pass them waits for room.
-        max_item_tokens: the largest item (output tokens) a call may carry; None: any size the
-            model takes.
+        max_item_tokens: the largest item (output tokens) a call may carry; a larger one is
+            refused in the caller (InvalidItemError naming it). Default 16384: the most a supported
+            family's processor gives one image at its released settings (Qwen's max_pixels of
+            16384·28·28 or 16384·32·32); raise it for longer videos. None: any size the model takes.
         max_tokens_per_run: the most output tokens that several items share in one replay: the
             dispatcher's batches and an actor's combined runs stop there (a larger item still
             runs, alone). Under load a small call waits behind the run in progress and then its
@@ -83,7 +96,7 @@ class PoolSettings:
     max_actor_restarts: int = 3
     max_queued_items: int = 4096
     max_queued_bytes: int = 2 << 30
-    max_item_tokens: int | None = None
+    max_item_tokens: int | None = DEFAULT_MAX_ITEM_TOKENS
     max_tokens_per_run: int | None = None
     overlap_runs: bool = True
     channel_spin_s: float = 0.002

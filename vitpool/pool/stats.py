@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from vitpool.actors.reports import ActorStats
+from vitpool.errors import counted
 
 RATE_WINDOW_S = 10.0
 
@@ -46,19 +47,20 @@ class PoolStats:
 
     def summary(self) -> str:
         lines = [
-            (f"pool {self.name!r}: {self.num_actors} actors, {self.items} items in {self.batches} batches "
-            f"({self.channel_batches} through shared memory), "
+            (f"pool {self.name!r}: {counted(self.num_actors, 'actor')}, {counted(self.items, 'item')} in "
+            f"{counted(self.batches, 'batch')} ({self.channel_batches} through shared memory), "
             f"{self.items_per_second:.1f} items/s, latency p50 {self.latency_p50_s * 1e3:.2f} ms "
             f"p99 {self.latency_p99_s * 1e3:.2f} ms, queue {self.queue_depth}, in flight {self.batches_in_flight}, "
             f"failed calls {self.failed_calls}, requeued items {self.requeued_items}, rejected items "
             f"{self.rejected_items}, failed batches {self.failed_batches} ({self.timed_out_batches} timed out), "
             f"actor failures {self.actor_failures}, restarts {self.actor_restarts}, peak queue "
-            f"{self.peak_queued_items} items / {self.peak_queued_bytes / 2**20:.1f} MiB")
+            f"{counted(self.peak_queued_items, 'item')} / {self.peak_queued_bytes / 2**20:.1f} MiB")
         ]
         for actor in self.actors:
             lines.append(
-                f"  actor {actor.actor_index} on {actor.device}: {actor.batches} batches, {actor.items} items, "
-                f"{actor.runs} runs ({actor.combined_batches} batches combined), "
+                f"  actor {actor.actor_index} on {actor.device}: {counted(actor.batches, 'batch')}, "
+                f"{counted(actor.items, 'item')}, {counted(actor.runs, 'run')} "
+                f"({counted(actor.combined_batches, 'batch')} combined), "
                 f"graph hit rate {actor.graph_hit_rate:.0%}, padding waste {actor.padding_waste:.0%}, "
                 f"busy {actor.busy_seconds:.2f} s ({actor.utilization:.0%}), out-of-memory splits {actor.oom_splits}"
             )
