@@ -12,6 +12,7 @@ encode faulted ("unspecified launch failure") on an H100.
     python benchmarks/compile_beside_encoder.py [--throwaway drop|keep|none] [--fused 0|1]
         [--mode reduce-overhead|default] [--runs 50] [--json out.json]
 """
+
 import argparse
 import json
 import statistics
@@ -19,15 +20,21 @@ import tempfile
 import time
 
 import torch
+from common import QWEN3_VL_8B_VISION
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
 import vitpool
 
-VISION = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, in_channels=3,
-              patch_size=16, spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=4096,
-              num_position_embeddings=2304, deepstack_visual_indexes=[8, 16, 24], hidden_act="gelu_pytorch_tanh")
-TEXT = dict(hidden_size=4096, num_hidden_layers=1, num_attention_heads=32, num_key_value_heads=8,
-            intermediate_size=1024, vocab_size=512, head_dim=128)
+# a one-layer LLM of Qwen3-VL-8B's width: only its vision tower is timed
+TEXT = dict(
+    hidden_size=4096,
+    num_hidden_layers=1,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    intermediate_size=1024,
+    vocab_size=512,
+    head_dim=128,
+)
 
 
 def items(count: int, side: int, seed: int) -> list[tuple[tuple[int, int, int], torch.Tensor]]:
@@ -54,7 +61,10 @@ def timed(fn, runs: int) -> dict[str, float]:
         torch.cuda.synchronize()
         times.append((time.perf_counter() - start) * 1e3)
     times.sort()
-    return {"median_ms": statistics.median(times), "p99_ms": times[min(len(times) - 1, int(0.99 * len(times)))]}
+    return {
+        "median_ms": statistics.median(times),
+        "p99_ms": times[min(len(times) - 1, int(0.99 * len(times)))],
+    }
 
 
 def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
@@ -62,7 +72,9 @@ def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--throwaway", choices=["none", "drop", "keep"], default="drop")
     parser.add_argument("--fused", type=int, default=1, help="the encoders' fused_ops")
     parser.add_argument("--mode", default="reduce-overhead", help="torch.compile mode of the HF model")
@@ -71,7 +83,7 @@ def main() -> None:
     args = parser.parse_args()
     settings = dict(device="cuda", dtype=torch.bfloat16, fused_ops=bool(args.fused))
 
-    config = Qwen3VLConfig(text_config=TEXT, vision_config=VISION)
+    config = Qwen3VLConfig(text_config=TEXT, vision_config=QWEN3_VL_8B_VISION)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -89,7 +101,11 @@ def main() -> None:
     print("settings", vars(args), "torch", torch.__version__, torch.cuda.get_device_name(), flush=True)
 
     results: dict[str, dict] = {}
-    for name, batch in {"1x224": items(1, 224, 1), "4x224": items(4, 224, 1), "1x1024": items(1, 1024, 1)}.items():
+    for name, batch in {
+        "1x224": items(1, 224, 1),
+        "4x224": items(4, 224, 1),
+        "1x1024": items(1, 1024, 1),
+    }.items():
         expected = hf_features(model, batch).pooler_output
         results[f"{name} hf_eager"] = timed(lambda: hf_features(model, batch), args.runs)
         if name == "1x224":
@@ -102,18 +118,32 @@ def main() -> None:
         embeddings = encoder.encode(images)
         results[f"{name} vitpool"] = {
             **timed(lambda: encoder.encode(images), args.runs),
-            "max_relative_error_vs_hf": max(relative_error(e.tokens, t) for e, t in zip(embeddings, expected)),
+            "max_relative_error_vs_hf": max(
+                relative_error(e.tokens, t) for e, t in zip(embeddings, expected)
+            ),
             "finite": all(bool(torch.isfinite(e.tokens).all()) for e in embeddings),
         }
         for key in [k for k in results if k.startswith(name)]:
-            print(key, {k: round(v, 4) if isinstance(v, float) else v for k, v in results[key].items()}, flush=True)
+            print(
+                key,
+                {k: round(v, 4) if isinstance(v, float) else v for k, v in results[key].items()},
+                flush=True,
+            )
     stats = encoder.stats()
     print(f"passed; graph items {stats.graph_items}, eager items {stats.eager_items}", flush=True)
     del kept
     if args.json:
         with open(args.json, "w") as out:
-            json.dump({"settings": vars(args), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "results": results}, out, indent=1)
+            json.dump(
+                {
+                    "settings": vars(args),
+                    "gpu": torch.cuda.get_device_name(),
+                    "torch": torch.__version__,
+                    "results": results,
+                },
+                out,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -36,7 +36,9 @@ POOL_NAME = "vitpool-mistakes"
 
 @pytest.fixture(scope="module")
 def pool(ray_cluster):
-    pool = EncoderPool.launch(budgets=BUDGETS, name=POOL_NAME, device="cpu", num_actors=1, startup_timeout_s=120)
+    pool = EncoderPool.launch(
+        budgets=BUDGETS, name=POOL_NAME, device="cpu", num_actors=1, startup_timeout_s=120
+    )
     yield pool
     pool.shutdown()
 
@@ -63,9 +65,17 @@ def test_one_bad_item_costs_the_others_nothing_with_return_exceptions(pool, refe
     items = [good[0], nan_image(), wrong_width, good[1], oversized_image(16385)]
     expected = reference_encoder.encode(good)
     before = pool.stats()
-    for results in (pool.encode(items, return_exceptions=True),
-                    asyncio.run(pool.encode_async(items, return_exceptions=True))):
-        assert [type(r) for r in results] == [Embedding, InvalidItemError, InvalidItemError, Embedding, InvalidItemError]
+    for results in (
+        pool.encode(items, return_exceptions=True),
+        asyncio.run(pool.encode_async(items, return_exceptions=True)),
+    ):
+        assert [type(r) for r in results] == [
+            Embedding,
+            InvalidItemError,
+            InvalidItemError,
+            Embedding,
+            InvalidItemError,
+        ]
         assert_same([results[0], results[3]], expected)
         assert [r.index for r in results if isinstance(r, InvalidItemError)] == [1, 2, 4]
         assert "NaN" in str(results[1])  # found on the actor, in a batch shared with good items
@@ -88,7 +98,9 @@ def test_an_item_over_the_default_bound_is_refused_in_the_caller(pool):
         with pytest.raises(InvalidItemError) as raised:
             pool.encode([image(4, 4), oversized_image(num_tokens)])
         assert raised.value.index == 1
-        assert f"{num_tokens} output tokens" in str(raised.value) and "max_item_tokens=16384" in str(raised.value)
+        assert f"{num_tokens} output tokens" in str(raised.value) and "max_item_tokens=16384" in str(
+            raised.value
+        )
     after = pool.stats()
     assert after.batches == before.batches and after.calls == before.calls  # nothing was sent
     assert after.rejected_items - before.rejected_items == 2
@@ -102,7 +114,11 @@ def test_launch_mistakes_fail_in_the_caller_before_any_actor_starts(ray_cluster,
         ({"model": str(tmp_path / "missing")}, CheckpointError, "no such directory"),
         ({"model": str(tmp_path)}, CheckpointError, "has no config.json"),
         ({"model": str(tmp_path / "llm")}, CheckpointError, "model type 'llama' is not one vitpool serves"),
-        ({"device": "cuda", "actor_options": {"num_gpus": 0}}, ConfigError, "each encoder actor is given no GPU"),
+        (
+            {"device": "cuda", "actor_options": {"num_gpus": 0}},
+            ConfigError,
+            "each encoder actor is given no GPU",
+        ),
     ]
     for arguments, error_type, message in cases:
         start = time.monotonic()
@@ -116,7 +132,9 @@ def test_an_actors_start_error_is_raised_as_its_own_type(ray_cluster, tmp_path):
     """What only an actor can find (CUDA on its node, its weights) comes back as the actor's own
     ConfigError or CheckpointError with its one-line message, not Ray's ActorDiedError text."""
     with pytest.raises(ConfigError) as raised:  # the fake GPU has no CUDA behind it
-        EncoderPool.launch(name="vitpool-no-cuda", budgets=BUDGETS, device="cuda", num_actors=1, startup_timeout_s=120)
+        EncoderPool.launch(
+            name="vitpool-no-cuda", budgets=BUDGETS, device="cuda", num_actors=1, startup_timeout_s=120
+        )
     assert type(raised.value) is ConfigError and "CUDA is not available" in str(raised.value)
     assert "\n" not in str(raised.value) and "creation task" not in str(raised.value)
     assert raised.value.__notes__ == ["encoder actor 0 failed to start"]
@@ -126,12 +144,21 @@ def test_an_actors_start_error_is_raised_as_its_own_type(ray_cluster, tmp_path):
 
     save_file({"not.a.tower.weight": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(CheckpointError, match="weights do not match the tower") as raised:
-        EncoderPool.launch(model=str(tmp_path), name="vitpool-bad-weights", budgets=BUDGETS, device="cpu",
-                           num_actors=1, actor_options={"num_gpus": 0}, startup_timeout_s=120)
+        EncoderPool.launch(
+            model=str(tmp_path),
+            name="vitpool-bad-weights",
+            budgets=BUDGETS,
+            device="cpu",
+            num_actors=1,
+            actor_options={"num_gpus": 0},
+            startup_timeout_s=120,
+        )
     assert type(raised.value) is CheckpointError and "\n" not in str(raised.value)
 
     def gone() -> bool:
-        return not any(name.startswith(("vitpool-no-cuda", "vitpool-bad-weights")) for name in pool_actor_names())
+        return not any(
+            name.startswith(("vitpool-no-cuda", "vitpool-bad-weights")) for name in pool_actor_names()
+        )
 
     deadline = time.monotonic() + 30
     while not gone() and time.monotonic() < deadline:
@@ -143,9 +170,15 @@ def test_a_closed_handle_says_so_and_the_pool_serves_on(pool, ray_cluster):
     handle = EncoderPool.connect(POOL_NAME)
     address = ray.get_runtime_context().gcs_address
     handle.close()
-    for use in (lambda: handle.encode([image(4, 4)]), lambda: handle.encode_refs([image(4, 4)]),
-                lambda: asyncio.run(handle.encode_async([image(4, 4)])), handle.stats, lambda: handle.num_actors,
-                lambda: handle.scale(1), lambda: handle.deliver_to([])):
+    for use in (
+        lambda: handle.encode([image(4, 4)]),
+        lambda: handle.encode_refs([image(4, 4)]),
+        lambda: asyncio.run(handle.encode_async([image(4, 4)])),
+        handle.stats,
+        lambda: handle.num_actors,
+        lambda: handle.scale(1),
+        lambda: handle.deliver_to([]),
+    ):
         with pytest.raises(PoolUnavailableError, match="this handle was closed by close()"):
             use()
     handle.close()  # closing again does nothing
@@ -158,7 +191,10 @@ def test_a_handle_whose_pool_controller_is_gone_says_so(ray_cluster):
     controller's encoder actors): a handle connected from elsewhere cannot be used, and says why."""
     address = ray.get_runtime_context().gcs_address
     owner = subprocess.Popen(
-        [sys.executable, "-c", OWNER, address], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        [sys.executable, "-c", OWNER, address],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
         env={**os.environ, "RAY_AUTH_MODE": "disabled"},
     )
     try:
@@ -223,7 +259,13 @@ print("all refused, no Ray started")
 
 def test_a_handle_used_after_shutdown_raises_and_starts_no_ray():
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": ""}
-    done = subprocess.run([sys.executable, "-c", AFTER_SHUTDOWN], env=env, capture_output=True, text=True,
-                          timeout=240, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", AFTER_SHUTDOWN],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "all refused, no Ray started" in done.stdout

@@ -17,7 +17,14 @@ from test_dispatcher import FakeLink, dispatcher, queued
 
 import vitpool
 from vitpool.actors.reports import ActorStats
-from vitpool.errors import CheckpointError, ConfigError, EncodeError, InvalidItemError, PoolUnavailableError, counted
+from vitpool.errors import (
+    CheckpointError,
+    ConfigError,
+    EncodeError,
+    InvalidItemError,
+    PoolUnavailableError,
+    counted,
+)
 from vitpool.items import Embedding, Image
 from vitpool.pool import cluster
 from vitpool.pool.calls import Call
@@ -56,8 +63,14 @@ def test_with_return_exceptions_a_bad_item_fills_its_own_slot_and_the_others_are
     naming its index in the call; the call's other results are there."""
 
     def nan_in_second(plan):
-        errors = {p: "pixel_values contain NaN or infinite values" for p, s in enumerate(plan.specs) if s.num_tokens == 5}
-        return Done([None if p in errors else v for p, v in enumerate(values(plan))], BatchReceipt(OK, errors))
+        errors = {
+            p: "pixel_values contain NaN or infinite values"
+            for p, s in enumerate(plan.specs)
+            if s.num_tokens == 5
+        }
+        return Done(
+            [None if p in errors else v for p, v in enumerate(values(plan))], BatchReceipt(OK, errors)
+        )
 
     subject = dispatcher({0: AnsweringLink(nan_in_second)}, [], batch_window_s=0.0)
     try:
@@ -77,7 +90,9 @@ def test_with_return_exceptions_a_bad_item_fills_its_own_slot_and_the_others_are
 
 
 def test_with_return_exceptions_a_failed_batch_gives_each_item_its_own_error():
-    subject = dispatcher({0: AnsweringLink(lambda plan: BatchFailed(RuntimeError("CUDA error")))}, [], batch_window_s=0.0)
+    subject = dispatcher(
+        {0: AnsweringLink(lambda plan: BatchFailed(RuntimeError("CUDA error")))}, [], batch_window_s=0.0
+    )
     try:
         each = Call(2, return_exceptions=True)
         subject.submit(each, queued(each, [3, 4]))
@@ -123,7 +138,9 @@ def test_the_default_bound_on_an_item_is_the_processors_largest_image(tiny_adapt
         with pytest.raises(InvalidItemError) as raised:
             checked_item(3, image_of(num_tokens), rules, DEFAULT_MAX_ITEM_TOKENS)
         assert raised.value.index == 3
-        assert f"{num_tokens} output tokens" in str(raised.value) and "max_item_tokens=16384" in str(raised.value)
+        assert f"{num_tokens} output tokens" in str(raised.value) and "max_item_tokens=16384" in str(
+            raised.value
+        )
     assert checked_item(0, image_of(100 * 1024), rules, None).spec.num_tokens == 100 * 1024  # None: no bound
     PoolSettings(max_item_tokens=None)
     with pytest.raises(ConfigError, match="max_item_tokens"):
@@ -132,9 +149,18 @@ def test_the_default_bound_on_an_item_is_the_processors_largest_image(tiny_adapt
 
 def test_each_checked_keeps_the_good_items_beside_the_bad(tiny_adapter):
     good = Image(torch.randn(16, ROW_WIDTH), (1, 4, 4))
-    outcomes = each_checked([good, Image(torch.randn(16, 100), (1, 4, 4)), "not an item", good],
-                            tiny_adapter.item_rules, max_item_tokens=16, max_queued_bytes=1 << 20)
-    assert [type(o).__name__ for o in outcomes] == ["PreparedItem", "InvalidItemError", "InvalidItemError", "PreparedItem"]
+    outcomes = each_checked(
+        [good, Image(torch.randn(16, 100), (1, 4, 4)), "not an item", good],
+        tiny_adapter.item_rules,
+        max_item_tokens=16,
+        max_queued_bytes=1 << 20,
+    )
+    assert [type(o).__name__ for o in outcomes] == [
+        "PreparedItem",
+        "InvalidItemError",
+        "InvalidItemError",
+        "PreparedItem",
+    ]
     assert [o.index for o in outcomes if isinstance(o, InvalidItemError)] == [1, 2]
     with pytest.raises(InvalidItemError, match="item 0: its pixels take 98304 bytes.*max_queued_bytes=1000"):
         checked_item(0, good, tiny_adapter.item_rules, None, max_queued_bytes=1000)
@@ -149,7 +175,9 @@ def test_a_call_too_large_for_the_queue_says_whether_an_item_or_the_call_is():
             subject.submit(call, items)
         assert raised.value.index == 1
         call = Call(5)
-        with pytest.raises(ValueError, match="a call of 5 items .* each item fits on its own: split the call") as raised:
+        with pytest.raises(
+            ValueError, match="a call of 5 items .* each item fits on its own: split the call"
+        ) as raised:
             subject.submit(call, queued(call, [1] * 5))
         assert not isinstance(raised.value, InvalidItemError)
     finally:
@@ -195,7 +223,10 @@ def test_a_checkpoint_of_a_family_vitpool_does_not_serve_is_refused(tmp_path):
     check_family(checked_model_directory(str(SHIPPED)), None)  # a tower-only save
     check_family(config_of({"model_type": "qwen2_5_vl", "vision_config": {"depth": 2}}), None)  # a full model
     check_family(config_of({"model_type": "glm46v", "vision_config": {"model_type": "glm4v_vision"}}), None)
-    for config in ({"model_type": "llama"}, {"model_type": "llava", "vision_config": {"model_type": "clip_vision_model"}}):
+    for config in (
+        {"model_type": "llama"},
+        {"model_type": "llava", "vision_config": {"model_type": "clip_vision_model"}},
+    ):
         with pytest.raises(CheckpointError, match="is not one vitpool serves; supported vision model types"):
             check_family(config_of(config), None)
     # a family registered where the encoder runs is the actors' to judge
@@ -238,11 +269,17 @@ class FakeTaskError(Exception):
 
 
 def test_an_actors_own_start_error_is_raised_as_its_type_with_its_one_line():
-    error = start_failure([(0, start_error(FakeTaskError(CheckpointError("/m: weights do not match the tower"))))], 1)
+    error = start_failure(
+        [(0, start_error(FakeTaskError(CheckpointError("/m: weights do not match the tower"))))], 1
+    )
     assert type(error) is CheckpointError and str(error) == "/m: weights do not match the tower"
     assert error.__notes__ == ["encoder actor 0 failed to start"]
-    error = start_failure([(1, start_error(FakeTaskError(ConfigError("device 'cuda': no CUDA")))), (2, ValueError())], 2)
-    assert type(error) is ConfigError and error.__notes__ == ["2 of 2 encoder actors failed to start (the first, actor 1)"]
+    error = start_failure(
+        [(1, start_error(FakeTaskError(ConfigError("device 'cuda': no CUDA")))), (2, ValueError())], 2
+    )
+    assert type(error) is ConfigError and error.__notes__ == [
+        "2 of 2 encoder actors failed to start (the first, actor 1)"
+    ]
     other = RuntimeError("out of host memory\nmore lines of a traceback")
     error = start_failure([(0, start_error(FakeTaskError(other)))], 1)
     assert type(error) is vitpool.VitpoolError and error.__cause__ is other
@@ -254,19 +291,32 @@ def test_an_actors_own_start_error_is_raised_as_its_type_with_its_one_line():
 
 def test_counts_agree_with_their_nouns(monkeypatch):
     assert [counted(1, "actor"), counted(2, "actor"), counted(0, "batch"), counted(1, "GPU")] == [
-        "1 actor", "2 actors", "0 batches", "1 GPU",
+        "1 actor",
+        "2 actors",
+        "0 batches",
+        "1 GPU",
     ]
-    summary = PoolStats("p", 1, [ActorStats(batches=1, items=1, runs=1, combined_batches=1)], items=1, batches=1,
-                        peak_queued_items=1).summary()
+    summary = PoolStats(
+        "p",
+        1,
+        [ActorStats(batches=1, items=1, runs=1, combined_batches=1)],
+        items=1,
+        batches=1,
+        peak_queued_items=1,
+    ).summary()
     assert "1 actor, 1 item in 1 batch " in summary and "1 batch, 1 item, 1 run (1 batch combined)" in summary
     assert "peak queue 1 item " in summary
     monkeypatch.setattr(cluster.ray, "cluster_resources", lambda: {"GPU": 1.0, "CPU": 4.0})
-    with pytest.raises(ConfigError, match=r"^1 encoder actor with num_gpus=2 needs 2 GPUs; the cluster has 1\."):
+    with pytest.raises(
+        ConfigError, match=r"^1 encoder actor with num_gpus=2 needs 2 GPUs; the cluster has 1\."
+    ):
         cluster.check_capacity({"num_gpus": 2, "num_cpus": 1}, 1)
     with pytest.raises(ConfigError, match=r"^2 encoder actors with num_gpus=1 need 2 GPUs;"):
         cluster.check_capacity({"num_gpus": 1, "num_cpus": 1}, 2)
     placement = cluster.Placement(None, (0,))
-    with pytest.raises(ConfigError, match="2 encoder actors, but the placement group has 1 bundle to hold them"):
+    with pytest.raises(
+        ConfigError, match="2 encoder actors, but the placement group has 1 bundle to hold them"
+    ):
         cluster.check_bundles(placement, 2)
 
 

@@ -199,5 +199,6 @@ def test_a_tower_whose_parts_moved_fails_at_once_naming_the_transformers_version
     tower.rotary_embedding = tower.rotary_emb  # as a rename would leave it
     del tower.rotary_emb
     module = KimiK25Encoder(tower, copy.deepcopy(hf_model.model.mm_projector))
-    with pytest.raises(ConfigError, match=rf"Kimi-K2.5: transformers {transformers.__version__} .*'rotary_emb'.*tested with transformers"):
+    expected = rf"Kimi-K2.5: transformers {transformers.__version__} .*'rotary_emb'.*tested with transformers"
+    with pytest.raises(ConfigError, match=expected):
         KimiK25Adapter(module)

@@ -145,6 +145,7 @@ def test_a_family_whose_transformers_code_moved_fails_alone_naming_the_versions(
 
     monkeypatch.delattr(importlib.import_module("transformers.vision_utils"), "get_vision_window_index")
     monkeypatch.delitem(sys.modules, "vitpool.models.qwen2_5_vl", raising=False)
-    with pytest.raises(ConfigError, match=rf"transformers {transformers.__version__} .*get_vision_window_index.*tested with transformers"):
+    expected = rf"transformers {transformers.__version__} .*get_vision_window_index.*tested with transformers"
+    with pytest.raises(ConfigError, match=expected):
         FAMILIES["qwen2_5_vl_vision"].adapter(None)
     GraphEncoder.from_pretrained(None, budgets=[16], device="cpu")  # Qwen3-VL still loads

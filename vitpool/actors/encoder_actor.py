@@ -259,7 +259,9 @@ class EncoderActor:
         plan, pixels = groups[0]
         if len(plan.specs) == 1:
             logger.error("encoder actor %d: out of GPU memory on a single item", self.actor_index)
-            raise torch.cuda.OutOfMemoryError(f"out of GPU memory on a single item of {counted(plan.num_tokens, 'token')}")
+            raise torch.cuda.OutOfMemoryError(
+                f"out of GPU memory on a single item of {counted(plan.num_tokens, 'token')}"
+            )
         logger.warning("encoder actor %d: out of GPU memory on %d items; encoding them in halves",
                        self.actor_index, len(plan.specs))  # more than one item here
         half = len(plan.specs) // 2
@@ -285,7 +287,9 @@ def _tensors(specs: Sequence[ItemSpec], pixels: Sequence[np.ndarray | torch.Tens
         ValueError: not one array per spec, or an array that does not travel as its spec says.
     """
     if len(pixels) != len(specs):
-        raise ValueError(f"a batch of {counted(len(specs), 'item spec')} came with {counted(len(pixels), 'pixel array')}")
+        raise ValueError(
+            f"a batch of {counted(len(specs), 'item spec')} came with {counted(len(pixels), 'pixel array')}"
+        )
     tensors = []
     for position, (spec, array) in enumerate(zip(specs, pixels)):
         if isinstance(array, torch.Tensor):

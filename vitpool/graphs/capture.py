@@ -50,7 +50,8 @@ def capture_all(runner: BatchRunner, budgets: Sequence[Budget]) -> None:
                 stats.captured_budgets.append((budget.num_tokens, budget.max_sequences))
                 logger.info(
                     "captured budget %d/%d: %d tokens (%d rows), limits %s, %d items in %.2f s, rel. error %.1e",
-                    number, total, budget.num_tokens, runner.rows(budget), dict(budget.limits), budget.max_items,
+                    number, total, budget.num_tokens, runner.rows(budget), dict(budget.limits),
+                    budget.max_items,
                     time.perf_counter() - budget_start, error,
                 )
             else:
@@ -138,7 +139,11 @@ def _forward_into_outputs(runner: BatchRunner, budget: Budget) -> None:
 
 
 def _check(
-    runner: BatchRunner, budget: Budget, graph: torch.cuda.CUDAGraph, rng: random.Random, generator: torch.Generator
+    runner: BatchRunner,
+    budget: Budget,
+    graph: torch.cuda.CUDAGraph,
+    rng: random.Random,
+    generator: torch.Generator,
 ) -> float:
     """Replay on fresh random items and compare with eager; inf if any output row is non-finite."""
     runner.fill_random(budget, rng, generator)

@@ -44,7 +44,10 @@ def check_plan(
     if not plan.specs:
         raise ValueError("a batch plan has no items")
     if len(pixels) != len(plan.specs):
-        raise ValueError(f"a batch plan of {counted(len(plan.specs), 'item')} came with {counted(len(pixels), 'pixel tensor')}")
+        raise ValueError(
+            f"a batch plan of {counted(len(plan.specs), 'item')} came with "
+            f"{counted(len(pixels), 'pixel tensor')}"
+        )
     for position, (spec, tensor) in enumerate(zip(plan.specs, pixels)):
         check_pixels(position, spec, tensor, row_shape)
         if not is_consistent(spec):

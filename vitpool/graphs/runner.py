@@ -77,7 +77,9 @@ class BatchRunner:
                 done.record(torch.cuda.current_stream(self.device))
         return LaunchedBatches(list(batches), runs, done)
 
-    def _run(self, budget: Budget | None, members: list[PreparedItem], to_host: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+    def _run(
+        self, budget: Budget | None, members: list[PreparedItem], to_host: bool
+    ) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Outputs of the batch's items, concatenated and owned by the caller (on the host if
         `to_host`), one tensor per output [tokens, *row_shape]; and whether each of the items'
         pixel rows was finite [rows], in host memory once the batch's work is done. Reading the
@@ -92,7 +94,9 @@ class BatchRunner:
             outputs, finite = [output[:num_tokens] for output in outputs], _on_host(finite)
         else:
             rows = self.rows(budget)
-            self.stats.replays_per_budget[budget.num_tokens] = self.stats.replays_per_budget.get(budget.num_tokens, 0) + 1
+            self.stats.replays_per_budget[budget.num_tokens] = (
+                self.stats.replays_per_budget.get(budget.num_tokens, 0) + 1
+            )
             self.stats.batch_rows += rows
             self.stats.padding_rows += rows - sum(spec.num_rows for spec in specs)
             item_rows = self.fill(budget, specs, [member.pixels for member in members])
@@ -157,7 +161,8 @@ class BatchRunner:
         """Random valid items of the adapter's choosing into the budget's buffers (capture, checks)."""
         specs = self.adapter.sample_specs(self.rows(budget), budget, rng)
         pixels = [
-            torch.randn(spec.pixel_shape, device=self.device, dtype=self.dtype, generator=generator) for spec in specs
+            torch.randn(spec.pixel_shape, device=self.device, dtype=self.dtype, generator=generator)
+            for spec in specs
         ]
         self.fill(budget, specs, pixels)
 
@@ -193,8 +198,12 @@ class BatchRunner:
         device index, Triton and FA4, run where the tensors are), the attention backend (None:
         the hook picks per batch), and the fused and compiled parts as set."""
         device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
-        with device, use_attention(attention_backend), use_fused_ops(self.fused_ops), \
-                use_compiled_blocks(self.compiled_blocks):
+        with (
+            device,
+            use_attention(attention_backend),
+            use_fused_ops(self.fused_ops),
+            use_compiled_blocks(self.compiled_blocks),
+        ):
             yield
 
 

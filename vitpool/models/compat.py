@@ -18,7 +18,6 @@ import torch
 from vitpool.errors import ConfigError
 
 
-
 def tested_transformers() -> str:
     """The transformers requirement vitpool declares (pyproject.toml; `nox -s bounds` runs the
     suite on both its bounds), e.g. "transformers<=5.24.0,>=5.17.0"."""

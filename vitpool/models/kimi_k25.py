@@ -197,7 +197,8 @@ class KimiK25Adapter:
     def forward(self, pixels: torch.Tensor, metadata: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         hidden = tower_hidden_states(self.tower.vision_tower, pixels, metadata)
         # [tokens, frames, kh*kw, D] weighted over frames: the tower's mean over each clip's frames
-        pooled = (hidden[metadata["pool_index"]] * metadata["pool_weights"].to(hidden.dtype)[:, :, None, None]).sum(dim=1)
+        weights = metadata["pool_weights"].to(hidden.dtype)[:, :, None, None]
+        pooled = (hidden[metadata["pool_index"]] * weights).sum(dim=1)
         return [self.tower.mm_projector(pooled).squeeze(1)]
 
     def sample_specs(self, num_rows: int, budget: Budget, rng: random.Random) -> list[ItemSpec]:

@@ -195,7 +195,9 @@ class PoolController:
         try:
             info = ray.get(info_ref, timeout=self._settings.startup_timeout_s)
         except (ray.exceptions.RayError, TimeoutError) as error:
-            logger.error("replacement encoder actor %d failed to start: %s", index, one_line(start_error(error)))
+            logger.error(
+                "replacement encoder actor %d failed to start: %s", index, one_line(start_error(error))
+            )
             self.forget(index)
             return
         self.activate(index, info)

@@ -192,9 +192,10 @@ class Dispatcher:
         if reason is not None:
             return InvalidItemError(largest.index, reason)
         return ValueError(
-            f"a call of {counted(len(items), 'item')} and {nbytes} pixel bytes can never fit this process's queue "
-            f"(max_queued_items={self._queue.max_items}, max_queued_bytes={self._queue.max_bytes}), though each "
-            "item fits on its own: split the call into smaller calls"
+            f"a call of {counted(len(items), 'item')} and {nbytes} pixel bytes can never fit this "
+            f"process's queue (max_queued_items={self._queue.max_items}, "
+            f"max_queued_bytes={self._queue.max_bytes}), though each item fits on its own: split the "
+            "call into smaller calls"
         )
 
     def _check_open(self) -> None:
@@ -345,7 +346,9 @@ class Dispatcher:
             self.counters.failed_batches += 1
             cause = outcome.error if isinstance(outcome, BatchFailed) else RuntimeError(f"unexpected outcome {outcome!r}")
             for member in flight.members:
-                failure = EncodeError(f"item {member.index}: encoder actor {index} failed on its batch: {cause}")
+                failure = EncodeError(
+                    f"item {member.index}: encoder actor {index} failed on its batch: {cause}"
+                )
                 failure.__cause__ = cause
                 self._fail_item(member, failure)
         if self.counters.failed_calls != failed_before:
@@ -433,11 +436,14 @@ class Dispatcher:
             if member.call.done:
                 continue
             if self._closed:  # nothing dispatches any more
-                self._fail_item(member, PoolUnavailableError(f"item {member.index}: {self._closed_reason} ({why})"))
+                error = PoolUnavailableError(f"item {member.index}: {self._closed_reason} ({why})")
+                self._fail_item(member, error)
                 continue
             member.attempts += 1
             if member.attempts >= self._max_attempts:
-                error = PoolUnavailableError(f"item {member.index} was sent {counted(member.attempts, 'time')}: {why}")
+                error = PoolUnavailableError(
+                    f"item {member.index} was sent {counted(member.attempts, 'time')}: {why}"
+                )
                 self._fail_item(member, error)
             else:
                 requeued.append(member)

@@ -176,7 +176,9 @@ class EncoderPool:
             return []
         # Without a timeout this thread may carry its own batches; with one it must stay free to
         # give up, so connection threads carry them.
-        call = self._submit(items, False, timeout_s, inline=timeout_s is None, return_exceptions=return_exceptions)
+        call = self._submit(
+            items, False, timeout_s, inline=timeout_s is None, return_exceptions=return_exceptions
+        )
         try:
             results = call.future.result(timeout_s)
         except concurrent.futures.TimeoutError:
@@ -298,12 +300,16 @@ class EncoderPool:
             outcomes = each_checked(items, self._rules, settings.max_item_tokens, settings.max_queued_bytes)
         else:
             try:
-                outcomes = checked_items(items, self._rules, settings.max_item_tokens, settings.max_queued_bytes)
+                outcomes = checked_items(
+                    items, self._rules, settings.max_item_tokens, settings.max_queued_bytes
+                )
             except InvalidItemError:
                 self._dispatcher.count_rejected(1)
                 raise
         call = Call(len(outcomes), return_exceptions)
-        refused = [(index, error) for index, error in enumerate(outcomes) if isinstance(error, InvalidItemError)]
+        refused = [
+            (index, error) for index, error in enumerate(outcomes) if isinstance(error, InvalidItemError)
+        ]
         if refused:
             self._dispatcher.count_rejected(len(refused))
         for index, error in refused:
@@ -351,7 +357,9 @@ class EncoderPool:
         """
         self._check_usable()
         try:
-            retired, num_started, failures = scale_pool(self._controller, num_actors, self._settings.startup_timeout_s)
+            retired, num_started, failures = scale_pool(
+                self._controller, num_actors, self._settings.startup_timeout_s
+            )
         except ray.exceptions.RayActorError as error:
             raise self._orphaned(error) from None
         if retired:

@@ -33,7 +33,9 @@ def checked_item(
             f"max_item_tokens={max_item_tokens}: resize it as the model's processor does (its max_pixels), "
             "or launch the pool with a larger max_item_tokens (None: no bound)",
         )
-    reason = None if max_queued_bytes is None else oversized_item_reason(prepared.pixels.nbytes, max_queued_bytes)
+    reason = (
+        None if max_queued_bytes is None else oversized_item_reason(prepared.pixels.nbytes, max_queued_bytes)
+    )
     if reason is not None:
         raise InvalidItemError(index, reason)
     return prepared
@@ -43,7 +45,10 @@ def checked_items(
     items: Any, rules: ItemRules, max_item_tokens: int | None, max_queued_bytes: int | None = None
 ) -> list[PreparedItem]:
     """Every item checked; raises the first item's InvalidItemError (nothing is sent then)."""
-    return [checked_item(index, item, rules, max_item_tokens, max_queued_bytes) for index, item in enumerate(items)]
+    return [
+        checked_item(index, item, rules, max_item_tokens, max_queued_bytes)
+        for index, item in enumerate(items)
+    ]
 
 
 def each_checked(

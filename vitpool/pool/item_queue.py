@@ -19,7 +19,8 @@ def oversized_item_reason(nbytes: int, max_bytes: int) -> str | None:
         return None
     return (
         f"its pixels take {nbytes} bytes, more than this process's queue ever holds "
-        f"(max_queued_bytes={max_bytes}); send a smaller item or launch the pool with a larger max_queued_bytes"
+        f"(max_queued_bytes={max_bytes}); send a smaller item or launch the pool with a larger "
+        "max_queued_bytes"
     )
 
 

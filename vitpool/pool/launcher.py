@@ -26,7 +26,12 @@ from vitpool.pool.cluster import (
     join_ray,
 )
 from vitpool.pool.controller import MAX_WATCHING_HANDLES, NAMESPACE, WATCH_GROUP, Membership, PoolController
-from vitpool.pool.preflight import check_device, check_family, checked_model_directory, family_modules_for_actors
+from vitpool.pool.preflight import (
+    check_device,
+    check_family,
+    checked_model_directory,
+    family_modules_for_actors,
+)
 from vitpool.pool.settings import PoolSettings
 from vitpool.pool.start_errors import one_line, start_error, start_failure
 
@@ -55,7 +60,9 @@ def launch_pool(
     """
     if num_actors is not None and (isinstance(num_actors, bool) or not isinstance(num_actors, int) or num_actors < 1):
         raise ConfigError(f"num_actors must be a positive integer or None; got {num_actors!r}")
-    joins_a_cluster = address not in (None, "local") or (address is None and bool(os.environ.get("RAY_ADDRESS")))
+    joins_a_cluster = address not in (None, "local") or (
+        address is None and bool(os.environ.get("RAY_ADDRESS"))
+    )
     settings = dataclasses.replace(settings, model=checked_model_directory(settings.model, joins_a_cluster))
     owns_ray = join_ray(address)
     controller = None

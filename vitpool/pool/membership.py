@@ -97,7 +97,8 @@ class MembershipWatcher:
                 logger.warning("the pool's controller is slow to answer; trying again")
             except ray.exceptions.RayActorError as error:  # the controller itself is gone
                 if not self._closed:
-                    logger.warning("the pool's controller is gone (%s); calls will fail", str(error).strip().split("\n")[0])
+                    first_line = str(error).strip().split("\n")[0]
+                    logger.warning("the pool's controller is gone (%s); calls will fail", first_line)
                     self._on_lost(error)
                 return
             except Exception:  # noqa: BLE001 - a failed update must not stop the watching

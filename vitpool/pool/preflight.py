@@ -57,10 +57,14 @@ def checked_model_directory(model: str | None, joins_a_cluster: bool = False) ->
             else f"model {model!r}: no such directory on this machine; pass a local Hugging Face checkpoint directory"
         )
     if not directory.is_dir():
-        raise CheckpointError(f"model {model!r} is a file; pass the checkpoint's directory (the one holding config.json)")
+        raise CheckpointError(
+            f"model {model!r} is a file; pass the checkpoint's directory (the one holding config.json)"
+        )
     config_file = directory / "config.json"
     if not config_file.is_file():
-        raise CheckpointError(f"{directory} has no config.json; pass a local Hugging Face checkpoint directory")
+        raise CheckpointError(
+            f"{directory} has no config.json; pass a local Hugging Face checkpoint directory"
+        )
     model_config(directory)
     return os.path.abspath(directory)
 
@@ -136,6 +140,7 @@ def family_modules_for_actors(actor_options: Mapping[str, Any] | None) -> str | 
     import ray
 
     from vitpool.models.registry import FAMILY_MODULES_VARIABLE as variable
+
     for runtime_env in ((actor_options or {}).get("runtime_env"), ray.get_runtime_context().runtime_env):
         env_vars = (runtime_env or {}).get("env_vars") or {}
         if env_vars.get(variable):
@@ -144,6 +149,6 @@ def family_modules_for_actors(actor_options: Mapping[str, Any] | None) -> str | 
 
 
 def _looks_like_hub_id(model: str) -> bool:
-    """"owner/name", as the Hugging Face Hub names models (and not a path anyone would type)."""
+    """ "owner/name", as the Hugging Face Hub names models (and not a path anyone would type)."""
     parts = model.split("/")
     return len(parts) == 2 and all(parts) and not model.startswith((".", "~")) and "\\" not in model
