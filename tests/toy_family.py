@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from vitpool.models.protocol import TensorSpec
+from vitpool.models.protocol import BudgetRange, TensorSpec
 from vitpool.models.registry import Family, register_family
 from vitpool.packing import Budget, plain_budgets
 from vitpool.specs import IMAGE, ItemSpec, check_capacity_limits
@@ -41,6 +41,7 @@ from vitpool.specs import IMAGE, ItemSpec, check_capacity_limits
 MODEL_TYPE = "vitpool_toy_tiles"
 
 _MAX_SAMPLED_ITEMS = 6
+MAX_GRAPH_TILES = 16  # the default budgets hold up to this many tiles; larger batches run eager
 
 
 @dataclass(frozen=True)
@@ -171,6 +172,11 @@ class ToyTilesAdapter:
 
     def max_rows(self, num_tokens: int) -> int:
         return -(-num_tokens // self._tokens_per_tile)
+
+    def budget_range(self, device: torch.device) -> BudgetRange:
+        """Budgets of whole tiles: a budget between two tile counts would only add padding."""
+        step = self._tokens_per_tile
+        return BudgetRange(step, MAX_GRAPH_TILES * step, step)
 
     def metadata_specs(self, num_rows: int, budget: Budget) -> dict[str, TensorSpec]:
         return {}

@@ -141,3 +141,34 @@ def test_config_fields_are_read(tmp_path):
     encoder = GraphEncoder.from_pretrained(directory, budgets=[8], device="cpu")
     [embedding] = encoder.encode([tiles(3)])
     assert embedding.tokens.shape == (6, 12)
+
+
+def test_a_familys_budget_range_sets_its_default_budgets(checkpoint):
+    """No budgets given: the toy family's range (whole tiles, up to MAX_GRAPH_TILES) decides, not
+    the device's ladder; a batch of more tiles runs eager at its own size."""
+    from vitpool.graphs.defaults import family_budgets
+    from vitpool.models.protocol import BudgetRange
+
+    encoder = GraphEncoder.from_pretrained(checkpoint, device="cpu")
+    step = encoder.adapter._tokens_per_tile
+    expected = family_budgets(BudgetRange(step, toy_family.MAX_GRAPH_TILES * step, step))
+    assert [budget.num_tokens for budget in encoder.budgets] == expected
+    assert all(tokens % step == 0 for tokens in expected) and len(expected) > 3
+    generator = torch.Generator().manual_seed(2)
+    largest, over = (tiles(toy_family.MAX_GRAPH_TILES + extra, generator) for extra in (0, 1))
+    encoder.encode([largest])
+    assert encoder.stats().replays_per_budget == {expected[-1]: 1} and encoder.stats().eager_batches == 0
+    encoder.encode([over])
+    assert encoder.stats().eager_batches == 1
+
+
+def test_a_budget_range_refuses_bounds_off_its_step():
+    from vitpool.graphs.defaults import family_budgets
+    from vitpool.models.protocol import BudgetRange
+
+    assert family_budgets(BudgetRange(256, 3328, 256)) == [
+        256, 512, 768, 1024, 1280, 1536, 1792, 2048, 2304, 2816, 3328,
+    ]  # one InternVL tile is 256 tokens: every tile count to 8, then about 12.5% apart
+    for bounds in ((250, 1024, 256), (256, 1000, 256), (512, 256, 256), (0, 256, 1)):
+        with pytest.raises(ValueError):
+            BudgetRange(*bounds)

@@ -1,10 +1,11 @@
-"""Defaults derived from the device: dtype and token budgets."""
+"""Defaults derived from the device (dtype, token budgets) and from the family (its budget range)."""
 
 from __future__ import annotations
 
 import torch
 
 from vitpool.errors import ConfigError
+from vitpool.models.protocol import BudgetRange, VisionAdapter
 from vitpool.packing import budget_ladder
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -53,16 +54,34 @@ GRAPH_MAX_TOKENS = 1024
 SMALL_STEP_TOKENS = 32
 
 
-def default_token_budgets(device: torch.device) -> list[int]:
-    """Budgets from the device: 64…GRAPH_MAX_TOKENS tokens on a GPU (steps of 32 tokens to 256,
-    then 12.5%), 16…1024 on a CPU.
+# A family's range (`BudgetRange`) gets every step up to this many steps, then the ladder's growth.
+DENSE_STEPS = 8
+
+
+def default_token_budgets(device: torch.device, adapter: VisionAdapter | None = None) -> list[int]:
+    """The budgets the adapter's family asks for on this device (its `budget_range`), where it
+    states one; else from the device: 64…GRAPH_MAX_TOKENS tokens on a GPU (steps of 32 tokens to
+    256, then 12.5%), 16…1024 on a CPU.
 
     Items larger than the largest budget still run (eager, alone, at their own rows).
     """
+    chooser = getattr(adapter, "budget_range", None)
+    chosen = chooser(device) if chooser is not None else None
+    if chosen is not None:
+        return family_budgets(chosen)
     if device.type != "cuda":
         return budget_ladder(16, 1024, LADDER_GROWTH, LADDER_ALIGN_TOKENS)
     small = range(64, 256, SMALL_STEP_TOKENS)
     return sorted({*small, *budget_ladder(256, GRAPH_MAX_TOKENS, LADDER_GROWTH, LADDER_ALIGN_TOKENS)})
+
+
+def family_budgets(chosen: BudgetRange) -> list[int]:
+    """Every step of the range up to DENSE_STEPS steps (where a unit more or less is a large share
+    of the batch), then the ladder's 12.5% growth rounded up to a step, to `max_tokens`."""
+    step = chosen.step_tokens
+    dense = range(chosen.min_tokens, min(chosen.max_tokens, DENSE_STEPS * step) + 1, step)
+    ladder = budget_ladder(chosen.min_tokens, chosen.max_tokens, LADDER_GROWTH, step)
+    return sorted({*dense, *ladder})
 
 
 def dtype_from_name(name: str | None) -> torch.dtype | None:

@@ -51,9 +51,10 @@ class GraphEncoder:
 
     Args:
         adapter: the model, seen through `vitpool.models.VisionAdapter`.
-        budgets: token budgets (output tokens per batch) to capture. None: derived from the
-            device (a ladder up to `GRAPH_MAX_TOKENS` = 1024 tokens on a GPU, larger batches run
-            eager at their own rows; up to 1024 on a CPU).
+        budgets: token budgets (output tokens per batch) to capture. None: the family's budget
+            range where its adapter states one (`budget_range`), else derived from the device
+            (a ladder up to `GRAPH_MAX_TOKENS` = 1024 tokens on a GPU, larger batches run eager
+            at their own rows; up to 1024 on a CPU).
         max_items_per_batch: most items in one batch (default min(32, smallest budget)).
         max_frames_per_batch: for families with one attention sequence per frame, most sequences
             (video frames / temporal patches) in one batch (default 64); it sizes `cu_seqlens`.
@@ -111,7 +112,7 @@ class GraphEncoder:
         self.attention = _check_attention(attention, self.device, self.dtype)
         self.adapter = adapter
         _place_tower(adapter.tower, self.device, self.dtype)
-        token_budgets = default_token_budgets(self.device) if budgets is None else budgets
+        token_budgets = default_token_budgets(self.device, adapter) if budgets is None else budgets
         try:
             limits = merged_capacity_limits(max_frames_per_batch, capacity_limits)
             self.budgets: list[Budget] = sorted(adapter.item_rules.budgets(token_budgets, max_items_per_batch, limits))

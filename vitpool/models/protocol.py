@@ -10,7 +10,9 @@ everything that depends on the family:
   `cu_seqlens`, window permutations, ...) laid out for a buffer of `num_rows` rows, with the
   padding rows given valid values too (a trailing dummy sequence), so that every row is written;
 - the forward over static tensors, free of host synchronisation, so it can be captured;
-- random valid items for a budget, to warm up and check each captured graph.
+- random valid items for a budget, to warm up and check each captured graph;
+- optionally, the token budgets its graphs should cover by default (`budget_range`), where the
+  device's ladder does not fit it: a tiled tower whose every tile gives a fixed token count.
 
 An item's layout inside the adapter is its `ItemSpec.layout` (Qwen: the grid (t, h, w); tiled
 towers: nothing). Window attention (Qwen2.5-VL: a second `cu_seqlens` and a token permutation),
@@ -37,6 +39,30 @@ class TensorSpec:
 
     shape: tuple[int, ...]
     dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class BudgetRange:
+    """The default token budgets a family asks for (as vLLM's `get_encoder_cudagraph_budget_range`):
+    from `min_tokens` to `max_tokens`, every one a multiple of `step_tokens` (a family whose items
+    come in fixed units of tokens, such as tiles, gains nothing from budgets between two units).
+
+    Raises:
+        ValueError: bounds that are not positive multiples of the step, or min above max.
+    """
+
+    min_tokens: int
+    max_tokens: int
+    step_tokens: int = 1
+
+    def __post_init__(self) -> None:
+        values = (self.min_tokens, self.max_tokens, self.step_tokens)
+        if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
+            raise ValueError(f"a budget range needs positive integers; got {values}")
+        if self.min_tokens % self.step_tokens or self.max_tokens % self.step_tokens:
+            raise ValueError(f"budget range {self.min_tokens}..{self.max_tokens} is not in steps of {self.step_tokens}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"budget range: min_tokens {self.min_tokens} is above max_tokens {self.max_tokens}")
 
 
 def zero_metadata(specs: Mapping[str, TensorSpec]) -> dict[str, torch.Tensor]:
@@ -92,3 +118,9 @@ class VisionAdapter(Protocol):
         Used to warm up and check each captured budget on inputs unlike any earlier ones.
         """
         ...
+
+    # Optional (the graph code looks it up with getattr):
+    #
+    # def budget_range(self, device: torch.device) -> BudgetRange | None:
+    #     """The budgets this family's graphs should cover when the user names none; None (or no
+    #     such method): the device's default ladder (`vitpool.graphs.defaults`)."""
