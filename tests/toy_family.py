@@ -25,7 +25,7 @@ import dataclasses
 import json
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,8 +35,9 @@ import torch.nn.functional as F
 
 from vitpool.models.protocol import BudgetRange, TensorSpec
 from vitpool.models.registry import Family, register_family
-from vitpool.packing import Budget, plain_budgets
-from vitpool.specs import IMAGE, ItemSpec, check_capacity_limits
+from vitpool.models.tile_rules import TileRules
+from vitpool.packing import Budget
+from vitpool.specs import IMAGE, ItemSpec
 
 MODEL_TYPE = "vitpool_toy_tiles"
 
@@ -73,41 +74,6 @@ def write_checkpoint(directory: Path, **fields: Any) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps({"model_type": MODEL_TYPE, **fields}))
     return directory
-
-
-@dataclass(frozen=True)
-class ToyTileRules:
-    """Items are images of whole tiles: pixels [tiles, channels, tile_size, tile_size], no grid."""
-
-    channels: int
-    tile_size: int
-    tokens_per_tile: int
-    output_row_shapes: tuple[tuple[int, ...], ...]
-    capacities: tuple[str, ...] = ()  # tokens and items bound a batch; nothing else
-
-    @property
-    def row_shape(self) -> tuple[int, ...]:
-        return (self.channels, self.tile_size, self.tile_size)
-
-    def item_spec(self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, metadata: Any) -> ItemSpec:
-        if modality != IMAGE:
-            raise ValueError("this model takes images (tiles) only; send each frame as an Image")
-        if metadata is not None and metadata != ():  # (): a spec's own layout, given back to check it
-            raise ValueError(f"tiled items have no grid; pass Image(pixels) without grid_thw, got {metadata!r}")
-        if len(pixel_shape) != 4 or tuple(pixel_shape[1:]) != self.row_shape:
-            raise ValueError(
-                f"pixel_values must be tiles [tiles, {self.channels}, {self.tile_size}, {self.tile_size}]; "
-                f"got shape {tuple(pixel_shape)}"
-            )
-        if pixel_shape[0] < 1:
-            raise ValueError("pixel_values hold no tiles")
-        return ItemSpec(modality, tuple(pixel_shape), pixel_dtype, (), pixel_shape[0] * self.tokens_per_tile)
-
-    def budgets(
-        self, token_budgets: Sequence[int], max_items_per_batch: int | None, capacity_limits: Mapping[str, int]
-    ) -> list[Budget]:
-        check_capacity_limits(capacity_limits, self.capacities)
-        return plain_budgets(token_budgets, max_items_per_batch)  # no frames: the bound does not apply
 
 
 class ToyTilesTower(torch.nn.Module):
@@ -162,7 +128,7 @@ class ToyTilesAdapter:
         config = tower.config
         self.tower = tower
         head_dim = config.hidden_size // config.num_heads
-        self.item_rules = ToyTileRules(
+        self.item_rules = TileRules(
             config.channels, config.tile_size, config.tokens_per_tile,
             ((config.out_hidden_size,), (config.num_heads, head_dim)),
         )

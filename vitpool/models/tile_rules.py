@@ -1,0 +1,48 @@
+"""Item rules of tiled towers: an image is whole tiles of one fixed size, each a fixed number of
+output tokens (InternVL's 448² tiles, 256 tokens each). Plain data: no torch, no transformers."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from vitpool.packing import Budget, plain_budgets
+from vitpool.specs import IMAGE, ItemSpec, check_capacity_limits
+
+
+@dataclass(frozen=True)
+class TileRules:
+    """Items are images of whole tiles: pixels [tiles, channels, tile_size, tile_size], as the
+    family's processor emits them for one image, and no grid. A tile attends within itself, so a
+    batch is bounded by its tokens and items only."""
+
+    channels: int
+    tile_size: int
+    tokens_per_tile: int
+    output_row_shapes: tuple[tuple[int, ...], ...]
+    capacities: tuple[str, ...] = ()
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        return (self.channels, self.tile_size, self.tile_size)
+
+    def item_spec(self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, metadata: Any) -> ItemSpec:
+        if modality != IMAGE:
+            raise ValueError("this model takes images (tiles) only; send each frame as an Image")
+        if metadata is not None and metadata != ():  # (): a spec's own layout, given back to check it
+            raise ValueError(f"tiled items have no grid; pass Image(pixels) without grid_thw, got {metadata!r}")
+        if len(pixel_shape) != 4 or tuple(pixel_shape[1:]) != self.row_shape:
+            raise ValueError(
+                f"pixel_values must be tiles [tiles, {self.channels}, {self.tile_size}, {self.tile_size}]; "
+                f"got shape {tuple(pixel_shape)}"
+            )
+        if pixel_shape[0] < 1:
+            raise ValueError("pixel_values hold no tiles")
+        return ItemSpec(modality, tuple(pixel_shape), pixel_dtype, (), pixel_shape[0] * self.tokens_per_tile)
+
+    def budgets(
+        self, token_budgets: Sequence[int], max_items_per_batch: int | None, capacity_limits: Mapping[str, int]
+    ) -> list[Budget]:
+        check_capacity_limits(capacity_limits, self.capacities)
+        return plain_budgets(token_budgets, max_items_per_batch)  # no frames: the bound does not apply
