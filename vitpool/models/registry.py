@@ -124,6 +124,16 @@ FAMILIES: dict[str, Family] = {
             convert=_lazy("vitpool.models.kimi_k25", "convert_checkpoint"),
         ),
     ),
+    # InternVL 3 / 3.5 (internvl): InternVLVisionModel + multi_modal_projector, transformers' keys
+    "internvl_vision": Family(
+        _lazy("vitpool.models.internvl", "build_encoder"),
+        _lazy("vitpool.models.internvl", "InternVLAdapter"),
+        checkpoint=CheckpointLayout(
+            prefixes=("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector."),
+            tower_config=_lazy("vitpool.models.internvl", "tower_only_config"),
+            convert=_lazy("vitpool.models.internvl", "convert_checkpoint"),
+        ),
+    ),
     # PaddleOCR-VL (paddleocr_vl): PaddleOCRVisionModel + projector, transformers' or the release's keys
     "paddleocr_vl_vision": Family(
         _lazy("vitpool.models.paddleocr_vl", "build_encoder"),

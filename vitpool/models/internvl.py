@@ -1,0 +1,182 @@
+"""InternVL 3 / 3.5 (`InternVLVisionModel`, InternViT) and its `multi_modal_projector`.
+
+An image is whole tiles of one size (448² in the releases: a thumbnail and up to 12 crops, as
+`GotOcr2ImageProcessor` cuts them), and each tile is one fixed-length attention sequence: the
+class token and (448 / 14)² patches. The tower runs tiles as its batch dimension, so a batch of
+tiles needs no metadata at all: a padding tile is a zero tile whose tokens nobody reads. After
+the tower, as `InternVLModel.get_image_features` does: drop the class token, pixel-shuffle the
+patch grid by `downsample_ratio` (0.5: 2 x 2 patches into one token of 4x the width, 256 tokens a
+tile) and project into the LLM's width. The pixel shuffle is a method of Hugging Face's full
+model, which vitpool does not build; `pixel_shuffle` here is the same reshape.
+
+`InternVLEncoder` holds the tower and the projector (state keys `vision_tower.*` and
+`multi_modal_projector.*`; a full checkpoint in transformers' layout has them under `model.`).
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from vitpool.models.compat import check_tower_parts
+from vitpool.models.protocol import BudgetRange, TensorSpec
+from vitpool.models.tile_rules import TileRules
+from vitpool.packing import Budget
+from vitpool.specs import IMAGE, ItemSpec
+
+# What a tower-only save's vision config carries besides Hugging Face's fields, for the projector
+# and the feature selection (the full model's InternVLConfig holds them).
+PROJECTOR_FIELDS = (
+    "text_hidden_size", "downsample_ratio", "projector_hidden_act",
+    "vision_feature_layer", "vision_feature_select_strategy",
+)
+# Keys of a full checkpoint (transformers' layout) that belong to the tower or the projector.
+CHECKPOINT_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.")
+# The default budgets hold up to this many tiles (a 12-crop image and its thumbnail); a batch of
+# more runs eager at its own size.
+MAX_GRAPH_TILES = 13
+MAX_SAMPLED_ITEMS = 6
+TOWER_PARTS = ("embeddings", "encoder", "layernorm")
+
+
+class InternVLEncoder(torch.nn.Module):
+    """The tower and its projector, with what `get_image_features` reads of the full config."""
+
+    def __init__(self, vision_tower: torch.nn.Module, projector: torch.nn.Module, settings: Any) -> None:
+        super().__init__()
+        self.vision_tower = vision_tower
+        self.multi_modal_projector = projector
+        self.config = vision_tower.config
+        self.downsample_ratio = float(settings.downsample_ratio)
+        self.vision_feature_layer = settings.vision_feature_layer
+        self.vision_feature_select_strategy = settings.vision_feature_select_strategy
+
+
+def projector_config(config: Any) -> Any:
+    """What `InternVLMultiModalProjector` and the feature selection read, from a full
+    `InternVLConfig` or from a vision config carrying PROJECTOR_FIELDS (a tower-only save)."""
+    if getattr(config, "text_config", None) is not None:
+        return config
+    missing = [name for name in PROJECTOR_FIELDS if getattr(config, name, None) is None]
+    if missing:
+        raise ValueError(
+            f"an InternVL vision config needs {missing} to build its projector; give the full model's "
+            "config (InternVLConfig) or a tower-only save that carries them"
+        )
+    return SimpleNamespace(
+        vision_config=config,
+        text_config=SimpleNamespace(hidden_size=config.text_hidden_size),
+        downsample_ratio=config.downsample_ratio,
+        projector_hidden_act=config.projector_hidden_act,
+        vision_feature_layer=config.vision_feature_layer,
+        vision_feature_select_strategy=config.vision_feature_select_strategy,
+    )
+
+
+def build_encoder(config: Any, dtype: torch.dtype | None = None) -> InternVLEncoder:
+    """Fresh tower and projector from a full InternVLConfig or a vision config with PROJECTOR_FIELDS."""
+    from transformers.models.internvl.modeling_internvl import InternVLMultiModalProjector, InternVLVisionModel
+
+    full = projector_config(config)
+    vision_config = full.vision_config
+    tower = InternVLVisionModel._from_config(vision_config, dtype=dtype) if dtype else InternVLVisionModel(vision_config)
+    projector = InternVLMultiModalProjector(full)
+    if dtype is not None:
+        projector = projector.to(dtype)
+    return InternVLEncoder(tower, projector, full)
+
+
+def tower_only_config(full_config: Any) -> Any:
+    """The vision config of a full InternVLConfig with PROJECTOR_FIELDS added: what a tower-only
+    save of `InternVLEncoder` writes as its config.json (and what a full checkpoint is built from)."""
+    config = copy.deepcopy(full_config.vision_config)
+    config.text_hidden_size = full_config.text_config.hidden_size
+    for name in PROJECTOR_FIELDS[1:]:
+        setattr(config, name, getattr(full_config, name))
+    return config
+
+
+def convert_checkpoint(checkpoint: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
+    """The loader's hook: a full checkpoint's keys less their `model.` (a tower-only save's keys
+    are the module's own already)."""
+    return {key.removeprefix("model."): tensor for key, tensor in checkpoint.items()}
+
+
+def pixel_shuffle(features: torch.Tensor, scale_factor: float) -> torch.Tensor:
+    """`InternVLModel.pixel_shuffle`: [tiles, w, h, c] -> [tiles, w*s, h*s, c/s²]."""
+    tiles, width, height, channels = features.shape
+    features = features.view(tiles, width, int(height * scale_factor), int(channels / scale_factor))
+    features = features.permute(0, 2, 1, 3).contiguous()
+    features = features.view(
+        tiles, int(height * scale_factor), int(width * scale_factor), int(channels / (scale_factor**2))
+    )
+    return features.permute(0, 2, 1, 3).contiguous()
+
+
+class InternVLAdapter:
+    """Adapter for `InternVLEncoder`: rows are tiles, no metadata."""
+
+    def __init__(self, tower: InternVLEncoder) -> None:
+        vision = tower.vision_tower
+        config = vision.config
+        check_tower_parts("InternVL", vision, TOWER_PARTS)
+        if tower.vision_feature_layer != -1 or tower.vision_feature_select_strategy != "default":
+            raise ValueError(
+                "vitpool runs InternVL with vision_feature_layer=-1 and vision_feature_select_strategy="
+                f"'default' (the releases' settings); got {tower.vision_feature_layer!r}, "
+                f"{tower.vision_feature_select_strategy!r}"
+            )
+        image_size, patch_size = tuple(config.image_size), tuple(config.patch_size)
+        if image_size[0] != image_size[1] or patch_size[0] != patch_size[1]:
+            raise ValueError(f"InternVL tiles must be square; image_size {image_size}, patch_size {patch_size}")
+        side = image_size[0] // patch_size[0]
+        self._side = side
+        self._scale = tower.downsample_ratio
+        tokens_per_tile = int(side * self._scale) ** 2
+        self.tower = tower
+        self.tokens_per_tile = tokens_per_tile
+        self.item_rules = TileRules(
+            int(config.num_channels), image_size[0], tokens_per_tile,
+            ((int(tower.multi_modal_projector.linear_2.out_features),),),
+        )
+        self.row_shape = self.item_rules.row_shape
+        self.output_row_shapes = self.item_rules.output_row_shapes
+
+    def max_rows(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.tokens_per_tile)
+
+    def budget_range(self, device: torch.device) -> BudgetRange:
+        """Whole tiles, up to MAX_GRAPH_TILES: a budget between two tile counts only adds padding."""
+        return BudgetRange(self.tokens_per_tile, MAX_GRAPH_TILES * self.tokens_per_tile, self.tokens_per_tile)
+
+    def metadata_specs(self, num_rows: int, budget: Budget) -> dict[str, TensorSpec]:
+        return {}
+
+    def build_metadata(self, specs: Sequence[ItemSpec], num_rows: int, budget: Budget) -> dict[str, torch.Tensor]:
+        needed = sum(spec.num_rows for spec in specs)
+        if needed > num_rows:
+            raise ValueError(f"{len(specs)} items need {needed} tiles; the buffers hold {num_rows}")
+        return {}
+
+    def forward(self, pixels: torch.Tensor, metadata: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        hidden = self.tower.vision_tower(pixel_values=pixels).last_hidden_state[:, 1:, :]  # no class token
+        tiles = hidden.shape[0]
+        grid = hidden.reshape(tiles, self._side, self._side, -1)
+        shuffled = pixel_shuffle(grid, self._scale)
+        tokens = self.tower.multi_modal_projector(shuffled.reshape(tiles, -1, shuffled.shape[-1]))
+        return [tokens.reshape(tiles * self.tokens_per_tile, -1)]
+
+    def sample_specs(self, num_rows: int, budget: Budget, rng: random.Random) -> list[ItemSpec]:
+        specs: list[ItemSpec] = []
+        tiles_left = min(num_rows, budget.num_tokens // self.tokens_per_tile)
+        while tiles_left > 0 and len(specs) < min(MAX_SAMPLED_ITEMS, budget.max_items):
+            # Sometimes fill the rest, usually not, so that padding tiles are exercised too.
+            tiles = tiles_left if rng.random() < 0.2 else rng.randint(1, max(1, tiles_left // 2))
+            specs.append(self.item_rules.item_spec(IMAGE, (tiles, *self.row_shape), "float32", None))
+            tiles_left -= tiles
+        return specs
