@@ -7,7 +7,10 @@ the processor's output (float32 pixels on the host) and end with the tokens on t
 synchronised; Hugging Face takes all of a call's items in one tower call, as `get_image_features`
 does. Also reports the capture and check time of the device's default budgets.
 
-    python benchmarks/family_latency.py [--families qwen2_vl,glm4v] [--runs 30] [--out results.json]
+    python benchmarks/family_latency.py [--families qwen2_vl,glm4v] [--runs 30] [--compiled] [--out results.json]
+
+`--compiled` also times Hugging Face's path under `torch.compile(mode="reduce-overhead")` (its own
+CUDA graphs, where the shapes are fixed: the anchor for the tiled families).
 """
 
 from __future__ import annotations
@@ -32,19 +35,34 @@ VISION_MODEL_TYPES = {
     "glm4v": "glm4v_vision",
     "kimi_k25": "kimi_k25_vision",
     "paddleocr_vl": "paddleocr_vl_vision",
+    "internvl": "internvl_vision",
 }
 # Families whose vitpool module holds the projector too: what their tower-only config adds (the
 # flagship's LLM width and projector settings, from the config file's "extra").
 PROJECTOR_FIELDS = {
     "kimi_k25": {"text_hidden_size": 7168, "projection_hidden_size": 1152, "projection_layer_norm_eps": 1e-5},
     "paddleocr_vl": {"text_hidden_size": 1024},
+    # InternVL3.5-8B: Qwen3-8B's width; the releases' projector and feature selection
+    "internvl": {
+        "text_hidden_size": 4096, "downsample_ratio": 0.5, "projector_hidden_act": "gelu",
+        "vision_feature_layer": -1, "vision_feature_select_strategy": "default",
+    },
 }
+TILED = {"internvl"}  # pixels are whole tiles [tiles, 3, S, S], no grid
 PATCH_ROWS = {"kimi_k25", "paddleocr_vl"}  # pixels are unflattened patches [rows, 3, P, P]
 IMAGES_ONLY = {"paddleocr_vl"}
 
 
 def workloads(family: str, vision_config: dict) -> dict[str, list]:
-    """Small, several small, large, and a video where the family takes one, at its patch size."""
+    """Small, several small, large, and a video where the family takes one, at its patch size;
+    for a tiled family one view, four one-view images, and one image of 7 views."""
+    if family in TILED:
+        size = vision_config["image_size"][0]
+
+        def tiles(count: int) -> Image:
+            return Image(torch.randn(count, 3, size, size))
+
+        return {"1 view": [tiles(1)], "4x1 view": [tiles(1) for _ in range(4)], "7 views": [tiles(7)]}
     patch = vision_config["patch_size"]
     merge = vision_config.get("spatial_merge_size") or vision_config["merge_kernel_size"][0]
     row_shape = (3, patch, patch) if family in PATCH_ROWS else (3 * 2 * patch * patch,)
@@ -74,6 +92,14 @@ def workloads(family: str, vision_config: dict) -> dict[str, list]:
 def hugging_face_eager(family: str, module: torch.nn.Module, items: list) -> torch.Tensor:
     """All of a call's items in one tower call, as the model's get_image_features runs them."""
     pixels = torch.cat([item.pixel_values for item in items]).to("cuda", torch.bfloat16)
+    if family == "internvl":  # InternVLModel.get_image_features, with Hugging Face's own modules
+        from transformers.models.internvl.modeling_internvl import InternVLModel
+
+        hidden = module.vision_tower(pixel_values=pixels).last_hidden_state[:, 1:, :]
+        side = int(hidden.shape[1] ** 0.5)
+        shuffled = InternVLModel.pixel_shuffle(None, hidden.reshape(hidden.shape[0], side, side, -1), 0.5)
+        tokens = module.multi_modal_projector(shuffled.reshape(hidden.shape[0], -1, shuffled.shape[-1]))
+        return tokens.reshape(-1, tokens.shape[-1])
     rows = []
     for item in items:
         t, h, w = item.grid_thw
@@ -95,7 +121,7 @@ def use_sdpa(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
-def measure(family: str, vision_config: dict, runs: int, warmup: int) -> dict:
+def measure(family: str, vision_config: dict, runs: int, warmup: int, compiled: bool = False) -> dict:
     config = {**vision_config, **PROJECTOR_FIELDS.get(family, {}), "model_type": VISION_MODEL_TYPES[family]}
     with tempfile.TemporaryDirectory() as directory:
         (Path(directory) / "config.json").write_text(json.dumps(config))
@@ -118,6 +144,13 @@ def measure(family: str, vision_config: dict, runs: int, warmup: int) -> dict:
                 "hf_eager": eager, "vitpool": graph, "ratio": graph["median_ms"] / eager["median_ms"],
                 "rel_error": rel_error,
             }
+            if compiled:
+                torch._dynamo.reset()
+                fast = torch.compile(hugging_face_eager, mode="reduce-overhead")
+                rows[name]["hf_compiled"] = summarize(
+                    time_ms(lambda items=items: fast(family, reference, items), runs, warmup)
+                )
+                rows[name]["ratio_compiled"] = graph["median_ms"] / rows[name]["hf_compiled"]["median_ms"]
     result = {
         "family": family, "params_m": sum(p.numel() for p in encoder.adapter.tower.parameters()) / 1e6,
         "capture_s": stats.capture_seconds, "budgets": len(encoder.budgets),
@@ -132,6 +165,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--compiled", action="store_true", help="also time HF under torch.compile (reduce-overhead)")
     args = parser.parse_args()
     unknown = sorted(set(args.families.split(",")) - set(VISION_MODEL_TYPES))
     if unknown:
@@ -141,7 +175,9 @@ def main() -> None:
     gpu = torch.cuda.get_device_name()
     results = {"gpu": gpu, "torch": torch.__version__, "runs": args.runs, "families": []}
     for family in args.families.split(","):
-        results["families"].append(measure(family, configs[family]["vision_config"], args.runs, args.warmup))
+        results["families"].append(
+            measure(family, configs[family]["vision_config"], args.runs, args.warmup, args.compiled)
+        )
         torch.cuda.empty_cache()  # the family's encoder and reference are gone: give their memory back
         if args.out:
             args.out.write_text(json.dumps(results, indent=2))
@@ -154,7 +190,9 @@ def main() -> None:
                     f"{len(result['disabled_budgets'])} disabled)") if number == 0 else " | "
             print(f"| {head} | {name} | {row['patches']} | {row['hf_eager']['median_ms']:.2f} "
                   f"({row['hf_eager']['p99_ms']:.2f}) | {row['vitpool']['median_ms']:.2f} ({row['vitpool']['p99_ms']:.2f}) "
-                  f"| {row['ratio']:.2f} | {row['rel_error']:.1e} |")
+                  f"| {row['ratio']:.2f} | {row['rel_error']:.1e} |"
+                  + (f" HF compiled {row['hf_compiled']['median_ms']:.2f} ({row['hf_compiled']['p99_ms']:.2f}), "
+                     f"ratio {row['ratio_compiled']:.2f} |" if "hf_compiled" in row else ""))
 
 
 if __name__ == "__main__":
