@@ -121,12 +121,16 @@ def use_sdpa(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
-def measure(family: str, vision_config: dict, runs: int, warmup: int, compiled: bool = False) -> dict:
+def measure(
+    family: str, vision_config: dict, runs: int, warmup: int, compiled: bool = False, compiled_blocks: bool = False
+) -> dict:
     config = {**vision_config, **PROJECTOR_FIELDS.get(family, {}), "model_type": VISION_MODEL_TYPES[family]}
     with tempfile.TemporaryDirectory() as directory:
         (Path(directory) / "config.json").write_text(json.dumps(config))
         torch.manual_seed(0)
-        encoder = GraphEncoder.from_pretrained(directory, device="cuda", dtype=torch.bfloat16)
+        encoder = GraphEncoder.from_pretrained(
+            directory, device="cuda", dtype=torch.bfloat16, compiled_blocks=compiled_blocks
+        )
     stats = encoder.stats()
     reference = use_sdpa(copy.deepcopy(encoder.adapter.tower))
     rows = {}
@@ -166,6 +170,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--compiled", action="store_true", help="also time HF under torch.compile (reduce-overhead)")
+    parser.add_argument("--compiled-blocks", action="store_true", help="vitpool with compiled_blocks=True")
     args = parser.parse_args()
     unknown = sorted(set(args.families.split(",")) - set(VISION_MODEL_TYPES))
     if unknown:
@@ -173,10 +178,15 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     configs = json.loads(CONFIGS.read_text())
     gpu = torch.cuda.get_device_name()
-    results = {"gpu": gpu, "torch": torch.__version__, "runs": args.runs, "families": []}
+    results = {
+        "gpu": gpu, "torch": torch.__version__, "runs": args.runs, "compiled_blocks": args.compiled_blocks,
+        "families": [],
+    }
     for family in args.families.split(","):
         results["families"].append(
-            measure(family, configs[family]["vision_config"], args.runs, args.warmup, args.compiled)
+            measure(
+                family, configs[family]["vision_config"], args.runs, args.warmup, args.compiled, args.compiled_blocks
+            )
         )
         torch.cuda.empty_cache()  # the family's encoder and reference are gone: give their memory back
         if args.out:
