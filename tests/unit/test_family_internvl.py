@@ -78,3 +78,23 @@ def test_feature_settings_vitpool_does_not_run_are_refused(model):
     module = InternVLEncoder(model.model.vision_tower, model.model.multi_modal_projector, config)
     with pytest.raises(ValueError, match="vision_feature_layer=-1"):
         InternVLAdapter(module)
+
+
+def test_the_processors_output_for_one_image_is_one_item():
+    """InternVL's image processor (GotOcr2, the releases' settings: 448² crops plus a thumbnail,
+    1 to 12 crops) emits one image's tiles as they are: `Image(out["pixel_values"])` is an item of
+    that many tiles, 256 tokens each, for the real tower's rules."""
+    from PIL import Image as PILImage
+    from transformers import GotOcr2ImageProcessorPil
+
+    from vitpool.items import prepare_item
+    from vitpool.models.tile_rules import TileRules
+
+    processor = GotOcr2ImageProcessorPil(
+        crop_to_patches=True, min_patches=1, max_patches=12, size={"height": 448, "width": 448}
+    )
+    out = processor(images=PILImage.new("RGB", (1000, 600), (200, 120, 40)), return_tensors="pt")
+    rules = TileRules(3, 448, 256, ((4096,),))  # InternViT-300M: (448/14)² patches, shuffled by 0.5
+    spec = prepare_item(0, Image(out["pixel_values"]), rules).spec
+    assert spec.num_rows == int(out["num_patches"][0]) == out["pixel_values"].shape[0] > 1
+    assert spec.num_tokens == 256 * spec.num_rows
