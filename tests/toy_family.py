@@ -24,8 +24,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import random
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,15 +31,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from vitpool.models.protocol import BudgetRange, TensorSpec
 from vitpool.models.registry import Family, register_family
 from vitpool.models.tile_rules import TileRules
-from vitpool.packing import Budget
-from vitpool.specs import IMAGE, ItemSpec
+from vitpool.models.tiled import TiledAdapter
 
 MODEL_TYPE = "vitpool_toy_tiles"
 
-_MAX_SAMPLED_ITEMS = 6
 MAX_GRAPH_TILES = 16  # the default budgets hold up to this many tiles; larger batches run eager
 
 
@@ -120,9 +115,12 @@ def _seeded_init(tower: torch.nn.Module, seed: int) -> None:
             parameter.copy_(values)
 
 
-class ToyTilesAdapter:
-    """The toy tower through the adapter protocol: no metadata (attention stays within a tile by
-    the tile dimension), padding rows are zero tiles whose tokens nobody reads."""
+class ToyTilesAdapter(TiledAdapter):
+    """The toy tower through the adapter protocol (`vitpool.models.tiled`): no metadata (attention
+    stays within a tile by the tile dimension), padding rows are zero tiles whose tokens nobody
+    reads; default budgets of whole tiles, up to MAX_GRAPH_TILES."""
+
+    max_graph_tiles = MAX_GRAPH_TILES
 
     def __init__(self, tower: ToyTilesTower) -> None:
         config = tower.config
@@ -132,39 +130,10 @@ class ToyTilesAdapter:
             config.channels, config.tile_size, config.tokens_per_tile,
             ((config.out_hidden_size,), (config.num_heads, head_dim)),
         )
-        self.row_shape = self.item_rules.row_shape
-        self.output_row_shapes = self.item_rules.output_row_shapes
-        self._tokens_per_tile = config.tokens_per_tile
-
-    def max_rows(self, num_tokens: int) -> int:
-        return -(-num_tokens // self._tokens_per_tile)
-
-    def budget_range(self, device: torch.device) -> BudgetRange:
-        """Budgets of whole tiles: a budget between two tile counts would only add padding."""
-        step = self._tokens_per_tile
-        return BudgetRange(step, MAX_GRAPH_TILES * step, step)
-
-    def metadata_specs(self, num_rows: int, budget: Budget) -> dict[str, TensorSpec]:
-        return {}
-
-    def build_metadata(self, specs: Sequence[ItemSpec], num_rows: int, budget: Budget) -> dict[str, torch.Tensor]:
-        needed = sum(spec.num_rows for spec in specs)
-        if needed > num_rows:
-            raise ValueError(f"{len(specs)} items need {needed} tiles; the buffers hold {num_rows}")
-        return {}
+        self.tokens_per_tile = config.tokens_per_tile
 
     def forward(self, pixels: torch.Tensor, metadata: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         return list(self.tower(pixels))
-
-    def sample_specs(self, num_rows: int, budget: Budget, rng: random.Random) -> list[ItemSpec]:
-        specs: list[ItemSpec] = []
-        tiles_left = min(num_rows, budget.num_tokens // self._tokens_per_tile)
-        while tiles_left > 0 and len(specs) < min(_MAX_SAMPLED_ITEMS, budget.max_items):
-            # Sometimes fill the rest, usually not, so that padding rows are exercised too.
-            tiles = tiles_left if rng.random() < 0.2 else rng.randint(1, max(1, tiles_left // 2))
-            specs.append(self.item_rules.item_spec(IMAGE, (tiles, *self.row_shape), "float32", None))
-            tiles_left -= tiles
-        return specs
 
 
 def _build_tower(config: ToyTilesConfig, dtype: torch.dtype) -> torch.nn.Module:

@@ -150,7 +150,7 @@ def test_a_familys_budget_range_sets_its_default_budgets(checkpoint):
     from vitpool.models.protocol import BudgetRange
 
     encoder = GraphEncoder.from_pretrained(checkpoint, device="cpu")
-    step = encoder.adapter._tokens_per_tile
+    step = encoder.adapter.tokens_per_tile
     expected = family_budgets(BudgetRange(step, toy_family.MAX_GRAPH_TILES * step, step))
     assert [budget.num_tokens for budget in encoder.budgets] == expected
     assert all(tokens % step == 0 for tokens in expected) and len(expected) > 3

@@ -16,18 +16,14 @@ model, which vitpool does not build; `pixel_shuffle` here is the same reshape.
 from __future__ import annotations
 
 import copy
-import random
-from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from vitpool.models.compat import check_tower_parts
-from vitpool.models.protocol import BudgetRange, TensorSpec
 from vitpool.models.tile_rules import TileRules
-from vitpool.packing import Budget
-from vitpool.specs import IMAGE, ItemSpec
+from vitpool.models.tiled import TiledAdapter
 
 # What a tower-only save's vision config carries besides Hugging Face's fields, for the projector
 # and the feature selection (the full model's InternVLConfig holds them).
@@ -40,7 +36,6 @@ CHECKPOINT_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.")
 # The default budgets hold up to this many tiles (a 12-crop image and its thumbnail); a batch of
 # more runs eager at its own size.
 MAX_GRAPH_TILES = 13
-MAX_SAMPLED_ITEMS = 6
 TOWER_PARTS = ("embeddings", "encoder", "layernorm")
 
 
@@ -118,8 +113,10 @@ def pixel_shuffle(features: torch.Tensor, scale_factor: float) -> torch.Tensor:
     return features.permute(0, 2, 1, 3).contiguous()
 
 
-class InternVLAdapter:
+class InternVLAdapter(TiledAdapter):
     """Adapter for `InternVLEncoder`: rows are tiles, no metadata."""
+
+    max_graph_tiles = MAX_GRAPH_TILES
 
     def __init__(self, tower: InternVLEncoder) -> None:
         vision = tower.vision_tower
@@ -144,24 +141,6 @@ class InternVLAdapter:
             int(config.num_channels), image_size[0], tokens_per_tile,
             ((int(tower.multi_modal_projector.linear_2.out_features),),),
         )
-        self.row_shape = self.item_rules.row_shape
-        self.output_row_shapes = self.item_rules.output_row_shapes
-
-    def max_rows(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.tokens_per_tile)
-
-    def budget_range(self, device: torch.device) -> BudgetRange:
-        """Whole tiles, up to MAX_GRAPH_TILES: a budget between two tile counts only adds padding."""
-        return BudgetRange(self.tokens_per_tile, MAX_GRAPH_TILES * self.tokens_per_tile, self.tokens_per_tile)
-
-    def metadata_specs(self, num_rows: int, budget: Budget) -> dict[str, TensorSpec]:
-        return {}
-
-    def build_metadata(self, specs: Sequence[ItemSpec], num_rows: int, budget: Budget) -> dict[str, torch.Tensor]:
-        needed = sum(spec.num_rows for spec in specs)
-        if needed > num_rows:
-            raise ValueError(f"{len(specs)} items need {needed} tiles; the buffers hold {num_rows}")
-        return {}
 
     def forward(self, pixels: torch.Tensor, metadata: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         hidden = self.tower.vision_tower(pixel_values=pixels).last_hidden_state[:, 1:, :]  # no class token
@@ -170,13 +149,3 @@ class InternVLAdapter:
         shuffled = pixel_shuffle(grid, self._scale)
         tokens = self.tower.multi_modal_projector(shuffled.reshape(tiles, -1, shuffled.shape[-1]))
         return [tokens.reshape(tiles * self.tokens_per_tile, -1)]
-
-    def sample_specs(self, num_rows: int, budget: Budget, rng: random.Random) -> list[ItemSpec]:
-        specs: list[ItemSpec] = []
-        tiles_left = min(num_rows, budget.num_tokens // self.tokens_per_tile)
-        while tiles_left > 0 and len(specs) < min(MAX_SAMPLED_ITEMS, budget.max_items):
-            # Sometimes fill the rest, usually not, so that padding tiles are exercised too.
-            tiles = tiles_left if rng.random() < 0.2 else rng.randint(1, max(1, tiles_left // 2))
-            specs.append(self.item_rules.item_spec(IMAGE, (tiles, *self.row_shape), "float32", None))
-            tiles_left -= tiles
-        return specs

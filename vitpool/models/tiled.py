@@ -1,0 +1,62 @@
+"""What the adapters of tiled towers share: rows are whole tiles, each a fixed-length attention
+sequence that the tower runs as its batch dimension, so a batch needs no metadata; a padding
+tile is a zero tile whose tokens nobody reads. A family subclass sets `tower`, `item_rules`
+(`TileRules`), `tokens_per_tile` and `max_graph_tiles`, and writes `forward`."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import torch
+
+from vitpool.models.protocol import BudgetRange, TensorSpec
+from vitpool.models.tile_rules import TileRules
+from vitpool.packing import Budget
+from vitpool.specs import IMAGE, ItemSpec
+
+MAX_SAMPLED_ITEMS = 6
+
+
+class TiledAdapter:
+    """The adapter protocol's sizes, metadata, budgets and samples for a tiled tower."""
+
+    tower: torch.nn.Module
+    item_rules: TileRules
+    tokens_per_tile: int
+    max_graph_tiles: int  # the default budgets hold up to this many tiles; more run eager
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        return self.item_rules.row_shape
+
+    @property
+    def output_row_shapes(self) -> tuple[tuple[int, ...], ...]:
+        return self.item_rules.output_row_shapes
+
+    def max_rows(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.tokens_per_tile)
+
+    def budget_range(self, device: torch.device) -> BudgetRange:
+        """Whole tiles: a budget between two tile counts would only add padding."""
+        step = self.tokens_per_tile
+        return BudgetRange(step, self.max_graph_tiles * step, step)
+
+    def metadata_specs(self, num_rows: int, budget: Budget) -> dict[str, TensorSpec]:
+        return {}
+
+    def build_metadata(self, specs: Sequence[ItemSpec], num_rows: int, budget: Budget) -> dict[str, torch.Tensor]:
+        needed = sum(spec.num_rows for spec in specs)
+        if needed > num_rows:
+            raise ValueError(f"{len(specs)} items need {needed} tiles; the buffers hold {num_rows}")
+        return {}
+
+    def sample_specs(self, num_rows: int, budget: Budget, rng: random.Random) -> list[ItemSpec]:
+        specs: list[ItemSpec] = []
+        tiles_left = min(num_rows, budget.num_tokens // self.tokens_per_tile)
+        while tiles_left > 0 and len(specs) < min(MAX_SAMPLED_ITEMS, budget.max_items):
+            # Sometimes fill the rest, usually not, so that padding tiles are exercised too.
+            tiles = tiles_left if rng.random() < 0.2 else rng.randint(1, max(1, tiles_left // 2))
+            specs.append(self.item_rules.item_spec(IMAGE, (tiles, *self.row_shape), "float32", None))
+            tiles_left -= tiles
+        return specs
