@@ -36,6 +36,7 @@ VISION_MODEL_TYPES = {
     "kimi_k25": "kimi_k25_vision",
     "paddleocr_vl": "paddleocr_vl_vision",
     "internvl": "internvl_vision",
+    "llama4": "llama4_vision_model",
 }
 # Families whose vitpool module holds the projector too: what their tower-only config adds (the
 # flagship's LLM width and projector settings, from the config file's "extra").
@@ -47,8 +48,9 @@ PROJECTOR_FIELDS = {
         "text_hidden_size": 4096, "downsample_ratio": 0.5, "projector_hidden_act": "gelu",
         "vision_feature_layer": -1, "vision_feature_select_strategy": "default",
     },
+    "llama4": {"text_hidden_size": 5120},  # Llama 4 Scout's LLM width
 }
-TILED = {"internvl"}  # pixels are whole tiles [tiles, 3, S, S], no grid
+TILED = {"internvl", "llama4"}  # pixels are whole tiles [tiles, 3, S, S], no grid
 PATCH_ROWS = {"kimi_k25", "paddleocr_vl"}  # pixels are unflattened patches [rows, 3, P, P]
 IMAGES_ONLY = {"paddleocr_vl"}
 
@@ -100,6 +102,9 @@ def hugging_face_eager(family: str, module: torch.nn.Module, items: list) -> tor
         shuffled = InternVLModel.pixel_shuffle(None, hidden.reshape(hidden.shape[0], side, side, -1), 0.5)
         tokens = module.multi_modal_projector(shuffled.reshape(hidden.shape[0], -1, shuffled.shape[-1]))
         return tokens.reshape(-1, tokens.shape[-1])
+    if family == "llama4":  # get_image_features, flattened and projected as the model's forward does
+        features = module.vision_model(pixel_values=pixels).last_hidden_state
+        return module.multi_modal_projector(features.reshape(-1, features.shape[-1]))
     rows = []
     for item in items:
         t, h, w = item.grid_thw

@@ -45,23 +45,25 @@ def test_a_pool_of_the_family_equals_its_encoder(ray_cluster, tmp_path, family):
         pool.shutdown()
 
 
-def test_a_pool_of_internvl_tiles_equals_its_encoder(ray_cluster, tmp_path):
-    """A tiled family through the pool: a full InternVL save (transformers' layout), images of
-    several tile counts (one over every budget), checked in the caller by the tile rules."""
+@pytest.mark.parametrize("family", ["internvl", "llama4"])
+def test_a_pool_of_a_tiled_family_equals_its_encoder(ray_cluster, tmp_path, family):
+    """A tiled family through the pool: a full save in transformers' layout, images of several
+    tile counts (one over every budget), checked in the caller by the tile rules."""
+    import importlib
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-    from family_cases.internvl import ROW_SHAPE, hf_model
+    case = importlib.import_module(f"family_cases.{family}")
 
     from vitpool import Image
 
-    hf_model(seed=4).save_pretrained(tmp_path, safe_serialization=True)
-    budgets = [4, 8, 16]
+    case.hf_model(seed=4).save_pretrained(tmp_path, safe_serialization=True)
+    budgets = [case.TOKENS_PER_TILE * tiles for tiles in (1, 2, 4)]
     generator = torch.Generator().manual_seed(0)
-    items = [Image(torch.randn(count, *ROW_SHAPE, generator=generator)) for count in (1, 3, 2, 5)]
+    items = [Image(torch.randn(count, *case.ROW_SHAPE, generator=generator)) for count in (1, 3, 2, 5)]
     reference = GraphEncoder.from_pretrained(tmp_path, budgets=budgets, device="cpu", dtype=torch.float32)
-    pool = EncoderPool.launch(model=str(tmp_path), budgets=budgets, name="family-internvl", num_actors=1, device="cpu")
+    pool = EncoderPool.launch(model=str(tmp_path), budgets=budgets, name=f"family-{family}", num_actors=1, device="cpu")
     try:
         assert_same_outputs(pool.encode(items), reference.encode(items))
         with pytest.raises(InvalidItemError, match="item 1: .*must be tiles"):

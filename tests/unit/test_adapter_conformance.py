@@ -30,6 +30,7 @@ from conftest import ROW_WIDTH, reference_outputs, relative_error
 from family_cases import glm4v as glm4v_case
 from family_cases import internvl as internvl_case
 from family_cases import kimi_k25 as kimi_k25_case
+from family_cases import llama4 as llama4_case
 from family_cases import paddleocr_vl as paddleocr_vl_case
 from family_cases import qwen2_5_vl as qwen2_5_vl_case
 from family_cases import qwen2_vl as qwen2_vl_case
@@ -113,6 +114,7 @@ FAMILIES = {
     "glm4v": FamilyCase(**glm4v_case.CASE_FIELDS),
     "internvl": FamilyCase(**internvl_case.CASE_FIELDS),
     "kimi_k25": FamilyCase(**kimi_k25_case.CASE_FIELDS),
+    "llama4": FamilyCase(**llama4_case.CASE_FIELDS),
     "paddleocr_vl": FamilyCase(**paddleocr_vl_case.CASE_FIELDS),
     "qwen2_5_vl": FamilyCase(**qwen2_5_vl_case.CASE_FIELDS),
     "qwen2_vl": FamilyCase(**qwen2_vl_case.CASE_FIELDS),

@@ -28,8 +28,11 @@ from vitpool.models.tiled import TiledAdapter
 # What a tower-only save's vision config carries besides Hugging Face's fields, for the projector
 # and the feature selection (the full model's InternVLConfig holds them).
 PROJECTOR_FIELDS = (
-    "text_hidden_size", "downsample_ratio", "projector_hidden_act",
-    "vision_feature_layer", "vision_feature_select_strategy",
+    "text_hidden_size",
+    "downsample_ratio",
+    "projector_hidden_act",
+    "vision_feature_layer",
+    "vision_feature_select_strategy",
 )
 # Keys of a full checkpoint (transformers' layout) that belong to the tower or the projector.
 CHECKPOINT_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.")
@@ -75,11 +78,18 @@ def projector_config(config: Any) -> Any:
 
 def build_encoder(config: Any, dtype: torch.dtype | None = None) -> InternVLEncoder:
     """Fresh tower and projector from a full InternVLConfig or a vision config with PROJECTOR_FIELDS."""
-    from transformers.models.internvl.modeling_internvl import InternVLMultiModalProjector, InternVLVisionModel
+    from transformers.models.internvl.modeling_internvl import (
+        InternVLMultiModalProjector,
+        InternVLVisionModel,
+    )
 
     full = projector_config(config)
     vision_config = full.vision_config
-    tower = InternVLVisionModel._from_config(vision_config, dtype=dtype) if dtype else InternVLVisionModel(vision_config)
+    tower = (
+        InternVLVisionModel._from_config(vision_config, dtype=dtype)
+        if dtype
+        else InternVLVisionModel(vision_config)
+    )
     projector = InternVLMultiModalProjector(full)
     if dtype is not None:
         projector = projector.to(dtype)
@@ -130,7 +140,9 @@ class InternVLAdapter(TiledAdapter):
             )
         image_size, patch_size = tuple(config.image_size), tuple(config.patch_size)
         if image_size[0] != image_size[1] or patch_size[0] != patch_size[1]:
-            raise ValueError(f"InternVL tiles must be square; image_size {image_size}, patch_size {patch_size}")
+            raise ValueError(
+                f"InternVL tiles must be square; image_size {image_size}, patch_size {patch_size}"
+            )
         side = image_size[0] // patch_size[0]
         self._side = side
         self._scale = tower.downsample_ratio
@@ -138,7 +150,9 @@ class InternVLAdapter(TiledAdapter):
         self.tower = tower
         self.tokens_per_tile = tokens_per_tile
         self.item_rules = TileRules(
-            int(config.num_channels), image_size[0], tokens_per_tile,
+            int(config.num_channels),
+            image_size[0],
+            tokens_per_tile,
             ((int(tower.multi_modal_projector.linear_2.out_features),),),
         )
 

@@ -134,6 +134,16 @@ FAMILIES: dict[str, Family] = {
             convert=_lazy("vitpool.models.internvl", "convert_checkpoint"),
         ),
     ),
+    # Llama 4 Scout / Maverick (llama4): Llama4VisionModel + multi_modal_projector
+    "llama4_vision_model": Family(
+        _lazy("vitpool.models.llama4", "build_encoder"),
+        _lazy("vitpool.models.llama4", "Llama4Adapter"),
+        checkpoint=CheckpointLayout(
+            prefixes=("vision_model.", "multi_modal_projector."),
+            tower_config=_lazy("vitpool.models.llama4", "tower_only_config"),
+            convert=_lazy("vitpool.models.llama4", "convert_checkpoint"),
+        ),
+    ),
     # PaddleOCR-VL (paddleocr_vl): PaddleOCRVisionModel + projector, transformers' or the release's keys
     "paddleocr_vl_vision": Family(
         _lazy("vitpool.models.paddleocr_vl", "build_encoder"),

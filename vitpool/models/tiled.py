@@ -45,7 +45,9 @@ class TiledAdapter:
     def metadata_specs(self, num_rows: int, budget: Budget) -> dict[str, TensorSpec]:
         return {}
 
-    def build_metadata(self, specs: Sequence[ItemSpec], num_rows: int, budget: Budget) -> dict[str, torch.Tensor]:
+    def build_metadata(
+        self, specs: Sequence[ItemSpec], num_rows: int, budget: Budget
+    ) -> dict[str, torch.Tensor]:
         needed = sum(spec.num_rows for spec in specs)
         if needed > num_rows:
             raise ValueError(f"{len(specs)} items need {needed} tiles; the buffers hold {num_rows}")

@@ -16,12 +16,21 @@ from vitpool import GraphEncoder, Image
 TILE = 8  # pixels per tile side; patches of 2 pixels: 16 patches, 4 tokens a tile after the shuffle
 TOKENS_PER_TILE = 4
 TINY_VISION = {
-    "hidden_size": 32, "num_attention_heads": 2, "num_hidden_layers": 2, "intermediate_size": 64,
-    "image_size": TILE, "patch_size": 2,
+    "hidden_size": 32,
+    "num_attention_heads": 2,
+    "num_hidden_layers": 2,
+    "intermediate_size": 64,
+    "image_size": TILE,
+    "patch_size": 2,
 }
 TINY_TEXT = {
-    "model_type": "qwen2", "hidden_size": 48, "intermediate_size": 64, "num_hidden_layers": 1,
-    "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 128,
+    "model_type": "qwen2",
+    "hidden_size": 48,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "vocab_size": 128,
 }
 ROW_SHAPE = (3, TILE, TILE)
 
@@ -48,7 +57,9 @@ def encoder_of(model: torch.nn.Module, budgets: list[int]) -> GraphEncoder:
     from vitpool.models.internvl import InternVLAdapter, InternVLEncoder
 
     module = InternVLEncoder(
-        copy.deepcopy(model.model.vision_tower), copy.deepcopy(model.model.multi_modal_projector), model.config
+        copy.deepcopy(model.model.vision_tower),
+        copy.deepcopy(model.model.multi_modal_projector),
+        model.config,
     )
     return GraphEncoder(InternVLAdapter(module), budgets=budgets, device="cpu", dtype=torch.float32)
 
@@ -86,6 +97,9 @@ BAD_ITEMS = (
 )
 
 CASE_FIELDS = {
-    "make_encoder": make_encoder, "reference": reference, "item_for": lambda spec, pixels: Image(pixels),
-    "bad_items": BAD_ITEMS, "budgets": (4, 8, 16),
+    "make_encoder": make_encoder,
+    "reference": reference,
+    "item_for": lambda spec, pixels: Image(pixels),
+    "bad_items": BAD_ITEMS,
+    "budgets": (4, 8, 16),
 }
