@@ -1,6 +1,7 @@
 """Llama 4 (Llama4VisionModel + multi_modal_projector) under the adapter conformance suite, and the
 tiny models its own tests share. The reference is Hugging Face's full model on one item's tiles
-alone: `get_image_features`, flattened and projected as its forward hands the LLM."""
+alone: its vision model (what `get_image_features` runs), flattened and projected as its forward
+hands the LLM."""
 
 from __future__ import annotations
 
@@ -63,7 +64,8 @@ def encoder_of(model: torch.nn.Module, budgets: list[int]) -> GraphEncoder:
 def image_features(model: torch.nn.Module, item: Any) -> torch.Tensor:
     """What the model hands its LLM for one image: [tiles * tokens per tile, text width]."""
     with torch.no_grad():
-        features = model.get_image_features(pixel_values=torch.as_tensor(item.pixel_values)).last_hidden_state
+        # the tower get_image_features runs (its signature differs between transformers releases)
+        features = model.vision_model(pixel_values=torch.as_tensor(item.pixel_values)).last_hidden_state
         return model.multi_modal_projector(features.reshape(-1, features.shape[-1]))
 
 
