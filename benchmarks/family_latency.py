@@ -59,7 +59,8 @@ def workloads(family: str, vision_config: dict) -> dict[str, list]:
     """Small, several small, large, and a video where the family takes one, at its patch size;
     for a tiled family one view, four one-view images, and one image of 7 views."""
     if family in TILED:
-        size = vision_config["image_size"][0]
+        size = vision_config["image_size"]
+        size = size if isinstance(size, int) else size[0]  # InternVL writes [448, 448], Llama 4 336
 
         def tiles(count: int) -> Image:
             return Image(torch.randn(count, 3, size, size))
