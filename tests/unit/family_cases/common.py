@@ -45,3 +45,36 @@ def tower_reference(encoder: GraphEncoder) -> Callable[[Any], list[torch.Tensor]
         return [output.pooler_output]
 
     return outputs
+
+
+def tiled_case_fields(
+    hf_model: Callable[[], torch.nn.Module],
+    encoder_of: Callable[[torch.nn.Module, list[int]], GraphEncoder],
+    image_features: Callable[[torch.nn.Module, Any], torch.Tensor],
+    row_shape: tuple[int, ...],
+    budgets: tuple[int, ...],
+) -> dict[str, Any]:
+    """A tiled family's conformance case: one full HF model (built on first use, shared by the
+    encoder and the reference), `image_features` of one item's tiles alone as the reference,
+    items `Image(tiles)`, and the bad items every tiled family refuses."""
+    shared: dict[str, torch.nn.Module] = {}
+
+    def model() -> torch.nn.Module:
+        if "model" not in shared:
+            shared["model"] = hf_model()
+        return shared["model"]
+
+    channels, side, _ = row_shape
+    bad_items = (
+        (Image(torch.randn(2, *row_shape), (1, 2, 2)), "no grid"),
+        (Image(torch.randn(2, channels, side, side + 2)), "must be tiles"),
+        (Image(torch.randn(4, channels * side * side)), "must be tiles"),
+        (Image(torch.randn(0, *row_shape)), "no tiles"),
+    )
+    return {
+        "make_encoder": lambda budget_list: encoder_of(model(), budget_list),
+        "reference": lambda encoder: lambda item: [image_features(model(), item)],
+        "item_for": lambda spec, pixels: Image(pixels),
+        "bad_items": bad_items,
+        "budgets": budgets,
+    }

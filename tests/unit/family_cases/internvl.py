@@ -5,13 +5,12 @@ one item's tiles alone (tower, class token dropped, pixel shuffle, projector).""
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 from typing import Any
 
 import torch
-from family_cases.common import randomize
+from family_cases.common import randomize, tiled_case_fields
 
-from vitpool import GraphEncoder, Image
+from vitpool import GraphEncoder
 
 TILE = 8  # pixels per tile side; patches of 2 pixels: 16 patches, 4 tokens a tile after the shuffle
 TOKENS_PER_TILE = 4
@@ -71,35 +70,4 @@ def image_features(model: torch.nn.Module, item: Any) -> torch.Tensor:
     return tokens.reshape(-1, tokens.shape[-1])
 
 
-_MODEL: dict[str, torch.nn.Module] = {}
-
-
-def _shared_model() -> torch.nn.Module:
-    if "model" not in _MODEL:
-        _MODEL["model"] = hf_model()
-    return _MODEL["model"]
-
-
-def make_encoder(budgets: list[int]) -> GraphEncoder:
-    return encoder_of(_shared_model(), budgets)
-
-
-def reference(encoder: GraphEncoder) -> Callable[[Any], list[torch.Tensor]]:
-    model = _shared_model()
-    return lambda item: [image_features(model, item)]
-
-
-BAD_ITEMS = (
-    (Image(torch.randn(2, *ROW_SHAPE), (1, 2, 2)), "no grid"),
-    (Image(torch.randn(2, 3, TILE, TILE + 2)), "must be tiles"),
-    (Image(torch.randn(4, 3 * TILE * TILE)), "must be tiles"),
-    (Image(torch.randn(0, *ROW_SHAPE)), "no tiles"),
-)
-
-CASE_FIELDS = {
-    "make_encoder": make_encoder,
-    "reference": reference,
-    "item_for": lambda spec, pixels: Image(pixels),
-    "bad_items": BAD_ITEMS,
-    "budgets": (4, 8, 16),
-}
+CASE_FIELDS = tiled_case_fields(hf_model, encoder_of, image_features, ROW_SHAPE, (4, 8, 16))
