@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from vitpool.models.compat import check_tower_parts
+from vitpool.models.projected import tower_and_projector
 from vitpool.models.tile_rules import TileRules
 from vitpool.models.tiled import TiledAdapter
 
@@ -84,15 +85,7 @@ def build_encoder(config: Any, dtype: torch.dtype | None = None) -> InternVLEnco
     )
 
     full = projector_config(config)
-    vision_config = full.vision_config
-    tower = (
-        InternVLVisionModel._from_config(vision_config, dtype=dtype)
-        if dtype
-        else InternVLVisionModel(vision_config)
-    )
-    projector = InternVLMultiModalProjector(full)
-    if dtype is not None:
-        projector = projector.to(dtype)
+    tower, projector = tower_and_projector(InternVLVisionModel, InternVLMultiModalProjector, full, dtype)
     return InternVLEncoder(tower, projector, full)
 
 

@@ -32,6 +32,7 @@ from transformers.vision_utils import get_vision_interpolation_indices_and_weigh
 from vitpool.models.attention import install_packed_attention
 from vitpool.models.compat import check_tower_parts
 from vitpool.models.kimi_k25_rules import EXTRA_ROWS, KimiK25Rules
+from vitpool.models.projected import tower_and_projector
 from vitpool.models.protocol import TensorSpec, zero_metadata
 from vitpool.models.spatial_merge import item_cu_seqlens, item_grids
 from vitpool.packing import Budget
@@ -80,12 +81,9 @@ def build_encoder(config: Any, dtype: torch.dtype | None = None) -> KimiK25Encod
         Kimi_K25VisionModel,
     )
 
-    full = projector_config(config)
-    vision_config = full.vision_config
-    tower = Kimi_K25VisionModel._from_config(vision_config, dtype=dtype) if dtype else Kimi_K25VisionModel(vision_config)
-    projector = Kimi_K25MultimodalProjection(full)
-    if dtype is not None:
-        projector = projector.to(dtype)
+    tower, projector = tower_and_projector(
+        Kimi_K25VisionModel, Kimi_K25MultimodalProjection, projector_config(config), dtype
+    )
     return KimiK25Encoder(tower, projector)
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from vitpool.models.projected import tower_and_projector
 from vitpool.models.tile_rules import TileRules
 from vitpool.models.tiled import TiledAdapter
 
@@ -57,15 +58,7 @@ def build_encoder(config: Any, dtype: torch.dtype | None = None) -> Llama4Encode
     from transformers.models.llama4.modeling_llama4 import Llama4MultiModalProjector, Llama4VisionModel
 
     full = projector_config(config)
-    vision_config = full.vision_config
-    tower = (
-        Llama4VisionModel._from_config(vision_config, dtype=dtype)
-        if dtype
-        else Llama4VisionModel(vision_config)
-    )
-    projector = Llama4MultiModalProjector(full)
-    if dtype is not None:
-        projector = projector.to(dtype)
+    tower, projector = tower_and_projector(Llama4VisionModel, Llama4MultiModalProjector, full, dtype)
     return Llama4Encoder(tower, projector)
 
 

@@ -41,6 +41,7 @@ from transformers.vision_utils import get_vision_interpolation_indices_and_weigh
 
 from vitpool.models.attention import install_packed_attention
 from vitpool.models.paddleocr_vl_rules import PaddleOCRVLRules
+from vitpool.models.projected import tower_and_projector
 from vitpool.models.protocol import TensorSpec, zero_metadata
 from vitpool.models.spatial_merge import item_cu_seqlens, item_grids
 from vitpool.packing import Budget
@@ -89,16 +90,9 @@ def build_encoder(config: Any, dtype: torch.dtype | None = None) -> PaddleOCREnc
     )
 
     vision_config, text_width = _vision_and_text_width(config)
-    if dtype is not None:
-        visual = PaddleOCRVisionModel._from_config(vision_config, dtype=dtype)
-    else:
-        visual = PaddleOCRVisionModel(vision_config)
     # PaddleOCRProjector reads vision_config.{spatial_merge_size, hidden_size} and text_config.hidden_size
-    projector = PaddleOCRProjector(
-        SimpleNamespace(vision_config=vision_config, text_config=SimpleNamespace(hidden_size=text_width))
-    )
-    if dtype is not None:
-        projector = projector.to(dtype)
+    full = SimpleNamespace(vision_config=vision_config, text_config=SimpleNamespace(hidden_size=text_width))
+    visual, projector = tower_and_projector(PaddleOCRVisionModel, PaddleOCRProjector, full, dtype)
     return PaddleOCREncoder(visual, projector)
 
 
