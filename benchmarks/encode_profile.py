@@ -40,10 +40,10 @@ def main() -> None:
     items = [image(args.side) for _ in range(args.items)]
     call = summarize(time_ms(lambda: encoder.encode(items), args.runs, 20))
     batches = pack([item.spec for item in prepare_items(items, encoder.adapter.item_rules)], encoder.budgets)
-    if len(batches) != 1 or batches[0].budget not in encoder._runner.graphs:
+    if len(batches) != 1 or batches[0].budget not in encoder._runner("").graphs:
         raise SystemExit("the items do not run as one graph; pick fewer or smaller items")
     budget = batches[0].budget
-    replay = summarize(gpu_ms(encoder._runner.graphs[budget].replay, args.runs))
+    replay = summarize(gpu_ms(encoder._runner("").graphs[budget].replay, args.runs))
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(args.runs):
             encoder.encode(items)
@@ -70,7 +70,7 @@ def _phases(encoder, items, budget, runs: int) -> dict:
     """The steps of one graph call, each timed alone on the host, the GPU idle before each."""
     prepared = prepare_items(items, encoder.adapter.item_rules)
     specs, pixels = [p.spec for p in prepared], [p.pixels for p in prepared]
-    graph = encoder._runner.graphs[budget]
+    graph = encoder._runner("").graphs[budget]
 
     def timed(step, wait: bool) -> dict:
         samples = []
@@ -83,8 +83,8 @@ def _phases(encoder, items, budget, runs: int) -> dict:
             samples.append((time.perf_counter() - start) * 1e3)
         return summarize(samples)
 
-    rows = encoder._runner.rows(budget)
-    views, metadata_views = encoder._runner.buffers.input_views(rows, budget)
+    rows = encoder._runner("").rows(budget)
+    views, metadata_views = encoder._runner("").buffers.input_views(rows, budget)
     filled = sum(p.shape[0] for p in pixels)
     metadata = encoder.adapter.build_metadata(specs, rows, budget)
 
@@ -97,15 +97,15 @@ def _phases(encoder, items, budget, runs: int) -> dict:
 
     return {
         "prepare items (checks)": timed(lambda: prepare_items(items, encoder.adapter.item_rules), False),
-        "fill: copy pixels": timed(lambda: encoder._runner.copy_rows(views, pixels), False),
+        "fill: copy pixels": timed(lambda: encoder._runner("").copy_rows(views, pixels), False),
         "fill: zero padding": timed(zero_padding, False),
         "fill: metadata copies": timed(copy_metadata, False),
-        "fill buffers": timed(lambda: encoder._runner.fill(budget, specs, pixels), False),
-        "fill buffers + wait": timed(lambda: encoder._runner.fill(budget, specs, pixels), True),
-        "metadata on the host": timed(lambda: encoder.adapter.build_metadata(specs, encoder._runner.rows(budget), budget), False),
+        "fill buffers": timed(lambda: encoder._runner("").fill(budget, specs, pixels), False),
+        "fill buffers + wait": timed(lambda: encoder._runner("").fill(budget, specs, pixels), True),
+        "metadata on the host": timed(lambda: encoder.adapter.build_metadata(specs, encoder._runner("").rows(budget), budget), False),
         "replay launch": timed(graph.replay, False),
         "replay + wait": timed(graph.replay, True),
-        "clone outputs + wait": timed(lambda: encoder._runner.buffers.output_copies(budget.num_tokens, False), True),
+        "clone outputs + wait": timed(lambda: encoder._runner("").buffers.output_copies(budget.num_tokens, False), True),
     }
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from vitpool.errors import InvalidItemError
+from vitpool.models.path_rules import PathRules
 from vitpool.specs import IMAGE, VIDEO, ItemRules, ItemSpec
 from vitpool.transport.wire import from_array, to_array, wire_dtype_name
 
@@ -36,10 +37,14 @@ class Image:
             towers (merge blocks contiguous), tiles [tiles, C, P, P] for tiled towers, ...
         grid_thw: the processor's grid for this image, e.g. (t, h, w) in patches (t is 1 for an
             image), as a tensor, array or sequence; None for families that have none (tiles).
+        inputs: the processor's further pixel tensors for this image, by the names it gives them,
+            for families whose image is several inputs (Step-3.7's and DeepSeek-OCR-2's local
+            crops: `{"pixel_values_local": out["pixel_values_local"]}`); None for the others.
     """
 
     pixel_values: Any
     grid_thw: Any = None
+    inputs: Mapping[str, Any] | None = None
 
 
 @dataclass
@@ -48,6 +53,7 @@ class Video:
 
     pixel_values: Any
     grid_thw: Any = None
+    inputs: Mapping[str, Any] | None = None
 
 
 Item = Image | Video
@@ -75,6 +81,14 @@ class Embedding:
     def outputs(self) -> list[torch.Tensor]:
         """The item's tensors in `vitpool.specs.OutputLayout` order."""
         return [self.tokens, *self.deepstack]
+
+    @classmethod
+    def joined(cls, parts: Sequence[Embedding]) -> Embedding:
+        """One item's embedding from its parts' (`PathRules`), in order: each output concatenated
+        along its tokens."""
+        if len(parts) == 1:
+            return parts[0]
+        return cls.from_outputs([torch.cat(tensors) for tensors in zip(*(part.outputs for part in parts))])
 
     def __reduce__(self) -> tuple:
         dtype_name = wire_dtype_name(self.tokens.dtype)
@@ -108,13 +122,45 @@ def _embedding_from_arrays(dtype_name: str, tokens: np.ndarray, deepstack: list[
 
 @dataclass(frozen=True)
 class PreparedItem:
-    """An item that passed every check: its spec and its pixels as a torch tensor (not copied)."""
+    """An item (or one part of an item of several inputs) that passed every check: its spec and
+    its pixels as a torch tensor (not copied)."""
 
     spec: ItemSpec
     pixels: torch.Tensor
 
+    @property
+    def parts(self) -> tuple[PreparedItem, ...]:
+        return (self,)
 
-def prepare_items(items: Sequence[Any], rules: ItemRules) -> list[PreparedItem]:
+    @property
+    def num_tokens(self) -> int:
+        return self.spec.num_tokens
+
+    @property
+    def nbytes(self) -> int:
+        return self.pixels.nbytes
+
+
+@dataclass(frozen=True)
+class PreparedParts:
+    """An item of several inputs, checked: one part per input it holds, each run by its own path's
+    graphs, in the order their outputs are joined (`Embedding.joined`)."""
+
+    parts: tuple[PreparedItem, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(part.spec.num_tokens for part in self.parts)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.pixels.nbytes for part in self.parts)
+
+
+Prepared = PreparedItem | PreparedParts
+
+
+def prepare_items(items: Sequence[Any], rules: ItemRules) -> list[Prepared]:
     """Check every item against the model's rules; raises InvalidItemError naming the first bad one.
 
     Non-finite pixels are found later, on the device, once the pixels are there: scanning them on
@@ -123,12 +169,19 @@ def prepare_items(items: Sequence[Any], rules: ItemRules) -> list[PreparedItem]:
     return [prepare_item(index, item, rules) for index, item in enumerate(items)]
 
 
-def prepare_item(index: int, item: Any, rules: ItemRules) -> PreparedItem:
-    """Check one item; `index` is its position in the caller's list, for the error message."""
+def prepare_item(index: int, item: Any, rules: ItemRules) -> Prepared:
+    """Check one item; `index` is its position in the caller's list, for the error message. An
+    item of several inputs (the model's rules are `PathRules`) gives its parts."""
     if not isinstance(item, (Image, Video)):
         raise InvalidItemError(index, f"expected vitpool.Image or vitpool.Video, got {type(item).__name__}")
-    pixels = _pixels(index, item.pixel_values)
     modality = VIDEO if isinstance(item, Video) else IMAGE
+    if isinstance(rules, PathRules):
+        return _prepare_parts(index, item, modality, rules)
+    if item.inputs:
+        raise InvalidItemError(
+            index, f"this model takes pixel_values alone; drop inputs {sorted(map(str, item.inputs))}"
+        )
+    pixels = _pixels(index, item.pixel_values)
     try:
         spec = rules.item_spec(modality, tuple(pixels.shape), wire_dtype_name(pixels.dtype), item.grid_thw)
     except (ValueError, TypeError) as error:
@@ -136,25 +189,36 @@ def prepare_item(index: int, item: Any, rules: ItemRules) -> PreparedItem:
     return PreparedItem(spec, pixels)
 
 
-def _pixels(index: int, pixel_values: Any) -> torch.Tensor:
+def _prepare_parts(index: int, item: Image | Video, modality: str, rules: PathRules) -> PreparedParts:
+    if item.inputs is not None and not isinstance(item.inputs, Mapping):
+        raise InvalidItemError(index, f"inputs must map input names to pixels; got {type(item.inputs).__name__}")
+    named = {rules.input_names[0]: item.pixel_values, **(item.inputs or {})}
+    tensors = {name: _pixels(index, value, name) for name, value in named.items() if value is not None}
+    shapes = {name: (tuple(t.shape), wire_dtype_name(t.dtype)) for name, t in tensors.items()}
+    try:
+        specs = rules.part_specs(modality, shapes, item.grid_thw)
+    except (ValueError, TypeError) as error:
+        raise InvalidItemError(index, str(error)) from None
+    return PreparedParts(tuple(PreparedItem(spec, tensors[spec.path]) for spec in specs))
+
+
+def _pixels(index: int, pixel_values: Any, name: str = "pixel_values") -> torch.Tensor:
     if isinstance(pixel_values, np.ndarray):
         if pixel_values.dtype.type not in _NUMPY_FLOATS:
-            raise InvalidItemError(
-                index, f"pixel_values have dtype {pixel_values.dtype}; expected a floating-point dtype"
-            )
+            raise InvalidItemError(index, f"{name} have dtype {pixel_values.dtype}; expected a floating-point dtype")
         pixel_values = torch.from_numpy(pixel_values)
     elif not isinstance(pixel_values, torch.Tensor):
         raise InvalidItemError(
-            index, f"pixel_values must be a torch tensor or NumPy array, got {type(pixel_values).__name__}"
+            index, f"{name} must be a torch tensor or NumPy array, got {type(pixel_values).__name__}"
         )
     if not pixel_values.is_floating_point() or pixel_values.dtype not in _TRAVELLING_DTYPES:
         raise InvalidItemError(
             index,
-            f"pixel_values have dtype {pixel_values.dtype}; expected a floating-point dtype "
+            f"{name} have dtype {pixel_values.dtype}; expected a floating-point dtype "
             "(float32, float16, bfloat16 or float64)",
         )
     if pixel_values.ndim == 0:
-        raise InvalidItemError(index, "pixel_values are a single number; expected rows of patches or tiles")
+        raise InvalidItemError(index, f"{name} are a single number; expected rows of patches or tiles")
     return pixel_values
 
 

@@ -36,6 +36,9 @@ class ItemSpec:
         num_tokens: output tokens the item produces.
         needs: what the item uses of each per-batch capacity the rules declare, e.g.
             (("sequences", 2),) for a two-frame video.
+        path: the graph set that runs it (`vitpool.packing.Budget.path`): "" for a family with
+            one input per item; for an item of several inputs (`PathRules`), the name of the input
+            this part of it is (e.g. "pixel_values_local").
     """
 
     modality: str
@@ -44,6 +47,7 @@ class ItemSpec:
     layout: tuple[int, ...]
     num_tokens: int
     needs: Needs = ()
+    path: str = ""
 
     @property
     def num_rows(self) -> int:
@@ -56,17 +60,20 @@ class ItemSpec:
 
 def spec_to_wire(spec: ItemSpec) -> list:
     """The spec as msgpack-able plain values."""
-    return [spec.modality, list(spec.pixel_shape), spec.pixel_dtype, list(spec.layout), spec.num_tokens,
+    wire = [spec.modality, list(spec.pixel_shape), spec.pixel_dtype, list(spec.layout), spec.num_tokens,
             [[name, amount] for name, amount in spec.needs]]
+    return [*wire, spec.path] if spec.path else wire
 
 
 def spec_from_wire(value: Any) -> ItemSpec:
     """The spec `spec_to_wire` made; ValueError for anything else."""
     try:
-        modality, shape, dtype, layout, num_tokens, needs = value
+        modality, shape, dtype, layout, num_tokens, needs, *path = value
+        if len(path) > 1 or (path and not isinstance(path[0], str)):
+            raise ValueError(f"a path is one string; got {path!r}")
         spec = ItemSpec(
             str(modality), _ints(shape), str(dtype), _ints(layout), _int(num_tokens),
-            tuple((str(name), _int(amount)) for name, amount in needs),
+            tuple((str(name), _int(amount)) for name, amount in needs), path[0] if path else "",
         )
     except (TypeError, ValueError) as error:
         raise ValueError(f"not an item spec: {value!r} ({error})") from None
@@ -92,7 +99,9 @@ def plan_to_wire(plan: BatchPlan) -> dict:
     """The plan as msgpack-able plain values."""
     budget = plan.budget
     return {
-        "budget": None if budget is None else [budget.num_tokens, [list(p) for p in budget.limits], budget.max_items],
+        "budget": None if budget is None else [
+            budget.num_tokens, [list(p) for p in budget.limits], budget.max_items, budget.path
+        ],
         "specs": [spec_to_wire(spec) for spec in plan.specs],
     }
 
@@ -104,8 +113,10 @@ def plan_from_wire(value: Any) -> BatchPlan:
     budget = value.get("budget")
     if budget is not None:
         try:
-            num_tokens, limits, max_items = budget
-            budget = Budget(_int(num_tokens), tuple((str(n), _int(a)) for n, a in limits), _int(max_items))
+            num_tokens, limits, max_items, path = budget
+            if not isinstance(path, str):
+                raise ValueError(f"path {path!r} is not a string")
+            budget = Budget(_int(num_tokens), tuple((str(n), _int(a)) for n, a in limits), _int(max_items), path)
         except (TypeError, ValueError) as error:
             raise ValueError(f"not a budget: {budget!r} ({error})") from None
     return BatchPlan(budget, tuple(spec_from_wire(spec) for spec in value["specs"]))

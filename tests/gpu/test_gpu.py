@@ -249,7 +249,7 @@ def test_small_host_items_are_staged_together_when_their_batch_is_large(gpu_enco
     items = [image(16, 16, generator) for _ in range(4)]
     sizes = [it.pixel_values.nbytes for it in items]
     assert max(sizes) < PinnedStaging.MIN_BYTES <= sum(sizes)
-    staging = gpu_encoder._runner.staging
+    staging = gpu_encoder._runner("").staging
     before = staging._copied
     together = gpu_encoder.encode(items)
     assert staging._copied is not before  # staged
@@ -271,7 +271,7 @@ def test_large_host_pixels_pass_through_pinned_memory_unchanged(gpu_encoder, gpu
     items = [image(28, 28, generator) for _ in range(3)] + [image(40, 40, generator)]  # 196 tokens; eager
     assert all(it.pixel_values.nbytes >= PinnedStaging.MIN_BYTES for it in items)
     together = gpu_encoder.encode(items)
-    assert gpu_encoder._runner.staging._rows.is_pinned()
+    assert gpu_encoder._runner("").staging._rows.is_pinned()
     for item, got in zip(items, together):
         assert torch.equal(got.tokens, gpu_encoder.encode([item])[0].tokens)
     assert_close_to_reference(gpu_reference, items, together)

@@ -36,8 +36,8 @@ def fresh_compile_state(monkeypatch, tmp_path):
 def _forward(encoder: GraphEncoder, items: list, compiled_blocks: bool = False) -> list[torch.Tensor]:
     """The encoder's forward over the items at their own rows (what an eager batch runs), with
     the compiled blocks on or off (on a CPU the encoder itself always leaves them off)."""
-    encoder._runner.compiled_blocks = compiled_blocks
-    return encoder._runner.run_exact(prepare_items(items, encoder.adapter.item_rules))[0]
+    encoder._runner("").compiled_blocks = compiled_blocks
+    return encoder._runner("").run_exact(prepare_items(items, encoder.adapter.item_rules))[0]
 
 
 def test_every_repeated_block_of_the_tower_is_routed():

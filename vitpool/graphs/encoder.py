@@ -21,6 +21,7 @@ uses too; neither imports this module.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import logging
 from collections.abc import Mapping, Sequence
@@ -35,8 +36,9 @@ from vitpool.graphs.in_flight import LaunchedBatches, PlansInFlight, RunBatch
 from vitpool.graphs.inputs import NONFINITE_MESSAGE, check_pixels, check_plan, totals
 from vitpool.graphs.runner import BatchRunner
 from vitpool.graphs.stats import EncoderStats
-from vitpool.items import Embedding, Item, PreparedItem, prepare_item, prepare_items
+from vitpool.items import Embedding, Item, Prepared, PreparedItem, prepare_item, prepare_items
 from vitpool.models import VisionAdapter, load_adapter
+from vitpool.models.path_rules import PathRules, rules_of_part
 from vitpool.models.attention import fa4_available
 from vitpool.models.compiled import set_compile_cache_dir
 from vitpool.packing import Budget, pack, smallest_fitting
@@ -112,23 +114,35 @@ class GraphEncoder:
         self.attention = _check_attention(attention, self.device, self.dtype)
         self.adapter = adapter
         _place_tower(adapter.tower, self.device, self.dtype)
-        token_budgets = default_token_budgets(self.device, adapter) if budgets is None else budgets
+        # A family whose item is several inputs runs each through its own adapter, buffers and
+        # graphs (a path, `vitpool.models.path_rules`); the others have one path, "".
+        self._paths: dict[str, VisionAdapter] = dict(getattr(adapter, "paths", None) or {"": adapter})
         try:
             limits = merged_capacity_limits(max_frames_per_batch, capacity_limits)
-            self.budgets: list[Budget] = sorted(adapter.item_rules.budgets(token_budgets, max_items_per_batch, limits))
+            budgets_of = {
+                path: _path_budgets(adapter.item_rules, path, path_adapter, budgets, self.device,
+                                    max_items_per_batch, limits)
+                for path, path_adapter in self._paths.items()
+            }
         except ValueError as error:
             raise ConfigError(str(error)) from None
+        self.budgets: list[Budget] = sorted(budget for own in budgets_of.values() for budget in own)
         self.output_layout = OutputLayout(tuple(adapter.output_row_shapes), wire_dtype_name(self.dtype))
         self._known_budgets = frozenset(self.budgets)  # a plan's budget is checked on every batch
         # bound to the rules, not to self: an encoder in a reference cycle (and its graphs) would
         # wait for the garbage collector, which may run while another encoder captures
         consistent = functools.partial(_spec_is_consistent, adapter.item_rules)
         self._is_consistent = functools.lru_cache(maxsize=4096)(consistent)
-        self._runner = BatchRunner(
-            adapter, self.budgets, self.device, self.dtype, self.attention, fused_ops, self.compiled_blocks
-        )
+        self._runners = {
+            path: BatchRunner(
+                path_adapter, budgets_of[path], self.device, self.dtype, self.attention, fused_ops,
+                self.compiled_blocks,
+            )
+            for path, path_adapter in self._paths.items()
+        }
         if self.device.type == "cuda":
-            capture_all(self._runner, self.budgets)
+            for path, runner in self._runners.items():
+                capture_all(runner, budgets_of[path])
 
     @classmethod
     def from_pretrained(
@@ -206,7 +220,7 @@ class GraphEncoder:
             return self.encode_each(items, output_device)
         if not items:
             return []
-        outcomes = self.encode_specs(prepare_items(items, self.adapter.item_rules), output_device)
+        outcomes = self.encode_prepared(prepare_items(items, self.adapter.item_rules), output_device)
         for outcome in outcomes:
             if isinstance(outcome, InvalidItemError):
                 raise outcome
@@ -218,7 +232,7 @@ class GraphEncoder:
         """`encode(items, output_device, return_exceptions=True)`: a bad item does not stop the
         others; its slot holds its InvalidItemError (naming its index in `items`)."""
         outcomes: list[Embedding | InvalidItemError | None] = [None] * len(items)
-        prepared: list[PreparedItem] = []
+        prepared: list[Prepared] = []
         indices: list[int] = []
         for index, item in enumerate(items):
             try:
@@ -226,9 +240,26 @@ class GraphEncoder:
                 indices.append(index)
             except InvalidItemError as error:
                 outcomes[index] = error
-        for index, outcome in zip(indices, self.encode_specs(prepared, output_device)):
+        for index, outcome in zip(indices, self.encode_prepared(prepared, output_device)):
             outcomes[index] = _renumbered(outcome, index)
         return outcomes  # type: ignore[return-value]  # every slot holds a result or an error
+
+    def encode_prepared(
+        self, prepared: Sequence[Prepared], output_device: str | torch.device | None = None
+    ) -> list[Embedding | InvalidItemError]:
+        """`encode_specs` of checked items, an item of several inputs (`PreparedParts`) as its
+        parts, whose outputs are joined into its one Embedding (or its first part's error)."""
+        parts = [part for item in prepared for part in item.parts]
+        if len(parts) == len(prepared):
+            return self.encode_specs(parts, output_device)
+        outcomes, offset = [], 0
+        part_outcomes = self.encode_specs(parts, output_device)
+        for position, item in enumerate(prepared):
+            mine = part_outcomes[offset : offset + len(item.parts)]
+            offset += len(item.parts)
+            errors = [outcome for outcome in mine if isinstance(outcome, InvalidItemError)]
+            outcomes.append(InvalidItemError(position, errors[0].reason) if errors else Embedding.joined(mine))
+        return outcomes
 
     def encode_specs(
         self, prepared: Sequence[PreparedItem], output_device: str | torch.device | None = None
@@ -241,7 +272,7 @@ class GraphEncoder:
             ValueError: an item's pixels do not have the shape its spec says.
         """
         for position, item in enumerate(prepared):
-            check_pixels(position, item.spec, item.pixels, self.adapter.row_shape)
+            check_pixels(position, item.spec, item.pixels, self._row_shape(item.spec.path))
         batches = pack([item.spec for item in prepared], self.budgets, budgets_sorted=True)
         runs: list[RunBatch] = [(batch.budget, [prepared[i] for i in batch.item_indices]) for batch in batches]
         outcomes: list[Embedding | InvalidItemError | None] = [None] * len(prepared)
@@ -296,24 +327,43 @@ class GraphEncoder:
         Raises:
             ValueError: what does not match; the batch fails as a whole.
         """
-        rows = None if plan.budget is None else self._runner.rows(plan.budget)
-        check_plan(plan, pixels, self.adapter.row_shape, self._known_budgets, rows, self._is_consistent)
+        path = plan.specs[0].path if plan.specs else ""
+        if plan.budget is not None and plan.budget.path != path:
+            raise ValueError(f"a batch of path {path!r} planned into a budget of path {plan.budget.path!r}")
+        if any(spec.path != path for spec in plan.specs):
+            raise ValueError(f"a batch mixes paths {sorted({spec.path for spec in plan.specs})}")
+        rows = None if plan.budget is None else self._runner(path).rows(plan.budget)
+        check_plan(plan, pixels, self._row_shape(path), self._known_budgets, rows, self._is_consistent)
 
     def stats(self) -> EncoderStats:
-        """A snapshot of the counters."""
-        with self._runner.lock:
-            return copy.deepcopy(self._runner.stats)
+        """A snapshot of the counters (every path's together)."""
+        snapshots = []
+        for runner in self._runners.values():
+            with runner.lock:
+                snapshots.append(copy.deepcopy(runner.stats))
+        return snapshots[0] if len(snapshots) == 1 else EncoderStats.combined(snapshots)
+
+    def _runner(self, path: str) -> BatchRunner:
+        runner = self._runners.get(path)
+        if runner is None:
+            raise ValueError(f"this encoder has no path {path!r}; its paths are {sorted(self._runners)}")
+        return runner
+
+    def _row_shape(self, path: str) -> tuple[int, ...]:
+        return tuple(self._runner(path).adapter.row_shape)
 
     def _merge_plans(self, plans: Sequence[BatchPlan]) -> list[tuple[Budget | None, list[int]]]:
         """(budget, plan indices) per run: a plan joins the run before it when together they fit
         one budget (the smallest that holds them); an eager plan runs alone."""
         runs: list[tuple[Budget | None, list[int]]] = []
         for index, plan in enumerate(plans):
-            if plan.budget is not None and runs and runs[-1][0] is not None:
+            previous = runs[-1][0] if runs else None
+            if plan.budget is not None and previous is not None and previous.path == plan.budget.path:
                 indices = [*runs[-1][1], index]
                 specs = [spec for i in indices for spec in plans[i].specs]
-                merged = smallest_fitting(self.budgets, *totals(specs), is_sorted=True)
-                if merged is not None and sum(spec.num_rows for spec in specs) <= self._runner.rows(merged):
+                path = plan.budget.path
+                merged = smallest_fitting(self.budgets, *totals(specs), is_sorted=True, path=path)
+                if merged is not None and sum(spec.num_rows for spec in specs) <= self._runner(path).rows(merged):
                     runs[-1] = (merged, indices)
                     continue
             runs.append((plan.budget, [index]))
@@ -321,7 +371,18 @@ class GraphEncoder:
 
     def _launch(self, batches: Sequence[RunBatch], output_device: str | torch.device | None) -> LaunchedBatches:
         """Queue the batches' work on the device; their outputs are fresh tensors once it is done."""
-        return self._runner.launch(batches, self._wants_host(output_device))
+        to_host = self._wants_host(output_device)
+        if len(self._runners) == 1:
+            [runner] = self._runners.values()
+            return runner.launch(batches, to_host)
+        by_path: dict[str, list[int]] = {}
+        for position, (_, members) in enumerate(batches):
+            by_path.setdefault(members[0].spec.path, []).append(position)
+        launched = [
+            (positions, self._runner(path).launch([batches[p] for p in positions], to_host))
+            for path, positions in by_path.items()
+        ]
+        return LaunchedBatches.merged(len(batches), launched)
 
     def _wants_host(self, output_device: str | torch.device | None) -> bool:
         if output_device is None:
@@ -350,12 +411,24 @@ def _check_attention(attention: str, device: torch.device, dtype: torch.dtype) -
 
 
 def _spec_is_consistent(rules: ItemRules, spec: ItemSpec) -> bool:
-    """Whether `spec` is what the model's rules make of its own layout."""
+    """Whether `spec` is what the model's rules (its path's) make of its own layout."""
     try:
-        derived = rules.item_spec(spec.modality, spec.pixel_shape, spec.pixel_dtype, spec.layout)
+        own = rules_of_part(rules, spec.path)
+        derived = own.item_spec(spec.modality, spec.pixel_shape, spec.pixel_dtype, spec.layout)
     except (ValueError, TypeError):
         return False
-    return derived == spec
+    return dataclasses.replace(derived, path=spec.path) == spec
+
+
+def _path_budgets(
+    rules: ItemRules, path: str, adapter: VisionAdapter, budgets: Sequence[int] | None, device: torch.device,
+    max_items_per_batch: int | None, limits: Mapping[str, int],
+) -> list[Budget]:
+    """A path's budgets: the user's token budgets, else its own adapter's defaults."""
+    token_budgets = default_token_budgets(device, adapter) if budgets is None else budgets
+    if isinstance(rules, PathRules):
+        return rules.path_budgets(path, token_budgets, max_items_per_batch, limits)
+    return rules.budgets(token_budgets, max_items_per_batch, limits)
 
 
 def _renumbered(outcome: Embedding | InvalidItemError, index: int) -> Embedding | InvalidItemError:

@@ -31,6 +31,17 @@ class LaunchedBatches:
     runs: list[tuple[list[torch.Tensor], torch.Tensor]]
     done: torch.cuda.Event | None
 
+    @classmethod
+    def merged(cls, num_batches: int, launched: list[tuple[list[int], LaunchedBatches]]) -> LaunchedBatches:
+        """Batches launched in groups (one per path's runner, on one stream) as one launch, in the
+        order of their positions; done once the last group is."""
+        batches: list = [None] * num_batches
+        runs: list = [None] * num_batches
+        for positions, group in launched:
+            for position, batch, run in zip(positions, group.batches, group.runs):
+                batches[position], runs[position] = batch, run
+        return cls(batches, runs, launched[-1][1].done)
+
     def embeddings(self) -> list[list[Embedding | None]]:
         """Wait for the device; per batch, per item its Embedding, or None where its pixels were
         not finite."""

@@ -31,6 +31,23 @@ class EncoderStats:
     disabled_budgets: list[tuple[int, int]] = field(default_factory=list)
     capture_seconds: float = 0.0
 
+    @classmethod
+    def combined(cls, parts: list[EncoderStats]) -> EncoderStats:
+        """The counters of several paths' runners as one encoder's."""
+        total = cls()
+        for part in parts:
+            total.graph_items += part.graph_items
+            total.eager_items += part.eager_items
+            for tokens, count in part.replays_per_budget.items():
+                total.replays_per_budget[tokens] = total.replays_per_budget.get(tokens, 0) + count
+            total.eager_batches += part.eager_batches
+            total.batch_rows += part.batch_rows
+            total.padding_rows += part.padding_rows
+            total.captured_budgets += part.captured_budgets
+            total.disabled_budgets += part.disabled_budgets
+            total.capture_seconds += part.capture_seconds
+        return total
+
     @property
     def padding_waste(self) -> float:
         """Share of budgeted rows that were padding."""

@@ -24,11 +24,17 @@ Needs = tuple[tuple[str, int], ...]  # (capacity name, amount) pairs, sorted by 
 
 @dataclass(frozen=True, order=True)
 class Budget:
-    """One captured batch shape. Ordered by tokens, then by capacity limits (cheaper first)."""
+    """One captured batch shape. Ordered by tokens, then by capacity limits (cheaper first).
+
+    `path` names the graph set it belongs to: a family whose item has several inputs runs each
+    input (a global view, local crops) through graphs of its own, with buffers of that input's
+    row shape; only items of the same path share a batch. "" for the one path of most families.
+    """
 
     num_tokens: int
     limits: Needs = ()  # the most a batch may use of each named capacity
     max_items: int = 1  # items in one batch
+    path: str = ""
 
     def limit(self, name: str) -> int | None:
         """The bound on capacity `name`, or None where this budget has none."""

@@ -16,6 +16,7 @@ from vitpool.packing.budgets import Budget, Needs
 class Packable(Protocol):
     num_tokens: int
     needs: Needs
+    path: str
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class ItemCost:
 
     num_tokens: int
     needs: Needs = ()
+    path: str = ""
 
 
 @dataclass(frozen=True)
@@ -56,12 +58,12 @@ def fits(budget: Budget, num_items: int, num_tokens: int, needs: Needs | dict[st
 
 
 def smallest_fitting(budgets: Sequence[Budget], num_items: int, num_tokens: int, needs: Needs | dict[str, int],
-                     is_sorted: bool = False) -> Budget | None:
-    """The cheapest budget that holds such a batch, or None. `is_sorted`: `budgets` is already in
-    order (the dispatcher packs on every dispatch, so it sorts once)."""
+                     is_sorted: bool = False, path: str = "") -> Budget | None:
+    """The cheapest budget of `path` that holds such a batch, or None. `is_sorted`: `budgets` is
+    already in order (the dispatcher packs on every dispatch, so it sorts once)."""
     used = needs if isinstance(needs, dict) else dict(needs)
     for budget in budgets if is_sorted else sorted(budgets):
-        if fits(budget, num_items, num_tokens, used):
+        if budget.path == path and fits(budget, num_items, num_tokens, used):
             return budget
     return None
 
@@ -76,16 +78,33 @@ def pack(
     budget alone gets a batch of its own with `budget=None`. `max_tokens` caps the tokens of a
     batch of several items below the largest budget (an item over it still gets a batch).
     `budgets_sorted`: `budgets` are in order already (a caller that packs often sorts them once).
+    Items of different paths (`Budget.path`) never share a batch: each path packs into its own
+    budgets, paths in the order their first item comes.
     """
-    if not budgets:
-        return [Batch((i,), None, item.num_tokens, _sorted(item.needs)) for i, item in enumerate(items)]
     ordered_budgets = budgets if budgets_sorted else sorted(budgets)
+    paths = list(dict.fromkeys(item.path for item in items))
+    if paths == [""] and all(budget.path == "" for budget in ordered_budgets):
+        return _pack_path(items, range(len(items)), ordered_budgets, max_tokens)
+    batches = []
+    for path in paths:
+        indices = [i for i, item in enumerate(items) if item.path == path]
+        own = [budget for budget in ordered_budgets if budget.path == path]
+        batches.extend(_pack_path(items, indices, own, max_tokens))
+    return batches
+
+
+def _pack_path(
+    items: Sequence[Packable], indices: Sequence[int], ordered_budgets: Sequence[Budget], max_tokens: int | None
+) -> list[Batch]:
+    """`pack` of `items[i] for i in indices`, all of one path, into that path's sorted budgets."""
+    if not ordered_budgets:
+        return [Batch((i,), None, items[i].num_tokens, _sorted(items[i].needs)) for i in indices]
     largest = ordered_budgets[-1]
     oversized: list[Batch] = []
     bins: list[list[int]] = []
     bin_tokens: list[int] = []
     bin_needs: list[dict[str, int]] = []
-    by_size = sorted(range(len(items)), key=lambda i: (-items[i].num_tokens, i))
+    by_size = sorted(indices, key=lambda i: (-items[i].num_tokens, i))
     for index in by_size:
         item = items[index]
         if not fits(largest, 1, item.num_tokens, item.needs):
@@ -108,7 +127,7 @@ def pack(
             bin_needs.append(dict(item.needs))
     batches = []
     for members, tokens, needs in zip(bins, bin_tokens, bin_needs):
-        budget = smallest_fitting(ordered_budgets, len(members), tokens, needs, is_sorted=True)
+        budget = smallest_fitting(ordered_budgets, len(members), tokens, needs, True, ordered_budgets[0].path)
         assert budget is not None, "a bin always fits the largest budget"
         batches.append(Batch(tuple(members), budget, tokens, _sorted(needs)))
     return batches + oversized
