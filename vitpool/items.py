@@ -192,7 +192,7 @@ def prepare_item(index: int, item: Any, rules: ItemRules) -> Prepared:
 def _prepare_parts(index: int, item: Image | Video, modality: str, rules: PathRules) -> PreparedParts:
     if item.inputs is not None and not isinstance(item.inputs, Mapping):
         raise InvalidItemError(index, f"inputs must map input names to pixels; got {type(item.inputs).__name__}")
-    named = {rules.input_names[0]: item.pixel_values, **(item.inputs or {})}
+    named = {rules.primary: item.pixel_values, **(item.inputs or {})}
     tensors = {name: _pixels(index, value, name) for name, value in named.items() if value is not None}
     shapes = {name: (tuple(t.shape), wire_dtype_name(t.dtype)) for name, t in tensors.items()}
     try:

@@ -31,9 +31,10 @@ class PathRules:
 
     Attributes:
         paths: (input name, that input's rules) pairs, in the order the item's outputs are
-            joined; the first input is the item's `pixel_values`.
-        required: the inputs every item must hold; the others may be absent or hold no rows
-            (an image too small to be cut into crops).
+            joined.
+        required: the inputs every item must hold, the first of them the item's own
+            `pixel_values`; the others may be absent or hold no rows (an image too small to be
+            cut into crops).
 
     Raises:
         ValueError: no paths, duplicate names, a required name that is no path, or paths whose
@@ -48,7 +49,7 @@ class PathRules:
         if not names or len(set(names)) != len(names) or "" in names:
             raise ValueError(f"paths need distinct, non-empty input names; got {names}")
         unknown = [name for name in self.required if name not in names]
-        if unknown:
+        if not self.required or unknown:
             raise ValueError(f"required inputs {unknown} are not among the paths {names}")
         shapes = {tuple(rules.output_row_shapes) for _, rules in self.paths}
         if len(shapes) != 1:
@@ -57,6 +58,11 @@ class PathRules:
     @property
     def input_names(self) -> tuple[str, ...]:
         return tuple(name for name, _ in self.paths)
+
+    @property
+    def primary(self) -> str:
+        """The input an item's `pixel_values` is."""
+        return self.required[0]
 
     @property
     def output_row_shapes(self) -> tuple[tuple[int, ...], ...]:
@@ -68,8 +74,8 @@ class PathRules:
 
     @property
     def row_shape(self) -> tuple[int, ...]:
-        """The first path's row shape (each path has its own: see `rules_for`)."""
-        return self.paths[0][1].row_shape
+        """The primary input's row shape (each path has its own: see `rules_for`)."""
+        return self.rules_for(self.primary).row_shape
 
     def rules_for(self, path: str) -> ItemRules:
         """The rules of input `path`. Raises ValueError for a name that is no path."""
@@ -102,8 +108,8 @@ class PathRules:
         return specs
 
     def item_spec(self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, metadata: Any) -> ItemSpec:
-        """The spec of the item's first input alone (an item that holds only that one)."""
-        [spec] = self.part_specs(modality, {self.paths[0][0]: (pixel_shape, pixel_dtype)}, metadata)
+        """The spec of an item that holds its primary input alone."""
+        [spec] = self.part_specs(modality, {self.primary: (pixel_shape, pixel_dtype)}, metadata)
         return spec
 
     def budgets(

@@ -144,6 +144,16 @@ FAMILIES: dict[str, Family] = {
             convert=_lazy("vitpool.models.llama4", "convert_checkpoint"),
         ),
     ),
+    # Step-3.7 (step3p7): Step3p7VisionModel + multi_modal_projector, two paths (global view, crops)
+    "step3p5_vision": Family(
+        _lazy("vitpool.models.step3p7", "build_encoder"),
+        _lazy("vitpool.models.step3p7", "Step3p7Adapter"),
+        checkpoint=CheckpointLayout(
+            prefixes=("model.vision_model.", "model.multi_modal_projector.", "vision_model.", "multi_modal_projector."),
+            tower_config=_lazy("vitpool.models.step3p7", "tower_only_config"),
+            convert=_lazy("vitpool.models.step3p7", "convert_checkpoint"),
+        ),
+    ),
     # PaddleOCR-VL (paddleocr_vl): PaddleOCRVisionModel + projector, transformers' or the release's keys
     "paddleocr_vl_vision": Family(
         _lazy("vitpool.models.paddleocr_vl", "build_encoder"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,15 @@ class QueuedItem:
     nbytes: int  # the pixels' size, for the queue's bound
     attempts: int = 0
     enqueued_at: float = field(default_factory=time.monotonic)
+    part: int = 0  # which part of its item it is (an item of several inputs; see `Call`)
+
+
+@dataclass
+class PartResults:
+    """The results of an item of several inputs, all in, in join order: each an Embedding or a
+    reference to one. The caller joins them (`Embedding.joined`) once it has fetched them."""
+
+    parts: list[Any]
 
 
 class Call:
@@ -30,23 +40,34 @@ class Call:
 
     `return_exceptions`: an item's failure is its own outcome (its slot holds the exception and
     the call goes on, as `asyncio.gather(..., return_exceptions=True)`); else it fails the call.
+    `num_parts`: per item, its parts (an item of several inputs travels as one queued item per
+    part); its slot holds a `PartResults` once every part is in, or the first part's error.
     """
 
-    def __init__(self, num_items: int, return_exceptions: bool = False) -> None:
+    def __init__(self, num_items: int, return_exceptions: bool = False, num_parts: Sequence[int] = ()) -> None:
         self.future: concurrent.futures.Future = concurrent.futures.Future()
         self.results: list[Any] = [None] * num_items
         self.remaining = num_items
         self.return_exceptions = return_exceptions
         self.submitted_at = time.monotonic()
+        self._parts: dict[int, list[Any]] = {
+            index: [None] * count for index, count in enumerate(num_parts) if count > 1
+        }
 
     @property
     def done(self) -> bool:
         return self.future.done()
 
-    def complete_item(self, index: int, result: Any) -> bool:
-        """Record one item's result; True when this completed the call."""
+    def complete_item(self, index: int, result: Any, part: int = 0) -> bool:
+        """Record one item's result (or one part's); True when this completed the call."""
         if self.done or self.results[index] is not None:
             return False
+        parts = self._parts.get(index)
+        if parts is not None and not isinstance(result, BaseException):
+            parts[part] = result
+            if any(value is None for value in parts):
+                return False
+            result = PartResults(parts)
         self.results[index] = result
         self.remaining -= 1
         if self.remaining == 0:

@@ -366,12 +366,12 @@ class Dispatcher:
                 self.counters.rejected_items += 1
                 self._fail_item(member, InvalidItemError(member.index, reason))
             else:
-                self._item_done(member.call, member.index, outcome.values[position])
+                self._item_done(member.call, member.index, outcome.values[position], member.part)
         self.counters.items += len(flight.members)
 
-    def _item_done(self, call: Call, index: int, value: object) -> None:
+    def _item_done(self, call: Call, index: int, value: object, part: int = 0) -> None:
         """Record one item's outcome (a result, or an error for a call that returns them)."""
-        if call.complete_item(index, value):
+        if call.complete_item(index, value, part):
             now = time.monotonic()
             self.counters.latencies_s.append(now - call.submitted_at)
             self.counters.completions.append((now, len(call.results)))

@@ -31,7 +31,7 @@ from vitpool.codec import decode_request, encode_results
 from vitpool.errors import ConfigError, EncodeError, InvalidItemError, PoolUnavailableError, counted
 from vitpool.items import Embedding, Item
 from vitpool.packing import Budget
-from vitpool.pool.calls import Call, QueuedItem
+from vitpool.pool.calls import Call, PartResults, QueuedItem
 from vitpool.pool.controller import Membership
 from vitpool.pool.dispatcher import Dispatcher
 from vitpool.pool.item_checks import checked_items, each_checked
@@ -190,10 +190,9 @@ class EncoderPool:
             except ray.exceptions.RayError:
                 if not return_exceptions:
                     raise
-                values = [_fetched(index, ref) for index, ref in refs.items()]
-            for index, value in zip(refs, values):
-                results[index] = value
-        return results
+                values = [_fetched(where[0], ref) for where, ref in refs.items()]
+            _put_back(results, refs, values)
+        return _joined(results, return_exceptions)
 
     async def encode_async(
         self, items: Sequence[Item], timeout_s: float | None = None, return_exceptions: bool = False
@@ -215,9 +214,12 @@ class EncoderPool:
             raise self._timed_out(call, timeout_s) from None
         refs = _refs_among(results)
         values = await asyncio.gather(*refs.values(), return_exceptions=return_exceptions)
-        for index, value in zip(refs, values):
-            results[index] = _fetch_failure(index, value) if isinstance(value, BaseException) else value
-        return results
+        values = [
+            _fetch_failure(where[0], value) if isinstance(value, BaseException) else value
+            for where, value in zip(refs, values)
+        ]
+        _put_back(results, refs, values)
+        return _joined(results, return_exceptions)
 
     def encode_bytes(self, request: bytes, timeout_s: float | None = None) -> bytes:
         """Encode a request in vitpool's msgpack format (`vitpool.codec`), for bytes that come from
@@ -244,9 +246,14 @@ class EncoderPool:
             return []
         call = self._submit(items, want_refs=True, timeout_s=timeout_s)
         try:
-            return call.future.result(timeout_s)
+            results = call.future.result(timeout_s)
         except concurrent.futures.TimeoutError:
             raise self._timed_out(call, timeout_s) from None
+        # an item of several inputs: its parts' embeddings joined here and put as one
+        return [
+            ray.put(Embedding.joined(ray.get(result.parts))) if isinstance(result, PartResults) else result
+            for result in results
+        ]
 
     def deliver_to(self, ranks: Sequence[Any], transport: str = "auto", actor_index: int | None = None) -> RankDelivery:
         """A delivery of encodes to every tensor-parallel rank in `ranks` (Ray actor handles):
@@ -306,7 +313,10 @@ class EncoderPool:
             except InvalidItemError:
                 self._dispatcher.count_rejected(1)
                 raise
-        call = Call(len(outcomes), return_exceptions)
+        call = Call(
+            len(outcomes), return_exceptions,
+            [1 if isinstance(p, InvalidItemError) else len(p.parts) for p in outcomes],
+        )
         refused = [
             (index, error) for index, error in enumerate(outcomes) if isinstance(error, InvalidItemError)
         ]
@@ -319,12 +329,13 @@ class EncoderPool:
         keep_arrays = not want_refs and self._dispatcher.has_channel
         queued = [
             QueuedItem(
-                call, index, p.spec,
-                to_array(p.pixels) if keep_arrays else ray.put(to_array(p.pixels)),
-                p.pixels.nbytes,
+                call, index, part.spec,
+                to_array(part.pixels) if keep_arrays else ray.put(to_array(part.pixels)),
+                part.pixels.nbytes, part=number,
             )
             for index, p in enumerate(outcomes)
             if not isinstance(p, InvalidItemError)
+            for number, part in enumerate(p.parts)
         ]
         return call, queued
 
@@ -543,10 +554,36 @@ def _fetch_failure(index: int, error: BaseException) -> EncodeError:
     return failure
 
 
-def _refs_among(results: list[Any]) -> dict[int, ray.ObjectRef]:
-    """The results that came as Ray references (through a Ray call), by position; the others
-    came over the same-node channel as Embeddings."""
-    return {i: r for i, r in enumerate(results) if isinstance(r, ray.ObjectRef)}
+def _refs_among(results: list[Any]) -> dict[tuple[int, int | None], ray.ObjectRef]:
+    """The results that came as Ray references (through a Ray call), by (item, part or None); the
+    others came over the same-node channel as Embeddings."""
+    refs: dict[tuple[int, int | None], ray.ObjectRef] = {}
+    for i, result in enumerate(results):
+        if isinstance(result, ray.ObjectRef):
+            refs[(i, None)] = result
+        elif isinstance(result, PartResults):
+            refs.update({(i, j): part for j, part in enumerate(result.parts) if isinstance(part, ray.ObjectRef)})
+    return refs
+
+
+def _put_back(results: list[Any], refs: dict[tuple[int, int | None], Any], values: list[Any]) -> None:
+    """Each fetched value where its reference was."""
+    for (index, part), value in zip(refs, values):
+        if part is None:
+            results[index] = value
+        else:
+            results[index].parts[part] = value
+
+
+def _joined(results: list[Any], return_exceptions: bool) -> list[Any]:
+    """Items of several inputs as one Embedding each (or their first part's error)."""
+    for index, result in enumerate(results):
+        if isinstance(result, PartResults):
+            errors = [part for part in result.parts if isinstance(part, BaseException)]
+            if errors and not return_exceptions:
+                raise errors[0]
+            results[index] = errors[0] if errors else Embedding.joined(result.parts)
+    return results
 
 
 def _checked_list(items: Any) -> bool:

@@ -1,0 +1,156 @@
+"""Step-3.7 (`Step3p7VisionModel`) and its `multi_modal_projector`: two paths through one tower.
+
+`Step3p7ImageProcessor` cuts an image into a global view (`pixel_values`, one 728² tile) and,
+for a large image, local crops (`pixel_values_local`, 504² tiles cut by a sliding window). The
+model runs both through the same tower at their own resolution: patches, learned positions
+interpolated to the tile's grid, 2-D rotary positions, the layers, then two stride-2
+convolutions (a 4 x 4 reduction: 169 tokens a global view, 81 a crop) and the projector into
+the LLM's width. `get_image_features` hands the LLM an image's crops first, then its global
+view. In vitpool each input is a path (`vitpool.models.path_rules`): its own tiles, budgets and
+graphs; an item's two parts are joined in that order.
+
+Every tile of a path has one size, so a batch of tiles needs no metadata; the tower's own
+forward builds its rotary positions from a tensor made on the host at every call, which a
+captured graph cannot hold, so `Step3p7Encoder` keeps each path's positions as buffers and
+`tile_features` runs the tower's parts with them (the family's one seam).
+
+State keys `vision_model.*` and `multi_modal_projector.*`; a full checkpoint in transformers'
+layout has them under `model.`.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from vitpool.models.compat import check_tower_parts
+from vitpool.models.path_rules import PathRules
+from vitpool.models.tile_rules import TileRules
+from vitpool.models.tiled import TiledAdapter
+
+GLOBAL = "pixel_values"
+LOCAL = "pixel_values_local"
+# Step3p7ImageProcessor's `patch_size`: the side of a local crop in pixels. It is the processor's
+# setting, not the model's; a tower-only save may set `local_image_size` in its config.
+LOCAL_IMAGE_SIZE = 504
+DOWNSAMPLE = 4  # two stride-2 convolutions
+
+# Default budgets: up to 8 global views (8 images) and 36 crops (a 3024² image cut into 504²
+# crops) per batch; more run eager at their own size.
+MAX_GRAPH_TILES = {GLOBAL: 8, LOCAL: 36}
+TOWER_PARTS = ("embeddings", "pre_layernorm", "rotary_emb", "layers", "downsampler1", "downsampler2")
+
+
+class Step3p7Encoder(torch.nn.Module):
+    """The tower, the projector and each path's rotary positions (buffers, so they move with
+    the module to the encoder's device)."""
+
+    def __init__(self, vision_model: torch.nn.Module, projector: torch.nn.Module, local_image_size: int) -> None:
+        super().__init__()
+        from transformers.vision_utils import get_vision_position_ids
+
+        self.vision_model = vision_model
+        self.multi_modal_projector = projector
+        self.config = vision_model.config
+        self.tile_sizes = {GLOBAL: int(self.config.image_size), LOCAL: int(local_image_size)}
+        patch = int(self.config.patch_size)
+        for path, size in self.tile_sizes.items():
+            if size % (patch * DOWNSAMPLE):
+                raise ValueError(
+                    f"Step-3.7 {path} tiles of {size} pixels are not whole {patch * DOWNSAMPLE}-pixel blocks "
+                    f"(patch {patch}, downsampled {DOWNSAMPLE}x)"
+                )
+            side = size // patch
+            positions = get_vision_position_ids(torch.tensor([[1, side, side]]), spatial_merge_size=1)
+            self.register_buffer(f"{path}_positions", positions, persistent=False)
+
+    def positions(self, path: str) -> torch.Tensor:
+        """[side * side, 2] (row, column) of each patch of a `path` tile."""
+        return getattr(self, f"{path}_positions")
+
+
+def projector_of(config: Any, dtype: torch.dtype | None) -> torch.nn.Linear:
+    """`Step3p7Model.multi_modal_projector`: a Linear from the downsampled width to the LLM's."""
+    width = int(config.vision_config.hidden_size) * 4
+    projector = torch.nn.Linear(width, int(config.text_hidden_size), bias=bool(config.projector_bias))
+    return projector if dtype is None else projector.to(dtype)
+
+
+def build_encoder(config: Any, dtype: torch.dtype | None = None) -> Step3p7Encoder:
+    """Fresh tower and projector from a tower-only config (`tower_only_config`)."""
+    from transformers.models.step3p7.modeling_step3p7 import Step3p7VisionModel
+
+    for name in ("text_hidden_size", "projector_bias"):
+        if getattr(config, name, None) is None:
+            raise ValueError(
+                f"a Step-3.7 vision config needs {name} to build its multi_modal_projector; give the full "
+                "model's checkpoint (Step3p7Config) or a tower-only save that carries it"
+            )
+    vision = Step3p7VisionModel(config) if dtype is None else Step3p7VisionModel._from_config(config, dtype=dtype)
+    holder = type("Full", (), {"vision_config": config, "text_hidden_size": config.text_hidden_size,
+                               "projector_bias": config.projector_bias})
+    local = int(getattr(config, "local_image_size", None) or LOCAL_IMAGE_SIZE)
+    return Step3p7Encoder(vision, projector_of(holder, dtype), local)
+
+
+def tower_only_config(full_config: Any) -> Any:
+    """The vision config of a full Step3p7Config with what the projector needs added
+    (`text_hidden_size`, `projector_bias`): what a tower-only save writes as its config.json."""
+    config = copy.deepcopy(full_config.vision_config)
+    config.text_hidden_size = full_config.text_config.hidden_size
+    config.projector_bias = bool(full_config.projector_bias)
+    return config
+
+
+def convert_checkpoint(checkpoint: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
+    """The loader's hook: a full checkpoint's keys less their `model.`."""
+    return {key.removeprefix("model."): tensor for key, tensor in checkpoint.items()}
+
+
+def tile_features(encoder: Step3p7Encoder, path: str, pixels: torch.Tensor) -> torch.Tensor:
+    """`Step3p7VisionModel.forward` on tiles [n, C, S, S] of `path`, with the path's positions
+    from buffers: [n, (S / patch / 4)², 4 * hidden], as the model's `last_hidden_state`."""
+    vision = encoder.vision_model
+    hidden = vision.embeddings(pixels, interpolate_pos_encoding=True)
+    hidden = vision.pre_layernorm(hidden)
+    position_embeddings = vision.rotary_emb(hidden, encoder.positions(path))
+    for layer in vision.layers:
+        hidden = layer(hidden, position_embeddings=position_embeddings)
+    tiles, num_patches, channels = hidden.shape
+    side = pixels.shape[-1] // vision.embeddings.patch_size
+    hidden = hidden.permute(0, 2, 1).reshape(tiles, channels, side, side)
+    hidden = vision.downsampler2(vision.downsampler1(hidden))
+    return hidden.flatten(2).permute(0, 2, 1)
+
+
+class Step3p7PathAdapter(TiledAdapter):
+    """One path's tiles through the tower and the projector."""
+
+    def __init__(self, encoder: Step3p7Encoder, path: str, output_width: int) -> None:
+        size = encoder.tile_sizes[path]
+        side = size // int(encoder.config.patch_size)
+        self.tower = encoder
+        self.path = path
+        self.max_graph_tiles = MAX_GRAPH_TILES[path]
+        self.tokens_per_tile = (side // DOWNSAMPLE) ** 2
+        self.item_rules = TileRules(int(encoder.config.num_channels), size, self.tokens_per_tile, ((output_width,),))
+
+    def forward(self, pixels: torch.Tensor, metadata: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        tokens = self.tower.multi_modal_projector(tile_features(self.tower, self.path, pixels))
+        return [tokens.reshape(-1, tokens.shape[-1])]
+
+
+class Step3p7Adapter:
+    """Adapter for `Step3p7Encoder`: two paths, local crops joined before the global view."""
+
+    def __init__(self, tower: Step3p7Encoder) -> None:
+        check_tower_parts("Step-3.7", tower.vision_model, TOWER_PARTS)
+        width = int(tower.multi_modal_projector.out_features)
+        self.tower = tower
+        self.paths = {path: Step3p7PathAdapter(tower, path, width) for path in (LOCAL, GLOBAL)}
+        self.item_rules = PathRules(
+            tuple((path, adapter.item_rules) for path, adapter in self.paths.items()), required=(GLOBAL,)
+        )
+        self.output_row_shapes = self.item_rules.output_row_shapes
