@@ -9,11 +9,16 @@ given its spec, and a few bad items. The suite checks:
 - `sample_specs` gives valid items that fit the budget (capture and checks rely on them);
 - bad items raise InvalidItemError naming the item; non-finite pixels fail their item alone;
 - the item rules pickle, and import without transformers (a pool's callers load them).
+
+A family whose item is several inputs (`vitpool.models.path_rules`) is checked part by part: each
+budget belongs to one path, items are sampled by that path's adapter, and a part's spec is found
+among the parts of the item its case builds for it.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import pickle
 import random
 import subprocess
@@ -35,11 +40,13 @@ from family_cases import paddleocr_vl as paddleocr_vl_case
 from family_cases import qwen2_5_vl as qwen2_5_vl_case
 from family_cases import qwen2_vl as qwen2_vl_case
 from family_cases import qwen3_5 as qwen3_5_case
+from family_cases import step3p7 as step3p7_case
 from family_cases.common import item_for
 
 from vitpool import GraphEncoder, Image, InvalidItemError
 from vitpool.graphs.inputs import totals
 from vitpool.items import prepare_item
+from vitpool.models.path_rules import rules_of_part
 from vitpool.packing import fits
 from vitpool.specs import BatchPlan, ItemSpec
 
@@ -120,6 +127,7 @@ FAMILIES = {
     "qwen2_vl": FamilyCase(**qwen2_vl_case.CASE_FIELDS),
     "qwen3_5": FamilyCase(**qwen3_5_case.CASE_FIELDS),
     "qwen3_vl": QWEN3_VL,
+    "step3p7": FamilyCase(**step3p7_case.CASE_FIELDS),
     "toy_tiles": TOY_TILES,
 }
 
@@ -139,20 +147,34 @@ def reference(case, encoder):
     return case.reference(encoder)
 
 
+def adapter_of(encoder: GraphEncoder, path: str):
+    """The adapter that runs items of `path` (the family's own, or its path's)."""
+    return getattr(encoder.adapter, "paths", {}).get(path, encoder.adapter)
+
+
 def sampled(case: FamilyCase, encoder: GraphEncoder, budget, seed: int) -> tuple[list[ItemSpec], list[torch.Tensor]]:
-    """Random valid items for `budget` from the adapter, with random pixels."""
-    specs = encoder.adapter.sample_specs(encoder.adapter.max_rows(budget.num_tokens), budget, random.Random(seed))
+    """Random valid items for `budget` from its path's adapter, with random pixels."""
+    adapter = adapter_of(encoder, budget.path)
+    specs = adapter.sample_specs(adapter.max_rows(budget.num_tokens), budget, random.Random(seed))
+    specs = [dataclasses.replace(spec, path=budget.path) for spec in specs]
     generator = torch.Generator().manual_seed(seed)
     return specs, [torch.randn(spec.pixel_shape, generator=generator) for spec in specs]
 
 
 def fitting_budget(encoder: GraphEncoder, specs: list[ItemSpec]):
-    """The smallest budget that holds these items, rows included; None if none does."""
+    """The smallest budget of the items' path that holds them, rows included; None if none does."""
+    adapter = adapter_of(encoder, specs[0].path)
     for budget in encoder.budgets:
-        rows_fit = sum(spec.num_rows for spec in specs) <= encoder.adapter.max_rows(budget.num_tokens)
-        if rows_fit and fits(budget, *totals(specs)):
+        rows_fit = sum(spec.num_rows for spec in specs) <= adapter.max_rows(budget.num_tokens)
+        if budget.path == specs[0].path and rows_fit and fits(budget, *totals(specs)):
             return budget
     return None
+
+
+def prepared_spec(case: FamilyCase, spec: ItemSpec, pixels: torch.Tensor, rules) -> ItemSpec:
+    """The spec the rules give the item the case builds for `spec` (its part of `spec`'s path)."""
+    prepared = prepare_item(0, case.item_for(spec, pixels), rules)
+    return next(part.spec for part in prepared.parts if part.spec.path == spec.path)
 
 
 def assert_matches(case, encoder, reference, specs, pixels, outcomes) -> None:
@@ -176,7 +198,8 @@ def test_every_budget_matches_the_reference(case, encoder, reference):
 
 
 def test_padding_and_neighbours_do_not_change_an_items_rows(case, encoder):
-    smallest, largest = encoder.budgets[0], encoder.budgets[-1]
+    smallest = encoder.budgets[0]
+    largest = [budget for budget in encoder.budgets if budget.path == smallest.path][-1]
     [spec], [pixels] = (values[:1] for values in sampled(case, encoder, smallest, seed=11))
     neighbours, neighbour_pixels = sampled(case, encoder, largest, seed=12)
     plans = {
@@ -204,9 +227,9 @@ def test_sampled_items_are_valid_and_fit_their_budget(case, encoder):
         specs, pixels = sampled(case, encoder, budget, seed=100 + number)
         assert specs, f"no items sampled for {budget}"
         for spec, item_pixels in zip(specs, pixels):
-            assert prepare_item(0, case.item_for(spec, item_pixels), rules).spec == spec
+            assert prepared_spec(case, spec, item_pixels, rules) == spec
         assert fits(budget, *totals(specs))
-        assert sum(spec.num_rows for spec in specs) <= encoder.adapter.max_rows(budget.num_tokens)
+        assert sum(spec.num_rows for spec in specs) <= adapter_of(encoder, budget.path).max_rows(budget.num_tokens)
 
 
 def test_a_bad_item_is_named_and_the_encoder_keeps_working(case, encoder):
@@ -230,8 +253,9 @@ def test_a_batch_shaped_like_the_last_reuses_its_metadata(monkeypatch, case, enc
         sample for seed in range(44, 120) if (sample := sampled(case, encoder, budget, seed))[0] != specs
     )
     builds = []
-    build = encoder.adapter.build_metadata
-    monkeypatch.setattr(encoder.adapter, "build_metadata", lambda *args: builds.append(1) or build(*args))
+    adapter = adapter_of(encoder, budget.path)
+    build = adapter.build_metadata
+    monkeypatch.setattr(adapter, "build_metadata", lambda *args: builds.append(1) or build(*args))
     plan = BatchPlan(fitting_budget(encoder, specs), tuple(specs))
     other_plan = BatchPlan(fitting_budget(encoder, other_specs), tuple(other_specs))
     encoder.run_plans([(other_plan, other_pixels)], "cpu")
@@ -248,7 +272,10 @@ def test_a_batch_shaped_like_the_last_reuses_its_metadata(monkeypatch, case, enc
 
 def test_non_finite_pixels_fail_their_item_alone(case, encoder, reference):
     specs, pixels = next(
-        sample for seed in range(31, 100) if len((sample := sampled(case, encoder, encoder.budgets[-1], seed))[0]) >= 2
+        sample
+        for budget in reversed(encoder.budgets)
+        for seed in range(31, 100)
+        if len((sample := sampled(case, encoder, budget, seed))[0]) >= 2
     )
     specs, pixels = specs[:2], pixels[:2]
     pixels[1].view(-1)[0] = float("nan")
@@ -264,9 +291,8 @@ def test_item_rules_pickle_and_give_equal_specs(case, encoder):
     assert unpickled == rules
     specs, pixels = sampled(case, encoder, encoder.budgets[-1], seed=41)
     for spec, item_pixels in zip(specs, pixels):
-        item = case.item_for(spec, item_pixels)
-        assert prepare_item(0, item, unpickled).spec == prepare_item(0, item, rules).spec == spec
-    assert unpickled.budgets(list(case.budgets), None, {}) == encoder.budgets
+        assert prepared_spec(case, spec, item_pixels, unpickled) == prepared_spec(case, spec, item_pixels, rules) == spec
+    assert sorted(unpickled.budgets(list(case.budgets), None, {})) == encoder.budgets
 
 
 def test_the_rules_give_back_a_spec_from_its_own_layout(case, encoder):
@@ -274,7 +300,10 @@ def test_the_rules_give_back_a_spec_from_its_own_layout(case, encoder):
     rules = encoder.adapter.item_rules
     for number, budget in enumerate(encoder.budgets):
         for spec in sampled(case, encoder, budget, seed=200 + number)[0]:
-            assert rules.item_spec(spec.modality, spec.pixel_shape, spec.pixel_dtype, spec.layout) == spec
+            derived = rules_of_part(rules, spec.path).item_spec(
+                spec.modality, spec.pixel_shape, spec.pixel_dtype, spec.layout
+            )
+            assert dataclasses.replace(derived, path=spec.path) == spec
 
 
 def test_item_rules_import_without_transformers(encoder):

@@ -149,7 +149,10 @@ FAMILIES: dict[str, Family] = {
         _lazy("vitpool.models.step3p7", "build_encoder"),
         _lazy("vitpool.models.step3p7", "Step3p7Adapter"),
         checkpoint=CheckpointLayout(
-            prefixes=("model.vision_model.", "model.multi_modal_projector.", "vision_model.", "multi_modal_projector."),
+            prefixes=(
+                "model.vision_model.", "model.multi_modal_projector.", "vision_model.", "multi_modal_projector.",
+                "vit_large_projector.",
+            ),
             tower_config=_lazy("vitpool.models.step3p7", "tower_only_config"),
             convert=_lazy("vitpool.models.step3p7", "convert_checkpoint"),
         ),

@@ -21,6 +21,7 @@ layout has them under `model.`.
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 import torch
@@ -33,7 +34,8 @@ from vitpool.models.tiled import TiledAdapter
 GLOBAL = "pixel_values"
 LOCAL = "pixel_values_local"
 # Step3p7ImageProcessor's `patch_size`: the side of a local crop in pixels. It is the processor's
-# setting, not the model's; a tower-only save may set `local_image_size` in its config.
+# setting, not the model's; a checkpoint whose processor cuts crops of another size sets
+# `local_image_size` in its vision config (a full save's or a tower-only save's).
 LOCAL_IMAGE_SIZE = 504
 DOWNSAMPLE = 4  # two stride-2 convolutions
 
@@ -72,8 +74,9 @@ class Step3p7Encoder(torch.nn.Module):
 
 
 def projector_of(config: Any, dtype: torch.dtype | None) -> torch.nn.Linear:
-    """`Step3p7Model.multi_modal_projector`: a Linear from the downsampled width to the LLM's."""
-    width = int(config.vision_config.hidden_size) * 4
+    """`Step3p7Model.multi_modal_projector` from a tower-only config: a Linear from the
+    downsampled width to the LLM's."""
+    width = int(config.hidden_size) * 4
     projector = torch.nn.Linear(width, int(config.text_hidden_size), bias=bool(config.projector_bias))
     return projector if dtype is None else projector.to(dtype)
 
@@ -89,10 +92,8 @@ def build_encoder(config: Any, dtype: torch.dtype | None = None) -> Step3p7Encod
                 "model's checkpoint (Step3p7Config) or a tower-only save that carries it"
             )
     vision = Step3p7VisionModel(config) if dtype is None else Step3p7VisionModel._from_config(config, dtype=dtype)
-    holder = type("Full", (), {"vision_config": config, "text_hidden_size": config.text_hidden_size,
-                               "projector_bias": config.projector_bias})
     local = int(getattr(config, "local_image_size", None) or LOCAL_IMAGE_SIZE)
-    return Step3p7Encoder(vision, projector_of(holder, dtype), local)
+    return Step3p7Encoder(vision, projector_of(config, dtype), local)
 
 
 def tower_only_config(full_config: Any) -> Any:
@@ -104,9 +105,56 @@ def tower_only_config(full_config: Any) -> Any:
     return config
 
 
+# The release's key layout (what transformers 5.24's save_pretrained writes too) -> the module's,
+# as transformers' conversion mapping for step3p7 / step3p5_vision loads it.
+RELEASE_RENAMES = (
+    (r"^vit_large_projector\.", "multi_modal_projector."),
+    (r"^vision_model\.conv1\.weight$", "vision_model.embeddings.patch_embedding.weight"),
+    (r"^vision_model\.positional_embedding$", "vision_model.embeddings.position_embedding.weight"),
+    (r"^vision_model\.transformer\.resblocks\.", "vision_model.layers."),
+    (r"^vision_model\.ln_pre\.", "vision_model.pre_layernorm."),
+    (r"^vision_model\.vit_downsampler([12])\.", r"vision_model.downsampler\1."),
+    (r"\.ls_([12])\.gamma$", r".lambda_\1"),
+    (r"\.mlp\.c_fc\.", ".mlp.fc1."),
+    (r"\.mlp\.c_proj\.", ".mlp.fc2."),
+    (r"\.attn\.", ".self_attn."),
+    (r"\.ln_1\.", ".layernorm_before."),
+    (r"\.ln_2\.", ".layernorm_after."),
+)
+FUSED_QKV = re.compile(r"^(.*\.self_attn\.)in_proj_(weight|bias)$")
+
+
 def convert_checkpoint(checkpoint: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
-    """The loader's hook: a full checkpoint's keys less their `model.`."""
-    return {key.removeprefix("model."): tensor for key, tensor in checkpoint.items()}
+    """The loader's hook: a full checkpoint in transformers' layout (keys under `model.`) or the
+    release's (`vision_model.conv1`, fused `in_proj` attention, `vit_large_projector`), or a
+    tower-only save (the module's own keys) -> the module's state.
+
+    The release fuses q, k and v and orders each head's rotary halves interleaved; transformers'
+    attention takes them apart and rotates by halves, so q and k rows are permuted as its loader
+    does (`PermuteForRope`)."""
+    state: dict[str, torch.Tensor] = {}
+    for key, tensor in checkpoint.items():
+        key = key.removeprefix("model.")
+        for pattern, replacement in RELEASE_RENAMES:
+            key = re.sub(pattern, replacement, key)
+        fused = FUSED_QKV.match(key)
+        if fused is None:
+            state[key] = tensor
+            continue
+        prefix, kind = fused.groups()
+        query, key_rows, value = tensor.chunk(3, dim=0)
+        heads = int(config.num_attention_heads)
+        state[f"{prefix}q_proj.{kind}"] = _halves_from_pairs(query, heads)
+        state[f"{prefix}k_proj.{kind}"] = _halves_from_pairs(key_rows, heads)
+        state[f"{prefix}v_proj.{kind}"] = value
+    return state
+
+
+def _halves_from_pairs(rows: torch.Tensor, heads: int) -> torch.Tensor:
+    """Per head, rows ordered (pair, 2) -> (2, half): interleaved rotary pairs into halves."""
+    half = rows.shape[0] // heads // 2
+    shaped = rows.reshape(heads, half, 2, *rows.shape[1:])
+    return shaped.transpose(1, 2).reshape(rows.shape).contiguous()
 
 
 def tile_features(encoder: Step3p7Encoder, path: str, pixels: torch.Tensor) -> torch.Tensor:
@@ -135,7 +183,10 @@ class Step3p7PathAdapter(TiledAdapter):
         self.path = path
         self.max_graph_tiles = MAX_GRAPH_TILES[path]
         self.tokens_per_tile = (side // DOWNSAMPLE) ** 2
-        self.item_rules = TileRules(int(encoder.config.num_channels), size, self.tokens_per_tile, ((output_width,),))
+        self.item_rules = TileRules(
+            int(encoder.config.num_channels), size, self.tokens_per_tile, ((output_width,),),
+            max_tiles_per_item=1 if path == GLOBAL else None,
+        )
 
     def forward(self, pixels: torch.Tensor, metadata: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         tokens = self.tower.multi_modal_projector(tile_features(self.tower, self.path, pixels))

@@ -22,6 +22,7 @@ class TileRules:
     tokens_per_tile: int
     output_row_shapes: tuple[tuple[int, ...], ...]
     capacities: tuple[str, ...] = ()
+    max_tiles_per_item: int | None = None  # Step-3.7's global view: one tile an image
 
     @property
     def row_shape(self) -> tuple[int, ...]:
@@ -39,6 +40,11 @@ class TileRules:
             )
         if pixel_shape[0] < 1:
             raise ValueError("pixel_values hold no tiles")
+        if self.max_tiles_per_item is not None and pixel_shape[0] > self.max_tiles_per_item:
+            raise ValueError(
+                f"pixel_values hold {pixel_shape[0]} tiles; an item has at most {self.max_tiles_per_item} "
+                "(one image: pass each image as its own item)"
+            )
         return ItemSpec(modality, tuple(pixel_shape), pixel_dtype, (), pixel_shape[0] * self.tokens_per_tile)
 
     def budgets(

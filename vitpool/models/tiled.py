@@ -59,6 +59,7 @@ class TiledAdapter:
         while tiles_left > 0 and len(specs) < min(MAX_SAMPLED_ITEMS, budget.max_items):
             # Sometimes fill the rest, usually not, so that padding tiles are exercised too.
             tiles = tiles_left if rng.random() < 0.2 else rng.randint(1, max(1, tiles_left // 2))
+            tiles = min(tiles, self.item_rules.max_tiles_per_item or tiles)
             specs.append(self.item_rules.item_spec(IMAGE, (tiles, *self.row_shape), "float32", None))
             tiles_left -= tiles
         return specs
