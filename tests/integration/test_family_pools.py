@@ -70,3 +70,45 @@ def test_a_pool_of_a_tiled_family_equals_its_encoder(ray_cluster, tmp_path, fami
             pool.encode([items[0], Image(torch.randn(2, 3, 8, 6))])
     finally:
         pool.shutdown()
+
+
+def test_a_pool_of_a_family_of_several_inputs_joins_each_items_parts(ray_cluster, tmp_path):
+    """Step-3.7 through the pool: each item's global view and crops go as parts of their own
+    paths (checked in the caller), possibly to different batches, and come back as one
+    Embedding equal to the in-process encoder's; encode_refs and encode_async join them too."""
+    import asyncio
+    import sys
+    from pathlib import Path
+
+    import ray
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+    from family_cases import step3p7 as case
+
+    from vitpool import Image
+
+    model = case.hf_model(seed=4)
+    model.config.vision_config.local_image_size = case.LOCAL_SIZE
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    budgets = [4, 8]
+    generator = torch.Generator().manual_seed(0)
+
+    def item(crops: int) -> Image:
+        view = torch.randn(1, *case.GLOBAL_ROW_SHAPE, generator=generator)
+        local = torch.randn(crops, *case.LOCAL_ROW_SHAPE, generator=generator)
+        return Image(view, inputs={"pixel_values_local": local} if crops else None)
+
+    items = [item(count) for count in (2, 0, 12, 5)]  # 12 crops: over every budget of their path
+    reference = GraphEncoder.from_pretrained(tmp_path, budgets=budgets, device="cpu", dtype=torch.float32)
+    pool = EncoderPool.launch(model=str(tmp_path), budgets=budgets, name="family-step3p7", num_actors=1, device="cpu")
+    try:
+        expected = reference.encode(items)
+        assert_same_outputs(pool.encode(items), expected)
+        assert_same_outputs(ray.get(pool.encode_refs(items)), expected)
+        assert_same_outputs(asyncio.run(pool.encode_async(items)), expected)
+        bad = Image(items[0].pixel_values, inputs={"pixel_values_local": torch.randn(2, 3, 28, 30)})
+        outcomes = pool.encode([items[0], bad], return_exceptions=True)
+        assert isinstance(outcomes[1], InvalidItemError) and outcomes[1].index == 1
+        assert_same_outputs(outcomes[:1], expected[:1])
+    finally:
+        pool.shutdown()
