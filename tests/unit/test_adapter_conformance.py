@@ -32,6 +32,7 @@ import pytest
 import torch
 import toy_family
 from conftest import ROW_WIDTH, reference_outputs, relative_error
+from family_cases import deepseek_ocr2 as deepseek_ocr2_case
 from family_cases import glm4v as glm4v_case
 from family_cases import internvl as internvl_case
 from family_cases import kimi_k25 as kimi_k25_case
@@ -118,6 +119,7 @@ TOY_TILES = FamilyCase(
 
 # One line per family.
 FAMILIES = {
+    "deepseek_ocr2": FamilyCase(**deepseek_ocr2_case.CASE_FIELDS),
     "glm4v": FamilyCase(**glm4v_case.CASE_FIELDS),
     "internvl": FamilyCase(**internvl_case.CASE_FIELDS),
     "kimi_k25": FamilyCase(**kimi_k25_case.CASE_FIELDS),

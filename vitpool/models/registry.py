@@ -144,6 +144,19 @@ FAMILIES: dict[str, Family] = {
             convert=_lazy("vitpool.models.llama4", "convert_checkpoint"),
         ),
     ),
+    # DeepSeek-OCR-2 (deepseek_ocr2): SAM + Qwen2 encoder + multi_modal_projector + view_separator, two paths
+    "deepseek_ocr2_vision": Family(
+        _lazy("vitpool.models.deepseek_ocr2", "build_encoder"),
+        _lazy("vitpool.models.deepseek_ocr2", "DeepseekOcr2Adapter"),
+        checkpoint=CheckpointLayout(
+            prefixes=(
+                "model.vision_tower.", "model.multi_modal_projector.", "model.view_separator",
+                "model.sam_model.", "model.qwen2_model.", "model.projector.", "model.view_seperator",
+            ),
+            tower_config=_lazy("vitpool.models.deepseek_ocr2", "tower_only_config"),
+            convert=_lazy("vitpool.models.deepseek_ocr2", "convert_checkpoint"),
+        ),
+    ),
     # Step-3.7 (step3p7): Step3p7VisionModel + multi_modal_projector, two paths (global view, crops)
     "step3p5_vision": Family(
         _lazy("vitpool.models.step3p7", "build_encoder"),

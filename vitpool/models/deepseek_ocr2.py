@@ -1,0 +1,381 @@
+"""DeepSeek-OCR-2 (`DeepseekOcr2VisionModel`), its `multi_modal_projector` and `view_separator`:
+two paths through one tower.
+
+`DeepseekOcr2ImageProcessor` gives an image a global view (`pixel_values`, one 1024² tile: the
+image padded to a square) and, when its long side is over 768 pixels, 2 to 6 local crops
+(`pixel_values_local`, 768² tiles). The model runs both through the same tower at their own
+resolution: a SAM ViT-B (16-pixel patches, windowed and global attention with decomposed
+relative-position biases, a neck and two stride-2 convolutions: 256 tokens a global view, 144 a
+crop), then a Qwen2 decoder stack used as an encoder over [SAM tokens; as many learned queries],
+where the SAM tokens attend to each other both ways and the queries causally (to every SAM token
+and the queries before them); the queries' outputs, projected into the LLM's width, are the
+view's tokens. `get_image_features` hands the LLM an image's crops first, then its global view,
+then one learned `view_separator` row. In vitpool each input is a path
+(`vitpool.models.path_rules`), with its own tiles, budgets and graphs; the global path appends the
+separator to each view's tokens (257 a tile), so an item's parts are joined by concatenation.
+
+Every tile of a path has one size, so a batch of tiles needs no metadata. The tower's own forward
+cannot be captured: SAM's `get_rel_pos` indexes its tables with tensors made on the host at every
+call, and its attention classes do not go through transformers' attention interface. So
+`DeepseekOcr2Encoder` keeps, as buffers, each size's relative-position indices and each path's
+encoder mask and positions, and `tile_features` runs the tower's parts with them (the family's
+one seam), with SDPA for both attentions.
+
+State keys `vision_tower.*`, `multi_modal_projector.*` and `view_separator`; a full checkpoint has
+them under `model.`, either in transformers' layout or in the release's (`sam_model.*`,
+`qwen2_model.*`, `projector.layers.*`, `view_seperator`: what `save_pretrained` writes, as
+transformers' conversion_mapping.py renames it on loading).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from vitpool.models.compat import check_tower_parts
+from vitpool.models.path_rules import PathRules
+from vitpool.models.tile_rules import TileRules
+from vitpool.models.tiled import TiledAdapter
+
+GLOBAL = "pixel_values"
+LOCAL = "pixel_values_local"
+# DeepseekOcr2ImageProcessor's `tile_size`: the side of a local crop in pixels. It is the
+# processor's setting, not the model's; a tower-only save may set `local_image_size` in its config.
+LOCAL_IMAGE_SIZE = 768
+# The tower picks its query table by the SAM token count (`DeepseekOcr2VisionModel.forward`).
+MAX_PATCHES_OF_SMALL_QUERIES = 144
+SEPARATOR_TOKENS = 1  # view_separator, after each global view
+
+# Default budgets: up to 8 global views (8 images) and 24 crops (4 images of 6 crops) per batch;
+# more run eager at their own size.
+MAX_GRAPH_TILES = {GLOBAL: 8, LOCAL: 24}
+TOWER_PARTS = (
+    "sam_encoder.config",
+    "sam_encoder.patch_embed",
+    "sam_encoder.pos_embed",
+    "sam_encoder.interpolate_pos_encoding",
+    "sam_encoder.layers.0.layer_norm1",
+    "sam_encoder.layers.0.layer_norm2",
+    "sam_encoder.layers.0.mlp",
+    "sam_encoder.layers.0.window_size",
+    "sam_encoder.layers.0.window_partition",
+    "sam_encoder.layers.0.window_unpartition",
+    "sam_encoder.layers.0.attn.qkv",
+    "sam_encoder.layers.0.attn.proj",
+    "sam_encoder.layers.0.attn.num_attention_heads",
+    "sam_encoder.layers.0.attn.use_rel_pos",
+    "sam_encoder.neck",
+    "sam_encoder.proj",
+    "vision_encoder.config",
+    "vision_encoder.rotary_emb",
+    "vision_encoder.norm",
+    "vision_encoder.layers.0.input_layernorm",
+    "vision_encoder.layers.0.post_attention_layernorm",
+    "vision_encoder.layers.0.mlp",
+    "vision_encoder.layers.0.self_attn.q_proj",
+    "vision_encoder.layers.0.self_attn.k_proj",
+    "vision_encoder.layers.0.self_attn.v_proj",
+    "vision_encoder.layers.0.self_attn.o_proj",
+    "vision_encoder.layers.0.self_attn.head_dim",
+    "vision_encoder.layers.0.self_attn.scaling",
+    "query_768_resolution",
+    "query_1024_resolution",
+)
+# Keys of a full checkpoint that belong to the module: transformers' layout, then the release's.
+CHECKPOINT_PREFIXES = (
+    "model.vision_tower.", "model.multi_modal_projector.", "model.view_separator",
+    "model.sam_model.", "model.qwen2_model.", "model.projector.", "model.view_seperator",
+)
+# The release's key -> transformers' (conversion_mapping.py's "deepseek_ocr2", the vision part),
+# after `model.`; the first pattern that matches applies.
+RELEASE_RENAMES = (
+    (r"^sam_model\.blocks\.(\d+)\.norm([12])\.", r"vision_tower.sam_encoder.layers.\1.layer_norm\2."),
+    (r"^sam_model\.blocks\.", "vision_tower.sam_encoder.layers."),
+    (r"^sam_model\.patch_embed\.proj\.", "vision_tower.sam_encoder.patch_embed.projection."),
+    (r"^sam_model\.neck\.0\.", "vision_tower.sam_encoder.neck.conv1."),
+    (r"^sam_model\.neck\.1\.", "vision_tower.sam_encoder.neck.layer_norm1."),
+    (r"^sam_model\.neck\.2\.", "vision_tower.sam_encoder.neck.conv2."),
+    (r"^sam_model\.neck\.3\.", "vision_tower.sam_encoder.neck.layer_norm2."),
+    (r"^sam_model\.net_2\.", "vision_tower.sam_encoder.proj.conv1."),
+    (r"^sam_model\.net_3\.", "vision_tower.sam_encoder.proj.conv2."),
+    (r"^sam_model\.pos_embed$", "vision_tower.sam_encoder.pos_embed"),
+    (r"^qwen2_model\.model\.model\.", "vision_tower.vision_encoder."),
+    (r"^qwen2_model\.query_(768|1024)\.", r"vision_tower.query_\1_resolution."),
+    (r"^projector\.layers\.", "multi_modal_projector."),
+    (r"^view_seperator$", "view_separator"),
+)
+
+
+def relative_index(size: int) -> torch.Tensor:
+    """[size, size] rows of SAM's resized relative-position table for a size x size query grid
+    against itself: `get_rel_pos`'s index, (q - k) + size - 1."""
+    positions = torch.arange(size)
+    return positions[:, None] - positions[None, :] + (size - 1)
+
+
+def encoder_mask(num_patches: int, num_queries: int) -> torch.Tensor:
+    """[L, L] bool, True where attention is allowed: the SAM tokens see each other both ways and
+    no query; query k sees every SAM token and queries 0..k (what `create_causal_mask` builds
+    from the tower's `block_sequence_ids`)."""
+    length = num_patches + num_queries
+    allowed = torch.ones(length, length, dtype=torch.bool).tril()
+    allowed[:num_patches, :num_patches] = True
+    return allowed
+
+
+class DeepseekOcr2Encoder(torch.nn.Module):
+    """The tower, the projector, the separator, and each path's shape-only tables (buffers, so
+    they move with the module to the encoder's device).
+
+    Args:
+        vision_tower: `DeepseekOcr2VisionModel`; its SAM's `image_size` is the global view's side.
+        projector: `DeepseekOcr2Model.multi_modal_projector` (Linear: encoder width -> LLM width).
+        view_separator: `DeepseekOcr2Model.view_separator` [LLM width] (copied).
+        local_image_size: the side of a local crop in pixels (the processor's `tile_size`).
+
+    Raises:
+        ConfigError: the tower lacks a part `tile_features` runs (another transformers release).
+        ValueError: tiles that are not whole patches.
+    """
+
+    def __init__(
+        self,
+        vision_tower: torch.nn.Module,
+        projector: torch.nn.Module,
+        view_separator: torch.Tensor,
+        local_image_size: int,
+    ) -> None:
+        super().__init__()
+        check_tower_parts("DeepSeek-OCR-2", vision_tower, TOWER_PARTS)
+        self.vision_tower = vision_tower
+        self.multi_modal_projector = projector
+        self.view_separator = torch.nn.Parameter(view_separator.detach().clone(), requires_grad=False)
+        self.config = vision_tower.config
+        sam = vision_tower.sam_encoder.config
+        patch = sam.patch_size
+        if not isinstance(patch, int) or not isinstance(sam.image_size, int):
+            raise ValueError(
+                f"DeepSeek-OCR-2 needs square patches and views (one integer each); got patch_size "
+                f"{patch!r}, image_size {sam.image_size!r}"
+            )
+        self.tile_sizes = {GLOBAL: sam.image_size, LOCAL: int(local_image_size)}
+        self.grids: dict[str, int] = {}  # patches per side of a path's tile
+        self.query_names: dict[str, str] = {}
+        rel_sizes = {int(sam.window_size)}
+        for path, size in self.tile_sizes.items():
+            if size % patch:
+                raise ValueError(
+                    f"DeepSeek-OCR-2 {path} tiles of {size} pixels are not whole {patch}-pixel patches"
+                )
+            grid = size // patch
+            side = (grid + 1) // 2
+            num_patches = ((side + 1) // 2) ** 2  # after the two stride-2 convolutions
+            small = num_patches <= MAX_PATCHES_OF_SMALL_QUERIES
+            self.grids[path] = grid
+            self.query_names[path] = "query_768_resolution" if small else "query_1024_resolution"
+            num_queries = self.queries(path).shape[0]
+            length = num_patches + num_queries
+            rel_sizes.add(grid)
+            self.register_buffer(f"{path}_mask", encoder_mask(num_patches, num_queries), persistent=False)
+            self.register_buffer(f"{path}_positions", torch.arange(length)[None], persistent=False)
+        for size in sorted(rel_sizes):
+            self.register_buffer(f"rel_index_{size}", relative_index(size), persistent=False)
+
+    def queries(self, path: str) -> torch.Tensor:
+        """[Q, width] learned queries of a `path` tile."""
+        return getattr(self.vision_tower, self.query_names[path]).weight
+
+    def mask(self, path: str) -> torch.Tensor:
+        return getattr(self, f"{path}_mask")
+
+    def positions(self, path: str) -> torch.Tensor:
+        return getattr(self, f"{path}_positions")
+
+    def rel_index(self, size: int) -> torch.Tensor:
+        return getattr(self, f"rel_index_{size}")
+
+
+def build_encoder(config: Any, dtype: torch.dtype | None = None) -> DeepseekOcr2Encoder:
+    """Fresh tower, projector and separator from a tower-only config (`tower_only_config`).
+
+    Raises:
+        ValueError: the config lacks a field the tower or the projector needs.
+    """
+    from transformers.models.deepseek_ocr2.modeling_deepseek_ocr2 import DeepseekOcr2VisionModel
+
+    for name in ("sam_config", "encoder_config", "text_hidden_size"):
+        if getattr(config, name, None) is None:
+            raise ValueError(
+                f"a DeepSeek-OCR-2 vision config needs {name} to build its tower and multi_modal_projector; "
+                "give the full model's checkpoint (DeepseekOcr2Config) or a tower-only save that carries it"
+            )
+    if dtype is None:
+        vision = DeepseekOcr2VisionModel(config)
+    else:
+        vision = DeepseekOcr2VisionModel._from_config(config, dtype=dtype)
+    width, text_width = int(config.encoder_config.hidden_size), int(config.text_hidden_size)
+    projector = torch.nn.Linear(width, text_width, dtype=dtype)
+    local = int(getattr(config, "local_image_size", None) or LOCAL_IMAGE_SIZE)
+    return DeepseekOcr2Encoder(vision, projector, torch.zeros(text_width, dtype=dtype), local)
+
+
+def tower_only_config(full_config: Any) -> Any:
+    """The vision config of a full DeepseekOcr2Config with the LLM's width added
+    (`text_hidden_size`, the projector's output): what a tower-only save writes as its config.json."""
+    config = copy.deepcopy(full_config.vision_config)
+    config.text_hidden_size = full_config.text_config.hidden_size
+    return config
+
+
+def convert_checkpoint(checkpoint: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
+    """The loader's hook: a full checkpoint's keys less their `model.`, the release's names
+    renamed to transformers' (a tower-only save's keys are the module's own already)."""
+    state = {}
+    for key, tensor in checkpoint.items():
+        key = key.removeprefix("model.")
+        for pattern, replacement in RELEASE_RENAMES:
+            key, count = re.subn(pattern, replacement, key)
+            if count:
+                break
+        state[key] = tensor
+    return state
+
+
+def rel_table(rel_pos: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`get_rel_pos` for a square grid with its index from a buffer: the table [R, d] resized
+    (linearly) to 2 * size - 1 rows, then gathered: [size, size, d]."""
+    length = 2 * index.shape[0] - 1
+    table = rel_pos.reshape(1, rel_pos.shape[0], -1).transpose(1, 2)  # [1, d, R]
+    resized = F.interpolate(table, size=length, mode="linear")
+    return resized.reshape(-1, length).permute(1, 0)[index]
+
+
+def sam_attention(attention: torch.nn.Module, hidden: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`DeepseekOcr2SamVisionSdpaAttention.forward` on [b, h, w, c] (h == w), with the relative
+    positions' index from a buffer."""
+    batch, height, width, _ = hidden.shape
+    heads, tokens = attention.num_attention_heads, height * width
+    qkv = attention.qkv(hidden).reshape(batch, tokens, 3, heads, -1).permute(2, 0, 3, 1, 4)
+    query, key, value = qkv.unbind(0)  # [b, heads, h*w, d]
+    bias = None
+    if attention.use_rel_pos:
+        rows = query.reshape(batch * heads, height, width, -1)
+        rel_h = torch.einsum("bhwc,hkc->bhwk", rows, rel_table(attention.rel_pos_h, index))
+        rel_w = torch.einsum("bhwc,wkc->bhwk", rows, rel_table(attention.rel_pos_w, index))
+        bias = (rel_h[:, :, :, :, None] + rel_w[:, :, :, None, :]).reshape(batch, heads, tokens, tokens)
+    output = F.scaled_dot_product_attention(query, key, value, attn_mask=bias)
+    output = output.view(batch, heads, height, width, -1).permute(0, 2, 3, 1, 4)
+    output = output.reshape(batch, height, width, -1)
+    return attention.proj(output)
+
+
+def sam_features(encoder: DeepseekOcr2Encoder, path: str, pixels: torch.Tensor) -> torch.Tensor:
+    """`DeepseekOcr2SamVisionEncoder.forward` on tiles [n, C, S, S] of `path`: [n, P, width]."""
+    sam = encoder.vision_tower.sam_encoder
+    grid = encoder.grids[path]
+    hidden = sam.patch_embed(pixels)  # [n, grid, grid, hidden]
+    if sam.pos_embed is not None:
+        hidden = hidden + sam.interpolate_pos_encoding(grid, grid)
+    for layer in sam.layers:
+        residual, hidden = hidden, layer.layer_norm1(hidden)
+        if layer.window_size > 0:
+            hidden, padded = layer.window_partition(hidden, layer.window_size)
+            hidden = sam_attention(layer.attn, hidden, encoder.rel_index(layer.window_size))
+            hidden = layer.window_unpartition(hidden, layer.window_size, padded, (grid, grid))
+        else:
+            hidden = sam_attention(layer.attn, hidden, encoder.rel_index(grid))
+        hidden = residual + hidden
+        hidden = hidden + layer.mlp(layer.layer_norm2(hidden))
+    hidden = sam.proj(sam.neck(hidden))
+    return hidden.flatten(2).transpose(1, 2)
+
+
+def rotate(states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary positions, as `apply_rotary_pos_emb` (rotate-half) applies them."""
+    first, second = states.chunk(2, dim=-1)
+    return states * cos + torch.cat((-second, first), dim=-1) * sin
+
+
+def repeat_heads(states: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Grouped-query attention's key or value heads [b, kv, L, d], each repeated for its group of
+    query heads: [b, num_heads, L, d] (`repeat_kv`; a static expand, no host work)."""
+    batch, kv_heads, length, dim = states.shape
+    groups = num_heads // kv_heads
+    repeated = states[:, :, None].expand(batch, kv_heads, groups, length, dim)
+    return repeated.reshape(batch, num_heads, length, dim)
+
+
+def encoder_layer(
+    layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """`DeepseekOcr2VisionEncoderLayer.forward` with SDPA under the path's mask (kept apart from
+    transformers' attention interface, whose mask builder the tower's mask needs)."""
+    attention = layer.self_attn
+    states = layer.input_layernorm(hidden)
+    batch, length, _ = states.shape
+    shape = (batch, length, -1, attention.head_dim)
+    query = rotate(attention.q_proj(states).view(shape).transpose(1, 2), cos, sin)
+    key = rotate(attention.k_proj(states).view(shape).transpose(1, 2), cos, sin)
+    value = attention.v_proj(states).view(shape).transpose(1, 2)
+    key, value = repeat_heads(key, query.shape[1]), repeat_heads(value, query.shape[1])
+    output = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=attention.scaling)
+    hidden = hidden + attention.o_proj(output.transpose(1, 2).reshape(batch, length, -1))
+    return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+
+def tile_features(encoder: DeepseekOcr2Encoder, path: str, pixels: torch.Tensor) -> torch.Tensor:
+    """`DeepseekOcr2VisionModel.forward` on tiles [n, C, S, S] of `path`, with the path's tables
+    from buffers: [n, Q, width], the queries' outputs (the model's `last_hidden_state`)."""
+    vision = encoder.vision_tower.vision_encoder
+    patches = sam_features(encoder, path, pixels)  # [n, P, width]
+    queries = encoder.queries(path)
+    hidden = torch.cat([patches, queries[None].expand(patches.shape[0], -1, -1)], dim=1)
+    cos, sin = vision.rotary_emb(hidden, encoder.positions(path))  # [1, L, head_dim]
+    cos, sin, mask = cos[:, None], sin[:, None], encoder.mask(path)
+    for layer in vision.layers[: vision.config.num_hidden_layers]:
+        hidden = encoder_layer(layer, hidden, cos, sin, mask)
+    return vision.norm(hidden)[:, patches.shape[1]:]
+
+
+class DeepseekOcr2PathAdapter(TiledAdapter):
+    """One path's tiles through the tower and the projector; a global view's tokens end with the
+    separator."""
+
+    def __init__(self, encoder: DeepseekOcr2Encoder, path: str, output_width: int) -> None:
+        self.tower = encoder
+        self.path = path
+        self.max_graph_tiles = MAX_GRAPH_TILES[path]
+        self.tokens_per_tile = encoder.queries(path).shape[0] + (SEPARATOR_TOKENS if path == GLOBAL else 0)
+        self.item_rules = TileRules(
+            int(encoder.vision_tower.sam_encoder.config.num_channels), encoder.tile_sizes[path],
+            self.tokens_per_tile, ((output_width,),), max_tiles_per_item=1 if path == GLOBAL else None,
+        )
+
+    def forward(self, pixels: torch.Tensor, metadata: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        tokens = self.tower.multi_modal_projector(tile_features(self.tower, self.path, pixels))
+        if self.path == GLOBAL:  # [n, Q, W] -> [n, Q + 1, W]
+            separator = self.tower.view_separator.to(tokens.dtype)[None, None].expand(tokens.shape[0], 1, -1)
+            tokens = torch.cat([tokens, separator], dim=1)
+        return [tokens.reshape(-1, tokens.shape[-1])]
+
+
+class DeepseekOcr2Adapter:
+    """Adapter for `DeepseekOcr2Encoder`: two paths, local crops joined before the global view."""
+
+    def __init__(self, tower: DeepseekOcr2Encoder) -> None:
+        width = int(tower.multi_modal_projector.out_features)
+        if tuple(tower.view_separator.shape) != (width,):
+            raise ValueError(
+                f"DeepSeek-OCR-2's view_separator has shape {tuple(tower.view_separator.shape)}; the "
+                f"projector gives rows of {width}"
+            )
+        self.tower = tower
+        self.paths = {path: DeepseekOcr2PathAdapter(tower, path, width) for path in (LOCAL, GLOBAL)}
+        self.item_rules = PathRules(
+            tuple((path, adapter.item_rules) for path, adapter in self.paths.items()), required=(GLOBAL,)
+        )
+        self.output_row_shapes = self.item_rules.output_row_shapes
