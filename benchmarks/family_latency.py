@@ -38,6 +38,7 @@ VISION_MODEL_TYPES = {
     "internvl": "internvl_vision",
     "llama4": "llama4_vision_model",
     "step3p7": "step3p5_vision",
+    "deepseek_ocr2": "deepseek_ocr2_vision",
 }
 # Families whose vitpool module holds the projector too: what their tower-only config adds (the
 # flagship's LLM width and projector settings, from the config file's "extra").
@@ -51,10 +52,11 @@ PROJECTOR_FIELDS = {
     },
     "llama4": {"text_hidden_size": 5120},  # Llama 4 Scout's LLM width
     "step3p7": {"text_hidden_size": 4096, "projector_bias": False},  # Step-3.7-Flash
+    "deepseek_ocr2": {"text_hidden_size": 1280},  # DeepSeek-OCR-2's LLM width
 }
 TILED = {"internvl", "llama4"}  # pixels are whole tiles [tiles, 3, S, S], no grid
 # a global view and local crops, each a path of its own (Step-3.7: 728² view, 504² crops)
-GLOBAL_AND_CROPS = {"step3p7": 504}
+GLOBAL_AND_CROPS = {"step3p7": 504, "deepseek_ocr2": 768}
 PATCH_ROWS = {"kimi_k25", "paddleocr_vl"}  # pixels are unflattened patches [rows, 3, P, P]
 IMAGES_ONLY = {"paddleocr_vl"}
 
@@ -65,7 +67,8 @@ def workloads(family: str, vision_config: dict) -> dict[str, list]:
     a global view and crops one global view, four images of one, and one image of a global view
     and 6 crops."""
     if family in GLOBAL_AND_CROPS:
-        size, crop = vision_config["image_size"], GLOBAL_AND_CROPS[family]
+        size = vision_config.get("image_size") or vision_config["sam_config"]["image_size"]
+        crop = GLOBAL_AND_CROPS[family]
 
         def view(crops: int) -> Image:
             local = {"pixel_values_local": torch.randn(crops, 3, crop, crop)} if crops else None
@@ -109,14 +112,19 @@ def workloads(family: str, vision_config: dict) -> dict[str, list]:
 def hugging_face_eager(family: str, module: torch.nn.Module, items: list) -> torch.Tensor:
     """All of a call's items in one tower call, as the model's get_image_features runs them."""
     pixels = torch.cat([item.pixel_values for item in items]).to("cuda", torch.bfloat16)
-    if family == "step3p7":  # get_image_features: every global view in one call, every crop in another
-        views = module.multi_modal_projector(module.vision_model(pixels).last_hidden_state)
+    if family in GLOBAL_AND_CROPS:  # get_image_features: every global view in one call, every crop in another
+        tower = module.vision_model if family == "step3p7" else module.vision_tower
+        views = module.multi_modal_projector(tower(pixels).last_hidden_state)  # [views, tokens, width]
+        if family == "deepseek_ocr2":  # each view's tokens, then the separator
+            separators = module.view_separator.reshape(1, 1, -1).expand(views.shape[0], 1, -1)
+            views = torch.cat([views, separators.to(views.dtype)], dim=1)
+        views = views.reshape(-1, views.shape[-1])
         crops = [item.inputs["pixel_values_local"] for item in items if item.inputs]
         if not crops:
-            return views.reshape(-1, views.shape[-1])
+            return views
         local = torch.cat(crops).to("cuda", torch.bfloat16)
-        crop_tokens = module.multi_modal_projector(module.vision_model(local).last_hidden_state)
-        return torch.cat([crop_tokens.reshape(-1, views.shape[-1]), views.reshape(-1, views.shape[-1])])
+        crop_tokens = module.multi_modal_projector(tower(local).last_hidden_state)
+        return torch.cat([crop_tokens.reshape(-1, views.shape[-1]), views])
     if family == "internvl":  # InternVLModel.get_image_features, with Hugging Face's own modules
         from transformers.models.internvl.modeling_internvl import InternVLModel
 

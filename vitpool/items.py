@@ -183,6 +183,9 @@ def prepare_item(index: int, item: Any, rules: ItemRules) -> Prepared:
         )
     pixels = _pixels(index, item.pixel_values)
     try:
+        to_rows = getattr(rules, "pixel_rows", None)  # a processor's layout whose rows are not its first axis
+        if to_rows is not None:
+            pixels = to_rows(pixels)
         spec = rules.item_spec(modality, tuple(pixels.shape), wire_dtype_name(pixels.dtype), item.grid_thw)
     except (ValueError, TypeError) as error:
         raise InvalidItemError(index, str(error)) from None

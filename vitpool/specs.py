@@ -171,6 +171,11 @@ class ItemRules(Protocol):
         else the family's default. Raises ValueError naming a bad setting."""
         ...
 
+    # Optional (looked up with getattr): where the processor's pixels do not have the item's rows
+    # along their first axis (MiniCPM-V's strip of patches), the view of them that does:
+    #
+    # def pixel_rows(self, pixel_values: torch.Tensor) -> torch.Tensor: ...
+
 
 def capacity_limits(max_frames_per_batch: int | None, limits: Mapping[str, int] | None) -> dict[str, int]:
     """The user's per-batch bounds by capacity name: `limits`, with `max_frames_per_batch` (the

@@ -37,6 +37,7 @@ from family_cases import glm4v as glm4v_case
 from family_cases import internvl as internvl_case
 from family_cases import kimi_k25 as kimi_k25_case
 from family_cases import llama4 as llama4_case
+from family_cases import minicpmv4_6 as minicpmv4_6_case
 from family_cases import paddleocr_vl as paddleocr_vl_case
 from family_cases import qwen2_5_vl as qwen2_5_vl_case
 from family_cases import qwen2_vl as qwen2_vl_case
@@ -124,6 +125,7 @@ FAMILIES = {
     "internvl": FamilyCase(**internvl_case.CASE_FIELDS),
     "kimi_k25": FamilyCase(**kimi_k25_case.CASE_FIELDS),
     "llama4": FamilyCase(**llama4_case.CASE_FIELDS),
+    "minicpmv4_6": FamilyCase(**minicpmv4_6_case.CASE_FIELDS),
     "paddleocr_vl": FamilyCase(**paddleocr_vl_case.CASE_FIELDS),
     "qwen2_5_vl": FamilyCase(**qwen2_5_vl_case.CASE_FIELDS),
     "qwen2_vl": FamilyCase(**qwen2_vl_case.CASE_FIELDS),

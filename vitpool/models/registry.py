@@ -157,6 +157,16 @@ FAMILIES: dict[str, Family] = {
             convert=_lazy("vitpool.models.deepseek_ocr2", "convert_checkpoint"),
         ),
     ),
+    # MiniCPM-V 4.6 (minicpmv4_6): MiniCPMV4_6VisionModel + MiniCPMV4_6Merger, transformers' keys
+    "minicpmv4_6_vision": Family(
+        _lazy("vitpool.models.minicpmv4_6", "build_encoder"),
+        _lazy("vitpool.models.minicpmv4_6", "MiniCPMV4_6Adapter"),
+        checkpoint=CheckpointLayout(
+            prefixes=("model.vision_tower.", "model.merger.", "vision_tower.", "merger."),
+            tower_config=_lazy("vitpool.models.minicpmv4_6", "tower_only_config"),
+            convert=_lazy("vitpool.models.minicpmv4_6", "convert_checkpoint"),
+        ),
+    ),
     # Step-3.7 (step3p7): Step3p7VisionModel + multi_modal_projector, two paths (global view, crops)
     "step3p5_vision": Family(
         _lazy("vitpool.models.step3p7", "build_encoder"),
