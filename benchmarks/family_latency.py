@@ -39,6 +39,7 @@ VISION_MODEL_TYPES = {
     "llama4": "llama4_vision_model",
     "step3p7": "step3p5_vision",
     "deepseek_ocr2": "deepseek_ocr2_vision",
+    "minicpmv4_6": "minicpmv4_6_vision",
 }
 # Families whose vitpool module holds the projector too: what their tower-only config adds (the
 # flagship's LLM width and projector settings, from the config file's "extra").
@@ -53,7 +54,15 @@ PROJECTOR_FIELDS = {
     "llama4": {"text_hidden_size": 5120},  # Llama 4 Scout's LLM width
     "step3p7": {"text_hidden_size": 4096, "projector_bias": False},  # Step-3.7-Flash
     "deepseek_ocr2": {"text_hidden_size": 1280},  # DeepSeek-OCR-2's LLM width
+    # MiniCPM-V 4.6: its LLM's width and the release's merge settings (not in the hub's vision config)
+    "minicpmv4_6": {
+        "text_hidden_size": 1024, "downsample_mode": "16x", "merge_kernel_size": [2, 2], "merger_times": 1,
+        "insert_layer_id": 6,
+    },
 }
+# slices (h, w in patches) of one image as MiniCPM-V 4.6's processor cuts them: a 448² overview
+# alone, or the overview and 6 slices of a ~1024² image
+MINICPM_SLICES = {"1 slice": [(32, 32)], "7 slices": [(32, 32)] + [(40, 24)] * 6}
 TILED = {"internvl", "llama4"}  # pixels are whole tiles [tiles, 3, S, S], no grid
 # a global view and local crops, each a path of its own (Step-3.7: 728² view, 504² crops)
 GLOBAL_AND_CROPS = {"step3p7": 504, "deepseek_ocr2": 768}
@@ -66,6 +75,16 @@ def workloads(family: str, vision_config: dict) -> dict[str, list]:
     for a tiled family one view, four one-view images, and one image of 7 views; for a family of
     a global view and crops one global view, four images of one, and one image of a global view
     and 6 crops."""
+    if family == "minicpmv4_6":  # the processor's strip [1, 3, P, N*P] and target_sizes, per image
+        patch = vision_config["patch_size"]
+
+        def image(sizes: list) -> Image:
+            rows = sum(h * w for h, w in sizes)
+            return Image(torch.randn(1, 3, patch, rows * patch), [list(size) for size in sizes])
+
+        one = MINICPM_SLICES["1 slice"]
+        return {"1 slice": [image(one)], "4x1 slice": [image(one) for _ in range(4)],
+                "7 slices": [image(MINICPM_SLICES["7 slices"])]}
     if family in GLOBAL_AND_CROPS:
         size = vision_config.get("image_size") or vision_config["sam_config"]["image_size"]
         crop = GLOBAL_AND_CROPS[family]
@@ -111,6 +130,11 @@ def workloads(family: str, vision_config: dict) -> dict[str, list]:
 
 def hugging_face_eager(family: str, module: torch.nn.Module, items: list) -> torch.Tensor:
     """All of a call's items in one tower call, as the model's get_image_features runs them."""
+    if family == "minicpmv4_6":  # MiniCPMV4_6Model.get_image_features: one strip of every slice
+        strip = torch.cat([item.pixel_values for item in items], dim=-1).to("cuda", torch.bfloat16)
+        sizes = torch.tensor([size for item in items for size in item.grid_thw], dtype=torch.int32, device="cuda")
+        hidden = module.vision_tower(strip, target_sizes=sizes, use_vit_merger=True).last_hidden_state
+        return torch.cat(module.merger(hidden, sizes // 2))
     pixels = torch.cat([item.pixel_values for item in items]).to("cuda", torch.bfloat16)
     if family in GLOBAL_AND_CROPS:  # get_image_features: every global view in one call, every crop in another
         tower = module.vision_model if family == "step3p7" else module.vision_tower
@@ -180,7 +204,7 @@ def measure(
             )
             graph = summarize(time_ms(lambda items=items: encoder.encode(items), runs, warmup))
             rows[name] = {
-                "patches": sum(item.pixel_values.shape[0] for item in items)
+                "patches": sum(item.pixel_values.shape[0] for item in items if family != "minicpmv4_6")
                 + sum(tensor.shape[0] for item in items for tensor in (item.inputs or {}).values()),
                 "hf_eager": eager, "vitpool": graph, "ratio": graph["median_ms"] / eager["median_ms"],
                 "rel_error": rel_error,

@@ -1,0 +1,67 @@
+"""GPU: the families whose tiny cases live in tests/unit/family_cases (Step-3.7 and DeepSeek-OCR-2,
+a global view and crops on two paths; MiniCPM-V 4.6, slices of several sizes): every budget of
+every path captured in bf16 and checked against eager at capture, whole items against Hugging
+Face's `get_image_features` run in fp32 on the same GPU. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import relative_error
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+
+from vitpool import GraphEncoder, Image  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+TOLERANCE = 1.5e-2  # bf16 against Hugging Face's own path in fp32
+GLOBAL_AND_CROPS = {"step3p7": (0, 3, 5, 1, 8), "deepseek_ocr2": (0, 2, 3)}  # crops per item
+MINICPM_SLICES = ([[4, 4]], [[8, 4], [4, 4], [4, 8]], [[4, 8]], [[8, 8], [4, 4]])
+
+
+def build(family: str, case) -> tuple[torch.nn.Module, GraphEncoder, list[Image]]:
+    generator = torch.Generator().manual_seed(1)
+    budgets = list(case.CASE_FIELDS["budgets"])
+    if family == "minicpmv4_6":
+        from vitpool.models.minicpmv4_6 import MiniCPMV4_6Adapter
+
+        model = case.tiny_model(seed=2)
+        adapter = MiniCPMV4_6Adapter(case.encoder_module(model))
+        items = [
+            Image(torch.randn(sum(h * w for h, w in sizes), *case.ROW_SHAPE, generator=generator), sizes)
+            for sizes in MINICPM_SLICES
+        ]
+    else:
+        model = case.hf_model(seed=2)
+        adapter = case.encoder_of(model, budgets[:1]).adapter  # its own copy of the weights
+
+        def item(crops: int) -> Image:
+            view = torch.randn(1, *case.GLOBAL_ROW_SHAPE, generator=generator)
+            local = torch.randn(crops, *case.LOCAL_ROW_SHAPE, generator=generator)
+            return Image(view, inputs={"pixel_values_local": local} if crops else None)
+
+        items = [item(count) for count in GLOBAL_AND_CROPS[family]]
+    encoder = GraphEncoder(adapter, budgets=budgets, device="cuda", dtype=torch.bfloat16)
+    return model.to("cuda", torch.float32), encoder, items
+
+
+@pytest.mark.parametrize("family", ["deepseek_ocr2", "minicpmv4_6", "step3p7"])
+def test_every_budget_is_captured_and_items_match_get_image_features(family):
+    case = importlib.import_module(f"family_cases.{family}")
+    model, encoder, items = build(family, case)
+    stats = encoder.stats()
+    assert len(stats.captured_budgets) == len(encoder.budgets) and stats.disabled_budgets == []
+    for item, embedding in zip(items, encoder.encode(items), strict=True):
+        on_gpu = Image(
+            item.pixel_values.cuda(), item.grid_thw,
+            None if item.inputs is None else {name: t.cuda() for name, t in item.inputs.items()},
+        )
+        want = case.image_features(model, on_gpu)
+        assert torch.isfinite(embedding.tokens).all()
+        assert relative_error(embedding.tokens, want) <= TOLERANCE, family
+    assert encoder.stats().graph_items == sum(1 + bool(item.inputs) for item in items)
