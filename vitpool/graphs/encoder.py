@@ -411,24 +411,28 @@ def _check_attention(attention: str, device: torch.device, dtype: torch.dtype) -
 
 
 def _spec_is_consistent(rules: ItemRules, spec: ItemSpec) -> bool:
-    """Whether `spec` is what the model's rules (its path's) make of its own layout."""
+    """Whether `spec` is what the model's rules (its input's, for an item of several inputs) make
+    of its own layout."""
     try:
-        own = rules_of_part(rules, spec.path)
-        derived = own.item_spec(spec.modality, spec.pixel_shape, spec.pixel_dtype, spec.layout)
+        if isinstance(rules, PathRules):
+            own = rules_of_part(rules, spec.path)
+            derived = own.item_spec(spec.modality, spec.pixel_shape, spec.pixel_dtype, spec.layout)
+            return dataclasses.replace(derived, path=spec.path) == spec
+        return rules.item_spec(spec.modality, spec.pixel_shape, spec.pixel_dtype, spec.layout) == spec
     except (ValueError, TypeError):
         return False
-    return dataclasses.replace(derived, path=spec.path) == spec
 
 
 def _path_budgets(
     rules: ItemRules, path: str, adapter: VisionAdapter, budgets: Sequence[int] | None, device: torch.device,
     max_items_per_batch: int | None, limits: Mapping[str, int],
 ) -> list[Budget]:
-    """A path's budgets: the user's token budgets, else its own adapter's defaults."""
+    """A path's budgets: the user's token budgets, else its own adapter's defaults. Rules that
+    route items to paths themselves (`ItemSpec.path` by the item's kind) mark their budgets."""
     token_budgets = default_token_budgets(device, adapter) if budgets is None else budgets
     if isinstance(rules, PathRules):
         return rules.path_budgets(path, token_budgets, max_items_per_batch, limits)
-    return rules.budgets(token_budgets, max_items_per_batch, limits)
+    return [budget for budget in rules.budgets(token_budgets, max_items_per_batch, limits) if budget.path == path]
 
 
 def _renumbered(outcome: Embedding | InvalidItemError, index: int) -> Embedding | InvalidItemError:

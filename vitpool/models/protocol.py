@@ -121,6 +121,14 @@ class VisionAdapter(Protocol):
 
     # Optional (the graph code looks it up with getattr):
     #
+    # paths: dict[str, VisionAdapter]
+    #     """Families that run some items through buffers of another shape (a path): the adapter
+    #     of each path by name, "" where the family's plain items go. Each path gets its own
+    #     buffers, budgets and graphs; `ItemSpec.path` says which path runs an item and
+    #     `Budget.path` which path a budget is of. Either the rules are `PathRules` (an item of
+    #     several inputs: one part per input, joined), or the family's own rules set each spec's
+    #     path (e.g. by the item's kind) and mark each budget with its path."""
+    #
     # def budget_range(self, device: torch.device) -> BudgetRange | None:
     #     """The budgets this family's graphs should cover when the user names none; None (or no
     #     such method): the device's default ladder (`vitpool.graphs.defaults`)."""
