@@ -98,14 +98,20 @@ def test_capacity_limits_bound_the_familys_own_capacities(tiny_adapter):
     assert {b.limit("sequences") for b in by_frames.budgets} == {4, 6}
 
 
-def test_a_family_without_sequences_refuses_a_frame_bound():
+def test_a_tiled_family_takes_a_frame_bound_as_tiles_per_batch():
+    """A tile is one attention sequence: max_frames_per_batch bounds a batch's tiles."""
     import toy_family
 
-    from vitpool import GraphEncoder
+    from vitpool import GraphEncoder, Image
 
     adapter = toy_family.ToyTilesAdapter(toy_family.ToyTilesTower(toy_family.ToyTilesConfig()))
-    with pytest.raises(ConfigError, match="max_frames_per_batch: this model bounds no 'sequences'"):
-        GraphEncoder(adapter, budgets=[8, 16], device="cpu", max_frames_per_batch=8)
+    encoder = GraphEncoder(adapter, budgets=[8, 16], device="cpu", max_frames_per_batch=1)
+    assert all(budget.limits == (("sequences", 1),) for budget in encoder.budgets)
+    one_tile = (1, *adapter.row_shape)
+    encoder.encode([Image(torch.randn(one_tile)), Image(torch.randn(one_tile))])
+    assert sum(encoder.stats().replays_per_budget.values()) == 2  # one tile a batch
+    encoder.encode([Image(torch.randn(2, *adapter.row_shape))])
+    assert encoder.stats().eager_batches == 1  # two tiles fit no budget: eager, alone
 
 
 @pytest.mark.parametrize(

@@ -123,3 +123,19 @@ def test_the_internvl_processors_output_for_one_image_is_one_item():
     spec = prepare_item(0, Image(out["pixel_values"]), rules).spec
     assert spec.num_rows == int(out["num_patches"][0]) == out["pixel_values"].shape[0] > 1
     assert spec.num_tokens == 256 * spec.num_rows
+
+
+def test_the_pools_cost_of_a_tiled_batch_prices_attention_per_tile():
+    """A tile is one attention sequence: a 13-tile image costs attention over 13 sequences of 256
+    tokens, not over one of 3328 (the cost model would rate it 13 times too dear)."""
+    from vitpool.packing import batch_cost, pack
+    from vitpool.pool.policy import DispatchPolicy
+    from vitpool.specs import IMAGE
+    from vitpool.models.tile_rules import TileRules
+
+    rules = TileRules(3, 448, 256, ((64,),))
+    spec = rules.item_spec(IMAGE, (13, 3, 448, 448), "float32", None)
+    budgets = rules.budgets([256 * 13], None, {})
+    policy = DispatchPolicy(tuple(budgets), 2)
+    [batch] = pack([spec], budgets)
+    assert policy.cost(batch) == batch_cost(256 * 13, 13) < batch_cost(256 * 13, 1)

@@ -3,25 +3,28 @@ output tokens (InternVL's 448² tiles, 256 tokens each). Plain data: no torch, n
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vitpool.packing import Budget, plain_budgets
+from vitpool.packing import SEQUENCES, Budget, plain_budgets
 from vitpool.specs import IMAGE, ItemSpec, check_capacity_limits
 
 
 @dataclass(frozen=True)
 class TileRules:
     """Items are images of whole tiles: pixels [tiles, channels, tile_size, tile_size], as the
-    family's processor emits them for one image, and no grid. A tile attends within itself, so a
-    batch is bounded by its tokens and items only."""
+    family's processor emits them for one image, and no grid. A tile attends within itself: it is
+    one attention sequence ("sequences", what the pool's cost model reads to price attention),
+    and a batch is bounded by its tokens and items, and by its tiles only where the user sets
+    `max_frames_per_batch`."""
 
     channels: int
     tile_size: int
     tokens_per_tile: int
     output_row_shapes: tuple[tuple[int, ...], ...]
-    capacities: tuple[str, ...] = ()
+    capacities: tuple[str, ...] = (SEQUENCES,)
     max_tiles_per_item: int | None = None  # Step-3.7's global view: one tile an image
 
     @property
@@ -45,10 +48,15 @@ class TileRules:
                 f"pixel_values hold {pixel_shape[0]} tiles; an item has at most {self.max_tiles_per_item} "
                 "(one image: pass each image as its own item)"
             )
-        return ItemSpec(modality, tuple(pixel_shape), pixel_dtype, (), pixel_shape[0] * self.tokens_per_tile)
+        tiles = pixel_shape[0]
+        return ItemSpec(modality, tuple(pixel_shape), pixel_dtype, (), tiles * self.tokens_per_tile, ((SEQUENCES, tiles),))
 
     def budgets(
         self, token_budgets: Sequence[int], max_items_per_batch: int | None, capacity_limits: Mapping[str, int]
     ) -> list[Budget]:
         check_capacity_limits(capacity_limits, self.capacities)
-        return plain_budgets(token_budgets, max_items_per_batch)  # no frames: the bound does not apply
+        budgets = plain_budgets(token_budgets, max_items_per_batch)
+        max_tiles = capacity_limits.get(SEQUENCES)
+        if max_tiles is None:  # the buffers hold whole tiles: tokens bound them already
+            return budgets
+        return [dataclasses.replace(budget, limits=((SEQUENCES, max_tiles),)) for budget in budgets]
