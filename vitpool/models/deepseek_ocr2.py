@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from vitpool.models.compat import check_tower_parts
 from vitpool.models.path_rules import PathRules
 from vitpool.models.tile_rules import TileRules
-from vitpool.models.tiled import TiledAdapter
+from vitpool.models.tiled import TiledAdapter, install_kernels
 
 GLOBAL = "pixel_values"
 LOCAL = "pixel_values_local"
@@ -117,6 +117,17 @@ def relative_index(size: int) -> torch.Tensor:
     return positions[:, None] - positions[None, :] + (size - 1)
 
 
+def key_positions(size: int) -> torch.Tensor:
+    """[size * size, E] float: key k's row and column one-hot, [onehot(k // size), onehot(k % size)],
+    zero-padded to E = 2 * size rounded up to a multiple of 8 (see `sam_attention`)."""
+    tokens = torch.arange(size * size)
+    width = -(-2 * size // 8) * 8
+    onehot = torch.zeros(size * size, width)
+    onehot[tokens, tokens // size] = 1.0
+    onehot[tokens, size + tokens % size] = 1.0
+    return onehot
+
+
 def encoder_mask(num_patches: int, num_queries: int) -> torch.Tensor:
     """[L, L] bool, True where attention is allowed: the SAM tokens see each other both ways and
     no query; query k sees every SAM token and queries 0..k (what `create_causal_mask` builds
@@ -184,6 +195,7 @@ class DeepseekOcr2Encoder(torch.nn.Module):
             self.register_buffer(f"{path}_positions", torch.arange(length)[None], persistent=False)
         for size in sorted(rel_sizes):
             self.register_buffer(f"rel_index_{size}", relative_index(size), persistent=False)
+            self.register_buffer(f"key_positions_{size}", key_positions(size), persistent=False)
 
     def queries(self, path: str) -> torch.Tensor:
         """[Q, width] learned queries of a `path` tile."""
@@ -197,6 +209,9 @@ class DeepseekOcr2Encoder(torch.nn.Module):
 
     def rel_index(self, size: int) -> torch.Tensor:
         return getattr(self, f"rel_index_{size}")
+
+    def key_positions(self, size: int) -> torch.Tensor:
+        return getattr(self, f"key_positions_{size}")
 
 
 def build_encoder(config: Any, dtype: torch.dtype | None = None) -> DeepseekOcr2Encoder:
@@ -254,21 +269,36 @@ def rel_table(rel_pos: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return resized.reshape(-1, length).permute(1, 0)[index]
 
 
-def sam_attention(attention: torch.nn.Module, hidden: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def sam_attention(
+    attention: torch.nn.Module, hidden: torch.Tensor, index: torch.Tensor, key_positions: torch.Tensor
+) -> torch.Tensor:
     """`DeepseekOcr2SamVisionSdpaAttention.forward` on [b, h, w, c] (h == w), with the relative
-    positions' index from a buffer."""
+    positions' index and the keys' one-hot rows and columns from buffers.
+
+    SAM adds a decomposed relative-position bias, rel_h[q, row(k)] + rel_w[q, column(k)], to the
+    attention logits. Built as a mask it is [heads, h*w, h*w] per tile (200M values a global
+    layer at 1024²), written and read again each layer: on an H100 that took half of a view's
+    encode. The same logits come from a longer dot product, with no mask: the query gains its
+    rel_h and rel_w rows (divided by the softmax scale) and the key the one-hot of its row and
+    column, so q'·k' * scale = q·k * scale + rel_h[q, row(k)] + rel_w[q, column(k)]; the value
+    gains zero columns (one head size for the flash kernels), cut off after."""
     batch, height, width, _ = hidden.shape
     heads, tokens = attention.num_attention_heads, height * width
     qkv = attention.qkv(hidden).reshape(batch, tokens, 3, heads, -1).permute(2, 0, 3, 1, 4)
     query, key, value = qkv.unbind(0)  # [b, heads, h*w, d]
-    bias = None
+    head_size = query.shape[-1]
+    scale = head_size**-0.5
     if attention.use_rel_pos:
         rows = query.reshape(batch * heads, height, width, -1)
         rel_h = torch.einsum("bhwc,hkc->bhwk", rows, rel_table(attention.rel_pos_h, index))
         rel_w = torch.einsum("bhwc,wkc->bhwk", rows, rel_table(attention.rel_pos_w, index))
-        bias = (rel_h[:, :, :, :, None] + rel_w[:, :, :, None, :]).reshape(batch, heads, tokens, tokens)
-    output = F.scaled_dot_product_attention(query, key, value, attn_mask=bias)
-    output = output.view(batch, heads, height, width, -1).permute(0, 2, 3, 1, 4)
+        extra = torch.cat([rel_h, rel_w], dim=-1).reshape(batch, heads, tokens, -1) / scale
+        extra_size = key_positions.shape[-1]  # h + w, rounded up to a multiple of 8
+        query = torch.cat([query, F.pad(extra, (0, extra_size - extra.shape[-1])).to(query.dtype)], dim=-1)
+        key = torch.cat([key, key_positions.to(key.dtype).expand(batch, heads, tokens, extra_size)], dim=-1)
+        value = F.pad(value, (0, extra_size))
+    output = F.scaled_dot_product_attention(query, key, value, scale=scale)[..., :head_size]
+    output = output.reshape(batch, heads, height, width, -1).permute(0, 2, 3, 1, 4)
     output = output.reshape(batch, height, width, -1)
     return attention.proj(output)
 
@@ -284,10 +314,11 @@ def sam_features(encoder: DeepseekOcr2Encoder, path: str, pixels: torch.Tensor) 
         residual, hidden = hidden, layer.layer_norm1(hidden)
         if layer.window_size > 0:
             hidden, padded = layer.window_partition(hidden, layer.window_size)
-            hidden = sam_attention(layer.attn, hidden, encoder.rel_index(layer.window_size))
+            size = layer.window_size
+            hidden = sam_attention(layer.attn, hidden, encoder.rel_index(size), encoder.key_positions(size))
             hidden = layer.window_unpartition(hidden, layer.window_size, padded, (grid, grid))
         else:
-            hidden = sam_attention(layer.attn, hidden, encoder.rel_index(grid))
+            hidden = sam_attention(layer.attn, hidden, encoder.rel_index(grid), encoder.key_positions(grid))
         hidden = residual + hidden
         hidden = hidden + layer.mlp(layer.layer_norm2(hidden))
     hidden = sam.proj(sam.neck(hidden))
@@ -373,6 +404,7 @@ class DeepseekOcr2Adapter:
                 f"DeepSeek-OCR-2's view_separator has shape {tuple(tower.view_separator.shape)}; the "
                 f"projector gives rows of {width}"
             )
+        install_kernels(tower)  # the patch convolution as a GEMM; its blocks run through tile_features
         self.tower = tower
         self.paths = {path: DeepseekOcr2PathAdapter(tower, path, width) for path in (LOCAL, GLOBAL)}
         self.item_rules = PathRules(

@@ -21,7 +21,7 @@ import torch
 
 from vitpool.models.projected import tower_and_projector
 from vitpool.models.tile_rules import TileRules
-from vitpool.models.tiled import TiledAdapter
+from vitpool.models.tiled import TiledAdapter, install_kernels
 
 CHECKPOINT_PREFIXES = ("vision_model.", "multi_modal_projector.")
 # 16 crops and the global tile (Llama4ImageProcessor's max_patches=16)
@@ -83,6 +83,7 @@ class Llama4Adapter(TiledAdapter):
         config = tower.config
         side = int(config.image_size) // int(config.patch_size)
         ratio = float(config.pixel_shuffle_ratio)
+        install_kernels(tower)
         self.tower = tower
         self.tokens_per_tile = int(side * ratio) ** 2
         self.item_rules = TileRules(

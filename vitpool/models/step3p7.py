@@ -29,7 +29,7 @@ import torch
 from vitpool.models.compat import check_tower_parts
 from vitpool.models.path_rules import PathRules
 from vitpool.models.tile_rules import TileRules
-from vitpool.models.tiled import TiledAdapter
+from vitpool.models.tiled import TiledAdapter, install_kernels
 
 GLOBAL = "pixel_values"
 LOCAL = "pixel_values_local"
@@ -198,6 +198,7 @@ class Step3p7Adapter:
 
     def __init__(self, tower: Step3p7Encoder) -> None:
         check_tower_parts("Step-3.7", tower.vision_model, TOWER_PARTS)
+        install_kernels(tower)
         width = int(tower.multi_modal_projector.out_features)
         self.tower = tower
         self.paths = {path: Step3p7PathAdapter(tower, path, width) for path in (LOCAL, GLOBAL)}

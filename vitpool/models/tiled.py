@@ -10,12 +10,22 @@ from collections.abc import Sequence
 
 import torch
 
+from vitpool.models.compiled import install_compiled_blocks
+from vitpool.models.fused import install_fused_ops
 from vitpool.models.protocol import BudgetRange, TensorSpec
 from vitpool.models.tile_rules import TileRules
 from vitpool.packing import Budget
 from vitpool.specs import IMAGE, ItemSpec
 
 MAX_SAMPLED_ITEMS = 6
+
+
+def install_kernels(tower: torch.nn.Module) -> None:
+    """The fused ops (`fused_ops`: the patch convolution as a GEMM, the rotary embedding) and the
+    compiled blocks (`compiled_blocks`) for a tiled tower, each in effect only under its setting;
+    a tile's attention is plain SDPA over the tile (the batch dimension), so no attention hook."""
+    install_fused_ops(tower)
+    install_compiled_blocks(tower)
 
 
 class TiledAdapter:
