@@ -1,6 +1,8 @@
 """The drop-in vision tower: a tiny random Qwen3-VL model in fp32 generates exactly the same
 greedy tokens with its own tower, with an in-process GraphEncoder, and with a pool; and a tiny full
-model of every other family (tests/integration/tiny_vlms.py) does with a GraphEncoder."""
+model of every other family (tests/integration/tiny_vlms.py) does with a GraphEncoder, the families
+answered at get_image_features (InternVL, Llama 4, Step-3.7, DeepSeek-OCR-2, MiniCPM-V 4.6) too,
+and Step-3.7 (views and crops) with a pool."""
 
 from __future__ import annotations
 
@@ -9,12 +11,14 @@ import tempfile
 import pytest
 import torch
 from conftest import ROW_WIDTH
-from tiny_vlms import TINY_VLMS
+from tiny_vlms import TINY_FEATURE_VLMS, TINY_VLMS
 from tiny_vlms import request as tiny_request
 from transformers import AutoConfig, Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
 from vitpool import Embedding, EncoderPool
+from vitpool.errors import ConfigError
 from vitpool.integrations.transformers import (
+    PooledImageFeatures,
     PooledVisionTower,
     graph_encoder_for,
     replace_vision_tower,
@@ -174,3 +178,112 @@ def last_logits(model, encoder, inputs) -> torch.Tensor:
             return model(**inputs).logits[0, -1]
     finally:
         restore_vision_tower(model, original)
+
+
+# ---- the families answered at get_image_features: images only ----
+
+
+def llama4_inputs_embeds(model, inputs) -> torch.Tensor:
+    """What Llama4ForConditionalGeneration.forward hands its LLM, by the calls it makes
+    (get_image_features, the projector, get_placeholder_mask): transformers 5.24's forward itself
+    fails on every call, with or without vitpool (it reads `image_outputs` of the text model's output)."""
+    ids = inputs["input_ids"]
+    embeds = model.get_input_embeddings()(ids)
+    features = model.get_image_features(pixel_values=inputs["pixel_values"], return_dict=True).last_hidden_state
+    flat = model.multi_modal_projector(features.view(-1, features.size(-1)))
+    return embeds.masked_scatter(model.get_placeholder_mask(ids, inputs_embeds=embeds, image_features=flat), flat)
+
+
+def generate_any(model, inputs) -> list[int]:
+    if type(model).__name__ != "Llama4ForConditionalGeneration":
+        return generate(model, inputs)
+    with torch.no_grad():
+        output = model.language_model.generate(inputs_embeds=llama4_inputs_embeds(model, inputs),
+                                               attention_mask=inputs["attention_mask"],
+                                               max_new_tokens=NEW_TOKENS, do_sample=False)
+    return output[0].tolist()  # given embeddings alone, generate returns the new tokens alone
+
+
+def logits_of(model, encoder, inputs) -> torch.Tensor:
+    original = replace_vision_tower(model, encoder)
+    try:
+        with torch.no_grad():
+            if type(model).__name__ == "Llama4ForConditionalGeneration":
+                return model.language_model(inputs_embeds=llama4_inputs_embeds(model, inputs)).logits[0, -1]
+            return model(**inputs).logits[0, -1]
+    finally:
+        restore_vision_tower(model, original)
+
+
+def with_features(model, encoder, inputs) -> list[int]:
+    original = replace_vision_tower(model, encoder)
+    try:
+        return generate_any(model, inputs)
+    finally:
+        restore_vision_tower(model, original)
+
+
+def assert_restored(model) -> None:
+    inner = getattr(model, "model", model)
+    assert not any(isinstance(module, (PooledImageFeatures, PooledVisionTower)) for module in model.modules())
+    assert "get_image_features" not in inner.__dict__  # the class's method again
+
+
+@pytest.mark.parametrize("family", list(TINY_FEATURE_VLMS))
+def test_a_family_answered_at_get_image_features_generates_the_same_tokens(family):
+    vlm = TINY_FEATURE_VLMS[family]
+    model = vlm.build()
+    inputs = vlm.request(model.config)
+    encoder = graph_encoder_for(model, budgets=list(vlm.budgets))
+    expected = generate_any(model, inputs)
+    assert len(expected) == NEW_TOKENS
+    assert with_features(model, encoder, inputs) == expected
+    assert_restored(model)
+    assert generate_any(model, inputs) == expected  # the original modules back, and working
+    # the model's output does depend on the embeddings (a tiny MoE's greedy tokens may not)
+    assert not torch.allclose(logits_of(model, Nudged(encoder), inputs), logits_of(model, encoder, inputs))
+
+
+def test_a_replaced_family_refuses_what_vitpool_does_not_run():
+    """Step-3.7: crop counts that do not add up; a second replacement; a restore with none.
+    MiniCPM-V 4.6: the "4x" mode, which vitpool's graphs do not run."""
+    step = TINY_FEATURE_VLMS["step3p7"]
+    model = step.build()
+    inputs = step.request(model.config)
+    original = replace_vision_tower(model, graph_encoder_for(model, budgets=list(step.budgets)))
+    try:
+        with pytest.raises(ValueError, match="num_local_patches"):
+            model.model.get_image_features(inputs["pixel_values"], inputs["pixel_values_local"], [1, 0])
+        with pytest.raises(TypeError, match="already replaced"):
+            replace_vision_tower(model, graph_encoder_for(model, budgets=[4]))
+    finally:
+        restore_vision_tower(model, original)
+    with pytest.raises(TypeError, match="not replaced"):
+        restore_vision_tower(model, original)
+
+    minicpm = TINY_FEATURE_VLMS["minicpmv4_6"]
+    model = minicpm.build()
+    inputs = minicpm.request(model.config)
+    original = replace_vision_tower(model, graph_encoder_for(model, budgets=list(minicpm.budgets)))
+    try:
+        with pytest.raises(ConfigError, match="16x"):
+            model.model.get_image_features(inputs["pixel_values"], inputs["target_sizes"],
+                                           downsample_mode="4x")
+    finally:
+        restore_vision_tower(model, original)
+
+
+@pytest.mark.ray
+def test_a_pool_answers_a_family_of_views_and_crops(ray_cluster, tmp_path):
+    """Step-3.7 through a CPU pool loaded from the full model's save: the same tokens."""
+    vlm = TINY_FEATURE_VLMS["step3p7"]
+    model = vlm.build()
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    inputs = vlm.request(model.config)
+    pool = EncoderPool.launch(model=str(tmp_path), budgets=list(vlm.budgets), num_actors=1,
+                              name="vitpool-transformers-step3p7", device="cpu", dtype="float32")
+    try:
+        assert with_features(model, pool, inputs) == generate_any(model, inputs)
+        assert_restored(model)
+    finally:
+        pool.shutdown()

@@ -3,6 +3,10 @@ each family's processor writes them (placeholders, grids, mm_token_type_ids), by
 
 The towers and text models come from the families' tiny configs in tests/unit/family_cases; the
 special token ids are moved into the tiny vocabularies.
+
+`TINY_VLMS`: the families whose tower vitpool stands in for (a grid per item). `TINY_FEATURE_VLMS`:
+the families whose `get_image_features` it answers (InternVL, Llama 4, Step-3.7, DeepSeek-OCR-2,
+MiniCPM-V 4.6), each with one request of two images in the processor's form.
 """
 
 from __future__ import annotations
@@ -17,7 +21,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "unit"))  # family_cases/ lives beside the unit tests
 
-from family_cases import glm4v, kimi_k25, paddleocr_vl, qwen2_5_vl, qwen2_vl, qwen3_5
+from family_cases import (
+    deepseek_ocr2,
+    glm4v,
+    internvl,
+    kimi_k25,
+    llama4,
+    minicpmv4_6,
+    paddleocr_vl,
+    qwen2_5_vl,
+    qwen2_vl,
+    qwen3_5,
+    step3p7,
+)
+from family_cases.common import randomize
 
 # special tokens inside every tiny vocabulary (128 tokens)
 QWEN_TOKENS = {"vision_start_token_id": 120, "vision_end_token_id": 121, "image_token_id": 122, "video_token_id": 123}
@@ -203,3 +220,126 @@ def request(vlm: TinyVLM, config: Any, images=(), videos=()) -> dict[str, torch.
     if vlm.mrope:
         inputs["mm_token_type_ids"] = torch.tensor([types], dtype=torch.int32)
     return inputs
+
+
+# ---- families answered at get_image_features: tiles, views and crops, slices ----
+
+
+@dataclass(frozen=True)
+class TinyFeatureVLM:
+    build: Callable[[], torch.nn.Module]
+    request: Callable[[Any], dict[str, torch.Tensor]]  # the model's config -> a request of two images
+    budgets: tuple[int, ...]  # GraphEncoder budgets in tokens (for a family of two paths, each path's)
+
+
+def _prompt(config: Any, tokens_per_image: list[int]) -> dict[str, torch.Tensor]:
+    """input_ids: text, each image's placeholders between a start and an end token (plain text
+    tokens to the model), text; and the attention mask."""
+    image = config.image_token_id
+    ids = [1, 2, 3]
+    for count in tokens_per_image:
+        ids += [image - 2] + [image] * count + [image - 1]
+    ids += [4, 5]
+    input_ids = torch.tensor([ids])
+    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+
+
+def _with_image_token(model: torch.nn.Module, image_token_id: int) -> torch.nn.Module:
+    model.config.image_token_id = image_token_id  # the model reads it at every call
+    return model
+
+
+def _tiles_request(tokens_per_tile: int, row_shape: tuple[int, ...], tiles_per_image: tuple[int, ...]):
+    """InternVL's and Llama 4's request: the tiles of every image in one tensor, no boundaries."""
+
+    def request(config: Any) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(7)
+        pixels = torch.randn(sum(tiles_per_image), *row_shape, generator=generator)
+        tokens = [tokens_per_tile * tiles for tiles in tiles_per_image]
+        return {**_prompt(config, tokens), "pixel_values": pixels}
+
+    return request
+
+
+def _views_and_crops_request(case: Any, crops_per_image: tuple[int, ...]):
+    """Step-3.7's and DeepSeek-OCR-2's request: a global view per image, every image's crops in
+    one tensor, and each image's crop count."""
+
+    def request(config: Any) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(7)
+        views = torch.randn(len(crops_per_image), *case.GLOBAL_ROW_SHAPE, generator=generator)
+        crops = torch.randn(sum(crops_per_image), *case.LOCAL_ROW_SHAPE, generator=generator)
+        tokens = [case.TOKENS_PER_GLOBAL + case.TOKENS_PER_CROP * count for count in crops_per_image]
+        return {**_prompt(config, tokens), "pixel_values": views, "pixel_values_local": crops,
+                "num_local_patches": torch.tensor(crops_per_image)}
+
+    return request
+
+
+def _step3p7() -> torch.nn.Module:
+    from transformers import Step3p7Config, Step3p7ForConditionalGeneration
+
+    # the unit tests never run the text model: it needs its key-value heads and (transformers 5.24
+    # builds a sliding-window mask whether or not a layer uses one) a window
+    text = dict(step3p7.TINY_TEXT, num_key_value_heads=2, sliding_window=64)
+    config = Step3p7Config(vision_config=dict(step3p7.TINY_VISION, local_image_size=step3p7.LOCAL_SIZE),
+                           text_config=text, image_token_id=122)
+    torch.manual_seed(0)
+    model = Step3p7ForConditionalGeneration(config)
+    randomize(model.model.vision_model, 0)
+    randomize(model.model.multi_modal_projector, 1)
+    return model.eval()
+
+
+def _internvl() -> torch.nn.Module:
+    model = _with_image_token(internvl.hf_model(), 122)
+    # HF's init of this one-layer Qwen2 repeats the last prompt token whatever the image: unit-scale
+    # text weights make the greedy tokens depend on the embeddings
+    randomize(model.model.language_model, 3)
+    return model
+
+
+def _deepseek_ocr2() -> torch.nn.Module:
+    model = _with_image_token(deepseek_ocr2.hf_model(), 30)  # a vocabulary of 32
+    model.config.vision_config.local_image_size = deepseek_ocr2.LOCAL_SIZE
+    return model
+
+
+def _minicpmv4_6() -> torch.nn.Module:
+    from transformers import MiniCPMV4_6ForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = minicpmv4_6.full_config(image_token_id=60)  # a vocabulary of 64
+    model = MiniCPMV4_6ForConditionalGeneration(config)
+    randomize(model.model.vision_tower, 0)
+    randomize(model.model.merger, 1)
+    return model.eval()
+
+
+MINICPM_SLICES = ((4, 4), (4, 8), (8, 4))  # image 1: an overview and a slice; image 2: one slice
+
+
+def _minicpmv4_6_request(config: Any) -> dict[str, torch.Tensor]:
+    """The processor's strip [1, C, P, N*P] of every slice's patches and target_sizes [slices, 2]."""
+    generator = torch.Generator().manual_seed(7)
+    num_patches = sum(h * w for h, w in MINICPM_SLICES)
+    rows = torch.randn(num_patches, *minicpmv4_6.ROW_SHAPE, generator=generator)
+    tokens = [h * w // 16 for h, w in MINICPM_SLICES]
+    return {**_prompt(config, [tokens[0] + tokens[1], tokens[2]]), "pixel_values": minicpmv4_6.strip_of(rows),
+            "target_sizes": torch.tensor(MINICPM_SLICES, dtype=torch.int32)}
+
+
+TINY_FEATURE_VLMS: dict[str, TinyFeatureVLM] = {
+    # 1 and 3 tiles of 4 tokens
+    "internvl": TinyFeatureVLM(_internvl,
+                               _tiles_request(internvl.TOKENS_PER_TILE, internvl.ROW_SHAPE, (1, 3)), (4, 8)),
+    # 2 and 1 tiles of 16 tokens
+    "llama4": TinyFeatureVLM(lambda: _with_image_token(llama4.hf_model(), 122),
+                             _tiles_request(llama4.TOKENS_PER_TILE, llama4.ROW_SHAPE, (2, 1)), (16, 32)),
+    # a view and 2 crops, a view alone
+    "step3p7": TinyFeatureVLM(_step3p7, _views_and_crops_request(step3p7, (2, 0)), (4, 8)),
+    "deepseek_ocr2": TinyFeatureVLM(_deepseek_ocr2, _views_and_crops_request(deepseek_ocr2, (2, 0)),
+                                    (deepseek_ocr2.TOKENS_PER_GLOBAL, 2 * deepseek_ocr2.TOKENS_PER_GLOBAL)),
+    # 3 slices of 1, 2 and 2 tokens
+    "minicpmv4_6": TinyFeatureVLM(_minicpmv4_6, _minicpmv4_6_request, (8, 16)),
+}
