@@ -3,11 +3,12 @@
 A directory holds either a vision-tower-only save (config `model_type` like "qwen3_vl_vision")
 or a full multimodal checkpoint (a config with `vision_config`; the vision weights sit under the
 prefixes the family's `CheckpointLayout` names, `model.visual.` or `visual.` by default, and the
-layout's `convert` turns them into the module's state). Only safetensors are read, and of a full
-checkpoint only the shards that hold vision weights. Weights load strictly: a missing or
-unexpected key is an error that names it. A directory with a config and no weights gives random
-weights (benchmarks). Which tower and adapter a config gets is `vitpool.models.registry`'s
-business.
+layout's `convert` turns them into the module's state; a release whose config.json only its own
+remote code reads is read by the layout's `read_full_config`, found by the vision config's
+`model_type`). Only safetensors are read, and of a full checkpoint only the shards that hold
+vision weights. Weights load strictly: a missing or unexpected key is an error that names it. A
+directory with a config and no weights gives random weights (benchmarks). Which tower and adapter
+a config gets is `vitpool.models.registry`'s business.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ def _read_config(directory: Path) -> tuple[Family, Any, bool]:
     multimodal model.
 
     A tower-only save names its family at the top of config.json; a full model's vision
-    sub-config is read through transformers, which knows how each model nests it.
+    sub-config is read through transformers, which knows how each model nests it, unless the
+    family of its `vision_config.model_type` reads the whole file itself (`read_full_config`).
     """
     try:
         raw = json.loads((directory / "config.json").read_text())
@@ -72,6 +74,14 @@ def _read_config(directory: Path) -> tuple[Family, Any, bool]:
     family = find_family(model_type) if isinstance(model_type, str) else None
     if family is not None:
         return family, family.read_config(directory), False
+    vision = raw.get("vision_config") if isinstance(raw, dict) else None
+    vision_type = vision.get("model_type") if isinstance(vision, dict) else None
+    family = find_family(vision_type) if isinstance(vision_type, str) else None
+    if family is not None and family.checkpoint.read_full_config is not None:
+        try:
+            return family, family.checkpoint.read_full_config(raw), True
+        except ValueError as error:
+            raise CheckpointError(f"{directory}: {error}") from None
     from transformers import AutoConfig
 
     try:

@@ -56,11 +56,16 @@ class CheckpointLayout:
         convert: (the tensors under `prefixes`, keyed as saved; the tower config) -> the module's
             state. Also given a tower-only save's tensors, so it maps the module's own keys to
             themselves. Default: strip the prefix.
+        read_full_config: the full model's config.json, parsed -> the config `build_tower` takes,
+            for a release whose config only its own remote code reads (transformers' AutoConfig
+            does not know its model_type); the loader then skips AutoConfig and `tower_config`.
+            A ValueError it raises becomes a CheckpointError naming the directory.
     """
 
     prefixes: tuple[str, ...] = ("model.visual.", "visual.")
     tower_config: Callable[[Any], Any] = vision_config_of
     convert: Callable[[dict[str, torch.Tensor], Any], dict[str, torch.Tensor]] | None = None
+    read_full_config: Callable[[dict[str, Any]], Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -132,6 +137,18 @@ FAMILIES: dict[str, Family] = {
             prefixes=("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector."),
             tower_config=_lazy("vitpool.models.internvl", "tower_only_config"),
             convert=_lazy("vitpool.models.internvl", "convert_checkpoint"),
+        ),
+    ),
+    # InternVL 2 / 2.5 / 3 as OpenGVLab released them (config "internvl_chat", remote code): InternViT
+    # (every size is "intern_vit_6b") under vision_model. with a fused qkv, the projector as mlp1
+    "intern_vit_6b": Family(
+        _lazy("vitpool.models.internvl", "build_encoder"),
+        _lazy("vitpool.models.internvl", "InternVLAdapter"),
+        read_config=_lazy("vitpool.models.internvl", "refuse_tower_release"),
+        checkpoint=CheckpointLayout(
+            prefixes=("vision_model.", "mlp1."),
+            convert=_lazy("vitpool.models.internvl", "convert_checkpoint"),
+            read_full_config=_lazy("vitpool.models.internvl", "release_config"),
         ),
     ),
     # Llama 4 Scout / Maverick (llama4): Llama4VisionModel + multi_modal_projector
