@@ -1,13 +1,18 @@
 """Kimi-K2.5 (`Kimi_K25VisionModel` + `mm_projector`): the static forward against the Hugging Face
 model's own `get_image_features` on each item alone (fp32); clips against the tower + projector run
 directly (transformers 5.23's `get_video_features` splits its output by t*h*w/4 after pooling the
-frames, which fails for t > 1); loading from a tower-only save and the full checkpoint's weights;
-the family's bad inputs."""
+frames, which fails for t > 1); the clip path (its own budgets and buffers of 4 frames' rows per
+token, graphs for clips while image batches keep kh*kw rows per token), checked per budget as the
+conformance suite checks a family; loading from a tower-only save and the full checkpoint's
+weights; the family's bad inputs."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
+import pickle
+import random
 from pathlib import Path
 
 import pytest
@@ -17,9 +22,12 @@ from family_cases.kimi_k25 import BAD_ITEMS, ROW_SHAPE, full_config, randomize, 
 from safetensors.torch import load_file, save_file
 
 from vitpool import CheckpointError, GraphEncoder, Image, InvalidItemError, Video
+from vitpool.items import prepare_item
 from vitpool.models.kimi_k25 import KimiK25Adapter, KimiK25Encoder, encoder_state, tower_only_config
-from vitpool.models.kimi_k25_rules import EXTRA_ROWS
+from vitpool.models.kimi_k25_rules import CLIP, EXTRA_ROWS, KimiK25Rules
 from vitpool.models.registry import find_family
+from vitpool.packing import Budget
+from vitpool.specs import BatchPlan
 
 TOLERANCE = 1e-5
 BUDGETS = [16, 32, 64]
@@ -49,9 +57,9 @@ def hf_model():
     return model.eval().requires_grad_(False)
 
 
-def encoder_of(hf_model, row_factor: int = 2) -> GraphEncoder:
+def encoder_of(hf_model, clip_frames: int | None = None) -> GraphEncoder:
     module = KimiK25Encoder(copy.deepcopy(hf_model.model.vision_tower), copy.deepcopy(hf_model.model.mm_projector))
-    return GraphEncoder(KimiK25Adapter(module, row_factor), budgets=BUDGETS, device="cpu", dtype=torch.float32)
+    return GraphEncoder(KimiK25Adapter(module, clip_frames), budgets=BUDGETS, device="cpu", dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -79,15 +87,106 @@ def test_images_of_different_sizes_in_one_call(hf_model, encoder):
         assert relative_error(embedding.tokens, image_features(hf_model, item)) <= TOLERANCE
 
 
-def test_videos_match_the_tower_and_projector(hf_model, encoder):
-    items = [video(2, 4, 4, 7), image(4, 6, 8), video(3, 2, 4, 9), video(4, 4, 2, 10)]
-    module = KimiK25Encoder(hf_model.model.vision_tower, hf_model.model.mm_projector)
-    before = encoder.stats().eager_batches
+def tower_and_projector(hf_model) -> KimiK25Encoder:
+    return KimiK25Encoder(hf_model.model.vision_tower, hf_model.model.mm_projector)
+
+
+def test_clips_have_a_path_of_their_own_over_the_one_tower(encoder):
+    adapter = encoder.adapter
+    image_path, clip_path = adapter.paths[""], adapter.paths[CLIP]
+    assert image_path.tower is clip_path.tower is adapter.tower  # one module: no copy of the weights
+    # an image batch keeps kh*kw = 4 rows per token and pools one frame; a clip batch holds 4 frames
+    assert [image_path.max_rows(n) for n in BUDGETS] == [4 * n for n in BUDGETS]
+    assert clip_path.max_rows(16) == 16 * 16
+    assert image_path.metadata_specs(64, encoder.budgets[0])["pool_index"].shape == (16, 1, 4)
+    # clip budgets up to the largest image budget's rows: 64 tokens // 4 frames
+    clip_budgets = [budget for budget in encoder.budgets if budget.path == CLIP]
+    assert clip_budgets == [Budget(16, ((EXTRA_ROWS, 3 * 4 * 16),), 16, CLIP)]
+    assert all(budget.limit(EXTRA_ROWS) == 0 for budget in encoder.budgets if budget.path == "")
+    rules = adapter.item_rules
+    routes = ((image(4, 4, 1), ""), (video(1, 4, 4, 2), ""), (video(2, 4, 4, 3), CLIP), (video(4, 2, 2, 4), CLIP))
+    for item, path in routes:
+        spec = prepare_item(0, item, rules).spec  # as a caller's process sizes it
+        assert spec.path == path
+        # an actor derives a spec again from its own layout
+        assert rules.item_spec(spec.modality, spec.pixel_shape, spec.pixel_dtype, spec.layout) == spec
+    unpickled = pickle.loads(pickle.dumps(rules))
+    assert unpickled == rules and sorted(unpickled.budgets(BUDGETS, None, {})) == encoder.budgets
+
+
+def test_images_and_clips_of_one_to_four_frames_in_one_call_match(hf_model, encoder):
+    items = [
+        video(2, 4, 4, 7), image(4, 6, 8), video(3, 2, 4, 9), video(4, 4, 2, 10), video(1, 4, 4, 11),
+        image(8, 8, 12), video(4, 4, 4, 13), image(2, 2, 14),
+    ]
+    before = encoder.stats()
     for item, embedding in zip(items, encoder.encode(items), strict=True):
         h, w = item.grid_thw[1:]
         assert embedding.tokens.shape == (h * w // 4, 48)
+        assert relative_error(embedding.tokens, reference_tokens(tower_and_projector(hf_model), item)) <= TOLERANCE
+    after = encoder.stats()
+    assert after.eager_batches == before.eager_batches  # every clip ran in a clip budget, none alone
+
+
+def test_four_frame_clips_replay_the_clip_budgets(hf_model, encoder):
+    """Images of 48 tokens go to the image budget of 64; three 4-frame clips of 4 tokens (192 rows:
+    three times what an image budget of 16 tokens holds) to the clip budget of 16."""
+    clips = [video(4, 4, 4, 20 + seed) for seed in range(3)]
+    stills = [image(8, 8, 30 + seed) for seed in range(3)]
+    before = encoder.stats()
+    got = encoder.encode([clips[0], stills[0], clips[1], stills[1], clips[2], stills[2]])
+    after = encoder.stats()
+    assert after.eager_batches == before.eager_batches
+    replays = {n: after.replays_per_budget.get(n, 0) - before.replays_per_budget.get(n, 0) for n in BUDGETS}
+    assert replays == {16: 1, 32: 0, 64: 1}
+    module = tower_and_projector(hf_model)
+    for item, embedding in zip([clips[0], stills[0], clips[1], stills[1], clips[2], stills[2]], got, strict=True):
         assert relative_error(embedding.tokens, reference_tokens(module, item)) <= TOLERANCE
-    assert encoder.stats().eager_batches == before  # clips ran in budgets (row_factor 2), not alone
+
+
+@pytest.mark.parametrize("path", ["", CLIP])
+def test_every_budget_of_each_path_matches_on_sampled_items(hf_model, encoder, path):
+    """The conformance suite's check, for both paths: random valid items of the path's adapter,
+    planned into each of its budgets, against the reference, item by item."""
+    adapter = encoder.adapter.paths[path]
+    module = tower_and_projector(hf_model)
+    for number, budget in enumerate(b for b in encoder.budgets if b.path == path):
+        specs = adapter.sample_specs(adapter.max_rows(budget.num_tokens), budget, random.Random(number))
+        assert specs and all(spec.path == path for spec in specs)
+        assert (max(spec.layout[0] for spec in specs) > 1) == (path == CLIP)
+        generator = torch.Generator().manual_seed(number)
+        pixels = [torch.randn(spec.pixel_shape, generator=generator) for spec in specs]
+        [outcomes] = encoder.run_plans([(BatchPlan(budget, tuple(specs)), pixels)], "cpu")
+        for spec, item_pixels, embedding in zip(specs, pixels, outcomes, strict=True):
+            item = (Video if spec.layout[0] > 1 else Image)(item_pixels, spec.layout)
+            want = reference_tokens(module, item)
+            assert relative_error(embedding.tokens, want) <= TOLERANCE
+
+
+def test_a_spec_that_hides_its_clip_on_the_image_path_fails_its_batch(encoder):
+    clip = video(2, 4, 4, 40)
+    spec = prepare_item(0, clip, encoder.adapter.item_rules).spec
+    hidden = dataclasses.replace(spec, path="")
+    image_budget = next(budget for budget in encoder.budgets if budget.path == "")
+    with pytest.raises(ValueError):
+        encoder.run_plans([(BatchPlan(image_budget, (hidden,)), [clip.pixel_values])], "cpu")
+
+
+def test_a_clip_larger_than_the_clip_budgets_runs_eager_alone(hf_model, encoder):
+    clip = video(4, 8, 10, 41)  # 20 tokens: the clip budgets hold 16
+    before = encoder.stats().eager_batches
+    [embedding] = encoder.encode([clip])
+    assert encoder.stats().eager_batches == before + 1
+    assert relative_error(embedding.tokens, reference_tokens(tower_and_projector(hf_model), clip)) <= TOLERANCE
+
+
+def test_clip_frames_outside_the_time_table_are_refused(hf_model):
+    module = tower_and_projector(hf_model)
+    for clip_frames in (0, 5):
+        with pytest.raises(ValueError, match="clip_frames"):
+            KimiK25Adapter(module, clip_frames)
+    with pytest.raises(ValueError, match="clip_frames 1"):
+        KimiK25Rules(3, 2, (2, 2), 4, 48, clip_frames=1).budgets(BUDGETS, None, {EXTRA_ROWS: 4})
 
 
 def test_a_single_frame_video_matches_get_video_features(hf_model, encoder):
@@ -97,9 +196,10 @@ def test_a_single_frame_video_matches_get_video_features(hf_model, encoder):
     assert relative_error(encoder.encode([item])[0].tokens, expected) <= TOLERANCE
 
 
-def test_images_only_buffers_run_clips_eager(hf_model):
-    encoder = encoder_of(hf_model, row_factor=1)
-    assert all(budget.limit(EXTRA_ROWS) == 0 for budget in encoder.budgets)
+def test_without_a_clip_path_clips_run_eager(hf_model):
+    encoder = encoder_of(hf_model, clip_frames=1)
+    assert set(encoder.adapter.paths) == {""}
+    assert all(budget.limit(EXTRA_ROWS) == 0 and budget.path == "" for budget in encoder.budgets)
     module = KimiK25Encoder(hf_model.model.vision_tower, hf_model.model.mm_projector)
     clip, still = video(2, 4, 4, 12), image(4, 4, 13)
     got = encoder.encode([clip, still])

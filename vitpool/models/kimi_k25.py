@@ -9,12 +9,21 @@ token into the LLM's width: `KimiK25Encoder` holds both, so the adapter hands ou
 `Kimi_K25Model.get_image_features` gives the LLM.
 
 Every grid-dependent tensor is precomputed on the host (`interp_indices`, `interp_weights`,
-`frame_index`, `position_ids`, `cu_seqlens`, a static `max_seqlen`). `tower_hidden_states` is the
-one place that runs Hugging Face's tower, up to its final LayerNorm: the tower's own temporal
-pooling changed its helper's contract in transformers 5.24 (a gather index before, a scatter
-index, weights and a count since) and cannot be static across items of different t anyway, so
-the adapter pools the last hidden state itself with a [tokens, max_frames, kh*kw] index and
-per-frame weights 1/t (0 for slots past an item's frames).
+`frame_index`, `position_ids`, `cu_seqlens`, a static `max_seqlen`; what it shares with
+PaddleOCR-VL is `vitpool.models.patch_adapter`'s). `tower_hidden_states` is the one place that
+runs Hugging Face's tower, up to its final LayerNorm: the tower's own temporal pooling changed its
+helper's contract in transformers 5.24 (a gather index before, a scatter index, weights and a
+count since) and cannot be static across items of different t anyway, so the adapter pools the
+last hidden state itself with a [tokens, slots, kh*kw] index and per-frame weights 1/t (0 for
+slots past an item's frames).
+
+A clip of t frames takes t times an image's rows for the same tokens, so the adapter has two
+paths over the one tower (`KimiK25Adapter.paths`, routed by the item rules: see
+`vitpool.models.kimi_k25_rules`), each with buffers, budgets and graphs of its own: images (and
+single frames) in buffers of kh*kw rows per token that pool one slot, and clips of 2 to
+`pos_emb_time` frames in buffers of `clip_frames` * kh*kw rows per token that pool `pos_emb_time`
+slots. A clip of fewer frames than the buffers hold fills its own rows and slots; the rest is
+padding (rows of a trailing attention sequence, slots of weight 0), so its result is exact.
 """
 
 from __future__ import annotations
@@ -22,24 +31,19 @@ from __future__ import annotations
 import random
 import re
 from collections.abc import Sequence
-from functools import lru_cache
 from types import SimpleNamespace
 from typing import Any
 
 import torch
-from transformers.vision_utils import get_vision_interpolation_indices_and_weights, get_vision_position_ids
 
-from vitpool.models.attention import install_packed_attention
 from vitpool.models.compat import check_tower_parts
-from vitpool.models.kimi_k25_rules import EXTRA_ROWS, KimiK25Rules
+from vitpool.models.kimi_k25_rules import CLIP, EXTRA_ROWS, KimiK25Rules
+from vitpool.models.patch_adapter import PatchRowAdapter, renamed_key
+from vitpool.models.patch_rules import Grid
 from vitpool.models.projected import tower_and_projector
-from vitpool.models.protocol import TensorSpec, zero_metadata
-from vitpool.models.spatial_merge import item_cu_seqlens, item_grids
+from vitpool.models.protocol import TensorSpec
 from vitpool.packing import Budget
-from vitpool.specs import IMAGE, VIDEO, ItemSpec
-
-Grid = tuple[int, int, int]
-MAX_SAMPLED_ITEMS = 8
+from vitpool.specs import ItemSpec
 # What a tower-only save's vision config carries besides Hugging Face's fields, for the projector.
 PROJECTOR_FIELDS = ("text_hidden_size", "projection_hidden_size", "projection_layer_norm_eps")
 
@@ -130,67 +134,34 @@ def tower_hidden_states(
     return vision.final_layernorm(hidden)
 
 
-class KimiK25Adapter:
-    """Adapter for `KimiK25Encoder` (Kimi_K25VisionModel + mm_projector)."""
+class KimiK25PathAdapter(PatchRowAdapter):
+    """One path of `KimiK25Adapter`: images ("", kh*kw rows per token) or clips (CLIP,
+    `clip_frames` * kh*kw rows per token), through the one shared tower."""
 
-    def __init__(self, tower: KimiK25Encoder, row_factor: int = 1) -> None:
+    ROW_INDEX_NAMES = ("pool_index",)
+
+    def __init__(self, tower: KimiK25Encoder, item_rules: KimiK25Rules, path: str) -> None:
         vision = tower.vision_tower
-        config = vision.config
-        self.tower = tower
-        kh, kw = config.merge_kernel_size
-        self.merge_kernel = (int(kh), int(kw))
-        self.merge_unit = kh * kw
-        self.max_frames = int(config.pos_emb_time)
-        self.item_rules = KimiK25Rules(
-            3, int(config.patch_size), self.merge_kernel, self.max_frames,
-            int(tower.mm_projector.out_proj.out_features), row_factor,
-        )
-        self.row_shape = self.item_rules.row_shape
-        self.output_row_shapes = self.item_rules.output_row_shapes
-        pos_emb = vision.patch_embed.pos_emb
-        if config.pos_emb_height != config.pos_emb_width:
-            raise ValueError("Kimi-K2.5's position table must be square (pos_emb_height == pos_emb_width)")
-        self._num_grid_per_side: int = pos_emb.num_grid_per_side
-        self._interpolation_mode: str = pos_emb.interpolation_mode
-        self._align_corners: bool = pos_emb.interpolation_align_corners
-        self._per_grid = lru_cache(maxsize=1024)(self._grid_metadata)
-        check_tower_parts("Kimi-K2.5", vision, TOWER_PARTS)
-        install_packed_attention(vision)
+        self.max_frames = item_rules.max_frames
+        frames = (2, self.max_frames) if path == CLIP else (1, 1)
+        super().__init__(tower, vision, item_rules, vision.patch_embed.pos_emb, item_rules.row_factor(path), frames)
 
-    def max_rows(self, num_tokens: int) -> int:
-        return num_tokens * self.merge_unit * self.item_rules.row_factor
-
-    def metadata_specs(self, num_rows: int, budget: Budget) -> dict[str, TensorSpec]:
-        taps = 16 if self._interpolation_mode == "bicubic" else 4
+    def own_metadata_specs(self, num_rows: int, budget: Budget) -> dict[str, TensorSpec]:
         return {
-            "interp_indices": TensorSpec((num_rows, taps), torch.long),
-            "interp_weights": TensorSpec((num_rows, taps), torch.float32),
             "frame_index": TensorSpec((num_rows,), torch.long),
-            "position_ids": TensorSpec((num_rows, 2), torch.long),
-            # one sequence per item (a clip attends across its frames), the padding's, the leading 0
-            "cu_seqlens": TensorSpec((budget.max_items + 2,), torch.int32),
-            "pool_index": TensorSpec((budget.num_tokens, self.max_frames, self.merge_unit), torch.long),
-            "pool_weights": TensorSpec((budget.num_tokens, self.max_frames), torch.float32),
+            "pool_index": TensorSpec((budget.num_tokens, self._pool_slots(budget), self.merge_unit), torch.long),
+            "pool_weights": TensorSpec((budget.num_tokens, self._pool_slots(budget)), torch.float32),
         }
 
     def build_metadata(self, specs: Sequence[ItemSpec], num_rows: int, budget: Budget) -> dict[str, torch.Tensor]:
-        grids = item_grids(specs, num_rows, budget)
-        metadata = zero_metadata(self.metadata_specs(num_rows, budget))
-        # Padding rows: table row 0 with weight 0, frame 0 (no time term), rotary (0, 0), and one
-        # trailing sequence; padding tokens pool row 0 with weight 0.
-        metadata["cu_seqlens"] = item_cu_seqlens(grids, num_rows, budget.max_items)
-        row = token = 0
-        for grid in grids:
-            indices, weights, frames, positions, pool_index, pool_weights = self._per_grid(grid)
-            end, token_end = row + indices.shape[0], token + pool_index.shape[0]
-            metadata["interp_indices"][row:end] = indices
-            metadata["interp_weights"][row:end] = weights
-            metadata["frame_index"][row:end] = frames
-            metadata["position_ids"][row:end] = positions
-            metadata["pool_index"][token:token_end] = pool_index + row
-            metadata["pool_weights"][token:token_end] = pool_weights
-            row, token = end, token_end
-        return metadata
+        # Padding rows: frame 0 (no time term); padding tokens pool row 0 with weight 0.
+        slots = self._pool_slots(budget)
+        if any(spec.layout[0] > slots for spec in specs):
+            raise ValueError(
+                f"a clip of {max(spec.layout[0] for spec in specs)} frames in a budget that holds no extra rows "
+                f"({budget}); clips run on the path {CLIP!r}"
+            )
+        return super().build_metadata(specs, num_rows, budget)
 
     def forward(self, pixels: torch.Tensor, metadata: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         hidden = tower_hidden_states(self.tower.vision_tower, pixels, metadata)
@@ -199,46 +170,72 @@ class KimiK25Adapter:
         pooled = (hidden[metadata["pool_index"]] * weights).sum(dim=1)
         return [self.tower.mm_projector(pooled).squeeze(1)]
 
-    def sample_specs(self, num_rows: int, budget: Budget, rng: random.Random) -> list[ItemSpec]:
-        rules, unit = self.item_rules, self.merge_unit
-        kh, kw = self.merge_kernel
-        specs: list[ItemSpec] = []
-        rows_left, tokens_left = num_rows, budget.num_tokens
-        extra_left = budget.limit(EXTRA_ROWS) or 0
-        while tokens_left >= 1 and len(specs) < min(MAX_SAMPLED_ITEMS, budget.max_items):
-            max_blocks = min(tokens_left, rows_left // unit)
-            if max_blocks < 1:
-                break
-            num_blocks = max_blocks if rng.random() < 0.2 else rng.randint(1, max(1, max_blocks // 2))
-            height_blocks = rng.randint(1, num_blocks)
-            width_blocks = max(1, num_blocks // height_blocks)
-            h, w = height_blocks * kh, width_blocks * kw
-            max_t = min(self.max_frames, rows_left // (h * w), 1 + extra_left // (h * w))
-            t = rng.randint(2, max_t) if max_t >= 2 and rng.random() < 0.3 else 1
-            spec = rules.item_spec(VIDEO if t > 1 else IMAGE, (t * h * w, *rules.row_shape), "float32", (t, h, w))
-            specs.append(spec)
-            rows_left -= spec.num_rows
-            tokens_left -= spec.num_tokens
-            extra_left -= spec.need(EXTRA_ROWS)
-        return specs
-
-    def _grid_metadata(self, grid: Grid) -> tuple[torch.Tensor, ...]:
+    def grid_metadata(self, grid: Grid) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         t, h, w = grid
-        grid_thw = torch.tensor([grid], dtype=torch.long)
-        indices, weights = get_vision_interpolation_indices_and_weights(
-            grid_thw, self._num_grid_per_side, mode=self._interpolation_mode, align_corners=self._align_corners,
-        )
         # frame f of a clip reads time-table row f + 1; a single frame reads the zero row 0
         frames = (torch.arange(t) + int(t > 1)).repeat_interleave(h * w)
-        positions = get_vision_position_ids(grid_thw, spatial_merge_size=1)
         kh, kw = self.merge_kernel
-        base = torch.arange(t * h * w).view(t, h // kh, kh, w // kw, kw)
-        base = base.permute(1, 3, 0, 2, 4).reshape((h // kh) * (w // kw), t, kh * kw)
-        pool_index = torch.zeros(base.shape[0], self.max_frames, kh * kw, dtype=torch.long)
-        pool_index[:, :t] = base
-        pool_weights = torch.zeros(base.shape[0], self.max_frames)
-        pool_weights[:, :t] = 1.0 / t
-        return indices, weights.to(torch.float32), frames, positions, pool_index, pool_weights
+        # token (bh, bw) pools patch (i, j) of its kh x kw block in every frame: [tokens, t, kh*kw]
+        pool_index = torch.arange(t * h * w).view(t, h // kh, kh, w // kw, kw)
+        pool_index = pool_index.permute(1, 3, 0, 2, 4).reshape((h // kh) * (w // kw), t, kh * kw)
+        pool_weights = torch.full(pool_index.shape[:2], 1.0 / t)
+        return {"frame_index": frames}, {"pool_index": pool_index, "pool_weights": pool_weights}
+
+    def _pool_slots(self, budget: Budget) -> int:
+        """Frames a token pools over: every frame a clip may have where the budget holds clips
+        (extra rows), else 1, so that image batches gather one frame, not `max_frames`."""
+        return self.max_frames if budget.limit(EXTRA_ROWS) else 1
+
+
+class KimiK25Adapter:
+    """Adapter for `KimiK25Encoder` (Kimi_K25VisionModel + mm_projector): two paths over the one
+    tower, images and videos of one frame on "" and clips on CLIP (`vitpool.models.kimi_k25_rules`).
+
+    Args:
+        tower: the encoder module; both paths run it (no copy of its weights).
+        clip_frames: rows of a clip budget's buffers per (kh*kw * token): the most frames a clip of
+            as many tokens as the budget may have. None: the model's `pos_emb_time` (4 for
+            Kimi-K2.5: its video processor's chunks). 1: no clip path; clips run eager, alone.
+
+    Raises:
+        ValueError: a position table that is not square, or `clip_frames` outside 1..pos_emb_time.
+        ConfigError: the installed transformers' tower lacks a part the adapter runs.
+
+    The protocol's per-path methods (`max_rows`, `metadata_specs`, ...) are the image path's, for
+    code that sees one path; `GraphEncoder` runs each path's own (`paths`).
+    """
+
+    def __init__(self, tower: KimiK25Encoder, clip_frames: int | None = None) -> None:
+        vision = tower.vision_tower
+        config = vision.config
+        if config.pos_emb_height != config.pos_emb_width:
+            raise ValueError("Kimi-K2.5's position table must be square (pos_emb_height == pos_emb_width)")
+        check_tower_parts("Kimi-K2.5", vision, TOWER_PARTS)
+        kh, kw = config.merge_kernel_size
+        max_frames = int(config.pos_emb_time)
+        self.tower = tower
+        self.item_rules = KimiK25Rules(
+            3, int(config.patch_size), (int(kh), int(kw)), max_frames, int(tower.mm_projector.out_proj.out_features),
+            max_frames if clip_frames is None else clip_frames,
+        )
+        self.row_shape = self.item_rules.row_shape
+        self.output_row_shapes = self.item_rules.output_row_shapes
+        self.paths = {path: KimiK25PathAdapter(tower, self.item_rules, path) for path in self.item_rules.paths}
+
+    def max_rows(self, num_tokens: int) -> int:
+        return self.paths[""].max_rows(num_tokens)
+
+    def metadata_specs(self, num_rows: int, budget: Budget) -> dict[str, TensorSpec]:
+        return self.paths[""].metadata_specs(num_rows, budget)
+
+    def build_metadata(self, specs: Sequence[ItemSpec], num_rows: int, budget: Budget) -> dict[str, torch.Tensor]:
+        return self.paths[""].build_metadata(specs, num_rows, budget)
+
+    def forward(self, pixels: torch.Tensor, metadata: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        return self.paths[""].forward(pixels, metadata)
+
+    def sample_specs(self, num_rows: int, budget: Budget, rng: random.Random) -> list[ItemSpec]:
+        return self.paths[""].sample_specs(num_rows, budget, rng)
 
 
 # A full checkpoint (Moonshot's release, and what `save_pretrained` writes back) keeps the original
@@ -277,12 +274,7 @@ def encoder_state(checkpoint: dict[str, torch.Tensor], num_heads: int) -> dict[s
             state[prefix + f"k_proj.{kind}"] = _permute_for_rope(k, num_heads)
             state[prefix + f"v_proj.{kind}"] = v
             continue
-        name = key
-        for pattern, target in _RENAMES:
-            name, count = pattern.subn(target, name)
-            if count:
-                break
-        state[name] = tensor
+        state[renamed_key(key, _RENAMES)] = tensor
     return state
 
 

@@ -23,32 +23,26 @@ What differs for static capture:
   [tokens, merge² * d], then `linear_1`, `act`, `linear_2`.
 
 Padding rows read table row 0 with weight 0 and rotary position (0, 0), and form one trailing
-attention sequence of their own; padding tokens gather row 0.
+attention sequence of their own; padding tokens gather row 0. What the adapter shares with
+Kimi-K2.5's (the position table's and rotary metadata, the fill, the sampler) is
+`vitpool.models.patch_adapter`'s.
 """
 
 from __future__ import annotations
 
 import copy
-import random
 import re
-from collections.abc import Sequence
-from functools import lru_cache
 from types import SimpleNamespace
 from typing import Any
 
 import torch
-from transformers.vision_utils import get_vision_interpolation_indices_and_weights, get_vision_position_ids
 
-from vitpool.models.attention import install_packed_attention
 from vitpool.models.paddleocr_vl_rules import PaddleOCRVLRules
+from vitpool.models.patch_adapter import PatchRowAdapter, renamed_key
+from vitpool.models.patch_rules import Grid
 from vitpool.models.projected import tower_and_projector
-from vitpool.models.protocol import TensorSpec, zero_metadata
-from vitpool.models.spatial_merge import item_cu_seqlens, item_grids
+from vitpool.models.protocol import TensorSpec
 from vitpool.packing import Budget
-from vitpool.specs import IMAGE, ItemSpec
-
-Grid = tuple[int, int, int]
-MAX_SAMPLED_ITEMS = 8
 # What a tower-only save's vision config carries besides Hugging Face's fields, for the projector.
 TEXT_HIDDEN_SIZE = "text_hidden_size"
 
@@ -125,68 +119,29 @@ def convert_checkpoint(state: dict[str, torch.Tensor], config: Any = None) -> di
     for key, tensor in state.items():
         if any(pattern.search(key) for pattern in _IGNORED):
             continue
-        name = key
-        for pattern, target in _RENAMES:
-            name, count = pattern.subn(target, name)
-            if count:
-                break
-        converted[name] = tensor
+        converted[renamed_key(key, _RENAMES)] = tensor
     return converted
 
 
-class PaddleOCRVLAdapter:
+class PaddleOCRVLAdapter(PatchRowAdapter):
     """Adapter for `PaddleOCREncoder` (PaddleOCRVisionModel + PaddleOCRProjector)."""
+
+    ROW_INDEX_NAMES = ("merge_index",)
 
     def __init__(self, tower: PaddleOCREncoder) -> None:
         config = tower.visual.config
-        self.tower = tower
         self.merge_size = int(config.spatial_merge_size)
-        self.merge_unit = self.merge_size * self.merge_size
-        self.item_rules = PaddleOCRVLRules(
+        item_rules = PaddleOCRVLRules(
             int(config.num_channels), int(config.patch_size), self.merge_size,
             int(tower.projector.linear_2.out_features),
         )
-        self.row_shape = self.item_rules.row_shape
-        self.output_row_shapes = self.item_rules.output_row_shapes
         embeddings = tower.visual.vision_model.embeddings
-        self._num_grid_per_side: int = embeddings.num_grid_per_side
-        if self._num_grid_per_side**2 != embeddings.num_positions:
+        if embeddings.num_grid_per_side**2 != embeddings.num_positions:
             raise ValueError("PaddleOCR-VL's position table must be square ((image_size / patch_size)² positions)")
-        self._interpolation_mode: str = embeddings.interpolation_mode
-        self._align_corners: bool = embeddings.interpolation_align_corners
-        self._per_grid = lru_cache(maxsize=1024)(self._grid_metadata)
-        install_packed_attention(tower.visual)
+        super().__init__(tower, tower.visual, item_rules, embeddings)
 
-    def max_rows(self, num_tokens: int) -> int:
-        return num_tokens * self.merge_unit
-
-    def metadata_specs(self, num_rows: int, budget: Budget) -> dict[str, TensorSpec]:
-        taps = 16 if self._interpolation_mode == "bicubic" else 4
-        return {
-            "interp_indices": TensorSpec((num_rows, taps), torch.long),
-            "interp_weights": TensorSpec((num_rows, taps), torch.float32),
-            "position_ids": TensorSpec((num_rows, 2), torch.long),
-            # one sequence per image, the padding's, the leading 0
-            "cu_seqlens": TensorSpec((budget.max_items + 2,), torch.int32),
-            "merge_index": TensorSpec((budget.num_tokens, self.merge_unit), torch.long),
-        }
-
-    def build_metadata(self, specs: Sequence[ItemSpec], num_rows: int, budget: Budget) -> dict[str, torch.Tensor]:
-        grids = item_grids(specs, num_rows, budget)
-        metadata = zero_metadata(self.metadata_specs(num_rows, budget))
-        # Padding rows: table row 0 with weight 0, rotary (0, 0), one trailing sequence; padding
-        # tokens gather row 0.
-        metadata["cu_seqlens"] = item_cu_seqlens(grids, num_rows, budget.max_items)
-        row = token = 0
-        for grid in grids:
-            indices, weights, positions, merge_index = self._per_grid(grid)
-            end, token_end = row + indices.shape[0], token + merge_index.shape[0]
-            metadata["interp_indices"][row:end] = indices
-            metadata["interp_weights"][row:end] = weights
-            metadata["position_ids"][row:end] = positions
-            metadata["merge_index"][token:token_end] = merge_index + row
-            row, token = end, token_end
-        return metadata
+    def own_metadata_specs(self, num_rows: int, budget: Budget) -> dict[str, TensorSpec]:
+        return {"merge_index": TensorSpec((budget.num_tokens, self.merge_unit), torch.long)}
 
     def forward(self, pixels: torch.Tensor, metadata: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         metadata = dict(metadata)
@@ -203,34 +158,10 @@ class PaddleOCRVLAdapter:
         merged = normed[merge_index].reshape(merge_index.shape[0], -1)  # [tokens, merge² * d]
         return [projector.linear_2(projector.act(projector.linear_1(merged)))]
 
-    def sample_specs(self, num_rows: int, budget: Budget, rng: random.Random) -> list[ItemSpec]:
-        rules, unit, merge = self.item_rules, self.merge_unit, self.merge_size
-        specs: list[ItemSpec] = []
-        rows_left, tokens_left = num_rows, budget.num_tokens
-        while tokens_left >= 1 and len(specs) < min(MAX_SAMPLED_ITEMS, budget.max_items):
-            max_blocks = min(tokens_left, rows_left // unit)
-            if max_blocks < 1:
-                break
-            num_blocks = max_blocks if rng.random() < 0.2 else rng.randint(1, max(1, max_blocks // 2))
-            height_blocks = rng.randint(1, num_blocks)
-            width_blocks = max(1, num_blocks // height_blocks)
-            h, w = height_blocks * merge, width_blocks * merge
-            spec = rules.item_spec(IMAGE, (h * w, *rules.row_shape), "float32", (1, h, w))
-            specs.append(spec)
-            rows_left -= spec.num_rows
-            tokens_left -= spec.num_tokens
-        return specs
-
-    def _grid_metadata(self, grid: Grid) -> tuple[torch.Tensor, ...]:
-        _, h, w = grid
-        grid_thw = torch.tensor([grid], dtype=torch.long)
-        indices, weights = get_vision_interpolation_indices_and_weights(
-            grid_thw, self._num_grid_per_side, mode=self._interpolation_mode, align_corners=self._align_corners,
-            spatial_merge_size=1,
-        )
-        positions = get_vision_position_ids(grid_thw, spatial_merge_size=1)
+    def grid_metadata(self, grid: Grid) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         # The projector's reshape(h/m, m, w/m, m).transpose: token (bh, bw) takes rows
         # (bh*m + i) * w + bw*m + j for i, j in row-major order.
+        _, h, w = grid
         m = self.merge_size
         merge_index = torch.arange(h * w).view(h // m, m, w // m, m).transpose(1, 2).reshape(-1, m * m)
-        return indices, weights.to(torch.float32), positions, merge_index
+        return {}, {"merge_index": merge_index}

@@ -138,10 +138,9 @@ class PathRules:
 
 
 def rules_of_part(rules: Any, path: str) -> ItemRules:
-    """The rules that size a part of `path`: the family's own for "", else its `PathRules`' rules
-    of that input. Raises ValueError for a path the family does not have."""
-    if not path:
-        return rules
-    if not isinstance(rules, PathRules):
-        raise ValueError(f"this model takes one input per item; a part of path {path!r} is not one of its items")
-    return rules.rules_for(path)
+    """The rules that size an item of `path`: a `PathRules`' rules of that input, else the
+    family's own (which set each spec's path themselves, e.g. Kimi-K2.5's clips). Raises
+    ValueError for an input the family does not have."""
+    if isinstance(rules, PathRules) and path:
+        return rules.rules_for(path)
+    return rules

@@ -57,11 +57,18 @@ def reference(encoder: GraphEncoder) -> Callable[[Any], list[torch.Tensor]]:
     return lambda item: [reference_tokens(module, item)]
 
 
-def make_encoder(budgets: list[int], row_factor: int = 2) -> GraphEncoder:
+def make_encoder(budgets: list[int], clip_frames: int | None = None) -> GraphEncoder:
+    """A CPU fp32 encoder of the tiny model; `clip_frames` as for `KimiK25Adapter` (None: its clip
+    path holds 4 frames' rows per token; 1: no clip path)."""
     from vitpool.models.kimi_k25 import KimiK25Adapter
 
-    adapter = KimiK25Adapter(tiny_encoder_module(), row_factor=row_factor)
+    adapter = KimiK25Adapter(tiny_encoder_module(), clip_frames=clip_frames)
     return GraphEncoder(adapter, budgets=budgets, device="cpu", dtype=torch.float32)
+
+
+def make_suite_encoder(budgets: list[int]) -> GraphEncoder:
+    """Both paths (images, and clips on a path of their own): the suite samples each budget's."""
+    return make_encoder(budgets, None)
 
 
 BAD_ITEMS = (
@@ -76,5 +83,5 @@ BAD_ITEMS = (
 )
 
 CASE_FIELDS = {
-    "make_encoder": make_encoder, "reference": reference, "item_for": item_for, "bad_items": BAD_ITEMS, "budgets": (16, 32, 64),
+    "make_encoder": make_suite_encoder, "reference": reference, "item_for": item_for, "bad_items": BAD_ITEMS, "budgets": (16, 32, 64),
 }
