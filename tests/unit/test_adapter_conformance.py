@@ -8,6 +8,7 @@ given its spec, and a few bad items. The suite checks:
 - padding rows and neighbours do not change an item's rows;
 - `sample_specs` gives valid items that fit the budget (capture and checks rely on them);
 - bad items raise InvalidItemError naming the item; non-finite pixels fail their item alone;
+- a capacity limit the family does not have, or one that is not positive, is refused;
 - the item rules pickle, and import without transformers (a pool's callers load them).
 
 A family whose item is several inputs (`vitpool.models.path_rules`) is checked part by part: each
@@ -245,6 +246,18 @@ def test_a_bad_item_is_named_and_the_encoder_keeps_working(case, encoder):
             encoder.encode([good_item, bad])
         assert raised.value.index == 1 and words in str(raised.value)
     assert torch.equal(encoder.encode([good_item])[0].tokens, before)
+
+
+def test_a_capacity_limit_the_family_lacks_or_not_positive_is_refused(case, encoder):
+    def encoder_with(capacity_limits: dict[str, int]) -> GraphEncoder:
+        return GraphEncoder(encoder.adapter, budgets=list(case.budgets), device="cpu", dtype=torch.float32,
+                            capacity_limits=capacity_limits)
+
+    with pytest.raises(ValueError, match="bounds no 'no_such_capacity'"):
+        encoder_with({"no_such_capacity": 4})
+    for name in encoder.adapter.item_rules.capacities:
+        with pytest.raises(ValueError, match=f"capacity_limits\\['{name}'\\] must be a positive integer"):
+            encoder_with({name: 0})
 
 
 def test_a_batch_shaped_like_the_last_reuses_its_metadata(monkeypatch, case, encoder, reference):

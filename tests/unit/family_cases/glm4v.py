@@ -1,6 +1,7 @@
-"""The GLM-4.1V / 4.5V / 4.6V family under the adapter conformance suite, and the tiny models its
-own tests share: a Glm4vVisionModel with random weights, and its Hugging Face reference (its own
-tower with SDPA, one item alone, a video's grid flattened per frame as `get_video_features` does)."""
+"""The GLM-4.1V / 4.5V / 4.6V family under the adapter conformance suite and the grid families'
+tests: a Glm4vVisionModel with random weights, its Hugging Face reference (its own tower with
+SDPA, one item alone, a video's grid flattened per frame as `get_video_features` does), and tiny
+full models of the three releases."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from family_cases.common import item_for, randomize
+from family_cases.common import randomize
+from family_cases.qwen2_vl import spatial_merge_case_fields
 
-from vitpool import GraphEncoder, Image, Video
+from vitpool import GraphEncoder
 
 # C * T * P * P = 3 * 2 * 2 * 2; an 8x8 learned position table (image_size / patch_size)
 TINY_VISION = {
@@ -60,18 +62,31 @@ def make_encoder(budgets: list[int]) -> GraphEncoder:
     return GraphEncoder(Glm4vAdapter(tiny_tower()), budgets=budgets, device="cpu", dtype=torch.float32)
 
 
-BAD_ITEMS = (
-    (Image(torch.randn(16, 1000), (1, 4, 4)), "1000 features per row"),
-    (Image(torch.randn(1, 16, ROW_WIDTH), (1, 4, 4)), "must be 2-D"),
-    (Image(torch.randn(16, ROW_WIDTH)), "three integers"),
-    (Image(torch.randn(12, ROW_WIDTH), (1, 4, 4)), "needs t*h*w = 16"),
-    (Image(torch.randn(32, ROW_WIDTH), (2, 4, 4)), "use Video"),
-    (Image(torch.randn(12, ROW_WIDTH), (1, 3, 4)), "multiples of the spatial merge size"),
-    (Video(torch.randn(0, ROW_WIDTH), (0, 4, 4)), "zero or negative"),
-)
+def full_model(release: str = "glm4v") -> torch.nn.Module:
+    """A tiny full model (tower with unit-scale random weights, and LLM) of one release, run with
+    SDPA: "glm4v" (GLM-4.1V), "glm4v_moe" (GLM-4.5V: a `glm4v_moe_vision` tower) or "glm46v"
+    (GLM-4.6V: nests a `glm4v_vision` config)."""
+    import transformers
+
+    if release == "glm4v_moe":
+        text = dict(TINY_TEXT, n_routed_experts=2, num_experts_per_tok=1, n_shared_experts=1,
+                    moe_intermediate_size=16, first_k_dense_replace=1, n_group=1, topk_group=1)
+        config = transformers.Glm4vMoeConfig(vision_config=TINY_VISION, text_config=text)
+        model_class = transformers.Glm4vMoeForConditionalGeneration
+    elif release == "glm46v":
+        config = transformers.Glm46VConfig(vision_config=dict(TINY_VISION, model_type="glm4v_vision"),
+                                           text_config=dict(TINY_TEXT, model_type="glm4v_text"))
+        model_class = transformers.Glm46VForConditionalGeneration
+    else:
+        config = transformers.Glm4vConfig(vision_config=TINY_VISION, text_config=TINY_TEXT)
+        model_class = transformers.Glm4vForConditionalGeneration
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = model_class(config)
+    randomize(model.model.visual, seed=1)
+    model.model.visual.config._attn_implementation = "sdpa"
+    return model.eval()
 
 
-# The suite's FamilyCase fields: `FamilyCase(**CASE_FIELDS)`.
-CASE_FIELDS = {
-    "make_encoder": make_encoder, "reference": reference, "item_for": item_for, "bad_items": BAD_ITEMS, "budgets": (16, 32, 64),
-}
+BUDGETS = (16, 32, 64)
+CASE_FIELDS = spatial_merge_case_fields(make_encoder, reference, ROW_WIDTH, BUDGETS)

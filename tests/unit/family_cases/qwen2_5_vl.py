@@ -1,16 +1,17 @@
-"""Qwen2.5-VL under the adapter conformance suite and its own tests: a tiny tower with random
-weights (window attention with 2 x 2-token windows, so that small items have several windows,
-and full attention in one block), and Hugging Face's own tower (SDPA, one item at a time) as
-the reference."""
+"""Qwen2.5-VL under the adapter conformance suite, the grid families' tests and its own: a tiny
+tower with random weights (window attention with 2 x 2-token windows, so that small items have
+several windows, and full attention in one block), Hugging Face's own tower (SDPA, one item at a
+time) as the reference, and a tiny full model."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
-from family_cases.common import item_for, tower_reference
+from family_cases.common import tower_reference
+from family_cases.qwen2_vl import spatial_merge_case_fields
 
-from vitpool import GraphEncoder, Image, Video
+from vitpool import GraphEncoder
 
 # 14-pixel patches, two frames per temporal patch, three channels
 ROW_WIDTH = 3 * 2 * 14 * 14
@@ -45,25 +46,15 @@ def tiny_encoder(budgets: list[int], seed: int = 0, **kwargs: Any) -> GraphEncod
     return GraphEncoder(adapter, budgets=budgets, device="cpu", dtype=torch.float32, **kwargs)
 
 
-BAD_ITEMS = (
-    (Image(torch.randn(16, 1000), (1, 4, 4)), "1000 features per row"),
-    (Image(torch.randn(1, 16, ROW_WIDTH), (1, 4, 4)), "must be 2-D"),
-    (Image(torch.randn(16, ROW_WIDTH)), "three integers"),
-    (Image(torch.randn(16, ROW_WIDTH), (1, 4)), "three integers"),
-    (Image(torch.randn(12, ROW_WIDTH), (1, 4, 4)), "needs t*h*w = 16"),
-    (Image(torch.randn(32, ROW_WIDTH), (2, 4, 4)), "use Video for clips"),
-    (Image(torch.randn(12, ROW_WIDTH), (1, 3, 4)), "multiples of the spatial merge size 2"),
-    (Video(torch.randn(0, ROW_WIDTH), (0, 4, 4)), "zero or negative"),
-)
+def full_model() -> torch.nn.Module:
+    """A tiny full Qwen2.5-VL (tower and LLM) with random weights, run by Hugging Face with SDPA."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = Qwen2_5_VLConfig(vision_config=TINY_VISION_CONFIG, text_config=TINY_TEXT_CONFIG)
+    config._attn_implementation = "sdpa"
+    return Qwen2_5_VLForConditionalGeneration(config).eval()
+
 
 BUDGETS = (16, 32, 64)
-
-
-# The conformance suite's FamilyCase fields: FamilyCase(**CASE_FIELDS)
-CASE_FIELDS = dict(
-    make_encoder=tiny_encoder,
-    reference=tower_reference,
-    item_for=item_for,
-    bad_items=BAD_ITEMS,
-    budgets=BUDGETS,
-)
+CASE_FIELDS = spatial_merge_case_fields(tiny_encoder, tower_reference, ROW_WIDTH, BUDGETS)

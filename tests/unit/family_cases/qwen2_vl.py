@@ -1,7 +1,11 @@
-"""Qwen2-VL under the adapter conformance suite and its own tests: a tiny tower with random
-weights, and Hugging Face's own tower (SDPA, one item at a time) as the reference."""
+"""Qwen2-VL under the adapter conformance suite and the grid families' tests: a tiny tower with
+random weights, Hugging Face's own tower (SDPA, one item at a time) as the reference, a tiny full
+model, and the bad items of `SpatialMergeRules` (the rules Qwen2.5-VL, Qwen3.5 and GLM-4V share)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from family_cases.common import item_for, tower_reference
@@ -39,24 +43,46 @@ def tiny_encoder(budgets: list[int], seed: int = 0) -> GraphEncoder:
     return GraphEncoder(adapter, budgets=budgets, device="cpu", dtype=torch.float32)
 
 
-BAD_ITEMS = (
-    (Image(torch.randn(16, 1000), (1, 4, 4)), "1000 features per row"),
-    (Image(torch.randn(1, 16, ROW_WIDTH), (1, 4, 4)), "must be 2-D"),
-    (Image(torch.randn(16, ROW_WIDTH)), "three integers"),
-    (Image(torch.randn(12, ROW_WIDTH), (1, 4, 4)), "needs t*h*w = 16"),
-    (Image(torch.randn(32, ROW_WIDTH), (2, 4, 4)), "use Video for clips"),
-    (Image(torch.randn(12, ROW_WIDTH), (1, 3, 4)), "multiples of the spatial merge size 2"),
-    (Video(torch.randn(0, ROW_WIDTH), (0, 4, 4)), "zero or negative"),
-)
+def full_model() -> torch.nn.Module:
+    """A tiny full Qwen2-VL (tower and LLM) with random weights, run by Hugging Face with SDPA."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = Qwen2VLConfig(vision_config=TINY_VISION_CONFIG, text_config=TINY_TEXT_CONFIG)
+    config._attn_implementation = "sdpa"
+    return Qwen2VLForConditionalGeneration(config).eval()
+
+
+def spatial_merge_bad_items(row_width: int) -> tuple[tuple[Any, str], ...]:
+    """Items `SpatialMergeRules` (merge size 2) refuses for rows `row_width` wide, each with words
+    of its message."""
+    return (
+        (Image(torch.randn(16, row_width + 1), (1, 4, 4)), f"{row_width + 1} features per row"),
+        (Image(torch.randn(1, 16, row_width), (1, 4, 4)), "must be 2-D"),
+        (Image(torch.randn(16, row_width)), "three integers"),  # no grid
+        (Image(torch.randn(16, row_width), (1, 4)), "three integers"),  # a grid of two
+        (Image(torch.randn(12, row_width), (1, 4, 4)), "needs t*h*w = 16"),
+        (Image(torch.randn(32, row_width), (2, 4, 4)), "use Video for clips"),
+        (Image(torch.randn(12, row_width), (1, 3, 4)), "multiples of the spatial merge size 2"),  # h
+        (Image(torch.randn(12, row_width), (1, 4, 3)), "multiples of the spatial merge size 2"),  # w
+        (Video(torch.randn(0, row_width), (0, 4, 4)), "zero or negative"),
+    )
+
+
+def spatial_merge_case_fields(
+    make_encoder: Callable[[list[int]], GraphEncoder],
+    reference: Callable[[GraphEncoder], Callable[[Any], list[torch.Tensor]]],
+    row_width: int,
+    budgets: tuple[int, ...],
+) -> dict[str, Any]:
+    """A grid family's conformance case (the suite's FamilyCase fields; this module does not import
+    the suite, which imports it): items an Image or a Video of flattened patch rows and their grid,
+    and the bad items of `SpatialMergeRules`."""
+    return {
+        "make_encoder": make_encoder, "reference": reference, "item_for": item_for,
+        "bad_items": spatial_merge_bad_items(row_width), "budgets": budgets,
+    }
+
 
 BUDGETS = (16, 32, 64)
-
-
-# The conformance suite's FamilyCase fields (its module defines the class and builds the case).
-CASE_FIELDS = {
-    "make_encoder": tiny_encoder,
-    "reference": tower_reference,
-    "item_for": item_for,
-    "bad_items": BAD_ITEMS,
-    "budgets": BUDGETS,
-}
+CASE_FIELDS = spatial_merge_case_fields(tiny_encoder, tower_reference, ROW_WIDTH, BUDGETS)

@@ -1,19 +1,14 @@
-"""Qwen3.5 under the adapter conformance suite: tiny configs with random weights.
-
-`CASE_FIELDS` are the fields of the suite's `FamilyCase` (kept as a dict so that this module
-does not import the suite, which imports it). The tiny configs serve tests/unit/test_family_qwen3_5.py too.
-"""
+"""Qwen3.5 (dense and MoE) under the adapter conformance suite and the grid families' tests: tiny
+configs with random weights, Hugging Face's own tower (SDPA, one item at a time) as the reference,
+and tiny full models."""
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Callable
-from typing import Any
-
 import torch
-from family_cases.common import item_for
+from family_cases.common import tower_reference
+from family_cases.qwen2_vl import spatial_merge_case_fields
 
-from vitpool import GraphEncoder, Image
+from vitpool import GraphEncoder
 
 # patch 4: rows of 3 * 2 * 4 * 4 = 96 features; an 8 x 8 position table; 2 x 2 merge
 TINY_VISION = dict(
@@ -45,26 +40,16 @@ def make_encoder(budgets: list[int]) -> GraphEncoder:
     return GraphEncoder(Qwen3_5Adapter(tiny_tower()), budgets=budgets, device="cpu", dtype=torch.float32)
 
 
-def reference(encoder: GraphEncoder) -> Callable[[Any], list[torch.Tensor]]:
-    tower = copy.deepcopy(encoder.adapter.tower)
-    tower.config._attn_implementation = "sdpa"  # Hugging Face's own path, one item at a time
+def full_model(moe: bool = False) -> torch.nn.Module:
+    """A tiny full Qwen3.5 (tower and LLM, dense or MoE) with random weights, run with SDPA."""
+    import transformers
 
-    def outputs(item: Any) -> list[torch.Tensor]:
-        pixels = torch.as_tensor(item.pixel_values, dtype=torch.float32)
-        return [tower(pixels, grid_thw=torch.tensor([item.grid_thw])).pooler_output]
+    family, text = ("Qwen3_5Moe", TINY_MOE_TEXT) if moe else ("Qwen3_5", TINY_TEXT)
+    torch.manual_seed(0)
+    config = getattr(transformers, f"{family}Config")(vision_config=TINY_VISION, text_config=text)
+    config._attn_implementation = "sdpa"
+    return getattr(transformers, f"{family}ForConditionalGeneration")(config).eval()
 
-    return outputs
 
-
-CASE_FIELDS = dict(
-    make_encoder=make_encoder,
-    reference=reference,
-    item_for=item_for,
-    bad_items=(
-        (Image(torch.randn(16, 1536), (1, 4, 4)), "1536 features per row"),
-        (Image(torch.randn(1, 16, ROW_WIDTH), (1, 4, 4)), "must be 2-D"),
-        (Image(torch.randn(16, ROW_WIDTH)), "three integers"),
-        (Image(torch.randn(12, ROW_WIDTH), (1, 4, 3)), "multiples of the spatial merge size 2"),
-    ),
-    budgets=(8, 16, 32),
-)
+BUDGETS = (8, 16, 32)
+CASE_FIELDS = spatial_merge_case_fields(make_encoder, tower_reference, ROW_WIDTH, BUDGETS)
