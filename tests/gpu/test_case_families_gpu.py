@@ -53,6 +53,8 @@ def build(family: str, case) -> tuple[torch.nn.Module, GraphEncoder, list[Image]
 @pytest.mark.parametrize("family", ["deepseek_ocr2", "minicpmv4_6", "step3p7"])
 def test_every_budget_is_captured_and_items_match_get_image_features(family):
     case = importlib.import_module(f"family_cases.{family}")
+    if getattr(case, "TOO_OLD", None):
+        pytest.skip(case.TOO_OLD)
     model, encoder, items = build(family, case)
     stats = encoder.stats()
     assert len(stats.captured_budgets) == len(encoder.budgets) and stats.disabled_budgets == []

@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import ROW_WIDTH
 from tiny_vlms import TINY_FEATURE_VLMS, TINY_VLMS
+from tiny_vlms import minicpmv4_6 as minicpmv4_6_case
 from tiny_vlms import request as tiny_request
 from transformers import AutoConfig, Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
@@ -231,6 +232,8 @@ def assert_restored(model) -> None:
 
 @pytest.mark.parametrize("family", list(TINY_FEATURE_VLMS))
 def test_a_family_answered_at_get_image_features_generates_the_same_tokens(family):
+    if family == "minicpmv4_6" and minicpmv4_6_case.TOO_OLD:
+        pytest.skip(minicpmv4_6_case.TOO_OLD)
     vlm = TINY_FEATURE_VLMS[family]
     model = vlm.build()
     inputs = vlm.request(model.config)
@@ -261,6 +264,8 @@ def test_a_replaced_family_refuses_what_vitpool_does_not_run():
     with pytest.raises(TypeError, match="not replaced"):
         restore_vision_tower(model, original)
 
+    if minicpmv4_6_case.TOO_OLD:
+        return  # the rest needs a release that runs MiniCPM-V 4.6
     minicpm = TINY_FEATURE_VLMS["minicpmv4_6"]
     model = minicpm.build()
     inputs = minicpm.request(model.config)

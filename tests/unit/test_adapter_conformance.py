@@ -139,6 +139,8 @@ FAMILIES = {
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def case(request) -> FamilyCase:
+    if request.param == "minicpmv4_6" and minicpmv4_6_case.TOO_OLD:
+        pytest.skip(minicpmv4_6_case.TOO_OLD)
     return FAMILIES[request.param]
 
 

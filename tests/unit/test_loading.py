@@ -149,3 +149,18 @@ def test_a_family_whose_transformers_code_moved_fails_alone_naming_the_versions(
     with pytest.raises(ConfigError, match=expected):
         FAMILIES["qwen2_5_vl_vision"].adapter(None)
     GraphEncoder.from_pretrained(None, budgets=[16], device="cpu")  # Qwen3-VL still loads
+
+
+def test_a_transformers_release_older_than_a_familys_minimum_is_refused(monkeypatch):
+    """Before 5.19 Hugging Face's MiniCPM-V 4.6 merged slices of unlike sizes wrongly: its adapter
+    refuses such a release by name rather than serve a family its tests could not check."""
+    from family_cases.minicpmv4_6 import encoder_module, tiny_model
+
+    from vitpool.errors import ConfigError
+    from vitpool.models import compat
+    from vitpool.models.minicpmv4_6 import MiniCPMV4_6Adapter
+
+    module = encoder_module(tiny_model())
+    monkeypatch.setattr(compat, "installed_transformers", lambda: "5.18.0")
+    with pytest.raises(ConfigError, match=r"transformers>=5\.19\.0.*5\.18\.0 is installed"):
+        MiniCPMV4_6Adapter(module)

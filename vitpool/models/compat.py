@@ -45,6 +45,19 @@ def incompatible(family: str, what: str) -> ConfigError:
     )
 
 
+def require_transformers(family: str, minimum: str, why: str) -> None:
+    """A family whose Hugging Face code is usable only from a later release than the range's
+    lower bound: ConfigError where the installed transformers is older than `minimum`."""
+    from packaging.version import Version
+
+    installed = installed_transformers()
+    if Version(installed) < Version(minimum):
+        raise ConfigError(
+            f"{family} needs transformers>={minimum} ({why}); transformers {installed} is installed: "
+            f"pip install 'transformers>={minimum}'"
+        )
+
+
 def check_tower_parts(family: str, tower: torch.nn.Module, parts: Sequence[str]) -> None:
     """Raise `incompatible` unless `tower` has every dotted attribute in `parts`.
 

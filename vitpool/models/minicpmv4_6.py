@@ -50,7 +50,7 @@ from transformers.vision_utils import get_vision_nearest_position_ids
 
 from vitpool.errors import ConfigError
 from vitpool.models.attention import install_packed_attention
-from vitpool.models.compat import check_tower_parts
+from vitpool.models.compat import check_tower_parts, require_transformers
 from vitpool.models.minicpmv4_6_rules import PATCHES_PER_TOKEN, MiniCPMV4_6Rules, parse_target_sizes
 from vitpool.models.projected import tower_and_projector
 from vitpool.models.protocol import TensorSpec, zero_metadata
@@ -174,10 +174,18 @@ def convert_checkpoint(state: dict[str, torch.Tensor], config: Any = None) -> di
     return {_FULL_PREFIX.sub("", key): tensor for key, tensor in state.items()}
 
 
+# Before 5.19 Hugging Face's window merger assumed every slice of an image has one size, so its
+# `get_image_features`, this family's reference, gave wrong output (or a shape error) for most images;
+# vitpool's tests compare with it, so the family is tested, and served, from 5.19 on.
+MINIMUM_TRANSFORMERS = "5.19.0"
+MINIMUM_TRANSFORMERS_WHY = "its window merger took slices of unlike sizes from 5.19 on"
+
+
 class MiniCPMV4_6Adapter:
     """Adapter for `MiniCPMV4_6Encoder` (MiniCPMV4_6VisionModel + MiniCPMV4_6Merger)."""
 
     def __init__(self, tower: MiniCPMV4_6Encoder) -> None:
+        require_transformers(FAMILY, MINIMUM_TRANSFORMERS, MINIMUM_TRANSFORMERS_WHY)
         check_tower_parts(FAMILY, tower, TOWER_PARTS)
         vision_tower = tower.vision_tower
         config = vision_tower.config

@@ -15,6 +15,20 @@ from family_cases.common import randomize
 from vitpool import GraphEncoder, Image, Video
 from vitpool.specs import ItemSpec
 
+def _older_than_minimum() -> str | None:
+    """Why the family's tests skip here (None: they run): transformers before the release whose
+    MiniCPM-V 4.6 takes slices of unlike sizes (the reference, and what vitpool requires)."""
+    import transformers
+    from packaging.version import Version
+
+    from vitpool.models.minicpmv4_6 import MINIMUM_TRANSFORMERS
+
+    if Version(transformers.__version__) < Version(MINIMUM_TRANSFORMERS):
+        return f"MiniCPM-V 4.6 needs transformers>={MINIMUM_TRANSFORMERS}; {transformers.__version__} is installed"
+    return None
+
+
+TOO_OLD = _older_than_minimum()
 PATCH = 14  # the processor's patch size
 ROW_SHAPE = (3, PATCH, PATCH)
 TEXT_HIDDEN = 48  # the Merger's output width: the LLM's width
