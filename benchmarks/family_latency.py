@@ -185,12 +185,18 @@ def measure(
     family: str, vision_config: dict, runs: int, warmup: int, compiled: bool = False, compiled_blocks: bool = False
 ) -> dict:
     config = {**vision_config, **PROJECTOR_FIELDS.get(family, {}), "model_type": VISION_MODEL_TYPES[family]}
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
     with tempfile.TemporaryDirectory() as directory:
         (Path(directory) / "config.json").write_text(json.dumps(config))
         torch.manual_seed(0)
         encoder = GraphEncoder.from_pretrained(
             directory, device="cuda", dtype=torch.bfloat16, compiled_blocks=compiled_blocks
         )
+    torch.cuda.synchronize()
+    weights = sum(p.numel() * p.element_size() for p in encoder.adapter.tower.parameters())
+    # the encoder's memory once captured: weights, static buffers and the graphs' pool
+    memory = {"weights_gib": weights / 2**30, "after_capture_gib": (torch.cuda.memory_allocated() - before) / 2**30}
     stats = encoder.stats()
     reference = use_sdpa(copy.deepcopy(encoder.adapter.tower))
     rows = {}
@@ -221,7 +227,7 @@ def measure(
                     rows[name]["hf_compile_error"] = f"{type(error).__name__}: {str(error)[:300]}"
     result = {
         "family": family, "params_m": sum(p.numel() for p in encoder.adapter.tower.parameters()) / 1e6,
-        "capture_s": stats.capture_seconds, "budgets": len(encoder.budgets),
+        "capture_s": stats.capture_seconds, "budgets": len(encoder.budgets), "memory": memory,
         "disabled_budgets": stats.disabled_budgets, "workloads": rows,
     }
     return result
@@ -256,6 +262,10 @@ def main() -> None:
         if args.out:
             args.out.write_text(json.dumps(results, indent=2))
     print(f"\nGPU: {gpu}; median (p99) ms of {args.runs} runs after {args.warmup} warm-up; ratio = vitpool / HF eager")
+    for result in results["families"]:
+        memory = result["memory"]
+        print(f"{result['family']}: capture and check {result['capture_s']:.1f} s for {result['budgets']} budgets; "
+              f"GPU memory after capture {memory['after_capture_gib']:.2f} GiB (weights {memory['weights_gib']:.2f})")
     print("| family (vision params) | capture s (budgets) | workload | patches | HF eager | vitpool | ratio | rel. err |")
     print("|---|---|---|---|---|---|---|---|")
     for result in results["families"]:
