@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import logging
 import tempfile
@@ -185,6 +186,7 @@ def measure(
     family: str, vision_config: dict, runs: int, warmup: int, compiled: bool = False, compiled_blocks: bool = False
 ) -> dict:
     config = {**vision_config, **PROJECTOR_FIELDS.get(family, {}), "model_type": VISION_MODEL_TYPES[family]}
+    gc.collect()  # the previous family's encoder and reference, held by reference cycles
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     with tempfile.TemporaryDirectory() as directory:
