@@ -72,25 +72,35 @@ def test_a_pool_of_a_tiled_family_equals_its_encoder(ray_cluster, tmp_path, fami
         pool.shutdown()
 
 
-def test_a_pool_of_a_family_of_several_inputs_joins_each_items_parts(ray_cluster, tmp_path):
-    """Step-3.7 through the pool: each item's global view and crops go as parts of their own
-    paths (checked in the caller), possibly to different batches, and come back as one
-    Embedding equal to the in-process encoder's; encode_refs and encode_async join them too."""
+# per family of several inputs: its token budgets (a few tiles of each path) and crops per item,
+# one of them over every budget of the crops' path
+SEVERAL_INPUTS = {
+    "step3p7": ([4, 8], (2, 0, 12, 5)),  # 4 tokens a view, 1 a crop
+    "deepseek_ocr2": ([257, 514], (2, 0, 4)),  # 257 a view (its separator too), 144 a crop
+}
+
+
+@pytest.mark.parametrize("family", sorted(SEVERAL_INPUTS))
+def test_a_pool_of_a_family_of_several_inputs_joins_each_items_parts(ray_cluster, tmp_path, family):
+    """Through the pool, each item's global view and crops go as parts of their own paths
+    (checked in the caller), possibly to different batches, and come back as one Embedding equal
+    to the in-process encoder's; encode_refs and encode_async join them too."""
     import asyncio
+    import importlib
     import sys
     from pathlib import Path
 
     import ray
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-    from family_cases import step3p7 as case
+    case = importlib.import_module(f"family_cases.{family}")
 
     from vitpool import Image
 
     model = case.hf_model(seed=4)
     model.config.vision_config.local_image_size = case.LOCAL_SIZE
     model.save_pretrained(tmp_path, safe_serialization=True)
-    budgets = [4, 8]
+    budgets, crop_counts = SEVERAL_INPUTS[family]
     generator = torch.Generator().manual_seed(0)
 
     def item(crops: int) -> Image:
@@ -98,17 +108,50 @@ def test_a_pool_of_a_family_of_several_inputs_joins_each_items_parts(ray_cluster
         local = torch.randn(crops, *case.LOCAL_ROW_SHAPE, generator=generator)
         return Image(view, inputs={"pixel_values_local": local} if crops else None)
 
-    items = [item(count) for count in (2, 0, 12, 5)]  # 12 crops: over every budget of their path
+    items = [item(count) for count in crop_counts]
     reference = GraphEncoder.from_pretrained(tmp_path, budgets=budgets, device="cpu", dtype=torch.float32)
-    pool = EncoderPool.launch(model=str(tmp_path), budgets=budgets, name="family-step3p7", num_actors=1, device="cpu")
+    pool = EncoderPool.launch(model=str(tmp_path), budgets=budgets, name=f"family-{family}", num_actors=1, device="cpu")
     try:
         expected = reference.encode(items)
         assert_same_outputs(pool.encode(items), expected)
         assert_same_outputs(ray.get(pool.encode_refs(items)), expected)
         assert_same_outputs(asyncio.run(pool.encode_async(items)), expected)
-        bad = Image(items[0].pixel_values, inputs={"pixel_values_local": torch.randn(2, 3, 28, 30)})
+        crops = case.LOCAL_ROW_SHAPE
+        bad = Image(items[0].pixel_values, inputs={"pixel_values_local": torch.randn(2, crops[0], crops[1], crops[2] + 2)})
         outcomes = pool.encode([items[0], bad], return_exceptions=True)
         assert isinstance(outcomes[1], InvalidItemError) and outcomes[1].index == 1
         assert_same_outputs(outcomes[:1], expected[:1])
+    finally:
+        pool.shutdown()
+
+
+def test_a_pool_of_minicpmv4_6_equals_its_encoder(ray_cluster, tmp_path):
+    """MiniCPM-V 4.6 through the pool: images of several slices of unlike sizes (one over every
+    budget), the processor's strip as the item's pixels, checked in the caller."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+    from family_cases import minicpmv4_6 as case
+
+    from vitpool import Image
+
+    if case.TOO_OLD:
+        pytest.skip(case.TOO_OLD)
+    case.tiny_model(seed=4).save_pretrained(tmp_path, safe_serialization=True)
+    budgets = [8, 16]
+    generator = torch.Generator().manual_seed(0)
+
+    def image(sizes: list[list[int]]) -> Image:
+        rows = torch.randn(sum(h * w for h, w in sizes), *case.ROW_SHAPE, generator=generator)
+        return Image(case.strip_of(rows), sizes)  # as the processor emits it
+
+    items = [image([[4, 4]]), image([[8, 4], [4, 8], [4, 4]]), image([[8, 8], [8, 12], [12, 12]])]  # 19 tokens: eager
+    reference = GraphEncoder.from_pretrained(tmp_path, budgets=budgets, device="cpu", dtype=torch.float32)
+    pool = EncoderPool.launch(model=str(tmp_path), budgets=budgets, name="family-minicpmv4_6", num_actors=1, device="cpu")
+    try:
+        assert_same_outputs(pool.encode(items), reference.encode(items))
+        with pytest.raises(InvalidItemError, match="item 1: .*multiples of 4"):
+            pool.encode([items[0], Image(torch.randn(12, *case.ROW_SHAPE), [[2, 6]])])
     finally:
         pool.shutdown()
