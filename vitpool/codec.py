@@ -7,7 +7,7 @@ bytes that are malformed, truncated or of a version this vitpool does not read; 
 anything else. It knows no model: an item's grid is whatever integers its family's processor
 emitted (checked against the model later, by `encode`, like any caller's items).
 
-Version 2 (written):
+Version 2 (written, for requests whose items are one tensor each, and for results):
 
     request = {"format": "vitpool", "version": 2, "kind": "request",
                "items": [{"modality": "image" | "video", "grid": GRID, "pixels": TENSOR}, ...]}
@@ -16,6 +16,11 @@ Version 2 (written):
     GRID    = nil | [int | GRID, ...]                              # e.g. [t, h, w]; nil for tiles
     TENSOR  = {"dtype": "float32" | "float16" | "bfloat16" | "float64",
                "shape": [int, ...] (1 to 5 dimensions), "data": bytes}
+
+Version 3 (written for requests with an item of several inputs; results stay version 2): a
+version 2 request whose items may also carry `"inputs": {name: TENSOR, ...}`, the item's further
+pixel tensors (`Image.inputs`: Step-3.7's and DeepSeek-OCR-2's crops). A reader of version 2
+refuses it by its version rather than drop the crops.
 
 Version 1 (still read): items {"type": "image" | "video", "grid_thw": [t, h, w], "pixels": TENSOR},
 embeddings {"tokens": TENSOR, "deepstack": [TENSOR, ...]}.
@@ -34,8 +39,9 @@ from vitpool.items import Embedding, Image, Item, Video
 from vitpool.transport.wire import WIRE_DTYPES, from_array, to_array, wire_dtype_name
 
 FORMAT = "vitpool"
-VERSION = 2  # written
-READ_VERSIONS = (1, 2)
+VERSION = 2  # written (requests with items of several inputs: INPUTS_VERSION)
+INPUTS_VERSION = 3
+READ_VERSIONS = (1, 2, 3)
 MAX_MESSAGE_BYTES = 1 << 31  # what one message may carry (2 GiB)
 MAX_DIMENSIONS = 5
 MAX_GRID_DEPTH = 4  # lists in lists: per-image grids of a tiled item, and so on
@@ -50,8 +56,14 @@ def encode_request(items: Sequence[Item]) -> bytes:
         modality = "video" if isinstance(item, Video) else "image"
         pixels = _pack_tensor(torch.as_tensor(item.pixel_values))
         grid = _grid_to_wire(item.grid_thw, f"item {index}")
-        encoded.append({"modality": modality, "grid": grid, "pixels": pixels})
-    return _pack("request", {"items": encoded})
+        entry = {"modality": modality, "grid": grid, "pixels": pixels}
+        if item.inputs:
+            entry["inputs"] = {
+                str(name): _pack_tensor(torch.as_tensor(tensor)) for name, tensor in item.inputs.items()
+            }
+        encoded.append(entry)
+    several = any("inputs" in entry for entry in encoded)
+    return _pack("request", {"items": encoded}, INPUTS_VERSION if several else VERSION)
 
 
 def decode_request(data: bytes) -> list[Item]:
@@ -59,8 +71,9 @@ def decode_request(data: bytes) -> list[Item]:
     The items' shapes against the model are checked later, by `encode`, like any caller's."""
     message, version = _unpack(data, "request")
     items = _field(message, "items", list)
-    decode_item = _item_v2 if version == 2 else _item_v1
-    return [decode_item(entry, f"item {index}") for index, entry in enumerate(items)]
+    if version == 1:
+        return [_item_v1(entry, f"item {index}") for index, entry in enumerate(items)]
+    return [_item_v2(entry, f"item {index}", version) for index, entry in enumerate(items)]
 
 
 def encode_results(embeddings: Sequence[Embedding]) -> bytes:
@@ -72,6 +85,8 @@ def encode_results(embeddings: Sequence[Embedding]) -> bytes:
 def decode_results(data: bytes) -> list[Embedding]:
     """The embeddings in `data` (version 1 or 2 results). Raises ValueError for anything else."""
     message, version = _unpack(data, "results")
+    if version > VERSION:
+        raise ValueError(f"results of version {version}; results are written as version {VERSION} or 1")
     decoded = []
     for index, entry in enumerate(_field(message, "embeddings", list)):
         where = f"embedding {index}"
@@ -92,7 +107,7 @@ def decode_results(data: bytes) -> list[Embedding]:
 # items of each version
 
 
-def _item_v2(entry: Any, where: str) -> Item:
+def _item_v2(entry: Any, where: str, version: int = 2) -> Item:
     if not isinstance(entry, dict):
         raise ValueError(f"{where} is not a map")
     modality = _field(entry, "modality", str, where)
@@ -102,7 +117,15 @@ def _item_v2(entry: Any, where: str) -> Item:
         raise ValueError(f"{where}: missing 'grid' (nil for an item without one)")
     grid = _grid_from_wire(entry["grid"], where)
     pixels = _unpack_tensor(_field(entry, "pixels", dict, where), f"{where} pixels")
-    return _ITEM_TYPES[modality](pixels, grid)
+    inputs = None
+    if "inputs" in entry:
+        if version < INPUTS_VERSION:
+            raise ValueError(f"{where}: 'inputs' need version {INPUTS_VERSION}; this message is version {version}")
+        named = _field(entry, "inputs", dict, where)
+        if not all(isinstance(name, str) for name in named):
+            raise ValueError(f"{where}: 'inputs' must map names (strings) to tensors")
+        inputs = {name: _unpack_tensor(_field(named, name, dict, where), f"{where} input {name!r}") for name in named}
+    return _ITEM_TYPES[modality](pixels, grid, inputs)
 
 
 def _item_v1(entry: Any, where: str) -> Item:
@@ -148,8 +171,8 @@ def _grid_from_wire(grid: Any, where: str, depth: int = 0) -> Any:
 # internals
 
 
-def _pack(kind: str, body: dict) -> bytes:
-    return msgpack.packb({"format": FORMAT, "version": VERSION, "kind": kind, **body}, use_bin_type=True)
+def _pack(kind: str, body: dict, version: int = VERSION) -> bytes:
+    return msgpack.packb({"format": FORMAT, "version": version, "kind": kind, **body}, use_bin_type=True)
 
 
 def _unpack(data: Any, kind: str) -> tuple[dict, int]:

@@ -130,14 +130,17 @@ class PreparedItem:
 
     @property
     def parts(self) -> tuple[PreparedItem, ...]:
+        """The item's parts: itself (see `PreparedParts`)."""
         return (self,)
 
     @property
     def num_tokens(self) -> int:
+        """Output tokens the item gives."""
         return self.spec.num_tokens
 
     @property
     def nbytes(self) -> int:
+        """Bytes of its pixels (the pool's queue bound)."""
         return self.pixels.nbytes
 
 
@@ -195,6 +198,11 @@ def prepare_item(index: int, item: Any, rules: ItemRules) -> Prepared:
 def _prepare_parts(index: int, item: Image | Video, modality: str, rules: PathRules) -> PreparedParts:
     if item.inputs is not None and not isinstance(item.inputs, Mapping):
         raise InvalidItemError(index, f"inputs must map input names to pixels; got {type(item.inputs).__name__}")
+    if rules.primary in (item.inputs or {}):
+        raise InvalidItemError(index, f"pass {rules.primary} as the item's pixel_values, not in inputs")
+    unknown = sorted(str(name) for name in (item.inputs or {}) if name not in rules.input_names)
+    if unknown:
+        raise InvalidItemError(index, f"unknown inputs {unknown}; this model takes {list(rules.input_names)}")
     named = {rules.primary: item.pixel_values, **(item.inputs or {})}
     tensors = {name: _pixels(index, value, name) for name, value in named.items() if value is not None}
     shapes = {name: (tuple(t.shape), wire_dtype_name(t.dtype)) for name, t in tensors.items()}

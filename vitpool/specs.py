@@ -99,8 +99,9 @@ def plan_to_wire(plan: BatchPlan) -> dict:
     """The plan as msgpack-able plain values."""
     budget = plan.budget
     return {
+        # the path only where there is one: a plan of one path reads as before paths existed
         "budget": None if budget is None else [
-            budget.num_tokens, [list(p) for p in budget.limits], budget.max_items, budget.path
+            budget.num_tokens, [list(p) for p in budget.limits], budget.max_items, *([budget.path] if budget.path else [])
         ],
         "specs": [spec_to_wire(spec) for spec in plan.specs],
     }
@@ -113,9 +114,10 @@ def plan_from_wire(value: Any) -> BatchPlan:
     budget = value.get("budget")
     if budget is not None:
         try:
-            num_tokens, limits, max_items, path = budget
+            num_tokens, limits, max_items, *rest = budget
+            path = rest[0] if len(rest) == 1 else "" if not rest else None
             if not isinstance(path, str):
-                raise ValueError(f"path {path!r} is not a string")
+                raise ValueError(f"expected one path string after the item bound; got {rest!r}")
             budget = Budget(_int(num_tokens), tuple((str(n), _int(a)) for n, a in limits), _int(max_items), path)
         except (TypeError, ValueError) as error:
             raise ValueError(f"not a budget: {budget!r} ({error})") from None

@@ -147,7 +147,7 @@ def results_message(*embeddings, version=2):
         (b"", "not a vitpool message"),
         (b"\x93\x01\x02", "not a vitpool message"),
         (msgpack.packb({"format": "other"}), "not a vitpool message"),
-        (message(version=3), "version 3; this vitpool reads versions 1, 2 and writes version 2"),
+        (message(version=9), "version 9; this vitpool reads versions 1, 2, 3 and writes version 2"),
         (message(version=0), "version 0"),
         (message(version=True), "version True"),  # True == 1, but not a version
         (message(version="2"), "version '2'"),
@@ -264,3 +264,18 @@ def test_fuzz_well_formed_msgpack_of_any_shape(value):
         data = msgpack.packb(envelope, use_bin_type=True)
         only_value_errors(decode_request, data)
         only_value_errors(decode_results, data)
+
+
+def test_an_item_of_several_inputs_travels_as_version_3_and_version_2_refuses_them():
+    """Step-3.7's and DeepSeek-OCR-2's crops (`Image.inputs`) travel beside the global view; such a
+    request is version 3, so a reader of version 2 refuses it rather than drop the crops."""
+    crops = torch.randn(2, 3, 4, 4)
+    data = encode_request([Image(torch.randn(1, 3, 8, 8), None, {"pixel_values_local": crops}), Image(torch.randn(2, 3))])
+    assert msgpack.unpackb(data)["version"] == 3
+    first, second = decode_request(data)
+    assert torch.equal(first.inputs["pixel_values_local"], crops) and second.inputs is None
+    assert msgpack.unpackb(encode_request([Image(torch.randn(2, 3))]))["version"] == 2  # as before
+    entry = {"modality": "image", "grid": None, "pixels": msgpack.unpackb(data)["items"][0]["pixels"],
+             "inputs": msgpack.unpackb(data)["items"][0]["inputs"]}
+    with pytest.raises(ValueError, match="'inputs' need version 3; this message is version 2"):
+        decode_request(message(items=[entry]))

@@ -184,3 +184,31 @@ def test_step3p7_default_budgets_are_whole_tiles_per_path(model):
         own = [budget.num_tokens for budget in encoder.budgets if budget.path == path]
         assert own[0] == tokens and own[-1] == MAX_GRAPH_TILES[path] * tokens
         assert all(value % tokens == 0 for value in own)
+
+
+def test_a_plan_of_one_path_reads_as_before_paths_existed():
+    """A budget of the one path goes on the wire as before (three fields), so an actor and a
+    caller of different releases still agree on plans of the other families."""
+    plan = BatchPlan(Budget(16, (("sequences", 4),), 4), ())
+    wire = plan_to_wire(plan)
+    assert wire["budget"] == [16, [["sequences", 4]], 4]
+    assert plan_from_wire(wire) == plan
+    with pytest.raises(ValueError, match="one path string"):
+        plan_from_wire({"budget": [16, [], 4, 5], "specs": []})
+
+
+def test_the_primary_input_inside_inputs_is_refused():
+    item = Image(torch.randn(1, 3, 8, 8), inputs={GLOBAL: torch.randn(1, 3, 8, 8)})
+    with pytest.raises(InvalidItemError, match="pass pixel_values as the item's pixel_values"):
+        prepare_item(0, item, RULES)
+    unknown = Image(torch.randn(1, 3, 8, 8), inputs={"crops": torch.ones(2, 3, 4, 4, dtype=torch.int64)})
+    with pytest.raises(InvalidItemError, match=r"unknown inputs \['crops'\]"):  # named before its dtype
+        prepare_item(0, unknown, RULES)
+
+
+def test_step3p7_every_item_refused_still_answers(model):
+    """An encoder of several paths given only bad items (return_exceptions) answers each with its
+    error and launches nothing."""
+    encoder = step3p7_case.encoder_of(model, [4, 8])
+    outcomes = encoder.encode([Image(torch.randn(2, 3)), Image(torch.randn(1, 3, 9, 9))], return_exceptions=True)
+    assert [type(outcome) for outcome in outcomes] == [InvalidItemError, InvalidItemError]

@@ -30,11 +30,13 @@ logger = logging.getLogger(__name__)
 CHECK_TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 
 
-def capture_all(runner: BatchRunner, budgets: Sequence[Budget]) -> None:
-    """Capture each of `budgets`, largest first, into one shared pool, each through `runner`'s
-    fill and static forward, and check it right after; checked graphs go to `runner.graphs`."""
+def capture_all(runner: BatchRunner, budgets: Sequence[Budget], pool: tuple | None = None) -> None:
+    """Capture each of `budgets`, largest first, into one shared pool (`pool`, or a new one), each
+    through `runner`'s fill and static forward, and check it right after; checked graphs go to
+    `runner.graphs`. The runners of an encoder's paths share one pool: their graphs replay one at a
+    time on one stream, and each batch's outputs are copied out before the next replay."""
     start = time.perf_counter()
-    pool = torch.cuda.graph_pool_handle()
+    pool = torch.cuda.graph_pool_handle() if pool is None else pool
     rng = random.Random(0)
     generator = torch.Generator(device=runner.device).manual_seed(0)
     stats = runner.stats

@@ -141,8 +141,9 @@ class GraphEncoder:
             for path, path_adapter in self._paths.items()
         }
         if self.device.type == "cuda":
+            pool = torch.cuda.graph_pool_handle()  # one memory pool for every path's graphs: they replay in turn
             for path, runner in self._runners.items():
-                capture_all(runner, budgets_of[path])
+                capture_all(runner, budgets_of[path], pool)
 
     @classmethod
     def from_pretrained(
@@ -372,6 +373,8 @@ class GraphEncoder:
     def _launch(self, batches: Sequence[RunBatch], output_device: str | torch.device | None) -> LaunchedBatches:
         """Queue the batches' work on the device; their outputs are fresh tensors once it is done."""
         to_host = self._wants_host(output_device)
+        if not batches:  # every item of the call was refused before it got here
+            return LaunchedBatches([], [], None)
         if len(self._runners) == 1:
             [runner] = self._runners.values()
             return runner.launch(batches, to_host)

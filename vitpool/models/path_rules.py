@@ -48,8 +48,10 @@ class PathRules:
         names = [name for name, _ in self.paths]
         if not names or len(set(names)) != len(names) or "" in names:
             raise ValueError(f"paths need distinct, non-empty input names; got {names}")
+        if not self.required:
+            raise ValueError("required must name at least one input: the one an item's pixel_values are")
         unknown = [name for name in self.required if name not in names]
-        if not self.required or unknown:
+        if unknown:
             raise ValueError(f"required inputs {unknown} are not among the paths {names}")
         shapes = {tuple(rules.output_row_shapes) for _, rules in self.paths}
         if len(shapes) != 1:

@@ -127,7 +127,9 @@ def _pack_path(
             bin_needs.append(dict(item.needs))
     batches = []
     for members, tokens, needs in zip(bins, bin_tokens, bin_needs):
-        budget = smallest_fitting(ordered_budgets, len(members), tokens, needs, True, ordered_budgets[0].path)
+        budget = smallest_fitting(
+            ordered_budgets, len(members), tokens, needs, is_sorted=True, path=ordered_budgets[0].path
+        )
         assert budget is not None, "a bin always fits the largest budget"
         batches.append(Batch(tuple(members), budget, tokens, _sorted(needs)))
     return batches + oversized

@@ -249,10 +249,11 @@ class EncoderPool:
             results = call.future.result(timeout_s)
         except concurrent.futures.TimeoutError:
             raise self._timed_out(call, timeout_s) from None
-        # an item of several inputs: its parts' embeddings joined here and put as one
+        # an item of several inputs: its parts' embeddings fetched, joined here and put as one (a copy
+        # through this process, which references to single-input items do not make)
         return [
-            ray.put(Embedding.joined(ray.get(result.parts))) if isinstance(result, PartResults) else result
-            for result in results
+            _joined_ref(index, result, timeout_s) if isinstance(result, PartResults) else result
+            for index, result in enumerate(results)
         ]
 
     def deliver_to(self, ranks: Sequence[Any], transport: str = "auto", actor_index: int | None = None) -> RankDelivery:
@@ -564,6 +565,22 @@ def _refs_among(results: list[Any]) -> dict[tuple[int, int | None], ray.ObjectRe
         elif isinstance(result, PartResults):
             refs.update({(i, j): part for j, part in enumerate(result.parts) if isinstance(part, ray.ObjectRef)})
     return refs
+
+
+def _joined_ref(index: int, result: PartResults, timeout_s: float | None) -> ray.ObjectRef:
+    """A reference to the joined Embedding of an item's parts.
+
+    Raises:
+        EncodeError: a part could not be fetched from the object store (its item named).
+        TimeoutError: not within `timeout_s`.
+    """
+    try:
+        parts = ray.get(list(result.parts), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise TimeoutError(f"item {index}: its parts were not fetched within {timeout_s} s") from None
+    except ray.exceptions.RayError as error:
+        raise _fetch_failure(index, error) from error
+    return ray.put(Embedding.joined(parts))
 
 
 def _put_back(results: list[Any], refs: dict[tuple[int, int | None], Any], values: list[Any]) -> None:

@@ -36,7 +36,7 @@ import ray
 import torch
 
 from vitpool.errors import ConfigError, InvalidItemError
-from vitpool.items import Embedding, Item, PreparedItem
+from vitpool.items import Embedding, Item
 from vitpool.pool.item_checks import checked_items
 from vitpool.specs import ItemRules
 from vitpool.transport.wire import from_array, to_array
@@ -110,13 +110,14 @@ class RankDelivery:
         """
         if not items:
             raise ValueError("a delivery needs at least one item")
-        prepared = checked_items(items, self._rules, self._max_item_tokens)
-        for index, item in enumerate(prepared):
-            if not isinstance(item, PreparedItem):
+        prepared = []
+        for index, item in enumerate(checked_items(items, self._rules, self._max_item_tokens)):
+            if len(item.parts) != 1:
                 raise InvalidItemError(
-                    index, "rank delivery takes items of one input; this model's items have several "
-                    "(encode them with pool.encode or encode_refs)"
+                    index, f"rank delivery takes items of one input; this one has {len(item.parts)} "
+                    "(a global view and crops): encode it with pool.encode or encode_refs"
                 )
+            prepared.append(item.parts[0])
         method = getattr(self._actor, _ACTOR_METHODS[self.transport])
         reference = method.remote([p.spec for p in prepared], *[to_array(p.pixels) for p in prepared])
         return reference, DeliveryLayout(self.transport, self._dtype_name, tuple(p.spec.num_tokens for p in prepared))
