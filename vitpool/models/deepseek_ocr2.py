@@ -37,12 +37,9 @@ import torch
 import torch.nn.functional as F
 
 from vitpool.models.compat import check_tower_parts
-from vitpool.models.path_rules import PathRules
-from vitpool.models.tile_rules import TileRules
-from vitpool.models.tiled import TiledAdapter, install_kernels
+from vitpool.models.tiled import GLOBAL_VIEW, LOCAL_CROPS, PathTiles, ViewAndCropsAdapter, install_kernels
 
-GLOBAL = "pixel_values"
-LOCAL = "pixel_values_local"
+GLOBAL, LOCAL = GLOBAL_VIEW, LOCAL_CROPS
 # DeepseekOcr2ImageProcessor's `tile_size`: the side of a local crop in pixels. It is the
 # processor's setting, not the model's; a tower-only save may set `local_image_size` in its config.
 LOCAL_IMAGE_SIZE = 768
@@ -372,18 +369,15 @@ def tile_features(encoder: DeepseekOcr2Encoder, path: str, pixels: torch.Tensor)
     return vision.norm(hidden)[:, patches.shape[1]:]
 
 
-class DeepseekOcr2PathAdapter(TiledAdapter):
+class DeepseekOcr2PathAdapter(PathTiles):
     """One path's tiles through the tower and the projector; a global view's tokens end with the
     separator."""
 
     def __init__(self, encoder: DeepseekOcr2Encoder, path: str, output_width: int) -> None:
-        self.tower = encoder
-        self.path = path
-        self.max_graph_tiles = MAX_GRAPH_TILES[path]
-        self.tokens_per_tile = encoder.queries(path).shape[0] + (SEPARATOR_TOKENS if path == GLOBAL else 0)
-        self.item_rules = TileRules(
-            int(encoder.vision_tower.sam_encoder.config.num_channels), encoder.tile_sizes[path],
-            self.tokens_per_tile, ((output_width,),), max_tiles_per_item=1 if path == GLOBAL else None,
+        tokens = encoder.queries(path).shape[0] + (SEPARATOR_TOKENS if path == GLOBAL else 0)
+        super().__init__(
+            encoder, path, int(encoder.vision_tower.sam_encoder.config.num_channels), encoder.tile_sizes[path],
+            tokens, output_width, MAX_GRAPH_TILES[path],
         )
 
     def forward(self, pixels: torch.Tensor, metadata: dict[str, torch.Tensor]) -> list[torch.Tensor]:
@@ -394,7 +388,7 @@ class DeepseekOcr2PathAdapter(TiledAdapter):
         return [tokens.reshape(-1, tokens.shape[-1])]
 
 
-class DeepseekOcr2Adapter:
+class DeepseekOcr2Adapter(ViewAndCropsAdapter):
     """Adapter for `DeepseekOcr2Encoder`: two paths, local crops joined before the global view."""
 
     def __init__(self, tower: DeepseekOcr2Encoder) -> None:
@@ -405,9 +399,6 @@ class DeepseekOcr2Adapter:
                 f"projector gives rows of {width}"
             )
         install_kernels(tower)  # the patch convolution as a GEMM; its blocks run through tile_features
-        self.tower = tower
-        self.paths = {path: DeepseekOcr2PathAdapter(tower, path, width) for path in (LOCAL, GLOBAL)}
-        self.item_rules = PathRules(
-            tuple((path, adapter.item_rules) for path, adapter in self.paths.items()), required=(GLOBAL,)
+        super().__init__(
+            tower, DeepseekOcr2PathAdapter(tower, LOCAL, width), DeepseekOcr2PathAdapter(tower, GLOBAL, width)
         )
-        self.output_row_shapes = self.item_rules.output_row_shapes

@@ -27,12 +27,9 @@ from typing import Any
 import torch
 
 from vitpool.models.compat import check_tower_parts
-from vitpool.models.path_rules import PathRules
-from vitpool.models.tile_rules import TileRules
-from vitpool.models.tiled import TiledAdapter, install_kernels
+from vitpool.models.tiled import GLOBAL_VIEW, LOCAL_CROPS, PathTiles, ViewAndCropsAdapter, install_kernels
 
-GLOBAL = "pixel_values"
-LOCAL = "pixel_values_local"
+GLOBAL, LOCAL = GLOBAL_VIEW, LOCAL_CROPS
 # Step3p7ImageProcessor's `patch_size`: the side of a local crop in pixels. It is the processor's
 # setting, not the model's; a checkpoint whose processor cuts crops of another size sets
 # `local_image_size` in its vision config (a full save's or a tower-only save's).
@@ -174,19 +171,15 @@ def tile_features(encoder: Step3p7Encoder, path: str, pixels: torch.Tensor) -> t
     return hidden.flatten(2).permute(0, 2, 1)
 
 
-class Step3p7PathAdapter(TiledAdapter):
+class Step3p7PathAdapter(PathTiles):
     """One path's tiles through the tower and the projector."""
 
     def __init__(self, encoder: Step3p7Encoder, path: str, output_width: int) -> None:
         size = encoder.tile_sizes[path]
         side = size // int(encoder.config.patch_size)
-        self.tower = encoder
-        self.path = path
-        self.max_graph_tiles = MAX_GRAPH_TILES[path]
-        self.tokens_per_tile = (side // DOWNSAMPLE) ** 2
-        self.item_rules = TileRules(
-            int(encoder.config.num_channels), size, self.tokens_per_tile, ((output_width,),),
-            max_tiles_per_item=1 if path == GLOBAL else None,
+        super().__init__(
+            encoder, path, int(encoder.config.num_channels), size, (side // DOWNSAMPLE) ** 2, output_width,
+            MAX_GRAPH_TILES[path],
         )
 
     def forward(self, pixels: torch.Tensor, metadata: dict[str, torch.Tensor]) -> list[torch.Tensor]:
@@ -194,16 +187,11 @@ class Step3p7PathAdapter(TiledAdapter):
         return [tokens.reshape(-1, tokens.shape[-1])]
 
 
-class Step3p7Adapter:
+class Step3p7Adapter(ViewAndCropsAdapter):
     """Adapter for `Step3p7Encoder`: two paths, local crops joined before the global view."""
 
     def __init__(self, tower: Step3p7Encoder) -> None:
         check_tower_parts("Step-3.7", tower.vision_model, TOWER_PARTS)
         install_kernels(tower)
         width = int(tower.multi_modal_projector.out_features)
-        self.tower = tower
-        self.paths = {path: Step3p7PathAdapter(tower, path, width) for path in (LOCAL, GLOBAL)}
-        self.item_rules = PathRules(
-            tuple((path, adapter.item_rules) for path, adapter in self.paths.items()), required=(GLOBAL,)
-        )
-        self.output_row_shapes = self.item_rules.output_row_shapes
+        super().__init__(tower, Step3p7PathAdapter(tower, LOCAL, width), Step3p7PathAdapter(tower, GLOBAL, width))

@@ -12,12 +12,17 @@ import torch
 
 from vitpool.models.compiled import install_compiled_blocks
 from vitpool.models.fused import install_fused_ops
+from vitpool.models.path_rules import PathRules
 from vitpool.models.protocol import BudgetRange, TensorSpec
 from vitpool.models.tile_rules import TileRules
 from vitpool.packing import Budget
 from vitpool.specs import IMAGE, ItemSpec
 
 MAX_SAMPLED_ITEMS = 6
+# The inputs of a tower that runs a global view and local crops (Step-3.7, DeepSeek-OCR-2), as
+# their processors name them: one view an image, any number of crops.
+GLOBAL_VIEW = "pixel_values"
+LOCAL_CROPS = "pixel_values_local"
 
 
 def install_kernels(tower: torch.nn.Module) -> None:
@@ -73,3 +78,34 @@ class TiledAdapter:
             specs.append(self.item_rules.item_spec(IMAGE, (tiles, *self.row_shape), "float32", None))
             tiles_left -= tiles
         return specs
+
+
+class PathTiles(TiledAdapter):
+    """One path of a global-view-and-crops tower: its tiles of one size, `tokens_per_tile` each,
+    one tile an item on the global view's path. A family subclass writes `forward`."""
+
+    def __init__(
+        self, tower: torch.nn.Module, path: str, channels: int, tile_size: int, tokens_per_tile: int,
+        output_width: int, max_graph_tiles: int,
+    ) -> None:
+        self.tower = tower
+        self.path = path
+        self.max_graph_tiles = max_graph_tiles
+        self.tokens_per_tile = tokens_per_tile
+        self.item_rules = TileRules(
+            channels, tile_size, tokens_per_tile, ((output_width,),),
+            max_tiles_per_item=1 if path == GLOBAL_VIEW else None,
+        )
+
+
+class ViewAndCropsAdapter:
+    """A tower that runs a global view and local crops, each a path of its own (`PathRules`): an
+    image's crops' tokens first, then its view's, as Step-3.7 and DeepSeek-OCR-2 hand them over."""
+
+    def __init__(self, tower: torch.nn.Module, crops: PathTiles, view: PathTiles) -> None:
+        self.tower = tower
+        self.paths = {LOCAL_CROPS: crops, GLOBAL_VIEW: view}
+        self.item_rules = PathRules(
+            tuple((path, adapter.item_rules) for path, adapter in self.paths.items()), required=(GLOBAL_VIEW,)
+        )
+        self.output_row_shapes = self.item_rules.output_row_shapes
