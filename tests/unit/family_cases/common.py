@@ -78,3 +78,79 @@ def tiled_case_fields(
         "bad_items": bad_items,
         "budgets": budgets,
     }
+
+
+def view_and_crops_features(model: torch.nn.Module, item: Any) -> torch.Tensor:
+    """What a global-view-and-crops model (Step-3.7, DeepSeek-OCR-2) hands its LLM for one image:
+    `get_image_features` of its view and crops, one image's entry."""
+    crops = (item.inputs or {}).get("pixel_values_local")
+    with torch.no_grad():
+        output = model.model.get_image_features(
+            pixel_values=torch.as_tensor(item.pixel_values),
+            pixel_values_local=None if crops is None else torch.as_tensor(crops),
+            num_local_patches=None if crops is None else [crops.shape[0]],
+        )
+    return output.pooler_output[0]
+
+
+def view_and_crops_case_fields(
+    hf_model: Callable[[], torch.nn.Module],
+    encoder_of: Callable[[torch.nn.Module, list[int]], GraphEncoder],
+    tower_of: Callable[[torch.nn.Module], torch.nn.Module],
+    global_row_shape: tuple[int, ...],
+    local_row_shape: tuple[int, ...],
+    budgets: tuple[int, ...],
+) -> dict[str, Any]:
+    """A global-view-and-crops family's conformance case, part by part: an item built for a crops
+    spec carries a fixed global view beside its crops, and the reference gives that item's crops'
+    outputs alone (the model's tower, `tower_of(model)`, and projector on them, as
+    `get_image_features` runs them); for a global spec the item is the view alone and the
+    reference `get_image_features`. Whole items are checked in the families' own tests."""
+    shared: dict[str, torch.nn.Module] = {}
+    fixed_view = torch.randn(1, *global_row_shape, generator=torch.Generator().manual_seed(99))
+
+    def model() -> torch.nn.Module:
+        if "model" not in shared:
+            shared["model"] = hf_model()
+        return shared["model"]
+
+    def part_item(spec: ItemSpec, pixels: torch.Tensor) -> Image:
+        if spec.path == "pixel_values_local":
+            return Image(fixed_view, inputs={"pixel_values_local": pixels})
+        return Image(pixels)
+
+    def part_reference(item: Image) -> list[torch.Tensor]:
+        if not item.inputs:
+            return [view_and_crops_features(model(), item)]
+        with torch.no_grad():
+            hidden = tower_of(model())(item.inputs["pixel_values_local"]).last_hidden_state
+            features = model().model.multi_modal_projector(hidden)
+        return [features.reshape(-1, features.shape[-1])]
+
+    channels, side, _ = local_row_shape
+    bad_items = (
+        # a grid is for patch families
+        (Image(torch.randn(1, *global_row_shape), (1, 2, 2)), "no grid"),
+        # crops of another size
+        (Image(torch.randn(1, *global_row_shape),
+               inputs={"pixel_values_local": torch.randn(2, channels, side, side + 2)}),
+         "pixel_values_local: pixel_values must be tiles"),
+        # two global views in one item: one image an item
+        (Image(torch.randn(2, *global_row_shape)), "an item has at most 1"),
+        # an input the model does not take
+        (Image(torch.randn(1, *global_row_shape), inputs={"crops": torch.randn(2, *local_row_shape)}),
+         "unknown inputs ['crops']"),
+        # crops without their global view
+        (Image(None, inputs={"pixel_values_local": torch.randn(2, *local_row_shape)}), "has no ['pixel_values']"),
+        # integer crops
+        (Image(torch.randn(1, *global_row_shape),
+               inputs={"pixel_values_local": torch.ones(2, *local_row_shape, dtype=torch.int64)}),
+         "pixel_values_local have dtype torch.int64"),
+    )
+    return {
+        "make_encoder": lambda budget_list: encoder_of(model(), budget_list),
+        "reference": lambda encoder: part_reference,
+        "item_for": part_item,
+        "bad_items": bad_items,
+        "budgets": budgets,
+    }

@@ -18,12 +18,11 @@ test_family_deepseek_ocr2.py.
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 import torch
-from family_cases.common import randomize
+from family_cases.common import randomize, view_and_crops_case_fields, view_and_crops_features
 
-from vitpool import GraphEncoder, Image
+from vitpool import GraphEncoder
 
 GLOBAL_SIZE = 1024  # 64 x 64 patches of 16 pixels, 16 x 16 = 256 SAM tokens: the 256 queries
 LOCAL_SIZE = 768  # 48 x 48 patches, 12 x 12 = 144 SAM tokens: the 144 queries
@@ -62,8 +61,6 @@ TINY_TEXT = {
 }
 GLOBAL_ROW_SHAPE = (3, GLOBAL_SIZE, GLOBAL_SIZE)
 LOCAL_ROW_SHAPE = (3, LOCAL_SIZE, LOCAL_SIZE)
-# the global view beside the crops of an item built for a crops spec (see the module's opening)
-FIXED_GLOBAL = torch.randn(1, *GLOBAL_ROW_SHAPE, generator=torch.Generator().manual_seed(99))
 
 
 def hf_model(seed: int = 0) -> torch.nn.Module:
@@ -99,71 +96,10 @@ def encoder_of(model: torch.nn.Module, budgets: list[int]) -> GraphEncoder:
     return GraphEncoder(DeepseekOcr2Adapter(module), budgets=budgets, device="cpu", dtype=torch.float32)
 
 
-def image_features(model: torch.nn.Module, item: Any) -> torch.Tensor:
-    """What the model hands its LLM for one image: its crops' tokens, its global view's, then the
-    view separator."""
-    crops = (item.inputs or {}).get("pixel_values_local")
-    with torch.no_grad():
-        output = model.model.get_image_features(
-            pixel_values=torch.as_tensor(item.pixel_values),
-            pixel_values_local=None if crops is None else torch.as_tensor(crops),
-            num_local_patches=None if crops is None else [crops.shape[0]],
-        )
-    return output.pooler_output[0]
+# What the model hands its LLM for one image (crops' tokens, then the view's, then the separator)
+image_features = view_and_crops_features
 
-
-def crops_features(model: torch.nn.Module, crops: torch.Tensor) -> torch.Tensor:
-    """The crops' part alone: the vision tower and the projector on them, flattened."""
-    with torch.no_grad():
-        features = model.model.multi_modal_projector(model.model.vision_tower(crops).last_hidden_state)
-    return features.reshape(-1, features.shape[-1])
-
-
-def part_item(spec: Any, pixels: torch.Tensor) -> Image:
-    if spec.path == "pixel_values_local":
-        return Image(FIXED_GLOBAL, inputs={"pixel_values_local": pixels})
-    return Image(pixels)
-
-
-def part_reference(model: torch.nn.Module, item: Image) -> list[torch.Tensor]:
-    if item.inputs:
-        return [crops_features(model, item.inputs["pixel_values_local"])]
-    return [image_features(model, item)]
-
-
-_shared: dict[str, torch.nn.Module] = {}
-
-
-def _model() -> torch.nn.Module:
-    if "model" not in _shared:
-        _shared["model"] = hf_model()
-    return _shared["model"]
-
-
-CASE_FIELDS = {
-    "make_encoder": lambda budget_list: encoder_of(_model(), budget_list),
-    "reference": lambda encoder: lambda item: part_reference(_model(), item),
-    "item_for": part_item,
-    "bad_items": (
-        # a grid is for patch families
-        (Image(torch.randn(1, *GLOBAL_ROW_SHAPE), (1, 2, 2)), "no grid"),
-        # crops of the global view's size
-        (Image(torch.randn(1, *GLOBAL_ROW_SHAPE),
-               inputs={"pixel_values_local": torch.randn(2, *GLOBAL_ROW_SHAPE)}),
-         "pixel_values_local: pixel_values must be tiles"),
-        # two global views in one item: one image an item
-        (Image(torch.randn(2, *GLOBAL_ROW_SHAPE)), "an item has at most 1"),
-        # an input the model does not take
-        (Image(torch.randn(1, *GLOBAL_ROW_SHAPE), inputs={"crops": torch.randn(2, *LOCAL_ROW_SHAPE)}),
-         "unknown inputs ['crops']"),
-        # crops without their global view
-        (Image(None, inputs={"pixel_values_local": torch.randn(2, *LOCAL_ROW_SHAPE)}),
-         "has no ['pixel_values']"),
-        # integer crops
-        (Image(torch.randn(1, *GLOBAL_ROW_SHAPE),
-               inputs={"pixel_values_local": torch.ones(2, *LOCAL_ROW_SHAPE, dtype=torch.int64)}),
-         "pixel_values_local have dtype torch.int64"),
-    ),
-    # local budgets of 1 and 3 crops, global budgets of 1 and 2 views
-    "budgets": (TOKENS_PER_GLOBAL, 2 * TOKENS_PER_GLOBAL),
-}
+# local budgets of 1 and 3 crops, global budgets of 1 and 2 views
+CASE_FIELDS = view_and_crops_case_fields(
+    hf_model, encoder_of, lambda model: model.model.vision_tower, GLOBAL_ROW_SHAPE, LOCAL_ROW_SHAPE, (TOKENS_PER_GLOBAL, 2 * TOKENS_PER_GLOBAL)
+)
