@@ -6,6 +6,7 @@ and Step-3.7 (views and crops) with a pool."""
 
 from __future__ import annotations
 
+import inspect
 import tempfile
 
 import pytest
@@ -190,7 +191,10 @@ def llama4_inputs_embeds(model, inputs) -> torch.Tensor:
     fails on every call, with or without vitpool (it reads `image_outputs` of the text model's output)."""
     ids = inputs["input_ids"]
     embeds = model.get_input_embeddings()(ids)
-    features = model.get_image_features(pixel_values=inputs["pixel_values"], return_dict=True).last_hidden_state
+    # transformers 5.17 requires the strategy ("default", as the forward passes it); 5.24 has none
+    takes_strategy = "vision_feature_select_strategy" in inspect.signature(model.get_image_features).parameters
+    strategy = {"vision_feature_select_strategy": "default"} if takes_strategy else {}
+    features = model.get_image_features(pixel_values=inputs["pixel_values"], return_dict=True, **strategy).last_hidden_state
     flat = model.multi_modal_projector(features.view(-1, features.size(-1)))
     return embeds.masked_scatter(model.get_placeholder_mask(ids, inputs_embeds=embeds, image_features=flat), flat)
 
