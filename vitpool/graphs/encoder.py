@@ -38,9 +38,9 @@ from vitpool.graphs.runner import BatchRunner
 from vitpool.graphs.stats import EncoderStats
 from vitpool.items import Embedding, Item, Prepared, PreparedItem, prepare_item, prepare_items
 from vitpool.models import VisionAdapter, load_adapter
-from vitpool.models.path_rules import PathRules, rules_of_part
 from vitpool.models.attention import fa4_available
 from vitpool.models.compiled import set_compile_cache_dir
+from vitpool.models.path_rules import PathRules, rules_of_part
 from vitpool.packing import Budget, pack, smallest_fitting
 from vitpool.specs import ATTENTION_CHOICES, BatchPlan, EncoderSpec, ItemRules, ItemSpec, OutputLayout
 from vitpool.specs import capacity_limits as merged_capacity_limits
