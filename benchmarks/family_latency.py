@@ -183,7 +183,8 @@ def use_sdpa(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def measure(
-    family: str, vision_config: dict, runs: int, warmup: int, compiled: bool = False, compiled_blocks: bool = False
+    family: str, vision_config: dict, runs: int, warmup: int, compiled: bool = False, compiled_blocks: bool = False,
+    only: set[str] | None = None,
 ) -> dict:
     config = {**vision_config, **PROJECTOR_FIELDS.get(family, {}), "model_type": VISION_MODEL_TYPES[family]}
     gc.collect()  # the previous family's encoder and reference, held by reference cycles
@@ -204,6 +205,8 @@ def measure(
     rows = {}
     with torch.no_grad():
         for name, items in workloads(family, vision_config).items():
+            if only and name not in only:
+                continue
             got = torch.cat([e.tokens for e in encoder.encode(items)]).float()
             want = hugging_face_eager(family, reference, items).float()
             rel_error = float(torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want))
@@ -243,6 +246,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--compiled", action="store_true", help="also time HF under torch.compile (reduce-overhead)")
     parser.add_argument("--compiled-blocks", action="store_true", help="vitpool with compiled_blocks=True")
+    parser.add_argument("--workloads", default=None, help='comma-separated workload names (e.g. "1 view"); default all')
     args = parser.parse_args()
     unknown = sorted(set(args.families.split(",")) - set(VISION_MODEL_TYPES))
     if unknown:
@@ -257,7 +261,8 @@ def main() -> None:
     for family in args.families.split(","):
         results["families"].append(
             measure(
-                family, configs[family]["vision_config"], args.runs, args.warmup, args.compiled, args.compiled_blocks
+                family, configs[family]["vision_config"], args.runs, args.warmup, args.compiled, args.compiled_blocks,
+                set(args.workloads.split(",")) if args.workloads else None,
             )
         )
         torch.cuda.empty_cache()  # the family's encoder and reference are gone: give their memory back
