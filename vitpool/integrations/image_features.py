@@ -35,7 +35,26 @@ class Encoder(Protocol):
     def encode(self, items: list[Item]) -> list[Embedding]: ...
 
 
-class PooledImageFeatures(torch.nn.Module):
+class StandIn(torch.nn.Module):
+    """What every stand-in for a model's vision modules holds: the encoder that answers, and the
+    dtype and device the model expects its embeddings in (read by the model as its tower's)."""
+
+    def __init__(self, encoder: Encoder, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.encoder = encoder
+        self._dtype = dtype
+        self._device = torch.device(device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+
+class PooledImageFeatures(StandIn):
     """Stands in for the vision tower of a family whose model's `get_image_features` vitpool
     answers (see the module's opening); `get_image_features` takes the model's arguments.
 
@@ -53,18 +72,7 @@ class PooledImageFeatures(torch.nn.Module):
     projectors: tuple[str, ...] = ("multi_modal_projector",)
 
     def __init__(self, encoder: Encoder, dtype: torch.dtype, device: torch.device, config: Any) -> None:
-        super().__init__()
-        self.encoder = encoder
-        self._dtype = dtype
-        self._device = torch.device(device)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
+        super().__init__(encoder, dtype, device)
 
     def forward(self, *args: Any, **kwargs: Any) -> BaseModelOutputWithPooling:
         return self.get_image_features(*args, **kwargs)

@@ -34,7 +34,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 
 from vitpool.graphs import GraphEncoder
-from vitpool.integrations.image_features import FEATURE_STAND_INS, Encoder, PooledImageFeatures
+from vitpool.integrations.image_features import FEATURE_STAND_INS, Encoder, PooledImageFeatures, StandIn
 from vitpool.items import Image, Item, Video
 from vitpool.models.registry import find_family, supported_model_types
 
@@ -79,7 +79,7 @@ class PassThroughProjector(torch.nn.Module):
         return features
 
 
-class PooledVisionTower(torch.nn.Module):
+class PooledVisionTower(StandIn):
     """Stands in for `model.model.visual` of a vision-language model of a vitpool family.
 
     Args:
@@ -100,21 +100,10 @@ class PooledVisionTower(torch.nn.Module):
         device: torch.device,
         parts: ModelParts | None = None,
     ) -> None:
-        super().__init__()
-        self.encoder = encoder
+        super().__init__(encoder, dtype, device)
         self.spatial_merge_size = spatial_merge_size
         self.merge_kernel_size = (spatial_merge_size, spatial_merge_size)
         self.parts = parts or ModelParts()
-        self._dtype = dtype
-        self._device = torch.device(device)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self._device
 
     def forward(
         self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, **kwargs: Any
