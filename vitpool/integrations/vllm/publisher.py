@@ -1,0 +1,150 @@
+"""Embeddings published where vLLM's encoder-cache connectors read them.
+
+`FilePublisher` writes `<root>/<key>/encoder_cache.safetensors` holding one tensor "ec_cache", the
+layout of vLLM's `ECExampleConnector` (and of `VitpoolFileConnector`, which also checks each entry's
+digest). `StorePublisher` puts them in the pool's embedding store (`store.py`), where
+`VitpoolECConnector` reads them with no shared disk. Both bound the bytes they keep, evicting the
+least recently used entry, but never one younger than `min_age_s`: vLLM may have been told an entry
+exists and not have loaded it yet. When nothing can be evicted the publish is refused (False), and
+the caller lets vLLM run its own encoder for that item.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save
+
+from vitpool.integrations.vllm.bounded import BoundedEntries, PublisherStats
+
+logger = logging.getLogger(__name__)
+
+FILE_NAME = "encoder_cache.safetensors"
+TENSOR_NAME = "ec_cache"
+DIGEST_KEY = "vitpool_blake2b"
+_KEY = re.compile(r"[A-Za-z0-9_\-][A-Za-z0-9_.\-]{0,199}")
+
+
+def check_key(key: str) -> str:
+    """A key is a directory name on every platform: letters, digits, '_', '-', '.', at most 200,
+    not starting with '.'."""
+    if not isinstance(key, str) or not _KEY.fullmatch(key):
+        raise ValueError(f"embedding key {key!r} must be 1-200 of [A-Za-z0-9_.-], not starting with '.'")
+    return key
+
+
+def digest(data: bytes | memoryview) -> str:
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def payload_of(tensor: torch.Tensor) -> memoryview:
+    """A CPU tensor's bytes, without a copy where it is contiguous."""
+    return memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def entry_bytes(tensor: torch.Tensor) -> bytes:
+    """The safetensors file of one entry, its payload's digest in the header's metadata."""
+    tensor = tensor.detach().to("cpu").contiguous()
+    return save({TENSOR_NAME: tensor}, metadata={DIGEST_KEY: digest(payload_of(tensor))})
+
+
+def read_entry(path: str | os.PathLike, device: str | torch.device = "cpu") -> torch.Tensor | None:
+    """An entry's tensor if the file is whole and its payload matches the digest it was written
+    with; None for a missing, truncated, foreign or corrupted file."""
+    try:
+        with safe_open(os.fspath(path), framework="pt", device="cpu") as entry:
+            expected = (entry.metadata() or {}).get(DIGEST_KEY)
+            tensor = entry.get_tensor(TENSOR_NAME)
+    except Exception:  # noqa: BLE001 - any unreadable file is simply not an entry
+        return None
+    if expected is None or digest(payload_of(tensor)) != expected:
+        return None
+    return tensor.to(device)
+
+
+class FilePublisher:
+    """Writes entries under `root` for vLLM's file-based connectors, at most `max_bytes` of them.
+
+    A file appears whole or not at all: it is written beside its final name and renamed into place.
+    Entries found under `root` at start are counted, oldest first by modification time, and may be
+    evicted at once. Thread-safe.
+    """
+
+    def __init__(self, root: str | os.PathLike, max_bytes: int = 8 << 30, min_age_s: float = 30.0) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._entries = BoundedEntries(max_bytes, min_age_s)
+        self._adopt_existing()
+
+    def path(self, key: str) -> Path:
+        return self.root / check_key(key) / FILE_NAME
+
+    def contains(self, key: str) -> bool:
+        with self._lock:
+            return self._entries.touch(key)
+
+    def publish(self, key: str, tensor: torch.Tensor) -> bool:
+        """Write `tensor` as entry `key` (replacing one of the same key). Returns False, writing
+        nothing, if it cannot fit within `max_bytes` now."""
+        data = entry_bytes(tensor)
+        final = self.path(key)
+        with self._lock:
+            victims = self._entries.add(key, len(data))
+        if victims is None:
+            return False
+        for victim in victims:
+            shutil.rmtree(self.root / victim, ignore_errors=True)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        partial = final.parent / f".{FILE_NAME}.{os.getpid()}.{uuid.uuid4().hex}.partial"
+        try:
+            with open(partial, "wb") as file:
+                file.write(data)
+            os.replace(partial, final)
+        except BaseException:
+            partial.unlink(missing_ok=True)
+            with self._lock:
+                self._entries.remove(key)
+            raise
+        with self._lock:
+            self._entries.stats.published += 1
+        return True
+
+    def remove(self, key: str) -> None:
+        with self._lock:
+            self._entries.remove(key)
+        shutil.rmtree(self.root / check_key(key), ignore_errors=True)
+
+    def stats(self) -> PublisherStats:
+        with self._lock:
+            return self._entries.snapshot()
+
+    def _adopt_existing(self) -> None:
+        found = []
+        for file in self.root.glob(f"*/{FILE_NAME}"):
+            try:
+                check_key(file.parent.name)
+                found.append((file.stat().st_mtime, file.parent.name, file.stat().st_size))
+            except (OSError, ValueError):
+                continue
+        old = time.monotonic() - self._entries.min_age_s
+        evicted = []
+        with self._lock:
+            for _, key, size in sorted(found):
+                victims = self._entries.add(key, size, added_at=old)
+                evicted += [key] if victims is None else victims
+        for key in evicted:
+            shutil.rmtree(self.root / key, ignore_errors=True)
+        if found:
+            logger.info("publisher at %s adopted %d entries (%d bytes), evicted %d over its bound",
+                        self.root, len(found) - len(evicted), self._entries.stats.bytes, len(evicted))

@@ -1,0 +1,164 @@
+"""The pool's embedding store: a named Ray actor holding published embeddings in memory, so that
+vLLM's processes on any node read them through Ray (`VitpoolECConnector`) with no shared disk.
+
+One store per pool, named "<pool>.embeddings" in vitpool's namespace; `open_store` creates it or
+finds it. It lives as long as the process that created it (the gateway): when it is gone, vLLM's
+connector answers "not here" and vLLM encodes the images itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import ray
+import torch
+
+from vitpool.integrations.vllm.bounded import BoundedEntries, PublisherStats
+from vitpool.integrations.vllm.publisher import check_key
+from vitpool.pool.controller import NAMESPACE
+
+logger = logging.getLogger(__name__)
+
+
+def store_name(pool_name: str) -> str:
+    return f"{pool_name}.embeddings"
+
+
+class EmbeddingStore:
+    """Keyed tensors, at most `max_bytes`, least recently used evicted first (`BoundedEntries`)."""
+
+    def __init__(self, max_bytes: int, min_age_s: float) -> None:
+        self._lock = threading.Lock()
+        self._entries = BoundedEntries(max_bytes, min_age_s)
+        self._tensors: dict[str, torch.Tensor] = {}
+
+    def put(self, key: str, tensor: torch.Tensor) -> bool:
+        check_key(key)
+        tensor = tensor.detach().to("cpu").contiguous()
+        with self._lock:
+            victims = self._entries.add(key, tensor.numel() * tensor.element_size())
+            if victims is None:
+                return False
+            for victim in victims:
+                del self._tensors[victim]
+            self._tensors[key] = tensor
+            self._entries.stats.published += 1
+            return True
+
+    def contains(self, key: str) -> bool:
+        with self._lock:
+            return self._entries.touch(key)
+
+    def contains_many(self, keys: list[str]) -> list[bool]:
+        with self._lock:
+            return [self._entries.touch(key) for key in keys]
+
+    def get_many(self, keys: list[str]) -> list[torch.Tensor | None]:
+        with self._lock:
+            return [self._tensors.get(key) for key in keys]
+
+    def remove(self, key: str) -> None:
+        with self._lock:
+            if self._entries.remove(key):
+                del self._tensors[key]
+
+    def stats(self) -> PublisherStats:
+        with self._lock:
+            return self._entries.snapshot()
+
+
+def open_store(pool_name: str = "vitpool", max_bytes: int = 8 << 30, min_age_s: float = 30.0) -> Any:
+    """The store of pool `pool_name`: this process creates it if none runs (and owns it), else
+    finds the running one (whose bounds stay as they were). Needs Ray initialised."""
+    actor = ray.remote(EmbeddingStore).options(
+        name=store_name(pool_name), namespace=NAMESPACE, get_if_exists=True, num_cpus=0, max_concurrency=16,
+    )
+    return actor.remote(max_bytes, min_age_s)
+
+
+def find_store(pool_name: str = "vitpool") -> Any | None:
+    """The running store of pool `pool_name`, or None."""
+    try:
+        return ray.get_actor(store_name(pool_name), namespace=NAMESPACE)
+    except ValueError:
+        return None
+
+
+class StorePublisher:
+    """Publishes into the pool's embedding store; the same calls as `FilePublisher`."""
+
+    def __init__(self, pool_name: str = "vitpool", max_bytes: int = 8 << 30, min_age_s: float = 30.0) -> None:
+        self.pool_name = pool_name
+        self._store = open_store(pool_name, max_bytes, min_age_s)
+
+    def contains(self, key: str) -> bool:
+        return ray.get(self._store.contains.remote(key))
+
+    def publish(self, key: str, tensor: torch.Tensor) -> bool:
+        return ray.get(self._store.put.remote(key, tensor))
+
+    def remove(self, key: str) -> None:
+        ray.get(self._store.remove.remote(key))
+
+    def stats(self) -> PublisherStats:
+        return ray.get(self._store.stats.remote())
+
+
+class StoreReader:
+    """What vLLM's processes ask of the store (`VitpoolECConnector`): joins Ray on first use, finds
+    the store again after it was gone, and answers "not here" while it is unreachable, so that vLLM
+    encodes the item itself."""
+
+    RETRY_S = 5.0
+
+    def __init__(self, pool_name: str = "vitpool", address: str | None = None, timeout_s: float = 10.0) -> None:
+        self.pool_name = pool_name
+        self.address = address
+        self.timeout_s = timeout_s
+        self._store: Any = None
+        self._next_try = 0.0
+        self._lock = threading.Lock()
+
+    def _connected(self) -> Any | None:
+        import time
+
+        with self._lock:
+            if self._store is not None or time.monotonic() < self._next_try:
+                return self._store
+            self._next_try = time.monotonic() + self.RETRY_S
+            try:
+                if not ray.is_initialized():
+                    ray.init(address=self.address or "auto", namespace=NAMESPACE, log_to_driver=False)
+                self._store = find_store(self.pool_name)
+            except Exception as error:  # noqa: BLE001 - no cluster: vLLM encodes itself
+                logger.warning("vitpool: cannot reach the Ray cluster for pool %r's store: %s", self.pool_name, error)
+            if self._store is None:
+                logger.warning("vitpool: no embedding store for pool %r runs; vLLM encodes images itself",
+                               self.pool_name)
+            return self._store
+
+    def _lost(self, error: BaseException) -> None:
+        logger.warning("vitpool: pool %r's embedding store is unreachable (%s); vLLM encodes images itself",
+                       self.pool_name, error)
+        with self._lock:
+            self._store = None
+
+    def contains(self, key: str) -> bool:
+        store = self._connected()
+        if store is None:
+            return False
+        try:
+            return bool(ray.get(store.contains.remote(key), timeout=self.timeout_s))
+        except Exception as error:  # noqa: BLE001
+            self._lost(error)
+            return False
+
+    def get_many(self, keys: list[str]) -> list[torch.Tensor | None]:
+        """The tensors of `keys` (None where absent); raises if the store cannot be reached, since
+        vLLM was told they exist."""
+        store = self._connected()
+        if store is None:
+            raise RuntimeError(f"vitpool: pool {self.pool_name!r}'s embedding store is gone")
+        return ray.get(store.get_many.remote(keys), timeout=self.timeout_s)
