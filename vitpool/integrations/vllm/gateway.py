@@ -18,11 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import binascii
-import contextlib
 import copy
-import hashlib
-import io
 import json
 import logging
 import time
@@ -33,9 +29,17 @@ from typing import Any, Protocol
 
 import torch
 
-from vitpool.errors import ConfigError, VitpoolError
+from vitpool.errors import VitpoolError
+from vitpool.integrations.vllm.images import (
+    checkpoint_family,
+    data_url_bytes,
+    decode_image,
+    image_key,
+    model_identity,
+    processor_items,
+)
 from vitpool.integrations.vllm.layouts import vllm_embedding, vllm_layout
-from vitpool.items import Embedding, Image, Item
+from vitpool.items import Embedding, Item
 
 logger = logging.getLogger(__name__)
 
@@ -76,60 +80,6 @@ class GatewayStats:
     phases: PhaseTimes = field(default_factory=PhaseTimes)
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as error:
-        raise ConfigError(f"cannot read {path}: {error}") from None
-
-
-def model_identity(checkpoint: str | Path, dtype: torch.dtype) -> str:
-    """The prefix of every key for this model: a digest of its config, its image processor's
-    settings and the LLM's dtype (what decides an image's embedding, besides its bytes)."""
-    directory = Path(checkpoint)
-    hasher = hashlib.blake2b(digest_size=8)
-    for name in ("config.json", "preprocessor_config.json"):
-        file = directory / name
-        hasher.update(file.read_bytes() if file.exists() else b"-")
-    hasher.update(str(dtype).encode())
-    return hasher.hexdigest()
-
-
-def image_key(prefix: str, data: bytes) -> str:
-    return f"vp-{prefix}-{hashlib.blake2b(data, digest_size=16).hexdigest()}"
-
-
-def decode_image(data: bytes) -> Any:
-    """The image as vLLM reads it: EXIF orientation applied, transparency over white, RGB."""
-    from PIL import Image as PILImage
-    from PIL import ImageOps
-
-    image = PILImage.open(io.BytesIO(data))
-    with contextlib.suppress(Exception):  # vLLM ignores broken EXIF too
-        image = ImageOps.exif_transpose(image)
-    image.load()
-    if image.mode == "RGB":
-        return image
-    if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
-        image = image.convert("RGBA")
-        background = PILImage.new("RGB", image.size, (255, 255, 255))
-        background.paste(image, mask=image.split()[3])
-        return background
-    return image.convert("RGB")
-
-
-def grid_item(processor: Any) -> Callable[[Any], Item]:
-    """Image items from a grid family's processor (`pixel_values`, `image_grid_thw`)."""
-
-    def item(image: Any) -> Item:
-        out = processor(images=image, return_tensors="pt")
-        if "image_grid_thw" not in out:
-            raise ConfigError(f"{type(processor).__name__} gives no image_grid_thw; the gateway reads grid families")
-        return Image(out["pixel_values"], out["image_grid_thw"][0])
-
-    return item
-
-
 @dataclass
 class _Image:
     """One image part of a request."""
@@ -152,8 +102,7 @@ class Gateway:
         make_item: Callable[[Any], Item] | None = None,
         encode_timeout_s: float | None = 60.0,
     ) -> None:
-        config = _read_json(Path(checkpoint) / "config.json")
-        self.model_type = str(config.get("model_type", ""))
+        self.model_type = checkpoint_family(checkpoint)
         vllm_layout(self.model_type)  # refuse a family vLLM's layout is not known for, now
         self.pool = pool
         self.publisher = publisher
@@ -162,9 +111,7 @@ class Gateway:
         self.encode_timeout_s = encode_timeout_s
         self.prefix = model_identity(checkpoint, dtype)
         if make_item is None:
-            from transformers import AutoImageProcessor
-
-            make_item = grid_item(AutoImageProcessor.from_pretrained(checkpoint))
+            make_item = processor_items(checkpoint, self.model_type)
         self.make_item = make_item
         self.stats = GatewayStats()
         self._in_flight: dict[str, asyncio.Future[bool]] = {}
@@ -197,13 +144,7 @@ class Gateway:
 
     async def _bytes_of(self, url: str) -> bytes | None:
         if url.startswith("data:"):
-            header, _, payload = url.partition(",")
-            if not header.endswith(";base64"):
-                return None
-            try:
-                return base64.b64decode(payload, validate=True)
-            except binascii.Error:
-                return None  # vLLM answers the client's mistake itself
+            return data_url_bytes(url)  # None for a malformed one: vLLM answers the client's mistake
         if url.startswith(("http://", "https://")):
             async with self._client().get(url) as response:
                 if response.status != 200:

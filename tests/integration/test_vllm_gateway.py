@@ -1,0 +1,239 @@
+"""The vLLM gateway and the pool's embedding store without vLLM: a stand-in upstream records what
+the gateway forwards; a CPU pool of the shipped tiny Qwen3-VL encodes. (tests/vllm runs the same
+against a real vLLM.)"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+
+import numpy as np
+import pytest
+import ray
+import torch
+
+from vitpool import EncoderPool, Image, PoolUnavailableError
+from vitpool.integrations.vllm.gateway import Gateway, image_key
+from vitpool.integrations.vllm.layouts import vllm_embedding
+from vitpool.integrations.vllm.publisher import FilePublisher, read_entry
+from vitpool.integrations.vllm.store import StorePublisher, StoreReader, find_store
+
+pytestmark = pytest.mark.ray
+aiohttp = pytest.importorskip("aiohttp")
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+
+BUDGETS = [16, 64, 256]
+
+
+def png(seed: int, height: int = 64, width: int = 96) -> bytes:
+    from PIL import Image as PILImage
+
+    buffer = io.BytesIO()
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    PILImage.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def chat(*images: bytes, stream: bool = False, uuids: dict[int, str] | None = None) -> dict:
+    parts = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(d).decode()}}
+             for d in images]
+    for index, uuid in (uuids or {}).items():
+        parts[index]["uuid"] = uuid
+    return {"model": "m", "stream": stream, "messages": [{"role": "user", "content": [*parts, {"type": "text",
+                                                                                                "text": "hi"}]}]}
+
+
+def make_item(image) -> Image:
+    from transformers import Qwen2VLImageProcessorPil
+
+    processor = Qwen2VLImageProcessorPil(patch_size=16, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    out = processor(images=image, return_tensors="pt")
+    return Image(out["pixel_values"], out["image_grid_thw"][0])
+
+
+def upstream_app(received: list[dict]) -> web.Application:
+    """vLLM's OpenAI server, as far as the gateway sees it."""
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        received.append(body)
+        if body.get("stream"):
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            for index in range(3):
+                await response.write(f"data: {json.dumps({'chunk': index})}\n\n".encode())
+            await response.write(b"data: [DONE]\n\n")
+            return response
+        return web.json_response({"choices": [{"message": {"content": "ok"}}]})
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "m"}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", completions)
+    app.router.add_get("/v1/models", models)
+    return app
+
+
+@pytest.fixture(scope="module")
+def pool(ray_cluster):
+    pool = EncoderPool.launch(model=None, budgets=BUDGETS, name="gateway-test", num_actors=1, device="cpu")
+    yield pool
+    pool.shutdown()
+
+
+@pytest.fixture
+def shipped(tmp_path):
+    from vitpool.models.loading import SHIPPED_CHECKPOINT
+
+    return SHIPPED_CHECKPOINT
+
+
+async def serve(gateway: Gateway, received: list[dict]):
+    upstream = TestServer(upstream_app(received))
+    await upstream.start_server()
+    gateway.upstream = str(upstream.make_url("")).rstrip("/")
+    client = TestClient(TestServer(gateway.app()))
+    await client.start_server()
+    return upstream, client
+
+
+def run(coroutine):
+    return asyncio.run(coroutine)
+
+
+def test_images_are_encoded_published_and_forwarded_with_their_uuid(pool, shipped, tmp_path, reference_encoder):
+    publisher = FilePublisher(tmp_path)
+    gateway = Gateway(pool, publisher, shipped, "http://unused", dtype=torch.float32, make_item=make_item)
+    pictures = [png(1), png(2, 32, 64)]
+    received: list[dict] = []
+
+    async def scenario():
+        upstream, client = await serve(gateway, received)
+        response = await client.post("/v1/chat/completions", json=chat(*pictures))
+        assert response.status == 200 and (await response.json())["choices"][0]["message"]["content"] == "ok"
+        await client.close()
+        await upstream.close()
+
+    run(scenario())
+    [forwarded] = received
+    parts = forwarded["messages"][0]["content"]
+    from PIL import Image as PILImage
+
+    for part, picture in zip(parts, pictures):
+        assert part["uuid"] == image_key(gateway.prefix, picture)
+        [expected] = reference_encoder.encode([make_item(PILImage.open(io.BytesIO(picture)).convert("RGB"))])
+        published = read_entry(publisher.path(part["uuid"]))
+        torch.testing.assert_close(published, vllm_embedding(expected, "qwen3_vl", torch.float32),
+                                   rtol=1e-5, atol=1e-5)
+    assert gateway.stats.encoded == 2 and gateway.stats.fallbacks == 0
+
+
+def test_a_repeated_image_is_encoded_once_even_across_concurrent_requests(pool, shipped, tmp_path):
+    gateway = Gateway(pool, FilePublisher(tmp_path), shipped, "http://unused", dtype=torch.float32,
+                      make_item=make_item)
+    same, other = png(3), png(4)
+    received: list[dict] = []
+
+    async def scenario():
+        upstream, client = await serve(gateway, received)
+        responses = await asyncio.gather(*(client.post("/v1/chat/completions", json=chat(same, other, same))
+                                           for _ in range(4)))
+        assert all(response.status == 200 for response in responses)
+        again = await client.post("/v1/chat/completions", json=chat(same))
+        assert again.status == 200
+        await client.close()
+        await upstream.close()
+
+    run(scenario())
+    assert gateway.stats.encoded == 2 and gateway.stats.images == 13 and gateway.stats.reused == 11
+    assert len({part["uuid"] for body in received for part in body["messages"][0]["content"][:-1]}) == 2
+
+
+def test_a_stream_is_relayed_chunk_by_chunk_and_other_paths_pass_through(pool, shipped, tmp_path):
+    gateway = Gateway(pool, FilePublisher(tmp_path), shipped, "http://unused", make_item=make_item)
+    received: list[dict] = []
+
+    async def scenario():
+        upstream, client = await serve(gateway, received)
+        response = await client.post("/v1/chat/completions", json=chat(png(5), stream=True))
+        assert response.headers["Content-Type"].startswith("text/event-stream")
+        text = await response.text()
+        models = await (await client.get("/v1/models")).json()
+        stats = await (await client.get("/vitpool/stats")).json()
+        await client.close()
+        await upstream.close()
+        return text, models, stats
+
+    text, models, stats = run(scenario())
+    assert [line for line in text.split("\n\n") if line] == [*(f'data: {{"chunk": {i}}}' for i in range(3)),
+                                                             "data: [DONE]"]
+    assert models == {"data": [{"id": "m"}]}
+    assert stats["gateway"]["encoded"] == 1 and stats["publisher"]["entries"] == 1
+
+
+class DownPool:
+    async def encode_async(self, items, timeout_s=None, return_exceptions=False):
+        raise PoolUnavailableError("the pool has no encoder actor left")
+
+
+def test_when_the_pool_is_down_requests_still_go_through_counted(shipped, tmp_path):
+    gateway = Gateway(DownPool(), FilePublisher(tmp_path), shipped, "http://unused", make_item=make_item)
+    received: list[dict] = []
+
+    async def scenario():
+        upstream, client = await serve(gateway, received)
+        response = await client.post("/v1/chat/completions", json=chat(png(6), png(7), uuids={1: "client-given"}))
+        assert response.status == 200
+        await client.close()
+        await upstream.close()
+
+    run(scenario())
+    parts = received[0]["messages"][0]["content"]
+    assert parts[0]["uuid"].startswith("vp-") and parts[1]["uuid"] == "client-given"  # a client's uuid is kept
+    assert gateway.stats.fallbacks == 2 and gateway.stats.encoded == 0
+    assert not list(tmp_path.iterdir())
+
+
+def test_an_unreachable_vllm_is_a_502_naming_it(shipped, tmp_path):
+    gateway = Gateway(DownPool(), FilePublisher(tmp_path), shipped, "http://127.0.0.1:9", make_item=make_item)
+
+    async def scenario():
+        client = TestClient(TestServer(gateway.app()))
+        await client.start_server()
+        response = await client.post("/v1/chat/completions", json={"model": "m", "messages": []})
+        body = await response.json()
+        await client.close()
+        return response.status, body
+
+    status, body = run(scenario())
+    assert status == 502 and "127.0.0.1:9" in body["error"]["message"] and gateway.stats.upstream_errors == 1
+
+
+def test_a_family_without_an_item_maker_or_a_vllm_layout_is_refused(tmp_path):
+    from vitpool import ConfigError
+
+    (tmp_path / "config.json").write_text('{"model_type": "internvl"}')
+    with pytest.raises(ConfigError, match="your own function"):
+        Gateway(DownPool(), FilePublisher(tmp_path / "ec"), tmp_path, "http://x")
+    (tmp_path / "config.json").write_text('{"model_type": "llava"}')
+    with pytest.raises(ConfigError, match="'llava'"):
+        Gateway(DownPool(), FilePublisher(tmp_path / "ec"), tmp_path, "http://x", make_item=make_item)
+
+
+def test_the_store_bounds_its_bytes_and_readers_find_it(ray_cluster):
+    publisher = StorePublisher("store-test", max_bytes=3 * 64 * 4, min_age_s=0.0)
+    for index in range(5):
+        assert publisher.publish(f"k{index}", torch.full((8, 8), float(index)))
+    stats = publisher.stats()
+    assert stats.entries == 3 and stats.bytes == 3 * 64 * 4 and stats.evicted == 2
+    reader = StoreReader("store-test")
+    assert reader.contains("k4") and not reader.contains("k0")
+    k4, k0 = reader.get_many(["k4", "k0"])
+    assert torch.equal(k4, torch.full((8, 8), 4.0)) and k0 is None
+    ray.kill(find_store("store-test"))
+    assert not reader.contains("k4")  # gone: vLLM encodes itself
+    assert not StoreReader("no-such-pool").contains("k4")
