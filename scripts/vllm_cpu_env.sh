@@ -23,6 +23,10 @@ python3 -m venv "$VENV"
 RAY=$(python3 -c "import ray; print(ray.__version__)" 2>/dev/null || echo 2.60.0)  # the pool's Ray
 "$VENV/bin/pip" install -q "ray==$RAY" msgpack
 "$VENV/bin/pip" install -q --no-deps -e .
+# NVIDIA Dynamo's custom-encoder interface (tests/vllm/dynamo_check.py); ai-dynamo's own
+# dependencies include Kubernetes and simulation packages that the interface does not import
+"$VENV/bin/pip" install -q ai-dynamo-runtime==1.6.1 redis zstandard
+"$VENV/bin/pip" install -q --no-deps ai-dynamo==1.6.1
 META=$("$VENV/bin/python" -c "import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec('torchvision').origin).parent / '_meta_registrations.py')")
 sed -i -E 's/^@torch\.library\.register_fake\("torchvision::(q?nms)"\)$/@(torch.library.register_fake("torchvision::\1") if torchvision.extension._has_ops() else (lambda fn: fn))/' "$META"
-"$VENV/bin/python" -c "import torchvision, vllm, ray, vitpool.integrations.vllm.connector; print('vllm', vllm.__version__, 'ray', ray.__version__, 'ready')"
+"$VENV/bin/python" -c "import torchvision, vllm, ray, vitpool.integrations.vllm.connector, vitpool.integrations.dynamo; print('vllm', vllm.__version__, 'ray', ray.__version__, 'ready')"

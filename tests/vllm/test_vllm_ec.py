@@ -8,6 +8,7 @@ import base64
 import io
 import math
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -131,6 +132,34 @@ def test_a_family_vllm_cannot_take_is_refused(tmp_path, pool):
     (tmp_path / "config.json").write_text('{"model_type": "llava"}')
     with pytest.raises(ConfigError, match="'llava'"):
         Gateway(pool, FilePublisher(tmp_path / "ec"), tmp_path, "http://127.0.0.1:1")
+
+
+def test_dynamo_backend_answers_as_pool_encode(tmp_path, pool, tiny_model, ray_address):
+    """vitpool's Dynamo backend, driven by Dynamo's own AsyncVisionEncoder in the vLLM environment
+    (ai-dynamo installed there), returns pool.encode's embeddings, and Dynamo's Qwen3-VL adapter
+    takes them; a bad image is refused alone, as a ValueError."""
+    import json
+    import os
+    import subprocess
+
+    from vllm_servers import VLLM_PYTHON
+
+    pictures = []
+    for index, (height, width) in enumerate([(64, 64), (96, 32), (32, 128)]):
+        pictures.append(tmp_path / f"{index}.png")
+        pictures[-1].write_bytes(png(300 + index, height, width))
+    result = subprocess.run(
+        [str(VLLM_PYTHON), str(Path(__file__).parent / "dynamo_check.py"), str(tiny_model), *map(str, pictures)],
+        check=False, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "VITPOOL_POOL": pool.name, "RAY_ADDRESS": ray_address, "RAY_AUTH_MODE": "disabled",
+             "VITPOOL_DTYPE": "float32"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert max(report["differences"]) <= 1e-5 and report["finite"] and report["dtype"] == "torch.float32"
+    assert report["grids"] == [[1, 4, 4], [1, 6, 2], [1, 2, 8]] and report["rows"] == [4, 3, 4]
+    assert report["widths"] == [384] * 3 and report["prompt_rows"] == 11
+    assert "cannot be read" in report["bad_image"]
 
 
 def test_requests_still_answer_when_the_pool_is_down(gateways, servers, tiny_model, pool):

@@ -1,0 +1,99 @@
+"""vitpool behind NVIDIA Dynamo's custom encoder hook (ai-dynamo 1.6's `VisionEncoderBackend`):
+
+    python -m dynamo.vllm --model CHECKPOINT --enable-multimodal \
+        --custom-encoder-class vitpool.integrations.dynamo.VitpoolEncoderBackend
+
+Dynamo creates the backend with no arguments, so it reads its settings from the environment:
+VITPOOL_POOL (the pool's name, default "vitpool"), RAY_ADDRESS (the cluster, default "auto") and
+VITPOOL_DTYPE (the LLM's dtype, default bfloat16). `build` connects to the running pool;
+`preprocess` (on Dynamo's thread pool) reads an image URL and runs the checkpoint's image processor,
+refusing a bad image alone; `forward_batch` encodes the batch in the pool, where it is packed with
+every other caller's items. The artifacts are what Dynamo's Qwen3-VL / Qwen3.5 adapter takes.
+"""
+
+from __future__ import annotations
+
+import os
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import torch
+from dynamo.vllm.multimodal_utils.custom_encoder import (
+    Preprocessed,
+    Qwen3VLImageEncoding,
+    VisionEncoderBackend,
+)
+
+from vitpool.errors import InvalidItemError
+from vitpool.integrations.vllm.images import checkpoint_family, data_url_bytes, decode_image, processor_items
+from vitpool.integrations.vllm.layouts import vllm_embedding
+from vitpool.items import Item
+
+# Dynamo's native adapter for these decoders takes Qwen3VLImageEncoding (embeddings and grid)
+DYNAMO_FAMILIES = frozenset({"qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"})
+
+
+def image_bytes(url: str) -> bytes:
+    """An image URL's bytes: a base64 data: URL, http(s), file:// or a local path."""
+    if url.startswith("data:"):
+        data = data_url_bytes(url)
+        if data is None:
+            raise ValueError("the image's data URL is not base64")
+        return data
+    if url.startswith(("http://", "https://")):
+        with urllib.request.urlopen(url, timeout=30) as response:
+            return response.read()
+    return Path(url.removeprefix("file://")).read_bytes()
+
+
+class VitpoolEncoderBackend(VisionEncoderBackend):
+    """Dynamo's encoder, answered by a vitpool pool."""
+
+    preprocess_concurrency = 4
+    max_batch_cost = None  # pass-through: the pool packs into its own budgets
+
+    def __init__(self, pool: Any = None) -> None:
+        self._pool = pool
+        self.family = ""
+        self.dtype = getattr(torch, os.environ.get("VITPOOL_DTYPE", "bfloat16"))
+        self._make_item: Any = None
+
+    def build(self, model_id: str) -> None:
+        self.family = checkpoint_family(model_id)
+        if self.family not in DYNAMO_FAMILIES:
+            raise RuntimeError(f"vitpool's Dynamo backend answers {', '.join(sorted(DYNAMO_FAMILIES))} "
+                               f"(Dynamo's Qwen adapter); {model_id} is {self.family!r}")
+        self._make_item = processor_items(model_id, self.family)
+        if self._pool is None:
+            import ray
+
+            from vitpool.pool import EncoderPool
+
+            if not ray.is_initialized():
+                ray.init(address=os.environ.get("RAY_ADDRESS", "auto"))
+            self._pool = EncoderPool.connect(os.environ.get("VITPOOL_POOL", "vitpool"))
+
+    def preprocess(self, raw: str) -> Preprocessed:
+        try:
+            picture = decode_image(image_bytes(raw))
+        except (OSError, ValueError) as error:
+            raise ValueError(f"the image cannot be read: {type(error).__name__}") from None
+        item = self._make_item(picture)
+        t, h, w = (int(v) for v in item.grid_thw)
+        return Preprocessed(item=item, cost=max(1, t * h * w // 4))
+
+    def forward_batch(self, items: list[Item], target_bucket: int | None = None) -> list[Qwen3VLImageEncoding]:
+        try:
+            embeddings = self._pool.encode(items)
+        except InvalidItemError as error:  # checked in preprocess's processor output; an engine fault here
+            raise RuntimeError(str(error)) from error
+        return [
+            Qwen3VLImageEncoding(vllm_embedding(embedding, self.family, self.dtype),
+                                 tuple(int(v) for v in item.grid_thw))
+            for item, embedding in zip(items, embeddings)
+        ]
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
