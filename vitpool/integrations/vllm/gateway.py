@@ -359,7 +359,11 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"vitpool gateway: {error}") from None
     logger.info("vitpool gateway for %s (pool %r, %s) on http://%s:%d, forwarding to %s", args.model, args.pool,
                 args.publish, args.host, args.port, args.upstream)
-    web.run_app(gateway.app(), host=args.host, port=args.port, print=None)
+    try:
+        web.run_app(gateway.app(), host=args.host, port=args.port, print=None)
+    finally:
+        if args.launch_actors:
+            pool.shutdown()
 
 
 if __name__ == "__main__":
