@@ -100,7 +100,9 @@ class VitpoolECConnector(ECConnectorBase):
             if tensor is None:
                 raise RuntimeError(f"vitpool: embedding {key!r} left the store between scheduling and loading; "
                                    "raise the store's min_age_s")
-            encoder_cache[key] = tensor.to(device, non_blocking=True)
+            # a CPU rank copies too: the tensor is a view of the object store's memory, which the
+            # entry would keep pinned for as long as vLLM caches it
+            encoder_cache[key] = tensor.to(device, copy=True)
 
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any) -> None:
         return None

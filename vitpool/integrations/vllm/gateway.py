@@ -49,7 +49,7 @@ STATS_PATH = "/vitpool/stats"
 
 class Publisher(Protocol):
     def contains(self, key: str) -> bool: ...
-    def publish(self, key: str, tensor: torch.Tensor) -> bool: ...
+    def publish_many(self, entries: list[tuple[str, torch.Tensor]]) -> list[bool]: ...
 
 
 class Encoder(Protocol):
@@ -183,13 +183,11 @@ class Gateway:
 
     async def _encode_and_publish(self, images: list[_Image]) -> None:
         started = time.perf_counter()
-        items: list[Item | Exception] = []
-        for image in images:
-            try:
-                items.append(await asyncio.to_thread(lambda data=image.data: self.make_item(decode_image(data))))
-            except Exception as error:  # noqa: BLE001 - a bad image is vLLM's to answer
-                items.append(error)
-        encodable = [(image, item) for image, item in zip(images, items) if not isinstance(item, Exception)]
+        # each image on its own thread: decoding and the processor release the GIL for most of it
+        items: list[Item | BaseException] = await asyncio.gather(
+            *(asyncio.to_thread(lambda data=image.data: self.make_item(decode_image(data))) for image in images),
+            return_exceptions=True)  # a bad image is vLLM's to answer
+        encodable = [(image, item) for image, item in zip(images, items) if not isinstance(item, BaseException)]
         self.stats.fallbacks += len(images) - len(encodable)
         processed = time.perf_counter()
         self.stats.phases.process += processed - started
@@ -204,21 +202,29 @@ class Gateway:
             results = [error] * len(encodable)
         encoded = time.perf_counter()
         self.stats.phases.encode += encoded - processed
+        packed: list[tuple[str, torch.Tensor]] = []
         for (image, _), result in zip(encodable, results):
-            published = False
-            if isinstance(result, Embedding):
-                try:
-                    tensor = vllm_embedding(result, self.model_type, self.dtype)
-                    published = await asyncio.to_thread(self.publisher.publish, image.key, tensor)
-                except Exception as error:  # noqa: BLE001 - vLLM encodes it instead
-                    logger.warning("vitpool gateway: publishing %s failed: %s", image.key, error)
-            else:
+            if not isinstance(result, Embedding):
                 logger.warning("vitpool gateway: image %s not encoded: %s", image.key, result)
-            if published:
+                continue
+            try:
+                packed.append((image.key, vllm_embedding(result, self.model_type, self.dtype)))
+            except Exception as error:  # noqa: BLE001 - vLLM encodes it instead
+                logger.warning("vitpool gateway: image %s has no vLLM layout: %s", image.key, error)
+        published: dict[str, bool] = {}
+        if packed:
+            try:
+                accepted = await asyncio.to_thread(self.publisher.publish_many, packed)
+                published = {key: ok for (key, _), ok in zip(packed, accepted)}
+            except Exception as error:  # noqa: BLE001 - vLLM encodes them instead
+                logger.warning("vitpool gateway: publishing %d embeddings failed: %s", len(packed), error)
+        for image, _ in encodable:
+            ok = published.get(image.key, False)
+            if ok:
                 self.stats.encoded += 1
             else:
                 self.stats.fallbacks += 1
-            self._in_flight[image.key].set_result(published)
+            self._in_flight[image.key].set_result(ok)
         self.stats.phases.publish += time.perf_counter() - encoded
 
     # HTTP

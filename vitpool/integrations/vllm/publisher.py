@@ -120,6 +120,9 @@ class FilePublisher:
             self._entries.stats.published += 1
         return True
 
+    def publish_many(self, entries: list[tuple[str, torch.Tensor]]) -> list[bool]:
+        return [self.publish(key, tensor) for key, tensor in entries]
+
     def remove(self, key: str) -> None:
         with self._lock:
             self._entries.remove(key)

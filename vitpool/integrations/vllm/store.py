@@ -1,5 +1,6 @@
-"""The pool's embedding store: a named Ray actor holding published embeddings in memory, so that
-vLLM's processes on any node read them through Ray (`VitpoolECConnector`) with no shared disk.
+"""The pool's embedding store: a named Ray actor that knows the published embeddings (kept in Ray's
+object store), so that vLLM's processes on any node read them through Ray (`VitpoolECConnector`)
+with no shared disk.
 
 One store per pool, named "<pool>.embeddings" in vitpool's namespace; `open_store` creates it or
 finds it. It lives as long as the process that created it (the gateway): when it is gone, vLLM's
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -18,6 +20,7 @@ import torch
 from vitpool.integrations.vllm.bounded import BoundedEntries, PublisherStats
 from vitpool.integrations.vllm.publisher import check_key
 from vitpool.pool.controller import NAMESPACE
+from vitpool.transport.wire import from_array, to_array, wire_dtype_name
 
 logger = logging.getLogger(__name__)
 
@@ -27,46 +30,64 @@ def store_name(pool_name: str) -> str:
 
 
 class EmbeddingStore:
-    """Keyed tensors, at most `max_bytes`, least recently used evicted first (`BoundedEntries`)."""
+    """Keyed embeddings, at most `max_bytes`, least recently used evicted first (`BoundedEntries`).
+
+    The store holds references, not bytes: a publisher puts each tensor into Ray's object store
+    (as a NumPy array, read without a copy) and hands the store its reference; readers fetch the
+    objects straight from the object store of their node.
+    """
 
     def __init__(self, max_bytes: int, min_age_s: float) -> None:
         self._lock = threading.Lock()
         self._entries = BoundedEntries(max_bytes, min_age_s)
-        self._tensors: dict[str, torch.Tensor] = {}
+        self._refs: dict[str, StoredRef] = {}
 
-    def put(self, key: str, tensor: torch.Tensor) -> bool:
-        check_key(key)
-        tensor = tensor.detach().to("cpu").contiguous()
+    def put_many(self, entries: list[StoredRef]) -> list[bool]:
+        """Hold each entry (replacing one of its key); False for one that cannot fit now."""
+        accepted = []
         with self._lock:
-            victims = self._entries.add(key, tensor.numel() * tensor.element_size())
-            if victims is None:
-                return False
-            for victim in victims:
-                del self._tensors[victim]
-            self._tensors[key] = tensor
-            self._entries.stats.published += 1
-            return True
+            for entry in entries:
+                victims = self._entries.add(check_key(entry.key), entry.nbytes)
+                if victims is None:
+                    accepted.append(False)
+                    continue
+                for victim in victims:
+                    del self._refs[victim]
+                self._refs[entry.key] = entry
+                self._entries.stats.published += 1
+                accepted.append(True)
+        return accepted
 
     def contains(self, key: str) -> bool:
         with self._lock:
             return self._entries.touch(key)
 
-    def contains_many(self, keys: list[str]) -> list[bool]:
+    def get_many(self, keys: list[str]) -> list[StoredRef | None]:
         with self._lock:
-            return [self._entries.touch(key) for key in keys]
-
-    def get_many(self, keys: list[str]) -> list[torch.Tensor | None]:
-        with self._lock:
-            return [self._tensors.get(key) for key in keys]
+            return [self._refs.get(key) for key in keys]
 
     def remove(self, key: str) -> None:
         with self._lock:
             if self._entries.remove(key):
-                del self._tensors[key]
+                del self._refs[key]
 
     def stats(self) -> PublisherStats:
         with self._lock:
             return self._entries.snapshot()
+
+
+@dataclass(frozen=True)
+class StoredRef:
+    """One entry: its key, the object holding its array (in a list, so Ray passes the reference
+    itself), the dtype it travels as, and its size."""
+
+    key: str
+    array: list[Any]  # [ray.ObjectRef] of the NumPy array
+    dtype: str
+    nbytes: int
+
+    def tensor(self, array: Any) -> torch.Tensor:
+        return from_array(array, self.dtype, copy_read_only=False)
 
 
 def open_store(pool_name: str = "vitpool", max_bytes: int = 8 << 30, min_age_s: float = 30.0) -> Any:
@@ -97,7 +118,15 @@ class StorePublisher:
         return ray.get(self._store.contains.remote(key))
 
     def publish(self, key: str, tensor: torch.Tensor) -> bool:
-        return ray.get(self._store.put.remote(key, tensor))
+        return self.publish_many([(key, tensor)])[0]
+
+    def publish_many(self, entries: list[tuple[str, torch.Tensor]]) -> list[bool]:
+        """One call to the store for all of them; each tensor is put into the object store once."""
+        stored = []
+        for key, tensor in entries:
+            array = to_array(tensor.contiguous())
+            stored.append(StoredRef(check_key(key), [ray.put(array)], wire_dtype_name(tensor.dtype), array.nbytes))
+        return ray.get(self._store.put_many.remote(stored))
 
     def remove(self, key: str) -> None:
         ray.get(self._store.remove.remote(key))
@@ -156,9 +185,12 @@ class StoreReader:
             return False
 
     def get_many(self, keys: list[str]) -> list[torch.Tensor | None]:
-        """The tensors of `keys` (None where absent); raises if the store cannot be reached, since
-        vLLM was told they exist."""
+        """The tensors of `keys` (None where absent), read-only views of the object store's memory;
+        raises if the store cannot be reached, since vLLM was told they exist."""
         store = self._connected()
         if store is None:
             raise RuntimeError(f"vitpool: pool {self.pool_name!r}'s embedding store is gone")
-        return ray.get(store.get_many.remote(keys), timeout=self.timeout_s)
+        entries = ray.get(store.get_many.remote(keys), timeout=self.timeout_s)
+        present = [entry for entry in entries if entry is not None]
+        arrays = iter(ray.get([entry.array[0] for entry in present], timeout=self.timeout_s))
+        return [None if entry is None else entry.tensor(next(arrays)) for entry in entries]
