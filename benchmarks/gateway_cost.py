@@ -13,7 +13,7 @@ distinct PNG images (no entry is reused). Same run, alternating:
 then 16 concurrent requests of 1–4 images each, several rounds: items per batch on the actor,
 against the items per request.
 
-    python benchmarks/gateway_cost.py [--runs 30] [--warmup 5] [--publish store] [--out gateway.json]
+    python benchmarks/gateway_cost.py [--runs 30] [--warmup 5] [--publish store] [--format png] [--out F]
 """
 
 from __future__ import annotations
@@ -41,15 +41,26 @@ from vitpool import EncoderPool, Image
 SIDE = 448
 
 
+FORMAT = "png"
+
+
 def pngs(count: int, seed: int, side: int = SIDE) -> list[bytes]:
+    """Distinct pictures: uniform noise as PNG (the most bytes a picture of this size carries), or
+    with --format jpeg a photo-like one (smooth gradients and mild noise) as JPEG, quality 90."""
     from PIL import Image as PILImage
 
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(count):
         buffer = io.BytesIO()
-        PILImage.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)).save(buffer, format="PNG",
-                                                                                       compress_level=1)
+        if FORMAT == "png":
+            pixels = rng.integers(0, 256, (side, side, 3), dtype=np.uint8)
+            PILImage.fromarray(pixels).save(buffer, format="PNG", compress_level=1)
+        else:
+            ramp = np.linspace(0, 1, side)
+            base = np.stack([np.outer(ramp, ramp), np.outer(ramp[::-1], ramp), np.outer(ramp, ramp[::-1])], -1)
+            pixels = np.clip(base * rng.uniform(120, 255, 3) + rng.normal(0, 6, (side, side, 3)), 0, 255)
+            PILImage.fromarray(pixels.astype(np.uint8)).save(buffer, format="JPEG", quality=90)
         out.append(buffer.getvalue())
     return out
 
@@ -112,7 +123,7 @@ def post(url: str, body: bytes) -> float:
 
 
 def main() -> None:
-    global PROCESSOR
+    global PROCESSOR, FORMAT
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
@@ -121,7 +132,9 @@ def main() -> None:
     parser.add_argument("--concurrent-rounds", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--tiny", action="store_true", help="the shipped tiny tower (a CPU smoke run)")
+    parser.add_argument("--format", choices=("png", "jpeg"), default="png")
     args = parser.parse_args()
+    FORMAT = args.format
     logging.basicConfig(level=logging.WARNING)
     from transformers import Qwen2VLImageProcessorPil
 
@@ -154,7 +167,7 @@ def main() -> None:
     requests = [pngs(args.images, seed) for seed in range(total)]
     bodies = [chat_body(images) for images in requests]
     item_sets = [[make_item(PILImage.open(io.BytesIO(d)).convert("RGB")) for d in images] for images in requests]
-    print(f"{gpu}: {args.images} x {SIDE}² per request, publish={args.publish}, body {len(bodies[0]) / 1e6:.1f} MB",
+    print(f"{gpu}: {args.images} x {SIDE}² per request, publish={args.publish}, {args.format}, body {len(bodies[0]) / 1e6:.1f} MB",
           flush=True)
 
     gateway_ms, encode_ms, process_ms = [], [], []
@@ -198,7 +211,7 @@ def main() -> None:
                        "items_per_batch": items / max(batches, 1), "wall_ms": elapsed})
 
     result = {
-        "gpu": gpu, "images_per_request": args.images, "side": SIDE, "publish": args.publish, "runs": args.runs,
+        "gpu": gpu, "images_per_request": args.images, "side": SIDE, "publish": args.publish, "format": args.format, "runs": args.runs,
         "gateway_ms": summarize(gateway_ms), "pool_encode_ms": summarize(encode_ms),
         "process_in_process_ms": summarize(process_ms),
         "gateway_phases_ms": {name: summarize(values) for name, values in phases.items()},

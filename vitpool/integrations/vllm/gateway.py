@@ -5,7 +5,7 @@ request with each image's `uuid` set, relaying the answer (streamed or not) as v
     python -m vitpool.integrations.vllm.gateway --model CHECKPOINT --upstream http://127.0.0.1:8000 \
         --publish store            # or: --publish files --root /shared/ec_cache
 
-An image's key (its `uuid`) is a 128-bit BLAKE2b digest of its bytes under a prefix that covers the
+An image's key (its `uuid`) is a 128-bit XXH3 digest of its bytes under a prefix that covers the
 checkpoint's config, its image processor's settings and the LLM's dtype, so a published entry is
 found again by any request with the same image for the same model; a client's own `uuid` is kept.
 The images of all requests in flight go to the pool together (the pool packs concurrent calls into
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import copy
 import json
 import logging
 import time
@@ -55,6 +54,7 @@ class Publisher(Protocol):
 class Encoder(Protocol):
     async def encode_async(self, items: list[Item], timeout_s: float | None = None,
                            return_exceptions: bool = False) -> list[Embedding | Exception]: ...
+    def encode_refs(self, items: list[Item], timeout_s: float | None = None) -> list[Any]: ...
 
 
 @dataclass
@@ -193,6 +193,45 @@ class Gateway:
         self.stats.phases.process += processed - started
         if not encodable:
             return
+        encoded: list[float] = []  # when the pool's results came back
+        if hasattr(self.publisher, "publish_references"):
+            published = await self._publish_by_reference(encodable, encoded)
+        else:
+            published = await self._publish_tensors(encodable, encoded)
+        self.stats.phases.encode += encoded[0] - processed
+        self.stats.phases.publish += time.perf_counter() - encoded[0]
+        for image, _ in encodable:
+            ok = published.get(image.key, False)
+            if ok:
+                self.stats.encoded += 1
+            else:
+                self.stats.fallbacks += 1
+            self._in_flight[image.key].set_result(ok)
+
+    async def _publish_by_reference(self, encodable: list[tuple[_Image, Item]], encoded: list[float]
+                                    ) -> dict[str, bool]:
+        """The pool's results stay in Ray's object store; the store is told where (the connector
+        lays them out for vLLM). A failed call leaves every image of it to vLLM."""
+        keys = [image.key for image, _ in encodable]
+        try:
+            refs = await asyncio.to_thread(self.pool.encode_refs, [item for _, item in encodable],
+                                           self.encode_timeout_s)
+        except (VitpoolError, TimeoutError, ValueError) as error:
+            logger.warning("vitpool gateway: the pool could not encode %d images (%s); vLLM encodes them",
+                           len(encodable), error)
+            encoded.append(time.perf_counter())
+            return {}
+        encoded.append(time.perf_counter())
+        try:
+            accepted = await asyncio.to_thread(self.publisher.publish_references, list(zip(keys, refs)))
+        except Exception as error:  # noqa: BLE001 - vLLM encodes them instead
+            logger.warning("vitpool gateway: publishing %d embeddings failed: %s", len(keys), error)
+            return {}
+        return dict(zip(keys, accepted))
+
+    async def _publish_tensors(self, encodable: list[tuple[_Image, Item]], encoded: list[float]
+                               ) -> dict[str, bool]:
+        """The pool's results laid out here and published as tensors (files)."""
         try:
             results = await self.pool.encode_async([item for _, item in encodable], timeout_s=self.encode_timeout_s,
                                                    return_exceptions=True)
@@ -200,8 +239,7 @@ class Gateway:
             logger.warning("vitpool gateway: the pool could not encode %d images (%s); vLLM encodes them",
                            len(encodable), error)
             results = [error] * len(encodable)
-        encoded = time.perf_counter()
-        self.stats.phases.encode += encoded - processed
+        encoded.append(time.perf_counter())
         packed: list[tuple[str, torch.Tensor]] = []
         for (image, _), result in zip(encodable, results):
             if not isinstance(result, Embedding):
@@ -211,21 +249,14 @@ class Gateway:
                 packed.append((image.key, vllm_embedding(result, self.model_type, self.dtype)))
             except Exception as error:  # noqa: BLE001 - vLLM encodes it instead
                 logger.warning("vitpool gateway: image %s has no vLLM layout: %s", image.key, error)
-        published: dict[str, bool] = {}
-        if packed:
-            try:
-                accepted = await asyncio.to_thread(self.publisher.publish_many, packed)
-                published = {key: ok for (key, _), ok in zip(packed, accepted)}
-            except Exception as error:  # noqa: BLE001 - vLLM encodes them instead
-                logger.warning("vitpool gateway: publishing %d embeddings failed: %s", len(packed), error)
-        for image, _ in encodable:
-            ok = published.get(image.key, False)
-            if ok:
-                self.stats.encoded += 1
-            else:
-                self.stats.fallbacks += 1
-            self._in_flight[image.key].set_result(ok)
-        self.stats.phases.publish += time.perf_counter() - encoded
+        if not packed:
+            return {}
+        try:
+            accepted = await asyncio.to_thread(self.publisher.publish_many, packed)
+        except Exception as error:  # noqa: BLE001 - vLLM encodes them instead
+            logger.warning("vitpool gateway: publishing %d embeddings failed: %s", len(packed), error)
+            return {}
+        return {key: ok for (key, _), ok in zip(packed, accepted)}
 
     # HTTP
 
@@ -253,7 +284,6 @@ class Gateway:
         if not isinstance(body, dict):
             return web.json_response({"error": {"message": "the request body is not a JSON object",
                                                 "type": "BadRequest"}}, status=400)
-        body = copy.deepcopy(body)
         self.stats.requests += 1
         images = await self._images_of(body)
         self.stats.images += len(images)

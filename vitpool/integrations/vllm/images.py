@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import hashlib
 import io
 import json
 from collections.abc import Callable
@@ -14,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 
 from vitpool.errors import ConfigError
 from vitpool.items import Image, Item
@@ -45,16 +45,18 @@ def model_identity(checkpoint: str | Path, dtype: torch.dtype) -> str:
     """The prefix of every key for this model: a digest of its config, its image processor's
     settings and the LLM's dtype (what decides an image's embedding, besides its bytes)."""
     directory = Path(checkpoint)
-    hasher = hashlib.blake2b(digest_size=8)
+    hasher = xxhash.xxh3_64()
     for name in ("config.json", "preprocessor_config.json"):
         file = directory / name
         hasher.update(file.read_bytes() if file.exists() else b"-")
+        hasher.update(b"\0")
     hasher.update(str(dtype).encode())
     return hasher.hexdigest()
 
 
 def image_key(prefix: str, data: bytes) -> str:
-    return f"vp-{prefix}-{hashlib.blake2b(data, digest_size=16).hexdigest()}"
+    """`vp-<model>-<128-bit XXH3 of the image's bytes>`."""
+    return f"vp-{prefix}-{xxhash.xxh3_128_hexdigest(data)}"
 
 
 def decode_image(data: bytes) -> Any:

@@ -74,8 +74,10 @@ def vllm_layout(model_type: str) -> VllmLayout:
     return layout
 
 
-def vllm_embedding(embedding: Embedding, model_type: str, dtype: torch.dtype) -> torch.Tensor:
-    """One item's tensor as vLLM's encoder cache holds it: 2-D, contiguous, on the CPU, in `dtype`
-    (the LLM's)."""
-    packed = vllm_layout(model_type).pack(embedding)
-    return packed.to(device="cpu", dtype=dtype).contiguous()
+def vllm_embedding(embedding: Embedding, model_type: str, dtype: torch.dtype,
+                   device: str | torch.device = "cpu") -> torch.Tensor:
+    """One item's tensor as vLLM's encoder cache holds it: 2-D, contiguous, on `device`, in `dtype`
+    (the LLM's). The parts move to `device` before they are joined (on a GPU, the join is cheap)."""
+    rule = vllm_layout(model_type).pack
+    moved = Embedding(embedding.tokens.to(device, dtype), [part.to(device, dtype) for part in embedding.deepstack])
+    return rule(moved).contiguous()

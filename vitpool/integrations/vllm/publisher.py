@@ -11,7 +11,7 @@ the caller lets vLLM run its own encoder for that item.
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import logging
 import os
 import re
@@ -22,8 +22,9 @@ import uuid
 from pathlib import Path
 
 import torch
+import xxhash
 from safetensors import safe_open
-from safetensors.torch import save
+from safetensors.torch import save, save_file
 
 from vitpool.integrations.vllm.bounded import BoundedEntries, PublisherStats
 
@@ -31,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 FILE_NAME = "encoder_cache.safetensors"
 TENSOR_NAME = "ec_cache"
-DIGEST_KEY = "vitpool_blake2b"
+DIGEST_KEY = "vitpool_xxh3_128"
 _KEY = re.compile(r"[A-Za-z0-9_\-][A-Za-z0-9_.\-]{0,199}")
 
 
@@ -44,7 +45,7 @@ def check_key(key: str) -> str:
 
 
 def digest(data: bytes | memoryview) -> str:
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
+    return xxhash.xxh3_128_hexdigest(data)
 
 
 def payload_of(tensor: torch.Tensor) -> memoryview:
@@ -95,21 +96,23 @@ class FilePublisher:
             return self._entries.touch(key)
 
     def publish(self, key: str, tensor: torch.Tensor) -> bool:
-        """Write `tensor` as entry `key` (replacing one of the same key). Returns False, writing
+        """Write `tensor` as entry `key` (replacing one of the same key). Returns False, leaving
         nothing, if it cannot fit within `max_bytes` now."""
-        data = entry_bytes(tensor)
         final = self.path(key)
-        with self._lock:
-            victims = self._entries.add(key, len(data))
-        if victims is None:
-            return False
-        for victim in victims:
-            shutil.rmtree(self.root / victim, ignore_errors=True)
+        tensor = tensor.detach().to("cpu").contiguous()
         final.parent.mkdir(parents=True, exist_ok=True)
         partial = final.parent / f".{FILE_NAME}.{os.getpid()}.{uuid.uuid4().hex}.partial"
         try:
-            with open(partial, "wb") as file:
-                file.write(data)
+            save_file({TENSOR_NAME: tensor}, partial, metadata={DIGEST_KEY: digest(payload_of(tensor))})
+            with self._lock:
+                victims = self._entries.add(key, partial.stat().st_size)
+            if victims is None:
+                partial.unlink()
+                with contextlib.suppress(OSError):  # only if it is empty: not another entry's
+                    final.parent.rmdir()
+                return False
+            for victim in victims:
+                shutil.rmtree(self.root / victim, ignore_errors=True)
             os.replace(partial, final)
         except BaseException:
             partial.unlink(missing_ok=True)

@@ -19,6 +19,7 @@ import torch
 
 from vitpool.integrations.vllm.bounded import BoundedEntries, PublisherStats
 from vitpool.integrations.vllm.publisher import check_key
+from vitpool.items import Embedding, shared_results
 from vitpool.pool.controller import NAMESPACE
 from vitpool.transport.wire import from_array, to_array, wire_dtype_name
 
@@ -78,16 +79,19 @@ class EmbeddingStore:
 
 @dataclass(frozen=True)
 class StoredRef:
-    """One entry: its key, the object holding its array (in a list, so Ray passes the reference
-    itself), the dtype it travels as, and its size."""
+    """One entry: its key, the object holding it (in a list, so that Ray passes the reference
+    itself), what the object is, and its size. An "array" is a tensor already in vLLM's layout
+    (a NumPy array, as `vitpool.transport.wire` carries tensors); an "embedding" is a pool result
+    (`EncoderPool.encode_refs`), which the reader lays out for vLLM itself."""
 
     key: str
-    array: list[Any]  # [ray.ObjectRef] of the NumPy array
-    dtype: str
+    object: list[Any]  # [ray.ObjectRef]
+    kind: str  # "array" (with dtype) or "embedding"
     nbytes: int
+    dtype: str = ""
 
-    def tensor(self, array: Any) -> torch.Tensor:
-        return from_array(array, self.dtype, copy_read_only=False)
+    def value(self, fetched: Any) -> torch.Tensor | Embedding:
+        return from_array(fetched, self.dtype, copy_read_only=False) if self.kind == "array" else fetched
 
 
 def open_store(pool_name: str = "vitpool", max_bytes: int = 8 << 30, min_age_s: float = 30.0) -> Any:
@@ -121,11 +125,26 @@ class StorePublisher:
         return self.publish_many([(key, tensor)])[0]
 
     def publish_many(self, entries: list[tuple[str, torch.Tensor]]) -> list[bool]:
-        """One call to the store for all of them; each tensor is put into the object store once."""
+        """Tensors already in vLLM's layout; each is put into the object store once, and the store
+        is called once for all of them."""
         stored = []
         for key, tensor in entries:
             array = to_array(tensor.contiguous())
-            stored.append(StoredRef(check_key(key), [ray.put(array)], wire_dtype_name(tensor.dtype), array.nbytes))
+            stored.append(StoredRef(check_key(key), [ray.put(array)], "array", array.nbytes,
+                                    wire_dtype_name(tensor.dtype)))
+        return ray.get(self._store.put_many.remote(stored))
+
+    def publish_references(self, entries: list[tuple[str, Any]]) -> list[bool]:
+        """Pool results by reference (`EncoderPool.encode_refs`): no byte passes through this
+        process; vLLM's connector lays each out for its model. Their sizes are read from views of
+        the node's shared memory."""
+        with shared_results():
+            embeddings = ray.get([ref for _, ref in entries])
+        stored = [
+            StoredRef(check_key(key), [ref], "embedding", sum(t.nbytes for t in embedding.outputs))
+            for (key, ref), embedding in zip(entries, embeddings)
+        ]
+        del embeddings
         return ray.get(self._store.put_many.remote(stored))
 
     def remove(self, key: str) -> None:
@@ -184,13 +203,15 @@ class StoreReader:
             self._lost(error)
             return False
 
-    def get_many(self, keys: list[str]) -> list[torch.Tensor | None]:
-        """The tensors of `keys` (None where absent), read-only views of the object store's memory;
-        raises if the store cannot be reached, since vLLM was told they exist."""
+    def get_many(self, keys: list[str]) -> list[torch.Tensor | Embedding | None]:
+        """What was published under `keys` (None where absent): a tensor in vLLM's layout or a pool
+        result to lay out, read-only views of the node's shared memory; raises if the store cannot
+        be reached, since vLLM was told they exist."""
         store = self._connected()
         if store is None:
             raise RuntimeError(f"vitpool: pool {self.pool_name!r}'s embedding store is gone")
         entries = ray.get(store.get_many.remote(keys), timeout=self.timeout_s)
         present = [entry for entry in entries if entry is not None]
-        arrays = iter(ray.get([entry.array[0] for entry in present], timeout=self.timeout_s))
-        return [None if entry is None else entry.tensor(next(arrays)) for entry in entries]
+        with shared_results():
+            values = iter(ray.get([entry.object[0] for entry in present], timeout=self.timeout_s))
+        return [None if entry is None else entry.value(next(values)) for entry in entries]
