@@ -239,9 +239,9 @@ def test_the_store_bounds_its_bytes_and_readers_find_it(ray_cluster):
     assert not StoreReader("no-such-pool").contains("k4")
 
 
-def test_the_store_takes_pool_results_by_reference_and_readers_lay_them_out(pool, shipped, reference_encoder):
-    """--publish store: the gateway hands the store references to the pool's results (no bytes
-    through the gateway); a reader gets the Embedding, and the layout made from it equals vLLM's."""
+def test_the_store_takes_pool_results_as_they_are_and_readers_lay_them_out(pool, shipped, reference_encoder):
+    """--publish store: the gateway puts the pool's Embeddings into the object store as they are; a
+    reader gets the Embedding, and the layout made from it equals the one made from the reference."""
     from PIL import Image as PILImage
 
     gateway = Gateway(pool, StorePublisher("by-reference"), shipped, "http://unused", dtype=torch.float32,

@@ -54,7 +54,6 @@ class Publisher(Protocol):
 class Encoder(Protocol):
     async def encode_async(self, items: list[Item], timeout_s: float | None = None,
                            return_exceptions: bool = False) -> list[Embedding | Exception]: ...
-    def encode_refs(self, items: list[Item], timeout_s: float | None = None) -> list[Any]: ...
 
 
 @dataclass
@@ -194,10 +193,7 @@ class Gateway:
         if not encodable:
             return
         encoded: list[float] = []  # when the pool's results came back
-        if hasattr(self.publisher, "publish_references"):
-            published = await self._publish_by_reference(encodable, encoded)
-        else:
-            published = await self._publish_tensors(encodable, encoded)
+        published = await self._publish(encodable, encoded)
         self.stats.phases.encode += encoded[0] - processed
         self.stats.phases.publish += time.perf_counter() - encoded[0]
         for image, _ in encodable:
@@ -208,30 +204,10 @@ class Gateway:
                 self.stats.fallbacks += 1
             self._in_flight[image.key].set_result(ok)
 
-    async def _publish_by_reference(self, encodable: list[tuple[_Image, Item]], encoded: list[float]
-                                    ) -> dict[str, bool]:
-        """The pool's results stay in Ray's object store; the store is told where (the connector
-        lays them out for vLLM). A failed call leaves every image of it to vLLM."""
-        keys = [image.key for image, _ in encodable]
-        try:
-            refs = await asyncio.to_thread(self.pool.encode_refs, [item for _, item in encodable],
-                                           self.encode_timeout_s)
-        except (VitpoolError, TimeoutError, ValueError) as error:
-            logger.warning("vitpool gateway: the pool could not encode %d images (%s); vLLM encodes them",
-                           len(encodable), error)
-            encoded.append(time.perf_counter())
-            return {}
-        encoded.append(time.perf_counter())
-        try:
-            accepted = await asyncio.to_thread(self.publisher.publish_references, list(zip(keys, refs)))
-        except Exception as error:  # noqa: BLE001 - vLLM encodes them instead
-            logger.warning("vitpool gateway: publishing %d embeddings failed: %s", len(keys), error)
-            return {}
-        return dict(zip(keys, accepted))
-
-    async def _publish_tensors(self, encodable: list[tuple[_Image, Item]], encoded: list[float]
-                               ) -> dict[str, bool]:
-        """The pool's results laid out here and published as tensors (files)."""
+    async def _publish(self, encodable: list[tuple[_Image, Item]], encoded: list[float]) -> dict[str, bool]:
+        """Encode in the pool and publish: Embeddings as they are to a publisher that takes them
+        (the store: vLLM's connector lays them out on the rank's device), else laid out for vLLM
+        here (files). Returns whether each key was published."""
         try:
             results = await self.pool.encode_async([item for _, item in encodable], timeout_s=self.encode_timeout_s,
                                                    return_exceptions=True)
@@ -240,23 +216,26 @@ class Gateway:
                            len(encodable), error)
             results = [error] * len(encodable)
         encoded.append(time.perf_counter())
-        packed: list[tuple[str, torch.Tensor]] = []
+        takes_embeddings = hasattr(self.publisher, "publish_embeddings")
+        entries: list[tuple[str, Any]] = []
         for (image, _), result in zip(encodable, results):
             if not isinstance(result, Embedding):
                 logger.warning("vitpool gateway: image %s not encoded: %s", image.key, result)
                 continue
             try:
-                packed.append((image.key, vllm_embedding(result, self.model_type, self.dtype)))
+                entries.append((image.key, result if takes_embeddings
+                                else vllm_embedding(result, self.model_type, self.dtype)))
             except Exception as error:  # noqa: BLE001 - vLLM encodes it instead
                 logger.warning("vitpool gateway: image %s has no vLLM layout: %s", image.key, error)
-        if not packed:
+        if not entries:
             return {}
+        publish = self.publisher.publish_embeddings if takes_embeddings else self.publisher.publish_many
         try:
-            accepted = await asyncio.to_thread(self.publisher.publish_many, packed)
+            accepted = await asyncio.to_thread(publish, entries)
         except Exception as error:  # noqa: BLE001 - vLLM encodes them instead
-            logger.warning("vitpool gateway: publishing %d embeddings failed: %s", len(packed), error)
+            logger.warning("vitpool gateway: publishing %d embeddings failed: %s", len(entries), error)
             return {}
-        return {key: ok for (key, _), ok in zip(packed, accepted)}
+        return {key: ok for (key, _), ok in zip(entries, accepted)}
 
     # HTTP
 

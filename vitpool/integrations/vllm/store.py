@@ -81,8 +81,8 @@ class EmbeddingStore:
 class StoredRef:
     """One entry: its key, the object holding it (in a list, so that Ray passes the reference
     itself), what the object is, and its size. An "array" is a tensor already in vLLM's layout
-    (a NumPy array, as `vitpool.transport.wire` carries tensors); an "embedding" is a pool result
-    (`EncoderPool.encode_refs`), which the reader lays out for vLLM itself."""
+    (a NumPy array, as `vitpool.transport.wire` carries tensors); an "embedding" is a pool result (an
+    `Embedding`), which the reader lays out for vLLM itself."""
 
     key: str
     object: list[Any]  # [ray.ObjectRef]
@@ -134,17 +134,14 @@ class StorePublisher:
                                     wire_dtype_name(tensor.dtype)))
         return ray.get(self._store.put_many.remote(stored))
 
-    def publish_references(self, entries: list[tuple[str, Any]]) -> list[bool]:
-        """Pool results by reference (`EncoderPool.encode_refs`): no byte passes through this
-        process; vLLM's connector lays each out for its model. Their sizes are read from views of
-        the node's shared memory."""
-        with shared_results():
-            embeddings = ray.get([ref for _, ref in entries])
+    def publish_embeddings(self, entries: list[tuple[str, Embedding]]) -> list[bool]:
+        """Pool results as they came back: each is put into the object store once, as it is (this
+        process owns it, so it outlives the encoder actor that made it), and vLLM's connector lays
+        it out for its model on the rank's device."""
         stored = [
-            StoredRef(check_key(key), [ref], "embedding", sum(t.nbytes for t in embedding.outputs))
-            for (key, ref), embedding in zip(entries, embeddings)
+            StoredRef(check_key(key), [ray.put(embedding)], "embedding", sum(t.nbytes for t in embedding.outputs))
+            for key, embedding in entries
         ]
-        del embeddings
         return ray.get(self._store.put_many.remote(stored))
 
     def remove(self, key: str) -> None:
