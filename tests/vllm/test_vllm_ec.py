@@ -13,9 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from vllm_fixtures import NEEDS_VLLM, pool, ray_address, servers, tiny_model  # noqa: F401 - fixtures
 from vllm_servers import RunningGateway, get_json, post_json
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, NEEDS_VLLM]
 
 TOLERANCE = 1e-4
 

@@ -15,16 +15,11 @@ from pathlib import Path
 import pytest
 from vllm_servers import ROOT, VLLM_PYTHON, VllmServer
 
+NEEDS_VLLM = pytest.mark.skipif(
+    not VLLM_PYTHON.exists(), reason=f"no vLLM environment at {VLLM_PYTHON} (scripts/vllm_cpu_env.sh makes it)"
+)
+
 POOL = "vllm-test"
-
-
-def pytest_collection_modifyitems(config, items):
-    if VLLM_PYTHON.exists():
-        return
-    skip = pytest.mark.skip(reason=f"no vLLM environment at {VLLM_PYTHON} (scripts/vllm_cpu_env.sh makes it)")
-    for item in items:
-        if "vllm" in item.keywords:
-            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")
