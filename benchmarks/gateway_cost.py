@@ -8,12 +8,14 @@ distinct PNG images (no entry is reused). Same run, alternating:
 
 - gateway: POST /v1/chat/completions with 8 × 448² images, the client's view (ms), and the
   gateway's phases for the request (receive, process, encode, publish, forward);
-- pool.encode: the same 8 images already processed (items), `pool.encode(items)`;
+- pool.encode: the same 8 images already processed (items), `pool.encode(items)`, and one copy of
+  its results on this host (`clone`, the floor of any publishing that copies the bytes once);
 
 then 16 concurrent requests of 1–4 images each, several rounds: items per batch on the actor,
 against the items per request.
 
-    python benchmarks/gateway_cost.py [--runs 30] [--warmup 5] [--publish store] [--format png] [--out F]
+    python benchmarks/gateway_cost.py [--runs 30] [--warmup 5] [--publish store] [--format png]
+        [--max-bytes B] [--out F]
 """
 
 from __future__ import annotations
@@ -133,6 +135,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--tiny", action="store_true", help="the shipped tiny tower (a CPU smoke run)")
     parser.add_argument("--format", choices=("png", "jpeg"), default="png")
+    parser.add_argument("--max-bytes", type=float, default=32 << 30,
+                        help="the publisher's bound: past it entries are evicted and their memory reused "
+                             "(default 32 GiB: a run never reaches it, so every entry takes fresh memory)")
     args = parser.parse_args()
     FORMAT = args.format
     logging.basicConfig(level=logging.WARNING)
@@ -151,8 +156,9 @@ def main() -> None:
     on_gpu = torch.cuda.is_available()
     pool = EncoderPool.launch(model=str(directory), num_actors=1, dtype="bfloat16" if on_gpu else "float32",
                               device="cuda" if on_gpu else "cpu")
-    publisher = (StorePublisher(pool.name, max_bytes=32 << 30, min_age_s=0.0) if args.publish == "store"
-                 else FilePublisher(tempfile.mkdtemp(prefix="ec-", dir="/dev/shm"), max_bytes=32 << 30, min_age_s=0.0))
+    max_bytes = int(args.max_bytes)
+    publisher = (StorePublisher(pool.name, max_bytes=max_bytes, min_age_s=0.0) if args.publish == "store"
+                 else FilePublisher(tempfile.mkdtemp(prefix="ec-", dir="/dev/shm"), max_bytes=max_bytes, min_age_s=0.0))
     upstream_port: list[int] = []
     serve(stand_in_vllm(), upstream_port)
     gateway = Gateway(pool, publisher, directory, f"http://127.0.0.1:{upstream_port[0]}", dtype=torch.bfloat16,
@@ -170,15 +176,19 @@ def main() -> None:
     print(f"{gpu}: {args.images} x {SIDE}² per request, publish={args.publish}, {args.format}, body {len(bodies[0]) / 1e6:.1f} MB",
           flush=True)
 
-    gateway_ms, encode_ms, process_ms = [], [], []
+    gateway_ms, encode_ms, process_ms, copy_ms = [], [], [], []
     phases = {name: [] for name in ("receive", "process", "encode", "publish", "forward")}
     for run in range(total):
         before = dict(vars(gateway.stats.phases))
         elapsed = post(url, bodies[run])
         after = vars(gateway.stats.phases)
         start = time.perf_counter()
-        pool.encode(item_sets[run])
+        results = pool.encode(item_sets[run])
         encoded = (time.perf_counter() - start) * 1e3
+        start = time.perf_counter()
+        copies = [tensor.clone() for result in results for tensor in result.outputs]
+        copied = (time.perf_counter() - start) * 1e3
+        del copies, results
         start = time.perf_counter()
         [make_item(PILImage.open(io.BytesIO(d)).convert("RGB")) for d in requests[run]]
         processed = (time.perf_counter() - start) * 1e3
@@ -186,6 +196,7 @@ def main() -> None:
             gateway_ms.append(elapsed)
             encode_ms.append(encoded)
             process_ms.append(processed)
+            copy_ms.append(copied)
             for name, values in phases.items():
                 values.append((after[name] - before[name]) * 1e3)
     assert gateway.stats.fallbacks == 0, gateway.stats
@@ -211,9 +222,11 @@ def main() -> None:
                        "items_per_batch": items / max(batches, 1), "wall_ms": elapsed})
 
     result = {
-        "gpu": gpu, "images_per_request": args.images, "side": SIDE, "publish": args.publish, "format": args.format, "runs": args.runs,
+        "gpu": gpu, "images_per_request": args.images, "side": SIDE, "publish": args.publish, "format": args.format,
+        "max_bytes": max_bytes, "runs": args.runs,
         "gateway_ms": summarize(gateway_ms), "pool_encode_ms": summarize(encode_ms),
         "process_in_process_ms": summarize(process_ms),
+        "one_copy_of_the_embeddings_ms": summarize(copy_ms),
         "gateway_phases_ms": {name: summarize(values) for name, values in phases.items()},
         "publish_and_forward_over_encode": statistics.median(
             [(p + f) / e for p, f, e in zip(phases["publish"], phases["forward"], encode_ms)]),

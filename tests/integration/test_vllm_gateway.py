@@ -232,6 +232,7 @@ def test_the_store_bounds_its_bytes_and_readers_find_it(ray_cluster):
     assert stats.entries == 3 and stats.bytes == 3 * 64 * 4 and stats.evicted == 2
     reader = StoreReader("store-test")
     assert reader.contains("k4") and not reader.contains("k0")
+    assert publisher.contains_many(["k0", "k4", "k3"]) == [False, True, True]
     k4, k0 = reader.get_many(["k4", "k0"])
     assert torch.equal(k4, torch.full((8, 8), 4.0)) and k0 is None
     ray.kill(find_store("store-test"))

@@ -86,6 +86,21 @@ def test_the_least_recently_used_entry_goes_first(tmp_path):
     assert publisher.contains("a")  # asked for: used
     publisher.publish("c", torch.randn(8, 8))
     assert publisher.contains("a") and publisher.contains("c") and not publisher.contains("b")
+    assert publisher.contains_many(["c", "b", "a", "zz"]) == [True, False, True, False]
+
+
+def test_publish_many_writes_each_entry_whole_and_answers_in_order(tmp_path):
+    """publish_many writes on several threads: every entry is its own tensor, and a refused one
+    (over the bound alone) is False in its place."""
+    tensors = [torch.randn(32, 8) * index for index in range(12)]
+    entry = len(entry_bytes(tensors[0]))
+    publisher = FilePublisher(tmp_path, max_bytes=12 * entry, min_age_s=0.0)
+    entries = [(f"k{index}", tensor) for index, tensor in enumerate(tensors)]
+    accepted = publisher.publish_many(entries[:6] + [("huge", torch.randn(512, 512))] + entries[6:])
+    assert accepted == [True] * 6 + [False] + [True] * 6
+    for key, tensor in entries:
+        assert torch.equal(read_entry(publisher.path(key)), tensor)
+    assert publisher.stats().entries == 12 and not (tmp_path / "huge").exists()
 
 
 def test_young_entries_are_not_evicted_and_the_publish_is_refused(tmp_path):

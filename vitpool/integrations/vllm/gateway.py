@@ -47,7 +47,7 @@ STATS_PATH = "/vitpool/stats"
 
 
 class Publisher(Protocol):
-    def contains(self, key: str) -> bool: ...
+    def contains_many(self, keys: list[str]) -> list[bool]: ...
     def publish_many(self, entries: list[tuple[str, torch.Tensor]]) -> list[bool]: ...
 
 
@@ -63,7 +63,7 @@ class PhaseTimes:
     receive: float = 0.0  # reading and parsing the body, decoding and hashing the images
     process: float = 0.0  # the image processor
     encode: float = 0.0  # waiting for the pool
-    publish: float = 0.0  # laying out and publishing the embeddings
+    publish: float = 0.0  # asking what is published; laying out and publishing the embeddings
     forward: float = 0.0  # from sending the request upstream to the end of its answer
 
 
@@ -158,13 +158,17 @@ class Gateway:
         requests in flight; failures are counted and left to vLLM."""
         mine: dict[str, _Image] = {}
         waits = []
+        asked = list(dict.fromkeys(image.key for image in images if image.key not in self._in_flight))
+        # one question to the publisher for the request (a Ray call each would add up)
+        started = time.perf_counter()
+        known = await asyncio.to_thread(self.publisher.contains_many, asked) if asked else []
+        self.stats.phases.publish += time.perf_counter() - started
+        published = {key for key, present in zip(asked, known) if present}
         for image in images:
-            published = image.key not in self._in_flight and await asyncio.to_thread(
-                self.publisher.contains, image.key)
-            if published:
-                self.stats.reused += 1
-            elif image.key in self._in_flight:  # this request's own repeat, or another request's
+            if image.key in self._in_flight:  # this request's own repeat, or another request's
                 waits.append(self._in_flight[image.key])
+                self.stats.reused += 1
+            elif image.key in published:
                 self.stats.reused += 1
             else:
                 mine[image.key] = image

@@ -18,7 +18,7 @@ import ray
 import torch
 
 from vitpool.integrations.vllm.bounded import BoundedEntries, PublisherStats
-from vitpool.integrations.vllm.publisher import check_key
+from vitpool.integrations.vllm.publisher import check_key, in_parallel
 from vitpool.items import Embedding, shared_results
 from vitpool.pool.controller import NAMESPACE
 from vitpool.transport.wire import from_array, to_array, wire_dtype_name
@@ -62,6 +62,10 @@ class EmbeddingStore:
     def contains(self, key: str) -> bool:
         with self._lock:
             return self._entries.touch(key)
+
+    def contains_many(self, keys: list[str]) -> list[bool]:
+        with self._lock:
+            return [self._entries.touch(key) for key in keys]
 
     def get_many(self, keys: list[str]) -> list[StoredRef | None]:
         with self._lock:
@@ -121,26 +125,31 @@ class StorePublisher:
     def contains(self, key: str) -> bool:
         return ray.get(self._store.contains.remote(key))
 
+    def contains_many(self, keys: list[str]) -> list[bool]:
+        """Whether each key is published, in one call to the store."""
+        return ray.get(self._store.contains_many.remote(keys)) if keys else []
+
     def publish(self, key: str, tensor: torch.Tensor) -> bool:
         return self.publish_many([(key, tensor)])[0]
 
     def publish_many(self, entries: list[tuple[str, torch.Tensor]]) -> list[bool]:
         """Tensors already in vLLM's layout; each is put into the object store once, and the store
         is called once for all of them."""
-        stored = []
-        for key, tensor in entries:
-            array = to_array(tensor.contiguous())
-            stored.append(StoredRef(check_key(key), [ray.put(array)], "array", array.nbytes,
-                                    wire_dtype_name(tensor.dtype)))
+        arrays = [to_array(tensor.contiguous()) for _, tensor in entries]
+        stored = [
+            StoredRef(check_key(key), [ref], "array", array.nbytes, wire_dtype_name(tensor.dtype))
+            for (key, tensor), array, ref in zip(entries, arrays, in_parallel(ray.put, arrays))
+        ]
         return ray.get(self._store.put_many.remote(stored))
 
     def publish_embeddings(self, entries: list[tuple[str, Embedding]]) -> list[bool]:
         """Pool results as they came back: each is put into the object store once, as it is (this
         process owns it, so it outlives the encoder actor that made it), and vLLM's connector lays
         it out for its model on the rank's device."""
+        refs = in_parallel(ray.put, [embedding for _, embedding in entries])
         stored = [
-            StoredRef(check_key(key), [ray.put(embedding)], "embedding", sum(t.nbytes for t in embedding.outputs))
-            for key, embedding in entries
+            StoredRef(check_key(key), [ref], "embedding", sum(t.nbytes for t in embedding.outputs))
+            for (key, embedding), ref in zip(entries, refs)
         ]
         return ray.get(self._store.put_many.remote(stored))
 
