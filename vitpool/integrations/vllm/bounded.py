@@ -37,6 +37,9 @@ class BoundedEntries:
         self._entries.move_to_end(key)
         return True
 
+    def touch_many(self, keys: list[str]) -> list[bool]:
+        return [self.touch(key) for key in keys]
+
     def add(self, key: str, nbytes: int, added_at: float | None = None) -> list[str] | None:
         """Count a new entry (replacing `key`'s). Returns the keys to evict to make room, already
         uncounted; None, counting nothing, when it cannot fit now."""

@@ -108,12 +108,12 @@ class FilePublisher:
         return self.root / check_key(key) / FILE_NAME
 
     def contains(self, key: str) -> bool:
-        with self._lock:
-            return self._entries.touch(key)
+        return self.contains_many([key])[0]
 
     def contains_many(self, keys: list[str]) -> list[bool]:
+        """Whether each key is published (and marks it used)."""
         with self._lock:
-            return [self._entries.touch(key) for key in keys]
+            return self._entries.touch_many(keys)
 
     def publish(self, key: str, tensor: torch.Tensor) -> bool:
         """Write `tensor` as entry `key` (replacing one of the same key). Returns False, leaving

@@ -60,12 +60,12 @@ class EmbeddingStore:
         return accepted
 
     def contains(self, key: str) -> bool:
-        with self._lock:
-            return self._entries.touch(key)
+        return self.contains_many([key])[0]
 
     def contains_many(self, keys: list[str]) -> list[bool]:
+        """Whether each key is published (and marks it used)."""
         with self._lock:
-            return [self._entries.touch(key) for key in keys]
+            return self._entries.touch_many(keys)
 
     def get_many(self, keys: list[str]) -> list[StoredRef | None]:
         with self._lock:
