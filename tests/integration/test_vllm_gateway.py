@@ -193,9 +193,58 @@ def test_when_the_pool_is_down_requests_still_go_through_counted(shipped, tmp_pa
 
     run(scenario())
     parts = received[0]["messages"][0]["content"]
-    assert parts[0]["uuid"].startswith("vp-") and parts[1]["uuid"] == "client-given"  # a client's uuid is kept
+    # a client's uuid is replaced by the content's key: a claimed name could poison other requests
+    assert [part["uuid"] for part in parts[:2]] == [image_key(gateway.prefix, png(6)), image_key(gateway.prefix, png(7))]
     assert gateway.stats.fallbacks == 2 and gateway.stats.encoded == 0
     assert not list(tmp_path.iterdir())
+
+
+class UnreachablePublisher(FilePublisher):
+    def contains_many(self, keys):
+        raise ConnectionError("the store's owner has exited")
+
+
+def test_a_publisher_that_cannot_answer_leaves_the_images_to_vllm(pool, shipped, tmp_path):
+    """Asking what is published fails: the images are encoded and published as new, not a 500."""
+    gateway = Gateway(pool, UnreachablePublisher(tmp_path), shipped, "http://unused", make_item=make_item)
+    received: list[dict] = []
+
+    async def scenario():
+        upstream, client = await serve(gateway, received)
+        response = await client.post("/v1/chat/completions", json=chat(png(30)))
+        assert response.status == 200
+        await client.close()
+        await upstream.close()
+
+    run(scenario())
+    assert gateway.stats.encoded == 1 and gateway.stats.fallbacks == 0
+
+
+def test_images_it_cannot_or_may_not_download_and_malformed_bodies_pass_to_vllm(shipped, tmp_path):
+    """An unreachable image URL, a host not allowed, an image_url that is a bare string and messages
+    that are not a list all go to vLLM as they came (vLLM answers them), not a 500."""
+    gateway = Gateway(DownPool(), FilePublisher(tmp_path), shipped, "http://unused", make_item=make_item,
+                      allowed_media_domains=["127.0.0.1"], download_timeout_s=5.0)
+    received: list[dict] = []
+    bodies = [
+        {"model": "m", "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/a.png"}},  # nothing listens
+            {"type": "image_url", "image_url": {"url": "http://example.invalid/b.png"}},  # not allowed
+            {"type": "image_url", "image_url": "http://127.0.0.1:9/c.png"},  # not an object
+            {"type": "text", "text": "hi"}]}]},
+        {"model": "m", "messages": 5},
+    ]
+
+    async def scenario():
+        upstream, client = await serve(gateway, received)
+        for body in bodies:
+            response = await client.post("/v1/chat/completions", json=body)
+            assert response.status == 200
+        await client.close()
+        await upstream.close()
+
+    run(scenario())
+    assert received == bodies and gateway.stats.passed_through == 3 and gateway.stats.images == 0
 
 
 def test_an_unreachable_vllm_is_a_502_naming_it(shipped, tmp_path):
@@ -238,6 +287,10 @@ def test_the_store_bounds_its_bytes_and_readers_find_it(ray_cluster):
     ray.kill(find_store("store-test"))
     assert not reader.contains("k4")  # gone: vLLM encodes itself
     assert not StoreReader("no-such-pool").contains("k4")
+    # the publisher opens a new store (its owner gone: another gateway exited), empty
+    assert publisher.contains_many(["k4"]) == [False]
+    assert publisher.publish("k5", torch.ones(8, 8)) and publisher.stats().entries == 1
+    ray.kill(find_store("store-test"))
 
 
 def test_the_store_takes_pool_results_as_they_are_and_readers_lay_them_out(pool, shipped, reference_encoder):

@@ -131,6 +131,38 @@ def test_entries_already_on_disk_are_adopted_and_bounded(tmp_path):
     assert second.publish("new", torch.randn(8, 8))  # adopted entries count as old enough to evict
 
 
+def test_an_entry_asked_about_is_not_evicted_for_min_age_s():
+    """vLLM may be told an entry exists when it is asked about: from then on it is as safe from
+    eviction as a new one, however long ago it was published."""
+    import time
+
+    entries = BoundedEntries(max_bytes=100, min_age_s=3600.0)
+    entries.add("old", 60, added_at=time.monotonic() - 7200)
+    assert entries.touch_many(["old", "absent"]) == [True, False]
+    assert entries.add("new", 60) is None and "old" in entries
+    untouched = BoundedEntries(max_bytes=100, min_age_s=3600.0)
+    untouched.add("old", 60, added_at=time.monotonic() - 7200)
+    assert untouched.add("new", 60) == ["old"]
+
+
+def test_a_writers_stale_partial_file_is_removed_and_a_fresh_one_kept(tmp_path):
+    """A partial file is another writer's (a gateway sharing the root) until it is an hour old."""
+    import os
+    import time
+
+    publisher = FilePublisher(tmp_path, min_age_s=0.0)
+    publisher.publish("whole", torch.ones(4, 4))
+    stale = tmp_path / "dead" / f".{FILE_NAME}.1.x.partial"
+    fresh = tmp_path / "writing" / f".{FILE_NAME}.2.y.partial"
+    for path in (stale, fresh):
+        path.parent.mkdir()
+        path.write_bytes(b"half")
+    old = time.time() - 7200
+    os.utime(stale, (old, old))
+    reopened = FilePublisher(tmp_path, min_age_s=0.0)
+    assert not (tmp_path / "dead").exists() and fresh.exists() and reopened.contains("whole")
+
+
 def test_bounded_entries_count_replacements_and_removals():
     entries = BoundedEntries(max_bytes=100, min_age_s=0.0)
     assert entries.add("a", 60) == [] and entries.add("a", 40) == []

@@ -4,8 +4,10 @@
         --custom-encoder-class vitpool.integrations.dynamo.VitpoolEncoderBackend
 
 Dynamo creates the backend with no arguments, so it reads its settings from the environment:
-VITPOOL_POOL (the pool's name, default "vitpool"), RAY_ADDRESS (the cluster, default "auto") and
-VITPOOL_DTYPE (the LLM's dtype, default bfloat16). `build` connects to the running pool;
+VITPOOL_POOL (the pool's name, default "vitpool"), RAY_ADDRESS (the cluster, default "auto"),
+VITPOOL_DTYPE (the LLM's dtype, default bfloat16), VITPOOL_TIMEOUT_S (a batch's bound in the pool,
+default 60) and VITPOOL_ALLOWED_LOCAL_MEDIA_PATH (a directory whose files requests may name, as
+vLLM's --allowed-local-media-path; unset: none). `build` connects to the running pool;
 `preprocess` (on Dynamo's thread pool) reads an image URL and runs the checkpoint's image processor,
 refusing a bad image alone; `forward_batch` encodes the batch in the pool, where it is packed with
 every other caller's items. The artifacts are what Dynamo's Qwen3-VL / Qwen3.5 adapter takes.
@@ -34,8 +36,9 @@ from vitpool.items import Item
 DYNAMO_FAMILIES = frozenset({"qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"})
 
 
-def image_bytes(url: str) -> bytes:
-    """An image URL's bytes: a base64 data: URL, http(s), file:// or a local path."""
+def image_bytes(url: str, allowed_local_path: str | Path | None = None) -> bytes:
+    """An image URL's bytes: a base64 data: URL, http(s), or file:// or a local path inside
+    `allowed_local_path` (a request may not read other files of the server)."""
     if url.startswith("data:"):
         data = data_url_bytes(url)
         if data is None:
@@ -44,7 +47,18 @@ def image_bytes(url: str) -> bytes:
     if url.startswith(("http://", "https://")):
         with urllib.request.urlopen(url, timeout=30) as response:
             return response.read()
-    return Path(url.removeprefix("file://")).read_bytes()
+    path = Path(url.removeprefix("file://")).resolve()
+    if allowed_local_path is None or not path.is_relative_to(Path(allowed_local_path).resolve()):
+        raise ValueError("local image files are refused outside VITPOOL_ALLOWED_LOCAL_MEDIA_PATH")
+    return path.read_bytes()
+
+
+def _dtype_from_environment() -> torch.dtype:
+    name = os.environ.get("VITPOOL_DTYPE", "bfloat16")
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"VITPOOL_DTYPE={name!r} is not a torch dtype (e.g. bfloat16, float16)")
+    return dtype
 
 
 class VitpoolEncoderBackend(VisionEncoderBackend):
@@ -56,7 +70,9 @@ class VitpoolEncoderBackend(VisionEncoderBackend):
     def __init__(self, pool: Any = None) -> None:
         self._pool = pool
         self.family = ""
-        self.dtype = getattr(torch, os.environ.get("VITPOOL_DTYPE", "bfloat16"))
+        self.dtype = _dtype_from_environment()
+        self.timeout_s = float(os.environ.get("VITPOOL_TIMEOUT_S", "60"))
+        self.allowed_local_path = os.environ.get("VITPOOL_ALLOWED_LOCAL_MEDIA_PATH")
         self._make_item: Any = None
 
     def build(self, model_id: str) -> None:
@@ -76,16 +92,16 @@ class VitpoolEncoderBackend(VisionEncoderBackend):
 
     def preprocess(self, raw: str) -> Preprocessed:
         try:
-            picture = decode_image(image_bytes(raw))
+            picture = decode_image(image_bytes(raw, self.allowed_local_path))
         except (OSError, ValueError) as error:
-            raise ValueError(f"the image cannot be read: {type(error).__name__}") from None
+            raise ValueError(f"the image cannot be read: {error}") from None
         item = self._make_item(picture)
         t, h, w = (int(v) for v in item.grid_thw)
         return Preprocessed(item=item, cost=max(1, t * h * w // 4))
 
     def forward_batch(self, items: list[Item], target_bucket: int | None = None) -> list[Qwen3VLImageEncoding]:
         try:
-            embeddings = self._pool.encode(items)
+            embeddings = self._pool.encode(items, timeout_s=self.timeout_s)
         except InvalidItemError as error:  # checked in preprocess's processor output; an engine fault here
             raise RuntimeError(str(error)) from error
         return [

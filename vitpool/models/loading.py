@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import json
 import logging
+import uuid
 from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 from safetensors import safe_open
 
 from vitpool.errors import CheckpointError
@@ -56,6 +58,31 @@ def load_adapter(
     else:
         logger.warning("%s has no weights: the tower has random weights", directory)
     return family.adapter(tower.eval().requires_grad_(False))
+
+
+def vision_weights_digest(path: str | Path | None) -> str:
+    """A 128-bit XXH3 digest of the vision weights the tower of `path` loads (each tensor's name,
+    dtype, shape and bytes, as saved; a full checkpoint's language model is not read): checkpoints
+    with one digest give one tower. A directory without weights (random weights, different in every
+    process) gets a digest of its own each call.
+
+    Raises:
+        CheckpointError: as `load_adapter`.
+    """
+    directory = Path(path) if path is not None else SHIPPED_CHECKPOINT
+    if not (directory / "config.json").is_file():
+        raise CheckpointError(f"{directory} has no config.json; pass a local Hugging Face directory")
+    family, _, is_full_model = _read_config(directory)
+    weight_files = _weight_files(directory)
+    if not weight_files:
+        return f"random-{uuid.uuid4().hex}"
+    hasher = xxhash.xxh3_128()
+    state = _read_vision_weights(weight_files, family.checkpoint, is_full_model)
+    for name in sorted(state):
+        tensor = state[name].contiguous()
+        hasher.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}\0".encode())
+        hasher.update(tensor.reshape(-1).view(torch.uint8).numpy())
+    return hasher.hexdigest()
 
 
 def _read_config(directory: Path) -> tuple[Family, Any, bool]:

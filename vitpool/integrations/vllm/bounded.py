@@ -1,6 +1,6 @@
 """The bookkeeping every embedding publisher shares: entries bounded in bytes, least recently used
-evicted first, none younger than `min_age_s` (vLLM may have been told it exists and not have loaded
-it yet). Not thread-safe: its owner locks."""
+evicted first, none used (published, or asked about) within `min_age_s`: vLLM may have been told it
+exists and not have loaded it yet. Not thread-safe: its owner locks."""
 
 from __future__ import annotations
 
@@ -24,16 +24,19 @@ class BoundedEntries:
             raise ValueError(f"max_bytes must be positive, got {max_bytes}")
         self.max_bytes = int(max_bytes)
         self.min_age_s = float(min_age_s)
-        self._entries: OrderedDict[str, tuple[int, float]] = OrderedDict()  # key -> (bytes, added at)
+        self._entries: OrderedDict[str, tuple[int, float]] = OrderedDict()  # key -> (bytes, last used)
         self.stats = PublisherStats()
 
     def __contains__(self, key: str) -> bool:
         return key in self._entries
 
     def touch(self, key: str) -> bool:
-        """Mark `key` used now (last to be evicted); False if absent."""
-        if key not in self._entries:
+        """Mark `key` used now (last to be evicted, and not for `min_age_s`: whoever asked may tell
+        vLLM it exists); False if absent."""
+        entry = self._entries.get(key)
+        if entry is None:
             return False
+        self._entries[key] = (entry[0], time.monotonic())
         self._entries.move_to_end(key)
         return True
 
@@ -50,10 +53,10 @@ class BoundedEntries:
             return None
         now = time.monotonic()
         victims, freed = [], 0
-        for other, (size, added) in self._entries.items():  # least recently used first
+        for other, (size, used) in self._entries.items():  # least recently used first
             if held - freed + nbytes <= self.max_bytes:
                 break
-            if other != key and now - added >= self.min_age_s:
+            if other != key and now - used >= self.min_age_s:
                 victims.append(other)
                 freed += size
         if held - freed + nbytes > self.max_bytes:

@@ -29,7 +29,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 )
 from vllm.distributed.ec_transfer.ec_connector.example_connector import ECExampleConnector
 
-from vitpool.integrations.vllm.layouts import vllm_embedding
+from vitpool.integrations.vllm.layouts import vllm_embedding, vllm_layout
 from vitpool.integrations.vllm.publisher import read_entry
 from vitpool.integrations.vllm.store import StoreReader
 from vitpool.items import Embedding
@@ -59,7 +59,8 @@ class VitpoolECConnector(ECConnectorBase):
     """An EC consumer over the pool's embedding store (`vitpool.integrations.vllm.store`).
 
     Extra config: "pool" (the pool's name, default "vitpool"), "ray_address" (default RAY_ADDRESS,
-    else "auto"), "timeout_s" (a store call's bound, default 10).
+    else "auto"), "timeout_s" (the bound of a worker's fetch, default 10), "ask_timeout_s" (the
+    bound of the scheduler's "is it here", default 1; past it the answer is no).
     """
 
     def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:
@@ -71,25 +72,35 @@ class VitpoolECConnector(ECConnectorBase):
             pool_name=extra.get("pool", "vitpool"),
             address=extra.get("ray_address") or os.environ.get("RAY_ADDRESS"),
             timeout_s=float(extra.get("timeout_s", 10.0)),
+            ask_timeout_s=float(extra.get("ask_timeout_s", 1.0)),
         )
         self._to_load: list[str] = []
+        self._present: set[str] = set()  # this scheduling step's "yes" answers
         model_config = vllm_config.model_config
         self._family = getattr(model_config.hf_config, "model_type", "")
+        vllm_layout(self._family)  # a family vitpool cannot lay out fails here, at vLLM's start
         self._dtype = model_config.dtype
 
     # scheduler side
 
     def has_cache_item(self, identifier: str) -> bool:
-        return self._reader.contains(identifier)
+        present = self._reader.contains(identifier)
+        if present:
+            self._present.add(identifier)
+        return present
 
     def update_state_after_alloc(self, request: Request, index: int) -> None:
+        # Called for every item the step allocates, also those vLLM encodes itself: load the ones
+        # this step was told are here. Not asked again: a second answer could differ (the store
+        # slow or gone), and vLLM, having skipped its encoder for the item, would miss it.
         key = request.mm_features[index].identifier
-        if self.has_cache_item(key):
+        if key in self._present:
             self._to_load.append(key)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
         metadata = VitpoolECMetadata(keys=self._to_load)
         self._to_load = []
+        self._present = set()
         return metadata
 
     # worker side
@@ -106,11 +117,10 @@ class VitpoolECConnector(ECConnectorBase):
                 raise RuntimeError(f"vitpool: embedding {key!r} left the store between scheduling and loading; "
                                    "raise the store's min_age_s")
             if isinstance(value, Embedding):  # a pool result: laid out here, joined on the device
-                encoder_cache[key] = vllm_embedding(value, self._family, self._dtype, device)
-            else:
-                # a CPU rank copies too: the tensor is a view of the object store's memory, which
-                # the entry would keep pinned for as long as vLLM caches it
-                encoder_cache[key] = value.to(device, copy=True)
+                value = vllm_embedding(value, self._family, self._dtype, device)
+            # on a CPU rank the layout may still view the object store's memory (tokens alone, in
+            # the LLM's dtype): vLLM's cache would keep it pinned after the store let it go
+            encoder_cache[key] = value.to(device, copy=True) if value.device.type == "cpu" else value
 
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any) -> None:
         return None

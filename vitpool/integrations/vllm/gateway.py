@@ -6,8 +6,9 @@ request with each image's `uuid` set, relaying the answer (streamed or not) as v
         --publish store            # or: --publish files --root /shared/ec_cache
 
 An image's key (its `uuid`) is a 128-bit XXH3 digest of its bytes under a prefix that covers the
-checkpoint's config, its image processor's settings and the LLM's dtype, so a published entry is
-found again by any request with the same image for the same model; a client's own `uuid` is kept.
+checkpoint's config and vision weights, its image processor's settings and the LLM's dtype, so a
+published entry is found again by any request with the same image for the same model; it replaces
+a `uuid` the client set (a name the client claims for the bytes must not reach other requests).
 The images of all requests in flight go to the pool together (the pool packs concurrent calls into
 shared runs), each distinct image once. An image that cannot be encoded or published still goes to
 vLLM with its `uuid`: vLLM finds no entry and runs its own tower (counted in `fallbacks`).
@@ -21,7 +22,7 @@ import base64
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -100,6 +101,9 @@ class Gateway:
         dtype: torch.dtype = torch.bfloat16,
         make_item: Callable[[Any], Item] | None = None,
         encode_timeout_s: float | None = 60.0,
+        allowed_media_domains: Sequence[str] | None = None,
+        max_download_bytes: int = 64 << 20,
+        download_timeout_s: float = 30.0,
     ) -> None:
         self.model_type = checkpoint_family(checkpoint)
         vllm_layout(self.model_type)  # refuse a family vLLM's layout is not known for, now
@@ -108,6 +112,11 @@ class Gateway:
         self.upstream = upstream.rstrip("/")
         self.dtype = dtype
         self.encode_timeout_s = encode_timeout_s
+        # an http(s) image the gateway may not fetch goes on to vLLM as it came (vLLM's own
+        # --allowed-media-domains then decides); None: any host, as vLLM's default
+        self.allowed_media_domains = None if allowed_media_domains is None else frozenset(allowed_media_domains)
+        self.max_download_bytes = max_download_bytes
+        self.download_timeout_s = download_timeout_s
         self.prefix = model_identity(checkpoint, dtype)
         if make_item is None:
             make_item = processor_items(checkpoint, self.model_type)
@@ -120,7 +129,8 @@ class Gateway:
 
     async def _images_of(self, body: dict[str, Any]) -> list[_Image]:
         images = []
-        for message in body.get("messages") or []:
+        messages = body.get("messages")
+        for message in messages if isinstance(messages, list) else []:  # else vLLM answers the mistake
             content = message.get("content") if isinstance(message, dict) else None
             if not isinstance(content, list):
                 continue
@@ -128,15 +138,18 @@ class Gateway:
                 if not isinstance(part, dict) or part.get("type") != "image_url":
                     continue
                 image_url = part.get("image_url")
-                url = image_url.get("url") if isinstance(image_url, dict) else image_url
+                url = image_url.get("url") if isinstance(image_url, dict) else None
                 data = await self._bytes_of(url) if isinstance(url, str) else None
                 if data is None:
                     self.stats.passed_through += 1
                     continue
-                if isinstance(image_url, dict) and not url.startswith("data:"):
+                if not url.startswith("data:"):
                     # vLLM gets the bytes the gateway encoded, not a second download
                     image_url["url"] = "data:application/octet-stream;base64," + base64.b64encode(data).decode()
-                key = part.get("uuid") or image_key(self.prefix, data)
+                # the content's key, also where the client set a uuid: a uuid is a claim about the
+                # bytes, and an entry published under a claimed name could answer other clients'
+                # requests for that name with this image
+                key = image_key(self.prefix, data)
                 part["uuid"] = key
                 images.append(_Image(part, data, key))
         return images
@@ -144,12 +157,31 @@ class Gateway:
     async def _bytes_of(self, url: str) -> bytes | None:
         if url.startswith("data:"):
             return data_url_bytes(url)  # None for a malformed one: vLLM answers the client's mistake
-        if url.startswith(("http://", "https://")):
-            async with self._client().get(url) as response:
-                if response.status != 200:
-                    return None
-                return await response.read()
+        if url.startswith(("http://", "https://")) and self._may_download(url):
+            import aiohttp
+
+            try:
+                timeout = aiohttp.ClientTimeout(total=self.download_timeout_s)
+                async with self._client().get(url, timeout=timeout) as response:
+                    if response.status != 200 or (response.content_length or 0) > self.max_download_bytes:
+                        return None
+                    chunks, size = [], 0
+                    async for chunk in response.content.iter_chunked(1 << 20):
+                        size += len(chunk)
+                        if size > self.max_download_bytes:
+                            return None
+                        chunks.append(chunk)
+                    return b"".join(chunks)
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as error:
+                logger.info("vitpool gateway: %s not downloaded (%s); vLLM fetches it", url[:200], error)
         return None
+
+    def _may_download(self, url: str) -> bool:
+        if self.allowed_media_domains is None:
+            return True
+        from urllib.parse import urlsplit
+
+        return (urlsplit(url).hostname or "") in self.allowed_media_domains
 
     # encoding and publishing
 
@@ -161,7 +193,11 @@ class Gateway:
         asked = list(dict.fromkeys(image.key for image in images if image.key not in self._in_flight))
         # one question to the publisher for the request (a Ray call each would add up)
         started = time.perf_counter()
-        known = await asyncio.to_thread(self.publisher.contains_many, asked) if asked else []
+        try:
+            known = await asyncio.to_thread(self.publisher.contains_many, asked) if asked else []
+        except Exception as error:  # noqa: BLE001 - then nothing counts as published: encoded again
+            logger.warning("vitpool gateway: could not ask the publisher what it holds: %s", error)
+            known = []
         self.stats.phases.publish += time.perf_counter() - started
         published = {key for key, present in zip(asked, known) if present}
         for image in images:
@@ -220,26 +256,28 @@ class Gateway:
                            len(encodable), error)
             results = [error] * len(encodable)
         encoded.append(time.perf_counter())
-        takes_embeddings = hasattr(self.publisher, "publish_embeddings")
-        entries: list[tuple[str, Any]] = []
+        entries: list[tuple[str, Embedding]] = []
         for (image, _), result in zip(encodable, results):
-            if not isinstance(result, Embedding):
+            if isinstance(result, Embedding):
+                entries.append((image.key, result))
+            else:
                 logger.warning("vitpool gateway: image %s not encoded: %s", image.key, result)
-                continue
-            try:
-                entries.append((image.key, result if takes_embeddings
-                                else vllm_embedding(result, self.model_type, self.dtype)))
-            except Exception as error:  # noqa: BLE001 - vLLM encodes it instead
-                logger.warning("vitpool gateway: image %s has no vLLM layout: %s", image.key, error)
         if not entries:
             return {}
-        publish = self.publisher.publish_embeddings if takes_embeddings else self.publisher.publish_many
-        try:
-            accepted = await asyncio.to_thread(publish, entries)
+        try:  # on a thread: laying out and copying a request's embeddings is tens of MB of work
+            accepted = await asyncio.to_thread(self._publish_entries, entries)
         except Exception as error:  # noqa: BLE001 - vLLM encodes them instead
             logger.warning("vitpool gateway: publishing %d embeddings failed: %s", len(entries), error)
             return {}
         return {key: ok for (key, _), ok in zip(entries, accepted)}
+
+    def _publish_entries(self, entries: list[tuple[str, Embedding]]) -> list[bool]:
+        """Pool results as they are to a publisher that takes them (the store: vLLM's connector lays
+        them out on the rank's device), else laid out for vLLM here (files)."""
+        if hasattr(self.publisher, "publish_embeddings"):
+            return self.publisher.publish_embeddings(entries)
+        return self.publisher.publish_many(
+            [(key, vllm_embedding(embedding, self.model_type, self.dtype)) for key, embedding in entries])
 
     # HTTP
 
@@ -289,8 +327,13 @@ class Gateway:
                 if content_type.startswith("text/event-stream"):
                     relay = web.StreamResponse(status=upstream.status, headers={"Content-Type": content_type})
                     await relay.prepare(request)
-                    async for chunk in upstream.content.iter_any():
-                        await relay.write(chunk)
+                    try:
+                        async for chunk in upstream.content.iter_any():
+                            await relay.write(chunk)
+                    except aiohttp.ClientError as error:  # the answer has begun: end it, nothing else
+                        self.stats.upstream_errors += 1
+                        logger.warning("vitpool gateway: vLLM's stream broke off: %s", error)
+                        return relay
                     await relay.write_eof()
                     return relay
                 return web.Response(status=upstream.status, body=await upstream.read(),
@@ -354,6 +397,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--root", help="with --publish files: the directory vLLM's connector reads")
     parser.add_argument("--max-bytes", type=float, default=8 << 30, help="bytes of embeddings kept (default 8 GiB)")
     parser.add_argument("--dtype", type=_dtype, default=torch.bfloat16, help="the LLM's dtype (default bfloat16)")
+    parser.add_argument("--allowed-media-domains", nargs="+", default=None,
+                        help="hosts whose http(s) images the gateway downloads (default any); others go to "
+                             "vLLM as they came, under vLLM's own --allowed-media-domains")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8100)
     args = parser.parse_args(argv)
@@ -373,7 +419,8 @@ def main(argv: list[str] | None = None) -> None:
             publisher: Publisher = FilePublisher(args.root, max_bytes=int(args.max_bytes))
         else:
             publisher = StorePublisher(args.pool, max_bytes=int(args.max_bytes))
-        gateway = Gateway(pool, publisher, args.model, args.upstream, dtype=args.dtype)
+        gateway = Gateway(pool, publisher, args.model, args.upstream, dtype=args.dtype,
+                          allowed_media_domains=args.allowed_media_domains)
     except (VitpoolError, ValueError) as error:
         raise SystemExit(f"vitpool gateway: {error}") from None
     logger.info("vitpool gateway for %s (pool %r, %s) on http://%s:%d, forwarding to %s", args.model, args.pool,

@@ -36,20 +36,26 @@ logger = logging.getLogger(__name__)
 FILE_NAME = "encoder_cache.safetensors"
 TENSOR_NAME = "ec_cache"
 DIGEST_KEY = "vitpool_xxh3_128"
+STALE_PARTIAL_S = 3600.0
 _KEY = re.compile(r"[A-Za-z0-9_\-][A-Za-z0-9_.\-]{0,199}")
 
 # Copies of a request's embeddings (into files or Ray's object store) run side by side: each is a
 # memcpy that releases the GIL, and one request's 8 × 448² Qwen3-VL-8B images are 51 MB.
-_COPIERS = ThreadPoolExecutor(max_workers=8, thread_name_prefix="vitpool-publish")
+COPY_THREADS = 8
 _In = TypeVar("_In")
 _Out = TypeVar("_Out")
 
 
-def in_parallel(function: Callable[[_In], _Out], values: Sequence[_In]) -> list[_Out]:
-    """`[function(v) for v in values]`, on the publishing threads when there are several."""
+def copy_threads() -> ThreadPoolExecutor:
+    """A publisher's threads for copying (started on first use)."""
+    return ThreadPoolExecutor(max_workers=COPY_THREADS, thread_name_prefix="vitpool-publish")
+
+
+def in_parallel(threads: ThreadPoolExecutor, function: Callable[[_In], _Out], values: Sequence[_In]) -> list[_Out]:
+    """`[function(v) for v in values]`, on `threads` when there are several."""
     if len(values) < 2:
         return [function(value) for value in values]
-    return list(_COPIERS.map(function, values))
+    return list(threads.map(function, values))
 
 
 def check_key(key: str) -> str:
@@ -102,6 +108,7 @@ class FilePublisher:
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._entries = BoundedEntries(max_bytes, min_age_s)
+        self._threads = copy_threads()
         self._adopt_existing()
 
     def path(self, key: str) -> Path:
@@ -144,7 +151,7 @@ class FilePublisher:
         return True
 
     def publish_many(self, entries: list[tuple[str, torch.Tensor]]) -> list[bool]:
-        return in_parallel(lambda entry: self.publish(*entry), entries)
+        return in_parallel(self._threads, lambda entry: self.publish(*entry), entries)
 
     def remove(self, key: str) -> None:
         with self._lock:
@@ -156,6 +163,12 @@ class FilePublisher:
             return self._entries.snapshot()
 
     def _adopt_existing(self) -> None:
+        # a partial file an hour old is a writer's that died midway (another gateway may share root)
+        for partial in self.root.glob(f"*/.{FILE_NAME}.*.partial"):
+            with contextlib.suppress(OSError):
+                if time.time() - partial.stat().st_mtime > STALE_PARTIAL_S:
+                    partial.unlink()
+                    partial.parent.rmdir()  # only if it is empty: not another entry's
         found = []
         for file in self.root.glob(f"*/{FILE_NAME}"):
             try:
