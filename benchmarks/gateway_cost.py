@@ -26,6 +26,7 @@ import base64
 import io
 import json
 import logging
+import shutil
 import statistics
 import tempfile
 import threading
@@ -159,6 +160,9 @@ def main() -> None:
     max_bytes = int(args.max_bytes)
     publisher = (StorePublisher(pool.name, max_bytes=max_bytes, min_age_s=0.0) if args.publish == "store"
                  else FilePublisher(tempfile.mkdtemp(prefix="ec-", dir="/dev/shm"), max_bytes=max_bytes, min_age_s=0.0))
+    scratch = [publisher.root] if args.publish == "files" else []
+    if not args.tiny:
+        scratch.append(Path(directory))
     upstream_port: list[int] = []
     serve(stand_in_vllm(), upstream_port)
     gateway = Gateway(pool, publisher, directory, f"http://127.0.0.1:{upstream_port[0]}", dtype=torch.bfloat16,
@@ -238,6 +242,8 @@ def main() -> None:
         args.out.write_text(json.dumps(result, indent=1))
     pool.shutdown()
     ray.shutdown()
+    for path in scratch:  # up to GBs of entries in /dev/shm, and the tower's weights
+        shutil.rmtree(path, ignore_errors=True)
 
 
 if __name__ == "__main__":
