@@ -199,6 +199,28 @@ def test_when_the_pool_is_down_requests_still_go_through_counted(shipped, tmp_pa
     assert not list(tmp_path.iterdir())
 
 
+def test_a_pool_of_other_vision_weights_is_refused(pool, shipped, tmp_path):
+    """The pool (the shipped checkpoint) against vLLM's checkpoint: a copy elsewhere is the same
+    tower; one weight changed is another, refused before any request is served."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from vitpool import ConfigError
+
+    same, other = tmp_path / "same", tmp_path / "other"
+    shutil.copytree(shipped, same)
+    shutil.copytree(shipped, other)
+    [weights] = other.glob("*.safetensors")
+    state = load_file(weights)
+    name = sorted(state)[0]
+    state[name] = state[name] + 1
+    save_file(state, weights)
+    Gateway(pool, FilePublisher(tmp_path / "ec"), same, "http://unused", make_item=make_item)
+    with pytest.raises(ConfigError, match="vision weights differ"):
+        Gateway(pool, FilePublisher(tmp_path / "ec"), other, "http://unused", make_item=make_item)
+
+
 class UnreachablePublisher(FilePublisher):
     def contains_many(self, keys):
         raise ConnectionError("the store's owner has exited")

@@ -348,6 +348,11 @@ class EncoderPool:
     # scale, stats, shutdown
 
     @property
+    def settings(self) -> PoolSettings:
+        """The settings the pool was launched with (its checkpoint, budgets, limits)."""
+        return self._settings
+
+    @property
     def num_actors(self) -> int:
         """Encoder actors taking work, as this handle last saw.
 

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 import torch
 
-from vitpool.errors import VitpoolError
+from vitpool.errors import ConfigError, VitpoolError
 from vitpool.integrations.vllm.images import (
     checkpoint_family,
     data_url_bytes,
@@ -40,6 +40,7 @@ from vitpool.integrations.vllm.images import (
 )
 from vitpool.integrations.vllm.layouts import vllm_embedding, vllm_layout
 from vitpool.items import Embedding, Item
+from vitpool.models.loading import vision_weights_digest
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +90,33 @@ class _Image:
     key: str
 
 
+def check_same_tower(pool: Any, checkpoint: str | Path, weights_digest: str) -> None:
+    """Refuse a pool whose checkpoint has other vision weights than `checkpoint` (vLLM's): its
+    embeddings would answer vLLM's requests silently wrong. A pool whose checkpoint this process
+    cannot read (another node's path) is trusted, with a warning.
+
+    Raises:
+        ConfigError: the pool's vision weights differ from the checkpoint's.
+    """
+    settings = getattr(pool, "settings", None)
+    if settings is None:  # not an EncoderPool (a test's stand-in): nothing to compare
+        return
+    pool_model = settings.model
+    if pool_model is not None and Path(pool_model).resolve() == Path(checkpoint).resolve():
+        return
+    try:
+        theirs = vision_weights_digest(pool_model)
+    except (VitpoolError, OSError) as error:
+        logger.warning("vitpool gateway: cannot read the pool's checkpoint %s here (%s); trusting that its "
+                       "vision weights are those of %s", pool_model, error, checkpoint)
+        return
+    if theirs != weights_digest:
+        raise ConfigError(
+            f"the pool runs {pool_model or 'the shipped tiny checkpoint'}, whose vision weights differ from "
+            f"those of {checkpoint} (the model vLLM serves): its embeddings would be wrong for it"
+        )
+
+
 class Gateway:
     """The gateway's logic, apart from HTTP serving (`app`)."""
 
@@ -117,7 +145,9 @@ class Gateway:
         self.allowed_media_domains = None if allowed_media_domains is None else frozenset(allowed_media_domains)
         self.max_download_bytes = max_download_bytes
         self.download_timeout_s = download_timeout_s
-        self.prefix = model_identity(checkpoint, dtype)
+        weights = vision_weights_digest(checkpoint)  # reads the vision weights once
+        check_same_tower(pool, checkpoint, weights)
+        self.prefix = model_identity(checkpoint, dtype, weights)
         if make_item is None:
             make_item = processor_items(checkpoint, self.model_type)
         self.make_item = make_item

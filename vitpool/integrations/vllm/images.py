@@ -41,19 +41,17 @@ def read_json(path: Path) -> dict[str, Any]:
         raise ConfigError(f"cannot read {path}: {error}") from None
 
 
-def model_identity(checkpoint: str | Path, dtype: torch.dtype) -> str:
-    """The prefix of every key for this model: a digest of its config, its vision weights (two
-    fine-tunes may share a config), its image processor's settings and the LLM's dtype (what
-    decides an image's embedding, besides its bytes). Reads the vision weights once."""
-    from vitpool.models.loading import vision_weights_digest
-
+def model_identity(checkpoint: str | Path, dtype: torch.dtype, weights_digest: str) -> str:
+    """The prefix of every key for this model: a digest of its config, its vision weights'
+    (`vision_weights_digest`: two fine-tunes may share a config), its image processor's settings
+    and the LLM's dtype (what decides an image's embedding, besides its bytes)."""
     directory = Path(checkpoint)
     hasher = xxhash.xxh3_64()
     for name in ("config.json", "preprocessor_config.json"):
         file = directory / name
         hasher.update(file.read_bytes() if file.exists() else b"-")
         hasher.update(b"\0")
-    hasher.update(vision_weights_digest(directory).encode())
+    hasher.update(weights_digest.encode())
     hasher.update(str(dtype).encode())
     return hasher.hexdigest()
 
