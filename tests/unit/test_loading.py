@@ -74,6 +74,25 @@ def test_visual_prefix_checkpoint(tmp_path, full_checkpoint, item, shipped_token
     assert torch.allclose(encode_tokens(tmp_path, item), shipped_tokens, rtol=1e-5, atol=1e-6)
 
 
+def test_the_vision_weights_digest_names_the_tower_and_nothing_else(tmp_path, full_checkpoint):
+    """One digest for the shipped tower and a full model holding it (the language model's weights
+    are not read), another as soon as one vision weight changes; a config-only directory (random
+    weights in every process) never matches."""
+    from vitpool.models.loading import vision_weights_digest
+
+    shipped = vision_weights_digest(None)
+    assert vision_weights_digest(full_checkpoint) == shipped == vision_weights_digest(SHIPPED_CHECKPOINT)
+    state = load_file(SHIPPED_CHECKPOINT / "model.safetensors")
+    name = sorted(state)[-1]
+    state[name] = state[name].clone()
+    state[name].view(-1)[0] += 1e-3
+    save_file(state, tmp_path / "model.safetensors")
+    shutil.copy(SHIPPED_CHECKPOINT / "config.json", tmp_path / "config.json")
+    assert vision_weights_digest(tmp_path) != shipped
+    (tmp_path / "model.safetensors").unlink()
+    assert vision_weights_digest(tmp_path) != vision_weights_digest(tmp_path)
+
+
 def tower_copy(tmp_path: Path) -> Path:
     shutil.copy(SHIPPED_CHECKPOINT / "config.json", tmp_path / "config.json")
     return tmp_path
