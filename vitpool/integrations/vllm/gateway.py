@@ -142,7 +142,9 @@ class Gateway:
         self.encode_timeout_s = encode_timeout_s
         # an http(s) image the gateway may not fetch goes on to vLLM as it came (vLLM's own
         # --allowed-media-domains then decides); None: any host, as vLLM's default
-        self.allowed_media_domains = None if allowed_media_domains is None else frozenset(allowed_media_domains)
+        self.allowed_media_domains = (
+            None if allowed_media_domains is None else frozenset(allowed_media_domains)
+        )
         self.max_download_bytes = max_download_bytes
         self.download_timeout_s = download_timeout_s
         weights = vision_weights_digest(checkpoint)  # reads the vision weights once

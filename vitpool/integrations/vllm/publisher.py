@@ -51,7 +51,9 @@ def copy_threads() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=COPY_THREADS, thread_name_prefix="vitpool-publish")
 
 
-def in_parallel(threads: ThreadPoolExecutor, function: Callable[[_In], _Out], values: Sequence[_In]) -> list[_Out]:
+def in_parallel(
+    threads: ThreadPoolExecutor, function: Callable[[_In], _Out], values: Sequence[_In]
+) -> list[_Out]:
     """`[function(v) for v in values]`, on `threads` when there are several."""
     if len(values) < 2:
         return [function(value) for value in values]

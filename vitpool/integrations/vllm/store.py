@@ -109,7 +109,8 @@ def open_store(pool_name: str = "vitpool", max_bytes: int = 8 << 30, min_age_s: 
     """The store of pool `pool_name`: this process creates it if none runs (and owns it), else
     finds the running one (whose bounds stay as they were). Needs Ray initialised."""
     actor = ray.remote(EmbeddingStore).options(
-        name=store_name(pool_name), namespace=STORE_NAMESPACE, get_if_exists=True, num_cpus=0, max_concurrency=16,
+        name=store_name(pool_name), namespace=STORE_NAMESPACE, get_if_exists=True, num_cpus=0,
+        max_concurrency=16,
     )
     return actor.remote(max_bytes, min_age_s)
 
@@ -150,8 +151,8 @@ class StorePublisher:
         try:
             return ray.get(getattr(self._store, method).remote(*args), timeout=self.timeout_s)
         except STORE_GONE_ERRORS as error:
-            logger.warning("vitpool: pool %r's embedding store is gone (%s); opening a new one", self.pool_name,
-                           error)
+            logger.warning("vitpool: pool %r's embedding store is gone (%s); opening a new one",
+                           self.pool_name, error)
             self._store = self._open()
             return ray.get(getattr(self._store, method).remote(*args), timeout=self.timeout_s)
 
