@@ -20,7 +20,6 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import torch
 from dynamo.vllm.multimodal_utils.custom_encoder import (
     Preprocessed,
     Qwen3VLImageEncoding,
@@ -28,6 +27,7 @@ from dynamo.vllm.multimodal_utils.custom_encoder import (
 )
 
 from vitpool.errors import InvalidItemError
+from vitpool.graphs.defaults import dtype_from_name
 from vitpool.integrations.vllm.images import checkpoint_family, data_url_bytes, decode_image, processor_items
 from vitpool.integrations.vllm.layouts import vllm_embedding
 from vitpool.items import Item
@@ -53,14 +53,6 @@ def image_bytes(url: str, allowed_local_path: str | Path | None = None) -> bytes
     return path.read_bytes()
 
 
-def _dtype_from_environment() -> torch.dtype:
-    name = os.environ.get("VITPOOL_DTYPE", "bfloat16")
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"VITPOOL_DTYPE={name!r} is not a torch dtype (e.g. bfloat16, float16)")
-    return dtype
-
-
 class VitpoolEncoderBackend(VisionEncoderBackend):
     """Dynamo's encoder, answered by a vitpool pool."""
 
@@ -70,7 +62,7 @@ class VitpoolEncoderBackend(VisionEncoderBackend):
     def __init__(self, pool: Any = None) -> None:
         self._pool = pool
         self.family = ""
-        self.dtype = _dtype_from_environment()
+        self.dtype = dtype_from_name(os.environ.get("VITPOOL_DTYPE", "bfloat16"))  # ConfigError naming it
         self.timeout_s = float(os.environ.get("VITPOOL_TIMEOUT_S", "60"))
         self.allowed_local_path = os.environ.get("VITPOOL_ALLOWED_LOCAL_MEDIA_PATH")
         self._make_item: Any = None

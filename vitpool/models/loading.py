@@ -43,9 +43,7 @@ def load_adapter(
         CheckpointError: no config, an unsupported model, non-safetensors weights, or weights
             that do not match the tower (the message names the keys).
     """
-    directory = Path(path) if path is not None else SHIPPED_CHECKPOINT
-    if not (directory / "config.json").is_file():
-        raise CheckpointError(f"{directory} has no config.json; pass a local Hugging Face directory")
+    directory = _checkpoint_directory(path)
     family, tower_config, is_full_model = _read_config(directory)
     with torch.device(device):
         tower = family.build_tower(tower_config, dtype)
@@ -69,9 +67,7 @@ def vision_weights_digest(path: str | Path | None) -> str:
     Raises:
         CheckpointError: as `load_adapter`.
     """
-    directory = Path(path) if path is not None else SHIPPED_CHECKPOINT
-    if not (directory / "config.json").is_file():
-        raise CheckpointError(f"{directory} has no config.json; pass a local Hugging Face directory")
+    directory = _checkpoint_directory(path)
     family, _, is_full_model = _read_config(directory)
     weight_files = _weight_files(directory)
     if not weight_files:
@@ -83,6 +79,14 @@ def vision_weights_digest(path: str | Path | None) -> str:
         hasher.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}\0".encode())
         hasher.update(tensor.reshape(-1).view(torch.uint8).numpy())
     return hasher.hexdigest()
+
+
+def _checkpoint_directory(path: str | Path | None) -> Path:
+    """`path` (None: the shipped tiny model), refused unless it holds a config.json."""
+    directory = Path(path) if path is not None else SHIPPED_CHECKPOINT
+    if not (directory / "config.json").is_file():
+        raise CheckpointError(f"{directory} has no config.json; pass a local Hugging Face directory")
+    return directory
 
 
 def _read_config(directory: Path) -> tuple[Family, Any, bool]:

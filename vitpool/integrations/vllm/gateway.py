@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import torch
 
 from vitpool.errors import ConfigError, VitpoolError
+from vitpool.graphs.defaults import dtype_from_name
 from vitpool.integrations.vllm.images import (
     checkpoint_family,
     data_url_bytes,
@@ -404,10 +405,10 @@ class Gateway:
 
 
 def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise argparse.ArgumentTypeError(f"not a torch dtype: {name}")
-    return dtype
+    try:
+        return dtype_from_name(name)
+    except ConfigError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def main(argv: list[str] | None = None) -> None:
