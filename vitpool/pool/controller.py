@@ -19,6 +19,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from vitpool.actors.reports import ActorInfo
 from vitpool.pool.cluster import Placement
+from vitpool.pool.embedding_cache import start_cache_actor
 from vitpool.pool.settings import PoolSettings
 from vitpool.pool.start_errors import one_line, start_error
 
@@ -55,6 +56,7 @@ class Membership:
     actors: dict[int, Any]  # actor index -> handle, active actors only
     infos: dict[int, ActorInfo]
     settings: PoolSettings
+    cache: Any = None  # the pool's embedding cache actor (`embedding_cache`), or None when it is off
 
 
 class PoolController:
@@ -76,6 +78,8 @@ class PoolController:
         self._restarts = 0
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
+        # created here, so it shares the controller's lifetime (and the pool's), not a caller's
+        self._cache = start_cache_actor(settings.embedding_cache_bytes) if settings.embedding_cache_bytes else None
 
     def settings(self) -> PoolSettings:
         return self._settings
@@ -119,6 +123,7 @@ class PoolController:
             {i: m.handle for i, m in active.items()},
             {i: m.info for i, m in active.items() if m.info is not None},
             self._settings,
+            self._cache,
         )
 
     def all_actors(self) -> dict[int, Any]:

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import ray
@@ -34,6 +35,7 @@ from vitpool.packing import Budget
 from vitpool.pool.calls import Call, PartResults, QueuedItem
 from vitpool.pool.controller import Membership
 from vitpool.pool.dispatcher import Dispatcher
+from vitpool.pool.embedding_cache import CacheAnswer, CacheClient
 from vitpool.pool.item_checks import checked_items, each_checked
 from vitpool.pool.launcher import find_pool, launch_pool, scale_pool, stop_controller
 from vitpool.pool.membership import MembershipWatcher
@@ -81,6 +83,10 @@ class EncoderPool:
         )
         self._dispatcher.set_actors(membership.actors, _common_budgets(membership.infos.values()))
         self._watcher = MembershipWatcher(controller, membership, self._membership_changed, self._controller_lost)
+        self._cache = (
+            CacheClient(membership.cache, self._settings.model, _dtype_name(membership))
+            if membership.cache is not None else None
+        )
 
     # launch and connect
 
@@ -174,25 +180,34 @@ class EncoderPool:
         self._check_usable()
         if not _checked_list(items):
             return []
+        return self._encode(items, timeout_s, return_exceptions, self._cache)
+
+    def _encode(
+        self, items: Sequence[Item], timeout_s: float | None, return_exceptions: bool, cache: CacheClient | None
+    ) -> list[Any]:
         # Without a timeout this thread may carry its own batches; with one it must stay free to
         # give up, so connection threads carry them.
-        call = self._submit(
-            items, False, timeout_s, inline=timeout_s is None, return_exceptions=return_exceptions
+        call, answer = self._submit(
+            items, False, timeout_s, inline=timeout_s is None, return_exceptions=return_exceptions, cache=cache
         )
-        try:
-            results = call.future.result(timeout_s)
-        except concurrent.futures.TimeoutError:
-            raise self._timed_out(call, timeout_s) from None
-        refs = _refs_among(results)
-        if refs:  # none when every batch took the same-node channel; ray.get costs even then
+        with _abandoned_on_error(cache, answer):
             try:
-                values = ray.get(list(refs.values()))
-            except ray.exceptions.RayError:
-                if not return_exceptions:
-                    raise
-                values = [_fetched(where[0], ref) for where, ref in refs.items()]
-            _put_back(results, refs, values)
-        return _joined(results, return_exceptions)
+                results = call.future.result(timeout_s)
+            except concurrent.futures.TimeoutError:
+                raise self._timed_out(call, timeout_s) from None
+            refs = _refs_among(results)
+            if refs:  # none when every batch took the same-node channel; ray.get costs even then
+                try:
+                    values = ray.get(list(refs.values()))
+                except ray.exceptions.RayError:
+                    if not return_exceptions:
+                        raise
+                    values = [_fetched(where[0], ref) for where, ref in refs.items()]
+                _put_back(results, refs, values)
+            results = _joined(results, return_exceptions)
+        if answer is not None:
+            self._serve_from_cache(items, answer, results, False, timeout_s, return_exceptions)
+        return results
 
     async def encode_async(
         self, items: Sequence[Item], timeout_s: float | None = None, return_exceptions: bool = False
@@ -202,24 +217,32 @@ class EncoderPool:
         self._check_usable()
         if not _checked_list(items):
             return []
-        call, queued = self._prepare_call(items, want_refs=False, return_exceptions=return_exceptions)
-        if queued:
+        outcomes = self._checked(items, return_exceptions)
+        answer = await self._cache.lookup_async(outcomes) if self._cache is not None else None
+        call, queued = self._queued(outcomes, False, return_exceptions, answer)
+        with _abandoned_on_error(self._cache, answer):
+            if queued:
+                try:
+                    self._dispatcher.submit(call, queued, timeout_s=0)
+                except TimeoutError:  # the queue is full: wait for room off the event loop
+                    await asyncio.to_thread(self._dispatcher.submit, call, queued, timeout_s)
             try:
-                self._dispatcher.submit(call, queued, timeout_s=0)
-            except TimeoutError:  # the queue is full: wait for room off the event loop
-                await asyncio.to_thread(self._dispatcher.submit, call, queued, timeout_s)
-        try:
-            results = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(call.future)), timeout_s)
-        except asyncio.TimeoutError:
-            raise self._timed_out(call, timeout_s) from None
-        refs = _refs_among(results)
-        values = await asyncio.gather(*refs.values(), return_exceptions=return_exceptions)
-        values = [
-            _fetch_failure(where[0], value) if isinstance(value, BaseException) else value
-            for where, value in zip(refs, values)
-        ]
-        _put_back(results, refs, values)
-        return _joined(results, return_exceptions)
+                results = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(call.future)), timeout_s)
+            except asyncio.TimeoutError:
+                raise self._timed_out(call, timeout_s) from None
+            refs = _refs_among(results)
+            values = await asyncio.gather(*refs.values(), return_exceptions=return_exceptions)
+            values = [
+                _fetch_failure(where[0], value) if isinstance(value, BaseException) else value
+                for where, value in zip(refs, values)
+            ]
+            _put_back(results, refs, values)
+            results = _joined(results, return_exceptions)
+        if answer is not None:
+            await asyncio.to_thread(
+                self._serve_from_cache, items, answer, results, False, timeout_s, return_exceptions
+            )
+        return results
 
     def encode_bytes(self, request: bytes, timeout_s: float | None = None) -> bytes:
         """Encode a request in vitpool's msgpack format (`vitpool.codec`), for bytes that come from
@@ -244,17 +267,24 @@ class EncoderPool:
         self._check_usable()
         if not _checked_list(items):
             return []
-        call = self._submit(items, want_refs=True, timeout_s=timeout_s)
-        try:
-            results = call.future.result(timeout_s)
-        except concurrent.futures.TimeoutError:
-            raise self._timed_out(call, timeout_s) from None
-        # an item of several inputs: its parts' embeddings fetched, joined here and put as one (a copy
-        # through this process, which references to single-input items do not make)
-        return [
-            _joined_ref(index, result, timeout_s) if isinstance(result, PartResults) else result
-            for index, result in enumerate(results)
-        ]
+        return self._encode_refs(items, timeout_s, self._cache)
+
+    def _encode_refs(self, items: Sequence[Item], timeout_s: float | None, cache: CacheClient | None) -> list[Any]:
+        call, answer = self._submit(items, want_refs=True, timeout_s=timeout_s, cache=cache)
+        with _abandoned_on_error(cache, answer):
+            try:
+                results = call.future.result(timeout_s)
+            except concurrent.futures.TimeoutError:
+                raise self._timed_out(call, timeout_s) from None
+            # an item of several inputs: its parts' embeddings fetched, joined here and put as one (a
+            # copy through this process, which references to single-input items do not make)
+            results = [
+                _joined_ref(index, result, timeout_s) if isinstance(result, PartResults) else result
+                for index, result in enumerate(results)
+            ]
+        if answer is not None:
+            self._serve_from_cache(items, answer, results, True, timeout_s, False)
+        return results
 
     def deliver_to(self, ranks: Sequence[Any], transport: str = "auto", actor_index: int | None = None) -> RankDelivery:
         """A delivery of encodes to every tensor-parallel rank in `ranks` (Ray actor handles):
@@ -288,21 +318,23 @@ class EncoderPool:
 
     def _submit(
         self, items: Sequence[Item], want_refs: bool, timeout_s: float | None, inline: bool = False,
-        return_exceptions: bool = False,
-    ) -> Call:
+        return_exceptions: bool = False, cache: CacheClient | None = None,
+    ) -> tuple[Call, CacheAnswer | None]:
         """Check and queue a call, waiting up to `timeout_s` for room in the queue. `inline`: this
-        thread may carry batches over the same-node channel itself (it waits for them anyway)."""
-        call, queued = self._prepare_call(items, want_refs, return_exceptions)
-        if queued:  # else every item was refused here, and the call is complete
-            self._dispatcher.submit(call, queued, timeout_s, inline)
-        return call
+        thread may carry batches over the same-node channel itself (it waits for them anyway).
+        With a `cache`, the items it serves are not queued (the answer says which)."""
+        outcomes = self._checked(items, return_exceptions)
+        answer = cache.lookup(outcomes) if cache is not None else None
+        call, queued = self._queued(outcomes, want_refs, return_exceptions, answer)
+        if queued:  # else every item was refused here or served by the cache, and the call is complete
+            with _abandoned_on_error(cache, answer):
+                self._dispatcher.submit(call, queued, timeout_s, inline)
+        return call, answer
 
-    def _prepare_call(
-        self, items: Sequence[Item], want_refs: bool, return_exceptions: bool = False
-    ) -> tuple[Call, list[QueuedItem]]:
-        """The call and its items to queue. Items are checked and sized here, once, in the caller's
-        process: a bad item costs no hop and harms no one, and the specs travel with the pixels.
-        A refused item raises, or with `return_exceptions` fills its slot at once."""
+    def _checked(self, items: Sequence[Item], return_exceptions: bool) -> list[Any]:
+        """Items are checked and sized here, once, in the caller's process: a bad item costs no hop
+        and harms no one, and the specs travel with the pixels. A refused item raises, or with
+        `return_exceptions` is its InvalidItemError in the list."""
         settings = self._settings
         if return_exceptions:
             outcomes = each_checked(items, self._rules, settings.max_item_tokens, settings.max_queued_bytes)
@@ -314,10 +346,20 @@ class EncoderPool:
             except InvalidItemError:
                 self._dispatcher.count_rejected(1)
                 raise
+        return outcomes
+
+    def _queued(
+        self, outcomes: list[Any], want_refs: bool, return_exceptions: bool, answer: CacheAnswer | None
+    ) -> tuple[Call, list[QueuedItem]]:
+        """The call and its items to queue: a refused item fills its slot at once, as does one the
+        cache serves (filled in once the call's own items are in)."""
+        served = answer.served if answer is not None else set()
         call = Call(
             len(outcomes), return_exceptions,
-            [1 if isinstance(p, InvalidItemError) else len(p.parts) for p in outcomes],
+            [1 if isinstance(p, InvalidItemError) or i in served else len(p.parts) for i, p in enumerate(outcomes)],
         )
+        for index in served:
+            call.complete_item(index, _SERVED)
         refused = [
             (index, error) for index, error in enumerate(outcomes) if isinstance(error, InvalidItemError)
         ]
@@ -335,10 +377,31 @@ class EncoderPool:
                 part.pixels.nbytes, part=number,
             )
             for index, p in enumerate(outcomes)
-            if not isinstance(p, InvalidItemError)
+            if not isinstance(p, InvalidItemError) and index not in served
             for number, part in enumerate(p.parts)
         ]
         return call, queued
+
+    def _serve_from_cache(
+        self, items: Sequence[Item], answer: CacheAnswer, results: list[Any], want_refs: bool,
+        timeout_s: float | None, return_exceptions: bool,
+    ) -> None:
+        """Publish what this call encoded for the cache, then fill the slots the cache serves; an
+        item whose entry was lost or never published is encoded now, without the cache."""
+        cache = self._cache
+        cache.publish(answer, results)  # first: another caller may wait for these while this one waits
+        fell_through = sorted(cache.served(answer, results, want_refs, timeout_s))
+        if fell_through:
+            logger.debug("pool %r: %d cached items encoded again", self.name, len(fell_through))
+            again = (
+                self._encode_refs([items[i] for i in fell_through], timeout_s, None) if want_refs
+                else self._encode([items[i] for i in fell_through], timeout_s, True, None)
+            )
+            for index, value in zip(fell_through, again):
+                if isinstance(value, BaseException) and not return_exceptions:
+                    raise value
+                results[index] = value
+        cache.copy_repeats(answer, results, want_refs)
 
     def _timed_out(self, call: Call, timeout_s: float | None) -> TimeoutError:
         error = TimeoutError(f"pool {self.name!r}: no result within {timeout_s} s")
@@ -427,6 +490,7 @@ class EncoderPool:
             items_per_second=recent_rate(list(counters.completions)),
             latency_p50_s=percentile(list(counters.latencies_s), 0.50),
             latency_p99_s=percentile(list(counters.latencies_s), 0.99),
+            cache=self._cache.stats(timeout_s) if self._cache is not None else None,
         )
 
     def close(self) -> None:
@@ -467,6 +531,8 @@ class EncoderPool:
         self._closed.set()
         self._watcher.close()
         self._dispatcher.close(self._unusable_reason())
+        if self._cache is not None:
+            self._cache.close()
 
     def _unusable_reason(self) -> str | None:
         """Why this handle cannot be used, or None."""
@@ -544,6 +610,27 @@ class EncoderPool:
             self._membership.actors[actor_index], channel, settings.batch_timeout_s + 5.0, settings.channel_spin_s,
             f"encoder actor {actor_index}",
         )
+
+
+# the slot of an item the cache serves, until the call's own items are in
+_SERVED = object()
+
+
+@contextlib.contextmanager
+def _abandoned_on_error(cache: CacheClient | None, answer: CacheAnswer | None) -> Iterator[None]:
+    """A call that fails as a whole gives up its claims on the cache's keys (others that wait for
+    them encode them themselves instead of waiting for the claims to lapse)."""
+    try:
+        yield
+    except BaseException:
+        if cache is not None and answer is not None:
+            cache.abandon(answer)
+        raise
+
+
+def _dtype_name(membership: Membership) -> str:
+    """The dtype the actors' embeddings come out in (they share the pool's settings)."""
+    return next(iter(membership.infos.values())).dtype_name if membership.infos else ""
 
 
 def _fetched(index: int, ref: ray.ObjectRef) -> Any:

@@ -77,6 +77,12 @@ class PoolSettings:
         same_node_channel: callers on an actor's node send it batches through shared memory and
             a Unix socket instead of Ray's object store (Linux; about 1 ms less per call on a
             small image). Results of `encode_refs` always go through the object store.
+        embedding_cache_bytes: bound on the pool's embedding cache (`vitpool.pool.embedding_cache`),
+            shared by every caller of the pool: an item whose content (pixels, grid, model, dtype)
+            was encoded before is served from it. Least recently used entries go first. 0 (the
+            default): off, since each call then pays a round trip to the cache's actor, more than
+            the pool's whole cost per call on a small image, which a workload without repeats
+            would pay for nothing.
     """
 
     model: str | None = None
@@ -106,6 +112,7 @@ class PoolSettings:
     fused_ops: bool = True
     compiled_blocks: bool = False
     compile_cache_dir: str | None = None
+    embedding_cache_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.model is not None:
@@ -135,6 +142,8 @@ class PoolSettings:
         _positive_int("max_attempts_per_item", self.max_attempts_per_item)
         _positive_int("max_queued_items", self.max_queued_items)
         _positive_int("max_queued_bytes", self.max_queued_bytes)
+        if isinstance(self.embedding_cache_bytes, bool) or not isinstance(self.embedding_cache_bytes, int) or self.embedding_cache_bytes < 0:
+            raise ConfigError(f"embedding_cache_bytes must be an integer >= 0 (0: no cache); got {self.embedding_cache_bytes!r}")
         if self.max_item_tokens is not None:
             _positive_int("max_item_tokens", self.max_item_tokens)
         if self.max_tokens_per_run is not None:

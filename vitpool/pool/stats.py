@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from vitpool.actors.reports import ActorStats
 from vitpool.errors import counted
+from vitpool.pool.embedding_cache import CacheStats
 
 RATE_WINDOW_S = 10.0
 
@@ -44,6 +45,7 @@ class PoolStats:
     items_per_second: float = 0.0
     latency_p50_s: float = 0.0
     latency_p99_s: float = 0.0
+    cache: CacheStats | None = None  # the pool's embedding cache, shared by every caller; None: off
 
     def summary(self) -> str:
         lines = [
@@ -56,6 +58,8 @@ class PoolStats:
             f"actor failures {self.actor_failures}, restarts {self.actor_restarts}, peak queue "
             f"{counted(self.peak_queued_items, 'item')} / {self.peak_queued_bytes / 2**20:.1f} MiB")
         ]
+        if self.cache is not None:
+            lines.append(f"  {self.cache.summary()}")
         for actor in self.actors:
             lines.append(
                 f"  actor {actor.actor_index} on {actor.device}: {counted(actor.batches, 'batch')}, "

@@ -1,0 +1,128 @@
+"""The pool's embedding cache on a local Ray cluster (CPU actors): a hit returns the same tensors
+without an encode, from any handle; a changed pixel misses; the byte bound holds; concurrent and
+repeated items are encoded once; losing an encoder actor or the cache itself costs no result."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import ray
+import torch
+from conftest import BUDGETS, assert_same, image, mixed_items
+
+from vitpool import EncoderPool
+
+pytestmark = pytest.mark.ray
+
+CAPACITY = 2 << 20  # holds the largest of `mixed_items` (0.55 MB) and a few dozen small ones
+
+
+@pytest.fixture(scope="module")
+def pool(ray_cluster):
+    pool = EncoderPool.launch(
+        budgets=BUDGETS, name="vitpool-cache", device="cpu", num_actors=1, startup_timeout_s=120,
+        embedding_cache_bytes=CAPACITY, max_actor_restarts=2,
+    )
+    yield pool
+    pool.shutdown()
+
+
+def encoded_items(pool: EncoderPool) -> int:
+    return sum(actor.items for actor in pool.stats().actors)
+
+
+def distinct(seed: int, count: int, side: int = 8) -> list:
+    generator = torch.Generator().manual_seed(seed)
+    return [image(side, side, generator) for _ in range(count)]
+
+
+def test_a_repeat_is_served_equal_without_an_encode(pool, reference_encoder):
+    items = mixed_items(101)
+    first = pool.encode(items)
+    assert_same(first, reference_encoder.encode(items))
+    before, hits = encoded_items(pool), pool.stats().cache.hits
+    again = pool.encode(items)
+    assert_same(again, first)
+    assert encoded_items(pool) == before
+    assert pool.stats().cache.hits == hits + len(items)
+    again[0].tokens.add_(1.0)  # a caller's results are its own: the entry does not change
+    assert_same(pool.encode(items[:1]), first[:1])
+
+
+def test_another_handle_and_every_call_style_hit(pool):
+    items = distinct(102, 3)
+    expected = pool.encode(items)
+    before = encoded_items(pool)
+    other = EncoderPool.connect("vitpool-cache")
+    try:
+        assert_same(other.encode(items), expected)
+        assert_same(ray.get(other.encode_refs(items)), expected)
+        assert_same(asyncio.run(other.encode_async(items)), expected)
+    finally:
+        other.close()
+    assert encoded_items(pool) == before
+
+
+def test_one_changed_pixel_misses(pool, reference_encoder):
+    item = distinct(103, 1)[0]
+    pool.encode([item])
+    changed = image(8, 8)
+    changed.pixel_values.copy_(torch.as_tensor(item.pixel_values))
+    changed.pixel_values[5, 9] += 0.5
+    before, misses = encoded_items(pool), pool.stats().cache.misses
+    assert_same(pool.encode([changed]), reference_encoder.encode([changed]))
+    assert encoded_items(pool) == before + 1
+    assert pool.stats().cache.misses == misses + 1
+
+
+def test_the_byte_bound_holds_under_distinct_items(pool):
+    for seed in range(6):
+        pool.encode(distinct(200 + seed, 8, side=16))
+        stats = pool.stats().cache
+        assert stats.bytes <= CAPACITY, stats.summary()
+    assert stats.evictions > 0, stats.summary()
+
+
+def test_concurrent_and_repeated_duplicates_are_encoded_once(pool, reference_encoder):
+    item = distinct(104, 1, side=16)[0]
+    before = encoded_items(pool)
+    barrier, results, errors = threading.Barrier(6), [None] * 6, []
+
+    def call(slot: int) -> None:
+        try:
+            barrier.wait()
+            results[slot] = pool.encode([item, item])  # a repeat within the call too
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=call, args=(slot,)) for slot in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert errors == []
+    expected = reference_encoder.encode([item])[0]
+    for pair in results:
+        assert_same(pair, [expected, expected])
+        assert pair[0].tokens.data_ptr() != pair[1].tokens.data_ptr()
+    assert encoded_items(pool) == before + 1
+
+
+def test_losing_an_encoder_actor_or_the_cache_costs_no_result(pool, reference_encoder):
+    items = distinct(105, 2)
+    expected = pool.encode(items)
+    (victim,) = ray.get(pool._controller.all_actors.remote()).values()
+    ray.kill(victim, no_restart=True)
+    assert_same(pool.encode(items), expected)  # served by the cache, which owns its entries
+    with pytest.raises(Exception):  # noqa: B017 - the pool notices its only actor is gone
+        pool.encode(distinct(106, 1), timeout_s=60)
+    deadline = time.monotonic() + 120
+    while victim in ray.get(pool._controller.all_actors.remote()).values() or pool.num_actors < 1:
+        assert time.monotonic() < deadline, "no replacement encoder actor"
+        time.sleep(0.5)
+    ray.kill(pool._cache._handle, no_restart=False)  # it comes back empty
+    assert_same(pool.encode(items), reference_encoder.encode(items))  # encoded again, by the new actor
+    assert_same(pool.encode(items), expected)

@@ -1,0 +1,124 @@
+"""The embedding cache's own logic, without Ray: keys, hits, claims, the byte bound."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from vitpool.items import Embedding, prepare_item
+from vitpool.models import load_adapter
+from vitpool.pool.embedding_cache import CLAIMED, HIT, PENDING, EmbeddingCacheActor, item_key, model_identity
+
+ROW_WIDTH = 3 * 2 * 16 * 16
+
+
+@pytest.fixture(scope="module")
+def rules():
+    return load_adapter(None, torch.device("cpu"), torch.float32).item_rules
+
+
+def prepared(pixels: torch.Tensor, grid: tuple[int, int, int], rules):
+    from vitpool import Image
+
+    return prepare_item(0, Image(pixels, grid), rules)
+
+
+def embedding(rows: int, width: int = 8) -> Embedding:
+    return Embedding(torch.randn(rows, width), [torch.randn(rows, width)])
+
+
+def run(coroutine):
+    return asyncio.run(coroutine)
+
+
+def test_keys_follow_content_grid_model_and_dtype(rules):
+    pixels = torch.randn(16, ROW_WIDTH)
+    identity = model_identity(None, "float32")
+    key = item_key(identity, prepared(pixels, (1, 4, 4), rules).parts)
+    assert len(key) == 16  # 128 bits
+    assert item_key(identity, prepared(pixels.clone(), (1, 4, 4), rules).parts) == key
+    changed = pixels.clone()
+    changed[7, 100] += 1e-3  # one pixel
+    assert item_key(identity, prepared(changed, (1, 4, 4), rules).parts) != key
+    assert item_key(identity, prepared(pixels, (1, 2, 8), rules).parts) != key  # same rows, another grid
+    assert item_key(model_identity(None, "bfloat16"), prepared(pixels, (1, 4, 4), rules).parts) != key
+    assert item_key(identity, prepared(pixels.double(), (1, 4, 4), rules).parts) != key  # pixel dtype
+
+
+def test_model_identity_changes_with_the_checkpoint(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3_vl"}')
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 10)
+    first = model_identity(str(tmp_path), "bfloat16")
+    assert model_identity(str(tmp_path), "bfloat16") == first
+    (tmp_path / "model.safetensors").write_bytes(b"y" * 11)  # rewritten in place
+    assert model_identity(str(tmp_path), "bfloat16") != first
+
+
+def test_a_miss_is_claimed_once_and_others_wait_for_its_result():
+    async def scenario():
+        cache = EmbeddingCacheActor(1 << 20, put=lambda value: value)
+        assert await cache.lookup([b"a"]) == [(CLAIMED, [])]
+        assert await cache.lookup([b"a"]) == [(PENDING, [])]
+        waiter = asyncio.ensure_future(cache.wait_for([b"a"]))
+        await asyncio.sleep(0)
+        assert not waiter.done()
+        stored = embedding(4)
+        await cache.insert([(b"a", stored)])
+        assert (await waiter) == [[stored]]
+        assert await cache.lookup([b"a"]) == [(HIT, [stored])]
+        stats = await cache.stats()
+        assert (stats.hits, stats.misses, stats.waits, stats.entries) == (1, 2, 1, 1)
+        assert stats.bytes == 2 * 4 * 8 * 4
+
+    run(scenario())
+
+
+def test_an_abandoned_or_lapsed_claim_lets_a_waiter_encode_it():
+    async def scenario():
+        cache = EmbeddingCacheActor(1 << 20, put=lambda value: value, claim_timeout_s=0.05)
+        await cache.lookup([b"a", b"b"])
+        waiter = asyncio.ensure_future(cache.wait_for([b"a"]))
+        await cache.abandon([b"a"])
+        assert await waiter == [[]]
+        assert await cache.lookup([b"a"]) == [(CLAIMED, [])]  # the next asker owns it
+        assert await cache.wait_for([b"b"]) == [[]]  # b's claimant never answered: lapsed
+        assert await cache.lookup([b"b"]) == [(CLAIMED, [])]
+        assert (await cache.stats()).lapsed_claims == 1
+
+    run(scenario())
+
+
+def test_the_byte_bound_holds_and_the_least_recently_used_go_first():
+    async def scenario():
+        entry_bytes = 2 * 4 * 8 * 4
+        cache = EmbeddingCacheActor(3 * entry_bytes, put=lambda value: value)
+        for key in (b"a", b"b", b"c"):
+            await cache.lookup([key])
+            await cache.insert([(key, embedding(4))])
+        assert (await cache.lookup([b"a"]))[0][0] == HIT  # a is now the most recent
+        for number in range(20):
+            key = b"new%d" % number
+            await cache.lookup([key])
+            await cache.insert([(key, embedding(4))])
+            assert (await cache.stats()).bytes <= 3 * entry_bytes
+        stats = await cache.stats()
+        assert stats.entries == 3 and stats.evictions == 20
+        await cache.insert([(b"huge", embedding(1000))])  # larger than the whole cache: not kept
+        assert (await cache.stats()).too_large == 1
+        assert (await cache.lookup([b"huge"]))[0][0] == CLAIMED
+
+    run(scenario())
+
+
+def test_forgotten_entries_miss():
+    async def scenario():
+        cache = EmbeddingCacheActor(1 << 20, put=lambda value: value)
+        await cache.insert([(b"a", embedding(2))])
+        await cache.forget([b"a"])
+        assert (await cache.lookup([b"a"]))[0][0] == CLAIMED
+        stats = await cache.stats()
+        assert stats.bytes == 0 and stats.lost_hits == 1
+
+    run(scenario())

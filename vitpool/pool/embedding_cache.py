@@ -1,0 +1,459 @@
+"""The pool's embedding cache: an item encoded once is served to every caller from then on.
+
+Where it lives, and why: one async Ray actor per pool (`EmbeddingCacheActor`, started by the
+pool's controller and gone with it) maps content keys to embeddings it put in Ray's object store
+itself, so that it owns them: an entry outlives the caller that published it and the encoder actor
+that computed it. Every handle of the pool, in any process or deployment, asks the same actor, so
+a hit from any caller is a hit for all. The alternatives were worse: a cache in the encoder actors
+would need items routed to an actor by key, against the least-loaded dispatch that keeps GPUs
+busy; a tier in each caller's process is not shared.
+
+The price is one round trip to the actor per call (a call's keys go in one message); a hit then
+costs that and a fetch from the object store instead of an encode. The cache is off by default
+(`embedding_cache_bytes=0`): the round trip is more than the whole per-call cost of the pool on a
+small image, which a workload without repeats would pay for nothing.
+
+Keys (`item_key`): a 128-bit XXH3 digest of the pool's model identity (checkpoint files and dtype)
+and, per part of the item, its spec (modality, pixel shape and dtype, grid or layout, path) and
+its pixel bytes. A changed pixel is another key; among a billion distinct items the chance that
+two share a key is about 1e-21 (a peer's 16-bit keys collided in practice).
+
+Concurrent identical items are encoded once: the first caller to miss a key claims it; others
+that ask meanwhile wait for its result (or, if it fails or its caller vanishes, for the claim to
+lapse, and then encode it themselves). Duplicates within one call are encoded once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+import xxhash
+
+from vitpool.items import Embedding
+from vitpool.transport.wire import to_array
+
+logger = logging.getLogger(__name__)
+
+HIT, CLAIMED, PENDING = "hit", "claimed", "pending"
+# How long others wait for a claimed key's result before one of them encodes it: longer than an
+# encode under load, short enough that a caller that died with a claim costs little.
+CLAIM_TIMEOUT_S = 60.0
+LOOKUP_TIMEOUT_S = 10.0  # a cache that does not answer is skipped for the call (it is encoded)
+_SHIPPED_MODEL = Path(__file__).resolve().parent.parent / "models" / "checkpoints" / "tiny-qwen3-vl"
+
+
+@dataclass
+class CacheStats:
+    """The cache's counters since it started (it starts empty again if its actor restarts).
+
+    `hits` and `misses` count keys looked up; `waits` the keys whose lookup found them being
+    encoded for another caller; `lapsed_claims` the claims whose caller never published or gave
+    them up in time; `lost_hits` hits whose object was gone when fetched (encoded again).
+    """
+
+    capacity_bytes: int = 0
+    entries: int = 0
+    bytes: int = 0
+    hits: int = 0
+    misses: int = 0
+    waits: int = 0
+    inserts: int = 0
+    evictions: int = 0
+    too_large: int = 0  # embeddings larger than the whole cache, not kept
+    lapsed_claims: int = 0
+    lost_hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        looked_up = self.hits + self.misses
+        return self.hits / looked_up if looked_up else 0.0
+
+    def summary(self) -> str:
+        return (
+            f"embedding cache: {self.entries} entries, {self.bytes / 2**20:.1f} of "
+            f"{self.capacity_bytes / 2**20:.1f} MiB, hits {self.hits}, misses {self.misses} "
+            f"({self.hit_rate:.0%} hit rate), waited {self.waits}, evictions {self.evictions}"
+        )
+
+
+# ---- keys -----------------------------------------------------------------------------------------
+
+
+def model_identity(model: str | None, dtype_name: str) -> bytes:
+    """What the pool's model is, for the keys: its checkpoint's config.json bytes and its weight
+    files' names, sizes and modification times (a checkpoint rewritten in place is another
+    model), and the dtype its embeddings come out in."""
+    directory = Path(model) if model is not None else _SHIPPED_MODEL
+    hasher = xxhash.xxh3_128()
+    hasher.update(f"{directory.resolve()}|{dtype_name}\0".encode())
+    config = directory / "config.json"
+    if config.is_file():
+        hasher.update(config.read_bytes())
+    for path in sorted(directory.glob("*.safetensors")):
+        status = path.stat()
+        hasher.update(f"{path.name}|{status.st_size}|{status.st_mtime_ns}\0".encode())
+    return hasher.digest()
+
+
+def item_key(identity: bytes, parts: Sequence[Any]) -> bytes:
+    """The 16-byte key of one checked item (its `parts`, each with `.spec` and `.pixels`)."""
+    hasher = xxhash.xxh3_128(identity)
+    for part in parts:
+        spec = part.spec
+        hasher.update(
+            f"{spec.modality}|{spec.pixel_shape}|{spec.pixel_dtype}|{spec.layout}|{spec.path}\0".encode()
+        )
+        hasher.update(np.ascontiguousarray(to_array(part.pixels)))
+    return hasher.digest()
+
+
+# ---- the shared actor ------------------------------------------------------------------------------
+
+
+@dataclass
+class _Entry:
+    ref: Any  # ray.ObjectRef to an Embedding, put by the cache
+    nbytes: int
+
+
+@dataclass
+class _Claim:
+    deadline: float
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class EmbeddingCacheActor:
+    """Plain class; the controller runs it as an async Ray actor. Its methods never block: a
+    caller waiting for another's result waits on an event, not a thread.
+
+    Args:
+        capacity_bytes: bound on the embeddings' bytes held; least recently used go first.
+        put: stores an embedding and returns what `lookup` hands out (`ray.put`; tests pass
+            their own).
+        claim_timeout_s: how long a claim holds (see the module's docstring).
+    """
+
+    def __init__(
+        self, capacity_bytes: int, put: Callable[[Any], Any] | None = None, claim_timeout_s: float = CLAIM_TIMEOUT_S
+    ) -> None:
+        self._entries: collections.OrderedDict[bytes, _Entry] = collections.OrderedDict()
+        self._claims: dict[bytes, _Claim] = {}
+        self._put = put or ray.put
+        self._claim_timeout_s = claim_timeout_s
+        self._stats = CacheStats(capacity_bytes=capacity_bytes)
+
+    async def lookup(self, keys: Sequence[bytes]) -> list[tuple[str, list[Any]]]:
+        """Per key: (HIT, [reference]), (CLAIMED, []) — not held, and now claimed by this caller,
+        who must `insert` or `abandon` it — or (PENDING, []) — another caller encodes it
+        (`wait_for`). The reference sits in a list so that Ray passes it on unresolved."""
+        answers: list[tuple[str, list[Any]]] = []
+        now = time.monotonic()
+        for key in keys:
+            entry = self._entries.get(key)
+            if entry is not None:
+                self._entries.move_to_end(key)
+                self._stats.hits += 1
+                answers.append((HIT, [entry.ref]))
+                continue
+            self._stats.misses += 1
+            claim = self._claims.get(key)
+            if claim is not None and claim.deadline > now:
+                self._stats.waits += 1
+                answers.append((PENDING, []))
+                continue
+            if claim is not None:  # its caller never answered: the key is this caller's now
+                self._stats.lapsed_claims += 1
+                claim.done.set()
+            self._claims[key] = _Claim(now + self._claim_timeout_s)
+            answers.append((CLAIMED, []))
+        return answers
+
+    async def wait_for(self, keys: Sequence[bytes]) -> list[list[Any]]:
+        """Per key, [reference] once its claimant published it, or [] if it did not in time (or
+        gave it up): the caller then encodes it itself."""
+        return list(await asyncio.gather(*(self._wait_one(key) for key in keys)))
+
+    async def _wait_one(self, key: bytes) -> list[Any]:
+        claim = self._claims.get(key)
+        if claim is not None:
+            try:
+                await asyncio.wait_for(claim.done.wait(), max(0.0, claim.deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                pass
+        entry = self._entries.get(key)
+        return [entry.ref] if entry is not None else []
+
+    async def insert(self, entries: Sequence[tuple[bytes, Any]]) -> None:
+        """Keep each (key, embedding) — an Embedding, or [reference] to one — and release its claim.
+        Evicts the least recently used entries past the bound."""
+        for key, value in entries:
+            try:
+                embedding = await value[0] if isinstance(value, list) else value
+            except ray.exceptions.RayError:  # its owner is gone: nothing to keep
+                self._release(key)
+                continue
+            nbytes = sum(tensor.nbytes for tensor in embedding.outputs)
+            self._release(key)
+            if key in self._entries:
+                continue
+            if nbytes > self._stats.capacity_bytes:
+                self._stats.too_large += 1
+                continue
+            self._entries[key] = _Entry(self._put(embedding), nbytes)
+            self._stats.inserts += 1
+            self._stats.bytes += nbytes
+            while self._stats.bytes > self._stats.capacity_bytes:
+                _, evicted = self._entries.popitem(last=False)
+                self._stats.bytes -= evicted.nbytes
+                self._stats.evictions += 1
+
+    async def abandon(self, keys: Sequence[bytes]) -> None:
+        """Give up claims (their items failed): waiters encode them themselves."""
+        for key in keys:
+            self._release(key)
+
+    async def forget(self, keys: Sequence[bytes]) -> None:
+        """Drop entries whose objects a caller could not fetch (lost with a node)."""
+        for key in keys:
+            entry = self._entries.pop(key, None)
+            if entry is not None:
+                self._stats.bytes -= entry.nbytes
+                self._stats.lost_hits += 1
+
+    async def stats(self) -> CacheStats:
+        self._stats.entries = len(self._entries)
+        return CacheStats(**vars(self._stats))
+
+    def _release(self, key: bytes) -> None:
+        claim = self._claims.pop(key, None)
+        if claim is not None:
+            claim.done.set()
+
+
+def start_cache_actor(capacity_bytes: int) -> Any:
+    """The pool's cache actor (restarted, empty, if it dies), created by the controller so that it
+    lives as long as the pool."""
+    return ray.remote(EmbeddingCacheActor).options(num_cpus=0, max_restarts=-1).remote(capacity_bytes)
+
+
+# ---- the caller's side --------------------------------------------------------------------------
+
+
+@dataclass
+class CacheAnswer:
+    """What the cache said about one call's items, by index in the call."""
+
+    owned: dict[int, bytes] = field(default_factory=dict)  # claimed: this call encodes and publishes them
+    hits: dict[int, tuple[bytes, Any]] = field(default_factory=dict)  # key, reference
+    waiting: dict[int, bytes] = field(default_factory=dict)  # another caller encodes them
+    copies: dict[int, int] = field(default_factory=dict)  # a repeat in this call -> its first index
+    keys: dict[int, bytes] = field(default_factory=dict)  # every checked item's key
+
+    @property
+    def served(self) -> set[int]:
+        """Items this call does not encode itself (unless their answer falls through)."""
+        return set(self.hits) | set(self.waiting) | set(self.copies)
+
+
+class CacheClient:
+    """One handle's way to the pool's cache. A cache that cannot be reached is skipped (its
+    items are encoded, with a warning); publishing happens on a thread of its own, from copies
+    taken before the call returns, so a caller that writes into its results cannot change an entry.
+    """
+
+    def __init__(self, handle: Any, model: str | None, dtype_name: str) -> None:
+        self._handle = handle
+        self._identity = model_identity(model, dtype_name)
+        self._publisher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vitpool-cache")
+        self._warned = False
+        self.failures = 0  # lookups or publications that failed (the cache was skipped)
+
+    # lookup
+
+    def keys(self, prepared: Sequence[Any]) -> CacheAnswer:
+        """Keys of a call's checked items (an InvalidItemError in `prepared` is skipped); a repeat
+        within the call is a copy of its first occurrence."""
+        answer = CacheAnswer()
+        first: dict[bytes, int] = {}
+        for index, item in enumerate(prepared):
+            if isinstance(item, Exception):
+                continue
+            key = item_key(self._identity, item.parts)
+            answer.keys[index] = key
+            if key in first:
+                answer.copies[index] = first[key]
+            else:
+                first[key] = index
+        return answer
+
+    def lookup(self, prepared: Sequence[Any]) -> CacheAnswer:
+        answer = self.keys(prepared)
+        order = [index for index in answer.keys if index not in answer.copies]
+        if order:
+            try:
+                replies = ray.get(self._handle.lookup.remote([answer.keys[i] for i in order]), timeout=LOOKUP_TIMEOUT_S)
+            except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as error:
+                return self._skipped(answer, error)
+            self._read(answer, order, replies)
+        return answer
+
+    async def lookup_async(self, prepared: Sequence[Any]) -> CacheAnswer:
+        answer = self.keys(prepared)
+        order = [index for index in answer.keys if index not in answer.copies]
+        if order:
+            try:
+                replies = await asyncio.wait_for(
+                    self._handle.lookup.remote([answer.keys[i] for i in order]), LOOKUP_TIMEOUT_S
+                )
+            except (ray.exceptions.RayError, asyncio.TimeoutError) as error:
+                return self._skipped(answer, error)
+            self._read(answer, order, replies)
+        return answer
+
+    @staticmethod
+    def _read(answer: CacheAnswer, order: list[int], replies: list[tuple[str, list[Any]]]) -> None:
+        for index, (state, refs) in zip(order, replies):
+            key = answer.keys[index]
+            if state == HIT:
+                answer.hits[index] = (key, refs[0])
+            elif state == PENDING:
+                answer.waiting[index] = key
+            else:
+                answer.owned[index] = key
+
+    def _skipped(self, answer: CacheAnswer, error: BaseException) -> CacheAnswer:
+        """Encode everything, publish nothing: the cache did not answer."""
+        self._failed("look up", error)
+        return CacheAnswer(copies=answer.copies)
+
+    # after the call
+
+    def served(
+        self, answer: CacheAnswer, results: list[Any], want_refs: bool, timeout_s: float | None = None
+    ) -> dict[int, bytes]:
+        """Fill the served items' slots of `results` (Embeddings, or references with `want_refs`);
+        returns {index: key} of those that fell through (lost, or never published by their
+        claimant), which the caller encodes now.
+
+        Raises:
+            TimeoutError: another caller's result for a waiting item did not come within `timeout_s`.
+        """
+        fell_through: dict[int, bytes] = {}
+        found = {index: (key, ref) for index, (key, ref) in answer.hits.items()}
+        if answer.waiting:
+            waited = list(answer.waiting.items())
+            try:
+                replies = ray.get(self._handle.wait_for.remote([key for _, key in waited]), timeout=timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                raise TimeoutError(
+                    f"items {sorted(answer.waiting)}: another caller encoding the same content did not "
+                    f"finish within {timeout_s} s"
+                ) from None
+            except ray.exceptions.RayError as error:
+                self._failed("wait for", error)
+                replies = [[] for _ in waited]
+            for (index, key), refs in zip(waited, replies):
+                if refs:
+                    found[index] = (key, refs[0])
+                else:
+                    fell_through[index] = key
+        if want_refs:
+            for index, (_, ref) in found.items():
+                results[index] = ref
+        elif found:
+            lost = []
+            values = _fetched_each([ref for _, ref in found.values()])
+            for (index, (key, _)), value in zip(found.items(), values):
+                if isinstance(value, Embedding):
+                    results[index] = value
+                else:
+                    fell_through[index] = key
+                    lost.append(key)
+            if lost:
+                self._handle.forget.remote(lost)
+        return fell_through
+
+    def copy_repeats(self, answer: CacheAnswer, results: list[Any], want_refs: bool) -> None:
+        """Each repeat within the call gets its first occurrence's result (a copy of its own, so
+        that writing into one does not change the other)."""
+        for index, first in answer.copies.items():
+            value = results[first]
+            results[index] = _copied(value) if isinstance(value, Embedding) and not want_refs else value
+
+    def publish(self, answer: CacheAnswer, results: Sequence[Any]) -> None:
+        """Hand the owned items' results to the cache (copies, on the publishing thread); give up
+        the claims of those that failed."""
+        entries, failed = [], []
+        for index, key in answer.owned.items():
+            value = results[index]
+            if isinstance(value, Embedding):
+                entries.append((key, _copied(value)))
+            elif isinstance(value, ray.ObjectRef):
+                entries.append((key, [value]))
+            else:
+                failed.append(key)
+        if entries or failed:
+            self._publisher.submit(self._send, entries, failed)
+
+    def abandon(self, answer: CacheAnswer) -> None:
+        """The call failed as a whole: give up its claims."""
+        if answer.owned:
+            self._publisher.submit(self._send, [], list(answer.owned.values()))
+
+    def _send(self, entries: list, failed: list[bytes]) -> None:
+        try:
+            if entries:
+                self._handle.insert.remote(entries)
+            if failed:
+                self._handle.abandon.remote(failed)
+        except Exception as error:  # noqa: BLE001 - Ray gone or the actor unreachable: the claims lapse on their own
+            self._failed("publish to", error)
+
+    def stats(self, timeout_s: float) -> CacheStats | None:
+        try:
+            return ray.get(self._handle.stats.remote(), timeout=timeout_s)
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as error:
+            self._failed("read the stats of", error)
+            return None
+
+    def close(self) -> None:
+        self._publisher.shutdown(wait=True)
+
+    def _failed(self, action: str, error: BaseException) -> None:
+        self.failures += 1
+        if not self._warned:
+            self._warned = True
+            logger.warning(
+                "could not %s the embedding cache (%s); items are encoded without it until it answers "
+                "(this is logged once per process)", action, error,
+            )
+
+
+def _fetched_each(refs: list[Any]) -> list[Any]:
+    """Each reference's value, or the error fetching it raised."""
+    try:
+        return ray.get(refs)
+    except ray.exceptions.RayError:
+        values = []
+        for ref in refs:
+            try:
+                values.append(ray.get(ref))
+            except ray.exceptions.RayError as error:
+                values.append(error)
+        return values
+
+
+def _copied(embedding: Embedding) -> Embedding:
+    return Embedding(embedding.tokens.clone(), [tensor.clone() for tensor in embedding.deepstack])
+
+
