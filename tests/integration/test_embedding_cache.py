@@ -1,6 +1,7 @@
 """The pool's embedding cache on a local Ray cluster (CPU actors): a hit returns the same tensors
 without an encode, from any handle; a changed pixel misses; the byte bound holds; concurrent and
-repeated items are encoded once; losing an encoder actor or the cache itself costs no result."""
+repeated items are encoded once; losing an encoder actor, the cache itself or the process that published an entry costs no
+result."""
 
 from __future__ import annotations
 
@@ -126,3 +127,31 @@ def test_losing_an_encoder_actor_or_the_cache_costs_no_result(pool, reference_en
     ray.kill(pool._cache._handle, no_restart=False)  # it comes back empty
     assert_same(pool.encode(items), reference_encoder.encode(items))  # encoded again, by the new actor
     assert_same(pool.encode(items), expected)
+
+
+@ray.remote(num_cpus=0)
+class _OtherCaller:
+    """A caller in a process of its own, which publishes what it encodes and can be killed."""
+
+    def encode(self, items) -> int:
+        pool = EncoderPool.connect("vitpool-cache")
+        pool.encode(items)
+        pool._cache.close()  # its publications have been sent
+        return len(items)
+
+
+def test_an_entry_whose_publisher_exited_misses_cleanly(pool, reference_encoder):
+    items = distinct(107, 2)
+    inserts = pool.stats().cache.inserts
+    other = _OtherCaller.remote()
+    assert ray.get(other.encode.remote(items)) == 2
+    deadline = time.monotonic() + 30
+    while pool.stats().cache.inserts < inserts + 2:
+        assert time.monotonic() < deadline, "the other caller's entries never arrived"
+        time.sleep(0.1)
+    ray.kill(other)  # the entries' objects die with their owner
+    time.sleep(1)
+    lost, before = pool.stats().cache.lost_hits, encoded_items(pool)
+    assert_same(pool.encode(items), reference_encoder.encode(items))
+    assert encoded_items(pool) == before + 2
+    assert pool.stats().cache.lost_hits == lost + 2

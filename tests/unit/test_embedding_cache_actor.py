@@ -29,6 +29,11 @@ def embedding(rows: int, width: int = 8) -> Embedding:
     return Embedding(torch.randn(rows, width), [torch.randn(rows, width)])
 
 
+def entry(key: bytes, value: Embedding) -> tuple[bytes, list, int]:
+    """What a caller sends `insert` (a reference in Ray; any object stands for one here)."""
+    return key, [value], sum(tensor.nbytes for tensor in value.outputs)
+
+
 def run(coroutine):
     return asyncio.run(coroutine)
 
@@ -58,14 +63,14 @@ def test_model_identity_changes_with_the_checkpoint(tmp_path):
 
 def test_a_miss_is_claimed_once_and_others_wait_for_its_result():
     async def scenario():
-        cache = EmbeddingCacheActor(1 << 20, put=lambda value: value)
+        cache = EmbeddingCacheActor(1 << 20)
         assert await cache.lookup([b"a"]) == [(CLAIMED, [])]
         assert await cache.lookup([b"a"]) == [(PENDING, [])]
         waiter = asyncio.ensure_future(cache.wait_for([b"a"]))
         await asyncio.sleep(0)
         assert not waiter.done()
         stored = embedding(4)
-        await cache.insert([(b"a", stored)])
+        await cache.insert([entry(b"a", stored)])
         assert (await waiter) == [[stored]]
         assert await cache.lookup([b"a"]) == [(HIT, [stored])]
         stats = await cache.stats()
@@ -77,7 +82,7 @@ def test_a_miss_is_claimed_once_and_others_wait_for_its_result():
 
 def test_an_abandoned_or_lapsed_claim_lets_a_waiter_encode_it():
     async def scenario():
-        cache = EmbeddingCacheActor(1 << 20, put=lambda value: value, claim_timeout_s=0.05)
+        cache = EmbeddingCacheActor(1 << 20, claim_timeout_s=0.05)
         await cache.lookup([b"a", b"b"])
         waiter = asyncio.ensure_future(cache.wait_for([b"a"]))
         await cache.abandon([b"a"])
@@ -93,19 +98,19 @@ def test_an_abandoned_or_lapsed_claim_lets_a_waiter_encode_it():
 def test_the_byte_bound_holds_and_the_least_recently_used_go_first():
     async def scenario():
         entry_bytes = 2 * 4 * 8 * 4
-        cache = EmbeddingCacheActor(3 * entry_bytes, put=lambda value: value)
+        cache = EmbeddingCacheActor(3 * entry_bytes)
         for key in (b"a", b"b", b"c"):
             await cache.lookup([key])
-            await cache.insert([(key, embedding(4))])
+            await cache.insert([entry(key, embedding(4))])
         assert (await cache.lookup([b"a"]))[0][0] == HIT  # a is now the most recent
         for number in range(20):
             key = b"new%d" % number
             await cache.lookup([key])
-            await cache.insert([(key, embedding(4))])
+            await cache.insert([entry(key, embedding(4))])
             assert (await cache.stats()).bytes <= 3 * entry_bytes
         stats = await cache.stats()
         assert stats.entries == 3 and stats.evictions == 20
-        await cache.insert([(b"huge", embedding(1000))])  # larger than the whole cache: not kept
+        await cache.insert([entry(b"huge", embedding(1000))])  # larger than the whole cache: not kept
         assert (await cache.stats()).too_large == 1
         assert (await cache.lookup([b"huge"]))[0][0] == CLAIMED
 
@@ -114,8 +119,8 @@ def test_the_byte_bound_holds_and_the_least_recently_used_go_first():
 
 def test_forgotten_entries_miss():
     async def scenario():
-        cache = EmbeddingCacheActor(1 << 20, put=lambda value: value)
-        await cache.insert([(b"a", embedding(2))])
+        cache = EmbeddingCacheActor(1 << 20)
+        await cache.insert([entry(b"a", embedding(2))])
         await cache.forget([b"a"])
         assert (await cache.lookup([b"a"]))[0][0] == CLAIMED
         stats = await cache.stats()

@@ -1,12 +1,19 @@
 """The pool's embedding cache: an item encoded once is served to every caller from then on.
 
 Where it lives, and why: one async Ray actor per pool (`EmbeddingCacheActor`, started by the
-pool's controller and gone with it) maps content keys to embeddings it put in Ray's object store
-itself, so that it owns them: an entry outlives the caller that published it and the encoder actor
-that computed it. Every handle of the pool, in any process or deployment, asks the same actor, so
-a hit from any caller is a hit for all. The alternatives were worse: a cache in the encoder actors
-would need items routed to an actor by key, against the least-loaded dispatch that keeps GPUs
-busy; a tier in each caller's process is not shared.
+pool's controller and gone with it) maps content keys to references to embeddings in Ray's object
+store. Every handle of the pool, in any process or deployment, asks the same actor, so a hit from
+any caller is a hit for all; the embeddings never pass through the actor (the caller that encoded
+an item puts it in the object store itself and sends the reference), so the actor only answers
+small messages and is never busy copying. The alternatives were worse: a cache in the encoder
+actors would need items routed to an actor by key, against the least-loaded dispatch that keeps
+GPUs busy; a tier in each caller's process is not shared; an actor that re-put every embedding to
+own it cost a 1.6 MB copy through the actor per miss, which on an H100 made a missed 1x224 call
+4x slower (`benchmarks/RESULTS.md`).
+
+An entry's object belongs to the process that published it (Ray's ownership): it outlives the
+encoder actor that computed it, and when its publisher exits it is gone; a caller that then gets
+the entry finds it lost, drops it, and encodes the item (a clean miss).
 
 The price is one round trip to the actor per call (a call's keys go in one message); a hit then
 costs that and a fetch from the object store instead of an encode. The cache is off by default
@@ -30,7 +37,7 @@ import collections
 import concurrent.futures
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -122,7 +129,7 @@ def item_key(identity: bytes, parts: Sequence[Any]) -> bytes:
 
 @dataclass
 class _Entry:
-    ref: Any  # ray.ObjectRef to an Embedding, put by the cache
+    ref: Any  # ray.ObjectRef to an Embedding, put by the caller that encoded it
     nbytes: int
 
 
@@ -138,17 +145,12 @@ class EmbeddingCacheActor:
 
     Args:
         capacity_bytes: bound on the embeddings' bytes held; least recently used go first.
-        put: stores an embedding and returns what `lookup` hands out (`ray.put`; tests pass
-            their own).
         claim_timeout_s: how long a claim holds (see the module's docstring).
     """
 
-    def __init__(
-        self, capacity_bytes: int, put: Callable[[Any], Any] | None = None, claim_timeout_s: float = CLAIM_TIMEOUT_S
-    ) -> None:
+    def __init__(self, capacity_bytes: int, claim_timeout_s: float = CLAIM_TIMEOUT_S) -> None:
         self._entries: collections.OrderedDict[bytes, _Entry] = collections.OrderedDict()
         self._claims: dict[bytes, _Claim] = {}
-        self._put = put or ray.put
         self._claim_timeout_s = claim_timeout_s
         self._stats = CacheStats(capacity_bytes=capacity_bytes)
 
@@ -193,23 +195,17 @@ class EmbeddingCacheActor:
         entry = self._entries.get(key)
         return [entry.ref] if entry is not None else []
 
-    async def insert(self, entries: Sequence[tuple[bytes, Any]]) -> None:
-        """Keep each (key, embedding) — an Embedding, or [reference] to one — and release its claim.
-        Evicts the least recently used entries past the bound."""
-        for key, value in entries:
-            try:
-                embedding = await value[0] if isinstance(value, list) else value
-            except ray.exceptions.RayError:  # its owner is gone: nothing to keep
-                self._release(key)
-                continue
-            nbytes = sum(tensor.nbytes for tensor in embedding.outputs)
+    async def insert(self, entries: Sequence[tuple[bytes, list[Any], int]]) -> None:
+        """Keep each (key, [reference to its Embedding], the embedding's bytes) and release its
+        claim. Evicts the least recently used entries past the bound."""
+        for key, refs, nbytes in entries:
             self._release(key)
             if key in self._entries:
                 continue
             if nbytes > self._stats.capacity_bytes:
                 self._stats.too_large += 1
                 continue
-            self._entries[key] = _Entry(self._put(embedding), nbytes)
+            self._entries[key] = _Entry(refs[0], nbytes)
             self._stats.inserts += 1
             self._stats.bytes += nbytes
             while self._stats.bytes > self._stats.capacity_bytes:
@@ -391,15 +387,15 @@ class CacheClient:
             results[index] = _copied(value) if isinstance(value, Embedding) and not want_refs else value
 
     def publish(self, answer: CacheAnswer, results: Sequence[Any]) -> None:
-        """Hand the owned items' results to the cache (copies, on the publishing thread); give up
-        the claims of those that failed."""
+        """Hand the owned items' results to the cache (put in the object store from copies, on the
+        publishing thread); give up the claims of those that failed."""
         entries, failed = [], []
         for index, key in answer.owned.items():
             value = results[index]
             if isinstance(value, Embedding):
                 entries.append((key, _copied(value)))
             elif isinstance(value, ray.ObjectRef):
-                entries.append((key, [value]))
+                entries.append((key, value))
             else:
                 failed.append(key)
         if entries or failed:
@@ -410,10 +406,10 @@ class CacheClient:
         if answer.owned:
             self._publisher.submit(self._send, [], list(answer.owned.values()))
 
-    def _send(self, entries: list, failed: list[bytes]) -> None:
+    def _send(self, entries: list[tuple[bytes, Any]], failed: list[bytes]) -> None:
         try:
             if entries:
-                self._handle.insert.remote(entries)
+                self._handle.insert.remote([_stored(key, value) for key, value in entries])
             if failed:
                 self._handle.abandon.remote(failed)
         except Exception as error:  # noqa: BLE001 - Ray gone or the actor unreachable: the claims lapse on their own
@@ -451,6 +447,14 @@ def _fetched_each(refs: list[Any]) -> list[Any]:
             except ray.exceptions.RayError as error:
                 values.append(error)
         return values
+
+
+def _stored(key: bytes, value: Any) -> tuple[bytes, list[Any], int]:
+    """What `insert` takes for one entry: its reference (put here for an Embedding; an
+    `encode_refs` result already is one) and its bytes."""
+    embedding = ray.get(value) if isinstance(value, ray.ObjectRef) else value
+    ref = value if isinstance(value, ray.ObjectRef) else ray.put(embedding)
+    return key, [ref], sum(tensor.nbytes for tensor in embedding.outputs)
 
 
 def _copied(embedding: Embedding) -> Embedding:
