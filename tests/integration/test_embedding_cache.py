@@ -1,7 +1,7 @@
 """The pool's embedding cache on a local Ray cluster (CPU actors): a hit returns the same tensors
 without an encode, from any handle; a changed pixel misses; the byte bound holds; concurrent and
-repeated items are encoded once; losing an encoder actor, the cache itself or the process that published an entry costs no
-result."""
+repeated items are encoded once; losing an encoder actor, the cache itself or the process that
+published an entry costs no result."""
 
 from __future__ import annotations
 
