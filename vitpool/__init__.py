@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     )
     from vitpool.graphs import EncoderStats, GraphEncoder, PlansInFlight
     from vitpool.items import Embedding, Image, Video, shared_results
-    from vitpool.pool import EncoderPool, PoolSettings, PoolStats
+    from vitpool.pool import CacheStats, EncoderPool, PoolSettings, PoolStats
     from vitpool.pool.rank_delivery import DeliveryLayout, RankDelivery, received_embeddings
 
 _PUBLIC = {
@@ -44,6 +44,7 @@ _PUBLIC = {
     "Image": "vitpool.items",
     "Video": "vitpool.items",
     "shared_results": "vitpool.items",
+    "CacheStats": "vitpool.pool",
     "EncoderPool": "vitpool.pool",
     "PoolSettings": "vitpool.pool",
     "PoolStats": "vitpool.pool",
@@ -53,6 +54,7 @@ _PUBLIC = {
 }
 
 __all__ = [
+    "CacheStats",
     "CheckpointError",
     "ConfigError",
     "DeliveryLayout",

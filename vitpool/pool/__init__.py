@@ -8,6 +8,7 @@ import importlib
 from typing import Any
 
 _NAMES = {
+    "CacheStats": "vitpool.pool.stats",
     "EncoderPool": "vitpool.pool.encoder_pool",
     "PoolSettings": "vitpool.pool.settings",
     "PoolStats": "vitpool.pool.stats",

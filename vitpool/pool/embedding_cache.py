@@ -47,6 +47,7 @@ import ray
 import xxhash
 
 from vitpool.items import Embedding
+from vitpool.pool.stats import CacheStats
 from vitpool.transport.wire import to_array
 
 logger = logging.getLogger(__name__)
@@ -57,40 +58,6 @@ HIT, CLAIMED, PENDING = "hit", "claimed", "pending"
 CLAIM_TIMEOUT_S = 60.0
 LOOKUP_TIMEOUT_S = 10.0  # a cache that does not answer is skipped for the call (it is encoded)
 _SHIPPED_MODEL = Path(__file__).resolve().parent.parent / "models" / "checkpoints" / "tiny-qwen3-vl"
-
-
-@dataclass
-class CacheStats:
-    """The cache's counters since it started (it starts empty again if its actor restarts).
-
-    `hits` and `misses` count keys looked up; `waits` the keys whose lookup found them being
-    encoded for another caller; `lapsed_claims` the claims whose caller never published or gave
-    them up in time; `lost_hits` hits whose object was gone when fetched (encoded again).
-    """
-
-    capacity_bytes: int = 0
-    entries: int = 0
-    bytes: int = 0
-    hits: int = 0
-    misses: int = 0
-    waits: int = 0
-    inserts: int = 0
-    evictions: int = 0
-    too_large: int = 0  # embeddings larger than the whole cache, not kept
-    lapsed_claims: int = 0
-    lost_hits: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        looked_up = self.hits + self.misses
-        return self.hits / looked_up if looked_up else 0.0
-
-    def summary(self) -> str:
-        return (
-            f"embedding cache: {self.entries} entries, {self.bytes / 2**20:.1f} of "
-            f"{self.capacity_bytes / 2**20:.1f} MiB, hits {self.hits}, misses {self.misses} "
-            f"({self.hit_rate:.0%} hit rate), waited {self.waits}, evictions {self.evictions}"
-        )
 
 
 # ---- keys -----------------------------------------------------------------------------------------

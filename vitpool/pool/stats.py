@@ -8,9 +8,42 @@ from dataclasses import dataclass, field
 
 from vitpool.actors.reports import ActorStats
 from vitpool.errors import counted
-from vitpool.pool.embedding_cache import CacheStats
 
 RATE_WINDOW_S = 10.0
+
+
+@dataclass
+class CacheStats:
+    """The cache's counters since it started (it starts empty again if its actor restarts).
+
+    `hits` and `misses` count keys looked up; `waits` the keys whose lookup found them being
+    encoded for another caller; `lapsed_claims` the claims whose caller never published or gave
+    them up in time; `lost_hits` hits whose object was gone when fetched (encoded again).
+    """
+
+    capacity_bytes: int = 0
+    entries: int = 0
+    bytes: int = 0
+    hits: int = 0
+    misses: int = 0
+    waits: int = 0
+    inserts: int = 0
+    evictions: int = 0
+    too_large: int = 0  # embeddings larger than the whole cache, not kept
+    lapsed_claims: int = 0
+    lost_hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        looked_up = self.hits + self.misses
+        return self.hits / looked_up if looked_up else 0.0
+
+    def summary(self) -> str:
+        return (
+            f"embedding cache: {self.entries} entries, {self.bytes / 2**20:.1f} of "
+            f"{self.capacity_bytes / 2**20:.1f} MiB, hits {self.hits}, misses {self.misses} "
+            f"({self.hit_rate:.0%} hit rate), waited {self.waits}, evictions {self.evictions}"
+        )
 
 
 @dataclass
@@ -20,7 +53,8 @@ class PoolStats:
     Per actor: `actors` (device, batches, items, graph hit rate, padding waste, busy time).
     For the calls made through this handle's process: queue depth, batches in flight (and how
     many batches went through the same-node channel), items per second over the last 10 s, and
-    call latency (submit to results ready) p50/p99 over the last 4096 calls.
+    call latency (submit to results ready) p50/p99 over the last 4096 calls. The pool's embedding
+    cache, shared by every caller, where it is on (`cache`).
     """
 
     name: str
