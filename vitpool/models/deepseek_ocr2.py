@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from vitpool.models.compat import check_tower_parts
+from vitpool.models.fused import fused_ops_apply, fused_rotary, triton_available
 from vitpool.models.tiled import GLOBAL_VIEW, LOCAL_CROPS, PathTiles, ViewAndCropsAdapter, install_kernels
 
 GLOBAL, LOCAL = GLOBAL_VIEW, LOCAL_CROPS
@@ -70,9 +71,13 @@ TOWER_PARTS = (
     "vision_encoder.config",
     "vision_encoder.rotary_emb",
     "vision_encoder.norm",
-    "vision_encoder.layers.0.input_layernorm",
-    "vision_encoder.layers.0.post_attention_layernorm",
-    "vision_encoder.layers.0.mlp",
+    "vision_encoder.norm.variance_epsilon",
+    "vision_encoder.layers.0.input_layernorm.variance_epsilon",
+    "vision_encoder.layers.0.post_attention_layernorm.variance_epsilon",
+    "vision_encoder.layers.0.mlp.gate_proj",
+    "vision_encoder.layers.0.mlp.up_proj",
+    "vision_encoder.layers.0.mlp.down_proj",
+    "vision_encoder.layers.0.mlp.act_fn",
     "vision_encoder.layers.0.self_attn.q_proj",
     "vision_encoder.layers.0.self_attn.k_proj",
     "vision_encoder.layers.0.self_attn.v_proj",
@@ -300,11 +305,58 @@ def sam_attention(
     return attention.proj(output)
 
 
+def fused_sam_attention(
+    attention: torch.nn.Module, hidden: torch.Tensor, index: torch.Tensor, key_positions: torch.Tensor
+) -> torch.Tensor:
+    """`sam_attention` (with relative positions) on the fused path: the same longer query and
+    key, written into one buffer [b, h*w, 2, heads, d + E] in the layout of the qkv projection
+    instead of built by `cat`s and `pad`s: one copy of q and k together, one write each of the
+    keys' one-hot rows (cast as they are written) and the queries' scaled rel_h and rel_w, against
+    about ten kernels that each read and wrote whole extended tensors (their copies took a tenth
+    of a view's GPU time on an H100). The value keeps its head size: cuDNN's attention takes a
+    value head smaller than the query's (the reference pads it for the flash kernel, whose
+    product with the padding was a sixth of a global layer's attention)."""
+    batch, height, width, _ = hidden.shape
+    heads, tokens = attention.num_attention_heads, height * width
+    qkv = attention.qkv(hidden).view(batch, tokens, 3, heads, -1)
+    head_size, extra_size = qkv.shape[-1], key_positions.shape[-1]
+    scale = head_size**-0.5
+    extended = qkv.new_empty(batch, tokens, 2, heads, head_size + extra_size)
+    extended[..., :head_size] = qkv[:, :, :2]
+    query, key = extended.unbind(2)  # [b, h*w, heads, d + E]
+    key[..., head_size:] = key_positions[:, None]
+    value = qkv[:, :, 2]
+    rows = qkv[:, :, 0].view(batch, height, width, heads, head_size)
+    extra = query[..., head_size:].view(batch, height, width, heads, extra_size)
+    rel_h = torch.einsum("bhwnc,hkc->bhwnk", rows, rel_table(attention.rel_pos_h, index))
+    rel_w = torch.einsum("bhwnc,wkc->bhwnk", rows, rel_table(attention.rel_pos_w, index))
+    torch.div(rel_h, scale, out=extra[..., :height])
+    torch.div(rel_w, scale, out=extra[..., height : height + width])
+    extra[..., height + width :] = 0
+    query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    output = F.scaled_dot_product_attention(query, key, value, scale=scale)
+    return attention.proj(output.transpose(1, 2).reshape(batch, height, width, -1))
+
+
+def attend_sam(
+    attention: torch.nn.Module, hidden: torch.Tensor, index: torch.Tensor, key_positions: torch.Tensor
+) -> torch.Tensor:
+    """`fused_sam_attention` where the fused ops apply, else the reference `sam_attention`."""
+    if attention.use_rel_pos and fused_ops_apply(hidden):
+        return fused_sam_attention(attention, hidden, index, key_positions)
+    return sam_attention(attention, hidden, index, key_positions)
+
+
 def sam_features(encoder: DeepseekOcr2Encoder, path: str, pixels: torch.Tensor) -> torch.Tensor:
     """`DeepseekOcr2SamVisionEncoder.forward` on tiles [n, C, S, S] of `path`: [n, P, width]."""
     sam = encoder.vision_tower.sam_encoder
     grid = encoder.grids[path]
-    hidden = sam.patch_embed(pixels)  # [n, grid, grid, hidden]
+    hidden = sam.patch_embed(pixels)  # [n, grid, grid, hidden]: a view of the convolution's NCHW output
+    if fused_ops_apply(hidden):
+        # one copy into [n, grid, grid, hidden] order: else every add of the residual stream keeps
+        # the NCHW order (strided kernels, a quarter of SAM's time on an H100) and each layer norm
+        # copies its input
+        hidden = hidden.contiguous()
     if sam.pos_embed is not None:
         hidden = hidden + sam.interpolate_pos_encoding(grid, grid)
     for layer in sam.layers:
@@ -312,10 +364,10 @@ def sam_features(encoder: DeepseekOcr2Encoder, path: str, pixels: torch.Tensor) 
         if layer.window_size > 0:
             hidden, padded = layer.window_partition(hidden, layer.window_size)
             size = layer.window_size
-            hidden = sam_attention(layer.attn, hidden, encoder.rel_index(size), encoder.key_positions(size))
+            hidden = attend_sam(layer.attn, hidden, encoder.rel_index(size), encoder.key_positions(size))
             hidden = layer.window_unpartition(hidden, layer.window_size, padded, (grid, grid))
         else:
-            hidden = sam_attention(layer.attn, hidden, encoder.rel_index(grid), encoder.key_positions(grid))
+            hidden = attend_sam(layer.attn, hidden, encoder.rel_index(grid), encoder.key_positions(grid))
         hidden = residual + hidden
         hidden = hidden + layer.mlp(layer.layer_norm2(hidden))
     hidden = sam.proj(sam.neck(hidden))
@@ -355,6 +407,71 @@ def encoder_layer(
     return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
 
 
+def rms_norm(norm: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """`DeepseekOcr2VisionRMSNorm` as torch's `rms_norm`, one kernel on CUDA (the module's own
+    forward is about eight: casts, pow, mean, rsqrt, two muls). The same fp32 math, except that the
+    weight multiplies before the one rounding to `hidden`'s dtype (the module rounds, then
+    multiplies): within a unit in the last place in half precision, equal in fp32."""
+    return F.rms_norm(hidden, norm.weight.shape, norm.weight, norm.variance_epsilon)
+
+
+def attention_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The path's boolean mask as an additive one in the compute dtype: 0 where allowed, -inf
+    elsewhere (made once a forward; SDPA would convert the boolean mask at every layer)."""
+    bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+    return bias.masked_fill_(mask.logical_not(), float("-inf"))
+
+
+def masked_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """SDPA of [b, L, heads, d] queries on [b, L, kv heads, d] keys and values under the additive
+    mask `bias`: [b, L, heads, d]. cuDNN's kernel takes the grouped heads as they are
+    (`enable_gqa`); where it cannot run, the heads are repeated for the memory-efficient kernel
+    (which has no grouped-query support) as on the reference path."""
+    query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    params = torch.backends.cuda.SDPAParams(query, key, value, bias, 0.0, False, True)
+    if not torch.backends.cuda.can_use_cudnn_attention(params):
+        key, value = repeat_heads(key, query.shape[1]), repeat_heads(value, query.shape[1])
+    output = F.scaled_dot_product_attention(query, key, value, attn_mask=bias, scale=scale, enable_gqa=True)
+    return output.transpose(1, 2)
+
+
+def fused_encoder_layer(
+    layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bias: torch.Tensor
+) -> torch.Tensor:
+    """`encoder_layer` on the fused path, updating `hidden` [b, L, width] (contiguous, this
+    forward's own) in place: torch's RMSNorm, the Triton rotary (fp32 cos, sin [L, head_dim], one
+    table for every tile), `masked_attention`, and each residual added by its GEMM (o_proj and
+    down_proj have no bias), so no elementwise add is launched."""
+    attention, mlp = layer.self_attn, layer.mlp
+    batch, length, width = hidden.shape
+    rows, heads = (batch * length, -1, attention.head_dim), (batch, length, -1, attention.head_dim)
+    states = rms_norm(layer.input_layernorm, hidden)
+    query = fused_rotary(attention.q_proj(states).view(rows), cos, sin).view(heads)
+    key = fused_rotary(attention.k_proj(states).view(rows), cos, sin).view(heads)
+    value = attention.v_proj(states).view(heads)
+    output = masked_attention(query, key, value, bias, attention.scaling)
+    flat = hidden.view(batch * length, width)
+    flat.addmm_(output.reshape(batch * length, -1), attention.o_proj.weight.t())
+    states = rms_norm(layer.post_attention_layernorm, hidden)
+    gated = mlp.act_fn(mlp.gate_proj(states)) * mlp.up_proj(states)
+    flat.addmm_(gated.view(batch * length, -1), mlp.down_proj.weight.t())
+    return hidden
+
+
+def fused_encoder_fits(hidden: torch.Tensor, layers: torch.nn.ModuleList) -> bool:
+    """Whether the encoder may run `fused_encoder_layer`: fused ops on `hidden`, Triton, and
+    weights in `hidden`'s dtype with no bias where a residual joins its GEMM."""
+    if not (fused_ops_apply(hidden) and triton_available()):
+        return False
+    return all(
+        linear.bias is None and linear.weight.dtype == hidden.dtype
+        for layer in layers
+        for linear in (layer.self_attn.o_proj, layer.mlp.down_proj)
+    )
+
+
 def tile_features(encoder: DeepseekOcr2Encoder, path: str, pixels: torch.Tensor) -> torch.Tensor:
     """`DeepseekOcr2VisionModel.forward` on tiles [n, C, S, S] of `path`, with the path's tables
     from buffers: [n, Q, width], the queries' outputs (the model's `last_hidden_state`)."""
@@ -362,11 +479,20 @@ def tile_features(encoder: DeepseekOcr2Encoder, path: str, pixels: torch.Tensor)
     patches = sam_features(encoder, path, pixels)  # [n, P, width]
     queries = encoder.queries(path)
     hidden = torch.cat([patches, queries[None].expand(patches.shape[0], -1, -1)], dim=1)
+    layers = vision.layers[: vision.config.num_hidden_layers]
+    num_patches = patches.shape[1]
+    if fused_encoder_fits(hidden, layers):
+        # the rotary kernel takes fp32 tables: the rotary's own math before it rounds to x's dtype
+        cos, sin = vision.rotary_emb(hidden.new_empty((), dtype=torch.float32), encoder.positions(path))
+        bias = attention_bias(encoder.mask(path), hidden.dtype)
+        for layer in layers:
+            hidden = fused_encoder_layer(layer, hidden, cos[0], sin[0], bias)
+        return rms_norm(vision.norm, hidden)[:, num_patches:]
     cos, sin = vision.rotary_emb(hidden, encoder.positions(path))  # [1, L, head_dim]
     cos, sin, mask = cos[:, None], sin[:, None], encoder.mask(path)
-    for layer in vision.layers[: vision.config.num_hidden_layers]:
+    for layer in layers:
         hidden = encoder_layer(layer, hidden, cos, sin, mask)
-    return vision.norm(hidden)[:, patches.shape[1]:]
+    return vision.norm(hidden)[:, num_patches:]
 
 
 class DeepseekOcr2PathAdapter(PathTiles):

@@ -51,6 +51,16 @@ def use_fused_ops(enabled: bool) -> contextlib.AbstractContextManager[None]:
     return scoped_value(_FUSED, enabled)
 
 
+def fused_ops_apply(x: torch.Tensor) -> bool:
+    """Whether a tower's own code may take its fused path on `x`: under `use_fused_ops(True)`,
+    outside a compiled block (inductor fuses the plain code itself), on CUDA in half precision,
+    and with no autograd through `x` (the Triton kernels have no backward)."""
+    return (
+        _FUSED.get() and not torch.compiler.is_compiling() and x.is_cuda and x.dtype in _HALF_DTYPES
+        and not (torch.is_grad_enabled() and x.requires_grad)
+    )
+
+
 def install_fused_ops(tower: torch.nn.Module) -> None:
     """Route `tower`'s rotary embedding, patch convolutions and tanh-GELU MLPs through the fused
     versions (in effect only under `use_fused_ops(True)`). Installing again is harmless."""
@@ -115,13 +125,20 @@ def triton_available() -> bool:
 
 
 def fused_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin in fp32, cast back to x's dtype: [rows, heads, head_dim]."""
+    """x * cos + rotate_half(x) * sin in fp32, cast back to x's dtype: [rows, heads, head_dim].
+
+    cos and sin are fp32 [positions, head_dim] (unit stride in head_dim), and row r of x takes
+    position r % positions: one table per row, or one sequence's table for a batch of
+    equal-length sequences flattened to rows (no copy of the table per sequence)."""
     rows, heads, head_dim = x.shape
+    positions = cos.shape[0]
+    if sin.shape != cos.shape or cos.shape[1] != head_dim or (rows and (not positions or rows % positions)):
+        raise ValueError(f"rotary tables {tuple(cos.shape)} do not fit rows {tuple(x.shape)}")
     out = torch.empty((rows, heads, head_dim), device=x.device, dtype=x.dtype)
     if rows:
         half = head_dim // 2
         _rotary_kernel()[(rows,)](
-            x, cos, sin, out, heads, x.stride(0), x.stride(1), cos.stride(0),
+            x, cos, sin, out, heads, positions, x.stride(0), x.stride(1), cos.stride(0),
             HALF=half, BLOCK_HEADS=_next_power_of_two(heads), BLOCK_HALF=_next_power_of_two(half),
         )
     return out
@@ -138,9 +155,10 @@ def _rotary_kernel() -> Callable:
     import triton.language as tl
 
     @triton.jit
-    def rotary(x_ptr, cos_ptr, sin_ptr, out_ptr, num_heads, x_row_stride, x_head_stride, cos_row_stride,
-               HALF: tl.constexpr, BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    def rotary(x_ptr, cos_ptr, sin_ptr, out_ptr, num_heads, num_positions, x_row_stride, x_head_stride,
+               cos_row_stride, HALF: tl.constexpr, BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)  # row * stride overflows int32 past ~600k rows
+        position = row % num_positions
         heads = tl.arange(0, BLOCK_HEADS)[:, None]
         cols = tl.arange(0, BLOCK_HALF)[None, :]
         col_ok = cols < HALF
@@ -148,8 +166,8 @@ def _rotary_kernel() -> Callable:
         x = x_ptr + row * x_row_stride + heads * x_head_stride + cols
         x1 = tl.load(x, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(x + HALF, mask=mask, other=0.0).to(tl.float32)
-        c = cos_ptr + row * cos_row_stride + cols
-        s = sin_ptr + row * cos_row_stride + cols
+        c = cos_ptr + position * cos_row_stride + cols
+        s = sin_ptr + position * cos_row_stride + cols
         cos1 = tl.load(c, mask=col_ok, other=0.0)
         cos2 = tl.load(c + HALF, mask=col_ok, other=0.0)
         sin1 = tl.load(s, mask=col_ok, other=0.0)
