@@ -6,7 +6,8 @@ caller's process computed, and the budget its dispatcher chose) with one pixel a
 Through Ray (`encode_batch`), pixels arrive as NumPy views of the object store and results leave
 as pinned host copies, one transfer per tensor per batch. Through the same-node channel
 (`vitpool.transport.channel`), pixels arrive in a caller's shared-memory segment and results go
-back into it. The actor trusts the plan after the encoder's cheap consistency check.
+back into it. The actor trusts the plan after the encoder's cheap consistency check, made once per
+batch as it arrives (`GraphEncoder.check_plan`): what passed it runs without a second check.
 
 The engine (`vitpool.graphs`, transformers, the model's code) is imported when an actor is built,
 not with this module: Ray loads an actor's class wherever a handle to it is unpickled, and a
@@ -36,11 +37,9 @@ from vitpool.transport.wire import from_array, to_array
 
 if TYPE_CHECKING:
     from vitpool.graphs import GraphEncoder
+    from vitpool.graphs.inputs import CheckedPlan
 
 logger = logging.getLogger(__name__)
-
-# A planned batch with its pixels, as the combiner hands batches to the encoder.
-PlannedPixels = tuple[BatchPlan, list[torch.Tensor]]
 
 
 class EncoderActor:
@@ -147,10 +146,10 @@ class EncoderActor:
             return [None] * len(plan.specs), BatchReceipt(RETIRED)
         start = time.perf_counter()
         try:
-            tensors = _tensors(plan.specs, pixels)
-            # Checked before it can share a run: a plan that does not hold fails its own batch only.
-            self.encoder.check_plan(plan, tensors)
-            outcomes = self._combiner([(plan, tensors)], plan.num_tokens, output_device)[0]
+            # Checked here, once, before it can share a run: a plan that does not hold fails its own
+            # batch only, and the encoder runs what passed without checking it again.
+            checked = self.encoder.check_plan(plan, _tensors(plan.specs, pixels))
+            outcomes = self._combiner([checked], plan.num_tokens, output_device)[0]
         finally:
             self._leave()
         errors = {i: o.reason for i, o in enumerate(outcomes) if isinstance(o, InvalidItemError)}
@@ -231,7 +230,7 @@ class EncoderActor:
                 self._stats.busy_seconds += time.monotonic() - self._busy_since
                 self._idle.notify_all()
 
-    def _start_splitting(self, groups: list[PlannedPixels], output_device: Hashable) -> Collect:
+    def _start_splitting(self, groups: list[CheckedPlan], output_device: Hashable) -> Collect:
         """The encoder's `start_plans` (the combiner collects its result later); on running out of
         GPU memory, the batches run split (`_split_after_oom`) before this returns."""
         try:
@@ -240,11 +239,11 @@ class EncoderActor:
             outcomes = self._split_after_oom(groups, output_device)
             return lambda: outcomes
 
-    def _run_splitting(self, groups: list[PlannedPixels], output_device: Hashable) -> list:
+    def _run_splitting(self, groups: list[CheckedPlan], output_device: Hashable) -> list:
         """`_start_splitting`, collected at once: the batches have run when this returns."""
         return self._start_splitting(groups, output_device)()
 
-    def _split_after_oom(self, groups: list[PlannedPixels], output_device: Hashable) -> list:
+    def _split_after_oom(self, groups: list[CheckedPlan], output_device: Hashable) -> list:
         """Free the cache and run each half on its own (batches, then a batch's items, down to
         single items), so that every batch is still answered and the actor stays up."""
         if self.encoder.device.type == "cuda":
@@ -256,7 +255,7 @@ class EncoderActor:
                            self.actor_index, len(groups))  # len(groups) > 1 here
             half = len(groups) // 2
             return self._run_splitting(groups[:half], output_device) + self._run_splitting(groups[half:], output_device)
-        plan, pixels = groups[0]
+        plan = groups[0].plan
         if len(plan.specs) == 1:
             logger.error("encoder actor %d: out of GPU memory on a single item", self.actor_index)
             raise torch.cuda.OutOfMemoryError(
@@ -264,11 +263,11 @@ class EncoderActor:
             )
         logger.warning("encoder actor %d: out of GPU memory on %d items; encoding them in halves",
                        self.actor_index, len(plan.specs))  # more than one item here
-        half = len(plan.specs) // 2
-        # A part of a planned batch fits the batch's budget.
-        first = self._run_splitting([(BatchPlan(plan.budget, plan.specs[:half]), pixels[:half])], output_device)
-        second = self._run_splitting([(BatchPlan(plan.budget, plan.specs[half:]), pixels[half:])], output_device)
-        return [first[0] + [_shifted(outcome, half) for outcome in second[0]]]
+        first_half, second_half = groups[0].halves()  # each still fits the batch's budget
+        first = self._run_splitting([first_half], output_device)
+        second = self._run_splitting([second_half], output_device)
+        offset = len(first_half.plan.specs)
+        return [first[0] + [_shifted(outcome, offset) for outcome in second[0]]]
 
     def _device_name(self) -> str:
         device = self.encoder.device

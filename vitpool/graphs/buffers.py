@@ -41,13 +41,22 @@ class StaticBuffers:
             self._stacked_outputs = stacked
         else:
             self.outputs = [torch.zeros(max_tokens, *shape, device=device, dtype=dtype) for shape in shapes]
+        # The buffers are never replaced, so a budget's views are made once (a dozen slices a batch
+        # otherwise); one entry per budget.
+        self._views: dict[tuple[int, Budget], tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
 
     def input_views(self, num_rows: int, budget: Budget) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        specs = self._adapter.metadata_specs(num_rows, budget)
-        metadata = {
-            name: self.metadata[name][tuple(slice(0, n) for n in spec.shape)] for name, spec in specs.items()
-        }
-        return self.pixels[:num_rows], metadata
+        """pixels [num_rows, *row_shape] and the metadata tensors the adapter names for the budget,
+        each a prefix view of its buffer (a fresh dict: the caller may change it)."""
+        key = (num_rows, budget)
+        views = self._views.get(key)
+        if views is None:
+            specs = self._adapter.metadata_specs(num_rows, budget)
+            metadata = {
+                name: self.metadata[name][tuple(slice(0, n) for n in spec.shape)] for name, spec in specs.items()
+            }
+            views = self._views[key] = (self.pixels[:num_rows], metadata)
+        return views[0], dict(views[1])
 
     def output_views(self, num_tokens: int) -> list[torch.Tensor]:
         return [output[:num_tokens] for output in self.outputs]

@@ -10,8 +10,10 @@ Batches come three ways: `encode` / `encode_each` check and pack the caller's it
 `run_plans` runs batches a pool's dispatcher already planned (item specs computed in the
 caller's process, trusted after a cheap consistency check), and `start_plans` queues such batches
 and returns, so that a server can queue its next batch before it collects these
-(`vitpool.graphs.in_flight`); `encode_specs` packs checked items. The encoder never looks inside
-an item: its adapter does (`vitpool.models.VisionAdapter`).
+(`vitpool.graphs.in_flight`); `encode_specs` packs checked items. A planned batch is checked once:
+`check_plan` gives a `CheckedPlan`, which `start_plans` runs without checking it again (an actor
+checks each batch as it arrives, before batches are combined). The encoder never looks inside an
+item: its adapter does (`vitpool.models.VisionAdapter`).
 
 This module is the API: settings, loading, checking and packing. One batch's fill, forward and
 outputs are the batch runner's (`vitpool.graphs.runner`), which capture (`vitpool.graphs.capture`)
@@ -33,7 +35,7 @@ from vitpool.errors import ConfigError, InvalidItemError
 from vitpool.graphs.capture import capture_all
 from vitpool.graphs.defaults import default_token_budgets, dtype_from_name, resolve_device, resolve_dtype
 from vitpool.graphs.in_flight import LaunchedBatches, PlansInFlight, RunBatch
-from vitpool.graphs.inputs import NONFINITE_MESSAGE, check_pixels, check_plan, totals
+from vitpool.graphs.inputs import NONFINITE_MESSAGE, CheckedPlan, check_pixels, check_plan, totals
 from vitpool.graphs.runner import BatchRunner
 from vitpool.graphs.stats import EncoderStats
 from vitpool.items import Embedding, Item, Prepared, PreparedItem, prepare_item, prepare_items
@@ -140,6 +142,7 @@ class GraphEncoder:
             )
             for path, path_adapter in self._paths.items()
         }
+        self._row_shapes = {path: tuple(path_adapter.row_shape) for path, path_adapter in self._paths.items()}
         if self.device.type == "cuda":
             pool = torch.cuda.graph_pool_handle()  # one memory pool for every path's graphs: they replay in turn
             for path, runner in self._runners.items():
@@ -301,29 +304,32 @@ class GraphEncoder:
 
     def start_plans(
         self,
-        groups: Sequence[tuple[BatchPlan, Sequence[torch.Tensor]]],
+        groups: Sequence[tuple[BatchPlan, Sequence[torch.Tensor]] | CheckedPlan],
         output_device: str | torch.device | None = "cpu",
     ) -> PlansInFlight:
         """`run_plans` in two halves: this one checks the plans and queues their work on the
         device, and returns without waiting for it; `PlansInFlight.result()` waits. A server that
         queues its next batches before it waits for these keeps the GPU busy while its host
-        finishes one batch and prepares the next.
+        finishes one batch and prepares the next. A group that this encoder's `check_plan`
+        returned (a `CheckedPlan`) is not checked again.
 
         Raises:
             ValueError: as for `run_plans`, before anything is queued.
         """
-        for plan, pixels in groups:
-            self.check_plan(plan, pixels)
-        members = [[PreparedItem(s, p) for s, p in zip(plan.specs, pixels)] for plan, pixels in groups]
-        runs = self._merge_plans([plan for plan, _ in groups])
+        checked = [group if isinstance(group, CheckedPlan) else self.check_plan(*group) for group in groups]
+        members = [[PreparedItem(s, p) for s, p in zip(plan.specs, pixels)] for plan, pixels in checked]
+        runs = self._merge_plans([plan for plan, _ in checked])
         batches: list[RunBatch] = [(budget, [m for i in indices for m in members[i]]) for budget, indices in runs]
         sizes = [[len(members[i]) for i in indices] for _, indices in runs]
         return PlansInFlight(self._launch(batches, output_device), sizes)
 
-    def check_plan(self, plan: BatchPlan, pixels: Sequence[torch.Tensor]) -> None:
+    def check_plan(self, plan: BatchPlan, pixels: Sequence[torch.Tensor]) -> CheckedPlan:
         """Whether a batch planned elsewhere can run as given: its pixels shaped as their specs
         say, each spec what the model's rules make of its layout, its totals within its budget
         (one of this encoder's). Cheap: specs seen before are not derived again.
+
+        Returns:
+            The plan and its pixels, as `start_plans` runs them without checking them again.
 
         Raises:
             ValueError: what does not match; the batch fails as a whole.
@@ -335,6 +341,7 @@ class GraphEncoder:
             raise ValueError(f"a batch mixes paths {sorted({spec.path for spec in plan.specs})}")
         rows = None if plan.budget is None else self._runner(path).rows(plan.budget)
         check_plan(plan, pixels, self._row_shape(path), self._known_budgets, rows, self._is_consistent)
+        return CheckedPlan(plan, pixels)
 
     def stats(self) -> EncoderStats:
         """A snapshot of the counters (every path's together)."""
@@ -351,7 +358,9 @@ class GraphEncoder:
         return runner
 
     def _row_shape(self, path: str) -> tuple[int, ...]:
-        return tuple(self._runner(path).adapter.row_shape)
+        if path not in self._row_shapes:
+            self._runner(path)  # raises, naming this encoder's paths
+        return self._row_shapes[path]
 
     def _merge_plans(self, plans: Sequence[BatchPlan]) -> list[tuple[Budget | None, list[int]]]:
         """(budget, plan indices) per run: a plan joins the run before it when together they fit
@@ -390,6 +399,8 @@ class GraphEncoder:
     def _wants_host(self, output_device: str | torch.device | None) -> bool:
         if output_device is None:
             return False
+        if output_device == "cpu":  # what an actor asks for on every batch: nothing to parse
+            return True
         try:
             resolved = torch.device(output_device)
         except (RuntimeError, TypeError):

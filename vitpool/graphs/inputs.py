@@ -2,14 +2,17 @@
 
 Items are checked and sized once, by the model's item rules (`vitpool.items.prepare_items`),
 usually in the caller's process. A batch planned elsewhere (`vitpool.specs.BatchPlan`) gets only
-a cheap consistency check here: pixels shaped as their specs say, totals within the budget.
-Non-finite pixels are found on the device, once the pixels are there: scanning them on the host
-would cost as much as a small encode.
+a cheap consistency check here, once: pixels shaped as their specs say, each spec what the rules
+make of its layout, totals within the budget. What passed it is a `CheckedPlan`, which the
+encoder runs without checking it again (an actor checks a batch before its combiner, and the
+encoder then runs it). Non-finite pixels are found on the device, once the pixels are there:
+scanning them on the host would cost as much as a small encode.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -30,16 +33,38 @@ def totals(specs: Sequence[ItemSpec]) -> tuple[int, int, Needs]:
     return len(specs), sum(spec.num_tokens for spec in specs), tuple(sorted(needs.items()))
 
 
+class CheckedPlan(NamedTuple):
+    """A planned batch that an encoder's `check_plan` passed, with its pixels: that encoder runs
+    it as it is (`GraphEncoder.start_plans`), without checking it again. Unpacks as the
+    (plan, pixels) pair it was made from. Make one only with the `check_plan` of the encoder
+    that will run it."""
+
+    plan: BatchPlan
+    pixels: Sequence[torch.Tensor]
+
+    def halves(self) -> tuple[CheckedPlan, CheckedPlan]:
+        """The batch's first half of items and the rest (a batch of more than one item): each
+        still holds (a part of a batch fits the batch's budget), so it runs as checked too."""
+        assert len(self.plan.specs) > 1, "a batch of one item has no halves"
+        half = len(self.plan.specs) // 2
+        specs, budget = self.plan.specs, self.plan.budget
+        return (
+            CheckedPlan(BatchPlan(budget, specs[:half]), self.pixels[:half]),
+            CheckedPlan(BatchPlan(budget, specs[half:]), self.pixels[half:]),
+        )
+
+
 def check_plan(
     plan: BatchPlan, pixels: Sequence[torch.Tensor], row_shape: tuple[int, ...], budgets: Collection[Budget],
     max_rows: int | None, is_consistent: Callable[[ItemSpec], bool],
 ) -> None:
     """A planned batch the encoder can run as given; `max_rows` is the rows of the plan's budget;
-    `is_consistent` tells whether a spec is what the model's rules make of its own layout.
+    `is_consistent` tells whether a spec is what the model's rules make of its own layout. One
+    pass over the items.
 
     Raises:
         ValueError: what does not match (the batch fails as a whole: its planner and this encoder
-            disagree, which no item of the caller's can cause).
+            disagree, which no item of the caller's can cause); an item's error names its position.
     """
     if not plan.specs:
         raise ValueError("a batch plan has no items")
@@ -48,16 +73,17 @@ def check_plan(
             f"a batch plan of {counted(len(plan.specs), 'item')} came with "
             f"{counted(len(pixels), 'pixel tensor')}"
         )
+    num_rows = 0
     for position, (spec, tensor) in enumerate(zip(plan.specs, pixels)):
         check_pixels(position, spec, tensor, row_shape)
         if not is_consistent(spec):
             raise ValueError(f"item {position} of the batch: its spec {spec} is not what the model's rules make of it")
+        num_rows += spec.num_rows
     if plan.budget is None:
         return
     if plan.budget not in budgets:
         raise ValueError(f"the batch's budget {plan.budget} is not one of this encoder's budgets")
     num_items, num_tokens, needs = totals(plan.specs)
-    num_rows = sum(spec.num_rows for spec in plan.specs)
     if not fits(plan.budget, num_items, num_tokens, needs) or (max_rows is not None and num_rows > max_rows):
         raise ValueError(
             f"a batch of {num_items} items, {num_tokens} tokens, {num_rows} rows and needs {dict(needs)} "
@@ -82,6 +108,8 @@ def nonfinite_positions(members: Sequence[PreparedItem], finite_rows: torch.Tens
     """Positions of the batch's items with a NaN or infinite pixel; `finite_rows` says per row of
     their concatenated pixels whether it is finite (on a device, this waits for its stream)."""
     flags = finite_rows.cpu()
+    if bool(flags.all()):  # the usual batch: one test, not one per item
+        return []
     bad, row = [], 0
     for position, member in enumerate(members):
         end = row + member.spec.num_rows

@@ -97,9 +97,9 @@ class BatchRunner:
             self.stats.replays_per_budget[budget.num_tokens] = (
                 self.stats.replays_per_budget.get(budget.num_tokens, 0) + 1
             )
-            self.stats.batch_rows += rows
-            self.stats.padding_rows += rows - sum(spec.num_rows for spec in specs)
             item_rows = self.fill(budget, specs, [member.pixels for member in members])
+            self.stats.batch_rows += rows
+            self.stats.padding_rows += rows - item_rows
             graph = self.graphs.get(budget)
             if graph is None:
                 self.stats.eager_items += len(members)

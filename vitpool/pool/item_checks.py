@@ -25,8 +25,8 @@ def checked_item(
             the bound and how to raise it).
     """
     prepared = prepare_item(index, item, rules)
-    num_rows = sum(part.spec.num_rows for part in prepared.parts)
     if max_item_tokens is not None and prepared.num_tokens > max_item_tokens:
+        num_rows = sum(part.spec.num_rows for part in prepared.parts)
         raise InvalidItemError(
             index,
             f"{prepared.num_tokens} output tokens ({num_rows} pixel rows) is over this pool's bound, "
