@@ -115,15 +115,16 @@ def test_concurrent_and_repeated_duplicates_are_encoded_once(pool, reference_enc
 def test_losing_an_encoder_actor_or_the_cache_costs_no_result(pool, reference_encoder):
     items = distinct(105, 2)
     expected = pool.encode(items)
-    (victim,) = ray.get(pool._controller.all_actors.remote()).values()
+    ((victim_pid, victim),) = [(info.pid, pool._membership.actors[i]) for i, info in pool._membership.infos.items()]
     ray.kill(victim, no_restart=True)
-    assert_same(pool.encode(items), expected)  # served by the cache, which owns its entries
+    assert_same(pool.encode(items), expected)  # served by the cache, which holds its entries
     with pytest.raises(Exception):  # noqa: B017 - the pool notices its only actor is gone
         pool.encode(distinct(106, 1), timeout_s=60)
     deadline = time.monotonic() + 120
-    while victim in ray.get(pool._controller.all_actors.remote()).values() or pool.num_actors < 1:
+    # this handle's own view of the pool, which the next call uses, must hold the replacement
+    while not [info for info in pool._membership.infos.values() if info.pid != victim_pid]:
         assert time.monotonic() < deadline, "no replacement encoder actor"
-        time.sleep(0.5)
+        time.sleep(0.2)
     ray.kill(pool._cache._handle, no_restart=False)  # it comes back empty
     assert_same(pool.encode(items), reference_encoder.encode(items))  # encoded again, by the new actor
     assert_same(pool.encode(items), expected)
@@ -150,7 +151,9 @@ def test_an_entry_whose_publisher_exited_misses_cleanly(pool, reference_encoder)
         assert time.monotonic() < deadline, "the other caller's entries never arrived"
         time.sleep(0.1)
     ray.kill(other)  # the entries' objects die with their owner
-    time.sleep(1)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(other.encode.remote([]), timeout=60)
+    time.sleep(2)  # and Ray has told the object store
     lost, before = pool.stats().cache.lost_hits, encoded_items(pool)
     assert_same(pool.encode(items), reference_encoder.encode(items))
     assert encoded_items(pool) == before + 2
