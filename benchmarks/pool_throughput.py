@@ -10,10 +10,19 @@ loop of Poisson arrivals at 70% of that rate, where latency counts from each cal
 arrival. Each call is also timed alone first: the p99 / p50 of those unloaded latencies is the
 mix's own spread, the floor for p99 / p50 at any load. The pool grows between sizes with `pool.scale`, while no call is in flight. The open
 loop's latencies are also given per call size (output tokens: small <= 256 < medium <= 1024 <
-large), and as slowdowns: each call's latency over the same call's unloaded latency, measured
-alone before the runs.
+large), and as slowdowns: per size class, each call's latency over the unloaded p50 of its class
+(its calls timed alone, one at a time, before the runs); over all calls, each call's latency over
+the same call's unloaded latency.
+
+`--small-first off,256-nostream,256` runs the whole measurement once per setting of the pool's
+`small_first_tokens` (small calls dispatched and run ahead of large ones; "-nostream": without
+the urgent lane, `small_first_stream=False`), in that order, each on
+a freshly launched pool: before and after in one run. The open loops of every setting run at 70%
+of the first setting's saturated rate (`--load-basis first`), so all face the same offered load.
 
     python benchmarks/pool_throughput.py [--actors 1,2,4] [--seconds 20] [--callers 8] [--threads 8]
+    python benchmarks/pool_throughput.py --actors 1 --seconds 12 --small-first off,256-nostream,256
+    python benchmarks/pool_throughput.py --device cpu --actors 1 --callers 1 --threads 2 --seconds 2  # smoke
 """
 
 from __future__ import annotations
@@ -34,11 +43,13 @@ import torch
 from common import PATCH, ROW_WIDTH, GpuBusy, save_random_tower
 
 from vitpool import EncoderPool
+from vitpool.pool.settings import PoolSettings
 
 IMAGE_SIDES = (224, 320, 448, 512, 640, 768, 896, 1024)
 VIDEO_SIDES = (224, 320, 448)
 VIDEO_SHARE = 0.15
 POOL_NAME = "vitpool-throughput"
+SIZE_CLASSES = ("small", "medium", "large")
 
 
 def random_call(rng: random.Random) -> list[tuple[bool, tuple[int, int, int], np.ndarray]]:
@@ -150,6 +161,151 @@ def percentile_ms(values: list[float], fraction: float) -> float:
     return 1e3 * ordered[min(len(ordered) - 1, max(0, round(fraction * len(ordered)) - 1))] if ordered else 0.0
 
 
+def class_rows(tokens: list[list[int]], alone: list[list[float]], loaded: list[dict]) -> dict:
+    """Per size class at load: calls, p50 / p99 ms, the class's unloaded p50 ms, and the p50 / p99
+    of each call's latency over that unloaded p50."""
+    unloaded: dict[str, list[float]] = {name: [] for name in SIZE_CLASSES}
+    for caller_tokens, caller_alone in zip(tokens, alone):
+        for call_tokens, seconds in zip(caller_tokens, caller_alone):
+            unloaded[size_class(call_tokens)].append(seconds)
+    latencies: dict[str, list[float]] = {name: [] for name in SIZE_CLASSES}
+    for caller_number, outcome in enumerate(loaded):
+        for latency, index in zip(outcome["latencies"], outcome["indices"]):
+            latencies[size_class(tokens[caller_number][index])].append(latency)
+    rows = {}
+    for name in SIZE_CLASSES:
+        base_ms = percentile_ms(unloaded[name], 0.5)
+        slowdowns = [1e3 * latency / base_ms for latency in latencies[name]] if base_ms else []
+        rows[name] = {
+            "calls": len(latencies[name]), "p50_ms": percentile_ms(latencies[name], 0.5),
+            "p99_ms": percentile_ms(latencies[name], 0.99), "unloaded_calls": len(unloaded[name]),
+            "unloaded_p50_ms": base_ms, "slowdown_p50": percentile_ms(slowdowns, 0.5) / 1e3,
+            "slowdown_p99": percentile_ms(slowdowns, 0.99) / 1e3,
+        }
+    return rows
+
+
+def setting_overrides(value: str | None) -> tuple[str, dict]:
+    """(label, pool settings) for one `--small-first` value: "off", a token count, or None (the
+    pool's default)."""
+    if value is None:
+        return "default", {}
+    if "small_first_tokens" not in PoolSettings.__dataclass_fields__:
+        raise SystemExit("--small-first: this vitpool's PoolSettings has no small_first_tokens setting")
+    tokens, _, lane = value.partition("-")
+    overrides: dict = {"small_first_tokens": None if tokens == "off" else int(tokens)}
+    if lane:
+        if lane != "nostream" or "small_first_stream" not in PoolSettings.__dataclass_fields__:
+            raise SystemExit(f"--small-first {value!r}: use off, N or N-nostream")
+        overrides["small_first_stream"] = False
+    return f"small_first={value}", overrides
+
+
+def measure_setting(label: str, overrides: dict, args, sizes: list[int], settings: dict, basis: dict) -> dict:
+    """Launch a pool with `settings` and `overrides`, then for each size: saturated, then 70% of
+    `basis[size]` (or of its own saturated rate, where `basis` has none yet)."""
+    device_settings = {"device": "cpu", "dtype": "float32"} if args.device == "cpu" else {"dtype": "bfloat16"}
+    options = {"actor_options": {"num_gpus": 0, "num_cpus": 1}} if args.device == "cpu" else {}
+    pool = EncoderPool.launch(
+        model=args.model_dir, num_actors=sizes[0], name=POOL_NAME, **device_settings, **options, **settings, **overrides
+    )
+    caller_cpus = 0 if args.device == "cpu" else 1  # a CPU machine's cores go to the actors
+    callers = [Caller.options(num_cpus=caller_cpus).remote(seed, args.calls_per_caller) for seed in range(args.callers)]
+    items_per_call = statistics.mean(ray.get([c.mean_items_per_call.remote() for c in callers]))
+    tokens = ray.get([c.call_tokens.remote() for c in callers])
+    alone = [ray.get(c.unloaded.remote()) for c in callers]  # one caller at a time: alone in the pool
+    unloaded = [x for seconds in alone for x in seconds]
+    result = {
+        "overrides": overrides, "items_per_call": items_per_call, "sizes": {},
+        "unloaded_p50_ms": percentile_ms(unloaded, 0.5), "unloaded_p99_ms": percentile_ms(unloaded, 0.99),
+    }
+    print(f"[{label}] unloaded: {len(unloaded)} calls, p50 {result['unloaded_p50_ms']:.1f} ms, p99 "
+          f"{result['unloaded_p99_ms']:.1f} ms (the mix's own spread)", flush=True)
+    for size in sizes:
+        if size != pool.num_actors:
+            pool.scale(size)
+        ray.get([c.closed_loop.remote(args.warmup_seconds, args.threads) for c in callers])
+        with GpuBusy() as gpu_busy:
+            saturated = ray.get([c.closed_loop.remote(args.seconds, args.threads) for c in callers])
+        rate = sum(o["items"] for o in saturated) / max(o["seconds"] for o in saturated)
+        closed_latencies = [x for o in saturated for x in o["latencies"]]
+        basis.setdefault(size, rate)
+        target_calls_per_second = 0.7 * basis[size] / items_per_call / len(callers)
+        loaded = ray.get(
+            [c.open_loop.remote(args.seconds, target_calls_per_second, 4 * args.threads) for c in callers]
+        )
+        open_latencies = [x for o in loaded for x in o["latencies"]]
+        slowdowns = [
+            latency / alone[caller_number][index]
+            for caller_number, outcome in enumerate(loaded)
+            for latency, index in zip(outcome["latencies"], outcome["indices"])
+        ]
+        open_rate = sum(o["items"] for o in loaded) / max(o["seconds"] for o in loaded)
+        row = {
+            "saturated_items_per_s": rate,
+            "saturated_p50_ms": percentile_ms(closed_latencies, 0.5),
+            "saturated_p99_ms": percentile_ms(closed_latencies, 0.99),
+            # nvidia-smi's utilization per GPU while saturated: below 1, the GPUs waited for the host
+            "saturated_gpu_busy": gpu_busy.busy,
+            "load70_basis_items_per_s": basis[size],
+            "load70_items_per_s": open_rate,
+            "load70_p50_ms": percentile_ms(open_latencies, 0.5),
+            "load70_p99_ms": percentile_ms(open_latencies, 0.99),
+            "load70_calls": len(open_latencies),
+            "load70_by_size": class_rows(tokens, alone, loaded),
+            # each call over its own unloaded latency
+            "load70_slowdown_p50": percentile_ms(slowdowns, 0.5) / 1e3,
+            "load70_slowdown_p99": percentile_ms(slowdowns, 0.99) / 1e3,
+        }
+        row["load70_p99_over_p50"] = row["load70_p99_ms"] / row["load70_p50_ms"]
+        print(f"[{label}] {size} actors: {json.dumps(row)}", flush=True)
+        stats = pool.stats()
+        row["padding_waste"] = [actor.padding_waste for actor in stats.actors]
+        row["runs"] = sum(actor.runs for actor in stats.actors)
+        row["combined_batches"] = sum(actor.combined_batches for actor in stats.actors)
+        print(stats.summary(), flush=True)
+        result["sizes"][size] = row
+    one = result["sizes"][sizes[0]]["saturated_items_per_s"] / sizes[0]
+    for size, row in result["sizes"].items():
+        row["scaling_vs_one"] = row["saturated_items_per_s"] / (size * one)
+    for caller in callers:
+        ray.kill(caller)
+    pool.shutdown()
+    return result
+
+
+def print_tables(results: dict) -> None:
+    print(f"\nGPU: {results['gpu']} x{results['gpus']}, Ray {ray.__version__}; {results['callers']} caller processes x "
+          f"{results['threads_per_caller']} threads, {results['seconds']:.0f} s per measurement")
+    first: dict[int, float] = {}  # saturated items/s of the first setting, per pool size
+    print("| setting | actors | saturated items/s | vs first | per actor vs 1 | p50 / p99 ms (saturated) "
+          "| items/s at 70% (basis) | p50 / p99 ms at 70% | unloaded p50 / p99 ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for label, setting in results["settings"].items():
+        for size, row in setting["sizes"].items():
+            first.setdefault(size, row["saturated_items_per_s"])
+            print(
+                f"| {label} | {size} | {row['saturated_items_per_s']:.1f} | {row['saturated_items_per_s'] / first[size]:.3f} "
+                f"| {row['scaling_vs_one']:.2f} | {row['saturated_p50_ms']:.1f} / {row['saturated_p99_ms']:.1f} "
+                f"| {row['load70_items_per_s']:.1f} ({0.7 * row['load70_basis_items_per_s']:.1f}) "
+                f"| {row['load70_p50_ms']:.1f} / {row['load70_p99_ms']:.1f} "
+                f"| {setting['unloaded_p50_ms']:.1f} / {setting['unloaded_p99_ms']:.1f} |"
+            )
+    print("\nAt 70% load, per call size (output tokens): calls, p50 / p99 ms, and slowdown p50 / p99 = latency over "
+          "the class's unloaded p50 (ms); last column: each call over its own unloaded latency")
+    print("| setting | actors | small <= 256 | medium <= 1024 | large | all calls: slowdown p50 / p99 |")
+    print("|---|---|---|---|---|---|")
+    for label, setting in results["settings"].items():
+        for size, row in setting["sizes"].items():
+            cells = [
+                f"{c['calls']}, {c['p50_ms']:.1f} / {c['p99_ms']:.1f} ms, x{c['slowdown_p50']:.2f} / x{c['slowdown_p99']:.2f} "
+                f"(unloaded {c['unloaded_p50_ms']:.1f})"
+                for c in row["load70_by_size"].values()
+            ]
+            print(f"| {label} | {size} | " + " | ".join(cells)
+                  + f" | {row['load70_slowdown_p50']:.2f} / {row['load70_slowdown_p99']:.2f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--actors", default="1,2,4")
@@ -165,13 +321,27 @@ def main() -> None:
     parser.add_argument("--compiled-blocks", default="off", choices=("on", "off"), help="torch.compile'd blocks")
     parser.add_argument("--overlap-runs", default="on", choices=("on", "off"), help="actors overlap runs with host work")
     parser.add_argument("--budgets", default=None, help="comma-separated token budgets (default: the device's)")
+    parser.add_argument(
+        "--small-first", default=None,
+        help="comma-separated small_first_tokens settings, each measured on its own pool in turn ('off' or a "
+        "token count, N-nostream without the urgent lane, e.g. off,256-nostream,256); default: the pool's default only",
+    )
+    parser.add_argument(
+        "--load-basis", default="first", choices=("first", "own"),
+        help="the open loop's 70%% is of the first setting's saturated rate (same offered load) or each one's own",
+    )
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                        help="cpu: a smoke run with the shipped tiny model on a CPU actor")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     sizes = [int(n) for n in args.actors.split(",")]
-    gpu = torch.cuda.get_device_name()
+    if args.device == "cuda":
+        gpu, num_gpus = torch.cuda.get_device_name(), torch.cuda.device_count()
+        args.model_dir = str(save_random_tower(tempfile.mkdtemp(prefix="vitpool-bench-")))
+    else:
+        gpu, num_gpus, args.model_dir = "none (CPU, tiny model)", 0, None
 
-    directory = save_random_tower(tempfile.mkdtemp(prefix="vitpool-bench-"))
     settings = {} if args.spin is None else {"channel_spin_s": args.spin}
     settings["max_tokens_per_run"] = args.max_tokens_per_run
     settings["attention"] = args.attention
@@ -180,97 +350,23 @@ def main() -> None:
     settings["overlap_runs"] = args.overlap_runs == "on"
     if args.budgets:
         settings["budgets"] = tuple(int(b) for b in args.budgets.split(","))
-    pool = EncoderPool.launch(model=str(directory), num_actors=sizes[0], name=POOL_NAME, dtype="bfloat16", **settings)
-    callers = [Caller.remote(seed, args.calls_per_caller) for seed in range(args.callers)]
-    items_per_call = statistics.mean(ray.get([c.mean_items_per_call.remote() for c in callers]))
-    tokens = ray.get([c.call_tokens.remote() for c in callers])
-    alone = [ray.get(c.unloaded.remote()) for c in callers]  # one caller at a time: alone in the pool
     results = {
-        "gpu": gpu, "gpus": torch.cuda.device_count(), "ray": ray.__version__, "callers": args.callers,
+        "gpu": gpu, "gpus": num_gpus, "ray": ray.__version__, "callers": args.callers,
         "threads_per_caller": args.threads, "seconds": args.seconds, "channel_spin_s": args.spin,
-        "max_tokens_per_run": args.max_tokens_per_run, "items_per_call": items_per_call, "sizes": {},
-        "attention": args.attention, "fused_ops": args.fused_ops, "compiled_blocks": args.compiled_blocks, "budgets": args.budgets,
-        "overlap_runs": args.overlap_runs,
+        "max_tokens_per_run": args.max_tokens_per_run, "attention": args.attention, "fused_ops": args.fused_ops,
+        "compiled_blocks": args.compiled_blocks, "budgets": args.budgets, "overlap_runs": args.overlap_runs,
+        "load_basis": args.load_basis, "settings": {},
     }
-    # The floor for any p99 / p50 under load: the mix's own spread, with every call alone in the pool.
-    unloaded = [x for seconds in alone for x in seconds]
-    results["unloaded_p50_ms"] = percentile_ms(unloaded, 0.5)
-    results["unloaded_p99_ms"] = percentile_ms(unloaded, 0.99)
-    print(f"unloaded: {len(unloaded)} calls, p50 {results['unloaded_p50_ms']:.1f} ms, p99 "
-          f"{results['unloaded_p99_ms']:.1f} ms, p99/p50 {results['unloaded_p99_ms'] / results['unloaded_p50_ms']:.2f}",
-          flush=True)
-    for size in sizes:
-        if size != pool.num_actors:
-            pool.scale(size)
-        ray.get([c.closed_loop.remote(args.warmup_seconds, args.threads) for c in callers])
-        with GpuBusy() as gpu_busy:
-            saturated = ray.get([c.closed_loop.remote(args.seconds, args.threads) for c in callers])
-        rate = sum(o["items"] for o in saturated) / max(o["seconds"] for o in saturated)
-        closed_latencies = [x for o in saturated for x in o["latencies"]]
-        target_calls_per_second = 0.7 * rate / items_per_call / len(callers)
-        loaded = ray.get(
-            [c.open_loop.remote(args.seconds, target_calls_per_second, 4 * args.threads) for c in callers]
-        )
-        open_latencies = [x for o in loaded for x in o["latencies"]]
-        by_class: dict[str, list[float]] = {"small": [], "medium": [], "large": []}
-        slowdowns: list[float] = []
-        for caller_number, outcome in enumerate(loaded):
-            for latency, index in zip(outcome["latencies"], outcome["indices"]):
-                by_class[size_class(tokens[caller_number][index])].append(latency)
-                slowdowns.append(latency / alone[caller_number][index])
-        open_rate = sum(o["items"] for o in loaded) / max(o["seconds"] for o in loaded)
-        row = {
-            "saturated_items_per_s": rate,
-            "saturated_p50_ms": percentile_ms(closed_latencies, 0.5),
-            "saturated_p99_ms": percentile_ms(closed_latencies, 0.99),
-            # nvidia-smi's utilization per GPU while saturated: below 1, the GPUs waited for the host
-            "saturated_gpu_busy": gpu_busy.busy,
-            "load70_items_per_s": open_rate,
-            "load70_p50_ms": percentile_ms(open_latencies, 0.5),
-            "load70_p99_ms": percentile_ms(open_latencies, 0.99),
-            "load70_calls": len(open_latencies),
-        }
-        row["load70_p99_over_p50"] = row["load70_p99_ms"] / row["load70_p50_ms"]
-        row["load70_by_size"] = {
-            name: {"calls": len(values), "p50_ms": percentile_ms(values, 0.5), "p99_ms": percentile_ms(values, 0.99)}
-            for name, values in by_class.items()
-        }
-        row["load70_slowdown_p50"] = percentile_ms(slowdowns, 0.5) / 1e3
-        row["load70_slowdown_p99"] = percentile_ms(slowdowns, 0.99) / 1e3
-        results["sizes"][size] = row
-        print(f"{size} actors: {json.dumps(row)}", flush=True)
-        stats = pool.stats()
-        row["padding_waste"] = [actor.padding_waste for actor in stats.actors]
-        print(stats.summary(), flush=True)
-    one = results["sizes"].get(sizes[0])["saturated_items_per_s"] / sizes[0]
-    for size, row in results["sizes"].items():
-        row["scaling_vs_one"] = row["saturated_items_per_s"] / (size * one)
-    for caller in callers:
-        ray.kill(caller)
-    pool.shutdown()
-
+    basis: dict[int, float] = {}
+    values = args.small_first.split(",") if args.small_first else [None]
+    for value in values:
+        label, overrides = setting_overrides(value)
+        results["settings"][label] = measure_setting(label, overrides, args, sizes, settings, basis)
+        if args.load_basis == "own":
+            basis.clear()
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))
-    print(f"\nGPU: {gpu} x{results['gpus']}, Ray {ray.__version__}; {args.callers} caller processes x "
-          f"{args.threads} threads, {items_per_call:.2f} items per call, {args.seconds:.0f} s per measurement")
-    print(f"Each call alone (the mix's own spread): p50 {results['unloaded_p50_ms']:.1f} ms, p99 "
-          f"{results['unloaded_p99_ms']:.1f} ms, p99/p50 {results['unloaded_p99_ms'] / results['unloaded_p50_ms']:.2f}")
-    print("| actors | saturated items/s | per actor vs 1 | p50 / p99 ms (saturated) | items/s at 70% | p50 / p99 ms at 70% | p99/p50 |")
-    print("|---|---|---|---|---|---|---|")
-    for size, row in results["sizes"].items():
-        print(
-            f"| {size} | {row['saturated_items_per_s']:.1f} | {row['scaling_vs_one']:.2f} "
-            f"| {row['saturated_p50_ms']:.1f} / {row['saturated_p99_ms']:.1f} | {row['load70_items_per_s']:.1f} "
-            f"| {row['load70_p50_ms']:.1f} / {row['load70_p99_ms']:.1f} | {row['load70_p99_over_p50']:.2f} |"
-        )
-    print("\nAt 70% load, per call size (output tokens), and slowdown (latency / the call's unloaded latency)")
-    print("| actors | small <= 256: calls, p50 / p99 ms | medium <= 1024 | large | slowdown p50 / p99 |")
-    print("|---|---|---|---|---|")
-    for size, row in results["sizes"].items():
-        cells = [
-            f"{c['calls']}, {c['p50_ms']:.1f} / {c['p99_ms']:.1f}" for c in row["load70_by_size"].values()
-        ]
-        print(f"| {size} | " + " | ".join(cells) + f" | {row['load70_slowdown_p50']:.2f} / {row['load70_slowdown_p99']:.2f} |")
+    print_tables(results)
 
 
 if __name__ == "__main__":

@@ -230,6 +230,7 @@ class EncoderSpec:
         compiled_blocks: the tower's blocks through `torch.compile` on a GPU (see `GraphEncoder`).
         compile_cache_dir: where compiled kernels are kept; None: TORCHINDUCTOR_CACHE_DIR or
             ~/.cache/vitpool/inductor.
+        urgent_tokens: an urgent lane for batches up to this many tokens (see `GraphEncoder`).
     """
 
     model: str | None = None
@@ -243,6 +244,7 @@ class EncoderSpec:
     fused_ops: bool = True
     compiled_blocks: bool = False
     compile_cache_dir: str | None = None
+    urgent_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -257,6 +259,8 @@ class ActorSpec:
         max_tokens_per_run: the most output tokens of batches combined into one run; None: the
             largest budget.
         overlap_runs: queue the next run on the device before collecting the one in flight.
+        small_first_tokens: run waiting batches of at most this many tokens first
+            (`vitpool.actors.combining`); None: oldest first.
     """
 
     encoder: EncoderSpec = EncoderSpec()
@@ -265,3 +269,4 @@ class ActorSpec:
     channel_spin_s: float = 0.0
     max_tokens_per_run: int | None = None
     overlap_runs: bool = True
+    small_first_tokens: int | None = None

@@ -271,10 +271,10 @@ def test_out_of_memory_splits_batches_then_items(monkeypatch, reference_encoder)
     actor = cpu_actor()
     real = actor.encoder.start_plans
 
-    def start_plans(groups, output_device):
+    def start_plans(groups, output_device, urgent=False):
         if sum(len(plan.specs) for plan, _ in groups) > 2:
             raise torch.cuda.OutOfMemoryError("out of memory")
-        return real(groups, output_device)
+        return real(groups, output_device, urgent)
 
     monkeypatch.setattr(actor.encoder, "start_plans", start_plans)
     bad = image(2, 2)

@@ -127,8 +127,9 @@ def test_a_call_that_failed_before_its_callback_was_added_goes_to_another_actor(
 
 def test_a_full_queue_makes_callers_wait_then_time_out():
     channels = {0: FakeLink(delay_s=None)}  # takes batches and never answers
+    # one lane: these 4-token calls would be small and go in the small lane's slots
     subject = dispatcher(channels, [], max_queued_items=4, max_batches_in_flight_per_actor=1,
-                         batch_timeout_s=60, batch_window_s=0.0)
+                         batch_timeout_s=60, batch_window_s=0.0, small_first_tokens=None)
     try:
         first = Call(1)
         subject.submit(first, queued(first, [4]))  # in flight

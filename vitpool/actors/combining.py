@@ -22,6 +22,16 @@ its outcome is in or when its thread is handed the lead. Under load an actor has
 threads waiting here, and waking them all on every run makes each of them take the GIL in turn
 while the leader, whose every torch call releases the GIL, waits in line behind them.
 
+Small first (`small_tokens`): while batches of at most that many tokens wait, the next run takes
+them first, oldest first, then the others strictly in order, as far as they fit; once a batch has
+been passed over `max_passes` times (a run took a batch that came after it while it waited), the
+run is the oldest batch and those right behind it that fit, as without small first. So a small
+batch waits for the run in flight (and, with overlapping runs, the one already queued behind it)
+but not for the large batches that came before it, and no batch waits for ever, however much
+small work keeps coming. The run still fills up with large batches: small batches run alone paid a
+replay's fixed cost each, which at 70% load on an H100 raised the medium and large calls' p99 by
+a quarter or more (`benchmarks/pool_throughput.py --small-first off,256`).
+
 The combiner knows nothing of what it runs: in the actor, each batch is one (plan, pixels) group
 and the start function is the encoder's `start_plans`, which decides which groups share a replay.
 """
@@ -30,9 +40,12 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+# How often a batch may be passed over for smaller ones before it goes first.
+MAX_PASSES = 4
 
 
 @dataclass(eq=False)
@@ -40,6 +53,7 @@ class _Waiting:
     items: list[Any]
     tokens: int
     key: Hashable  # only batches with the same key run together (e.g. where outputs go)
+    passes: int = 0  # runs that took a batch which came after this one, while this one waited
     outcomes: list[Any] | None = None
     error: BaseException | None = None
     done: bool = False
@@ -72,12 +86,18 @@ class BatchCombiner:
     item), one run started at a time, merging the batches that wait, oldest first, up to
     `max_tokens` output tokens per run. The next run is started before the last is collected.
 
+    With `small_tokens`, batches of at most that many tokens go first, the others following in
+    order, until some batch has been passed over `max_passes` times (see the module). None:
+    strictly oldest first.
+
     A batch larger than `max_tokens` runs alone. Starting or collecting may raise: every batch of
     that run gets the error.
     """
 
     start: Callable[[list[Any], Hashable], Collect]
     max_tokens: int
+    small_tokens: int | None = None
+    max_passes: int = MAX_PASSES
     counters: CombiningCounters = field(default_factory=CombiningCounters)
 
     def __post_init__(self) -> None:
@@ -126,16 +146,15 @@ class BatchCombiner:
             successor.woken.set()
 
     def _take_group(self) -> list[_Waiting]:
-        """The oldest waiting batch and those after it that fit beside it (strictly in order, so
-        a large batch is never passed over for ever)."""
-        group = [self._waiting.popleft()]
-        tokens = group[0].tokens
-        while self._waiting:
-            following = self._waiting[0]
-            if following.key != group[0].key or tokens + following.tokens > self.max_tokens:
-                break
-            group.append(self._waiting.popleft())
-            tokens += following.tokens
+        """The batches of the next run, taken from those waiting: with `small_tokens`, small
+        first; else the oldest and those right behind it that fit (strictly in order, so a large
+        batch is never passed over for ever)."""
+        if self.small_tokens is None:
+            group = in_order_group(self._waiting, self.max_tokens)
+        else:
+            group = small_first_group(self._waiting, self.max_tokens, self.small_tokens, self.max_passes)
+        taken = set(group)
+        self._waiting = collections.deque(w for w in self._waiting if w not in taken)
         return group
 
     def _start_group(self, group: list[_Waiting]) -> tuple[list[_Waiting], Collect] | None:
@@ -169,3 +188,44 @@ class BatchCombiner:
                 waiting.done = True
         for waiting in group:
             waiting.woken.set()
+
+
+def small_first_group(waiting: Sequence[_Waiting], max_tokens: int, small_tokens: int, max_passes: int) -> list[_Waiting]:
+    """The next run's batches of `waiting` (oldest first; not empty): the batches of at most
+    `small_tokens` tokens, oldest first, then the others in order, as far as they fit `max_tokens`
+    (those of the first one's key); or, where none is small or some batch has been passed over
+    `max_passes` times, the oldest batch and those right behind it that fit. Counts a pass for
+    every batch left behind that came before one taken."""
+    small = [w for w in waiting if w.tokens <= small_tokens]
+    if not small or any(w.passes >= max_passes for w in waiting):
+        return in_order_group(waiting, max_tokens)
+    group, tokens = [small[0]], small[0].tokens  # taken even if larger than max_tokens: it runs alone
+    for candidate in small[1:]:
+        if candidate.key != small[0].key or tokens + candidate.tokens > max_tokens:
+            break  # in order: the next run takes it
+        group.append(candidate)
+        tokens += candidate.tokens
+    for following in waiting:  # the others, strictly in order, as far as they fit
+        if following.tokens <= small_tokens:
+            continue
+        if following.key != group[0].key or tokens + following.tokens > max_tokens:
+            break
+        group.append(following)
+        tokens += following.tokens
+    taken = set(group)  # _Waiting compares by identity
+    last_taken = max(position for position, w in enumerate(waiting) if w in taken)
+    for position, w in enumerate(waiting):
+        if position < last_taken and w not in taken:
+            w.passes += 1
+    return group
+
+
+def in_order_group(waiting: Sequence[_Waiting], max_tokens: int) -> list[_Waiting]:
+    """The oldest waiting batch and those right after it that fit beside it, of its key."""
+    group, tokens = [waiting[0]], waiting[0].tokens
+    for following in list(waiting)[1:]:
+        if following.key != group[0].key or tokens + following.tokens > max_tokens:
+            break
+        group.append(following)
+        tokens += following.tokens
+    return group

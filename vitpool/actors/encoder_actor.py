@@ -16,6 +16,7 @@ pool's callers hold handles.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -87,7 +88,17 @@ class EncoderActor:
         largest = self.encoder.budgets[-1].num_tokens
         max_tokens_per_run = min(largest, spec.max_tokens_per_run or largest)
         start = self._start_splitting if spec.overlap_runs else finished(self._run_splitting)
-        self._combiner = BatchCombiner(start, max_tokens_per_run)
+        self._combiner = BatchCombiner(start, max_tokens_per_run, spec.small_first_tokens)
+        # Small batches replay in the encoder's urgent lane, beside the run in flight, combined
+        # among themselves up to the lane's largest budget.
+        self._urgent_combiner: BatchCombiner | None = None
+        self._small_tokens = spec.small_first_tokens
+        if self.encoder.has_urgent_lane and self._small_tokens is not None:
+            urgent_start = functools.partial(self._start_splitting, urgent=True)
+            urgent_tokens = max(budget.num_tokens for budget in self.encoder.urgent_budgets)
+            self._urgent_combiner = BatchCombiner(
+                urgent_start if spec.overlap_runs else finished(urgent_start), urgent_tokens,
+            )
         self._channel = (
             ChannelServer(
                 self.run_batch, f"actor{actor_index}", self.encoder.device, spec.channel_spin_s,
@@ -149,7 +160,7 @@ class EncoderActor:
             # Checked here, once, before it can share a run: a plan that does not hold fails its own
             # batch only, and the encoder runs what passed without checking it again.
             checked = self.encoder.check_plan(plan, _tensors(plan.specs, pixels))
-            outcomes = self._combiner([checked], plan.num_tokens, output_device)[0]
+            outcomes = self._combiner_for(plan)([checked], plan.num_tokens, output_device)[0]
         finally:
             self._leave()
         errors = {i: o.reason for i, o in enumerate(outcomes) if isinstance(o, InvalidItemError)}
@@ -192,6 +203,16 @@ class EncoderActor:
         num_outputs = len(self.encoder.output_layout.row_shapes)
         return [torch.cat([outcome.outputs[k] for outcome in outcomes]) for k in range(num_outputs)]
 
+    def _combiner_for(self, plan: BatchPlan) -> BatchCombiner:
+        """The urgent lane's combiner for a small batch in one of its budgets, else the other."""
+        if (
+            self._urgent_combiner is not None
+            and plan.num_tokens <= self._small_tokens
+            and plan.budget in self.encoder.urgent_budgets
+        ):
+            return self._urgent_combiner
+        return self._combiner
+
     def stats(self) -> ActorStats:
         encoder_stats = self.encoder.stats()
         with self._lock:
@@ -201,8 +222,9 @@ class EncoderActor:
         stats.graph_items = encoder_stats.graph_items
         stats.eager_items = encoder_stats.eager_items
         stats.padding_waste = encoder_stats.padding_waste
-        stats.runs = self._combiner.counters.runs
-        stats.combined_batches = self._combiner.counters.combined_batches
+        combiners = [self._combiner] if self._urgent_combiner is None else [self._combiner, self._urgent_combiner]
+        stats.runs = sum(combiner.counters.runs for combiner in combiners)
+        stats.combined_batches = sum(combiner.counters.combined_batches for combiner in combiners)
         stats.uptime_seconds = time.monotonic() - self._started_at
         return stats
 
@@ -230,11 +252,12 @@ class EncoderActor:
                 self._stats.busy_seconds += time.monotonic() - self._busy_since
                 self._idle.notify_all()
 
-    def _start_splitting(self, groups: list[CheckedPlan], output_device: Hashable) -> Collect:
+    def _start_splitting(self, groups: list[CheckedPlan], output_device: Hashable, urgent: bool = False) -> Collect:
         """The encoder's `start_plans` (the combiner collects its result later); on running out of
-        GPU memory, the batches run split (`_split_after_oom`) before this returns."""
+        GPU memory, the batches run split (`_split_after_oom`, outside the urgent lane) before
+        this returns."""
         try:
-            return self.encoder.start_plans(groups, output_device).result
+            return self.encoder.start_plans(groups, output_device, urgent).result
         except torch.cuda.OutOfMemoryError:
             outcomes = self._split_after_oom(groups, output_device)
             return lambda: outcomes

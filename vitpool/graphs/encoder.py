@@ -81,6 +81,11 @@ class GraphEncoder:
             elementwise kernels. False: no compile (debugging, faster first start).
         compile_cache_dir: where compiled kernels are kept between starts, shared by the actors of
             a node. None: TORCHINDUCTOR_CACHE_DIR if set, else ~/.cache/vitpool/inductor.
+        urgent_tokens: on a GPU, for a one-path family, an urgent lane: a second copy of the
+            buffers and graphs of the budgets up to the smallest one of at least this many tokens,
+            replayed on a high-priority CUDA stream (`start_plans(..., urgent=True)`). The GPU
+            schedules an urgent batch's kernels ahead of the blocks of work queued before it, so
+            a small batch does not wait for the large runs in flight. None: no urgent lane.
 
     Attributes:
         budgets: the batch shapes, from the adapter's item rules.
@@ -103,11 +108,16 @@ class GraphEncoder:
         fused_ops: bool = True,
         compiled_blocks: bool = False,
         compile_cache_dir: str | Path | None = None,
+        urgent_tokens: int | None = None,
     ) -> None:
         self.device = resolve_device(device)
         for name, value in (("fused_ops", fused_ops), ("compiled_blocks", compiled_blocks)):
             if not isinstance(value, bool):
                 raise ConfigError(f"{name} must be True or False; got {value!r}")
+        if urgent_tokens is not None and (
+            isinstance(urgent_tokens, bool) or not isinstance(urgent_tokens, int) or urgent_tokens < 1
+        ):
+            raise ConfigError(f"urgent_tokens must be a positive number of tokens or None; got {urgent_tokens!r}")
         self.fused_ops = fused_ops
         self.compiled_blocks = compiled_blocks and self.device.type == "cuda"
         if self.compiled_blocks:
@@ -143,10 +153,29 @@ class GraphEncoder:
             for path, path_adapter in self._paths.items()
         }
         self._row_shapes = {path: tuple(path_adapter.row_shape) for path, path_adapter in self._paths.items()}
+        self._urgent: BatchRunner | None = None
+        self._urgent_stream: torch.cuda.Stream | None = None
+        self.urgent_budgets: frozenset[Budget] = frozenset()  # those of the urgent lane
         if self.device.type == "cuda":
             pool = torch.cuda.graph_pool_handle()  # one memory pool for every path's graphs: they replay in turn
             for path, runner in self._runners.items():
                 capture_all(runner, budgets_of[path], pool)
+            if urgent_tokens is not None and len(self._paths) == 1:
+                self._start_urgent_lane(urgent_tokens, budgets_of[""], fused_ops)
+
+    def _start_urgent_lane(self, urgent_tokens: int, budgets: list[Budget], fused_ops: bool) -> None:
+        """The urgent lane's runner, captured into a memory pool of its own: its graphs replay
+        while the others' do, so they cannot share intermediate memory."""
+        ordered = sorted(budgets)
+        cutoff = next((b.num_tokens for b in ordered if b.num_tokens >= urgent_tokens), ordered[-1].num_tokens)
+        urgent_budgets = [b for b in ordered if b.num_tokens <= cutoff]
+        self._urgent = BatchRunner(
+            self.adapter, urgent_budgets, self.device, self.dtype, self.attention, fused_ops, self.compiled_blocks,
+        )
+        # A priority below the range means the highest (lower numbers are higher priorities).
+        self._urgent_stream = torch.cuda.Stream(self.device, priority=-100)
+        self.urgent_budgets = frozenset(urgent_budgets)
+        capture_all(self._urgent, urgent_budgets, torch.cuda.graph_pool_handle())
 
     @classmethod
     def from_pretrained(
@@ -162,6 +191,7 @@ class GraphEncoder:
         fused_ops: bool = True,
         compiled_blocks: bool = False,
         compile_cache_dir: str | Path | None = None,
+        urgent_tokens: int | None = None,
     ) -> GraphEncoder:
         """Load a local Hugging Face checkpoint and capture its graphs.
 
@@ -170,7 +200,8 @@ class GraphEncoder:
                 (safetensors), or only a config (random weights). None: the tiny Qwen3-VL-shaped
                 model shipped with vitpool (random weights), so everything runs offline.
             budgets, max_items_per_batch, max_frames_per_batch, device, dtype, capacity_limits,
-                attention, fused_ops, compiled_blocks, compile_cache_dir: as for the constructor.
+                attention, fused_ops, compiled_blocks, compile_cache_dir, urgent_tokens: as for the
+                constructor.
 
         Raises:
             CheckpointError: the directory cannot be loaded (names the missing or unexpected keys).
@@ -181,7 +212,7 @@ class GraphEncoder:
         adapter = load_adapter(path, resolved_device, resolved_dtype)
         return cls(
             adapter, budgets, max_items_per_batch, max_frames_per_batch, resolved_device, resolved_dtype,
-            capacity_limits, attention, fused_ops, compiled_blocks, compile_cache_dir,
+            capacity_limits, attention, fused_ops, compiled_blocks, compile_cache_dir, urgent_tokens,
         )
 
     @classmethod
@@ -195,7 +226,7 @@ class GraphEncoder:
         return cls.from_pretrained(
             spec.model, budgets, spec.max_items_per_batch, spec.max_frames_per_batch,
             spec.device, dtype_from_name(spec.dtype), dict(spec.capacity_limits), spec.attention,
-            spec.fused_ops, spec.compiled_blocks, spec.compile_cache_dir,
+            spec.fused_ops, spec.compiled_blocks, spec.compile_cache_dir, spec.urgent_tokens,
         )
 
     # encode
@@ -306,12 +337,17 @@ class GraphEncoder:
         self,
         groups: Sequence[tuple[BatchPlan, Sequence[torch.Tensor]] | CheckedPlan],
         output_device: str | torch.device | None = "cpu",
+        urgent: bool = False,
     ) -> PlansInFlight:
         """`run_plans` in two halves: this one checks the plans and queues their work on the
         device, and returns without waiting for it; `PlansInFlight.result()` waits. A server that
         queues its next batches before it waits for these keeps the GPU busy while its host
         finishes one batch and prepares the next. A group that this encoder's `check_plan`
         returned (a `CheckedPlan`) is not checked again.
+
+        `urgent`: run in the urgent lane (see `urgent_tokens`) where the runs fit its budgets;
+        elsewhere, as any batch. Callers of the urgent lane run one launch at a time, as do those
+        of the other.
 
         Raises:
             ValueError: as for `run_plans`, before anything is queued.
@@ -321,7 +357,19 @@ class GraphEncoder:
         runs = self._merge_plans([plan for plan, _ in checked])
         batches: list[RunBatch] = [(budget, [m for i in indices for m in members[i]]) for budget, indices in runs]
         sizes = [[len(members[i]) for i in indices] for _, indices in runs]
+        if urgent and self._fits_urgent_lane(batches):
+            with torch.cuda.stream(self._urgent_stream):
+                launched = self._urgent.launch(batches, self._wants_host(output_device))
+            return PlansInFlight(launched, sizes)
         return PlansInFlight(self._launch(batches, output_device), sizes)
+
+    @property
+    def has_urgent_lane(self) -> bool:
+        """Whether this encoder has an urgent lane (`urgent_tokens`, on a GPU, one path)."""
+        return self._urgent is not None
+
+    def _fits_urgent_lane(self, batches: Sequence[RunBatch]) -> bool:
+        return self._urgent is not None and all(budget in self.urgent_budgets for budget, _ in batches)
 
     def check_plan(self, plan: BatchPlan, pixels: Sequence[torch.Tensor]) -> CheckedPlan:
         """Whether a batch planned elsewhere can run as given: its pixels shaped as their specs
@@ -349,7 +397,15 @@ class GraphEncoder:
         for runner in self._runners.values():
             with runner.lock:
                 snapshots.append(copy.deepcopy(runner.stats))
-        return snapshots[0] if len(snapshots) == 1 else EncoderStats.combined(snapshots)
+        if self._urgent is None:
+            return snapshots[0] if len(snapshots) == 1 else EncoderStats.combined(snapshots)
+        with self._urgent.lock:
+            urgent = copy.deepcopy(self._urgent.stats)
+        total = EncoderStats.combined([*snapshots, urgent])
+        # the urgent lane's budgets are copies of the others': list them once
+        total.captured_budgets = [b for s in snapshots for b in s.captured_budgets]
+        total.disabled_budgets = [b for s in snapshots for b in s.disabled_budgets]
+        return total
 
     def _runner(self, path: str) -> BatchRunner:
         runner = self._runners.get(path)

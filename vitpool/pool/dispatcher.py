@@ -18,7 +18,9 @@ fails its call, or, for a call made with `return_exceptions`, fills the item's s
 
 Items go out at once while some actor is idle; while every actor is busy they wait up to
 `batch_window_s` for others to share a batch, or until an actor frees a slot. A batch whose
-actor left the pool (retired or died) goes back to the queue and to another actor.
+actor left the pool (retired or died) goes back to the queue and to another actor. The items of
+small calls (`small_first_tokens`) go in batches of their own, which also have a lane of slots of
+their own at each actor, so they never wait here behind large batches (`vitpool.pool.policy`).
 
 Threads: callers submit and may dispatch in their own thread. Outcome callbacks (from Ray's
 threads, the channel's connection threads, or a caller carrying its own batch) only update
@@ -31,6 +33,7 @@ import collections
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,6 +73,7 @@ class _Flight:
     actor_index: int
     members: list[QueuedItem]
     cost: float
+    small_lane: bool = False  # in its actor's small lane (`vitpool.pool.policy`)
     sent_at: float = field(default_factory=time.monotonic)
 
 
@@ -127,6 +131,7 @@ class Dispatcher:
         self._thread_waits_untimed = False  # no flight's deadline armed in the dispatcher's thread
         self._registering = threading.local()  # set while _send adds a completion callback
         self._early_outcomes: list[tuple[_Flight, Any]] = []  # for the dispatcher's thread to finish
+        self._call_tokens: weakref.WeakKeyDictionary[Call, int] = weakref.WeakKeyDictionary()  # small first
         self.counters = DispatchCounters()
         self._thread = threading.Thread(target=self._run, name="vitpool-dispatcher", daemon=True)
         self._thread.start()
@@ -173,6 +178,7 @@ class Dispatcher:
                     raise TimeoutError(f"the pool's queue stayed full for {timeout_s} s")
                 self._room.wait(remaining)
             self.counters.calls += 1
+            self._call_tokens[call] = sum(item.spec.num_tokens for item in items)
             self._queue.push(items)
             exchanges: list[InlineExchange] | None = [] if inline else None
             if self._policy.has_idle_actor(self._loads()):
@@ -264,37 +270,55 @@ class Dispatcher:
     def _loads(self) -> dict[int, ActorLoad]:
         return {index: slot.load for index, slot in self._actors.items()}
 
-    def _dispatch(self, exchanges: list | None = None) -> None:
-        """Send as much of the queue as the actors have room for. Batches this thread can carry
-        itself go to `exchanges`, if it gives a list; else the links carry them."""
+    def _is_small_call(self, call: Call) -> bool:
+        tokens = self._call_tokens.get(call)
+        return tokens is not None and self._policy.small_tokens is not None and tokens <= self._policy.small_tokens
+
+    def _has_room(self, loads: dict[int, ActorLoad]) -> bool:
+        return self._policy.free_slots(loads) > 0 or self._policy.free_small_slots(loads) > 0
+
+    def _dispatch(self, exchanges: list | None = None) -> int:
+        """Send as much of the queue as the actors have room for; returns how many batches went.
+        Batches this thread can carry itself go to `exchanges`, if it gives a list; else the links
+        carry them."""
+        sent = 0
         while self._queue:
-            free_slots = self._policy.free_slots(self._loads())
-            if free_slots <= 0:
-                return
-            taken = self._queue.take(*self._policy.room(free_slots))  # drops items of calls that are over
-            batches = self._policy.plan([item.spec for item in taken])
-            for number, batch in enumerate(batches):
-                actor_index = self._policy.choose_actor(self._loads())
-                if actor_index is None:
-                    # No room after all: put the rest back at the front, in queue order.
-                    rest = sorted(i for b in batches[number:] for i in b.item_indices)
-                    self._queue.push([taken[i] for i in rest], front=True)
-                    return
+            loads = self._loads()
+            free_slots, free_small_slots = self._policy.free_slots(loads), self._policy.free_small_slots(loads)
+            if free_slots <= 0 and free_small_slots <= 0:
+                break
+            taken = self._queue.take(*self._policy.room(free_slots, free_small_slots))  # drops items of calls that are over
+            left: list[int] = []
+            small = [self._is_small_call(item.call) for item in taken]
+            for batch in self._policy.plan([item.spec for item in taken], small):
+                is_small = self._policy.is_small(batch, small)
+                actor_index = self._policy.choose_actor(self._loads(), is_small)
+                if actor_index is None:  # no room for it: it waits (a later, small batch may go)
+                    left.extend(batch.item_indices)
+                    continue
                 members = [taken[i] for i in batch.item_indices]
+                small_lane = self._policy.takes_in_small_lane(self._actors[actor_index].load, is_small)
                 self._send(actor_index, BatchPlan(batch.budget, tuple(m.spec for m in members)), members,
-                           self._policy.cost(batch), exchanges)
+                           self._policy.cost(batch), exchanges, small_lane)
+                sent += 1
+            if left:  # back at the front, in queue order
+                self._queue.push([taken[i] for i in sorted(left)], front=True)
+                break
+        return sent
 
     def _send(
-        self, actor_index: int, plan: BatchPlan, members: list[QueuedItem], cost: float, exchanges: list | None
+        self, actor_index: int, plan: BatchPlan, members: list[QueuedItem], cost: float, exchanges: list | None,
+        small_lane: bool = False,
     ) -> None:
         slot = self._actors[actor_index]
         slot.load.in_flight += 1
+        slot.load.small_in_flight += small_lane
         slot.load.outstanding_cost += cost
         self.counters.batches += 1
         if self._thread_waits_untimed:  # the dispatcher's thread must watch this batch's deadline
             self._thread_waits_untimed = False
             self._wake.notify_all()
-        flight = _Flight(actor_index, members, cost)
+        flight = _Flight(actor_index, members, cost, small_lane)
         self._flights.add(flight)
         pixels = [m.pixels for m in members]
 
@@ -332,8 +356,7 @@ class Dispatcher:
         failed_before = self.counters.failed_calls
         slot = self._actors.get(index)
         if slot is not None:
-            slot.load.in_flight -= 1
-            slot.load.outstanding_cost -= flight.cost
+            _release(slot.load, flight)
         if isinstance(outcome, Done) and outcome.receipt.status == OK:
             self._complete(flight, outcome)
         elif isinstance(outcome, Refused):
@@ -416,8 +439,7 @@ class Dispatcher:
                 self.counters.timed_out_batches += 1
                 slot = self._actors.get(flight.actor_index)
                 if slot is not None:
-                    slot.load.in_flight -= 1
-                    slot.load.outstanding_cost -= flight.cost
+                    _release(slot.load, flight)
                 why = f"encoder actor {flight.actor_index} did not answer a batch within {self._batch_timeout_s} s"
                 self._actor_failed(flight.actor_index, why)
                 self._requeue(flight, why)
@@ -478,21 +500,35 @@ class Dispatcher:
                     self._finish_locked(*self._early_outcomes.pop(0))
                 timeout = self._check_timeouts()
                 loads = self._loads()
-                if self._queue and self._policy.free_slots(loads) > 0:
+                if self._queue and self._has_room(loads):
                     waited = time.monotonic() - self._queue.oldest().enqueued_at
                     if self._policy.has_idle_actor(loads) or waited >= self._window_s or self._slot_freed:
                         self._slot_freed = False
                         try:
-                            self._dispatch()
+                            sent = self._dispatch()
                         except Exception:
                             logger.exception("dispatch failed")
                             self._fail_queue("dispatch failed; see the log")
-                        continue
-                    window_left = self._window_s - waited
-                    timeout = window_left if timeout is None else min(timeout, window_left)
+                            continue
+                        if sent:
+                            continue
+                        # Room only in a lane that nothing queued fits: wait for an answer or a call.
+                    else:
+                        window_left = self._window_s - waited
+                        timeout = window_left if timeout is None else min(timeout, window_left)
                 self._thread_waits_untimed = timeout is None
                 self._wake.wait(timeout)
 
 
+def _release(load: ActorLoad, flight: _Flight) -> None:
+    """A flight's slot and cost are free again (it was answered, or given up)."""
+    load.in_flight -= 1
+    load.small_in_flight -= flight.small_lane
+    load.outstanding_cost -= flight.cost
+
+
 def _policy(budgets: list[Budget], settings: PoolSettings) -> DispatchPolicy:
-    return DispatchPolicy(tuple(budgets), settings.max_batches_in_flight_per_actor, settings.max_tokens_per_run)
+    return DispatchPolicy(
+        tuple(budgets), settings.max_batches_in_flight_per_actor, settings.max_tokens_per_run,
+        settings.small_first_tokens,
+    )
