@@ -26,22 +26,47 @@ class Placement:
 
 
 def join_ray(address: str | None) -> bool:
-    """Connect this process to Ray. Returns True if this call did it (the pool disconnects, or
+    """Connect this process to Ray, to the cluster `ray.init()` would join: `address`, else
+    RAY_ADDRESS, else the cluster last started on this machine with `ray start` while it still
+    runs, else a new local cluster. Returns True if this call connected (the pool disconnects, or
     stops the local cluster it started, on shutdown); False if Ray was already initialised.
 
-    `address` (or RAY_ADDRESS) names an existing cluster. Without one a local cluster starts with
-    address="local", never "auto": a stale /tmp/ray address file makes "auto" hang.
+    Unlike `ray.init()`, an address file left by a cluster that no longer runs is not followed
+    (Ray would wait on it, then fail): a local cluster starts instead, with a warning.
     """
     if ray.is_initialized():
         return False
-    address = address or os.environ.get("RAY_ADDRESS")
-    if address:
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address and address != "local":
         logger.info("connecting to the Ray cluster at %s", address)
         ray.init(address=address)
+    elif address is None and (local := running_local_cluster()):
+        logger.info("connecting to the Ray cluster started on this machine at %s", local)
+        ray.init()  # Ray's own lookup (and its local credentials), now known not to be stale
     else:
-        logger.info("starting a local Ray cluster for the pool")
+        logger.info("starting a local Ray cluster for the pool (no running cluster found: `ray start --head` starts one)")
         ray.init(address="local")
     return True
+
+
+def running_local_cluster() -> str | None:
+    """The address of the cluster last started on this machine with `ray start`, if its GCS
+    still runs; None if there is none (Ray's own lookup, minus its stale-file hang)."""
+    try:
+        from ray._private import services, utils
+
+        address = utils.read_ray_address()
+        if not address:
+            return None
+        running = services.find_gcs_addresses()
+    except Exception as error:  # noqa: BLE001 - Ray's private helpers moved: behave as without a cluster
+        logger.debug("could not look for a running local Ray cluster: %s", error)
+        return None
+    port = address.rsplit(":", 1)[-1]
+    if any(str(candidate).rsplit(":", 1)[-1] == port for candidate in running):
+        return address
+    logger.warning("Ray's address file names %s, but no Ray cluster runs there: it is ignored", address)
+    return None
 
 
 def cluster_gpus() -> float:

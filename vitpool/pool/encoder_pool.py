@@ -43,11 +43,14 @@ from vitpool.pool.rank_delivery import RDT_TRANSPORTS, RankDelivery, choose_tran
 from vitpool.pool.settings import PoolSettings
 from vitpool.pool.start_errors import start_failure
 from vitpool.pool.stats import PoolStats, percentile, recent_rate
+from vitpool.specs import ItemRules
 from vitpool.transport.link import ActorLink
 from vitpool.transport.links import make_link
 from vitpool.transport.wire import to_array
 
 logger = logging.getLogger(__name__)
+
+CONTROLLER_PROBE_S = 5.0  # how long a failed call waits to learn whether the controller is gone
 
 
 class EncoderPool:
@@ -120,7 +123,8 @@ class EncoderPool:
                 their number), on the share of the bundle's GPU that `actor_options["num_gpus"]`
                 sets (required; the bundle must have it free). `num_cpus` defaults to 0 here.
             **settings: any field of `vitpool.pool.settings.PoolSettings` (dtype, batch_window_s,
-                max_batches_in_flight_per_actor, max_items_per_batch, ...).
+                max_batches_in_flight_per_actor, max_items_per_batch, ...); `detached=True` for a
+                pool that outlives this process (a service: stopped by any handle's `shutdown()`).
 
         Raises:
             ConfigError: bad settings, or a pool with this name already runs; device="cuda" for
@@ -140,7 +144,9 @@ class EncoderPool:
 
     @classmethod
     def connect(cls, name: str = "vitpool", address: str | None = None, timeout_s: float = 60.0) -> EncoderPool:
-        """A handle to a running pool, from any process or Ray actor in its cluster.
+        """A handle to a running pool, from any process or Ray actor in its cluster. Pools live in
+        the Ray namespace "vitpool", whatever the caller's own, so the name is all it takes; the
+        cluster is the one `launch` would join (`address`, RAY_ADDRESS, a running `ray start`).
 
         Raises:
             PoolUnavailableError: no pool of this name runs (or none of its actors is ready
@@ -195,6 +201,8 @@ class EncoderPool:
                 results = call.future.result(timeout_s)
             except concurrent.futures.TimeoutError:
                 raise self._timed_out(call, timeout_s) from None
+            except PoolUnavailableError as error:
+                raise self._explained(error) from None
             refs = _refs_among(results)
             if refs:  # none when every batch took the same-node channel; ray.get costs even then
                 try:
@@ -230,6 +238,8 @@ class EncoderPool:
                 results = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(call.future)), timeout_s)
             except asyncio.TimeoutError:
                 raise self._timed_out(call, timeout_s) from None
+            except PoolUnavailableError as error:
+                raise await asyncio.to_thread(self._explained, error) from None
             refs = _refs_among(results)
             values = await asyncio.gather(*refs.values(), return_exceptions=return_exceptions)
             values = [
@@ -276,6 +286,8 @@ class EncoderPool:
                 results = call.future.result(timeout_s)
             except concurrent.futures.TimeoutError:
                 raise self._timed_out(call, timeout_s) from None
+            except PoolUnavailableError as error:
+                raise self._explained(error) from None
             # an item of several inputs: its parts' embeddings fetched, joined here and put as one (a
             # copy through this process, which references to single-input items do not make)
             results = [
@@ -416,6 +428,12 @@ class EncoderPool:
         return self._settings
 
     @property
+    def item_rules(self) -> ItemRules:
+        """What the pool's model takes (`vitpool.specs.ItemRules`): its pixel row shape, output
+        shapes, and the check each item passes in the caller's process."""
+        return self._rules
+
+    @property
     def num_actors(self) -> int:
         """Encoder actors taking work, as this handle last saw.
 
@@ -500,27 +518,33 @@ class EncoderPool:
         self._close("close()")
 
     def shutdown(self) -> None:
-        """Stop what this handle started: the pool's actors if it launched them, and the Ray
-        cluster (or connection) if it started it. A handle from `connect` only detaches. Shutting
-        down again does nothing."""
-        self._close("shutdown()")
-        if self._stopped:
-            return
-        self._stopped = True
-        if not ray.is_initialized():
-            return  # whatever Ray held went with it; a Ray call here would start a new instance
-        if self._owns_pool:
-            stop_controller(self._controller)
-            logger.info("pool %r stopped", self.name)
-        if self._owns_ray:
-            ray.shutdown()
+        """Stop the pool if this handle launched it or the pool is detached (from any handle:
+        that is how a service is stopped), and the Ray cluster (or connection) if this handle
+        started it. A handle from `connect` to a pool that another process launched, not
+        detached, only detaches (that pool stops with its launcher). Shutting down again does
+        nothing."""
+        self._shutdown(stop_pool=self._owns_pool or self._settings.detached)
 
     def __enter__(self) -> EncoderPool:
         self._check_usable()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self.shutdown()
+        # Leaving a `with` block never stops a detached pool, whoever launched it.
+        self._shutdown(stop_pool=self._owns_pool and not self._settings.detached)
+
+    def _shutdown(self, stop_pool: bool) -> None:
+        self._close("shutdown()")
+        if self._stopped:
+            return
+        self._stopped = True
+        if not ray.is_initialized():
+            return  # whatever Ray held went with it; a Ray call here would start a new instance
+        if stop_pool:
+            stop_controller(self._controller)
+            logger.info("pool %r stopped", self.name)
+        if self._owns_ray:
+            ray.shutdown()
 
     # usability
 
@@ -556,6 +580,16 @@ class EncoderPool:
         if reason is not None:
             raise PoolUnavailableError(reason)
 
+    def _explained(self, error: PoolUnavailableError) -> PoolUnavailableError:
+        """A call found no actor left: where the pool's controller is gone too (its launcher
+        ended, which the watcher may not have heard yet: the actors die first), say that."""
+        if self._lost is None and not self._closed.is_set() and ray.is_initialized():
+            try:
+                ray.get(self._controller.version.remote(), timeout=CONTROLLER_PROBE_S)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as gone:
+                return self._orphaned(gone)
+        return error
+
     def _orphaned(self, error: BaseException) -> PoolUnavailableError:
         """A call to the controller found it gone: the handle is unusable from now on."""
         self._controller_lost(error)
@@ -587,7 +621,7 @@ class EncoderPool:
             self._lost = (
                 f"pool {self.name!r}: its controller is gone (the process that launched the pool ended "
                 "or shut it down, or the controller was killed), and its encoder actors with it; launch "
-                "the pool again"
+                "the pool again (with detached=True, or `vitpool serve`, it outlives its launcher)"
             )
         else:
             self._lost = (

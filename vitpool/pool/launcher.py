@@ -24,6 +24,7 @@ from vitpool.pool.cluster import (
     default_threads,
     free_resources,
     join_ray,
+    running_local_cluster,
 )
 from vitpool.pool.controller import MAX_WATCHING_HANDLES, NAMESPACE, WATCH_GROUP, Membership, PoolController
 from vitpool.pool.preflight import (
@@ -61,8 +62,13 @@ def launch_pool(
     if num_actors is not None and (isinstance(num_actors, bool) or not isinstance(num_actors, int) or num_actors < 1):
         raise ConfigError(f"num_actors must be a positive integer or None; got {num_actors!r}")
     joins_a_cluster = address not in (None, "local") or (
-        address is None and bool(os.environ.get("RAY_ADDRESS"))
+        address is None and bool(os.environ.get("RAY_ADDRESS") or running_local_cluster())
     )
+    if settings.detached and not ray.is_initialized() and not joins_a_cluster:
+        raise ConfigError(
+            "a detached pool outlives this process, so it needs a Ray cluster that does: start one with "
+            "`ray start --head` (launch and `vitpool serve` then join it), or pass address=..."
+        )
     settings = dataclasses.replace(settings, model=checked_model_directory(settings.model, joins_a_cluster))
     owns_ray = join_ray(address)
     controller = None
@@ -82,9 +88,12 @@ def launch_pool(
         check_family(settings.model, family_modules_for_actors(options))
         threads = settings.actor_threads or default_threads(options, num_actors)
         try:
+            lifetime = {"lifetime": "detached"} if settings.detached else {}
             controller = (
                 ray.remote(concurrency_groups={WATCH_GROUP: MAX_WATCHING_HANDLES})(PoolController)
-                .options(name=name, namespace=NAMESPACE, num_cpus=0, max_concurrency=CONTROLLER_CONCURRENCY)
+                .options(
+                    name=name, namespace=NAMESPACE, num_cpus=0, max_concurrency=CONTROLLER_CONCURRENCY, **lifetime
+                )
                 .remote(name, settings, options, threads, placement)
             )
             ray.get(controller.version.remote())
@@ -95,8 +104,9 @@ def launch_pool(
                 f"EncoderPool.connect({name!r}) or launch with another name"
             ) from None
         logger.info(
-            "launching pool %r: %s (%s), model %s",
-            name, counted(num_actors, "encoder actor"), options, settings.model or "shipped tiny Qwen3-VL",
+            "launching %spool %r: %s (%s), model %s",
+            "detached " if settings.detached else "", name, counted(num_actors, "encoder actor"), options,
+            settings.model or "shipped tiny Qwen3-VL",
         )
         started, _ = ray.get(controller.scale.remote(num_actors))
         failures = await_started(controller, started, settings.startup_timeout_s)
@@ -113,14 +123,20 @@ def launch_pool(
 
 def find_pool(name: str, address: str | None, timeout_s: float) -> tuple[Any, bool, Membership]:
     """A running pool's controller, whether this joined Ray, and its membership once an actor is
-    ready. Raises PoolUnavailableError when there is no such pool or no ready actor in time."""
+    ready. Raises PoolUnavailableError when there is no such pool or no ready actor in time, or
+    no cluster to look in (a private one started here could hold no pool)."""
+    if not ray.is_initialized() and not address and not os.environ.get("RAY_ADDRESS") and not running_local_cluster():
+        raise PoolUnavailableError(
+            f"no pool named {name!r}: no Ray cluster runs on this machine to look in; pass address= (or set "
+            "RAY_ADDRESS) for a cluster elsewhere"
+        )
     owns_ray = join_ray(address)
     try:
         try:
             controller = ray.get_actor(name, namespace=NAMESPACE)
         except ValueError:
             raise PoolUnavailableError(
-                f"no pool named {name!r} runs in this Ray cluster; start one with EncoderPool.launch"
+                f"no pool named {name!r} runs in this Ray cluster; start one with EncoderPool.launch or `vitpool serve`"
             ) from None
         deadline = time.monotonic() + timeout_s
         membership = ray.get(controller.membership.remote(), timeout=timeout_s)

@@ -45,6 +45,11 @@ class PoolSettings:
         actor_threads: torch CPU threads per actor; None: all of the actor's share of the
             node's CPUs on a CPU actor, up to 4 on a GPU actor (host-side work only).
         startup_timeout_s: how long launch and scale wait for actors to load and capture.
+        detached: the pool outlives the process that launched it (its controller is a detached
+            Ray actor, and its encoder actors are the controller's); it runs until a handle's
+            `shutdown()` (any handle's, or `vitpool stop`). It needs a Ray cluster that outlives
+            the launching process (`ray start --head`, or `address=`). False: the pool stops
+            when the launching process ends.
         retire_timeout_s: how long a removed actor may take to finish its batches.
         max_attempts_per_item: how often an item is sent again after its actor left or died.
         batch_timeout_s: a batch unanswered for this long counts as failed: its items go to
@@ -111,6 +116,7 @@ class PoolSettings:
     batch_window_s: float = 0.002
     actor_threads: int | None = None
     startup_timeout_s: float = 900.0
+    detached: bool = False
     retire_timeout_s: float = 120.0
     max_attempts_per_item: int = 3
     batch_timeout_s: float = 300.0
@@ -148,7 +154,7 @@ class PoolSettings:
             object.__setattr__(self, "dtype", name)
         if self.attention not in ATTENTION_CHOICES:
             raise ConfigError(f"attention {self.attention!r}: use one of {ATTENTION_CHOICES}")
-        for name in ("fused_ops", "compiled_blocks", "overlap_runs", "small_first_stream"):
+        for name in ("fused_ops", "compiled_blocks", "overlap_runs", "small_first_stream", "detached"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False; got {getattr(self, name)!r}")
         if self.compile_cache_dir is not None:

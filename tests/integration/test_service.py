@@ -1,0 +1,219 @@
+"""The pool as a cluster service, end to end on one machine: a Ray cluster started with
+`ray start --head` (as a user would), a detached pool launched by a process that then exits,
+other processes that find the cluster and the pool without an address, encode, and stop it; the
+`vitpool` command line, its progress and its one-line errors.
+
+Every pool here lives in its own processes, so the test process runs none of Ray itself.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from vitpool.pool.cluster import running_local_cluster
+from vitpool.transport.segments import SEGMENT_PREFIX, shm_directory
+
+# one auth mode for the head and every client; no RAY_ADDRESS, so that clients find the head as
+# ray.init() does (the address file `ray start` writes)
+ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": "", "PYTHONUNBUFFERED": "1"}
+RAY_TEMP = Path("/tmp/ray")
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _processes_of(session: str) -> list[int]:
+    """Pids of the processes whose command line names the Ray session (every process of it does)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if session in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    """A one-node cluster started by `ray start --head`; stopped (its processes only, not other
+    Ray instances on the machine) and its address file removed afterwards."""
+    port = _free_port()
+    head = subprocess.Popen(
+        [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={port}", "--num-cpus=6",
+         "--num-gpus=0", "--disable-usage-stats", "--include-dashboard=false", "--block"],
+        env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 90
+    while not (running_local_cluster() or "").endswith(f":{port}"):
+        assert head.poll() is None, "ray start --head exited"
+        assert time.monotonic() < deadline, "ray start --head did not come up in 90 s"
+        time.sleep(0.5)
+    session = (RAY_TEMP / "session_latest").resolve().name
+    yield port
+    head.send_signal(signal.SIGTERM)
+    try:
+        head.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        head.kill()
+    for pid in _processes_of(session):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    address_file = RAY_TEMP / "ray_current_cluster"
+    if address_file.exists() and address_file.read_text().strip().endswith(f":{port}"):
+        address_file.unlink()
+
+
+def run_python(code: str, *args: str, timeout_s: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code, *args], env=ENV, capture_output=True, text=True,
+                          timeout=timeout_s, check=False)
+
+
+def vitpool(*args: str, timeout_s: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "vitpool", *args], env=ENV, capture_output=True, text=True,
+                          timeout=timeout_s, check=False)
+
+
+def segments() -> set[str]:
+    return {name for name in os.listdir(shm_directory()) if name.startswith(SEGMENT_PREFIX)}
+
+
+LAUNCH_DETACHED = """
+import sys, ray
+from vitpool import EncoderPool
+pool = EncoderPool.launch(budgets=[16, 64], device="cpu", actor_options={"num_gpus": 0}, name=sys.argv[1],
+                          detached=True, num_actors=2)
+print("gcs", ray.get_runtime_context().gcs_address)
+print("actors", pool.num_actors)
+# exits without shutdown: the pool is detached
+"""
+
+USE_AND_STOP = """
+import sys, torch
+from vitpool import EncoderPool, GraphEncoder, Image, Video
+pool = EncoderPool.connect(sys.argv[1])
+generator = torch.Generator().manual_seed(3)
+items = [Image(torch.randn(16, 1536, generator=generator), (1, 4, 4)),
+         Video(torch.randn(32, 1536, generator=generator), (2, 4, 4)),
+         Image(torch.randn(64, 1536, generator=generator), (1, 8, 8))]
+reference = GraphEncoder.from_pretrained(None, budgets=[16, 64], device="cpu", dtype=torch.float32)
+for got, want in zip(pool.encode(items), reference.encode(items), strict=True):
+    for g, w in zip(got.outputs, want.outputs, strict=True):
+        assert torch.allclose(g, w, rtol=1e-5, atol=1e-5), float((g - w).abs().max())
+print("equal", len(items))
+pool.shutdown()
+print("stopped")
+"""
+
+POOL_ACTORS = """
+import sys, time, ray
+ray.init()
+deadline = time.monotonic() + 60
+while True:
+    names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(sys.argv[1]))
+    if not names or time.monotonic() > deadline:
+        break
+    time.sleep(0.5)
+print("left", names)
+"""
+
+
+def test_a_detached_pool_outlives_its_launcher_and_another_process_stops_it(ray_head):
+    before = segments()
+    launched = run_python(LAUNCH_DETACHED, "svc-detached")
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    # the launcher found the running cluster (no address given) and has exited
+    assert f"gcs {running_local_cluster()}" in launched.stdout or f":{ray_head}" in launched.stdout
+    assert "actors 2" in launched.stdout
+    used = run_python(USE_AND_STOP, "svc-detached")
+    assert used.returncode == 0, used.stderr[-3000:]
+    assert "equal 3" in used.stdout and "stopped" in used.stdout
+    left = run_python(POOL_ACTORS, "svc-detached")
+    assert left.returncode == 0, left.stderr[-3000:]
+    assert "left []" in left.stdout  # controller, encoder actors: none left
+    assert segments() == before  # the callers unlinked their shared memory
+    gone = run_python("import sys\nfrom vitpool import EncoderPool\nEncoderPool.connect('svc-detached')")
+    assert gone.returncode != 0 and "no pool named 'svc-detached'" in gone.stderr
+
+
+def test_the_command_line_serves_scales_benches_and_stops_a_pool(ray_head):
+    assert shutil.which("vitpool") is not None  # the console script, besides `python -m vitpool`
+    name = "svc-cli"
+    served = vitpool("serve", "--device", "cpu", "--num-actors", "1", "--budgets", "16,64", "--name", name)
+    assert served.returncode == 0, served.stderr[-3000:]
+    assert f"pool {name!r} serving with 1 encoder actor" in served.stdout
+    assert "encoder actor 0 ready" in served.stderr  # progress is shown without configuring logging
+
+    status = vitpool("status", "--name", name)
+    assert status.returncode == 0, status.stderr[-3000:]
+    lines = status.stdout.splitlines()
+    assert lines[0].startswith("| actor | device | batches | items |")
+    assert lines[2].startswith("| 0 | cpu") and "CPU: no graphs" in lines[2]
+
+    scaled = vitpool("scale", "2", "--name", name)
+    assert scaled.returncode == 0, scaled.stderr[-3000:]
+    assert "1 -> 2 encoder actors" in scaled.stdout
+
+    bench = subprocess.run(["vitpool", "bench", "--name", name, "--calls", "5", "--warmup", "1", "--threads", "2",
+                            "--seconds", "1"], env=ENV, capture_output=True, text=True, timeout=240, check=False)
+    assert bench.returncode == 0, bench.stderr[-3000:]
+    row = bench.stdout.splitlines()[-1].split("|")
+    assert row[1].strip() == name and row[2].strip() == "2" and float(row[5]) > 0
+
+    # mistakes: one line on stderr, exit status 1, no traceback
+    for args, wanted in [
+        (("serve", "--device", "cpu", "--num-actors", "1", "--name", name), "already running"),
+        (("status", "--name", "nobody"), "no pool named 'nobody'"),
+        (("scale", "0", "--name", name), "num_actors must be a positive integer"),
+    ]:
+        failed = vitpool(*args, "--quiet")
+        assert failed.returncode == 1, (args, failed.stdout, failed.stderr[-2000:])
+        errors = [line for line in failed.stderr.splitlines() if line.startswith("vitpool ")]
+        assert len(errors) == 1 and wanted in errors[0], failed.stderr[-2000:]
+        assert "Traceback" not in failed.stderr
+
+    stopped = vitpool("stop", "--name", name)
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    assert f"pool {name!r} stopped" in stopped.stdout
+    after = vitpool("status", "--name", name, "--quiet")
+    assert after.returncode == 1 and f"no pool named {name!r}" in after.stderr
+
+
+WITHOUT_A_CLUSTER = """
+import vitpool.pool.launcher as launcher
+from vitpool import ConfigError, EncoderPool, PoolUnavailableError
+launcher.running_local_cluster = lambda: None  # as on a machine where no `ray start` cluster runs
+try:
+    EncoderPool.connect("anything")
+except PoolUnavailableError as error:
+    print("connect:", error)
+try:
+    EncoderPool.launch(device="cpu", actor_options={"num_gpus": 0}, detached=True)
+except ConfigError as error:
+    print("launch:", error)
+import ray
+print("ray initialised:", ray.is_initialized())
+"""
+
+
+def test_without_a_cluster_connect_and_a_detached_launch_say_so_and_start_nothing():
+    done = run_python(WITHOUT_A_CLUSTER)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "connect: no pool named 'anything': no Ray cluster runs on this machine" in done.stdout
+    assert "launch: a detached pool outlives this process" in done.stdout
+    assert "ray initialised: False" in done.stdout
