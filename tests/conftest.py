@@ -80,7 +80,8 @@ def ray_cluster():
     import ray
 
     os.environ["RAY_AUTH_MODE"] = "disabled"  # Ray 2.60 turns on token auth for new local clusters
-    ray.init(num_gpus=2, num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # address="local": a cluster started with `ray start` on this machine is not this module's
+    ray.init(address="local", num_gpus=2, num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

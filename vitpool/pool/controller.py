@@ -20,6 +20,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from vitpool.actors.reports import ActorInfo
 from vitpool.pool.cluster import Placement
 from vitpool.pool.embedding_cache import start_cache_actor
+from vitpool.pool.metrics import PoolMetrics
 from vitpool.pool.settings import PoolSettings
 from vitpool.pool.start_errors import one_line, start_error
 
@@ -80,6 +81,11 @@ class PoolController:
         self._changed = threading.Condition(self._lock)
         # created here, so it shares the controller's lifetime (and the pool's), not a caller's
         self._cache = start_cache_actor(settings.embedding_cache_bytes) if settings.embedding_cache_bytes else None
+        self._metrics = (
+            PoolMetrics(name, lambda: self.membership().actors, lambda: (self._failures, self._restarts),
+                        settings.metrics_interval_s)
+            if settings.metrics_interval_s is not None else None
+        )
 
     def settings(self) -> PoolSettings:
         return self._settings
@@ -210,6 +216,8 @@ class PoolController:
 
     def shutdown(self) -> int:
         """Kill every encoder actor; returns how many there were."""
+        if self._metrics is not None:
+            self._metrics.close()
         with self._lock:
             members, self._members = self._members, {}
             self._bump()

@@ -82,7 +82,9 @@ class DispatchCounters:
     """What this process's dispatcher has seen."""
 
     calls: int = 0
+    completed_calls: int = 0
     items: int = 0
+    tokens: int = 0  # output tokens of the items encoded
     batches: int = 0
     channel_batches: int = 0  # answered through the same-node channel rather than a Ray call
     requeued_items: int = 0
@@ -391,11 +393,13 @@ class Dispatcher:
             else:
                 self._item_done(member.call, member.index, outcome.values[position], member.part)
         self.counters.items += len(flight.members)
+        self.counters.tokens += sum(member.spec.num_tokens for member in flight.members)
 
     def _item_done(self, call: Call, index: int, value: object, part: int = 0) -> None:
         """Record one item's outcome (a result, or an error for a call that returns them)."""
         if call.complete_item(index, value, part):
             now = time.monotonic()
+            self.counters.completed_calls += 1
             self.counters.latencies_s.append(now - call.submitted_at)
             self.counters.completions.append((now, len(call.results)))
 

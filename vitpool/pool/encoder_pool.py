@@ -39,6 +39,7 @@ from vitpool.pool.embedding_cache import CacheAnswer, CacheClient
 from vitpool.pool.item_checks import checked_items, each_checked
 from vitpool.pool.launcher import find_pool, launch_pool, scale_pool, stop_controller
 from vitpool.pool.membership import MembershipWatcher
+from vitpool.pool.metrics import CallerMetrics
 from vitpool.pool.rank_delivery import RDT_TRANSPORTS, RankDelivery, choose_transport
 from vitpool.pool.settings import PoolSettings
 from vitpool.pool.start_errors import start_failure
@@ -90,6 +91,8 @@ class EncoderPool:
             CacheClient(membership.cache, self._settings.model, _dtype_name(membership))
             if membership.cache is not None else None
         )
+        interval = self._settings.metrics_interval_s
+        self._metrics = CallerMetrics(name, self._dispatcher, interval) if interval is not None else None
 
     # launch and connect
 
@@ -557,6 +560,8 @@ class EncoderPool:
         self._dispatcher.close(self._unusable_reason())
         if self._cache is not None:
             self._cache.close()
+        if self._metrics is not None:
+            self._metrics.close()
 
     def _unusable_reason(self) -> str | None:
         """Why this handle cannot be used, or None."""

@@ -45,6 +45,9 @@ class PoolSettings:
         actor_threads: torch CPU threads per actor; None: all of the actor's share of the
             node's CPUs on a CPU actor, up to 4 on a GPU actor (host-side work only).
         startup_timeout_s: how long launch and scale wait for actors to load and capture.
+        metrics_interval_s: how often the pool's counters are recorded as Ray metrics (exported
+            on each node's Prometheus endpoint; `vitpool.pool.metrics` lists them): by a thread of
+            each handle and one of the controller, never on a call's path. None: no metrics.
         detached: the pool outlives the process that launched it (its controller is a detached
             Ray actor, and its encoder actors are the controller's); it runs until a handle's
             `shutdown()` (any handle's, or `vitpool stop`). It needs a Ray cluster that outlives
@@ -117,6 +120,7 @@ class PoolSettings:
     actor_threads: int | None = None
     startup_timeout_s: float = 900.0
     detached: bool = False
+    metrics_interval_s: float | None = 5.0
     retire_timeout_s: float = 120.0
     max_attempts_per_item: int = 3
     batch_timeout_s: float = 300.0
@@ -187,6 +191,8 @@ class PoolSettings:
             raise ConfigError(f"same_node_channel must be True or False; got {self.same_node_channel!r}")
         _non_negative_seconds("batch_window_s", self.batch_window_s)
         _non_negative_seconds("startup_timeout_s", self.startup_timeout_s, positive=True)
+        if self.metrics_interval_s is not None:
+            _non_negative_seconds("metrics_interval_s", self.metrics_interval_s, positive=True)
         _non_negative_seconds("retire_timeout_s", self.retire_timeout_s, positive=True)
 
 

@@ -1,0 +1,182 @@
+"""The pool's metrics, through Ray's own (`ray.util.metrics`): each node's Ray metrics agent
+exports them on its Prometheus endpoint (`ray start --metrics-export-port`, with `ray[default]`
+installed), named `ray_vitpool_...`, with Ray's own labels and these:
+
+| metric | kind | labels | what |
+|---|---|---|---|
+| `vitpool_calls` | counter | pool | calls made (this process's handle, one series per process) |
+| `vitpool_items` | counter | pool | items encoded |
+| `vitpool_tokens` | counter | pool | output tokens encoded |
+| `vitpool_failed_calls` | counter | pool | calls that failed |
+| `vitpool_rejected_items` | counter | pool | bad items (found in the caller or by an actor) |
+| `vitpool_requeued_items` | counter | pool | items sent again after their actor died, left or went silent |
+| `vitpool_failed_batches` | counter | pool | batches whose actor died, timed out or failed them |
+| `vitpool_call_latency_seconds` | histogram | pool | a call's submit to results ready |
+| `vitpool_queue_items`, `vitpool_queue_bytes` | gauge | pool | waiting in this process's queue |
+| `vitpool_batches_in_flight` | gauge | pool | sent and not yet answered |
+| `vitpool_actors` | gauge | pool | encoder actors taking work |
+| `vitpool_actor_failures`, `vitpool_actor_restarts` | counter | pool | dead or silent actors; replacements |
+| `vitpool_actor_busy_fraction` | gauge | pool, actor | share of the last interval with a batch running |
+| `vitpool_actor_graph_hit_rate` | gauge | pool, actor | share of items that ran in a captured graph |
+| `vitpool_actor_padding_waste` | gauge | pool, actor | share of budgeted rows that were padding |
+| `vitpool_actor_items` | counter | pool, actor | items the actor encoded |
+
+Nothing is recorded on a call's path: a thread of each handle (`CallerMetrics`) reads its
+dispatcher's counters every `metrics_interval_s`, and one of the controller (`PoolMetrics`) reads
+the actors' stats as often. A counter goes up by what its source counted since the last reading.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+LATENCY_BOUNDARIES_S = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0]
+CALLER_COUNTERS = {
+    "calls": "calls made",
+    "items": "items encoded",
+    "tokens": "output tokens encoded",
+    "failed_calls": "calls that failed",
+    "rejected_items": "bad items, found in the caller or by an actor",
+    "requeued_items": "items sent again after their actor died, left or went silent",
+    "failed_batches": "batches whose actor died, timed out or failed them",
+}
+
+
+class _Every:
+    """A daemon thread that calls `record` every `interval_s` until closed (and once more then)."""
+
+    def __init__(self, name: str, interval_s: float, record: Callable[[], None], final_record: bool = True) -> None:
+        self._interval_s, self._record, self._final_record = interval_s, record, final_record
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._closed.wait(self._interval_s):
+            self._record_logged()
+        if self._final_record:
+            self._record_logged()
+
+    def _record_logged(self) -> None:
+        try:
+            self._record()
+        except Exception:  # noqa: BLE001 - metrics must never take a pool down
+            logger.debug("recording the pool's metrics failed", exc_info=True)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(timeout=5)
+
+
+class CallerMetrics:
+    """A handle's counters as Ray metrics, recorded by a thread of its own.
+
+    Args:
+        pool: the pool's name (the `pool` label).
+        dispatcher: the handle's dispatcher (`counters`, `queue_depth`, `queued_bytes`, `in_flight()`).
+        interval_s: how often they are read.
+    """
+
+    def __init__(self, pool: str, dispatcher: Any, interval_s: float) -> None:
+        from ray.util.metrics import Counter, Gauge, Histogram
+
+        self._tags = {"pool": pool}
+        self._dispatcher = dispatcher
+        self._counters = {
+            name: Counter(f"vitpool_{name}", description=text, tag_keys=("pool",)) for name, text in CALLER_COUNTERS.items()
+        }
+        self._latency = Histogram(
+            "vitpool_call_latency_seconds", description="a call's submit to results ready",
+            boundaries=LATENCY_BOUNDARIES_S, tag_keys=("pool",),
+        )
+        self._queue_items = Gauge("vitpool_queue_items", description="items waiting in the caller's queue", tag_keys=("pool",))
+        self._queue_bytes = Gauge("vitpool_queue_bytes", description="pixel bytes waiting in the caller's queue", tag_keys=("pool",))
+        self._in_flight = Gauge("vitpool_batches_in_flight", description="batches sent, not yet answered", tag_keys=("pool",))
+        self._seen = dict.fromkeys(CALLER_COUNTERS, 0)
+        self._seen_completed = 0
+        self._every = _Every("vitpool-metrics", interval_s, self._record)
+
+    def _record(self) -> None:
+        counters = self._dispatcher.counters
+        for name, counter in self._counters.items():
+            value = getattr(counters, name)
+            if value > self._seen[name]:
+                counter.inc(value - self._seen[name], tags=self._tags)
+            self._seen[name] = value
+        completed, latencies = counters.completed_calls, list(counters.latencies_s)
+        for latency in latencies[max(0, len(latencies) - (completed - self._seen_completed)):]:
+            self._latency.observe(latency, tags=self._tags)
+        self._seen_completed = completed
+        self._queue_items.set(self._dispatcher.queue_depth, tags=self._tags)
+        self._queue_bytes.set(self._dispatcher.queued_bytes, tags=self._tags)
+        self._in_flight.set(sum(self._dispatcher.in_flight().values()), tags=self._tags)
+
+    def close(self) -> None:
+        """Record what was counted since the last reading, and stop."""
+        self._every.close()
+
+
+class PoolMetrics:
+    """The pool's actors as Ray metrics, recorded by a thread of its controller.
+
+    Args:
+        pool: the pool's name.
+        actors: the active actors' handles by index.
+        health: (actor failures, restarts) so far.
+        interval_s: how often they are read.
+    """
+
+    def __init__(
+        self, pool: str, actors: Callable[[], dict[int, Any]], health: Callable[[], tuple[int, int]], interval_s: float
+    ) -> None:
+        from ray.util.metrics import Counter, Gauge
+
+        self._pool, self._actors, self._health, self._interval_s = pool, actors, health, interval_s
+        self._num_actors = Gauge("vitpool_actors", description="encoder actors taking work", tag_keys=("pool",))
+        self._failures = Counter("vitpool_actor_failures", description="actors found dead or silent", tag_keys=("pool",))
+        self._restarts = Counter("vitpool_actor_restarts", description="replacements started", tag_keys=("pool",))
+        keys = ("pool", "actor")
+        self._busy = Gauge("vitpool_actor_busy_fraction", description="share of the last interval with a batch running", tag_keys=keys)
+        self._hit_rate = Gauge("vitpool_actor_graph_hit_rate", description="share of items run in a captured graph", tag_keys=keys)
+        self._padding = Gauge("vitpool_actor_padding_waste", description="share of budgeted rows that were padding", tag_keys=keys)
+        self._items = Counter("vitpool_actor_items", description="items the actor encoded", tag_keys=keys)
+        self._seen_health = (0, 0)
+        self._seen_actor: dict[int, tuple[float, float, int]] = {}  # index -> (uptime, busy seconds, items)
+        # no last reading on close: the actors are being stopped
+        self._every = _Every("vitpool-pool-metrics", interval_s, self._record, final_record=False)
+
+    def _record(self) -> None:
+        import ray
+
+        tags = {"pool": self._pool}
+        actors = self._actors()
+        self._num_actors.set(len(actors), tags=tags)
+        failures, restarts = self._health()
+        if failures > self._seen_health[0]:
+            self._failures.inc(failures - self._seen_health[0], tags=tags)
+        if restarts > self._seen_health[1]:
+            self._restarts.inc(restarts - self._seen_health[1], tags=tags)
+        self._seen_health = (failures, restarts)
+        refs = {index: handle.stats.remote() for index, handle in actors.items()}
+        for index, ref in refs.items():
+            try:
+                stats = ray.get(ref, timeout=self._interval_s)
+            except ray.exceptions.RayError:
+                continue  # retiring or dead: the dispatcher and the controller see to it
+            actor_tags = {"pool": self._pool, "actor": str(index)}
+            uptime, busy, items = self._seen_actor.get(index, (0.0, 0.0, 0))
+            if stats.uptime_seconds > uptime:
+                self._busy.set(min(1.0, (stats.busy_seconds - busy) / (stats.uptime_seconds - uptime)), tags=actor_tags)
+            self._hit_rate.set(stats.graph_hit_rate, tags=actor_tags)
+            self._padding.set(stats.padding_waste, tags=actor_tags)
+            if stats.items > items:
+                self._items.inc(stats.items - items, tags=actor_tags)
+            self._seen_actor[index] = (stats.uptime_seconds, stats.busy_seconds, stats.items)
+
+    def close(self) -> None:
+        self._every.close()
