@@ -27,7 +27,7 @@ import torch
 
 from vitpool.errors import InvalidItemError, VitpoolError, counted
 from vitpool.items import Image
-from vitpool.pool import EncoderPool, PoolStats
+from vitpool.pool import EncoderPool
 
 logger = logging.getLogger("vitpool.cli")
 
@@ -75,7 +75,7 @@ def serve(args: argparse.Namespace) -> int:
 def status(args: argparse.Namespace) -> int:
     pool = EncoderPool.connect(args.name, args.address)
     try:
-        print(status_table(pool.stats()))
+        print(pool.stats().summary(this_process=False))  # this command made no call
     finally:
         pool.close()
     return 0
@@ -134,29 +134,6 @@ def bench(args: argparse.Namespace) -> int:
     finally:
         pool.close()
     return 0
-
-
-def status_table(stats: PoolStats) -> str:
-    """The pool's actors and counters as a short Markdown table, then the pool's other counters.
-    Latency and queue figures are this process's (a fresh `status` has made no call)."""
-    rows = [
-        "| actor | device | batches | items | graph hit rate | padding | busy | up |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for actor in stats.actors:
-        cpu = actor.device.startswith("cpu")
-        rows.append(
-            f"| {actor.actor_index} | {actor.device} | {actor.batches} | {actor.items} | "
-            f"{'- (CPU: no graphs)' if cpu else f'{actor.graph_hit_rate:.0%}'} | {actor.padding_waste:.0%} | "
-            f"{actor.utilization:.0%} | {actor.uptime_seconds:.0f} s |"
-        )
-    rows.append(
-        f"\npool {stats.name!r}: {counted(stats.num_actors, 'encoder actor')}; "
-        f"actor failures {stats.actor_failures}, restarts {stats.actor_restarts}"
-    )
-    if stats.cache is not None:
-        rows.append(stats.cache.summary())
-    return "\n".join(rows)
 
 
 def sample_item(pool: EncoderPool) -> Image:

@@ -162,8 +162,10 @@ def test_the_command_line_serves_scales_benches_and_stops_a_pool(ray_head):
     status = vitpool("status", "--name", name)
     assert status.returncode == 0, status.stderr[-3000:]
     lines = status.stdout.splitlines()
-    assert lines[0].startswith("| actor | device | batches | items |")
-    assert lines[2].startswith("| 0 | cpu") and "CPU: no graphs" in lines[2]
+    assert lines[0].startswith(f"pool {name!r}: 1 encoder actor taking work; since launch 0 items in 0 batches")
+    assert not any(line.startswith("this process:") for line in lines)  # the command made no call
+    header = next(i for i, line in enumerate(lines) if line.startswith("| actor | device | batches | items |"))
+    assert lines[header + 2].startswith("| 0 | cpu") and "- (CPU)" in lines[header + 2]
 
     scaled = vitpool("scale", "2", "--name", name)
     assert scaled.returncode == 0, scaled.stderr[-3000:]
@@ -174,6 +176,14 @@ def test_the_command_line_serves_scales_benches_and_stops_a_pool(ray_head):
     assert bench.returncode == 0, bench.stderr[-3000:]
     row = bench.stdout.splitlines()[-1].split("|")
     assert row[1].strip() == name and row[2].strip() == "2" and float(row[5]) > 0
+
+    # the pool's totals survive scaling down: the retired actor's items stay counted
+    before = vitpool("status", "--name", name, "--quiet").stdout.splitlines()[0]
+    assert vitpool("scale", "1", "--name", name, "--quiet").returncode == 0
+    after = vitpool("status", "--name", name, "--quiet").stdout.splitlines()[0]
+    items_before = int(before.split("since launch ")[1].split(" item")[0])
+    assert items_before > 0 and f"since launch {items_before} item" in after
+    assert "by 1 actor since retired or failed" in after and "1 encoder actor taking work" in after
 
     # mistakes: one line on stderr, exit status 1, no traceback
     for args, wanted in [

@@ -300,12 +300,13 @@ def test_counts_agree_with_their_nouns(monkeypatch):
         "p",
         1,
         [ActorStats(batches=1, items=1, runs=1, combined_batches=1)],
+        calls=1,
         items=1,
         batches=1,
-        peak_queued_items=1,
+        queue_depth=1,
     ).summary()
-    assert "1 actor, 1 item in 1 batch " in summary and "1 batch, 1 item, 1 run (1 batch combined)" in summary
-    assert "peak queue 1 item " in summary
+    assert "1 encoder actor taking work; since launch 1 item in 1 batch," in summary
+    assert "this process: 1 call, 1 item in 1 batch (" in summary and "queue 1 item (" in summary
     monkeypatch.setattr(cluster.ray, "cluster_resources", lambda: {"GPU": 1.0, "CPU": 4.0})
     with pytest.raises(
         ConfigError, match=r"^1 encoder actor with num_gpus=2 needs 2 GPUs; the cluster has 1\."

@@ -11,18 +11,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from vitpool.actors.reports import ActorInfo
+from vitpool.actors.reports import ActorInfo, ActorStats
 from vitpool.pool.cluster import Placement
 from vitpool.pool.embedding_cache import start_cache_actor
 from vitpool.pool.metrics import PoolMetrics
 from vitpool.pool.settings import PoolSettings
 from vitpool.pool.start_errors import one_line, start_error
+from vitpool.pool.stats import add_actor_counts
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,8 @@ class PoolHealth:
     failures: int  # actors reported dead or silent
     restarts: int  # replacements started for them
     restarts_left: int
+    departed_actors: int = 0  # actors that retired or failed since launch
+    departed: ActorStats = field(default_factory=ActorStats)  # their last known counters, summed
 
 
 @dataclass(frozen=True)
@@ -79,11 +82,15 @@ class PoolController:
         self._restarts = 0
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
+        # the pool's totals outlive its actors: the last counters seen of each, and of those gone
+        self._last_stats: dict[int, ActorStats] = {}
+        self._departed_actors = 0
+        self._departed = ActorStats()
         # created here, so it shares the controller's lifetime (and the pool's), not a caller's
         self._cache = start_cache_actor(settings.embedding_cache_bytes) if settings.embedding_cache_bytes else None
         self._metrics = (
             PoolMetrics(name, lambda: self.membership().actors, lambda: (self._failures, self._restarts),
-                        settings.metrics_interval_s)
+                        settings.metrics_interval_s, self.saw_stats)
             if settings.metrics_interval_s is not None else None
         )
 
@@ -137,6 +144,26 @@ class PoolController:
         with self._lock:
             return {i: m.handle for i, m in self._members.items()}
 
+    def snapshot(self) -> tuple[dict[int, Any], PoolHealth]:
+        """`all_actors` and `health` at one moment, so that an actor leaving between the two is
+        counted once."""
+        with self._lock:
+            return {i: m.handle for i, m in self._members.items()}, self._health_locked()
+
+    def saw_stats(self, index: int, stats: ActorStats) -> None:
+        """An actor's latest counters (kept to add to the pool's totals when it leaves)."""
+        with self._lock:
+            if index in self._members:
+                self._last_stats[index] = stats
+
+    def _depart(self, index: int, final: ActorStats | None = None) -> None:
+        """An actor that served leaves (lock held): its counters join the departed totals."""
+        last = self._last_stats.pop(index, None)
+        stats = final or last
+        self._departed_actors += 1
+        if stats is not None:
+            add_actor_counts(self._departed, stats)
+
     def scale(self, num_actors: int) -> tuple[list[tuple[int, Any, Any]], list[int]]:
         """Start or retire actors so that `num_actors` are active or starting.
 
@@ -183,6 +210,7 @@ class PoolController:
             if member is None or member.state != ACTIVE:
                 return False
             del self._members[index]
+            self._depart(index)
             self._bump()
             self._failures += 1
             replace = self._restarts < self._settings.max_actor_restarts
@@ -200,7 +228,13 @@ class PoolController:
 
     def health(self) -> PoolHealth:
         with self._lock:
-            return PoolHealth(self._failures, self._restarts, self._settings.max_actor_restarts - self._restarts)
+            return self._health_locked()
+
+    def _health_locked(self) -> PoolHealth:
+        return PoolHealth(
+            self._failures, self._restarts, self._settings.max_actor_restarts - self._restarts,
+            self._departed_actors, ActorStats(**vars(self._departed)),
+        )
 
     def _activate_when_ready(self, index: int, handle: Any, info_ref: Any) -> None:
         try:
@@ -276,6 +310,11 @@ class PoolController:
                                self._settings.retire_timeout_s)
         except ray.exceptions.RayError:
             pass  # it died on its own; callers send its batches elsewhere
+        try:
+            final = ray.get(member.handle.stats.remote(), timeout=10)
+        except (ray.exceptions.RayError, TimeoutError):
+            final = None
         with self._lock:
-            self._members.pop(index, None)
+            if self._members.pop(index, None) is not None:
+                self._depart(index, final)
         ray.kill(member.handle, no_restart=True)

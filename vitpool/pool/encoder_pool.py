@@ -477,8 +477,7 @@ class EncoderPool:
         """
         self._check_usable()
         try:
-            actors = ray.get(self._controller.all_actors.remote(), timeout=timeout_s)
-            health = ray.get(self._controller.health.remote(), timeout=timeout_s)
+            actors, health = ray.get(self._controller.snapshot.remote(), timeout=timeout_s)
         except ray.exceptions.RayActorError as error:
             raise self._orphaned(error) from None
         actor_stats = []
@@ -512,6 +511,8 @@ class EncoderPool:
             latency_p50_s=percentile(list(counters.latencies_s), 0.50),
             latency_p99_s=percentile(list(counters.latencies_s), 0.99),
             cache=self._cache.stats(timeout_s) if self._cache is not None else None,
+            departed_actors=health.departed_actors,
+            departed=health.departed,
         )
 
     def close(self) -> None:

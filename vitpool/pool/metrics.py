@@ -129,14 +129,17 @@ class PoolMetrics:
         actors: the active actors' handles by index.
         health: (actor failures, restarts) so far.
         interval_s: how often they are read.
+        saw: told each actor's stats as they are read (the controller keeps the last).
     """
 
     def __init__(
-        self, pool: str, actors: Callable[[], dict[int, Any]], health: Callable[[], tuple[int, int]], interval_s: float
+        self, pool: str, actors: Callable[[], dict[int, Any]], health: Callable[[], tuple[int, int]], interval_s: float,
+        saw: Callable[[int, Any], None] | None = None,
     ) -> None:
         from ray.util.metrics import Counter, Gauge
 
         self._pool, self._actors, self._health, self._interval_s = pool, actors, health, interval_s
+        self._saw = saw
         self._num_actors = Gauge("vitpool_actors", description="encoder actors taking work", tag_keys=("pool",))
         self._failures = Counter("vitpool_actor_failures", description="actors found dead or silent", tag_keys=("pool",))
         self._restarts = Counter("vitpool_actor_restarts", description="replacements started", tag_keys=("pool",))
@@ -168,6 +171,8 @@ class PoolMetrics:
                 stats = ray.get(ref, timeout=self._interval_s)
             except ray.exceptions.RayError:
                 continue  # retiring or dead: the dispatcher and the controller see to it
+            if self._saw is not None:
+                self._saw(index, stats)
             actor_tags = {"pool": self._pool, "actor": str(index)}
             uptime, busy, items = self._seen_actor.get(index, (0.0, 0.0, 0))
             if stats.uptime_seconds > uptime:

@@ -50,11 +50,13 @@ class CacheStats:
 class PoolStats:
     """A snapshot of a pool.
 
-    Per actor: `actors` (device, batches, items, graph hit rate, padding waste, busy time).
-    For the calls made through this handle's process: queue depth, batches in flight (and how
-    many batches went through the same-node channel), items per second over the last 10 s, and
-    call latency (submit to results ready) p50/p99 over the last 4096 calls. The pool's embedding
-    cache, shared by every caller, where it is on (`cache`).
+    The pool's: `actors` (per actor taking work: device, batches, items, graph hit rate, padding
+    waste, busy time), `departed` (the counters of the actors that retired or failed since launch,
+    summed, so that the pool's totals survive scaling), actor failures and restarts, and the
+    embedding cache shared by every caller (`cache`). This process's calls through its handles:
+    queue depth, batches in flight (and how many went through the same-node channel), items per
+    second over the last 10 s, and call latency (submit to results ready) p50/p99 over the last
+    4096 calls.
     """
 
     name: str
@@ -80,29 +82,62 @@ class PoolStats:
     latency_p50_s: float = 0.0
     latency_p99_s: float = 0.0
     cache: CacheStats | None = None  # the pool's embedding cache, shared by every caller; None: off
+    departed_actors: int = 0  # actors that retired or failed since launch
+    departed: ActorStats = field(default_factory=ActorStats)  # their counters, summed
 
-    def summary(self) -> str:
+    @property
+    def pool_items(self) -> int:
+        """Items every actor encoded since launch, those that left included."""
+        return sum(actor.items for actor in self.actors) + self.departed.items
+
+    @property
+    def pool_batches(self) -> int:
+        return sum(actor.batches for actor in self.actors) + self.departed.batches
+
+    def summary(self, this_process: bool = True) -> str:
+        """A few lines and a table: the pool's totals, this process's calls (unless
+        `this_process` is False: a process that made none), the cache, then one row per actor."""
         lines = [
-            (f"pool {self.name!r}: {counted(self.num_actors, 'actor')}, {counted(self.items, 'item')} in "
-            f"{counted(self.batches, 'batch')} ({self.channel_batches} through shared memory), "
-            f"{self.items_per_second:.1f} items/s, latency p50 {self.latency_p50_s * 1e3:.2f} ms "
-            f"p99 {self.latency_p99_s * 1e3:.2f} ms, queue {self.queue_depth}, in flight {self.batches_in_flight}, "
-            f"failed calls {self.failed_calls}, requeued items {self.requeued_items}, rejected items "
-            f"{self.rejected_items}, failed batches {self.failed_batches} ({self.timed_out_batches} timed out), "
-            f"actor failures {self.actor_failures}, restarts {self.actor_restarts}, peak queue "
-            f"{counted(self.peak_queued_items, 'item')} / {self.peak_queued_bytes / 2**20:.1f} MiB")
+            f"pool {self.name!r}: {counted(self.num_actors, 'encoder actor')} taking work; since launch "
+            f"{counted(self.pool_items, 'item')} in {counted(self.pool_batches, 'batch')}"
+            + (f" ({self.departed.items} by {counted(self.departed_actors, 'actor')} since retired or failed)"
+               if self.departed_actors else "")
+            + f", actor failures {self.actor_failures}, restarts {self.actor_restarts}"
         ]
-        if self.cache is not None:
-            lines.append(f"  {self.cache.summary()}")
-        for actor in self.actors:
+        if this_process:
             lines.append(
-                f"  actor {actor.actor_index} on {actor.device}: {counted(actor.batches, 'batch')}, "
-                f"{counted(actor.items, 'item')}, {counted(actor.runs, 'run')} "
-                f"({counted(actor.combined_batches, 'batch')} combined), "
-                f"graph hit rate {actor.graph_hit_rate:.0%}, padding waste {actor.padding_waste:.0%}, "
-                f"busy {actor.busy_seconds:.2f} s ({actor.utilization:.0%}), out-of-memory splits {actor.oom_splits}"
+                f"this process: {counted(self.calls, 'call')}, {counted(self.items, 'item')} in "
+                f"{counted(self.batches, 'batch')} ({self.channel_batches} through shared memory), "
+                f"{self.items_per_second:.1f} items/s over the last 10 s, latency p50 "
+                f"{self.latency_p50_s * 1e3:.2f} ms p99 {self.latency_p99_s * 1e3:.2f} ms; queue "
+                f"{counted(self.queue_depth, 'item')} (peak {self.peak_queued_items}, "
+                f"{self.peak_queued_bytes / 2**20:.1f} MiB), in flight {self.batches_in_flight}; failed calls "
+                f"{self.failed_calls}, rejected items {self.rejected_items}, requeued items {self.requeued_items}, "
+                f"failed batches {self.failed_batches} ({self.timed_out_batches} timed out)"
+            )
+        if self.cache is not None:
+            lines.append(self.cache.summary())
+        lines += [
+            "| actor | device | batches | items | runs (combined batches) | graph hit rate | padding | busy | up |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for actor in self.actors:
+            # a CPU actor runs its static forward without capture: no graphs to hit
+            hit_rate = "- (CPU)" if actor.device.startswith("cpu") else f"{actor.graph_hit_rate:.0%}"
+            lines.append(
+                f"| {actor.actor_index} | {actor.device} | {actor.batches} | {actor.items} | {actor.runs} "
+                f"({actor.combined_batches}) | {hit_rate} | {actor.padding_waste:.0%} | {actor.utilization:.0%} | "
+                f"{actor.uptime_seconds:.0f} s |"
+                + (f" {counted(actor.oom_splits, 'out-of-memory split')}" if actor.oom_splits else "")
             )
         return "\n".join(lines)
+
+
+def add_actor_counts(total: ActorStats, stats: ActorStats) -> None:
+    """Add one actor's counters to `total` (its ratios are not summed)."""
+    for name in ("batches", "items", "runs", "combined_batches", "graph_items", "eager_items", "rejected_items",
+                 "oom_splits", "busy_seconds", "uptime_seconds"):
+        setattr(total, name, getattr(total, name) + getattr(stats, name))
 
 
 def percentile(values: Iterable[float], fraction: float) -> float:
