@@ -51,6 +51,8 @@ def serve(args: argparse.Namespace) -> int:
         settings["dtype"] = args.dtype
     if args.embedding_cache_bytes:
         settings["embedding_cache_bytes"] = args.embedding_cache_bytes
+    if args.autoscale:
+        settings["autoscale"] = _bounds(args.autoscale)
     options = None
     if args.gpus_per_actor is not None:
         options = {"num_gpus": args.gpus_per_actor}
@@ -154,6 +156,14 @@ def sample_item(pool: EncoderPool) -> Image:
     raise VitpoolError("could not build a sample image for this model; use benchmarks/pool_latency.py")
 
 
+def _bounds(text: str) -> tuple[int, int]:
+    try:
+        low, high = (int(part) for part in text.split(","))
+    except ValueError:
+        raise VitpoolError(f"--autoscale {text!r}: use MIN,MAX, e.g. 1,4") from None
+    return low, high
+
+
 def _describe(item: Image) -> str:
     return f"grid {tuple(item.grid_thw)}" if item.grid_thw is not None else f"{item.pixel_values.shape[0]} tile"
 
@@ -192,6 +202,7 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument("--budgets", default=None, help="comma-separated token budgets (default: the device's)")
     sub.add_argument("--gpus-per-actor", type=float, default=None, help="e.g. 0.5 to share a GPU (default 1)")
     sub.add_argument("--embedding-cache-bytes", type=int, default=0, help="the shared embedding cache (0: off)")
+    sub.add_argument("--autoscale", default=None, metavar="MIN,MAX", help="actors added while busy, retired while idle")
     command("status", status, "the pool's actors and counters")
     sub = command("scale", scale, "start or retire actors")
     sub.add_argument("num_actors", type=int)

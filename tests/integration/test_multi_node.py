@@ -200,7 +200,7 @@ def stream_items(seed: int) -> list:
 
 @dataclass
 class CallerView:
-    """A handle's counters (this process's calls) and how it reaches each actor."""
+    """A handle's counters (its process's calls) and how it reaches each actor."""
 
     node_id: str
     batches: int
@@ -209,6 +209,8 @@ class CallerView:
     through_channel: dict[int, bool]  # actor index -> whether its link is the same-node channel
 
 
+# Ray pickles this class by value into its worker, where neither this module nor conftest can be
+# imported (the workers' path has the repository's root only): it uses nothing of either.
 @ray.remote(num_cpus=0, max_concurrency=8)
 class RemoteCaller:
     """A caller on a node of the test's choosing, as an LLM deployment's worker would be: its own
@@ -238,7 +240,11 @@ class RemoteCaller:
     def _stream(self, items: list, expected: list) -> None:
         while not self._stop.is_set():
             try:
-                assert_same(self._pool.encode(items, timeout_s=120), expected)
+                results = self._pool.encode(items, timeout_s=120)
+                # conftest's assert_same: every output tensor of every item (tokens, deepstack)
+                torch.testing.assert_close(
+                    [r.outputs for r in results], [e.outputs for e in expected], rtol=1e-5, atol=1e-5
+                )
             except Exception as error:  # noqa: BLE001 - collected and reported to the test
                 self._failures.append(repr(error))
                 return
@@ -255,20 +261,28 @@ class RemoteCaller:
             thread.join(timeout=150)
         return self.progress()
 
-    def view(self) -> CallerView:
+    def view(self) -> dict:
+        """CallerView's fields."""
         stats = self._pool.stats()
-        links = {index: slot.link.is_local for index, slot in self._pool._dispatcher._actors.items()}
-        return CallerView(
-            ray.get_runtime_context().get_node_id(), stats.batches, stats.channel_batches, stats.failed_calls, links
-        )
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "batches": stats.batches,
+            "channel_batches": stats.channel_batches,
+            "failed_calls": stats.failed_calls,
+            "through_channel": {i: slot.link.is_local for i, slot in self._pool._dispatcher._actors.items()},
+        }
 
     def close(self) -> None:
         self._pool.close()
 
 
+def view_of(caller) -> CallerView:
+    return CallerView(**ray.get(caller.view.remote(), timeout=60))
+
+
 def start_caller(node_id: str):
     caller = RemoteCaller.options(scheduling_strategy=pinned_to(node_id)).remote(POOL_NAME)
-    assert ray.get(caller.view.remote(), timeout=120).node_id == node_id
+    assert CallerView(**ray.get(caller.view.remote(), timeout=120)).node_id == node_id
     return caller
 
 
@@ -348,7 +362,7 @@ def test_callers_on_several_nodes_take_the_channel_only_to_their_own_nodes_actor
         calls = [mixed_items(100 + n) for n in range(3)]
         before = actor_batches(pool)
         results = ray.get(near_caller.encode_concurrently.remote(calls), timeout=180)
-        after, view = actor_batches(pool), ray.get(near_caller.view.remote())
+        after, view = actor_batches(pool), view_of(near_caller)
         for items, got in zip(calls, results):
             assert_same(got, reference_encoder.encode(items))
         assert view.through_channel == {near: True, far: False}
@@ -373,7 +387,7 @@ def test_callers_on_several_nodes_take_the_channel_only_to_their_own_nodes_actor
         ):
             for items, got in zip(calls, results):
                 assert_same(got, reference_encoder.encode(items))
-        near_view, spare_view, driver_after = ray.get(near_caller.view.remote()), ray.get(spare_caller.view.remote()), pool.stats()
+        near_view, spare_view, driver_after = view_of(near_caller), view_of(spare_caller), pool.stats()
         assert near_view.channel_batches > view.channel_batches
         assert spare_view.through_channel == {near: False, far: False}
         assert spare_view.batches > 0 and spare_view.channel_batches == 0
@@ -444,13 +458,13 @@ def test_losing_a_node_mid_stream_loses_no_call_and_the_pool_recovers(cluster, p
             assert membership(pool).infos[replacement].node_id == spare_node
             # the replacement takes work, and the caller on its node reaches it through the channel
             wait_for(lambda: actor_items(pool).get(replacement, 0) > 0, 120, "work on the replacement", pool)
-            wait_for(lambda: ray.get(spare_caller.view.remote()).channel_batches > 0, 120,
+            wait_for(lambda: view_of(spare_caller).channel_batches > 0, 120,
                      "the spare node's caller to use the channel to the replacement", pool)
             completed_after_recovery = stream.completed
             wait_for(lambda: stream.completed >= completed_after_recovery + 10 or stream.failures, 120,
                      "calls after the recovery", pool)
         spare_completed_total, spare_failures = ray.get(spare_caller.stop_stream.remote(), timeout=180)
-        spare_view = ray.get(spare_caller.view.remote())
+        spare_view = view_of(spare_caller)
     finally:
         stop_caller(spare_caller)
     stats = pool.stats()

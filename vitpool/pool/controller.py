@@ -18,6 +18,7 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from vitpool.actors.reports import ActorInfo, ActorStats
+from vitpool.pool.autoscaler import AutoscalePolicy, Autoscaler
 from vitpool.pool.cluster import Placement
 from vitpool.pool.embedding_cache import start_cache_actor
 from vitpool.pool.metrics import PoolMetrics
@@ -50,6 +51,8 @@ class PoolHealth:
     restarts_left: int
     departed_actors: int = 0  # actors that retired or failed since launch
     departed: ActorStats = field(default_factory=ActorStats)  # their last known counters, summed
+    autoscale_ups: int = 0
+    autoscale_downs: int = 0
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,7 @@ class PoolController:
         self._departed = ActorStats()
         # created here, so it shares the controller's lifetime (and the pool's), not a caller's
         self._cache = start_cache_actor(settings.embedding_cache_bytes) if settings.embedding_cache_bytes else None
+        self._autoscaler: Autoscaler | None = None
         self._metrics = (
             PoolMetrics(name, lambda: self.membership().actors, lambda: (self._failures, self._restarts),
                         settings.metrics_interval_s, self.saw_stats)
@@ -149,6 +153,30 @@ class PoolController:
         counted once."""
         with self._lock:
             return {i: m.handle for i, m in self._members.items()}, self._health_locked()
+
+    def start_autoscaling(self) -> None:
+        """Start the autoscaler (`settings.autoscale`), once the first actors are ready."""
+        if self._autoscaler is not None or self._settings.autoscale is None:
+            return
+        options = self._actor_options
+        resources = {
+            "GPU": float(options.get("num_gpus") or 0), "CPU": float(options.get("num_cpus") or 0),
+            **{name: float(amount) for name, amount in (options.get("resources") or {}).items()},
+        }
+        self._autoscaler = Autoscaler(
+            AutoscalePolicy(*self._settings.autoscale), lambda: self.membership().actors, self._starting,
+            self.scale_to, resources, self._settings.autoscale_interval_s,
+        )
+
+    def scale_to(self, num_actors: int) -> None:
+        """`scale` for the autoscaler: new actors take work once ready, with no caller waiting."""
+        started, _ = self.scale(num_actors)
+        for index, handle, info_ref in started:
+            threading.Thread(target=self._activate_when_ready, args=(index, handle, info_ref), daemon=True).start()
+
+    def _starting(self) -> int:
+        with self._lock:
+            return sum(member.state == STARTING for member in self._members.values())
 
     def saw_stats(self, index: int, stats: ActorStats) -> None:
         """An actor's latest counters (kept to add to the pool's totals when it leaves)."""
@@ -231,9 +259,11 @@ class PoolController:
             return self._health_locked()
 
     def _health_locked(self) -> PoolHealth:
+        scaler = self._autoscaler
         return PoolHealth(
             self._failures, self._restarts, self._settings.max_actor_restarts - self._restarts,
             self._departed_actors, ActorStats(**vars(self._departed)),
+            scaler.scale_ups if scaler else 0, scaler.scale_downs if scaler else 0,
         )
 
     def _activate_when_ready(self, index: int, handle: Any, info_ref: Any) -> None:
@@ -250,6 +280,8 @@ class PoolController:
 
     def shutdown(self) -> int:
         """Kill every encoder actor; returns how many there were."""
+        if self._autoscaler is not None:
+            self._autoscaler.close()
         if self._metrics is not None:
             self._metrics.close()
         with self._lock:

@@ -513,6 +513,9 @@ class EncoderPool:
             cache=self._cache.stats(timeout_s) if self._cache is not None else None,
             departed_actors=health.departed_actors,
             departed=health.departed,
+            autoscale=self._settings.autoscale,
+            autoscale_ups=health.autoscale_ups,
+            autoscale_downs=health.autoscale_downs,
         )
 
     def close(self) -> None:

@@ -61,6 +61,13 @@ def launch_pool(
     """
     if num_actors is not None and (isinstance(num_actors, bool) or not isinstance(num_actors, int) or num_actors < 1):
         raise ConfigError(f"num_actors must be a positive integer or None; got {num_actors!r}")
+    if settings.autoscale is not None:
+        low, high = settings.autoscale
+        if placement_group is not None:
+            raise ConfigError("autoscale does not apply to a pool colocated with a placement group (its bundles are fixed)")
+        if num_actors is not None and not low <= num_actors <= high:
+            raise ConfigError(f"num_actors={num_actors} is outside autoscale={settings.autoscale}")
+        num_actors = low if num_actors is None else num_actors
     joins_a_cluster = address not in (None, "local") or (
         address is None and bool(os.environ.get("RAY_ADDRESS") or running_local_cluster())
     )
@@ -112,6 +119,8 @@ def launch_pool(
         failures = await_started(controller, started, settings.startup_timeout_s)
         if failures:
             raise start_failure(failures, num_actors)
+        if settings.autoscale is not None:
+            ray.get(controller.start_autoscaling.remote())
         return controller, owns_ray, ray.get(controller.membership.remote())
     except BaseException:
         if controller is not None:

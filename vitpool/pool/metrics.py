@@ -47,12 +47,13 @@ CALLER_COUNTERS = {
 }
 
 
-class _Every:
+class Periodic:
     """A daemon thread that calls `record` every `interval_s` until closed (and once more then)."""
 
     def __init__(self, name: str, interval_s: float, record: Callable[[], None], final_record: bool = True) -> None:
         self._interval_s, self._record, self._final_record = interval_s, record, final_record
         self._closed = threading.Event()
+        self._failed_before = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -65,8 +66,11 @@ class _Every:
     def _record_logged(self) -> None:
         try:
             self._record()
-        except Exception:  # noqa: BLE001 - metrics must never take a pool down
-            logger.debug("recording the pool's metrics failed", exc_info=True)
+        except Exception:  # a reading that fails must never take the pool down
+            # said once as a warning (a thread that always fails would otherwise go unseen)
+            level = logging.DEBUG if self._failed_before else logging.WARNING
+            logger.log(level, "%s: a periodic reading failed", self._thread.name, exc_info=True)
+            self._failed_before = True
 
     def close(self) -> None:
         self._closed.set()
@@ -99,7 +103,7 @@ class CallerMetrics:
         self._in_flight = Gauge("vitpool_batches_in_flight", description="batches sent, not yet answered", tag_keys=("pool",))
         self._seen = dict.fromkeys(CALLER_COUNTERS, 0)
         self._seen_completed = 0
-        self._every = _Every("vitpool-metrics", interval_s, self._record)
+        self._every = Periodic("vitpool-metrics", interval_s, self._record)
 
     def _record(self) -> None:
         counters = self._dispatcher.counters
@@ -151,7 +155,7 @@ class PoolMetrics:
         self._seen_health = (0, 0)
         self._seen_actor: dict[int, tuple[float, float, int]] = {}  # index -> (uptime, busy seconds, items)
         # no last reading on close: the actors are being stopped
-        self._every = _Every("vitpool-pool-metrics", interval_s, self._record, final_record=False)
+        self._every = Periodic("vitpool-pool-metrics", interval_s, self._record, final_record=False)
 
     def _record(self) -> None:
         import ray

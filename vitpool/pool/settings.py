@@ -9,6 +9,7 @@ from typing import Any
 
 from vitpool.errors import ConfigError
 from vitpool.packing import make_budgets
+from vitpool.pool.autoscaler import checked_bounds
 from vitpool.specs import ATTENTION_CHOICES, ActorSpec, EncoderSpec
 
 _DTYPES = ("bfloat16", "float16", "float32")
@@ -48,6 +49,12 @@ class PoolSettings:
         metrics_interval_s: how often the pool's counters are recorded as Ray metrics (exported
             on each node's Prometheus endpoint; `vitpool.pool.metrics` lists them): by a thread of
             each handle and one of the controller, never on a call's path. None: no metrics.
+        autoscale: (min_actors, max_actors): the controller adds an actor while the actors stay
+            busy and retires one while they stay idle (`vitpool.pool.autoscaler`), within these
+            bounds, through `scale`; launch starts `min_actors` unless told otherwise. None: the
+            pool keeps the actors it is given.
+        autoscale_interval_s: how often the autoscaler reads the actors' busy fractions (it
+            scales up after 3 busy readings in a row, down after 12 idle ones).
         detached: the pool outlives the process that launched it (its controller is a detached
             Ray actor, and its encoder actors are the controller's); it runs until a handle's
             `shutdown()` (any handle's, or `vitpool stop`). It needs a Ray cluster that outlives
@@ -120,6 +127,8 @@ class PoolSettings:
     actor_threads: int | None = None
     startup_timeout_s: float = 900.0
     detached: bool = False
+    autoscale: tuple[int, int] | None = None
+    autoscale_interval_s: float = 5.0
     metrics_interval_s: float | None = 5.0
     retire_timeout_s: float = 120.0
     max_attempts_per_item: int = 3
@@ -191,6 +200,8 @@ class PoolSettings:
             raise ConfigError(f"same_node_channel must be True or False; got {self.same_node_channel!r}")
         _non_negative_seconds("batch_window_s", self.batch_window_s)
         _non_negative_seconds("startup_timeout_s", self.startup_timeout_s, positive=True)
+        object.__setattr__(self, "autoscale", checked_bounds(self.autoscale))
+        _non_negative_seconds("autoscale_interval_s", self.autoscale_interval_s, positive=True)
         if self.metrics_interval_s is not None:
             _non_negative_seconds("metrics_interval_s", self.metrics_interval_s, positive=True)
         _non_negative_seconds("retire_timeout_s", self.retire_timeout_s, positive=True)

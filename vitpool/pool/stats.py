@@ -84,6 +84,9 @@ class PoolStats:
     cache: CacheStats | None = None  # the pool's embedding cache, shared by every caller; None: off
     departed_actors: int = 0  # actors that retired or failed since launch
     departed: ActorStats = field(default_factory=ActorStats)  # their counters, summed
+    autoscale: tuple[int, int] | None = None  # (min_actors, max_actors) where the pool autoscales
+    autoscale_ups: int = 0
+    autoscale_downs: int = 0
 
     @property
     def pool_items(self) -> int:
@@ -103,6 +106,8 @@ class PoolStats:
             + (f" ({self.departed.items} by {counted(self.departed_actors, 'actor')} since retired or failed)"
                if self.departed_actors else "")
             + f", actor failures {self.actor_failures}, restarts {self.actor_restarts}"
+            + (f"; autoscaling {self.autoscale[0]}-{self.autoscale[1]} actors: {self.autoscale_ups} up, "
+               f"{self.autoscale_downs} down" if self.autoscale else "")
         ]
         if this_process:
             lines.append(
