@@ -271,12 +271,12 @@ class PoolController:
             info = ray.get(info_ref, timeout=self._settings.startup_timeout_s)
         except (ray.exceptions.RayError, TimeoutError) as error:
             logger.error(
-                "replacement encoder actor %d failed to start: %s", index, one_line(start_error(error))
+                "encoder actor %d (a replacement or autoscaled) failed to start: %s", index, one_line(start_error(error))
             )
             self.forget(index)
             return
         self.activate(index, info)
-        logger.info("replacement encoder actor %d ready on %s", index, info.device)
+        logger.info("encoder actor %d (a replacement or autoscaled) ready on %s", index, info.device)
 
     def shutdown(self) -> int:
         """Kill every encoder actor; returns how many there were."""
