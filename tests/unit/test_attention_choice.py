@@ -62,7 +62,7 @@ def test_the_thresholds_are_between_the_measured_points():
     from vitpool.models.attention import FA4_MIN_ROWS_PER_GRAPH_SEQUENCE
 
     # in graphs FA4 lost at 256-row sequences and won at 3136; eagerly it won every repeated call
-    # from 4356 rows (1056²) on, and lost at 3136 on the first call (H100, benchmarks/RESULTS.md)
+    # from 4356 rows (1056²) on, and lost at 3136 on the first call (H100, benchmarks/HISTORY.md)
     assert 256 < FA4_MIN_ROWS_PER_GRAPH_SEQUENCE <= 3136
     assert 3136 < FA4_MIN_ROWS_PER_SEQUENCE <= 4356
 

@@ -102,7 +102,7 @@ class PinnedStaging:
 
     From ordinary (pageable) memory a large copy runs at the driver's staging speed: the float32
     pixels of one 896² image (19 MB) took 2.4 ms of host time on an H100 machine
-    (`benchmarks/encode_profile.py`). Converting them to the compute dtype into pinned memory on
+    (`benchmarks/studies/encode_profile.py`). Converting them to the compute dtype into pinned memory on
     the CPU (with torch's threads) and copying that by DMA moves half the bytes, and the copy no
     longer holds the host. Small batches go directly: for one 224² image (1.2 MB) a staging pass
     cost more than it saved (0.76 against 0.49 ms). Tensors already pinned (the pool's shared

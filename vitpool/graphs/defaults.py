@@ -50,7 +50,7 @@ def resolve_dtype(dtype: torch.dtype | None, device: torch.device) -> torch.dtyp
 GRAPH_MAX_TOKENS = 1024
 # Below 256 tokens the GPU ladder steps by 32 tokens rather than doubling: 4 more graphs (27 in
 # all), and on pool_throughput.py's mix the padding of calls packed alone falls from 8.5% to 6.4%
-# of graph rows (benchmarks/ladder_padding.py); 4 x 224² (196 tokens) fills 224 instead of 256.
+# of graph rows (benchmarks/studies/ladder_padding.py); 4 x 224² (196 tokens) fills 224 instead of 256.
 SMALL_STEP_TOKENS = 32
 
 

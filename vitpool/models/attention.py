@@ -13,12 +13,12 @@ precision it runs one of these kernels (all free of host synchronisation, so all
 SDPA's cuDNN backend on one dense sequence is 1.5x FA2 too, but not used: with a padding mask it
 loses that gain, its packed path cannot be captured, and eagerly it builds a plan for every new
 sequence length (60-100 ms on the first call at each new image size on an H100,
-`benchmarks/new_sizes.py`), which traffic of varied sizes would pay again and again.
+`benchmarks/studies/new_sizes.py`), which traffic of varied sizes would pay again and again.
 
 The encoder picks per graph (`use_attention` around capture: FA4 for graphs whose sequences
 may be long) and, for an eager run at the items' own size, lets the hook pick from the batch's
 boundaries, which it declares on the host with `host_boundaries`
-(`benchmarks/attention_backends.py` has the measurements).
+(`benchmarks/studies/attention_backends.py` has the measurements).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ ATTENTION_NAME = "vitpool_flash_varlen"
 # FA4 beats FA2 on sequences of 3136 rows and more on an H100 and loses at 256. A graph takes it
 # from this many rows per sequence it may hold (a few-sequence variant from 544 tokens: 2176 rows
 # in at most 4 sequences). An eager batch pays FA4's host-side set-up again at each new size
-# (`benchmarks/new_sizes.py`, H100, first / second call): from 4096 rows per sequence FA4 wins
+# (`benchmarks/studies/new_sizes.py`, H100, first / second call): from 4096 rows per sequence FA4 wins
 # every call at a size seen before (1056², 4356 rows: 20.6 against FA2's 29.1 ms; 1376²: 36.0
 # against 53.9) and costs 5-18 ms more than FA2 on the first call at a new size up to about
 # 1250² (1248²: 56.9 against 38.8), nothing from 1312² on. Sizes repeat in real traffic (a

@@ -1,6 +1,6 @@
 """Fused work in the Hugging Face towers on a GPU, installed through shared code for every family.
 
-What it replaces, with where it came from (`benchmarks/kernel_breakdown.py`, Qwen3-VL-8B tower on
+What it replaces, with where it came from (`benchmarks/studies/kernel_breakdown.py`, Qwen3-VL-8B tower on
 an H100):
 
 - rotary position embedding: every family's `apply_rotary_pos_emb_vision(q, k, cos, sin)` casts
@@ -16,7 +16,7 @@ an H100):
   Kimi-K2.5, PaddleOCR-VL) runs its first Linear's bias and the GELU in cuBLASLt's GEMM epilogue
   (`torch._addmm_activation`), so the [rows, intermediate] activation is written once instead of
   written, read and written again: fc1 + GELU 71.6 -> 57.6 µs per block at 3136 rows, 11.1 -> 9.2
-  at 224 (`benchmarks/gemm_shapes.py`). The GELU is taken on the fp32 accumulator before rounding.
+  at 224 (`benchmarks/studies/gemm_shapes.py`). The GELU is taken on the fp32 accumulator before rounding.
 
 All take effect only inside `use_fused_ops(True)` (the encoder sets it around its forwards) and
 only on CUDA tensors in half precision; anything else runs Hugging Face's own code, so a reference

@@ -10,7 +10,7 @@ calls after warm-up:
 - actor_channel: the channel to an EncoderActor in another (non-Ray) process;
 - pool: EncoderPool.encode with one actor (Ray actor, channel, dispatcher).
 
-    python benchmarks/channel_overhead.py [--runs 200] [--warmup 30] [--out channel_overhead.json]
+    python benchmarks/studies/channel_overhead.py [--runs 200] [--warmup 30] [--out channel_overhead.json]
 """
 
 from __future__ import annotations
@@ -19,8 +19,11 @@ import argparse
 import concurrent.futures
 import json
 import multiprocessing
+import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py etc. live one folder up
 
 import numpy as np
 import torch

@@ -10,14 +10,17 @@ HBM and not from L2). Ways:
 - `triton`: the linear under `torch.compile(mode="max-autotune-no-cudagraphs")` with static shapes,
   Triton templates only (the best of inductor's autotuning for this one shape).
 
-    python benchmarks/gemm_shapes.py [--rows 224,784,3136] [--triton-rows 224,784] [--out f.json]
+    python benchmarks/studies/gemm_shapes.py [--rows 224,784,3136] [--triton-rows 224,784] [--out f.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py etc. live one folder up
 
 import torch
 import torch.nn.functional as F

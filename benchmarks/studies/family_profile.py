@@ -3,16 +3,19 @@ the kernels of one `GraphEncoder.encode` of a `family_latency.py` workload, run 
 items' own size under the profiler (a graph's replay hides its kernels), grouped by class
 (kernel_breakdown.py's) and the heaviest kernels by name, with the replay time of the same encode.
 
-    python benchmarks/family_profile.py --family deepseek_ocr2 [--workload "1 view"] [--top 15]
+    python benchmarks/studies/family_profile.py --family deepseek_ocr2 [--workload "1 view"] [--top 15]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 from collections import defaultdict
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py etc. live one folder up
 
 import torch
 from common import summarize, time_ms

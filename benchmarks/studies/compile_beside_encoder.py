@@ -9,15 +9,19 @@ after warm-up, and vitpool's largest relative error against HF eager (bf16) with
 check. Before the fix in `vitpool/graphs/capture.py` (`_workspace_in_graph_pool`) the 1x1024
 encode faulted ("unspecified launch failure") on an H100.
 
-    python benchmarks/compile_beside_encoder.py [--throwaway drop|keep|none] [--fused 0|1]
+    python benchmarks/studies/compile_beside_encoder.py [--throwaway drop|keep|none] [--fused 0|1]
         [--mode reduce-overhead|default] [--runs 50] [--json out.json]
 """
 
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py etc. live one folder up
 
 import torch
 from common import QWEN3_VL_8B_VISION

@@ -15,7 +15,7 @@ torch.profiler's CUDA activity:
 If the GPU here is busy nearly all the time while `pool_throughput.py` finds it idle, what is
 missing is in the transport; if it is idle here too, it is in the actor and the encoder.
 
-    python benchmarks/actor_timeline.py [--threads 64] [--seconds 8] [--overlap-runs on,off]
+    python benchmarks/studies/actor_timeline.py [--threads 64] [--seconds 8] [--overlap-runs on,off]
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py etc. live one folder up
 
 import torch
 from common import save_random_tower

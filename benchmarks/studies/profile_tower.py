@@ -1,14 +1,17 @@
 """Top CUDA kernels of one static forward of the Qwen3-VL-8B tower at a given row count.
 
-    python benchmarks/profile_tower.py [--rows 3328]
+    python benchmarks/studies/profile_tower.py [--rows 3328]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py etc. live one folder up
 
 import torch
 from common import QWEN3_VL_8B_VISION, padded_image_batch

@@ -4,16 +4,19 @@ The real-size Qwen3-VL-8B tower (random bf16 weights), one workload (default one
 Times the whole call, the graph replay alone (CUDA events) and, under the profiler, the host
 operations of the call (self CPU time per op, summed over the runs, per call).
 
-    python benchmarks/encode_profile.py [--side 224] [--items 1] [--runs 100] [--out f.json]
+    python benchmarks/studies/encode_profile.py [--side 224] [--items 1] [--runs 100] [--out f.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py etc. live one folder up
 
 import torch
 from common import QWEN3_VL_8B_VISION, gpu_ms, image, summarize, time_ms

@@ -3,7 +3,7 @@ PyTorch's FlashAttention-2 varlen (`varlen_attn`, vitpool's path today) against 
 (cuDNN, FlashAttention, efficient) on the packed rows as nested (jagged) tensors, and on dense
 [1, heads, rows, head_dim] where the batch is one sequence.
 
-    python benchmarks/attention_backends.py [--heads 16] [--head-dim 72] [--runs 200]
+    python benchmarks/studies/attention_backends.py [--heads 16] [--head-dim 72] [--runs 200]
 
 Prints median (p99) µs per call and the error against fp32 math SDPA; a backend that cannot run or
 be captured at a shape says why.
@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py etc. live one folder up
 
 import torch
 import torch.nn.functional as F

@@ -8,7 +8,7 @@ Median (p99) in microseconds of many repetitions after warm-up:
 - both again with the far side pausing 4 ms before it answers (as an encode would): what waking
   a thread that slept costs, over the pause.
 
-    python benchmarks/host_costs.py [--runs 2000]
+    python benchmarks/studies/host_costs.py [--runs 2000]
 """
 
 from __future__ import annotations
@@ -20,9 +20,13 @@ import multiprocessing
 import os
 import queue
 import socket
+import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py etc. live one folder up
 
 import numpy as np
 from common import summarize, time_ms

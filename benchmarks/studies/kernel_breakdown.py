@@ -2,7 +2,7 @@
 attention, GEMM, convolution, norm, elementwise, copy / gather, other. One square image padded to
 the rows of a budget, the forward run as vitpool captures it, under the profiler.
 
-    python benchmarks/kernel_breakdown.py [--rows 196,3136] [--attention fa2,fa4] [--fused off,on,compiled]
+    python benchmarks/studies/kernel_breakdown.py [--rows 196,3136] [--attention fa2,fa4] [--fused off,on,compiled]
 
 Prints one table per (rows, attention kernel, fused work): ms per class, its share, kernel launches,
 and the replay time of the same forward captured as a CUDA graph (GPU time plus the gaps between
@@ -14,9 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 import tempfile
 from collections import defaultdict
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py etc. live one folder up
 
 import torch
 from common import QWEN3_VL_8B_VISION, gpu_ms, padded_image_batch, summarize

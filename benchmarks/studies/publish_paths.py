@@ -10,7 +10,7 @@ layers is 6.4 MB in bf16, 51 MB a call). Alternating in one run, per call (ms):
 - encode + put one: one `ray.put` of the call's list;
 - encode_refs: `pool.encode_refs(items)`, results left in the object store by the actor's call.
 
-    python benchmarks/publish_paths.py [--runs 30] [--warmup 5] [--images 8] [--out F]
+    python benchmarks/studies/publish_paths.py [--runs 30] [--warmup 5] [--images 8] [--out F]
 """
 
 from __future__ import annotations
@@ -18,10 +18,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py etc. live one folder up
 
 import ray
 import torch

@@ -2,7 +2,7 @@
 ladder packs the same calls with vitpool's packer, alone (a quiet pool: each call packed by
 itself) and in queues of several calls (a loaded pool: the dispatcher packs what waits together).
 
-    python benchmarks/ladder_padding.py [--calls 2000] [--queue 8]
+    python benchmarks/studies/ladder_padding.py [--calls 2000] [--queue 8]
 
 Padding is counted in rows (4 per token), over every batch that runs in a graph; an item above the
 largest budget runs eager at its own rows and pads nothing. Prints, per ladder, the graphs it needs
@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py etc. live one folder up
 
 from pool_throughput import IMAGE_SIDES, PATCH, VIDEO_SHARE, VIDEO_SIDES
 

@@ -7,7 +7,7 @@ split of a tile (a per-tile counter) sums the partials in order (deterministic),
 optionally the tanh GELU, and writes bf16. Timed like `gemm_shapes.py` (27 weight sets, one
 graph, median per GEMM), against `F.linear` / `_addmm_activation` in the same run.
 
-    python benchmarks/splitk_gemm.py [--rows 224,784] [--out f.json]
+    python benchmarks/studies/splitk_gemm.py [--rows 224,784] [--out f.json]
 """
 
 from __future__ import annotations

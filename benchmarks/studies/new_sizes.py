@@ -2,7 +2,7 @@
 budget), for each attention kernel: a kernel that builds a plan per sequence length (cuDNN's
 SDPA graphs) pays it on every new size, which a sweep that repeats sizes hides.
 
-    python benchmarks/new_sizes.py [--sides 1056,1088,...] [--attention auto,fa2]
+    python benchmarks/studies/new_sizes.py [--sides 1056,1088,...] [--attention auto,fa2]
 
 Prints per side the first call's and a repeated call's latency (ms), per kernel setting.
 """
@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py etc. live one folder up
 
 import torch
 from common import QWEN3_VL_8B_VISION, image

@@ -1,11 +1,15 @@
 """What one Ray hop costs on this machine, piece by piece: the floor under the pool's latency.
 
-    python benchmarks/ray_overhead.py [--runs 200]
+    python benchmarks/studies/ray_overhead.py [--runs 200]
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py etc. live one folder up
 
 import numpy as np
 import ray
