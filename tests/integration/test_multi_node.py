@@ -11,12 +11,13 @@ What it checks:
 - losing a node with an encoder actor while calls stream in loses no call: its batches go to the
   other actor, the pool starts a replacement on the node with a free GPU, and a caller on that
   node then reaches the replacement through the channel;
-- two defects (xfail, strict): results that wait in a lost node's object store fail their call
-  with a raw Ray error instead of being encoded again; the controller lands on a random node, and
-  the whole pool shares that node's fate.
+- results that wait in a lost node's object store (the actor answered, the node went before the
+  fetch) are encoded again, and the controller runs on the head node (its encoder actors share its
+  fate, so a controller on a worker node would take the pool down with that node).
 
 Every node runs its own raylet and agents on the same (in CI, 2-core) machine, so the file keeps
-to one cluster and one pool for all its tests, one thread per actor, and small streams.
+to one cluster and one pool for all its tests, one thread per actor, and small streams. The tests
+run in file order: the last two each take a node away.
 """
 
 from __future__ import annotations
@@ -116,7 +117,10 @@ def cluster():
     """
     os.environ["RAY_AUTH_MODE"] = "disabled"  # Ray 2.60 turns on token auth for new local clusters
     address_file = ray._private.utils.get_ray_address_file(None)
-    previous_address = open(address_file).read() if os.path.exists(address_file) else None
+    previous_address = None
+    if os.path.exists(address_file):
+        with open(address_file) as current:
+            previous_address = current.read()
     processes_before = process_start_times(os.getpid())
     test_cluster = Cluster(
         initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0, "include_dashboard": False}
@@ -182,6 +186,13 @@ def actor_batches(pool: EncoderPool) -> dict[int, int]:
 
 def actor_items(pool: EncoderPool) -> dict[int, int]:
     return {stats.actor_index: stats.items for stats in pool.stats().actors}
+
+
+def free_gpu_node(cluster: MultiNodeCluster, infos: dict) -> str:
+    """The GPU node that holds none of the pool's actors (its GPU is the room for a replacement)."""
+    free = [node for node in cluster.gpu_nodes if node not in {info.node_id for info in infos.values()}]
+    assert len(free) == 1, f"expected one GPU node without an actor, found {len(free)}"
+    return free[0]
 
 
 def pinned_to(node_id: str) -> NodeAffinitySchedulingStrategy:
@@ -354,7 +365,7 @@ def test_actors_on_separate_nodes_give_the_in_process_results(cluster, pool, ref
 def test_callers_on_several_nodes_take_the_channel_only_to_their_own_nodes_actor(cluster, pool, reference_encoder):
     infos = membership(pool).infos
     near, far = sorted(infos)  # the caller "near" shares a node with actor `near`
-    spare_node = next(node for node in cluster.gpu_nodes if node not in {i.node_id for i in infos.values()})
+    spare_node = free_gpu_node(cluster, infos)
     near_caller, spare_caller = start_caller(infos[near].node_id), start_caller(spare_node)
     try:
         # The near caller alone: each batch it sent went to one actor, so its channel batches must
@@ -398,12 +409,6 @@ def test_callers_on_several_nodes_take_the_channel_only_to_their_own_nodes_actor
         stop_caller(spare_caller)
 
 
-@pytest.mark.xfail(
-    strict=True, raises=AssertionError,
-    reason="defect: the controller is a zero-CPU actor with Ray's default scheduling, which puts such "
-    "actors on a random node (vitpool/pool/launcher.py, launch_pool: .options(num_cpus=0, ...)); the "
-    "encoder actors are the controller's, so losing that one node ends the whole pool",
-)
 def test_the_controller_runs_on_the_head_node(cluster, pool):
     """Where a pool's controller runs decides which node the pool cannot lose: the encoder actors
     are the controller's (Ray fate-shares them with it), and every handle fails once it is gone.
@@ -436,7 +441,7 @@ def test_losing_a_node_mid_stream_loses_no_call_and_the_pool_recovers(cluster, p
     holds_controller = controller_node(pool)
     victim = min(index for index, info in infos.items() if info.node_id != holds_controller)
     victim_node = infos[victim].node_id
-    spare_node = next(node for node in cluster.gpu_nodes if node not in {i.node_id for i in infos.values()})
+    spare_node = free_gpu_node(cluster, infos)
     health_before = pool.stats()
     # a second caller, on the node where the replacement will land (the only free GPU)
     spare_caller = start_caller(spare_node)
@@ -445,8 +450,10 @@ def test_losing_a_node_mid_stream_loses_no_call_and_the_pool_recovers(cluster, p
             [(items, reference_encoder.encode(items)) for items in (stream_items(50), stream_items(51))]
         )
         with Stream(pool, reference_encoder, range(3)) as stream:
-            spare_completed = lambda: ray.get(spare_caller.progress.remote())[0]  # noqa: E731
-            wait_for(lambda: stream.completed >= 6 and spare_completed() >= 3, 120, "both streams to run", pool)
+            def both_streams_run() -> bool:
+                return stream.completed >= 6 and ray.get(spare_caller.progress.remote())[0] >= 3
+
+            wait_for(both_streams_run, 120, "both streams to run", pool)
             completed_at_loss, lost_at = stream.completed, time.monotonic()
             cluster.remove_node(victim_node)
             wait_for(lambda: stream.completed >= completed_at_loss + 10 or stream.failures, 120,
@@ -481,12 +488,6 @@ def test_losing_a_node_mid_stream_loses_no_call_and_the_pool_recovers(cluster, p
           f"the spare node {recovered_s:.1f} s later")
 
 
-@pytest.mark.xfail(
-    strict=True, raises=ray.exceptions.ObjectLostError,
-    reason="defect: a call's results that wait in a lost node's object store (items whose results pass "
-    "Ray's 100 KiB inline limit) fail the call with ObjectReconstructionFailedError instead of being "
-    "encoded again (vitpool/pool/encoder_pool.py, EncoderPool._encode: ray.get of the results re-raises)",
-)
 def test_results_waiting_on_a_lost_node_are_encoded_again(cluster, pool, reference_encoder, monkeypatch):
     """The window between an actor's reply (its results still in its node's object store) and the
     caller fetching them, made deterministic: the node that holds one of the results is lost right
@@ -506,7 +507,7 @@ def test_results_waiting_on_a_lost_node_are_encoded_again(cluster, pool, referen
         if refs and not lost:
             locations = ray.experimental.get_object_locations(list(refs.values()))
             holders = {node for where in locations.values() for node in where["node_ids"]}
-            # not the controller's node: that would end the pool, a defect of its own (below)
+            # not the controller's node: that would end the pool (test_the_controller_runs_on_the_head_node)
             victim = next(node for node in sorted(holders) if node != holds_controller and node in cluster.gpu_nodes)
             cluster.remove_node(victim)
             lost.append(victim)

@@ -69,6 +69,12 @@ def running_local_cluster() -> str | None:
     return None
 
 
+# Ray's resource of the head node: a tiny share of it places an actor there. The pool's controller
+# and cache go there (as Ray Serve's controller does): the encoder actors are the controller's, so
+# a controller on a worker node would take the whole pool down with that node.
+ON_HEAD_NODE = {"resources": {"node:__internal_head__": 0.001}}
+
+
 def cluster_gpus() -> float:
     return float(ray.cluster_resources().get("GPU", 0.0))
 

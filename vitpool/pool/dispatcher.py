@@ -212,6 +212,11 @@ class Dispatcher:
         if not any(slot.load.accepting for slot in self._actors.values()):
             raise PoolUnavailableError(NO_ACTOR_LEFT)
 
+    def count_requeued(self, count: int) -> None:
+        """Count items sent again by the caller (their results were lost after the answer)."""
+        with self._lock:
+            self.counters.requeued_items += count
+
     def count_rejected(self, count: int) -> None:
         """Count items the caller's checks refused (they never reach the queue)."""
         with self._lock:

@@ -47,6 +47,7 @@ import ray
 import xxhash
 
 from vitpool.items import Embedding
+from vitpool.pool.cluster import ON_HEAD_NODE
 from vitpool.pool.stats import CacheStats
 from vitpool.transport.wire import to_array
 
@@ -206,7 +207,8 @@ class EmbeddingCacheActor:
 def start_cache_actor(capacity_bytes: int) -> Any:
     """The pool's cache actor (restarted, empty, if it dies), created by the controller so that it
     lives as long as the pool."""
-    return ray.remote(EmbeddingCacheActor).options(num_cpus=0, max_restarts=-1).remote(capacity_bytes)
+    # beside the controller, on the node a cluster keeps
+    return ray.remote(EmbeddingCacheActor).options(num_cpus=0, max_restarts=-1, **ON_HEAD_NODE).remote(capacity_bytes)
 
 
 # ---- the caller's side --------------------------------------------------------------------------

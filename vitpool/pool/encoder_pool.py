@@ -192,7 +192,8 @@ class EncoderPool:
         return self._encode(items, timeout_s, return_exceptions, self._cache)
 
     def _encode(
-        self, items: Sequence[Item], timeout_s: float | None, return_exceptions: bool, cache: CacheClient | None
+        self, items: Sequence[Item], timeout_s: float | None, return_exceptions: bool, cache: CacheClient | None,
+        attempts_left: int | None = None,
     ) -> list[Any]:
         # Without a timeout this thread may carry its own batches; with one it must stay free to
         # give up, so connection threads carry them.
@@ -208,17 +209,43 @@ class EncoderPool:
                 raise self._explained(error) from None
             refs = _refs_among(results)
             if refs:  # none when every batch took the same-node channel; ray.get costs even then
-                try:
-                    values = ray.get(list(refs.values()))
-                except ray.exceptions.RayError:
-                    if not return_exceptions:
-                        raise
-                    values = [_fetched(where[0], ref) for where, ref in refs.items()]
-                _put_back(results, refs, values)
+                attempts = self._settings.max_attempts_per_item if attempts_left is None else attempts_left
+                self._fetch_refs(items, results, refs, timeout_s, return_exceptions, attempts)
             results = _joined(results, return_exceptions)
         if answer is not None:
             self._serve_from_cache(items, answer, results, False, timeout_s, return_exceptions)
         return results
+
+    def _fetch_refs(
+        self, items: Sequence[Item], results: list[Any], refs: dict[tuple[int, int | None], Any],
+        timeout_s: float | None, return_exceptions: bool, attempts_left: int,
+    ) -> None:
+        """Fetch the results that came as object references into `results`. One lost with its
+        node (its actor answered, then the node went before the fetch) is encoded again, within
+        the pool's attempts per item; another failure raises (`EncodeError` naming the item), or
+        with `return_exceptions` fills the item's slot."""
+        try:
+            _put_back(results, refs, ray.get(list(refs.values())))
+            return
+        except ray.exceptions.RayError:
+            values = [_fetched(where[0], ref) for where, ref in refs.items()]
+        _put_back(results, refs, values)
+        lost = sorted({index for (index, _), value in zip(refs, values) if _lost_with_its_node(value)})
+        if lost and attempts_left > 1:
+            logger.warning(
+                "pool %r: the results of items %s were lost with their actor's node before they were "
+                "fetched; encoding them again", self.name, lost,
+            )
+            self._dispatcher.count_requeued(len(lost))
+            again = self._encode([items[i] for i in lost], timeout_s, True, None, attempts_left - 1)
+            for index, value in zip(lost, again):
+                results[index] = value
+        if not return_exceptions:
+            for result in results:
+                parts = result.parts if isinstance(result, PartResults) else [result]
+                failure = next((part for part in parts if isinstance(part, BaseException)), None)
+                if failure is not None:
+                    raise failure
 
     async def encode_async(
         self, items: Sequence[Item], timeout_s: float | None = None, return_exceptions: bool = False
@@ -244,12 +271,11 @@ class EncoderPool:
             except PoolUnavailableError as error:
                 raise await asyncio.to_thread(self._explained, error) from None
             refs = _refs_among(results)
-            values = await asyncio.gather(*refs.values(), return_exceptions=return_exceptions)
-            values = [
-                _fetch_failure(where[0], value) if isinstance(value, BaseException) else value
-                for where, value in zip(refs, values)
-            ]
-            _put_back(results, refs, values)
+            if refs:
+                await asyncio.to_thread(
+                    self._fetch_refs, items, results, refs, timeout_s, return_exceptions,
+                    self._settings.max_attempts_per_item,
+                )
             results = _joined(results, return_exceptions)
         if answer is not None:
             await asyncio.to_thread(
@@ -682,6 +708,12 @@ def _fetched(index: int, ref: ray.ObjectRef) -> Any:
         return ray.get(ref)
     except ray.exceptions.RayError as error:
         return _fetch_failure(index, error)
+
+
+def _lost_with_its_node(value: Any) -> bool:
+    """Whether a fetch failed because the object went with its node (not with this process)."""
+    cause = value.__cause__ if isinstance(value, EncodeError) else None
+    return isinstance(cause, ray.exceptions.ObjectLostError) and not isinstance(cause, ray.exceptions.OwnerDiedError)
 
 
 def _fetch_failure(index: int, error: BaseException) -> EncodeError:

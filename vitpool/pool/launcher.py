@@ -17,6 +17,7 @@ import ray
 from vitpool.actors.reports import ActorInfo
 from vitpool.errors import ConfigError, PoolUnavailableError, VitpoolError, counted
 from vitpool.pool.cluster import (
+    ON_HEAD_NODE,
     check_bundles,
     check_capacity,
     cluster_gpus,
@@ -99,7 +100,8 @@ def launch_pool(
             controller = (
                 ray.remote(concurrency_groups={WATCH_GROUP: MAX_WATCHING_HANDLES})(PoolController)
                 .options(
-                    name=name, namespace=NAMESPACE, num_cpus=0, max_concurrency=CONTROLLER_CONCURRENCY, **lifetime
+                    name=name, namespace=NAMESPACE, num_cpus=0, max_concurrency=CONTROLLER_CONCURRENCY,
+                    **ON_HEAD_NODE, **lifetime,
                 )
                 .remote(name, settings, options, threads, placement)
             )
