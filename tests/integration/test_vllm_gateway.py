@@ -8,6 +8,7 @@ import asyncio
 import base64
 import io
 import json
+import time
 
 import numpy as np
 import pytest
@@ -306,7 +307,16 @@ def test_the_store_bounds_its_bytes_and_readers_find_it(ray_cluster):
     assert publisher.contains_many(["k0", "k4", "k3"]) == [False, True, True]
     k4, k0 = reader.get_many(["k4", "k0"])
     assert torch.equal(k4, torch.full((8, 8), 4.0)) and k0 is None
-    ray.kill(find_store("store-test"))
+    store = find_store("store-test")
+    ray.kill(store)
+    # ray.kill returns before the actor is gone: wait until a call to it fails
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            ray.get(store.__ray_ready__.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            break
+        time.sleep(0.05)
     assert not reader.contains("k4")  # gone: vLLM encodes itself
     assert not StoreReader("no-such-pool").contains("k4")
     # the publisher opens a new store (its owner gone: another gateway exited), empty
