@@ -96,6 +96,11 @@ def scale(args: argparse.Namespace) -> int:
 
 def stop(args: argparse.Namespace) -> int:
     pool = EncoderPool.connect(args.name, args.address)
+    if not pool.settings.detached:
+        pool.close()
+        raise VitpoolError(
+            f"pool {args.name!r} is not detached: it stops with the process that launched it (its shutdown())"
+        )
     pool.shutdown()  # from any handle, shutdown stops a detached pool
     print(f"pool {args.name!r} stopped")
     return 0
@@ -112,7 +117,7 @@ def bench(args: argparse.Namespace) -> int:
             start = time.perf_counter()
             pool.encode([item])
             latencies.append(time.perf_counter() - start)
-        items, deadline = 0, time.monotonic() + args.seconds
+        deadline = time.monotonic() + args.seconds
 
         def closed_loop() -> int:
             done = 0

@@ -204,6 +204,30 @@ def test_the_command_line_serves_scales_benches_and_stops_a_pool(ray_head):
     assert after.returncode == 1 and f"no pool named {name!r}" in after.stderr
 
 
+HELD_OPEN = """
+import sys
+from vitpool import EncoderPool
+pool = EncoderPool.launch(budgets=[16], device="cpu", actor_options={"num_gpus": 0}, name=sys.argv[1], num_actors=1)
+print("ready", flush=True)
+sys.stdin.readline()  # until the test lets go
+pool.shutdown()
+"""
+
+
+def test_stop_refuses_a_pool_that_is_not_detached(ray_head):
+    owner = subprocess.Popen([sys.executable, "-c", HELD_OPEN, "svc-owned"], env=ENV, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout.readline().strip() == "ready", owner.stderr.read()[-3000:]
+        refused = vitpool("stop", "--name", "svc-owned", "--quiet")
+        assert refused.returncode == 1 and "is not detached: it stops with the process that launched it" in refused.stderr
+        still = vitpool("status", "--name", "svc-owned", "--quiet")
+        assert still.returncode == 0 and "1 encoder actor taking work" in still.stdout
+    finally:
+        owner.communicate("\n", timeout=120)
+    assert owner.returncode == 0
+
+
 WITHOUT_A_CLUSTER = """
 import vitpool.pool.launcher as launcher
 from vitpool import ConfigError, EncoderPool, PoolUnavailableError
