@@ -103,6 +103,40 @@ def mixed_items(seed: int) -> list:
     ]
 
 
+class CheckedStream:
+    """Threads calling a pool back to back, one per call in `calls`, each checking every result
+    against `reference_encoder`; used as a context manager (threads stop and join on exit)."""
+
+    def __init__(self, pool, reference_encoder, calls: list[list], join_timeout_s: float = 180) -> None:
+        self.pool, self.stop = pool, threading.Event()
+        self.failures: list[str] = []
+        self.completed = 0
+        self._join_timeout_s = join_timeout_s
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._run, args=(items, reference_encoder)) for items in calls]
+
+    def _run(self, items, reference_encoder) -> None:
+        expected = reference_encoder.encode(items)
+        while not self.stop.is_set():
+            try:
+                assert_same(self.pool.encode(items, timeout_s=120), expected)
+            except Exception as error:  # noqa: BLE001 - collected and reported
+                self.failures.append(repr(error))
+                return
+            with self._lock:
+                self.completed += 1
+
+    def __enter__(self) -> CheckedStream:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop.set()
+        for thread in self._threads:
+            thread.join(timeout=self._join_timeout_s)
+
+
 def assert_same(results, expected) -> None:
     assert len(results) == len(expected)
     for got, want in zip(results, expected):
@@ -129,6 +163,18 @@ def plan_batch(items, rules, budgets):
     num_tokens = sum(item.spec.num_tokens for item in prepared)
     budget = smallest_fitting(budgets, len(prepared), num_tokens, tuple(sorted(needs.items())))
     return BatchPlan(budget, tuple(item.spec for item in prepared)), [to_array(item.pixels) for item in prepared]
+
+
+def assert_answers_close(got: list, wanted: list, max_relative_error: float) -> None:
+    """`send_concurrently`'s answers all OK, without item errors, every output finite and within
+    `max_relative_error` of the wanted Embedding's."""
+    from vitpool.transport.link import OK
+
+    for (values, receipt), want in zip(got, wanted, strict=True):
+        assert receipt.status == OK and receipt.item_errors == {}
+        for value, expected in zip(values, want, strict=True):
+            for got_tensor, want_tensor in zip(value.outputs, expected.outputs, strict=True):
+                assert torch.isfinite(got_tensor).all() and relative_error(got_tensor, want_tensor) <= max_relative_error
 
 
 def send_concurrently(actor, batches: list[list], timeout_s: float = 60.0) -> list:

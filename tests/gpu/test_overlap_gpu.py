@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import image, plan_batch, relative_error, send_concurrently, video
+from conftest import assert_answers_close, image, plan_batch, send_concurrently, video
 
 from vitpool import GraphEncoder
 from vitpool.actors.encoder_actor import EncoderActor
 from vitpool.specs import ActorSpec, EncoderSpec
-from vitpool.transport.link import OK
 
 pytestmark = pytest.mark.gpu
 
@@ -54,12 +53,8 @@ def test_concurrent_batches_through_an_overlapping_actor_equal_the_encoder():
     batches = [[image(2 * (1 + n % 4), 2 * (2 + n % 3), generator), image(4, 6, generator)] for n in range(24)]
     wanted = [actor.encoder.encode(items, output_device="cpu") for items in batches]
     got = send_concurrently(actor, batches, timeout_s=120)
-    for (values, receipt), want in zip(got, wanted, strict=True):
-        assert receipt.status == OK and receipt.item_errors == {}
-        for value, expected in zip(values, want, strict=True):
-            for got_tensor, want_tensor in zip(value.outputs, expected.outputs, strict=True):
-                # a combined run replays a larger budget, whose GEMMs may round differently
-                assert torch.isfinite(got_tensor).all() and relative_error(got_tensor, want_tensor) <= 1e-2
+    # a combined run replays a larger budget, whose GEMMs may round differently
+    assert_answers_close(got, wanted, 1e-2)
     assert actor.stats().runs < len(batches)  # batches did wait and run together
 
 

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import image, plan_batch, relative_error, send_concurrently, video
+from conftest import assert_answers_close, image, plan_batch, relative_error, send_concurrently, video
 
 from vitpool import GraphEncoder
 from vitpool.actors.encoder_actor import EncoderActor
 from vitpool.specs import ActorSpec, EncoderSpec
-from vitpool.transport.link import OK
 
 pytestmark = pytest.mark.gpu
 
@@ -89,11 +88,7 @@ def test_an_actor_sends_small_batches_to_the_urgent_lane_and_answers_every_batch
         batches.append(small if n % 2 else [image(20, 24, generator), image(8, 8, generator)])
     wanted = [actor.encoder.encode(items, output_device="cpu") for items in batches]
     got = send_concurrently(actor, batches, timeout_s=120)
-    for (values, receipt), want in zip(got, wanted, strict=True):
-        assert receipt.status == OK and receipt.item_errors == {}
-        for value, expected in zip(values, want, strict=True):
-            for got_tensor, want_tensor in zip(value.outputs, expected.outputs, strict=True):
-                # a combined run replays a larger budget, whose GEMMs may round differently
-                assert torch.isfinite(got_tensor).all() and relative_error(got_tensor, want_tensor) <= 1e-2
+    # a combined run replays a larger budget, whose GEMMs may round differently
+    assert_answers_close(got, wanted, 1e-2)
     assert actor._urgent_combiner is not None and actor._urgent_combiner.counters.runs > 0
     assert actor._combiner.counters.runs > 0

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import ray
 import torch
-from conftest import BUDGETS, ROW_WIDTH, assert_same, image, mixed_items
+from conftest import BUDGETS, ROW_WIDTH, CheckedStream, assert_same, image, mixed_items
 
 from vitpool import EncoderPool, Image, InvalidItemError, PoolUnavailableError, Video
 
@@ -57,46 +57,16 @@ def wait_for(condition, timeout_s: float, what: str, pool: EncoderPool | None = 
         time.sleep(0.1)
 
 
-class Stream:
-    """Threads calling the pool back to back, checking every result against the reference."""
-
-    def __init__(self, pool: EncoderPool, reference_encoder, threads: int = 4) -> None:
-        self.pool, self.stop = pool, threading.Event()
-        self.failures: list[str] = []
-        self.completed = 0
-        self._lock = threading.Lock()
-        self._threads = [
-            threading.Thread(target=self._run, args=(mixed_items(900 + n)[: 2 + n % 3], reference_encoder))
-            for n in range(threads)
-        ]
-
-    def _run(self, items, reference_encoder) -> None:
-        expected = reference_encoder.encode(items)
-        while not self.stop.is_set():
-            try:
-                assert_same(self.pool.encode(items, timeout_s=120), expected)
-            except Exception as error:  # noqa: BLE001 - collected and reported
-                self.failures.append(repr(error))
-                return
-            with self._lock:
-                self.completed += 1
-
-    def __enter__(self) -> Stream:
-        for thread in self._threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.stop.set()
-        for thread in self._threads:
-            thread.join(timeout=180)
+def checked_stream(pool: EncoderPool, reference_encoder, threads: int = 4) -> CheckedStream:
+    """Threads calling the pool back to back with calls of 2 to 4 mixed items."""
+    return CheckedStream(pool, reference_encoder, [mixed_items(900 + n)[: 2 + n % 3] for n in range(threads)])
 
 
 def test_a_killed_actor_loses_nothing_and_is_replaced(ray_cluster, reference_encoder):
     pool = launch("vitpool-kill", max_actor_restarts=2)
     try:
         victim, pid = min(actor_pids(pool).items())
-        with Stream(pool, reference_encoder) as stream:
+        with checked_stream(pool, reference_encoder) as stream:
             wait_for(lambda: stream.completed >= 10, 120, "the stream to run", pool)
             in_flight = pool._dispatcher.in_flight().get(victim, 0)
             os.kill(pid, signal.SIGKILL)
@@ -156,7 +126,7 @@ BAD_INPUTS = {
 def test_bad_inputs_name_their_item_and_spare_a_concurrent_caller(ray_cluster, reference_encoder):
     pool = launch("vitpool-bad", max_item_tokens=300)
     try:
-        with Stream(pool, reference_encoder, threads=2) as stream:
+        with checked_stream(pool, reference_encoder, threads=2) as stream:
             for kind, build in BAD_INPUTS.items():
                 good = image(4, 4)
                 with pytest.raises(InvalidItemError) as raised:

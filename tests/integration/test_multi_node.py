@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import pytest
 import ray
 import torch
-from conftest import BUDGETS, assert_same, image, mixed_items, video
+from conftest import BUDGETS, CheckedStream, assert_same, image, mixed_items, video
 from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -304,38 +304,6 @@ def stop_caller(caller) -> None:
         ray.kill(caller)
 
 
-class Stream:
-    """Threads of this process calling the pool back to back, checking every result."""
-
-    def __init__(self, pool: EncoderPool, reference_encoder, seeds: range) -> None:
-        self.pool, self.stop = pool, threading.Event()
-        self.failures: list[str] = []
-        self.completed = 0
-        self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._run, args=(stream_items(seed), reference_encoder)) for seed in seeds]
-
-    def _run(self, items, reference_encoder) -> None:
-        expected = reference_encoder.encode(items)
-        while not self.stop.is_set():
-            try:
-                assert_same(self.pool.encode(items, timeout_s=120), expected)
-            except Exception as error:  # noqa: BLE001 - collected and reported
-                self.failures.append(repr(error))
-                return
-            with self._lock:
-                self.completed += 1
-
-    def __enter__(self) -> Stream:
-        for thread in self._threads:
-            thread.start()
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.stop.set()
-        for thread in self._threads:
-            thread.join(timeout=150)
-
-
 # the tests
 
 
@@ -449,7 +417,7 @@ def test_losing_a_node_mid_stream_loses_no_call_and_the_pool_recovers(cluster, p
         spare_caller.start_stream.remote(
             [(items, reference_encoder.encode(items)) for items in (stream_items(50), stream_items(51))]
         )
-        with Stream(pool, reference_encoder, range(3)) as stream:
+        with CheckedStream(pool, reference_encoder, [stream_items(seed) for seed in range(3)], 150) as stream:
             def both_streams_run() -> bool:
                 return stream.completed >= 6 and ray.get(spare_caller.progress.remote())[0] >= 3
 

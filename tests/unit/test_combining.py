@@ -61,6 +61,7 @@ def run_while_blocked(combiner: BatchCombiner, run: BlockingRun, batches: list[t
         deadline = time.monotonic() + 10
         while len(combiner._waiting) < index and time.monotonic() < deadline:  # queued in this order
             time.sleep(0.001)
+        assert len(combiner._waiting) == index
     run.release.set()
     for thread in threads:
         thread.join(10)

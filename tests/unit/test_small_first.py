@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import threading
 import time
 import types
 
@@ -16,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import BUDGETS
+from test_combining import BlockingRun, run_while_blocked  # the same blocked-run harness
 
 from vitpool.actors.combining import BatchCombiner, _Waiting, finished, small_first_group
 from vitpool.items import Embedding
@@ -194,44 +194,6 @@ def test_a_small_call_is_not_held_behind_large_batches_in_flight(small_first_tok
 # the combiner
 
 
-class BlockingRun:
-    """Runs whose first one waits until released; records each run's items."""
-
-    def __init__(self) -> None:
-        self.runs: list[list[str]] = []
-        self.started = threading.Event()
-        self.release = threading.Event()
-
-    def __call__(self, items: list[str], key: object) -> list[str]:
-        self.runs.append(list(items))
-        if len(self.runs) == 1:
-            self.started.set()
-            assert self.release.wait(10)
-        return [item.upper() for item in items]
-
-
-def run_behind_a_blocked_run(combiner: BatchCombiner, run: BlockingRun, batches: list[tuple[str, int]]) -> list:
-    """Batch 0 runs and blocks; the others queue behind it in order; then all run."""
-    outcomes: list = [None] * len(batches)
-
-    def call(index: int) -> None:
-        name, tokens = batches[index]
-        outcomes[index] = combiner([name], tokens)
-
-    threads = [threading.Thread(target=call, args=(0,))]
-    threads[0].start()
-    assert run.started.wait(10)
-    for index in range(1, len(batches)):
-        threads.append(threading.Thread(target=call, args=(index,)))
-        threads[-1].start()
-        assert wait_for(lambda count=index: len(combiner._waiting) == count)
-    run.release.set()
-    for thread in threads:
-        thread.join(10)
-        assert not thread.is_alive()
-    return outcomes
-
-
 @pytest.mark.parametrize(
     "small_tokens, max_tokens, expected",
     [
@@ -247,10 +209,10 @@ def run_behind_a_blocked_run(combiner: BatchCombiner, run: BlockingRun, batches:
 def test_a_small_batch_queued_behind_large_ones_runs_first(small_tokens, max_tokens, expected):
     run = BlockingRun()
     combiner = BatchCombiner(finished(run), max_tokens=max_tokens, small_tokens=small_tokens)
-    batches = [("busy", 10), ("large1", 200), ("large2", 150), ("small1", 10), ("small2", 40)]
-    outcomes = run_behind_a_blocked_run(combiner, run, batches)
-    assert outcomes == [[name.upper()] for name, _ in batches]  # each gets its own
-    assert run.runs == expected
+    names, tokens = ["busy", "large1", "large2", "small1", "small2"], [10, 200, 150, 10, 40]
+    outcomes = run_while_blocked(combiner, run, [([i], n, None) for i, n in enumerate(tokens)])
+    assert outcomes == [[10 * i] for i in range(len(names))]  # each gets its own
+    assert [[names[i] for i in items] for items, _ in run.runs] == expected
 
 
 def waiting(name: str, tokens: int) -> _Waiting:
