@@ -64,10 +64,10 @@ def serve(args: argparse.Namespace) -> int:
         model=args.model, num_actors=args.num_actors, budgets=budgets, name=args.name, address=args.address,
         actor_options=options, detached=True, **settings,
     )
-    stats = pool.stats()
+    num_actors = pool.num_actors
     pool.close()  # the pool is detached: it keeps running
     print(
-        f"pool {args.name!r} serving with {counted(stats.num_actors, 'encoder actor')} "
+        f"pool {args.name!r} serving with {counted(num_actors, 'encoder actor')} "
         f"({time.monotonic() - start:.1f} s); connect with EncoderPool.connect({args.name!r}), "
         f"stop with `vitpool stop --name {args.name}`"
     )
@@ -86,9 +86,9 @@ def status(args: argparse.Namespace) -> int:
 def scale(args: argparse.Namespace) -> int:
     pool = EncoderPool.connect(args.name, args.address)
     try:
-        before = pool.stats().num_actors
+        before = pool.num_actors
         pool.scale(args.num_actors)
-        print(f"pool {args.name!r}: {before} -> {counted(pool.stats().num_actors, 'encoder actor')}")
+        print(f"pool {args.name!r}: {before} -> {counted(pool.num_actors, 'encoder actor')}")
     finally:
         pool.close()
     return 0
@@ -135,7 +135,7 @@ def bench(args: argparse.Namespace) -> int:
         print(
             f"| pool | actors | item | one call p50 / p99 ms ({args.calls} calls) | items/s ({args.threads} threads, "
             f"{args.seconds:g} s) |\n|---|---|---|---|---|\n"
-            f"| {args.name} | {pool.stats().num_actors} | {_describe(item)} | "
+            f"| {args.name} | {pool.num_actors} | {_describe(item)} | "
             f"{statistics.median(latencies) * 1e3:.2f} / {p99 * 1e3:.2f} | {items / elapsed:.1f} |"
         )
     finally:
