@@ -79,3 +79,21 @@ def test_cost_counts_the_budget_not_the_items(policy):
 def test_room_bounds_how_much_of_a_queue_is_planned(policy):
     tokens, items = policy.room(free_slots=3)
     assert tokens == 3 * 256 and items == 3 * max(policy.budgets).max_items
+
+
+def test_ties_go_to_an_order_of_each_dispatchers_own():
+    """Callers see only their own batches: with one tie order for all, every caller would send its
+    first batches to the same actor of an idle pool."""
+    budgets = tuple(make_budgets([16, 64, 256], None, None))
+    idle = {index: ActorLoad() for index in range(8)}
+    firsts = set()
+    for seed in range(40):
+        policy = DispatchPolicy(budgets, max_in_flight=2, tie_seed=seed)
+        first = policy.choose_actor(idle)
+        assert all(policy.choose_actor(idle) == first for _ in range(3))  # one order per dispatcher
+        firsts.add(first)
+    assert len(firsts) >= 6
+    # cost still decides first
+    policy = DispatchPolicy(budgets, max_in_flight=2, tie_seed=7)
+    busy = {index: ActorLoad(in_flight=1, outstanding_cost=50.0) for index in range(8)}
+    assert policy.choose_actor({**busy, 5: ActorLoad()}) == 5

@@ -12,6 +12,7 @@ import ray
 import torch
 
 from vitpool.actors.encoder_actor import EncoderActor
+from vitpool.actors.standby import StandbyMixin
 from vitpool.specs import ItemSpec
 
 
@@ -42,3 +43,7 @@ class DeliveringEncoderActor(EncoderActor):
         if transport == "gloo" and not collective.gloo_available():
             return "Ray's gloo collectives (torch.distributed) are not available in the actors' environment"
         return None
+
+
+class StandbyDeliveringEncoderActor(StandbyMixin, DeliveringEncoderActor):
+    """A standby (`vitpool.actors.standby`) that becomes a `DeliveringEncoderActor`."""

@@ -49,6 +49,7 @@ class EncoderActor:
     Args:
         actor_index: the actor's number in its pool, for logs and stats.
         spec: the encoder to build and how to serve it (`vitpool.specs.ActorSpec`).
+        gpu_ids: the node's GPUs it runs on, as Ray names them; None: those Ray gave the actor.
 
     Raises:
         CheckpointError, ConfigError: the encoder cannot be built. Inside a Ray actor the
@@ -57,18 +58,18 @@ class EncoderActor:
             stops the actor.
     """
 
-    def __init__(self, actor_index: int, spec: ActorSpec) -> None:
+    def __init__(self, actor_index: int, spec: ActorSpec, gpu_ids: Sequence[str] | None = None) -> None:
         self.actor_index = actor_index
         self._start_error: Exception | None = None
         try:
-            self._start(spec)
+            self._start(spec, gpu_ids)
         except Exception as error:
             if _ray_context("get_actor_id") is None:
                 raise  # built in this process (tests, benchmarks): fail as any constructor does
             logger.error("encoder actor %d failed to start: %s: %s", actor_index, type(error).__name__, error)
             self._start_error = error
 
-    def _start(self, spec: ActorSpec) -> None:
+    def _start(self, spec: ActorSpec, gpu_ids: Sequence[str] | None) -> None:
         start = time.perf_counter()
         torch.set_num_threads(spec.num_threads)
         actor_index = self.actor_index
@@ -76,7 +77,9 @@ class EncoderActor:
 
         self.encoder: GraphEncoder = GraphEncoder.from_spec(spec.encoder)
         self._startup_seconds = time.perf_counter() - start
-        self._gpu_ids = [str(g) for g in (_ray_context("get_accelerator_ids") or {}).get("GPU", [])]
+        if gpu_ids is None:  # Ray's, for an actor it gave GPUs (a standby is given its GPU ids)
+            gpu_ids = (_ray_context("get_accelerator_ids") or {}).get("GPU", [])
+        self._gpu_ids = [str(g) for g in gpu_ids]
         self._started_at = time.monotonic()
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)

@@ -58,6 +58,23 @@ def load_adapter(
     return family.adapter(tower.eval().requires_grad_(False))
 
 
+def prepare_to_load(path: str | Path | None) -> None:
+    """Everything `load_adapter` does before it needs a device: import the tower's code (its
+    family's module and transformers' model module) and read its weight files once, so that they
+    sit in the OS page cache. A process kept ready to take over a GPU (`vitpool.actors.standby`)
+    calls this; it does not touch CUDA.
+
+    Raises:
+        CheckpointError: as for `load_adapter`.
+    """
+    directory = _checkpoint_directory(path)
+    _read_config(directory)
+    for weight_file in _weight_files(directory):
+        with open(weight_file, "rb") as stream:
+            while stream.read(64 << 20):
+                pass
+
+
 def vision_weights_digest(path: str | Path | None) -> str:
     """A 128-bit XXH3 digest of the vision weights the tower of `path` loads (each tensor's name,
     dtype, shape and bytes, as saved; a full checkpoint's language model is not read): checkpoints

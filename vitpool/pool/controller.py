@@ -23,6 +23,7 @@ from vitpool.pool.cluster import Placement
 from vitpool.pool.embedding_cache import start_cache_actor
 from vitpool.pool.metrics import PoolMetrics
 from vitpool.pool.settings import PoolSettings
+from vitpool.pool.standby import Standbys, hold_gpu
 from vitpool.pool.start_errors import one_line, start_error
 from vitpool.pool.stats import add_actor_counts
 
@@ -42,6 +43,7 @@ class _Member:
     state: str
     info: ActorInfo | None = None
     bundle: int | None = None  # its bundle of the placement group, for a colocated pool
+    hold: Any = None  # for a standby that took over a GPU: the actor holding that GPU in Ray's accounting
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class PoolHealth:
     departed: ActorStats = field(default_factory=ActorStats)  # their last known counters, summed
     autoscale_ups: int = 0
     autoscale_downs: int = 0
+    standby_takeovers: int = 0  # replacements made by a node's warm standby (the rest started fresh)
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,12 @@ class PoolController:
         # created here, so it shares the controller's lifetime (and the pool's), not a caller's
         self._cache = start_cache_actor(settings.embedding_cache_bytes) if settings.embedding_cache_bytes else None
         self._autoscaler: Autoscaler | None = None
+        self._standby_takeovers = 0
+        self._standbys = (
+            Standbys(name, NAMESPACE, settings.model, actor_options, settings.rank_transport is not None,
+                     self._max_concurrency())
+            if placement is None and settings.uses_warm_standby(actor_options) else None
+        )
         self._metrics = (
             PoolMetrics(name, lambda: self.membership().actors, lambda: (self._failures, self._restarts),
                         settings.metrics_interval_s, self.saw_stats)
@@ -142,6 +151,10 @@ class PoolController:
             self._settings,
             self._cache,
         )
+
+    def standbys(self) -> dict[str, Any]:
+        """Node id -> handle of its warm standby (`vitpool.pool.standby`); empty without them."""
+        return {} if self._standbys is None else self._standbys.handles()
 
     def all_actors(self) -> dict[int, Any]:
         """Every actor the pool holds, starting and retiring ones too (for stats)."""
@@ -219,6 +232,9 @@ class PoolController:
                 return
             member.state, member.info = ACTIVE, info
             self._bump()
+        # By default only actors that run on a GPU get one: a CPU actor starts in about as long.
+        if self._standbys is not None and (self._settings.warm_standby or info.device.startswith("cuda")):
+            self._standbys.ensure(info.node_id)
 
     def forget(self, index: int) -> None:
         """Drop an actor that failed to start or died."""
@@ -227,7 +243,7 @@ class PoolController:
             if member is not None and member.state == ACTIVE:
                 self._bump()
         if member is not None:
-            ray.kill(member.handle, no_restart=True)
+            _stop(member)
 
     def report_failure(self, index: int) -> bool:
         """A caller saw this actor die or go silent: stop it and start a replacement while restarts
@@ -242,17 +258,59 @@ class PoolController:
             self._bump()
             self._failures += 1
             replace = self._restarts < self._settings.max_actor_restarts
+            node = member.info.node_id if member.info is not None else None
+            standby = self._standbys.take(node) if replace and self._standbys is not None else None
             if replace:
                 self._restarts += 1
-                started = self._start_actor()
+                started = self._start_actor() if standby is None else self._new_member(standby)
+        how = "its node's warm standby takes over" if standby is not None else "starting a fresh actor"
         logger.warning(
             "encoder actor %d failed; %s", index,
-            f"starting actor {started[0]} in its place" if replace else "no restarts left, not replaced",
+            f"actor {started[0]} in its place: {how}" if replace else "no restarts left, not replaced",
         )
-        ray.kill(member.handle, no_restart=True)  # a silent one may still run
-        if replace:
+        _stop(member)  # a silent one may still run
+        if standby is not None:
+            threading.Thread(target=self._take_over, args=(started[0], standby, node), daemon=True).start()
+        elif replace:
             threading.Thread(target=self._activate_when_ready, args=started, daemon=True).start()
         return replace
+
+    def _take_over(self, index: int, standby: Any, node_id: str) -> None:
+        """Give actor `index`'s place to `standby`, with the GPU a hold gets on its node; failing
+        that, to a fresh actor."""
+        began = time.monotonic()
+        try:
+            hold, gpu_ids = hold_gpu(node_id, self._actor_options)
+            with self._lock:
+                member = self._members.get(index)
+                if member is None:  # shut down meanwhile
+                    ray.kill(hold, no_restart=True)
+                    return
+                member.hold = hold
+            info = ray.get(
+                standby.take_over.remote(index, self._settings.actor_spec(self._actor_threads), gpu_ids),
+                timeout=self._settings.startup_timeout_s,
+            )
+        except (ray.exceptions.RayError, TimeoutError, RuntimeError) as error:
+            logger.warning(
+                "the warm standby on node %s could not take over as actor %d (%s); starting a fresh actor",
+                node_id[:12], index, one_line(start_error(error)),
+            )
+            with self._lock:
+                member = self._members.pop(index, None)
+                started = self._start_actor() if member is not None else None
+            if member is not None:
+                _stop(member)
+            else:
+                ray.kill(standby, no_restart=True)
+            if started is not None:
+                self._activate_when_ready(*started)
+            return
+        with self._lock:
+            self._standby_takeovers += 1
+        self.activate(index, info)
+        logger.info("encoder actor %d (a warm standby) ready on %s, %.1f s after it was asked",
+                    index, info.device, time.monotonic() - began)
 
     def health(self) -> PoolHealth:
         with self._lock:
@@ -264,6 +322,7 @@ class PoolController:
             self._failures, self._restarts, self._settings.max_actor_restarts - self._restarts,
             self._departed_actors, ActorStats(**vars(self._departed)),
             scaler.scale_ups if scaler else 0, scaler.scale_downs if scaler else 0,
+            self._standby_takeovers,
         )
 
     def _activate_when_ready(self, index: int, handle: Any, info_ref: Any) -> None:
@@ -284,11 +343,13 @@ class PoolController:
             self._autoscaler.close()
         if self._metrics is not None:
             self._metrics.close()
+        if self._standbys is not None:
+            self._standbys.close()
         with self._lock:
             members, self._members = self._members, {}
             self._bump()
         for member in members.values():
-            ray.kill(member.handle, no_restart=True)
+            _stop(member)
         return len(members)
 
     def _bump(self) -> None:
@@ -296,12 +357,21 @@ class PoolController:
         self._version += 1
         self._changed.notify_all()
 
-    def _start_actor(self) -> tuple[int, Any, Any]:
+    def _max_concurrency(self) -> int:
+        return self._settings.max_batches_in_flight_per_actor + 2  # + stats and retire
+
+    def _new_member(self, handle: Any, bundle: int | None = None) -> tuple[int, Any, None]:
+        """A starting member for `handle` under the next index (lock held)."""
         index = self._next_index
         self._next_index += 1
+        self._members[index] = _Member(handle, STARTING, bundle=bundle)
+        return index, handle, None
+
+    def _start_actor(self) -> tuple[int, Any, Any]:
+        index = self._next_index
         settings = self._settings
         options = {
-            "max_concurrency": settings.max_batches_in_flight_per_actor + 2,  # + stats and retire
+            "max_concurrency": self._max_concurrency(),
             "name": f"{self._name}-encoder-{index}",
             "namespace": NAMESPACE,
             **self._actor_options,
@@ -318,7 +388,7 @@ class PoolController:
         else:
             from vitpool.actors.encoder_actor import EncoderActor as actor_class
         handle = ray.remote(actor_class).options(**options).remote(index, settings.actor_spec(self._actor_threads))
-        self._members[index] = _Member(handle, STARTING, bundle=bundle)
+        self._new_member(handle, bundle)
         return index, handle, handle.info.remote()
 
     def _free_bundle(self) -> int | None:
@@ -349,4 +419,14 @@ class PoolController:
         with self._lock:
             if self._members.pop(index, None) is not None:
                 self._depart(index, final)
-        ray.kill(member.handle, no_restart=True)
+            nodes = {m.info.node_id for m in self._members.values() if m.info is not None}
+        _stop(member)
+        if self._standbys is not None:  # a node the pool left keeps no standby
+            self._standbys.keep_only(nodes)
+
+
+def _stop(member: _Member) -> None:
+    """Kill a member's actor, and the hold of the GPU it took over as a standby."""
+    ray.kill(member.handle, no_restart=True)
+    if member.hold is not None:
+        ray.kill(member.hold, no_restart=True)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import random
 import threading
 import time
 import weakref
@@ -539,5 +540,5 @@ def _release(load: ActorLoad, flight: _Flight) -> None:
 def _policy(budgets: list[Budget], settings: PoolSettings) -> DispatchPolicy:
     return DispatchPolicy(
         tuple(budgets), settings.max_batches_in_flight_per_actor, settings.max_tokens_per_run,
-        settings.small_first_tokens,
+        settings.small_first_tokens, tie_seed=random.getrandbits(32),
     )

@@ -530,6 +530,7 @@ class EncoderPool:
             rejected_items=counters.rejected_items,
             actor_restarts=health.restarts,
             actor_failures=health.failures,
+            standby_takeovers=health.standby_takeovers,
             queued_bytes=self._dispatcher.queued_bytes,
             peak_queued_items=self._dispatcher.peak_queued[0],
             peak_queued_bytes=self._dispatcher.peak_queued[1],

@@ -48,12 +48,16 @@ class DispatchPolicy:
             largest budget).
         small_tokens: calls of at most this many output tokens go small first (see the module);
             None: one lane, oldest batch first.
+        tie_seed: orders actors that tie on cost: each caller process's dispatcher draws its
+            own, so that callers, which each see only their own batches, do not all pile onto
+            the lowest-numbered actors of a large pool. None: the lowest index wins a tie.
     """
 
     budgets: tuple[Budget, ...]
     max_in_flight: int
     max_tokens_per_run: int | None = None
     small_tokens: int | None = None
+    tie_seed: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "budgets", tuple(sorted(self.budgets)))  # once: plan runs on every dispatch
@@ -122,18 +126,21 @@ class DispatchPolicy:
         return any(load.accepting and load.in_flight == 0 for load in loads.values())
 
     def choose_actor(self, loads: Mapping[int, ActorLoad], small: bool = False) -> int | None:
-        """The accepting actor with a free slot and the least outstanding cost (lowest index on a
-        tie), or None when none has room. A `small` batch looks in the small lanes first."""
+        """The accepting actor with a free slot and the least outstanding cost (ties: see
+        `tie_seed`), or None when none has room. A `small` batch looks in the small lanes first."""
         lanes = [True, False] if small and self.small_tokens is not None else [False]
         for small_lane in lanes:
             candidates = [
-                (load.outstanding_cost, index)
+                (load.outstanding_cost, self._tie_rank(index), index)
                 for index, load in loads.items()
                 if load.accepting and self._lane_has_room(load, small_lane)
             ]
             if candidates:
-                return min(candidates)[1]
+                return min(candidates)[2]
         return None
+
+    def _tie_rank(self, index: int) -> int:
+        return index if self.tie_seed is None else hash((self.tie_seed, index))
 
     def takes_in_small_lane(self, load: ActorLoad, small: bool) -> bool:
         """Whether a batch (`small` or not) sent to this actor goes in its small lane."""

@@ -1,0 +1,69 @@
+"""GPU: a pool's warm standby (`vitpool.actors.standby`) has not started CUDA before it takes over,
+takes over the dead actor's GPU, and the actor it becomes answers as the encoder in this process
+does. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import ray
+import torch
+from conftest import image, relative_error
+
+from vitpool import EncoderPool, GraphEncoder
+
+pytestmark = pytest.mark.gpu
+
+BUDGETS = [64, 128, 256]
+
+
+def test_a_standby_takes_over_the_dead_actors_gpu_and_answers_right():
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    try:
+        pool = EncoderPool.launch(
+            budgets=BUDGETS, dtype="bfloat16", num_actors=2, actor_options={"num_gpus": 0.5},
+            max_actor_restarts=1, metrics_interval_s=None,
+        )
+        try:
+            while not (standbys := ray.get(pool._controller.standbys.remote())):
+                time.sleep(0.2)
+            (standby,) = standbys.values()
+            ray.get(standby.standby_ready.remote(), timeout=300)
+
+            def started_cuda(actor) -> bool:
+                from vitpool.actors.standby import cuda_driver_initialized
+
+                return cuda_driver_initialized()
+
+            assert not ray.get(standby.__ray_call__.remote(started_cuda))
+            membership = ray.get(pool._controller.membership.remote())
+            victim = min(membership.infos)
+            gpu_ids = membership.infos[victim].gpu_ids
+            os.kill(membership.infos[victim].pid, signal.SIGKILL)
+            generator = torch.Generator().manual_seed(3)
+            calls = [[image(8 * (1 + n % 3), 8, generator)] for n in range(12)]
+            encoder = GraphEncoder.from_pretrained(None, budgets=BUDGETS, device="cuda", dtype=torch.bfloat16)
+            wanted = [encoder.encode(call, output_device="cpu") for call in calls]
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                got = [pool.encode(call) for call in calls]  # reports the death, then runs on
+                if pool.stats().standby_takeovers == 1 and pool.num_actors == 2:
+                    break
+            stats = pool.stats()
+            assert stats.standby_takeovers == 1 and stats.failed_calls == 0, stats.summary()
+            infos = ray.get(pool._controller.membership.remote()).infos
+            (new,) = [infos[index] for index in set(infos) - set(membership.infos)]
+            assert new.gpu_ids == gpu_ids and new.device.startswith("cuda")
+            for _ in range(3):  # the new actor gets some of these
+                for got, want in zip([pool.encode(call) for call in calls], wanted, strict=True):
+                    for got_tensor, want_tensor in zip(got[0].outputs, want[0].outputs, strict=True):
+                        assert torch.isfinite(got_tensor).all() and relative_error(got_tensor, want_tensor) <= 1e-2
+            assert next(a for a in pool.stats().actors if a.actor_index == new.actor_index).items > 0
+        finally:
+            pool.shutdown()
+    finally:
+        ray.shutdown()

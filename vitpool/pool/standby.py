@@ -1,0 +1,125 @@
+"""The pool's warm standbys (`vitpool.actors.standby`): one process per node that runs the pool's
+encoder actors, ready to take over the GPU of an actor there that dies.
+
+A standby holds none of Ray's resources. The GPU it takes over is held for it in Ray's accounting
+by a small actor with the encoder actor's resources, placed on the same node (`hold_gpu`): Ray gives
+that actor the GPU the dead actor freed, and the standby runs on exactly the GPU ids Ray gave it.
+The hold starts a bare Ray worker (its class travels by value, so it imports neither torch nor
+vitpool) and lives as long as the actor it holds for.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+logger = logging.getLogger(__name__)
+
+HOLD_TIMEOUT_S = 10.0  # a GPU not free on the node by then: the pool starts a fresh actor instead
+# What an actor asks Ray for, which the hold asks for in the standby's place; the standby takes
+# the other options (runtime_env, ...), so that it runs where and as an encoder actor would.
+_RESOURCE_OPTIONS = ("num_cpus", "num_gpus", "resources", "memory", "accelerator_type")
+_PLACEMENT_OPTIONS = ("scheduling_strategy", "placement_group", "placement_group_bundle_index", "name", "namespace")
+
+
+class Standbys:
+    """The standby of each node, started on demand (`ensure`) and handed out once (`take`)."""
+
+    def __init__(self, pool_name: str, namespace: str, model: str | None, actor_options: dict,
+                 delivering: bool, max_concurrency: int) -> None:
+        self._pool_name = pool_name
+        self._namespace = namespace
+        self._model = model
+        self._options = {
+            key: value for key, value in actor_options.items()
+            if key not in _RESOURCE_OPTIONS + _PLACEMENT_OPTIONS
+        }
+        self._delivering = delivering
+        self._max_concurrency = max_concurrency
+        self._by_node: dict[str, Any] = {}
+        self._numbers = itertools.count()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def ensure(self, node_id: str | None) -> None:
+        """Start a standby on `node_id` unless it has one."""
+        if node_id is None:
+            return
+        with self._lock:
+            if self._closed or node_id in self._by_node:
+                return
+            # Imported here: the controller loads the actor classes' modules only when it needs them.
+            if self._delivering:
+                from vitpool.actors.delivering_actor import StandbyDeliveringEncoderActor as standby_class
+            else:
+                from vitpool.actors.standby import StandbyEncoderActor as standby_class
+            self._by_node[node_id] = ray.remote(standby_class).options(
+                num_cpus=0, num_gpus=0, max_concurrency=self._max_concurrency,
+                name=f"{self._pool_name}-standby-{next(self._numbers)}", namespace=self._namespace,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+                **self._options,
+            ).remote(self._model)
+        logger.info("starting a warm standby on node %s", node_id[:12])
+
+    def take(self, node_id: str | None) -> Any | None:
+        """The standby of `node_id` (now the caller's), or None."""
+        with self._lock:
+            return None if node_id is None else self._by_node.pop(node_id, None)
+
+    def keep_only(self, node_ids: set[str]) -> None:
+        """Stop the standbys of nodes outside `node_ids` (no actor of the pool runs there now)."""
+        with self._lock:
+            gone = [self._by_node.pop(node) for node in list(self._by_node) if node not in node_ids]
+        for handle in gone:
+            ray.kill(handle, no_restart=True)
+
+    def handles(self) -> dict[str, Any]:
+        """Node id -> its standby's handle."""
+        with self._lock:
+            return dict(self._by_node)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            handles, self._by_node = list(self._by_node.values()), {}
+        for handle in handles:
+            ray.kill(handle, no_restart=True)
+
+
+def hold_gpu(node_id: str, actor_options: dict, timeout_s: float = HOLD_TIMEOUT_S) -> tuple[Any, list[str]]:
+    """An actor on `node_id` that holds an encoder actor's resources, and the GPU ids Ray gave it.
+
+    Raises:
+        TimeoutError: the resources did not come free on the node within `timeout_s` (the hold
+            is stopped).
+        ray.exceptions.RayError: the hold could not start (its node is gone, ...).
+    """
+    resources = {key: actor_options[key] for key in _RESOURCE_OPTIONS if key in actor_options}
+    hold = ray.remote(_gpu_hold_class()).options(
+        **resources, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+    ).remote()
+    try:
+        gpu_ids = ray.get(hold.gpu_ids.remote(), timeout=timeout_s)
+    except BaseException:
+        ray.kill(hold, no_restart=True)
+        raise
+    return hold, gpu_ids
+
+
+def _gpu_hold_class() -> type:
+    # Defined in a function so that Ray sends the class by value: its worker then imports only
+    # Ray, not this package (whose import brings torch, seconds of a replacement's start).
+    class GpuHold:
+        """Holds an encoder actor's resources for the standby that took over its GPU."""
+
+        def gpu_ids(self) -> list[str]:
+            import ray
+
+            return [str(gpu) for gpu in ray.get_runtime_context().get_accelerator_ids().get("GPU", [])]
+
+    return GpuHold
