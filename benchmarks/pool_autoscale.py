@@ -74,7 +74,7 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}
 # Rough time for an added actor to start, load and capture (RESULTS.md "Startup": about 25 s for
 # the 8B tower on an H100; the tiny model on a CPU takes a few seconds): only for default phases.
 ACTOR_START_S = {"cuda": 30.0, "cpu": 5.0}
-SETTLE_S = {"cuda": 60.0, "cpu": 10.0}  # default time at N actors, then at one, after the autoscaler's steps
+SETTLE_S = {"cuda": 60.0, "cpu": 15.0}  # default time at N actors, then at one, after the autoscaler's steps
 LOW_S = {"cuda": 30.0, "cpu": 10.0}  # the first phase
 # calls/s of a low phase by default: one 224² image costs an actor about 3 ms on an H100
 # (RESULTS.md) and 5-10 ms on a CPU, so that these keep one actor well under 25% busy

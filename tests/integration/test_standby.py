@@ -88,3 +88,19 @@ def test_standbys_are_off_by_default_on_cpu_actors(ray_cluster):
         assert ray.get(pool._controller.standbys.remote()) == {}
     finally:
         pool.shutdown()
+
+
+def test_the_autoscaler_turns_a_ready_standby_into_a_new_actor(ray_cluster, reference_encoder):
+    pool = launch("vitpool-standby-up", num_actors=1, actor_options={"num_gpus": 0.5})
+    try:
+        _, standby_pid = ready_standby(pool)
+        ray.get(pool._controller.scale_to.remote(2))  # what the autoscaler calls
+        wait_for(lambda: pool.num_actors == 2, 120, "the second actor", pool)
+        stats = pool.stats()
+        assert stats.standby_takeovers == 1 and stats.actor_restarts == 0, stats.summary()
+        assert standby_pid in actor_pids(pool).values()
+        for seed in range(4):
+            items = mixed_items(30 + seed)
+            assert_same(pool.encode(items), reference_encoder.encode(items))
+    finally:
+        pool.shutdown()

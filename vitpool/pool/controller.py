@@ -23,7 +23,7 @@ from vitpool.pool.cluster import Placement
 from vitpool.pool.embedding_cache import start_cache_actor
 from vitpool.pool.metrics import PoolMetrics
 from vitpool.pool.settings import PoolSettings
-from vitpool.pool.standby import Standbys, hold_gpu
+from vitpool.pool.standby import HOLD_TIMEOUT_S, Standbys, hold_gpu
 from vitpool.pool.start_errors import one_line, start_error
 from vitpool.pool.stats import add_actor_counts
 
@@ -34,6 +34,9 @@ NAMESPACE = "vitpool"  # fixed, so that every job in the cluster finds a pool by
 # failure reports or stats; each handle keeps one open.
 WATCH_GROUP = "watch"
 MAX_WATCHING_HANDLES = 128
+# An autoscaled actor waits this long for its node to free a GPU for a warm standby, then starts
+# fresh anywhere: unlike a dead actor's node, the standby's node may have no GPU free at all.
+SCALE_UP_HOLD_TIMEOUT_S = 5.0
 STARTING, ACTIVE, RETIRING = "starting", "active", "retiring"
 
 
@@ -55,7 +58,7 @@ class PoolHealth:
     departed: ActorStats = field(default_factory=ActorStats)  # their last known counters, summed
     autoscale_ups: int = 0
     autoscale_downs: int = 0
-    standby_takeovers: int = 0  # replacements made by a node's warm standby (the rest started fresh)
+    standby_takeovers: int = 0  # actors that a node's warm standby became (replacements or autoscaled)
 
 
 @dataclass(frozen=True)
@@ -182,10 +185,12 @@ class PoolController:
         )
 
     def scale_to(self, num_actors: int) -> None:
-        """`scale` for the autoscaler: new actors take work once ready, with no caller waiting."""
-        started, _ = self.scale(num_actors)
+        """`scale` for the autoscaler: new actors take work once ready, with no caller waiting; a
+        warm standby, where one is ready, becomes a new actor on a free GPU of its node."""
+        started, _ = self.scale(num_actors, use_standbys=True)
         for index, handle, info_ref in started:
-            threading.Thread(target=self._activate_when_ready, args=(index, handle, info_ref), daemon=True).start()
+            if info_ref is not None:  # a fresh actor (a standby's take-over runs on its own)
+                threading.Thread(target=self._activate_when_ready, args=(index, handle, info_ref), daemon=True).start()
 
     def _starting(self) -> int:
         with self._lock:
@@ -205,15 +210,26 @@ class PoolController:
         if stats is not None:
             add_actor_counts(self._departed, stats)
 
-    def scale(self, num_actors: int) -> tuple[list[tuple[int, Any, Any]], list[int]]:
+    def scale(self, num_actors: int, use_standbys: bool = False) -> tuple[list[tuple[int, Any, Any]], list[int]]:
         """Start or retire actors so that `num_actors` are active or starting.
 
         Returns (index, handle, reference to its ActorInfo) of each started actor, for the caller
-        to wait on and then `activate`, and the indices of the actors being retired.
+        to wait on and then `activate`, and the indices of the actors being retired. With
+        `use_standbys`, ready warm standbys become some of the new actors; their reference is
+        None, and they are activated here once they have taken over.
         """
+        takeovers = []
         with self._lock:
             current = sorted(i for i, m in self._members.items() if m.state in (STARTING, ACTIVE))
-            started = [self._start_actor() for _ in range(num_actors - len(current))]
+            started = []
+            for _ in range(num_actors - len(current)):
+                found = self._standbys.take_any() if use_standbys and self._standbys is not None else None
+                if found is None:
+                    started.append(self._start_actor())
+                else:
+                    node, standby = found
+                    started.append(self._new_member(standby))
+                    takeovers.append((started[-1][0], standby, node, SCALE_UP_HOLD_TIMEOUT_S))
             # Newest first: the oldest actors have the warmest caches and the most history.
             retired = current[num_actors:] if num_actors < len(current) else []
             for index in retired:
@@ -222,6 +238,8 @@ class PoolController:
                 self._bump()
         for index in retired:
             threading.Thread(target=self._retire, args=(index,), daemon=True).start()
+        for takeover in takeovers:
+            threading.Thread(target=self._take_over, args=takeover, daemon=True).start()
         return started, retired
 
     def activate(self, index: int, info: ActorInfo) -> None:
@@ -275,12 +293,20 @@ class PoolController:
             threading.Thread(target=self._activate_when_ready, args=started, daemon=True).start()
         return replace
 
-    def _take_over(self, index: int, standby: Any, node_id: str) -> None:
+    def _take_over(self, index: int, standby: Any, node_id: str, hold_timeout_s: float = HOLD_TIMEOUT_S) -> None:
         """Give actor `index`'s place to `standby`, with the GPU a hold gets on its node; failing
-        that, to a fresh actor."""
+        that, to a fresh actor (and the standby stays one, if it was only the GPU that failed)."""
         began = time.monotonic()
         try:
-            hold, gpu_ids = hold_gpu(node_id, self._actor_options)
+            hold, gpu_ids = hold_gpu(node_id, self._actor_options, hold_timeout_s)
+        except (ray.exceptions.RayError, TimeoutError) as error:
+            logger.info("no GPU came free on node %s for its warm standby (%s); starting a fresh actor",
+                        node_id[:12], one_line(start_error(error)))
+            if self._standbys is not None:
+                self._standbys.give_back(node_id, standby)
+            self._start_fresh_instead(index)
+            return
+        try:
             with self._lock:
                 member = self._members.get(index)
                 if member is None:  # shut down meanwhile
@@ -296,21 +322,24 @@ class PoolController:
                 "the warm standby on node %s could not take over as actor %d (%s); starting a fresh actor",
                 node_id[:12], index, one_line(start_error(error)),
             )
-            with self._lock:
-                member = self._members.pop(index, None)
-                started = self._start_actor() if member is not None else None
-            if member is not None:
-                _stop(member)
-            else:
-                ray.kill(standby, no_restart=True)
-            if started is not None:
-                self._activate_when_ready(*started)
+            ray.kill(standby, no_restart=True)
+            self._start_fresh_instead(index)
             return
         with self._lock:
             self._standby_takeovers += 1
         self.activate(index, info)
         logger.info("encoder actor %d (a warm standby) ready on %s, %.1f s after it was asked",
                     index, info.device, time.monotonic() - began)
+
+    def _start_fresh_instead(self, index: int) -> None:
+        """A fresh actor in the place of starting member `index` (whose actor and hold stop)."""
+        with self._lock:
+            member = self._members.pop(index, None)
+            started = self._start_actor() if member is not None else None  # None: shut down meanwhile
+        if member is not None and member.hold is not None:
+            ray.kill(member.hold, no_restart=True)
+        if started is not None:
+            self._activate_when_ready(*started)
 
     def health(self) -> PoolHealth:
         with self._lock:

@@ -71,6 +71,19 @@ class Standbys:
         with self._lock:
             return None if node_id is None else self._by_node.pop(node_id, None)
 
+    def take_any(self) -> tuple[str, Any] | None:
+        """Some node's standby (node id, handle; now the caller's), or None."""
+        with self._lock:
+            return self._by_node.popitem() if self._by_node else None
+
+    def give_back(self, node_id: str, handle: Any) -> None:
+        """A standby taken and not used stays its node's (or stops, if the node has one again)."""
+        with self._lock:
+            if not self._closed and node_id not in self._by_node:
+                self._by_node[node_id] = handle
+                return
+        ray.kill(handle, no_restart=True)
+
     def keep_only(self, node_ids: set[str]) -> None:
         """Stop the standbys of nodes outside `node_ids` (no actor of the pool runs there now)."""
         with self._lock:

@@ -75,7 +75,7 @@ class PoolStats:
     rejected_items: int = 0  # bad input, found in this process or by an actor
     actor_restarts: int = 0  # replacements the pool started for dead or silent actors
     actor_failures: int = 0  # actors reported dead or silent (by any caller process)
-    standby_takeovers: int = 0  # of the restarts, those a node's warm standby made
+    standby_takeovers: int = 0  # actors that a node's warm standby became (replacements or autoscaled)
     queued_bytes: int = 0
     peak_queued_items: int = 0
     peak_queued_bytes: int = 0
@@ -107,7 +107,7 @@ class PoolStats:
             + (f" ({self.departed.items} by {counted(self.departed_actors, 'actor')} since retired or failed)"
                if self.departed_actors else "")
             + f", actor failures {self.actor_failures}, restarts {self.actor_restarts}"
-            + (f" ({self.standby_takeovers} by warm standbys)" if self.standby_takeovers else "")
+            + (f", warm standby take-overs {self.standby_takeovers}" if self.standby_takeovers else "")
             + (f"; autoscaling {self.autoscale[0]}-{self.autoscale[1]} actors: {self.autoscale_ups} up, "
                f"{self.autoscale_downs} down" if self.autoscale else "")
         ]
