@@ -21,6 +21,10 @@ BUDGETS = [64, 128, 256]
 
 
 def test_a_standby_takes_over_the_dead_actors_gpu_and_answers_right():
+    generator = torch.Generator().manual_seed(3)
+    calls = [[image(8 * (1 + n % 3), 8, generator)] for n in range(12)]
+    encoder = GraphEncoder.from_pretrained(None, budgets=BUDGETS, device="cuda", dtype=torch.bfloat16)
+    wanted = [encoder.encode(call, output_device="cpu") for call in calls]
     os.environ["RAY_AUTH_MODE"] = "disabled"
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
     try:
@@ -29,7 +33,7 @@ def test_a_standby_takes_over_the_dead_actors_gpu_and_answers_right():
             max_actor_restarts=1, metrics_interval_s=None,
         )
         try:
-            while not (standbys := ray.get(pool._controller.standbys.remote())):
+            while not (standbys := ray.get(pool._controller.standbys.remote(), timeout=30)):
                 time.sleep(0.2)
             (standby,) = standbys.values()
             ray.get(standby.standby_ready.remote(), timeout=300)
@@ -39,30 +43,29 @@ def test_a_standby_takes_over_the_dead_actors_gpu_and_answers_right():
 
                 return cuda_driver_initialized()
 
-            assert not ray.get(standby.__ray_call__.remote(started_cuda))
-            membership = ray.get(pool._controller.membership.remote())
+            assert not ray.get(standby.__ray_call__.remote(started_cuda), timeout=30)
+            for call in calls:  # both actors known to this process before the kill
+                pool.encode(call, timeout_s=60)
+            membership = ray.get(pool._controller.membership.remote(), timeout=30)
             victim = min(membership.infos)
             gpu_ids = membership.infos[victim].gpu_ids
             os.kill(membership.infos[victim].pid, signal.SIGKILL)
-            generator = torch.Generator().manual_seed(3)
-            calls = [[image(8 * (1 + n % 3), 8, generator)] for n in range(12)]
-            encoder = GraphEncoder.from_pretrained(None, budgets=BUDGETS, device="cuda", dtype=torch.bfloat16)
-            wanted = [encoder.encode(call, output_device="cpu") for call in calls]
             deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
-                got = [pool.encode(call) for call in calls]  # reports the death, then runs on
-                if pool.stats().standby_takeovers == 1 and pool.num_actors == 2:
-                    break
-            stats = pool.stats()
+            while not (pool.num_actors == 2 and victim not in ray.get(pool._controller.membership.remote()).infos):
+                assert time.monotonic() < deadline, pool.stats(timeout_s=10).summary()
+                for call in calls:  # reports the death, then runs on
+                    pool.encode(call, timeout_s=60)
+            stats = pool.stats(timeout_s=30)
             assert stats.standby_takeovers == 1 and stats.failed_calls == 0, stats.summary()
-            infos = ray.get(pool._controller.membership.remote()).infos
+            infos = ray.get(pool._controller.membership.remote(), timeout=30).infos
             (new,) = [infos[index] for index in set(infos) - set(membership.infos)]
             assert new.gpu_ids == gpu_ids and new.device.startswith("cuda")
             for _ in range(3):  # the new actor gets some of these
-                for got, want in zip([pool.encode(call) for call in calls], wanted, strict=True):
-                    for got_tensor, want_tensor in zip(got[0].outputs, want[0].outputs, strict=True):
+                for call, want in zip(calls, wanted, strict=True):
+                    (got,) = pool.encode(call, timeout_s=60)
+                    for got_tensor, want_tensor in zip(got.outputs, want[0].outputs, strict=True):
                         assert torch.isfinite(got_tensor).all() and relative_error(got_tensor, want_tensor) <= 1e-2
-            assert next(a for a in pool.stats().actors if a.actor_index == new.actor_index).items > 0
+            assert next(a for a in pool.stats(timeout_s=30).actors if a.actor_index == new.actor_index).items > 0
         finally:
             pool.shutdown()
     finally:

@@ -79,7 +79,8 @@ def queued(call: Call, sizes: list[int]) -> list[QueuedItem]:
 
 def dispatcher(links: dict[int, FakeLink], failed: list[int], **settings) -> Dispatcher:
     budgets = make_budgets(BUDGETS, None, None)
-    result = Dispatcher(budgets, PoolSettings(**settings), on_actor_failed=failed.append, make_link=links.__getitem__)
+    result = Dispatcher(budgets, PoolSettings(**settings), on_actor_failed=failed.append, make_link=links.__getitem__,
+                        ties_in_own_order=False)  # the tests name which actor goes first
     result.set_actors(list(links), budgets)
     return result
 

@@ -105,6 +105,8 @@ class Dispatcher:
         settings: the pool's settings (queue bounds, batch window, timeouts, batch limits).
         on_actor_failed: told the index of a dead or silent actor; it must make no Ray calls.
         make_link: the link to an actor, by index, when it joins.
+        ties_in_own_order: actors that tie on load are tried in an order of this dispatcher's
+            own (`DispatchPolicy.tie_seed`); False: lowest index first.
     """
 
     def __init__(
@@ -113,8 +115,10 @@ class Dispatcher:
         settings: PoolSettings,
         on_actor_failed: Callable[[int], None],
         make_link: Callable[[int], ActorLink],
+        ties_in_own_order: bool = True,
     ) -> None:
-        self._policy = _policy(budgets, settings)
+        self._tie_seed = random.getrandbits(32) if ties_in_own_order else None
+        self._policy = _policy(budgets, settings, self._tie_seed)
         self._settings = settings
         self._window_s = settings.batch_window_s
         self._max_attempts = settings.max_attempts_per_item
@@ -146,7 +150,7 @@ class Dispatcher:
         flight finish."""
         actors = set(actors)
         with self._lock:
-            self._policy = _policy(budgets, self._settings)
+            self._policy = _policy(budgets, self._settings, self._tie_seed)
             for index, slot in self._actors.items():
                 slot.load.accepting = index in actors
             for index in sorted(actors):
@@ -537,8 +541,8 @@ def _release(load: ActorLoad, flight: _Flight) -> None:
     load.outstanding_cost -= flight.cost
 
 
-def _policy(budgets: list[Budget], settings: PoolSettings) -> DispatchPolicy:
+def _policy(budgets: list[Budget], settings: PoolSettings, tie_seed: int | None) -> DispatchPolicy:
     return DispatchPolicy(
         tuple(budgets), settings.max_batches_in_flight_per_actor, settings.max_tokens_per_run,
-        settings.small_first_tokens, tie_seed=random.getrandbits(32),
+        settings.small_first_tokens, tie_seed,
     )
