@@ -539,6 +539,7 @@ def run(args: argparse.Namespace, phases: list[Phase], pool: EncoderPool) -> dic
             "autoscale_ups": stats.autoscale_ups, "autoscale_downs": stats.autoscale_downs,
             "actor_failures": stats.actor_failures, "actor_restarts": stats.actor_restarts,
             "pool_items": stats.pool_items, "departed_actors": stats.departed_actors,
+            "standby_takeovers": stats.standby_takeovers,
         },
         "calls": len(records),
         "failed": sum(r[2] == FAILED for r in records),
