@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 import ray
@@ -102,5 +103,25 @@ def test_the_autoscaler_turns_a_ready_standby_into_a_new_actor(ray_cluster, refe
         for seed in range(4):
             items = mixed_items(30 + seed)
             assert_same(pool.encode(items), reference_encoder.encode(items))
+    finally:
+        pool.shutdown()
+
+
+def test_an_actor_dead_before_the_callers_first_call_is_replaced_by_the_standby(ray_cluster, reference_encoder):
+    pool = launch("vitpool-standby-first", num_actors=2, actor_options={"num_gpus": 0.5})
+    try:
+        _, standby_pid = ready_standby(pool)
+        victim, pid = min(actor_pids(pool).items())
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: not process_alive(pid), 30, "the actor to die")
+        deadline = time.monotonic() + 120
+        calls = [mixed_items(60 + n)[:3] for n in range(4)]
+        while not (pool.num_actors == 2 and victim not in actor_pids(pool)):
+            assert time.monotonic() < deadline, pool.stats().summary()
+            for items in calls:  # the first of these finds the dead actor
+                assert_same(pool.encode(items, timeout_s=60), reference_encoder.encode(items))
+        stats = pool.stats()
+        assert stats.standby_takeovers == 1 and stats.failed_calls == 0, stats.summary()
+        assert standby_pid in actor_pids(pool).values()
     finally:
         pool.shutdown()
