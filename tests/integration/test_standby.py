@@ -125,3 +125,18 @@ def test_an_actor_dead_before_the_callers_first_call_is_replaced_by_the_standby(
         assert standby_pid in actor_pids(pool).values()
     finally:
         pool.shutdown()
+
+
+def test_the_controller_replaces_a_dead_actor_that_no_caller_sends_to(ray_cluster):
+    """A caller reports an actor dead when a batch to it fails; one that no caller chooses is
+    found by the controller's own check."""
+    pool = EncoderPool.launch(budgets=BUDGETS, name="vitpool-unused-dead", device="cpu", num_actors=2,
+                              startup_timeout_s=120, metrics_interval_s=None, warm_standby=False)
+    try:
+        victim, pid = min(actor_pids(pool).items())
+        os.kill(pid, signal.SIGKILL)  # and no call at all
+        wait_for(lambda: pool.num_actors == 2 and victim not in actor_pids(pool), 120, "the replacement", pool)
+        stats = pool.stats()
+        assert stats.actor_failures == 1 and stats.actor_restarts == 1 and stats.calls == 0, stats.summary()
+    finally:
+        pool.shutdown()

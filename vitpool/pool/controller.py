@@ -21,7 +21,7 @@ from vitpool.actors.reports import ActorInfo, ActorStats
 from vitpool.pool.autoscaler import AutoscalePolicy, Autoscaler
 from vitpool.pool.cluster import Placement
 from vitpool.pool.embedding_cache import start_cache_actor
-from vitpool.pool.metrics import PoolMetrics
+from vitpool.pool.metrics import Periodic, PoolMetrics
 from vitpool.pool.settings import PoolSettings
 from vitpool.pool.standby import HOLD_TIMEOUT_S, Standbys, hold_gpu
 from vitpool.pool.start_errors import one_line, start_error
@@ -37,6 +37,10 @@ MAX_WATCHING_HANDLES = 128
 # An autoscaled actor waits this long for its node to free a GPU for a warm standby, then starts
 # fresh anywhere: unlike a dead actor's node, the standby's node may have no GPU free at all.
 SCALE_UP_HOLD_TIMEOUT_S = 5.0
+# How often the controller asks its actors whether they live. Callers report a dead actor when a
+# batch to it fails, but a caller never sends to an actor its dispatcher does not choose (a light
+# load goes to the actors it prefers), so without this a dead actor could stay unreplaced.
+LIVENESS_INTERVAL_S = 2.0
 STARTING, ACTIVE, RETIRING = "starting", "active", "retiring"
 
 
@@ -104,6 +108,7 @@ class PoolController:
                      self._max_concurrency())
             if placement is None and settings.uses_warm_standby(actor_options) else None
         )
+        self._liveness = Periodic("vitpool-liveness", LIVENESS_INTERVAL_S, self._check_liveness, final_record=False)
         self._metrics = (
             PoolMetrics(name, lambda: self.membership().actors, lambda: (self._failures, self._restarts),
                         settings.metrics_interval_s, self.saw_stats)
@@ -331,6 +336,20 @@ class PoolController:
         logger.info("encoder actor %d (a warm standby) ready on %s, %.1f s after it was asked",
                     index, info.device, time.monotonic() - began)
 
+    def _check_liveness(self) -> None:
+        """Report every active actor that Ray says has died (slow ones are the batch timeout's)."""
+        refs = {index: handle.__ray_ready__.remote() for index, handle in self.membership().actors.items()}
+        for index, ref in refs.items():
+            try:
+                ray.get(ref, timeout=LIVENESS_INTERVAL_S)
+            except ray.exceptions.ActorUnavailableError:
+                continue  # unreachable for now, maybe back soon
+            except ray.exceptions.RayActorError:
+                logger.warning("encoder actor %d is dead (found by the controller's check)", index)
+                self.report_failure(index)
+            except ray.exceptions.GetTimeoutError:
+                continue
+
     def _start_fresh_instead(self, index: int) -> None:
         """A fresh actor in the place of starting member `index` (whose actor and hold stop)."""
         with self._lock:
@@ -368,6 +387,7 @@ class PoolController:
 
     def shutdown(self) -> int:
         """Kill every encoder actor; returns how many there were."""
+        self._liveness.close()
         if self._autoscaler is not None:
             self._autoscaler.close()
         if self._metrics is not None:

@@ -10,6 +10,7 @@ vitpool) and lives as long as the actor it holds for.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -113,7 +114,7 @@ def hold_gpu(node_id: str, actor_options: dict, timeout_s: float = HOLD_TIMEOUT_
         ray.exceptions.RayError: the hold could not start (its node is gone, ...).
     """
     resources = {key: actor_options[key] for key in _RESOURCE_OPTIONS if key in actor_options}
-    hold = ray.remote(_gpu_hold_class()).options(
+    hold = _gpu_hold_class().options(
         **resources, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
     ).remote()
     try:
@@ -124,7 +125,8 @@ def hold_gpu(node_id: str, actor_options: dict, timeout_s: float = HOLD_TIMEOUT_
     return hold, gpu_ids
 
 
-def _gpu_hold_class() -> type:
+@functools.cache
+def _gpu_hold_class() -> Any:
     # Defined in a function so that Ray sends the class by value: its worker then imports only
     # Ray, not this package (whose import brings torch, seconds of a replacement's start).
     class GpuHold:
@@ -135,4 +137,4 @@ def _gpu_hold_class() -> type:
 
             return [str(gpu) for gpu in ray.get_runtime_context().get_accelerator_ids().get("GPU", [])]
 
-    return GpuHold
+    return ray.remote(GpuHold)
