@@ -29,7 +29,7 @@ from typing import Any
 import ray
 
 from vitpool.codec import decode_request, encode_results
-from vitpool.errors import ConfigError, EncodeError, InvalidItemError, PoolUnavailableError, counted
+from vitpool.errors import ConfigError, InvalidItemError, PoolUnavailableError, counted
 from vitpool.items import Embedding, Item
 from vitpool.packing import Budget
 from vitpool.pool.calls import Call, PartResults, QueuedItem
@@ -41,6 +41,14 @@ from vitpool.pool.launcher import find_pool, launch_pool, scale_pool, stop_contr
 from vitpool.pool.membership import MembershipWatcher
 from vitpool.pool.metrics import CallerMetrics
 from vitpool.pool.rank_delivery import RDT_TRANSPORTS, RankDelivery, choose_transport
+from vitpool.pool.results import (
+    fetched,
+    joined,
+    joined_ref,
+    lost_with_its_node,
+    put_back,
+    refs_among,
+)
 from vitpool.pool.settings import PoolSettings
 from vitpool.pool.start_errors import start_failure
 from vitpool.pool.stats import PoolStats, percentile, recent_rate
@@ -207,11 +215,11 @@ class EncoderPool:
                 raise self._timed_out(call, timeout_s) from None
             except PoolUnavailableError as error:
                 raise self._explained(error) from None
-            refs = _refs_among(results)
+            refs = refs_among(results)
             if refs:  # none when every batch took the same-node channel; ray.get costs even then
                 attempts = self._settings.max_attempts_per_item if attempts_left is None else attempts_left
                 self._fetch_refs(items, results, refs, timeout_s, return_exceptions, attempts)
-            results = _joined(results, return_exceptions)
+            results = joined(results, return_exceptions)
         if answer is not None:
             self._serve_from_cache(items, answer, results, False, timeout_s, return_exceptions)
         return results
@@ -225,12 +233,12 @@ class EncoderPool:
         the pool's attempts per item; another failure raises (`EncodeError` naming the item), or
         with `return_exceptions` fills the item's slot."""
         try:
-            _put_back(results, refs, ray.get(list(refs.values())))
+            put_back(results, refs, ray.get(list(refs.values())))
             return
         except ray.exceptions.RayError:
-            values = [_fetched(where[0], ref) for where, ref in refs.items()]
-        _put_back(results, refs, values)
-        lost = sorted({index for (index, _), value in zip(refs, values) if _lost_with_its_node(value)})
+            values = [fetched(where[0], ref) for where, ref in refs.items()]
+        put_back(results, refs, values)
+        lost = sorted({index for (index, _), value in zip(refs, values) if lost_with_its_node(value)})
         if lost and attempts_left > 1:
             logger.warning(
                 "pool %r: the results of items %s were lost with their actor's node before they were "
@@ -270,13 +278,13 @@ class EncoderPool:
                 raise self._timed_out(call, timeout_s) from None
             except PoolUnavailableError as error:
                 raise await asyncio.to_thread(self._explained, error) from None
-            refs = _refs_among(results)
+            refs = refs_among(results)
             if refs:
                 await asyncio.to_thread(
                     self._fetch_refs, items, results, refs, timeout_s, return_exceptions,
                     self._settings.max_attempts_per_item,
                 )
-            results = _joined(results, return_exceptions)
+            results = joined(results, return_exceptions)
         if answer is not None:
             await asyncio.to_thread(
                 self._serve_from_cache, items, answer, results, False, timeout_s, return_exceptions
@@ -320,7 +328,7 @@ class EncoderPool:
             # an item of several inputs: its parts' embeddings fetched, joined here and put as one (a
             # copy through this process, which references to single-input items do not make)
             results = [
-                _joined_ref(index, result, timeout_s) if isinstance(result, PartResults) else result
+                joined_ref(index, result, timeout_s) if isinstance(result, PartResults) else result
                 for index, result in enumerate(results)
             ]
         if answer is not None:
@@ -701,74 +709,6 @@ def _abandoned_on_error(cache: CacheClient | None, answer: CacheAnswer | None) -
 def _dtype_name(membership: Membership) -> str:
     """The dtype the actors' embeddings come out in (they share the pool's settings)."""
     return next(iter(membership.infos.values())).dtype_name if membership.infos else ""
-
-
-def _fetched(index: int, ref: ray.ObjectRef) -> Any:
-    """One item's result from the object store, or the error that fetching it raised."""
-    try:
-        return ray.get(ref)
-    except ray.exceptions.RayError as error:
-        return _fetch_failure(index, error)
-
-
-def _lost_with_its_node(value: Any) -> bool:
-    """Whether a fetch failed because the object went with its node (not with this process)."""
-    cause = value.__cause__ if isinstance(value, EncodeError) else None
-    return isinstance(cause, ray.exceptions.ObjectLostError) and not isinstance(cause, ray.exceptions.OwnerDiedError)
-
-
-def _fetch_failure(index: int, error: BaseException) -> EncodeError:
-    failure = EncodeError(f"item {index}: its result could not be fetched from Ray's object store: {error}")
-    failure.__cause__ = error
-    return failure
-
-
-def _refs_among(results: list[Any]) -> dict[tuple[int, int | None], ray.ObjectRef]:
-    """The results that came as Ray references (through a Ray call), by (item, part or None); the
-    others came over the same-node channel as Embeddings."""
-    refs: dict[tuple[int, int | None], ray.ObjectRef] = {}
-    for i, result in enumerate(results):
-        if isinstance(result, ray.ObjectRef):
-            refs[(i, None)] = result
-        elif isinstance(result, PartResults):
-            refs.update({(i, j): part for j, part in enumerate(result.parts) if isinstance(part, ray.ObjectRef)})
-    return refs
-
-
-def _joined_ref(index: int, result: PartResults, timeout_s: float | None) -> ray.ObjectRef:
-    """A reference to the joined Embedding of an item's parts.
-
-    Raises:
-        EncodeError: a part could not be fetched from the object store (its item named).
-        TimeoutError: not within `timeout_s`.
-    """
-    try:
-        parts = ray.get(list(result.parts), timeout=timeout_s)
-    except ray.exceptions.GetTimeoutError:
-        raise TimeoutError(f"item {index}: its parts were not fetched within {timeout_s} s") from None
-    except ray.exceptions.RayError as error:
-        raise _fetch_failure(index, error) from error
-    return ray.put(Embedding.joined(parts))
-
-
-def _put_back(results: list[Any], refs: dict[tuple[int, int | None], Any], values: list[Any]) -> None:
-    """Each fetched value where its reference was."""
-    for (index, part), value in zip(refs, values):
-        if part is None:
-            results[index] = value
-        else:
-            results[index].parts[part] = value
-
-
-def _joined(results: list[Any], return_exceptions: bool) -> list[Any]:
-    """Items of several inputs as one Embedding each (or their first part's error)."""
-    for index, result in enumerate(results):
-        if isinstance(result, PartResults):
-            errors = [part for part in result.parts if isinstance(part, BaseException)]
-            if errors and not return_exceptions:
-                raise errors[0]
-            results[index] = errors[0] if errors else Embedding.joined(result.parts)
-    return results
 
 
 def _checked_list(items: Any) -> bool:
