@@ -467,7 +467,7 @@ def test_results_waiting_on_a_lost_node_are_encoded_again(cluster, pool, referen
     items = [image(40, 36, generator), image(40, 36, generator)]
     expected = reference_encoder.encode(items)
     holds_controller = controller_node(pool)
-    fetch_results = encoder_pool_module._refs_among
+    fetch_results = encoder_pool_module.refs_among
     lost: list[str] = []
 
     def lose_a_node_before_the_fetch(results):
@@ -481,7 +481,7 @@ def test_results_waiting_on_a_lost_node_are_encoded_again(cluster, pool, referen
             lost.append(victim)
         return refs
 
-    monkeypatch.setattr(encoder_pool_module, "_refs_among", lose_a_node_before_the_fetch)
+    monkeypatch.setattr(encoder_pool_module, "refs_among", lose_a_node_before_the_fetch)
     results = pool.encode(items, timeout_s=120)
     assert lost, "no result waited in an object store: nothing was tested"
     assert_same(results, expected)
