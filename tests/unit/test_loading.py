@@ -183,3 +183,17 @@ def test_a_transformers_release_older_than_a_familys_minimum_is_refused(monkeypa
     monkeypatch.setattr(compat, "installed_transformers", lambda: "5.18.0")
     with pytest.raises(ConfigError, match=r"transformers>=5\.19\.0.*5\.18\.0 is installed"):
         MiniCPMV4_6Adapter(module)
+
+
+def test_prepare_to_load_reads_what_loading_needs_and_names_a_bad_checkpoint(tmp_path, full_checkpoint):
+    """What a warm standby does ahead of a take-over: no error for a good checkpoint (tower-only or
+    a full model's), the loading error for a bad one, before any GPU is involved."""
+    from vitpool.models.loading import prepare_to_load
+
+    prepare_to_load(None)
+    prepare_to_load(full_checkpoint)
+    with pytest.raises(CheckpointError):
+        prepare_to_load(tmp_path)  # no config.json
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "no-such-family"}))
+    with pytest.raises(CheckpointError):
+        prepare_to_load(tmp_path)

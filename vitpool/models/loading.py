@@ -59,20 +59,19 @@ def load_adapter(
 
 
 def prepare_to_load(path: str | Path | None) -> None:
-    """Everything `load_adapter` does before it needs a device: import the tower's code (its
-    family's module and transformers' model module) and read its weight files once, so that they
-    sit in the OS page cache. A process kept ready to take over a GPU (`vitpool.actors.standby`)
-    calls this; it does not touch CUDA.
+    """What `load_adapter` does before it needs a device: import the tower's code (its family's
+    module and transformers' model module) and read its vision weights once, so that their pages
+    sit in the OS cache (a full model's language weights are not read). A process kept ready to
+    take over a GPU (`vitpool.actors.standby`) calls this; it does not touch CUDA.
 
     Raises:
         CheckpointError: as for `load_adapter`.
     """
     directory = _checkpoint_directory(path)
-    _read_config(directory)
-    for weight_file in _weight_files(directory):
-        with open(weight_file, "rb") as stream:
-            while stream.read(64 << 20):
-                pass
+    family, _, is_full_model = _read_config(directory)
+    weight_files = _weight_files(directory)
+    if weight_files:
+        _read_vision_weights(weight_files, family.checkpoint, is_full_model)  # read, then let go
 
 
 def vision_weights_digest(path: str | Path | None) -> str:

@@ -59,12 +59,12 @@ class Standbys:
                 from vitpool.actors.delivering_actor import StandbyDeliveringEncoderActor as standby_class
             else:
                 from vitpool.actors.standby import StandbyEncoderActor as standby_class
-            self._by_node[node_id] = ray.remote(standby_class).options(
-                num_cpus=0, num_gpus=0, max_concurrency=self._max_concurrency,
-                name=f"{self._pool_name}-standby-{next(self._numbers)}", namespace=self._namespace,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-                **self._options,
-            ).remote(self._model)
+            options = {  # as the encoder actor's (the user's options win), but no resources, on this node
+                "max_concurrency": self._max_concurrency, **self._options, "num_cpus": 0, "num_gpus": 0,
+                "name": f"{self._pool_name}-standby-{next(self._numbers)}", "namespace": self._namespace,
+                "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False),
+            }
+            self._by_node[node_id] = ray.remote(standby_class).options(**options).remote(self._model)
         logger.info("starting a warm standby on node %s", node_id[:12])
 
     def take(self, node_id: str | None) -> Any | None:
