@@ -53,6 +53,10 @@ def serve(args: argparse.Namespace) -> int:
         settings["embedding_cache_bytes"] = args.embedding_cache_bytes
     if args.autoscale:
         settings["autoscale"] = _bounds(args.autoscale)
+    if args.autoscale_interval is not None:
+        settings["autoscale_interval_s"] = args.autoscale_interval
+    if args.warm_standby is not None:
+        settings["warm_standby"] = args.warm_standby == "on"
     options = None
     if args.gpus_per_actor is not None:
         options = {"num_gpus": args.gpus_per_actor}
@@ -208,6 +212,10 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument("--gpus-per-actor", type=float, default=None, help="e.g. 0.5 to share a GPU (default 1)")
     sub.add_argument("--embedding-cache-bytes", type=int, default=0, help="the shared embedding cache (0: off)")
     sub.add_argument("--autoscale", default=None, metavar="MIN,MAX", help="actors added while busy, retired while idle")
+    sub.add_argument("--autoscale-interval", type=float, default=None, metavar="S",
+                     help="seconds between the autoscaler's readings (default 5)")
+    sub.add_argument("--warm-standby", choices=("on", "off"), default=None,
+                     help="a process per node ready to replace a dead actor (default: on for GPU actors)")
     command("status", status, "the pool's actors and counters")
     sub = command("scale", scale, "start or retire actors")
     sub.add_argument("num_actors", type=int)

@@ -154,10 +154,14 @@ def test_a_detached_pool_outlives_its_launcher_and_another_process_stops_it(ray_
 def test_the_command_line_serves_scales_benches_and_stops_a_pool(ray_head):
     assert shutil.which("vitpool") is not None  # the console script, besides `python -m vitpool`
     name = "svc-cli"
-    served = vitpool("serve", "--device", "cpu", "--num-actors", "1", "--budgets", "16,64", "--name", name)
+    served = vitpool("serve", "--device", "cpu", "--num-actors", "1", "--budgets", "16,64", "--name", name,
+                     "--autoscale-interval", "3", "--warm-standby", "on")
     assert served.returncode == 0, served.stderr[-3000:]
     assert f"pool {name!r} serving with 1 encoder actor" in served.stdout
     assert "encoder actor 0 ready" in served.stderr  # progress is shown without configuring logging
+    settings = run_python(f"from vitpool import EncoderPool\ns = EncoderPool.connect({name!r}).settings\n"
+                          "print(s.autoscale_interval_s, s.warm_standby)")
+    assert settings.stdout.split() == ["3.0", "True"], settings.stderr[-2000:]
 
     status = vitpool("status", "--name", name)
     assert status.returncode == 0, status.stderr[-3000:]
@@ -190,6 +194,7 @@ def test_the_command_line_serves_scales_benches_and_stops_a_pool(ray_head):
         (("serve", "--device", "cpu", "--num-actors", "1", "--name", name), "already running"),
         (("status", "--name", "nobody"), "no pool named 'nobody'"),
         (("scale", "0", "--name", name), "num_actors must be a positive integer"),
+        (("serve", "--device", "cpu", "--autoscale-interval", "0", "--name", "other"), "autoscale_interval_s must be positive"),
     ]:
         failed = vitpool(*args, "--quiet")
         assert failed.returncode == 1, (args, failed.stdout, failed.stderr[-2000:])
