@@ -6,6 +6,7 @@ import copy
 import logging
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -135,6 +136,17 @@ class CheckedStream:
         self.stop.set()
         for thread in self._threads:
             thread.join(timeout=self._join_timeout_s)
+
+
+def wait_for(condition, timeout_s: float, what: str, pool=None) -> None:
+    """Poll `condition` until it holds; after `timeout_s`, fail naming `what` (with `pool`'s
+    summary, if given)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() >= deadline:
+            state = pool.stats(timeout_s=10).summary() if pool is not None else ""
+            raise AssertionError(f"timed out waiting for {what}\n{state}")
+        time.sleep(0.1)
 
 
 def assert_same(results, expected) -> None:

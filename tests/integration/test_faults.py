@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import ray
 import torch
-from conftest import BUDGETS, ROW_WIDTH, CheckedStream, assert_same, image, mixed_items
+from conftest import BUDGETS, ROW_WIDTH, CheckedStream, assert_same, image, mixed_items, wait_for
 
 from vitpool import EncoderPool, Image, InvalidItemError, PoolUnavailableError, Video
 
@@ -46,15 +46,6 @@ def process_alive(pid: int) -> bool:
             return stat.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
-
-
-def wait_for(condition, timeout_s: float, what: str, pool: EncoderPool | None = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() >= deadline:
-            state = pool.stats(timeout_s=10).summary() if pool is not None else ""
-            raise AssertionError(f"timed out waiting for {what}\n{state}")
-        time.sleep(0.1)
 
 
 def checked_stream(pool: EncoderPool, reference_encoder, threads: int = 4) -> CheckedStream:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import pytest
 import ray
 import torch
-from conftest import BUDGETS, CheckedStream, assert_same, image, mixed_items, video
+from conftest import BUDGETS, CheckedStream, assert_same, image, mixed_items, video, wait_for
 from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -159,15 +159,6 @@ def pool(cluster):
 
 
 # helpers
-
-
-def wait_for(condition, timeout_s: float, what: str, pool: EncoderPool | None = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() >= deadline:
-            state = pool.stats(timeout_s=10).summary() if pool is not None else ""
-            raise AssertionError(f"timed out waiting for {what}\n{state}")
-        time.sleep(0.1)
 
 
 def membership(pool: EncoderPool):

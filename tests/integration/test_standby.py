@@ -11,8 +11,8 @@ import time
 
 import pytest
 import ray
-from conftest import BUDGETS, assert_same, mixed_items
-from test_faults import actor_pids, checked_stream, process_alive, wait_for
+from conftest import BUDGETS, assert_same, mixed_items, wait_for
+from test_faults import actor_pids, checked_stream, process_alive
 
 from vitpool import EncoderPool
 
