@@ -162,16 +162,18 @@ def percentile_ms(values: list[float], fraction: float) -> float:
 
 
 def class_rows(tokens: list[list[int]], alone: list[list[float]], loaded: list[dict]) -> dict:
-    """Per size class at load: calls, p50 / p99 ms, the class's unloaded p50 ms, and the p50 / p99
-    of each call's latency over that unloaded p50."""
+    """Per size class at load: calls, p50 / p99 ms, the class's unloaded p50 ms, the p50 / p99
+    of each call's latency over that unloaded p50, and over the call's own unloaded latency."""
     unloaded: dict[str, list[float]] = {name: [] for name in SIZE_CLASSES}
     for caller_tokens, caller_alone in zip(tokens, alone):
         for call_tokens, seconds in zip(caller_tokens, caller_alone):
             unloaded[size_class(call_tokens)].append(seconds)
     latencies: dict[str, list[float]] = {name: [] for name in SIZE_CLASSES}
+    own: dict[str, list[float]] = {name: [] for name in SIZE_CLASSES}
     for caller_number, outcome in enumerate(loaded):
         for latency, index in zip(outcome["latencies"], outcome["indices"]):
             latencies[size_class(tokens[caller_number][index])].append(latency)
+            own[size_class(tokens[caller_number][index])].append(latency / alone[caller_number][index])
     rows = {}
     for name in SIZE_CLASSES:
         base_ms = percentile_ms(unloaded[name], 0.5)
@@ -181,6 +183,8 @@ def class_rows(tokens: list[list[int]], alone: list[list[float]], loaded: list[d
             "p99_ms": percentile_ms(latencies[name], 0.99), "unloaded_calls": len(unloaded[name]),
             "unloaded_p50_ms": base_ms, "slowdown_p50": percentile_ms(slowdowns, 0.5) / 1e3,
             "slowdown_p99": percentile_ms(slowdowns, 0.99) / 1e3,
+            "own_slowdown_p50": percentile_ms(own[name], 0.5) / 1e3,
+            "own_slowdown_p99": percentile_ms(own[name], 0.99) / 1e3,
         }
     return rows
 
@@ -292,14 +296,15 @@ def print_tables(results: dict) -> None:
                 f"| {setting['unloaded_p50_ms']:.1f} / {setting['unloaded_p99_ms']:.1f} |"
             )
     print("\nAt 70% load, per call size (output tokens): calls, p50 / p99 ms, and slowdown p50 / p99 = latency over "
-          "the class's unloaded p50 (ms); last column: each call over its own unloaded latency")
+          "the class's unloaded p50 (ms), own = each call over its own unloaded latency; last column: the "
+          "same over all calls")
     print("| setting | actors | small <= 256 | medium <= 1024 | large | all calls: slowdown p50 / p99 |")
     print("|---|---|---|---|---|---|")
     for label, setting in results["settings"].items():
         for size, row in setting["sizes"].items():
             cells = [
                 f"{c['calls']}, {c['p50_ms']:.1f} / {c['p99_ms']:.1f} ms, x{c['slowdown_p50']:.2f} / x{c['slowdown_p99']:.2f} "
-                f"(unloaded {c['unloaded_p50_ms']:.1f})"
+                f"(unloaded {c['unloaded_p50_ms']:.1f}); own x{c['own_slowdown_p50']:.2f} / x{c['own_slowdown_p99']:.2f}"
                 for c in row["load70_by_size"].values()
             ]
             print(f"| {label} | {size} | " + " | ".join(cells)

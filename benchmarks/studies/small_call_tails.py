@@ -124,8 +124,8 @@ def take_group(waiting: list[Batch], policy: Policy) -> list[Batch]:
     group, tokens = [ranked[0]], ranked[0].tokens
     alone = policy.small_alone and ranked[0].small and not starving
     for candidate in ranked[1:]:
-        if alone and not candidate.small:
-            break
+        if policy.small_alone and candidate.small != ranked[0].small:
+            continue  # small batches run apart from the others
         if tokens + candidate.tokens <= MAX_RUN_TOKENS:
             group.append(candidate)
             tokens += candidate.tokens

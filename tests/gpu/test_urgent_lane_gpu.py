@@ -1,7 +1,7 @@
 """GPU: the urgent lane (`GraphEncoder(urgent_tokens=...)`, the pool's `small_first_stream`):
-small batches replayed from a second copy of the small budgets' graphs on a high-priority
-stream, while other runs are queued on the main stream, give what the main lane gives. Skipped
-without CUDA."""
+the larger budgets captured in segments, each checked against eager at capture; small batches
+replayed from a second copy of the small budgets' graphs between two segments of the runs being
+queued give what the main lane gives, and so do the interrupted runs. Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -37,7 +37,31 @@ def assert_equal_outcomes(got: list, want: list) -> None:
 def test_the_urgent_lane_holds_the_budgets_up_to_the_first_of_at_least_its_tokens(urgent_encoder):
     assert urgent_encoder.has_urgent_lane
     assert sorted(b.num_tokens for b in urgent_encoder.urgent_budgets) == [64, 128]
-    assert sorted(tokens for tokens, _ in urgent_encoder.stats().captured_budgets) == BUDGETS  # listed once
+    stats = urgent_encoder.stats()
+    assert sorted(tokens for tokens, _ in stats.captured_budgets) == BUDGETS  # listed once, each checked
+    assert stats.disabled_budgets == []
+    segments = {b.num_tokens: len(g.segments) for b, g in urgent_encoder._runners[""].graphs.items()}
+    assert segments == {64: 1, 128: 1, 256: 2}  # the tiny tower's 4 blocks, cut before the third
+
+
+def test_small_batches_interrupt_queued_segmented_runs_and_every_result_equals_its_batch_alone(urgent_encoder):
+    """Fresh random items: many segmented (256-token) runs queued, then small urgent batches; some
+    small batch goes between two segments of a run (counted), and every batch, interrupted or
+    interrupting, equals the same batch run alone."""
+    generator = torch.Generator().manual_seed(23)
+    interrupts_before = urgent_encoder.stats().urgent_interrupts
+    for _attempt in range(10):
+        large_groups = [planned(urgent_encoder, [image(24, 24, generator), image(16, 16, generator)]) for _ in range(12)]
+        small_groups = [planned(urgent_encoder, [image(8, 8 + 2 * n, generator)]) for n in range(4)]
+        large_flights = [urgent_encoder.start_plans([group], "cpu") for group in large_groups]
+        small_flights = [urgent_encoder.start_plans([group], "cpu", urgent=True) for group in small_groups]
+        for group, flight in zip(large_groups + small_groups, large_flights + small_flights, strict=True):
+            [got] = flight.result()
+            [alone] = urgent_encoder.run_plans([group], "cpu")
+            assert_equal_outcomes(got, alone)
+        if urgent_encoder.stats().urgent_interrupts > interrupts_before:
+            break
+    assert urgent_encoder.stats().urgent_interrupts > interrupts_before
 
 
 def test_urgent_batches_queued_beside_large_runs_equal_the_main_lane(urgent_encoder):

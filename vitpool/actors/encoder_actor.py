@@ -257,13 +257,21 @@ class EncoderActor:
 
     def _start_splitting(self, groups: list[CheckedPlan], output_device: Hashable, urgent: bool = False) -> Collect:
         """The encoder's `start_plans` (the combiner collects its result later); on running out of
-        GPU memory, the batches run split (`_split_after_oom`, outside the urgent lane) before
-        this returns."""
+        GPU memory, the batches run split (`_split_after_oom`, outside the urgent lane), when they
+        are started or, where the encoder's own thread queues them, when they are collected."""
         try:
-            return self.encoder.start_plans(groups, output_device, urgent).result
+            in_flight = self.encoder.start_plans(groups, output_device, urgent)
         except torch.cuda.OutOfMemoryError:
             outcomes = self._split_after_oom(groups, output_device)
             return lambda: outcomes
+
+        def collect() -> list:
+            try:
+                return in_flight.result()
+            except torch.cuda.OutOfMemoryError:
+                return self._split_after_oom(groups, output_device)
+
+        return collect
 
     def _run_splitting(self, groups: list[CheckedPlan], output_device: Hashable) -> list:
         """`_start_splitting`, collected at once: the batches have run when this returns."""

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from vitpool.graphs.segments import SegmentedGraph, segmented_capture
 from vitpool.packing import Budget
 
 if TYPE_CHECKING:
@@ -51,10 +52,10 @@ def capture_all(runner: BatchRunner, budgets: Sequence[Budget], pool: tuple | No
                 runner.graphs[budget] = graph
                 stats.captured_budgets.append((budget.num_tokens, budget.max_sequences))
                 logger.info(
-                    "captured budget %d/%d: %d tokens (%d rows), limits %s, %d items in %.2f s, rel. error %.1e",
+                    "captured budget %d/%d: %d tokens (%d rows), limits %s, %d items in %.2f s "
+                    "(%d segments), rel. error %.1e",
                     number, total, budget.num_tokens, runner.rows(budget), dict(budget.limits),
-                    budget.max_items,
-                    time.perf_counter() - budget_start, error,
+                    budget.max_items, time.perf_counter() - budget_start, len(graph.segments), error,
                 )
             else:
                 stats.disabled_budgets.append((budget.num_tokens, budget.max_sequences))
@@ -93,7 +94,7 @@ def _no_collection_while_capturing() -> Iterator[None]:
 
 def _capture(
     runner: BatchRunner, budget: Budget, pool: tuple, rng: random.Random, generator: torch.Generator
-) -> torch.cuda.CUDAGraph:
+) -> SegmentedGraph:
     runner.fill_random(budget, rng, generator)
     # warm-up on a side stream: lazy initialisation (cuBLAS handles, kernels) stays out of the graph
     side_stream = torch.cuda.Stream(runner.device)
@@ -101,10 +102,16 @@ def _capture(
     with torch.cuda.stream(side_stream):
         _forward_into_outputs(runner, budget)
     torch.cuda.current_stream(runner.device).wait_stream(side_stream)
-    graph = torch.cuda.CUDAGraph()
-    with _workspace_in_graph_pool(), torch.cuda.graph(graph, pool=pool):
-        _forward_into_outputs(runner, budget)
-    return graph
+    cuts = runner.cut_points(budget)
+    with _workspace_in_graph_pool():
+        if not cuts:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                _forward_into_outputs(runner, budget)
+            return SegmentedGraph([graph])
+        with segmented_capture(cuts, pool, runner.device) as graphs:
+            _forward_into_outputs(runner, budget)
+        return SegmentedGraph(graphs)
 
 
 @contextlib.contextmanager
@@ -143,7 +150,7 @@ def _forward_into_outputs(runner: BatchRunner, budget: Budget) -> None:
 def _check(
     runner: BatchRunner,
     budget: Budget,
-    graph: torch.cuda.CUDAGraph,
+    graph: SegmentedGraph,
     rng: random.Random,
     generator: torch.Generator,
 ) -> float:

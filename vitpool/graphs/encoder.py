@@ -26,6 +26,7 @@ import copy
 import dataclasses
 import functools
 import logging
+import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -34,9 +35,10 @@ import torch
 from vitpool.errors import ConfigError, InvalidItemError
 from vitpool.graphs.capture import capture_all
 from vitpool.graphs.defaults import default_token_budgets, dtype_from_name, resolve_device, resolve_dtype
-from vitpool.graphs.in_flight import LaunchedBatches, PlansInFlight, RunBatch
+from vitpool.graphs.in_flight import LaunchedBatches, PendingLaunch, PlansInFlight, RunBatch
 from vitpool.graphs.inputs import NONFINITE_MESSAGE, CheckedPlan, check_pixels, check_plan, totals
 from vitpool.graphs.runner import BatchRunner
+from vitpool.graphs.segments import Interleaver
 from vitpool.graphs.stats import EncoderStats
 from vitpool.items import Embedding, Item, Prepared, PreparedItem, prepare_item, prepare_items
 from vitpool.models import VisionAdapter, load_adapter
@@ -82,10 +84,11 @@ class GraphEncoder:
         compile_cache_dir: where compiled kernels are kept between starts, shared by the actors of
             a node. None: TORCHINDUCTOR_CACHE_DIR if set, else ~/.cache/vitpool/inductor.
         urgent_tokens: on a GPU, for a one-path family, an urgent lane: a second copy of the
-            buffers and graphs of the budgets up to the smallest one of at least this many tokens,
-            replayed on a high-priority CUDA stream (`start_plans(..., urgent=True)`). The GPU
-            schedules an urgent batch's kernels ahead of the blocks of work queued before it, so
-            a small batch does not wait for the large runs in flight. None: no urgent lane.
+            buffers and graphs of the budgets up to the smallest one of at least this many tokens
+            (`start_plans(..., urgent=True)`), and the larger budgets captured in segments of a
+            few blocks (`vitpool.graphs.segments`). One thread queues both lanes' work; an urgent
+            batch goes between two segments of the run being queued, so a small batch waits for
+            the few segments already on the GPU, not for the large runs. None: no urgent lane.
 
     Attributes:
         budgets: the batch shapes, from the adapter's item rules.
@@ -154,28 +157,32 @@ class GraphEncoder:
         }
         self._row_shapes = {path: tuple(path_adapter.row_shape) for path, path_adapter in self._paths.items()}
         self._urgent: BatchRunner | None = None
-        self._urgent_stream: torch.cuda.Stream | None = None
+        self._interleaver: Interleaver | None = None
         self.urgent_budgets: frozenset[Budget] = frozenset()  # those of the urgent lane
         if self.device.type == "cuda":
+            if urgent_tokens is not None and len(self._paths) == 1:
+                self._start_urgent_lane(urgent_tokens, budgets_of[""], fused_ops)
             pool = torch.cuda.graph_pool_handle()  # one memory pool for every path's graphs: they replay in turn
             for path, runner in self._runners.items():
                 capture_all(runner, budgets_of[path], pool)
-            if urgent_tokens is not None and len(self._paths) == 1:
-                self._start_urgent_lane(urgent_tokens, budgets_of[""], fused_ops)
+            if self._urgent is not None:
+                capture_all(self._urgent, sorted(self.urgent_budgets), torch.cuda.graph_pool_handle())
 
     def _start_urgent_lane(self, urgent_tokens: int, budgets: list[Budget], fused_ops: bool) -> None:
-        """The urgent lane's runner, captured into a memory pool of its own: its graphs replay
-        while the others' do, so they cannot share intermediate memory."""
+        """The urgent lane's runner (its own buffers, captured into a memory pool of its own: its
+        graphs replay between two segments of a main-lane run, whose tensors that cross the cut
+        live in the main pool), the main lane's budgets above it cut into segments, and the thread
+        that queues both lanes' work."""
         ordered = sorted(budgets)
         cutoff = next((b.num_tokens for b in ordered if b.num_tokens >= urgent_tokens), ordered[-1].num_tokens)
         urgent_budgets = [b for b in ordered if b.num_tokens <= cutoff]
         self._urgent = BatchRunner(
             self.adapter, urgent_budgets, self.device, self.dtype, self.attention, fused_ops, self.compiled_blocks,
         )
-        # A priority below the range means the highest (lower numbers are higher priorities).
-        self._urgent_stream = torch.cuda.Stream(self.device, priority=-100)
+        self._runners[""].segment_above_tokens = cutoff
         self.urgent_budgets = frozenset(urgent_budgets)
-        capture_all(self._urgent, urgent_budgets, torch.cuda.graph_pool_handle())
+        self._interleaver = Interleaver(self.device)
+        weakref.finalize(self, self._interleaver.close)  # its thread ends with the encoder
 
     @classmethod
     def from_pretrained(
@@ -345,9 +352,8 @@ class GraphEncoder:
         finishes one batch and prepares the next. A group that this encoder's `check_plan`
         returned (a `CheckedPlan`) is not checked again.
 
-        `urgent`: run in the urgent lane (see `urgent_tokens`) where the runs fit its budgets;
-        elsewhere, as any batch. Callers of the urgent lane run one launch at a time, as do those
-        of the other.
+        `urgent`: run in the urgent lane (see `urgent_tokens`) where the runs fit its budgets, between
+        two segments of the main lane's run being queued; elsewhere, as any batch.
 
         Raises:
             ValueError: as for `run_plans`, before anything is queued.
@@ -358,9 +364,10 @@ class GraphEncoder:
         batches: list[RunBatch] = [(budget, [m for i in indices for m in members[i]]) for budget, indices in runs]
         sizes = [[len(members[i]) for i in indices] for _, indices in runs]
         if urgent and self._fits_urgent_lane(batches):
-            with torch.cuda.stream(self._urgent_stream):
-                launched = self._urgent.launch(batches, self._wants_host(output_device))
-            return PlansInFlight(launched, sizes)
+            to_host = self._wants_host(output_device)
+            urgent_lane = self._urgent
+            future = self._interleaver.urgent(lambda: urgent_lane.launch(batches, to_host))  # type: ignore[union-attr]
+            return PlansInFlight(PendingLaunch(future), sizes)
         return PlansInFlight(self._launch(batches, output_device), sizes)
 
     @property
@@ -405,6 +412,7 @@ class GraphEncoder:
         # the urgent lane's budgets are copies of the others': list them once
         total.captured_budgets = [b for s in snapshots for b in s.captured_budgets]
         total.disabled_budgets = [b for s in snapshots for b in s.disabled_budgets]
+        total.urgent_interrupts = self._interleaver.interrupts if self._interleaver is not None else 0
         return total
 
     def _runner(self, path: str) -> BatchRunner:
@@ -435,13 +443,17 @@ class GraphEncoder:
             runs.append((plan.budget, [index]))
         return runs
 
-    def _launch(self, batches: Sequence[RunBatch], output_device: str | torch.device | None) -> LaunchedBatches:
+    def _launch(
+        self, batches: Sequence[RunBatch], output_device: str | torch.device | None
+    ) -> LaunchedBatches | PendingLaunch:
         """Queue the batches' work on the device; their outputs are fresh tensors once it is done."""
         to_host = self._wants_host(output_device)
         if not batches:  # every item of the call was refused before it got here
             return LaunchedBatches([], [], None)
         if len(self._runners) == 1:
             [runner] = self._runners.values()
+            if self._interleaver is not None:
+                return PendingLaunch(self._interleaver.main(lambda between: runner.launch(batches, to_host, between)))
             return runner.launch(batches, to_host)
         by_path: dict[str, list[int]] = {}
         for position, (_, members) in enumerate(batches):

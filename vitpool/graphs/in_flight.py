@@ -8,6 +8,7 @@ two halves are apart so that a server can queue its next batch before it waits f
 
 from __future__ import annotations
 
+import concurrent.futures
 from dataclasses import dataclass
 
 import torch
@@ -61,10 +62,22 @@ class LaunchedBatches:
 
 
 @dataclass
+class PendingLaunch:
+    """Batches handed to the thread that queues an encoder's work (`vitpool.graphs.segments`):
+    `future` holds their LaunchedBatches once queued, or the error the launch raised."""
+
+    future: concurrent.futures.Future
+
+    def embeddings(self) -> list[list[Embedding | None]]:
+        """As `LaunchedBatches.embeddings`, once the batches are queued."""
+        return self.future.result().embeddings()
+
+
+@dataclass
 class PlansInFlight:
     """Planned batches queued on the device by `GraphEncoder.start_plans`."""
 
-    launched: LaunchedBatches
+    launched: LaunchedBatches | PendingLaunch
     plan_sizes: list[list[int]]  # per run (one replay or eager batch), the items of each of its plans
 
     def result(self) -> list[list[Embedding | InvalidItemError]]:

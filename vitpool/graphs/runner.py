@@ -14,13 +14,14 @@ from __future__ import annotations
 import contextlib
 import random
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
 from vitpool.graphs.buffers import PinnedMetadata, PinnedStaging, StaticBuffers, pinned_copy
 from vitpool.graphs.in_flight import LaunchedBatches, RunBatch
 from vitpool.graphs.inputs import finite_rows, totals
+from vitpool.graphs.segments import SegmentedGraph, cut_points
 from vitpool.graphs.stats import EncoderStats
 from vitpool.items import PreparedItem
 from vitpool.models import VisionAdapter
@@ -39,6 +40,8 @@ class BatchRunner:
         graphs: budget -> its checked graph; a budget without one runs its static forward eagerly.
         stats: the counters `GraphEncoder.stats()` copies (under `lock`).
         attention, fused_ops, compiled_blocks: the kernels the forward runs with (`kernels`).
+        segment_above_tokens: budgets of more tokens are captured in segments that other work
+            may run between (`vitpool.graphs.segments`); None: every budget as one graph.
     """
 
     def __init__(
@@ -50,27 +53,38 @@ class BatchRunner:
         attention: str,
         fused_ops: bool,
         compiled_blocks: bool,
+        segment_above_tokens: int | None = None,
     ) -> None:
         self.adapter, self.device, self.dtype = adapter, device, dtype
+        self.segment_above_tokens = segment_above_tokens
         self.attention, self.fused_ops, self.compiled_blocks = attention, fused_ops, compiled_blocks
         self.buffers = StaticBuffers(adapter, budgets, device, dtype)
         on_gpu = device.type == "cuda"
         self.staging = PinnedStaging(adapter.row_shape, dtype, device) if on_gpu else None
         self._metadata_staging = PinnedMetadata(device) if on_gpu else None
         self._metadata_key: tuple | None = None  # what the metadata buffers hold
-        self.graphs: dict[Budget, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[Budget, SegmentedGraph] = {}
         self.stats = EncoderStats()
         self.lock = threading.Lock()  # one batch at a time owns the static buffers
+
+    def cut_points(self, budget: Budget) -> list[torch.nn.Module]:
+        """The blocks before which the budget's capture begins a new segment (none: one graph)."""
+        if self.segment_above_tokens is None or budget.num_tokens <= self.segment_above_tokens:
+            return []
+        return cut_points(self.adapter.tower)
 
     def rows(self, budget: Budget) -> int:
         """Pixel rows of the budget's static views."""
         return self.adapter.max_rows(budget.num_tokens)
 
-    def launch(self, batches: Sequence[RunBatch], to_host: bool) -> LaunchedBatches:
+    def launch(
+        self, batches: Sequence[RunBatch], to_host: bool, between: Callable[[], None] | None = None
+    ) -> LaunchedBatches:
         """Queue the batches' work on the device; their outputs are fresh tensors (in pinned host
-        memory if `to_host`) once it is done."""
+        memory if `to_host`) once it is done. `between()` runs between two segments of a segmented
+        graph's replay (`vitpool.graphs.segments.Interleaver`)."""
         with torch.no_grad(), self.lock:
-            runs = [self._run(budget, members, to_host) for budget, members in batches]
+            runs = [self._run(budget, members, to_host, between) for budget, members in batches]
             done = None
             if self.device.type == "cuda":
                 done = torch.cuda.Event()
@@ -78,7 +92,7 @@ class BatchRunner:
         return LaunchedBatches(list(batches), runs, done)
 
     def _run(
-        self, budget: Budget | None, members: list[PreparedItem], to_host: bool
+        self, budget: Budget | None, members: list[PreparedItem], to_host: bool, between: Callable[[], None] | None
     ) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Outputs of the batch's items, concatenated and owned by the caller (on the host if
         `to_host`), one tensor per output [tokens, *row_shape]; and whether each of the items'
@@ -106,7 +120,7 @@ class BatchRunner:
                 outputs = [output[:num_tokens] for output in self.static_forward(budget)]
             else:
                 self.stats.graph_items += len(members)
-                graph.replay()
+                graph.replay(between)
             flags = self.buffers.finite[:item_rows]  # the next replay overwrites them
             finite = _on_host(flags) if flags.is_cuda else flags.clone()
             if graph is not None:  # ... and the output buffers

@@ -19,6 +19,8 @@ class EncoderStats:
         captured_budgets: (tokens, sequences) of the budgets with a checked graph.
         disabled_budgets: (tokens, sequences) of budgets whose graph failed its check; they run eager.
         capture_seconds: time to capture and check every graph.
+        urgent_interrupts: urgent-lane batches queued between two segments of a run
+            (`GraphEncoder`'s `urgent_tokens`).
     """
 
     graph_items: int = 0
@@ -30,6 +32,7 @@ class EncoderStats:
     captured_budgets: list[tuple[int, int]] = field(default_factory=list)
     disabled_budgets: list[tuple[int, int]] = field(default_factory=list)
     capture_seconds: float = 0.0
+    urgent_interrupts: int = 0
 
     @classmethod
     def combined(cls, parts: list[EncoderStats]) -> EncoderStats:

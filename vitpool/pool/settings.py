@@ -95,15 +95,16 @@ class PoolSettings:
             small call does not wait behind large batches queued before it: on one H100 at 70%
             load the small calls' p99 fell from 106.9 to 44.0 ms, saturated throughput unchanged.
             None: one lane, oldest first.
-        small_first_stream: with `small_first_tokens`, on a GPU, each actor also keeps a second
-            copy of its small budgets' graphs (up to the smallest budget of at least
-            `small_first_tokens`) and replays small batches with them on a high-priority CUDA
-            stream, beside the large run in flight rather than after it (`GraphEncoder`'s
-            `urgent_tokens`). Costs those graphs' capture time and memory. Off by default: on one
-            H100 at 70% load it made every class's p99 worse than small-first alone (small calls
-            68.2 against 44.0 ms; `pool_throughput.py --small-first off,256-nostream,256`), as
-            the high-priority stream's kernels share the SMs with the large run's. False: small
-            batches wait for the run in flight and the one queued behind it.
+        small_first_stream: with `small_first_tokens`, on a GPU, small batches interrupt large
+            runs: each actor keeps a second copy of its small budgets' graphs (up to the smallest
+            budget of at least `small_first_tokens`), captures its larger budgets in segments of
+            two blocks, and queues a waiting small batch between two segments of the run being
+            queued, so that it waits for the two segments ahead of it, not for the large runs
+            (`GraphEncoder`'s `urgent_tokens`, `vitpool.graphs.segments`). Costs those graphs'
+            capture time and memory. Off by default until measured (`pool_throughput.py
+            --small-first off,256-nostream,256`); the earlier form of this lane, a high-priority
+            CUDA stream, was worse than small-first alone. False: small batches wait for the run
+            in flight and the one queued behind it.
         channel_spin_s: on the same-node channel, how long a waiting thread polls before it
             sleeps: an actor after each answer, for the connection's next batch; a caller from
             shortly before its reply is due (learnt from its earlier batches of the same size).
