@@ -199,9 +199,9 @@ def setting_overrides(value: str | None) -> tuple[str, dict]:
     tokens, _, lane = value.partition("-")
     overrides: dict = {"small_first_tokens": None if tokens == "off" else int(tokens)}
     if lane:
-        if lane != "nostream" or "small_first_stream" not in PoolSettings.__dataclass_fields__:
-            raise SystemExit(f"--small-first {value!r}: use off, N or N-nostream")
-        overrides["small_first_stream"] = False
+        if lane not in ("nostream", "stream") or "small_first_stream" not in PoolSettings.__dataclass_fields__:
+            raise SystemExit(f"--small-first {value!r}: use off, N, N-nostream or N-stream")
+        overrides["small_first_stream"] = lane == "stream"
     return f"small_first={value}", overrides
 
 
@@ -329,7 +329,8 @@ def main() -> None:
     parser.add_argument(
         "--small-first", default=None,
         help="comma-separated small_first_tokens settings, each measured on its own pool in turn ('off' or a "
-        "token count, N-nostream without the urgent lane, e.g. off,256-nostream,256); default: the pool's default only",
+        "token count; N-nostream without the urgent lane, N-stream with it (small batches interrupt large runs), "
+        "N the pool's default; e.g. off,256-nostream,256-stream); default: the pool's default only",
     )
     parser.add_argument(
         "--load-basis", default="first", choices=("first", "own"),
