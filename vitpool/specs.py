@@ -85,10 +85,13 @@ def spec_from_wire(value: Any) -> ItemSpec:
 @dataclass(frozen=True)
 class BatchPlan:
     """A batch as the dispatcher packed it and the actor runs it: the budget whose graph to
-    replay (None: an item larger than every budget, run eager alone) and its items' specs."""
+    replay (None: an item larger than every budget, run eager alone) and its items' specs.
+    `cache_keys`: empty, or per item the embedding cache's key under which the actor publishes
+    its result (None: not this item), for items whose caller claimed them in the pool's cache."""
 
     budget: Budget | None
     specs: tuple[ItemSpec, ...]
+    cache_keys: tuple[bytes | None, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -104,6 +107,7 @@ def plan_to_wire(plan: BatchPlan) -> dict:
             budget.num_tokens, [list(p) for p in budget.limits], budget.max_items, *([budget.path] if budget.path else [])
         ],
         "specs": [spec_to_wire(spec) for spec in plan.specs],
+        **({"cache_keys": list(plan.cache_keys)} if plan.cache_keys else {}),
     }
 
 
@@ -121,7 +125,13 @@ def plan_from_wire(value: Any) -> BatchPlan:
             budget = Budget(_int(num_tokens), tuple((str(n), _int(a)) for n, a in limits), _int(max_items), path)
         except (TypeError, ValueError) as error:
             raise ValueError(f"not a budget: {budget!r} ({error})") from None
-    return BatchPlan(budget, tuple(spec_from_wire(spec) for spec in value["specs"]))
+    specs = tuple(spec_from_wire(spec) for spec in value["specs"])
+    keys = value.get("cache_keys", [])
+    if not isinstance(keys, list) or (keys and len(keys) != len(specs)) or any(
+        key is not None and not isinstance(key, bytes) for key in keys
+    ):
+        raise ValueError(f"cache keys must be one bytes or None per item ({len(specs)}); got {keys!r}")
+    return BatchPlan(budget, specs, tuple(keys))
 
 
 @dataclass(frozen=True)
@@ -261,6 +271,8 @@ class ActorSpec:
         overlap_runs: queue the next run on the device before collecting the one in flight.
         small_first_tokens: run waiting batches of at most this many tokens first
             (`vitpool.actors.combining`); None: oldest first.
+        embedding_cache: the pool's embedding cache actor (`vitpool.pool.embedding_cache`), to
+            which the actor publishes the results of plans that carry cache keys; None: no cache.
     """
 
     encoder: EncoderSpec = EncoderSpec()
@@ -270,3 +282,4 @@ class ActorSpec:
     max_tokens_per_run: int | None = None
     overlap_runs: bool = True
     small_first_tokens: int | None = None
+    embedding_cache: Any = None

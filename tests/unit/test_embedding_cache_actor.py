@@ -1,15 +1,28 @@
-"""The embedding cache's own logic, without Ray: keys, hits, claims, the byte bound."""
+"""The embedding cache's own logic, without Ray: keys, hits, claims, the byte bound, a handle's own
+tier, the keys a plan carries and the encoder actor's publishing."""
 
 from __future__ import annotations
 
 import asyncio
+import types
 
+import msgpack
 import pytest
 import torch
 
+from vitpool.actors import cache_publisher
 from vitpool.items import Embedding, prepare_item
 from vitpool.models import load_adapter
-from vitpool.pool.embedding_cache import CLAIMED, HIT, PENDING, EmbeddingCacheActor, item_key, model_identity
+from vitpool.pool.embedding_cache import (
+    CLAIMED,
+    HIT,
+    PENDING,
+    EmbeddingCacheActor,
+    _LocalTier,
+    item_key,
+    model_identity,
+)
+from vitpool.specs import BatchPlan, ItemSpec, plan_from_wire, plan_to_wire
 
 ROW_WIDTH = 3 * 2 * 16 * 16
 
@@ -127,3 +140,64 @@ def test_forgotten_entries_miss():
         assert stats.bytes == 0 and stats.lost_hits == 1
 
     run(scenario())
+
+
+def test_a_handles_tier_is_bounded_least_recently_used_and_hands_out_copies():
+    entry_bytes = 2 * 4 * 8 * 4
+    tier = _LocalTier(2 * entry_bytes)
+    first = embedding(4)
+    tier.keep(b"a", first)
+    first.tokens.add_(1.0)  # the caller's result: the tier kept a copy
+    served = tier.get(b"a")
+    assert not torch.equal(served.tokens, first.tokens)
+    served.tokens.zero_()  # and hands out copies
+    assert tier.get(b"a").tokens.abs().sum() > 0
+    tier.keep(b"b", embedding(4))
+    assert tier.get(b"a") is not None  # a is now the most recent
+    tier.keep(b"c", embedding(4))
+    assert tier.get(b"b") is None and tier.get(b"a") is not None and tier.get(b"c") is not None
+    tier.keep(b"huge", embedding(100))  # larger than the tier: not kept, nothing evicted
+    assert tier.get(b"huge") is None and tier.get(b"a") is not None
+
+
+def test_a_plans_cache_keys_travel_and_bad_ones_are_refused():
+    spec = ItemSpec("image", (16, 1536), "float32", (1, 4, 4), 4)
+    plan = BatchPlan(None, (spec, spec), (b"k" * 16, None))
+    assert plan_from_wire(msgpack.unpackb(msgpack.packb(plan_to_wire(plan)))) == plan
+    assert "cache_keys" not in plan_to_wire(BatchPlan(None, (spec,)))  # a plan without keys reads as before
+    for keys in ([b"k" * 16], ["text", None], b"k"):
+        wire = {**plan_to_wire(plan), "cache_keys": keys}
+        with pytest.raises(ValueError, match="cache keys"):
+            plan_from_wire(wire)
+
+
+class _Recorder:
+    """Stands for the cache actor's handle: records what `insert` and `abandon` were sent."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.inserted, self.abandoned = [], []
+
+        def insert(entries):
+            if fail:
+                raise RuntimeError("the cache is gone")
+            self.inserted.extend(entries)
+
+        self.insert = types.SimpleNamespace(remote=insert)
+        self.abandon = types.SimpleNamespace(remote=self.abandoned.extend)
+
+
+def test_the_encoder_actor_publishes_results_and_gives_up_failed_items(monkeypatch):
+    monkeypatch.setattr(cache_publisher.ray, "put", lambda value: ("ref", value))
+    cache = _Recorder()
+    publisher = cache_publisher.CachePublisher(cache)
+    good, other = embedding(4), embedding(2)
+    publisher.publish([b"a", None, b"c", b"d"], [good, other, None, ValueError("refused")])
+    publisher.close()
+    ((key, [(_, stored)], nbytes),) = cache.inserted
+    assert key == b"a" and stored is good and nbytes == 2 * 4 * 8 * 4
+    assert cache.abandoned == [b"c", b"d"]
+    assert publisher.published == 1 and publisher.failures == 0
+    failing = cache_publisher.CachePublisher(_Recorder(fail=True))
+    failing.publish([b"a"], [good])  # logged and counted; the claim lapses in the cache
+    failing.close()
+    assert failing.failures == 1

@@ -102,6 +102,11 @@ class EncoderActor:
             self._urgent_combiner = BatchCombiner(
                 urgent_start if spec.overlap_runs else finished(urgent_start), urgent_tokens,
             )
+        self._publisher = None
+        if spec.embedding_cache is not None:
+            from vitpool.actors.cache_publisher import CachePublisher  # Ray's, only where there is a cache
+
+            self._publisher = CachePublisher(spec.embedding_cache)
         self._channel = (
             ChannelServer(
                 self.run_batch, f"actor{actor_index}", self.encoder.device, spec.channel_spin_s,
@@ -166,6 +171,8 @@ class EncoderActor:
             outcomes = self._combiner_for(plan)([checked], plan.num_tokens, output_device)[0]
         finally:
             self._leave()
+        if plan.cache_keys and self._publisher is not None:
+            self._publisher.publish(plan.cache_keys, outcomes)
         errors = {i: o.reason for i, o in enumerate(outcomes) if isinstance(o, InvalidItemError)}
         with self._lock:
             self._stats.batches += 1

@@ -24,6 +24,7 @@ class QueuedItem:
     attempts: int = 0
     enqueued_at: float = field(default_factory=time.monotonic)
     part: int = 0  # which part of its item it is (an item of several inputs; see `Call`)
+    cache_key: bytes | None = None  # the actor publishes its result under this key (see `BatchPlan`)
 
 
 @dataclass

@@ -8,6 +8,7 @@ actors are created here, so they share the controller's lifetime, not a caller's
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -26,6 +27,7 @@ from vitpool.pool.settings import PoolSettings
 from vitpool.pool.standby import HOLD_TIMEOUT_S, Standbys, hold_gpu
 from vitpool.pool.start_errors import one_line, start_error
 from vitpool.pool.stats import add_actor_counts
+from vitpool.specs import ActorSpec
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +119,10 @@ class PoolController:
 
     def settings(self) -> PoolSettings:
         return self._settings
+
+    def _actor_spec(self) -> ActorSpec:
+        """What each encoder actor is built from: the settings' spec, with the pool's cache."""
+        return dataclasses.replace(self._settings.actor_spec(self._actor_threads), embedding_cache=self._cache)
 
     def actor_options(self) -> dict:
         return dict(self._actor_options)
@@ -319,7 +325,7 @@ class PoolController:
                     return
                 member.hold = hold
             info = ray.get(
-                standby.take_over.remote(index, self._settings.actor_spec(self._actor_threads), gpu_ids),
+                standby.take_over.remote(index, self._actor_spec(), gpu_ids),
                 timeout=self._settings.startup_timeout_s,
             )
         except (ray.exceptions.RayError, TimeoutError, RuntimeError) as error:
@@ -436,7 +442,7 @@ class PoolController:
             from vitpool.actors.delivering_actor import DeliveringEncoderActor as actor_class
         else:
             from vitpool.actors.encoder_actor import EncoderActor as actor_class
-        handle = ray.remote(actor_class).options(**options).remote(index, settings.actor_spec(self._actor_threads))
+        handle = ray.remote(actor_class).options(**options).remote(index, self._actor_spec())
         self._new_member(handle, bundle)
         return index, handle, handle.info.remote()
 

@@ -310,8 +310,9 @@ class Dispatcher:
                     continue
                 members = [taken[i] for i in batch.item_indices]
                 small_lane = self._policy.takes_in_small_lane(self._actors[actor_index].load, is_small)
-                self._send(actor_index, BatchPlan(batch.budget, tuple(m.spec for m in members)), members,
-                           self._policy.cost(batch), exchanges, small_lane)
+                keys = tuple(m.cache_key for m in members)
+                plan = BatchPlan(batch.budget, tuple(m.spec for m in members), keys if any(keys) else ())
+                self._send(actor_index, plan, members, self._policy.cost(batch), exchanges, small_lane)
                 sent += 1
             if left:  # back at the front, in queue order
                 self._queue.push([taken[i] for i in sorted(left)], front=True)

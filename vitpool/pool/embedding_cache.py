@@ -3,20 +3,26 @@
 Where it lives, and why: one async Ray actor per pool (`EmbeddingCacheActor`, started by the
 pool's controller and gone with it) maps content keys to references to embeddings in Ray's object
 store. Every handle of the pool, in any process or deployment, asks the same actor, so a hit from
-any caller is a hit for all; the embeddings never pass through the actor (the caller that encoded
-an item puts it in the object store itself and sends the reference), so the actor only answers
+any caller is a hit for all; the embeddings never pass through the actor, which only answers
 small messages and is never busy copying. The alternatives were worse: a cache in the encoder
 actors would need items routed to an actor by key, against the least-loaded dispatch that keeps
-GPUs busy; a tier in each caller's process is not shared; an actor that re-put every embedding to
-own it cost a 1.6 MB copy through the actor per miss, which on an H100 made a missed 1x224 call
-4x slower (`benchmarks/RESULTS.md`).
+GPUs busy; a tier in each caller's process alone is not shared.
 
-An entry's object belongs to the process that published it (Ray's ownership): it outlives the
-encoder actor that computed it, and when its publisher exits it is gone; a caller that then gets
-the entry finds it lost, drops it, and encodes the item (a clean miss).
+Who publishes: the encoder actor that computed an item (`vitpool.actors.cache_publisher`), off
+its GPU thread, after the reply. The caller that missed sends the key it claimed in the batch's
+plan. A caller that put the embedding itself, beside its next call, made a missed 1x224 call 3.5x
+slower on an H100; an actor that took the embedding and re-put it cost a copy through the actor
+(`benchmarks/HISTORY.md`). An entry's object belongs to the encoder actor that put it (Ray's
+ownership): when that actor exits, its entries are gone, and a caller that then gets one finds it
+lost, drops it, and encodes the item (a clean miss). Two kinds of results are still published
+by the caller: `encode_refs` results (already references, so nothing is copied) and items of
+several inputs, whose parts may run on different actors.
 
-The price is one round trip to the actor per call (a call's keys go in one message); a hit then
-costs that and a fetch from the object store instead of an encode. The cache is off by default
+Each handle also keeps the embeddings it served or encoded in a small tier of its own process
+(`embedding_cache_local_bytes`): a key names its content for good, so an entry there is never
+stale, and a hit on it costs no round trip. The price of the shared cache is one round trip to
+its actor per call that the local tier does not serve (a call's keys go in one message); a hit
+then costs that and a fetch from the object store instead of an encode. The cache is off by default
 (`embedding_cache_bytes=0`): the round trip is more than the whole per-call cost of the pool on a
 small image, which a workload without repeats would pay for nothing.
 
@@ -36,6 +42,7 @@ import asyncio
 import collections
 import concurrent.futures
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -218,36 +225,88 @@ def start_cache_actor(capacity_bytes: int) -> Any:
 class CacheAnswer:
     """What the cache said about one call's items, by index in the call."""
 
-    owned: dict[int, bytes] = field(default_factory=dict)  # claimed: this call encodes and publishes them
+    owned: dict[int, bytes] = field(default_factory=dict)  # claimed: this call encodes them
     hits: dict[int, tuple[bytes, Any]] = field(default_factory=dict)  # key, reference
+    local: dict[int, Embedding] = field(default_factory=dict)  # served by this process's tier
     waiting: dict[int, bytes] = field(default_factory=dict)  # another caller encodes them
     copies: dict[int, int] = field(default_factory=dict)  # a repeat in this call -> its first index
     keys: dict[int, bytes] = field(default_factory=dict)  # every checked item's key
+    by_actor: set[int] = field(default_factory=set)  # owned items the encoder actor publishes
 
     @property
     def served(self) -> set[int]:
         """Items this call does not encode itself (unless their answer falls through)."""
-        return set(self.hits) | set(self.waiting) | set(self.copies)
+        return set(self.hits) | set(self.local) | set(self.waiting) | set(self.copies)
+
+    def actor_publishes(self, index: int, num_parts: int, want_refs: bool) -> bytes | None:
+        """The key to send with an owned item's batch, for its encoder actor to publish the result
+        (then recorded in `by_actor`); None where this caller publishes (see the module)."""
+        key = self.owned.get(index)
+        if key is None or want_refs or num_parts != 1:
+            return None
+        self.by_actor.add(index)
+        return key
+
+
+class _LocalTier:
+    """A handle's own least-recently-used embeddings, bounded in bytes; thread-safe. It holds
+    private copies and hands out copies."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self._entries: collections.OrderedDict[bytes, Embedding] = collections.OrderedDict()
+        self._capacity_bytes = capacity_bytes
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def get(self, key: bytes) -> Embedding | None:
+        with self._lock:
+            embedding = self._entries.get(key)
+            if embedding is not None:
+                self._entries.move_to_end(key)
+        return None if embedding is None else _copied(embedding)
+
+    def keep(self, key: bytes, embedding: Embedding) -> None:
+        nbytes = _nbytes(embedding)
+        if nbytes > self._capacity_bytes:
+            return
+        copy = _copied(embedding)
+        with self._lock:
+            if key in self._entries:
+                return
+            self._entries[key] = copy
+            self._bytes += nbytes
+            while self._bytes > self._capacity_bytes:
+                _, evicted = self._entries.popitem(last=False)
+                self._bytes -= _nbytes(evicted)
 
 
 class CacheClient:
     """One handle's way to the pool's cache. A cache that cannot be reached is skipped (its
-    items are encoded, with a warning); publishing happens on a thread of its own, from copies
-    taken before the call returns, so a caller that writes into its results cannot change an entry.
+    items are encoded, with a warning); what this caller publishes goes on a thread of its own,
+    from copies taken before the call returns, so a caller that writes into its results cannot
+    change an entry.
+
+    Args:
+        handle: the cache actor.
+        model, dtype_name: the pool's model, for the keys (`model_identity`).
+        local_bytes: bound on this handle's own tier (0: none).
     """
 
-    def __init__(self, handle: Any, model: str | None, dtype_name: str) -> None:
+    def __init__(self, handle: Any, model: str | None, dtype_name: str, local_bytes: int = 0) -> None:
         self._handle = handle
         self._identity = model_identity(model, dtype_name)
         self._publisher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vitpool-cache")
+        self._local = _LocalTier(local_bytes) if local_bytes > 0 else None
         self._warned = False
         self.failures = 0  # lookups or publications that failed (the cache was skipped)
+        self.local_hits = 0  # keys this handle's own tier served
 
     # lookup
 
     def keys(self, prepared: Sequence[Any]) -> CacheAnswer:
         """Keys of a call's checked items (an InvalidItemError in `prepared` is skipped); a repeat
-        within the call is a copy of its first occurrence."""
+        within the call is a copy of its first occurrence; an item in this handle's tier is served
+        from it."""
         answer = CacheAnswer()
         first: dict[bytes, int] = {}
         for index, item in enumerate(prepared):
@@ -257,13 +316,17 @@ class CacheClient:
             answer.keys[index] = key
             if key in first:
                 answer.copies[index] = first[key]
-            else:
-                first[key] = index
+                continue
+            first[key] = index
+            local = self._local.get(key) if self._local is not None else None
+            if local is not None:
+                answer.local[index] = local
+        self.local_hits += len(answer.local)
         return answer
 
     def lookup(self, prepared: Sequence[Any]) -> CacheAnswer:
         answer = self.keys(prepared)
-        order = [index for index in answer.keys if index not in answer.copies]
+        order = self._to_ask(answer)
         if order:
             try:
                 replies = ray.get(self._handle.lookup.remote([answer.keys[i] for i in order]), timeout=LOOKUP_TIMEOUT_S)
@@ -274,7 +337,7 @@ class CacheClient:
 
     async def lookup_async(self, prepared: Sequence[Any]) -> CacheAnswer:
         answer = self.keys(prepared)
-        order = [index for index in answer.keys if index not in answer.copies]
+        order = self._to_ask(answer)
         if order:
             try:
                 replies = await asyncio.wait_for(
@@ -284,6 +347,10 @@ class CacheClient:
                 return self._skipped(answer, error)
             self._read(answer, order, replies)
         return answer
+
+    @staticmethod
+    def _to_ask(answer: CacheAnswer) -> list[int]:
+        return [index for index in answer.keys if index not in answer.copies and index not in answer.local]
 
     @staticmethod
     def _read(answer: CacheAnswer, order: list[int], replies: list[tuple[str, list[Any]]]) -> None:
@@ -297,9 +364,9 @@ class CacheClient:
                 answer.owned[index] = key
 
     def _skipped(self, answer: CacheAnswer, error: BaseException) -> CacheAnswer:
-        """Encode everything, publish nothing: the cache did not answer."""
+        """Encode everything but what this process holds, publish nothing: the cache did not answer."""
         self._failed("look up", error)
-        return CacheAnswer(copies=answer.copies)
+        return CacheAnswer(copies=answer.copies, local=answer.local)
 
     # after the call
 
@@ -332,6 +399,8 @@ class CacheClient:
                     found[index] = (key, refs[0])
                 else:
                     fell_through[index] = key
+        for index, embedding in answer.local.items():
+            results[index] = ray.put(embedding) if want_refs else embedding
         if want_refs:
             for index, (_, ref) in found.items():
                 results[index] = ref
@@ -341,6 +410,8 @@ class CacheClient:
             for (index, (key, _)), value in zip(found.items(), values):
                 if isinstance(value, Embedding):
                     results[index] = value
+                    if self._local is not None:
+                        self._local.keep(key, value)
                 else:
                     fell_through[index] = key
                     lost.append(key)
@@ -356,12 +427,19 @@ class CacheClient:
             results[index] = _copied(value) if isinstance(value, Embedding) and not want_refs else value
 
     def publish(self, answer: CacheAnswer, results: Sequence[Any]) -> None:
-        """Hand the owned items' results to the cache (put in the object store from copies, on the
-        publishing thread); give up the claims of those that failed."""
+        """Hand the owned items' results that their encoder actors did not publish to the cache
+        (put in the object store from copies, on the publishing thread); give up the claims of
+        those that failed. Keeps the call's new embeddings in this handle's tier."""
         entries, failed = [], []
         for index, key in answer.owned.items():
             value = results[index]
-            if isinstance(value, Embedding):
+            if isinstance(value, Embedding) and self._local is not None:
+                self._local.keep(key, value)
+            if isinstance(value, BaseException) or value is None:
+                failed.append(key)
+            elif index in answer.by_actor:
+                continue
+            elif isinstance(value, Embedding):
                 entries.append((key, _copied(value)))
             elif isinstance(value, ray.ObjectRef):
                 entries.append((key, value))
@@ -386,10 +464,12 @@ class CacheClient:
 
     def stats(self, timeout_s: float) -> CacheStats | None:
         try:
-            return ray.get(self._handle.stats.remote(), timeout=timeout_s)
+            stats = ray.get(self._handle.stats.remote(), timeout=timeout_s)
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as error:
             self._failed("read the stats of", error)
             return None
+        stats.local_hits = self.local_hits
+        return stats
 
     def close(self) -> None:
         self._publisher.shutdown(wait=True)
@@ -423,7 +503,11 @@ def _stored(key: bytes, value: Any) -> tuple[bytes, list[Any], int]:
     `encode_refs` result already is one) and its bytes."""
     embedding = ray.get(value) if isinstance(value, ray.ObjectRef) else value
     ref = value if isinstance(value, ray.ObjectRef) else ray.put(embedding)
-    return key, [ref], sum(tensor.nbytes for tensor in embedding.outputs)
+    return key, [ref], _nbytes(embedding)
+
+
+def _nbytes(embedding: Embedding) -> int:
+    return sum(tensor.nbytes for tensor in embedding.outputs)
 
 
 def _copied(embedding: Embedding) -> Embedding:

@@ -96,7 +96,9 @@ class EncoderPool:
         self._dispatcher.set_actors(membership.actors, _common_budgets(membership.infos.values()))
         self._watcher = MembershipWatcher(controller, membership, self._membership_changed, self._controller_lost)
         self._cache = (
-            CacheClient(membership.cache, self._settings.model, _dtype_name(membership))
+            CacheClient(
+                membership.cache, self._settings.model, _dtype_name(membership), self._settings.local_cache_bytes
+            )
             if membership.cache is not None else None
         )
         interval = self._settings.metrics_interval_s
@@ -424,6 +426,7 @@ class EncoderPool:
                 call, index, part.spec,
                 to_array(part.pixels) if keep_arrays else ray.put(to_array(part.pixels)),
                 part.pixels.nbytes, part=number,
+                cache_key=None if answer is None else answer.actor_publishes(index, len(p.parts), want_refs),
             )
             for index, p in enumerate(outcomes)
             if not isinstance(p, InvalidItemError) and index not in served

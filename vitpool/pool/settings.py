@@ -24,6 +24,7 @@ _DTYPES = ("bfloat16", "float16", "float32")
 # tokens, failed in the actor's allocator in bf16). Longer videos (Qwen2-VL-style total pixel
 # budgets) can pass it: raise the bound, or set None.
 DEFAULT_MAX_ITEM_TOKENS = 16384
+LOCAL_CACHE_BYTES = 256 << 20  # each handle's own tier of the embedding cache, by default
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,9 @@ class PoolSettings:
             default): off, since each call then pays a round trip to the cache's actor, more than
             the pool's whole cost per call on a small image, which a workload without repeats
             would pay for nothing.
+        embedding_cache_local_bytes: with the cache on, bound on what each handle keeps of it in
+            its own process (what it served or encoded), served without asking the shared cache.
+            None (the default): the smaller of `embedding_cache_bytes` and 256 MiB; 0: none.
     """
 
     model: str | None = None
@@ -161,6 +165,7 @@ class PoolSettings:
     compiled_blocks: bool = False
     compile_cache_dir: str | None = None
     embedding_cache_bytes: int = 0
+    embedding_cache_local_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None:
@@ -194,6 +199,9 @@ class PoolSettings:
         _positive_int("max_queued_bytes", self.max_queued_bytes)
         if isinstance(self.embedding_cache_bytes, bool) or not isinstance(self.embedding_cache_bytes, int) or self.embedding_cache_bytes < 0:
             raise ConfigError(f"embedding_cache_bytes must be an integer >= 0 (0: no cache); got {self.embedding_cache_bytes!r}")
+        local = self.embedding_cache_local_bytes
+        if local is not None and (isinstance(local, bool) or not isinstance(local, int) or local < 0):
+            raise ConfigError(f"embedding_cache_local_bytes must be None or an integer >= 0 (0: none); got {local!r}")
         if self.max_item_tokens is not None:
             _positive_int("max_item_tokens", self.max_item_tokens)
         if self.max_tokens_per_run is not None:
@@ -228,6 +236,13 @@ class PoolSettings:
             self.capacity_limits, self.attention, self.fused_ops, self.compiled_blocks, self.compile_cache_dir,
             self.small_first_tokens if self.small_first_stream else None,
         )
+
+    @property
+    def local_cache_bytes(self) -> int:
+        """What each handle keeps of the embedding cache in its own process (see the setting)."""
+        if self.embedding_cache_local_bytes is not None:
+            return self.embedding_cache_local_bytes
+        return min(self.embedding_cache_bytes, LOCAL_CACHE_BYTES)
 
     def uses_warm_standby(self, actor_options: Mapping[str, Any]) -> bool:
         """Whether actors launched with `actor_options` get warm standbys (see `warm_standby`)."""

@@ -32,6 +32,7 @@ class CacheStats:
     too_large: int = 0  # embeddings larger than the whole cache, not kept
     lapsed_claims: int = 0
     lost_hits: int = 0
+    local_hits: int = 0  # keys served by the asking handle's own tier, never looked up here
 
     @property
     def hit_rate(self) -> float:
@@ -42,7 +43,8 @@ class CacheStats:
         return (
             f"embedding cache: {self.entries} entries, {self.bytes / 2**20:.1f} of "
             f"{self.capacity_bytes / 2**20:.1f} MiB, hits {self.hits}, misses {self.misses} "
-            f"({self.hit_rate:.0%} hit rate), waited {self.waits}, evictions {self.evictions}"
+            f"({self.hit_rate:.0%} hit rate), waited {self.waits}, evictions {self.evictions}; "
+            f"this handle's own tier: {self.local_hits} hits"
         )
 
 
