@@ -56,7 +56,7 @@ import xxhash
 from vitpool.items import Embedding
 from vitpool.pool.cluster import ON_HEAD_NODE
 from vitpool.pool.stats import CacheStats
-from vitpool.transport.wire import to_array
+from vitpool.transport.wire import from_array, to_array, wire_dtype_name
 
 logger = logging.getLogger(__name__)
 
@@ -511,6 +511,9 @@ def _nbytes(embedding: Embedding) -> int:
 
 
 def _copied(embedding: Embedding) -> Embedding:
-    return Embedding(embedding.tokens.clone(), [tensor.clone() for tensor in embedding.deepstack])
+    """A private host copy, made by NumPy on this thread: torch's copy of a tensor this size wakes
+    its CPU thread pool, whose spinning threads took a missed call on an H100 from 5.8 to 40 ms."""
+    dtype_name = wire_dtype_name(embedding.tokens.dtype)
+    return Embedding.from_outputs([from_array(to_array(tensor).copy(), dtype_name) for tensor in embedding.outputs])
 
 
