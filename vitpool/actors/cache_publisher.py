@@ -70,7 +70,7 @@ class CachePublisher:
                 self.published += len(stored)
             if failed:
                 self._cache.abandon.remote(failed)
-        except Exception:  # noqa: BLE001 - the cache unreachable or Ray shutting down: the claims lapse on their own
+        except Exception:  # the cache unreachable or Ray shutting down: the claims lapse on their own
             self.failures += 1
             logger.warning("could not publish %d embeddings to the pool's cache", len(entries), exc_info=True)
 
