@@ -13,6 +13,7 @@ an `Embedding`.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ import torch
 from vitpool.errors import InvalidItemError
 from vitpool.models.path_rules import PathRules
 from vitpool.specs import IMAGE, VIDEO, ItemRules, ItemSpec
-from vitpool.transport.wire import from_array, to_array, wire_dtype_name
+from vitpool.transport.wire import WIRE_DTYPES, from_array, to_array, wire_dtype_name
 
 
 @dataclass
@@ -140,8 +141,8 @@ class PreparedItem:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of its pixels (the pool's queue bound)."""
-        return self.pixels.nbytes
+        """Bytes of its pixels (the pool's queue bound), from its spec (no torch call)."""
+        return math.prod(self.spec.pixel_shape) * WIRE_DTYPES[self.spec.pixel_dtype][1].itemsize
 
 
 @dataclass(frozen=True)
@@ -157,7 +158,7 @@ class PreparedParts:
 
     @property
     def nbytes(self) -> int:
-        return sum(part.pixels.nbytes for part in self.parts)
+        return sum(part.nbytes for part in self.parts)
 
 
 Prepared = PreparedItem | PreparedParts
@@ -222,13 +223,13 @@ def _pixels(index: int, pixel_values: Any, name: str = "pixel_values") -> torch.
         raise InvalidItemError(
             index, f"{name} must be a torch tensor or NumPy array, got {type(pixel_values).__name__}"
         )
-    if not pixel_values.is_floating_point() or pixel_values.dtype not in _TRAVELLING_DTYPES:
+    if pixel_values.dtype not in _TRAVELLING_DTYPES:  # all floating point
         raise InvalidItemError(
             index,
             f"{name} have dtype {pixel_values.dtype}; expected a floating-point dtype "
             "(float32, float16, bfloat16 or float64)",
         )
-    if pixel_values.ndim == 0:
+    if not pixel_values.shape:  # (each torch call here costs µs in a caller that wakes cold)
         raise InvalidItemError(index, f"{name} are a single number; expected rows of patches or tiles")
     return pixel_values
 

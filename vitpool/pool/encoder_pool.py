@@ -425,7 +425,7 @@ class EncoderPool:
             QueuedItem(
                 call, index, part.spec,
                 to_array(part.pixels) if keep_arrays else ray.put(to_array(part.pixels)),
-                part.pixels.nbytes, part=number,
+                part.nbytes, part=number,
                 cache_key=None if answer is None else answer.actor_publishes(index, len(p.parts), want_refs),
             )
             for index, p in enumerate(outcomes)

@@ -16,7 +16,6 @@ import queue
 import socket
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,7 +24,7 @@ import numpy as np
 import torch
 
 from vitpool.items import Embedding
-from vitpool.specs import BatchPlan, plan_to_wire
+from vitpool.specs import BatchPlan, OutputLayout, plan_to_wire
 from vitpool.transport.channel_protocol import (
     ERROR,
     ChannelClosed,
@@ -80,6 +79,7 @@ class ChannelClient:
         self.reply_timeout_s = reply_timeout_s
         self.spin_s = spin_s
         self.round_trips = RoundTrips()
+        self.pieces: dict[tuple[int, ...], _Pieces] = {}  # how a batch's output block is cut, by its items' tokens
         self._idle: list[_Connection] = []
         self._all: list[_Connection] = []
         self._lock = threading.Lock()
@@ -296,31 +296,55 @@ class _Connection:
 
     def receive(self, plan: BatchPlan) -> ChannelReply | RemoteBatchError:
         """Wait for the reply to `send`; the results view the output segment (held until they are
-        gone), or are copied out of the batch's segment."""
+        gone), or are copied out of the batch's segment.
+
+        The results' tensors are made before the reply comes, while the actor encodes: nothing in
+        them depends on the reply, and the first NumPy and torch calls of a thread that wakes from
+        its wait cost tens of µs each (cold caches). The reply decides whether they are handed out."""
         output_segment, self._output_segment = self._output_segment, None
         handed_out = False
+        early = results = values = None
         try:
-            self._await_reply(plan.num_tokens)
+            num_tokens = plan.num_tokens
+            try:
+                early = self._results(plan, output_segment)
+            except Exception:  # noqa: BLE001 - made again once the reply is read (the connection stays in step)
+                early = None
+            self._await_reply(num_tokens)
             reply = receive_message(self._socket)
             if reply is None:
                 raise ConnectionResetError("the actor closed the channel")
-            self._client.round_trips.record(plan.num_tokens, time.perf_counter() - self._sent_at)
+            self._client.round_trips.record(num_tokens, time.perf_counter() - self._sent_at)
             self._segment.unlink()  # the actor has mapped them
             if output_segment is not None:
                 output_segment.unlink()
             if reply.get("status") == ERROR:
                 return RemoteBatchError(str(reply.get("message")))
-            errors = {int(position): str(reason) for position, reason in reply.get("errors", [])}
+            reported = reply.get("errors")
+            errors = {int(position): str(reason) for position, reason in reported} if reported else {}
             receipt = BatchReceipt(str(reply["status"]), errors, float(reply.get("busy", 0.0)))
-            values: list[Embedding | None] = [None] * len(plan.specs)
-            if receipt.status == OK:
-                block = self._output_block(plan, output_segment)
-                handed_out = output_segment is not None
-                values = self._views_of(block, plan, errors)
+            if receipt.status != OK:
+                return ChannelReply([None] * len(plan.specs), receipt)
+            results = early if early is not None else self._results(plan, output_segment)
+            values, copy = results
+            if copy is not None:
+                np.copyto(*copy)
+            handed_out = output_segment is not None
+            if errors:
+                values = [None if position in errors else value for position, value in enumerate(values)]
             return ChannelReply(values, receipt)
         finally:
+            early = results = values = None  # results not handed out are gone before the segment is free again
             if output_segment is not None and not handed_out:
                 output_segment.release()
+
+    def _results(
+        self, plan: BatchPlan, output_segment: OwnedSegment | None
+    ) -> tuple[list[Embedding], tuple[np.ndarray, np.ndarray] | None]:
+        """Every item's Embedding, viewing the batch's output block, and the copy that fills the
+        block once the outputs are there (None where they view the output segment)."""
+        block, copy = self._output_block(plan, output_segment)
+        return self._views_of(block, plan), copy
 
     def _await_reply(self, num_tokens: int) -> None:
         """Sleep until shortly before the reply is due, then poll for it (at most `spin_s`), so
@@ -332,46 +356,55 @@ class _Connection:
                 sleep_until_due(self._socket, self._sent_at + expected_s - _WAKE_LEAD_S)
             spin_until_readable(self._socket, client.spin_s)
 
-    def _output_block(self, plan: BatchPlan, output_segment: OwnedSegment | None) -> torch.Tensor:
-        """The batch's outputs as one block of bytes, from its first output to the end of its last.
+    def _output_block(
+        self, plan: BatchPlan, output_segment: OwnedSegment | None
+    ) -> tuple[torch.Tensor, tuple[np.ndarray, np.ndarray] | None]:
+        """The batch's outputs as one block of the output dtype, from its first output to the end
+        of its last, and the copy still to make once the reply is in (None for a view).
 
         In an output segment: a view of it, and the segment stays held until the last tensor that
-        views it is gone. Else a copy out of the batch's segment, in one piece into one block: fresh
-        memory costs a page fault per 4 KiB on first touch, and the allocator keeps one recurring
-        block mapped where it would give back many. That block is pinned when this process already
-        uses CUDA (torch caches pinned blocks, and the caller's copy to its GPU can then be
-        asynchronous). An output segment is not pinned here: an asynchronous copy from it could
-        still be reading when the results are dropped and the segment is written again."""
-        start = self._output_offsets[0]
-        _, last_bytes = item_output_offsets(self._client.info.output_layout, plan.specs[-1].num_tokens)
-        end = self._output_offsets[-1] + last_bytes
-        if output_segment is not None:
-            view = np.frombuffer(output_segment.buffer, dtype=np.uint8, count=end - start, offset=start)
-            weakref.finalize(view, output_segment.release)
-            return torch.from_numpy(view)
-        block = torch.empty(end - start, dtype=torch.uint8, pin_memory=torch.cuda.is_initialized())
-        np.copyto(block.numpy(), np.frombuffer(self._segment.buffer, dtype=np.uint8, count=end - start, offset=start))
-        return block
-
-    def _views_of(self, block: torch.Tensor, plan: BatchPlan, errors: dict) -> list[Embedding | None]:
-        """Each item's tensors, as views of the batch's output block (None for a failed item),
-        where the actor wrote them (`item_output_offsets`)."""
+        views it is gone. Else a block to copy the outputs into out of the batch's segment, in one
+        piece: fresh memory costs a page fault per 4 KiB on first touch, and the allocator keeps one
+        recurring block mapped where it would give back many. That block is pinned when this
+        process already uses CUDA (torch caches pinned blocks, and the caller's copy to its GPU can
+        then be asynchronous). An output segment is not pinned here: an asynchronous copy from it
+        could still be reading when the results are dropped and the segment is written again."""
         layout = self._client.info.output_layout
-        torch_dtype = WIRE_DTYPES[layout.dtype][0]
+        torch_dtype, wire_dtype = WIRE_DTYPES[layout.dtype]
         start = self._output_offsets[0]
-        values: list[Embedding | None] = []
-        for position, (spec, item_offset) in enumerate(zip(plan.specs, self._output_offsets)):
-            if position in errors:
-                values.append(None)
-                continue
-            tensor_offsets, _ = item_output_offsets(layout, spec.num_tokens)
-            tensors = []
-            for shape, tensor_offset in zip(layout.shapes(spec.num_tokens), tensor_offsets):
-                begin = item_offset - start + tensor_offset
-                raw = block[begin : begin + math.prod(shape) * torch_dtype.itemsize]
-                tensors.append(raw.view(torch_dtype).view(shape))
-            values.append(Embedding.from_outputs(tensors))
-        return values
+        _, last_bytes = item_output_offsets(layout, plan.specs[-1].num_tokens)
+        end = self._output_offsets[-1] + last_bytes  # blocks are aligned: whole elements
+        if output_segment is not None:
+            view = np.frombuffer(
+                output_segment.buffer, dtype=wire_dtype, count=(end - start) // wire_dtype.itemsize, offset=start
+            )
+            output_segment.hold_while_viewed(view)
+            block = torch.from_numpy(view)
+            return (block if block.dtype == torch_dtype else block.view(torch_dtype)), None
+        block = torch.empty(end - start, dtype=torch.uint8, pin_memory=torch.cuda.is_initialized())
+        source = np.frombuffer(self._segment.buffer, dtype=np.uint8, count=end - start, offset=start)
+        return block.view(torch_dtype), (block.numpy(), source)
+
+    def _views_of(self, block: torch.Tensor, plan: BatchPlan) -> list[Embedding]:
+        """Each item's tensors, as views of the batch's output block, where the actor writes them
+        (`item_output_offsets`): one torch call for the whole batch where its tensors lie back to
+        back with one row shape (every family's outputs so far), else one per tensor."""
+        specs = plan.specs
+        pieces = self._client.pieces.get(nums := tuple(spec.num_tokens for spec in specs))
+        if pieces is None:
+            pieces = _pieces_of(self._client.info.output_layout, nums)
+            if len(self._client.pieces) >= _MAX_PIECES:
+                self._client.pieces.clear()
+            self._client.pieces[nums] = pieces
+        if pieces.rows is not None:
+            tensors = block.view(-1, *pieces.row_shape).split_with_sizes(pieces.rows)
+        else:
+            tensors = [block.as_strided(shape, strides, offset) for shape, strides, offset in pieces.strided]
+        per_item = pieces.per_item
+        return [
+            Embedding(tensors[first], list(tensors[first + 1 : first + per_item]))
+            for first in range(0, len(tensors), per_item)
+        ]
 
     def _segment_of(self, size: int) -> OwnedSegment:
         if self._segment is None or self._segment.size < size:
@@ -390,3 +423,47 @@ class _Connection:
             self._segment.close()
             self._segment = None
         self._outputs.close()
+
+
+_MAX_PIECES = 4096  # batch shapes remembered per client (the item sizes of its traffic)
+
+
+@dataclass(frozen=True)
+class _Pieces:
+    """How one batch shape's output block is cut into its items' tensors: `rows` (the tensors'
+    first dimensions, for one `split_with_sizes` of the block as rows of `row_shape`) where they
+    lie back to back with one row shape, else `strided` (shape, strides, element offset) each."""
+
+    per_item: int  # tensors per item
+    row_shape: tuple[int, ...]
+    rows: list[int] | None
+    strided: list[tuple[tuple[int, ...], tuple[int, ...], int]] | None
+
+
+def _pieces_of(layout: OutputLayout, nums: tuple[int, ...]) -> _Pieces:
+    """The pieces of a block holding items of `nums` output tokens, laid out by `item_output_offsets`."""
+    itemsize = WIRE_DTYPES[layout.dtype][1].itemsize
+    placed, base = [], 0  # (element offset, shape) per tensor
+    for num_tokens in nums:
+        offsets, size = item_output_offsets(layout, num_tokens)
+        placed.extend(((base + offset) // itemsize, shape) for shape, offset in zip(layout.shapes(num_tokens), offsets))
+        base += size
+    per_item, row_shape = len(layout.row_shapes), tuple(layout.row_shapes[0])
+    end = 0
+    for offset, shape in placed:
+        if offset != end or tuple(shape[1:]) != row_shape:
+            break
+        end += math.prod(shape)
+    else:
+        if end * itemsize == base:
+            return _Pieces(per_item, row_shape, [shape[0] for _, shape in placed], None)
+    return _Pieces(per_item, row_shape, None, [(shape, _strides(shape), offset) for offset, shape in placed])
+
+
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A contiguous tensor's strides, in elements."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))

@@ -19,6 +19,7 @@ import mmap
 import os
 import tempfile
 import uuid
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -101,11 +102,32 @@ class OwnedSegment:
         finally:
             os.close(descriptor)
         self.size = size
-        self.held = False  # results view its outputs (output segments only)
+        self._held = False  # taken for a batch, or its results view it (output segments only)
+        self._viewer: weakref.ref | None = None  # the array the results view, while they may live
         self._linked = True
 
+    @property
+    def held(self) -> bool:
+        """Whether the segment is taken: by a batch in flight, or by results that still view it
+        (`hold_while_viewed`): those let it go when the last of them is gone, which is found here,
+        lazily, rather than by a finalizer per batch (a finalizer costs the caller a few µs a call)."""
+        viewer = self._viewer
+        if viewer is not None and viewer() is None:
+            self._viewer = None
+            self._held = False
+        return self._held
+
+    @held.setter
+    def held(self, value: bool) -> None:
+        self._held = value
+        self._viewer = None
+
+    def hold_while_viewed(self, view: np.ndarray) -> None:
+        """Stay held until `view` (the array the results' tensors view) is gone."""
+        self._viewer = weakref.ref(view)
+
     def release(self) -> None:
-        """The results that viewed it are gone (a finalizer, in whatever thread dropped them)."""
+        """No batch or results hold it any more (a batch that gave no results)."""
         self.held = False
 
     def unlink(self) -> None:

@@ -20,13 +20,14 @@ _NAMES = {torch_dtype: name for name, (torch_dtype, _) in WIRE_DTYPES.items()}
 
 
 def to_array(tensor: torch.Tensor) -> np.ndarray:
-    """A NumPy view of a CPU tensor (copied to the host first if it is not there); bf16 as int16."""
-    tensor = tensor.detach()
-    if tensor.device.type != "cpu":
-        tensor = tensor.cpu()
+    """A NumPy view of a CPU tensor (copied to the host first if it is not there); bf16 as int16.
+    A CPU tensor that needs no grad (a caller's pixels) takes one torch call."""
     if tensor.dtype == torch.bfloat16:
         tensor = tensor.view(torch.int16)
-    return tensor.numpy()
+    try:
+        return tensor.numpy()
+    except (TypeError, RuntimeError):  # on a GPU, or it requires grad
+        return tensor.detach().cpu().numpy()
 
 
 def from_array(array: np.ndarray, dtype_name: str, copy_read_only: bool = True) -> torch.Tensor:
