@@ -7,9 +7,10 @@ copy into the object store off the caller's path (in the caller, the put beside 
 a missed 1x224 call 3.5x slower on an H100, `benchmarks/RESULTS.md`), and the entries belong to a
 process that lives as long as the pool's actor, not as long as a caller.
 
-The work runs on one thread of its own, after the batch's results have gone back: outputs still
-on the GPU are copied to the host on a stream of its own, so the encoder's next replay neither
-waits for it nor is held up by it. Items whose batch refused them give their claims up at once,
+The work runs on one thread of its own, queued as the batch's results go back: outputs still on
+the GPU are copied to the host on a stream of its own, so the encoder's next replay neither waits
+for it nor is held up by it (measured: a call right after a miss is not slower,
+`benchmarks/studies/cache_miss_phases.py`). Items whose batch refused them give their claims up at once,
 so that callers waiting for them encode them themselves.
 
 The cache actor's methods used (`vitpool.pool.embedding_cache.EmbeddingCacheActor`):
