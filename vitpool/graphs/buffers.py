@@ -7,13 +7,14 @@ so nothing stale from a larger batch is ever read.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from vitpool.models.protocol import TensorSpec, VisionAdapter
 from vitpool.packing import Budget
+from vitpool.transport.wire import to_array
 
 
 class StaticBuffers:
@@ -97,24 +98,26 @@ def _largest_metadata(adapter: VisionAdapter, budgets: Sequence[Budget]) -> dict
 
 
 class PinnedStaging:
-    """Pinned host rows in the compute dtype that large host pixels pass through on their way to
-    the device.
+    """Pinned host rows that large host pixels pass through on their way to the device.
 
     From ordinary (pageable) memory a large copy runs at the driver's staging speed: the float32
     pixels of one 896² image (19 MB) took 2.4 ms of host time on an H100 machine
-    (`benchmarks/studies/encode_profile.py`). Converting them to the compute dtype into pinned memory on
-    the CPU (with torch's threads) and copying that by DMA moves half the bytes, and the copy no
-    longer holds the host. Small batches go directly: for one 224² image (1.2 MB) a staging pass
-    cost more than it saved (0.76 against 0.49 ms). Tensors already pinned (the pool's shared
-    segments are registered with CUDA) always go directly.
+    (`benchmarks/studies/encode_profile.py`). Copied into pinned memory first, they go by DMA and
+    the copy no longer holds the host; the conversion to the compute dtype runs on the device.
+    The host copy is NumPy's, on the calling thread: torch's converting copy ran on its CPU thread
+    pool, and beside a pool's busy processes that pool stalled (an in-process 4×224² encode on an
+    H100 took 28 ms beside an idle pool of one actor, 3.9 ms alone). Small batches go directly:
+    for one 224² image (1.2 MB) a staging pass cost more than it saved (0.76 against 0.49 ms).
+    Tensors already pinned (the pool's shared segments are registered with CUDA) always go
+    directly.
     """
 
     MIN_BYTES = 4 << 20
     MAX_BYTES = 256 << 20  # larger batches copy directly rather than hold this much pinned memory
 
     def __init__(self, row_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
-        self._row_shape, self._dtype, self._device = row_shape, dtype, device
-        self._rows = torch.empty((0, *row_shape), dtype=dtype)
+        self._row_shape, self._device = row_shape, device
+        self._rows: dict[torch.dtype, torch.Tensor] = {}  # per pixel dtype
         self._copied: torch.cuda.Event | None = None
 
     def copy(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -126,8 +129,8 @@ class PinnedStaging:
         staged_bytes = sum(source.nbytes for (_, source), stage in zip(pairs, staged) if stage)
         if staged_bytes >= self.MIN_BYTES:  # is_pinned asks the driver (tens of µs): only here
             staged = [stage and not source.is_pinned() for (_, source), stage in zip(pairs, staged)]
-        num_rows = sum(source.shape[0] for (_, source), stage in zip(pairs, staged) if stage)
-        if staged_bytes < self.MIN_BYTES or num_rows * self._row_bytes() > self.MAX_BYTES:
+            staged_bytes = sum(source.nbytes for (_, source), stage in zip(pairs, staged) if stage)
+        if not self.MIN_BYTES <= staged_bytes <= self.MAX_BYTES:
             staged = [False] * len(pairs)
         for (target, source), stage in zip(pairs, staged):
             if not stage:
@@ -136,23 +139,29 @@ class PinnedStaging:
             return
         if self._copied is not None:
             self._copied.synchronize()  # the previous batch's copies have left the pinned rows
-        if self._rows.shape[0] < num_rows:
-            self._rows = torch.empty((num_rows, *self._row_shape), dtype=self._dtype, pin_memory=True)
-        row = 0
+        rows: dict[torch.dtype, int] = {}
+        for (_, source), stage in zip(pairs, staged):
+            if stage:
+                rows[source.dtype] = rows.get(source.dtype, 0) + source.shape[0]
+        for dtype, count in rows.items():
+            if dtype not in self._rows or self._rows[dtype].shape[0] < count:
+                self._rows[dtype] = torch.empty((count, *self._row_shape), dtype=dtype, pin_memory=True)
+        taken = dict.fromkeys(rows, 0)
         for (target, source), stage in zip(pairs, staged):
             if stage:
-                pinned = self._rows[row : row + source.shape[0]]
-                pinned.copy_(source)
-                target.copy_(pinned, non_blocking=True)
-                row += source.shape[0]
+                row = taken[source.dtype]
+                pinned = self._rows[source.dtype][row : row + source.shape[0]]
+                np.copyto(to_array(pinned), to_array(source))
+                if pinned.dtype == target.dtype:
+                    target.copy_(pinned, non_blocking=True)
+                else:  # the pixels' dtype by DMA, then the compute dtype by a kernel on the device
+                    target.copy_(pinned.to(target.device, non_blocking=True))
+                taken[source.dtype] = row + source.shape[0]
         self._copied = torch.cuda.Event()
         self._copied.record(torch.cuda.current_stream(self._device))
 
     def _may_stage(self, source: torch.Tensor) -> bool:
         return source.device.type == "cpu" and tuple(source.shape[1:]) == self._row_shape
-
-    def _row_bytes(self) -> int:
-        return self._rows.element_size() * math.prod(self._row_shape)
 
 
 class PinnedMetadata:
