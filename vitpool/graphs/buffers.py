@@ -102,8 +102,8 @@ class PinnedStaging:
 
     From ordinary (pageable) memory a large copy runs at the driver's staging speed: the float32
     pixels of one 896² image (19 MB) took 2.4 ms of host time on an H100 machine
-    (`benchmarks/studies/encode_profile.py`). Copied into pinned memory first, they go by DMA and
-    the copy no longer holds the host; the conversion to the compute dtype runs on the device.
+    (`benchmarks/studies/encode_profile.py`). Copied into pinned memory first, they go by DMA,
+    which does not hold the host; the conversion to the compute dtype runs on the device.
     The host copy is NumPy's, on the calling thread: torch's converting copy ran on its CPU thread
     pool, and beside a pool's busy processes that pool stalled (an in-process 4×224² encode on an
     H100 took 28 ms beside an idle pool of one actor, 3.9 ms alone). Small batches go directly:
@@ -115,7 +115,7 @@ class PinnedStaging:
     MIN_BYTES = 4 << 20
     MAX_BYTES = 256 << 20  # larger batches copy directly rather than hold this much pinned memory
 
-    def __init__(self, row_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, row_shape: tuple[int, ...], device: torch.device) -> None:
         self._row_shape, self._device = row_shape, device
         self._rows: dict[torch.dtype, torch.Tensor] = {}  # per pixel dtype
         self._copied: torch.cuda.Event | None = None

@@ -60,7 +60,7 @@ class BatchRunner:
         self.attention, self.fused_ops, self.compiled_blocks = attention, fused_ops, compiled_blocks
         self.buffers = StaticBuffers(adapter, budgets, device, dtype)
         on_gpu = device.type == "cuda"
-        self.staging = PinnedStaging(adapter.row_shape, dtype, device) if on_gpu else None
+        self.staging = PinnedStaging(adapter.row_shape, device) if on_gpu else None
         self._metadata_staging = PinnedMetadata(device) if on_gpu else None
         self._metadata_key: tuple | None = None  # what the metadata buffers hold
         self.graphs: dict[Budget, SegmentedGraph] = {}
