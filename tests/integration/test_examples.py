@@ -19,7 +19,7 @@ def run_example(name: str, *args: str, env: dict | None = None) -> list[str]:
     for attempt in (1, 2):
         result = subprocess.run(
             [sys.executable, str(ROOT / "examples" / name), *args],
-            capture_output=True, text=True, timeout=300, env=env,
+            capture_output=True, text=True, timeout=300, env=env, check=False,
         )
         if result.returncode == 0:
             return result.stdout.strip().splitlines()
