@@ -399,7 +399,7 @@ class _Connection:
         if pieces.rows is not None:
             tensors = block.view(-1, *pieces.row_shape).split_with_sizes(pieces.rows)
         else:
-            tensors = [block.as_strided(shape, strides, offset) for shape, strides, offset in pieces.strided]
+            tensors = [block[offset : offset + math.prod(shape)].view(shape) for offset, shape in pieces.placed]
         per_item = pieces.per_item
         return [
             Embedding(tensors[first], list(tensors[first + 1 : first + per_item]))
@@ -432,12 +432,12 @@ _MAX_PIECES = 4096  # batch shapes remembered per client (the item sizes of its 
 class _Pieces:
     """How one batch shape's output block is cut into its items' tensors: `rows` (the tensors'
     first dimensions, for one `split_with_sizes` of the block as rows of `row_shape`) where they
-    lie back to back with one row shape, else `strided` (shape, strides, element offset) each."""
+    lie back to back with one row shape, else `placed` (element offset, shape) each."""
 
     per_item: int  # tensors per item
     row_shape: tuple[int, ...]
     rows: list[int] | None
-    strided: list[tuple[tuple[int, ...], tuple[int, ...], int]] | None
+    placed: list[tuple[int, tuple[int, ...]]] | None
 
 
 def _pieces_of(layout: OutputLayout, nums: tuple[int, ...]) -> _Pieces:
@@ -457,13 +457,4 @@ def _pieces_of(layout: OutputLayout, nums: tuple[int, ...]) -> _Pieces:
     else:
         if end * itemsize == base:
             return _Pieces(per_item, row_shape, [shape[0] for _, shape in placed], None)
-    return _Pieces(per_item, row_shape, None, [(shape, _strides(shape), offset) for offset, shape in placed])
-
-
-def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """A contiguous tensor's strides, in elements."""
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return tuple(reversed(strides))
+    return _Pieces(per_item, row_shape, None, placed)
