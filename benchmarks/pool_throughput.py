@@ -6,8 +6,8 @@ images of 224² to 1024² (sides drawn independently, so aspect ratios vary) and
 calls, an 8-frame video of 224² to 448². Pixels are float32, as processors emit them.
 
 For each pool size: the saturated rate (every caller thread calls back to back), then an open
-loop of Poisson arrivals at 70% of that rate, where latency counts from each call's scheduled
-arrival. Each call is also timed alone first: the p99 / p50 of those unloaded latencies is the
+loop of Poisson arrivals at 70% of that rate (`--loads 0.5,0.7`: one open loop per fraction, in
+turn), where latency counts from each call's scheduled arrival. Each call is also timed alone first: the p99 / p50 of those unloaded latencies is the
 mix's own spread, the floor for p99 / p50 at any load. The pool grows between sizes with `pool.scale`, while no call is in flight. The open
 loop's latencies are also given per call size (output tokens: small <= 256 < medium <= 1024 <
 large), and as slowdowns: per size class, each call's latency over the unloaded p50 of its class
@@ -17,11 +17,14 @@ the same call's unloaded latency.
 `--small-first off,256-nostream,256` runs the whole measurement once per setting of the pool's
 `small_first_tokens` (small calls dispatched and run ahead of large ones; "-nostream": without
 the urgent lane, `small_first_stream=False`), in that order, each on
-a freshly launched pool: before and after in one run. The open loops of every setting run at 70%
-of the first setting's saturated rate (`--load-basis first`), so all face the same offered load.
+a freshly launched pool: before and after in one run (a setting named twice is measured twice,
+in turns with the others). The open loops of every setting run at their
+fractions of the first setting's saturated rate (`--load-basis first`), so all face the same
+offered load.
 
     python benchmarks/pool_throughput.py [--actors 1,2,4] [--seconds 20] [--callers 8] [--threads 8]
     python benchmarks/pool_throughput.py --actors 1 --seconds 12 --small-first off,256-nostream,256
+    python benchmarks/pool_throughput.py --actors 1 --seconds 14 --small-first 256,256-stream --loads 0.5,0.7
     python benchmarks/pool_throughput.py --device cpu --actors 1 --callers 1 --threads 2 --seconds 2  # smoke
 """
 
@@ -189,6 +192,31 @@ def class_rows(tokens: list[list[int]], alone: list[list[float]], loaded: list[d
     return rows
 
 
+def open_loop_row(callers: list, items_per_s: float, items_per_call: float, args, tokens, alone) -> dict:
+    """An open loop of Poisson arrivals offering `items_per_s` over every caller: items/s served,
+    p50 / p99 ms, per size class, and each call's latency over its own unloaded latency."""
+    calls_per_second = items_per_s / items_per_call / len(callers)
+    loaded = ray.get([c.open_loop.remote(args.seconds, calls_per_second, 4 * args.threads) for c in callers])
+    latencies = [x for o in loaded for x in o["latencies"]]
+    slowdowns = [
+        latency / alone[caller_number][index]
+        for caller_number, outcome in enumerate(loaded)
+        for latency, index in zip(outcome["latencies"], outcome["indices"])
+    ]
+    row = {
+        "offered_items_per_s": items_per_s,
+        "items_per_s": sum(o["items"] for o in loaded) / max(o["seconds"] for o in loaded),
+        "p50_ms": percentile_ms(latencies, 0.5),
+        "p99_ms": percentile_ms(latencies, 0.99),
+        "calls": len(latencies),
+        "by_size": class_rows(tokens, alone, loaded),
+        "slowdown_p50": percentile_ms(slowdowns, 0.5) / 1e3,
+        "slowdown_p99": percentile_ms(slowdowns, 0.99) / 1e3,
+    }
+    row["p99_over_p50"] = row["p99_ms"] / row["p50_ms"]
+    return row
+
+
 def setting_overrides(value: str | None) -> tuple[str, dict]:
     """(label, pool settings) for one `--small-first` value: "off", a token count, or None (the
     pool's default)."""
@@ -206,8 +234,9 @@ def setting_overrides(value: str | None) -> tuple[str, dict]:
 
 
 def measure_setting(label: str, overrides: dict, args, sizes: list[int], settings: dict, basis: dict) -> dict:
-    """Launch a pool with `settings` and `overrides`, then for each size: saturated, then 70% of
-    `basis[size]` (or of its own saturated rate, where `basis` has none yet)."""
+    """Launch a pool with `settings` and `overrides`, then for each size: saturated, then an open
+    loop at each of `args.loads` of `basis[size]` (or of its own saturated rate, where `basis` has
+    none yet)."""
     device_settings = {"device": "cpu", "dtype": "float32"} if args.device == "cpu" else {"dtype": "bfloat16"}
     options = {"actor_options": {"num_gpus": 0, "num_cpus": 1}} if args.device == "cpu" else {}
     pool = EncoderPool.launch(
@@ -234,34 +263,18 @@ def measure_setting(label: str, overrides: dict, args, sizes: list[int], setting
         rate = sum(o["items"] for o in saturated) / max(o["seconds"] for o in saturated)
         closed_latencies = [x for o in saturated for x in o["latencies"]]
         basis.setdefault(size, rate)
-        target_calls_per_second = 0.7 * basis[size] / items_per_call / len(callers)
-        loaded = ray.get(
-            [c.open_loop.remote(args.seconds, target_calls_per_second, 4 * args.threads) for c in callers]
-        )
-        open_latencies = [x for o in loaded for x in o["latencies"]]
-        slowdowns = [
-            latency / alone[caller_number][index]
-            for caller_number, outcome in enumerate(loaded)
-            for latency, index in zip(outcome["latencies"], outcome["indices"])
-        ]
-        open_rate = sum(o["items"] for o in loaded) / max(o["seconds"] for o in loaded)
         row = {
             "saturated_items_per_s": rate,
             "saturated_p50_ms": percentile_ms(closed_latencies, 0.5),
             "saturated_p99_ms": percentile_ms(closed_latencies, 0.99),
             # nvidia-smi's utilization per GPU while saturated: below 1, the GPUs waited for the host
             "saturated_gpu_busy": gpu_busy.busy,
-            "load70_basis_items_per_s": basis[size],
-            "load70_items_per_s": open_rate,
-            "load70_p50_ms": percentile_ms(open_latencies, 0.5),
-            "load70_p99_ms": percentile_ms(open_latencies, 0.99),
-            "load70_calls": len(open_latencies),
-            "load70_by_size": class_rows(tokens, alone, loaded),
-            # each call over its own unloaded latency
-            "load70_slowdown_p50": percentile_ms(slowdowns, 0.5) / 1e3,
-            "load70_slowdown_p99": percentile_ms(slowdowns, 0.99) / 1e3,
+            "basis_items_per_s": basis[size],
+            "loads": {
+                f"{fraction:g}": open_loop_row(callers, fraction * basis[size], items_per_call, args, tokens, alone)
+                for fraction in args.loads
+            },
         }
-        row["load70_p99_over_p50"] = row["load70_p99_ms"] / row["load70_p50_ms"]
         print(f"[{label}] {size} actors: {json.dumps(row)}", flush=True)
         stats = pool.stats()
         row["padding_waste"] = [actor.padding_waste for actor in stats.actors]
@@ -283,32 +296,34 @@ def print_tables(results: dict) -> None:
           f"{results['threads_per_caller']} threads, {results['seconds']:.0f} s per measurement")
     first: dict[int, float] = {}  # saturated items/s of the first setting, per pool size
     print("| setting | actors | saturated items/s | vs first | per actor vs 1 | p50 / p99 ms (saturated) "
-          "| items/s at 70% (basis) | p50 / p99 ms at 70% | unloaded p50 / p99 ms |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| unloaded p50 / p99 ms |")
+    print("|---|---|---|---|---|---|---|")
     for label, setting in results["settings"].items():
         for size, row in setting["sizes"].items():
             first.setdefault(size, row["saturated_items_per_s"])
             print(
                 f"| {label} | {size} | {row['saturated_items_per_s']:.1f} | {row['saturated_items_per_s'] / first[size]:.3f} "
                 f"| {row['scaling_vs_one']:.2f} | {row['saturated_p50_ms']:.1f} / {row['saturated_p99_ms']:.1f} "
-                f"| {row['load70_items_per_s']:.1f} ({0.7 * row['load70_basis_items_per_s']:.1f}) "
-                f"| {row['load70_p50_ms']:.1f} / {row['load70_p99_ms']:.1f} "
                 f"| {setting['unloaded_p50_ms']:.1f} / {setting['unloaded_p99_ms']:.1f} |"
             )
-    print("\nAt 70% load, per call size (output tokens): calls, p50 / p99 ms, and slowdown p50 / p99 = latency over "
-          "the class's unloaded p50 (ms), own = each call over its own unloaded latency; last column: the "
-          "same over all calls")
-    print("| setting | actors | small <= 256 | medium <= 1024 | large | all calls: slowdown p50 / p99 |")
-    print("|---|---|---|---|---|---|")
+    print("\nOpen loops (load: a fraction of the basis's saturated items/s), per call size (output tokens): calls, "
+          "p50 / p99 ms, and slowdown p50 / p99 = latency over the class's unloaded p50 (ms), own = each call over "
+          "its own unloaded latency; last column: the same over all calls")
+    print("| setting | actors | load: items/s (offered) | p50 / p99 ms | small <= 256 | medium <= 1024 | large "
+          "| all calls: slowdown p50 / p99 |")
+    print("|---|---|---|---|---|---|---|---|")
     for label, setting in results["settings"].items():
         for size, row in setting["sizes"].items():
-            cells = [
-                f"{c['calls']}, {c['p50_ms']:.1f} / {c['p99_ms']:.1f} ms, x{c['slowdown_p50']:.2f} / x{c['slowdown_p99']:.2f} "
-                f"(unloaded {c['unloaded_p50_ms']:.1f}); own x{c['own_slowdown_p50']:.2f} / x{c['own_slowdown_p99']:.2f}"
-                for c in row["load70_by_size"].values()
-            ]
-            print(f"| {label} | {size} | " + " | ".join(cells)
-                  + f" | {row['load70_slowdown_p50']:.2f} / {row['load70_slowdown_p99']:.2f} |")
+            for load, loaded in row["loads"].items():
+                cells = [
+                    f"{c['calls']}, {c['p50_ms']:.1f} / {c['p99_ms']:.1f} ms, x{c['slowdown_p50']:.2f} / "
+                    f"x{c['slowdown_p99']:.2f} (unloaded {c['unloaded_p50_ms']:.1f}); own x{c['own_slowdown_p50']:.2f}"
+                    f" / x{c['own_slowdown_p99']:.2f}"
+                    for c in loaded["by_size"].values()
+                ]
+                print(f"| {label} | {size} | {load}: {loaded['items_per_s']:.1f} ({loaded['offered_items_per_s']:.1f}) "
+                      f"| {loaded['p50_ms']:.1f} / {loaded['p99_ms']:.1f} | " + " | ".join(cells)
+                      + f" | {loaded['slowdown_p50']:.2f} / {loaded['slowdown_p99']:.2f} |")
 
 
 def main() -> None:
@@ -333,8 +348,13 @@ def main() -> None:
         "N the pool's default; e.g. off,256-nostream,256-stream); default: the pool's default only",
     )
     parser.add_argument(
+        "--loads", default="0.7", type=lambda text: [float(x) for x in text.split(",")],
+        help="comma-separated open-loop loads, fractions of the basis's saturated items/s, each measured in turn",
+    )
+    parser.add_argument(
         "--load-basis", default="first", choices=("first", "own"),
-        help="the open loop's 70%% is of the first setting's saturated rate (same offered load) or each one's own",
+        help="the open loops' loads are fractions of the first setting's saturated rate (same offered load) or "
+        "of each one's own",
     )
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                         help="cpu: a smoke run with the shipped tiny model on a CPU actor")
@@ -361,12 +381,14 @@ def main() -> None:
         "threads_per_caller": args.threads, "seconds": args.seconds, "channel_spin_s": args.spin,
         "max_tokens_per_run": args.max_tokens_per_run, "attention": args.attention, "fused_ops": args.fused_ops,
         "compiled_blocks": args.compiled_blocks, "budgets": args.budgets, "overlap_runs": args.overlap_runs,
-        "load_basis": args.load_basis, "settings": {},
+        "load_basis": args.load_basis, "loads": args.loads, "settings": {},
     }
     basis: dict[int, float] = {}
     values = args.small_first.split(",") if args.small_first else [None]
     for value in values:
         label, overrides = setting_overrides(value)
+        if label in results["settings"]:  # a setting repeated, to measure it in turns with another
+            label += f" #{sum(name.split(' #')[0] == label for name in results['settings']) + 1}"
         results["settings"][label] = measure_setting(label, overrides, args, sizes, settings, basis)
         if args.load_basis == "own":
             basis.clear()

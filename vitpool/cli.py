@@ -51,6 +51,10 @@ def serve(args: argparse.Namespace) -> int:
         settings["dtype"] = args.dtype
     if args.embedding_cache_bytes:
         settings["embedding_cache_bytes"] = args.embedding_cache_bytes
+    if args.embedding_cache_local_bytes is not None:
+        settings["embedding_cache_local_bytes"] = args.embedding_cache_local_bytes
+    if args.small_first_stream is not None:
+        settings["small_first_stream"] = args.small_first_stream == "on"
     if args.autoscale:
         settings["autoscale"] = _bounds(args.autoscale)
     if args.autoscale_interval is not None:
@@ -211,6 +215,11 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument("--budgets", default=None, help="comma-separated token budgets (default: the device's)")
     sub.add_argument("--gpus-per-actor", type=float, default=None, help="e.g. 0.5 to share a GPU (default 1)")
     sub.add_argument("--embedding-cache-bytes", type=int, default=0, help="the shared embedding cache (0: off)")
+    sub.add_argument("--embedding-cache-local-bytes", type=int, default=None, metavar="BYTES",
+                     help="with the cache on, what each connected handle keeps of it in its own process "
+                     "(default: the smaller of the cache's bound and 256 MiB; 0: none)")
+    sub.add_argument("--small-first-stream", choices=("on", "off"), default=None,
+                     help="small batches interrupt large runs on GPU actors (default: off; see the README)")
     sub.add_argument("--autoscale", default=None, metavar="MIN,MAX", help="actors added while busy, retired while idle")
     sub.add_argument("--autoscale-interval", type=float, default=None, metavar="S",
                      help="seconds between the autoscaler's readings (default 5)")

@@ -155,13 +155,15 @@ def test_the_command_line_serves_scales_benches_and_stops_a_pool(ray_head):
     assert shutil.which("vitpool") is not None  # the console script, besides `python -m vitpool`
     name = "svc-cli"
     served = vitpool("serve", "--device", "cpu", "--num-actors", "1", "--budgets", "16,64", "--name", name,
-                     "--autoscale-interval", "3", "--warm-standby", "on")
+                     "--autoscale-interval", "3", "--warm-standby", "on", "--embedding-cache-bytes", "4096",
+                     "--embedding-cache-local-bytes", "1024", "--small-first-stream", "on")
     assert served.returncode == 0, served.stderr[-3000:]
     assert f"pool {name!r} serving with 1 encoder actor" in served.stdout
     assert "encoder actor 0 ready" in served.stderr  # progress is shown without configuring logging
     settings = run_python(f"from vitpool import EncoderPool\ns = EncoderPool.connect({name!r}).settings\n"
-                          "print(s.autoscale_interval_s, s.warm_standby)")
-    assert settings.stdout.split() == ["3.0", "True"], settings.stderr[-2000:]
+                          "print(s.autoscale_interval_s, s.warm_standby, s.embedding_cache_bytes,"
+                          " s.local_cache_bytes, s.small_first_stream)")
+    assert settings.stdout.split() == ["3.0", "True", "4096", "1024", "True"], settings.stderr[-2000:]
 
     status = vitpool("status", "--name", name)
     assert status.returncode == 0, status.stderr[-3000:]

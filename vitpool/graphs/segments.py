@@ -7,8 +7,8 @@ priority does not help (its kernels share the SMs with the run's and slow both; 
 issue 30). Cut into segments, the run is replayed one segment at a time, and a small batch that
 waits goes between two of them, on the same stream, so it waits for the segments already queued
 and no more (`benchmarks/studies/small_call_tails.py` models what that buys). Measured on an H100
-at 70% load: small calls' p50 / p99 23.0 / 59.8 -> 8.3 / 31.3 ms, saturated throughput -7%, so the
-pool leaves it off by default (`small_first_stream`).
+at 70% load: small calls' p50 / p99 20-23 / 48-60 -> 7.5-8.3 / 23-32 ms, saturated throughput
+2-7% lower, so the pool leaves it off by default (`small_first_stream`).
 
 The cuts need nothing of the model: the forward is captured as usual, and a forward pre-hook on
 every `BLOCKS_PER_SEGMENT`-th block of the tower's longest stack of repeated blocks ends the graph
