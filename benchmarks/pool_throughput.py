@@ -7,9 +7,10 @@ calls, an 8-frame video of 224² to 448². Pixels are float32, as processors emi
 
 For each pool size: the saturated rate (every caller thread calls back to back), then an open
 loop of Poisson arrivals at 70% of that rate (`--loads 0.5,0.7`: one open loop per fraction, in
-turn), where latency counts from each call's scheduled arrival. Each call is also timed alone first: the p99 / p50 of those unloaded latencies is the
-mix's own spread, the floor for p99 / p50 at any load. The pool grows between sizes with `pool.scale`, while no call is in flight. The open
-loop's latencies are also given per call size (output tokens: small <= 256 < medium <= 1024 <
+turn), where latency counts from each call's scheduled arrival. Each call is also timed alone
+first: the p99 / p50 of those unloaded latencies is the mix's own spread, the floor for p99 / p50
+at any load. The pool grows between sizes with `pool.scale`, while no call is in flight. The open
+loops' latencies are also given per call size (output tokens: small <= 256 < medium <= 1024 <
 large), and as slowdowns: per size class, each call's latency over the unloaded p50 of its class
 (its calls timed alone, one at a time, before the runs); over all calls, each call's latency over
 the same call's unloaded latency.

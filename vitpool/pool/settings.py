@@ -105,8 +105,8 @@ class PoolSettings:
             capture time and memory. Off by default: on one H100 at 70% load it cut the small calls'
             p50 / p99 from 20-23 / 48-60 to 7.5-8.3 / 23-32 ms but cost 2-7% of saturated
             throughput (4.5% over four runs) and raised the medium calls' p99 by 10-38%
-            (`pool_throughput.py --small-first 256,256-stream`). False: small batches wait for the run in flight and the one
-            queued behind it.
+            (`pool_throughput.py --small-first 256,256-stream`). False: small batches wait for
+            the run in flight and the one queued behind it.
         channel_spin_s: on the same-node channel, how long a waiting thread polls before it
             sleeps: an actor after each answer, for the connection's next batch; a caller from
             shortly before its reply is due (learnt from its earlier batches of the same size).
