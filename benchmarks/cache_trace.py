@@ -10,6 +10,9 @@ The real-size Qwen3-VL-8B vision tower (random bf16 weights, saved once) on one 
 - trace: `--clients` threads each send `--calls` calls in turn (closed loop), each call one or
   two images of 224² or 448²; an image repeats one sent earlier with probability `--repeat`
   (the same trace, seeded, for both pools). Items/s over the whole trace and each call's latency;
+  The trace's latencies are also given by kind of call: with a repeat of an item whose first call
+  was still in flight (with the cache, it waits for that encode), with a fresh item, or of
+  repeats of finished calls only;
 - one call: sequential 1×224² calls of fresh images (every one a miss) and of one image again
   (every one a hit: from the shared cache without a tier, else from the tier), to show what the
   lookup adds and what a hit costs. The trace's clients are threads of one process, so with a tier
@@ -58,7 +61,7 @@ def trace(clients: int, calls: int, repeat: float, seed: int) -> list[list[list]
 
 
 def run_trace(pool: EncoderPool, calls: list[list[list]]) -> dict:
-    latencies: list[float] = []
+    timed: list[tuple[float, float, list]] = []  # per call: start, end, its items
     lock = threading.Lock()
     barrier = threading.Barrier(len(calls) + 1)
 
@@ -67,8 +70,9 @@ def run_trace(pool: EncoderPool, calls: list[list[list]]) -> dict:
         for items in mine:
             start = time.perf_counter()
             pool.encode(items)
+            end = time.perf_counter()
             with lock:
-                latencies.append((time.perf_counter() - start) * 1e3)
+                timed.append((start, end, items))
 
     threads = [threading.Thread(target=client, args=(mine,)) for mine in calls]
     for thread in threads:
@@ -79,7 +83,33 @@ def run_trace(pool: EncoderPool, calls: list[list[list]]) -> dict:
         thread.join()
     elapsed = time.perf_counter() - start
     num_items = sum(len(items) for mine in calls for items in mine)
-    return {"items_per_s": num_items / elapsed, "items": num_items, "latency": summarize(latencies)}
+    latencies = [(end - begin) * 1e3 for begin, end, _ in timed]
+    return {
+        "items_per_s": num_items / elapsed, "items": num_items, "latency": summarize(latencies),
+        "latency_by_kind": {kind: summarize(values) for kind, values in calls_by_kind(timed).items() if values},
+    }
+
+
+def calls_by_kind(timed: list[tuple[float, float, list]]) -> dict[str, list[float]]:
+    """Each call's latency (ms) by what its items were, as this run's timing makes them: "repeat of
+    one in flight" if an item's first call (by start) had not ended when this one began (with the
+    cache, the call waits for another caller's encode), else "fresh" if an item is new (a miss),
+    else "repeats of finished calls" (hits)."""
+    first_call: dict[int, tuple[float, float]] = {}
+    for begin, end, items in sorted(timed, key=lambda call: call[0]):
+        for item in items:
+            first_call.setdefault(id(item), (begin, end))
+    kinds: dict[str, list[float]] = {"repeat of one in flight": [], "fresh": [], "repeats of finished calls": []}
+    for begin, end, items in timed:
+        firsts = [first_call[id(item)] for item in items]
+        if any(first[0] < begin < first[1] for first in firsts):
+            kind = "repeat of one in flight"
+        elif any(first[0] == begin for first in firsts):
+            kind = "fresh"
+        else:
+            kind = "repeats of finished calls"
+        kinds[kind].append((end - begin) * 1e3)
+    return kinds
 
 
 def one_call(pool: EncoderPool, runs: int, warmup: int) -> dict:
