@@ -10,7 +10,7 @@ publishing (`vitpool.actors.cache_publisher`): this study times it.
 The real-size Qwen3-VL-8B vision tower (random bf16 weights), one actor on one GPU, the shared
 cache alone (`embedding_cache_local_bytes=0`), `cache_trace.py`'s trace. Probes (the library is not
 changed): in the actor, each publication's queueing (from `publish` until its thread takes it) and
-its work (copy to the host, `ray.put`, the insert sent); in this process, each `served` that
+its work, in parts (the copy to the host; the insert sent; the rest, mostly `ray.put`); in this process, each `served` that
 waited for another caller's item (the wait and the fetch).
 
     python benchmarks/studies/cache_publish_lag.py [--calls 60] [--clients 8] [--out F]
@@ -24,6 +24,7 @@ import logging
 import sys
 import tempfile
 import time
+import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py etc. live one folder up
@@ -41,12 +42,33 @@ def install_publish_probes(actor) -> bool:
     """Run inside the encoder actor: time each publication's wait in the queue and its work."""
     publisher = actor._publisher
     publisher.lag_samples = []
-    send = publisher._send
+    send, on_host, cache = publisher._send, publisher._on_host, publisher._cache
+    parts = {"to_host": 0.0, "insert": 0.0}
+
+    def timed_on_host(embedding):
+        start = time.perf_counter()
+        try:
+            return on_host(embedding)
+        finally:
+            parts["to_host"] += time.perf_counter() - start
+
+    def timed_insert(*args):
+        start = time.perf_counter()
+        try:
+            return cache.insert.remote(*args)
+        finally:
+            parts["insert"] += time.perf_counter() - start
+
+    # the cache actor's handle as the publisher uses it, its insert timed
+    timed_cache = types.SimpleNamespace(insert=types.SimpleNamespace(remote=timed_insert), abandon=cache.abandon)
+    publisher._on_host, publisher._cache = timed_on_host, timed_cache
 
     def timed_send(entries, submitted: float) -> None:
         started = time.perf_counter()
+        parts["to_host"] = parts["insert"] = 0.0
         send(entries)
-        publisher.lag_samples.append((started - submitted, time.perf_counter() - started, len(entries)))
+        work = time.perf_counter() - started
+        publisher.lag_samples.append((started - submitted, work, len(entries), parts["to_host"], parts["insert"]))
 
     def publish(keys, values) -> None:
         entries = [(key, value) for key, value in zip(keys, values) if key is not None]
@@ -101,9 +123,13 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name(),
         "trace": outcome,
         "publications": len(samples),
-        "publish_queued": summarize([1e3 * queued for queued, _, _ in samples]),
-        "publish_work": summarize([1e3 * work for _, work, _ in samples]),
-        "publish_work_per_item": summarize([1e3 * work / count for _, work, count in samples]),
+        "publish_queued": summarize([1e3 * sample[0] for sample in samples]),
+        "publish_work": summarize([1e3 * sample[1] for sample in samples]),
+        "publish_work_per_item": summarize([1e3 * sample[1] / sample[2] for sample in samples]),
+        # the work's parts: the copy to the host, the insert sent, and the rest (mostly `ray.put`)
+        "publish_to_host": summarize([1e3 * sample[3] for sample in samples]),
+        "publish_insert": summarize([1e3 * sample[4] for sample in samples]),
+        "publish_put_and_rest": summarize([1e3 * (sample[1] - sample[3] - sample[4]) for sample in samples]),
         "served_with_a_wait": summarize(waits) if waits else None,
         "cache": stats.cache.summary() if stats.cache is not None else None,
     }
