@@ -9,10 +9,9 @@ The real-size Qwen3-VL-8B vision tower (random bf16 weights, saved once) on one 
   image encoded in-process (`GraphEncoder.encode`, synchronised), both on this machine;
 - trace: `--clients` threads each send `--calls` calls in turn (closed loop), each call one or
   two images of 224² or 448²; an image repeats one sent earlier with probability `--repeat`
-  (the same trace, seeded, for both pools). Items/s over the whole trace and each call's latency;
-  The trace's latencies are also given by kind of call: with a repeat of an item whose first call
-  was still in flight (with the cache, it waits for that encode), with a fresh item, or of
-  repeats of finished calls only;
+  (the same trace, seeded, for both pools). Items/s over the whole trace and each call's latency,
+  also by kind of call: with a repeat of an item whose first call was still in flight (with the
+  cache, it waits for that encode), with a fresh item, or of repeats of finished calls only;
 - one call: sequential 1×224² calls of fresh images (every one a miss) and of one image again
   (every one a hit: from the shared cache without a tier, else from the tier), to show what the
   lookup adds and what a hit costs. The trace's clients are threads of one process, so with a tier

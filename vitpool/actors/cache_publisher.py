@@ -17,8 +17,8 @@ One thread, though under load it falls behind: on an H100 with `cache_trace.py`'
 threads, half the items repeats) a publication took about 4 ms and waited 76-109 ms (median) for
 the thread, and callers waiting for those items waited with it. Four threads took the wait under
 1 ms and the p99 of calls that repeat finished items from 108-177 to 24-40 ms, but raised the
-median call from 15 to 20-22 ms, since the publishing then competes with the actor's encoding
-(two threads: between the two). `benchmarks/studies/cache_publish_lag.py` measures it.
+median call from 15 to 20-22 ms, likely because the publishing then competes with the actor's
+encoding (two threads: between the two). Most of a publication is its `ray.put` (3.6 of 5 ms). `benchmarks/studies/cache_publish_lag.py` measures it.
 
 The cache actor's methods used (`vitpool.pool.embedding_cache.EmbeddingCacheActor`):
 `insert([(key, [reference], nbytes), ...])` and `abandon([key, ...])`.
