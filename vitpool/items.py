@@ -83,6 +83,11 @@ class Embedding:
         """The item's tensors in `vitpool.specs.OutputLayout` order."""
         return [self.tokens, *self.deepstack]
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes of all its tensors."""
+        return sum(tensor.nbytes for tensor in self.outputs)
+
     @classmethod
     def joined(cls, parts: Sequence[Embedding]) -> Embedding:
         """One item's embedding from its parts' (`PathRules`), in order: each output concatenated

@@ -18,7 +18,8 @@ threads, half the items repeats) a publication took about 4 ms and waited 76-109
 the thread, and callers waiting for those items waited with it. Four threads took the wait under
 1 ms and the p99 of calls that repeat finished items from 108-177 to 24-40 ms, but raised the
 median call from 15 to 20-22 ms, likely because the publishing then competes with the actor's
-encoding (two threads: between the two). Most of a publication is its `ray.put` (3.6 of 5 ms). `benchmarks/studies/cache_publish_lag.py` measures it.
+encoding (two threads: between the two). Most of a publication is its `ray.put` (3.6 of 5 ms);
+`benchmarks/studies/cache_publish_lag.py` measures it.
 
 The cache actor's methods used (`vitpool.pool.embedding_cache.EmbeddingCacheActor`):
 `insert([(key, [reference], nbytes), ...])` and `abandon([key, ...])`.
@@ -70,7 +71,7 @@ class CachePublisher:
             for key, value in entries:
                 if isinstance(value, Embedding):
                     host = self._on_host(value)
-                    stored.append((key, [ray.put(host)], sum(tensor.nbytes for tensor in host.outputs)))
+                    stored.append((key, [ray.put(host)], host.nbytes))
                 else:
                     failed.append(key)
             if stored:

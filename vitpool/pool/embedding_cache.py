@@ -266,7 +266,7 @@ class _LocalTier:
         return None if embedding is None else _copied(embedding)
 
     def keep(self, key: bytes, embedding: Embedding) -> None:
-        nbytes = _nbytes(embedding)
+        nbytes = embedding.nbytes
         if nbytes > self._capacity_bytes:
             return
         copy = _copied(embedding)
@@ -277,7 +277,7 @@ class _LocalTier:
             self._bytes += nbytes
             while self._bytes > self._capacity_bytes:
                 _, evicted = self._entries.popitem(last=False)
-                self._bytes -= _nbytes(evicted)
+                self._bytes -= evicted.nbytes
 
 
 class CacheClient:
@@ -503,11 +503,7 @@ def _stored(key: bytes, value: Any) -> tuple[bytes, list[Any], int]:
     `encode_refs` result already is one) and its bytes."""
     embedding = ray.get(value) if isinstance(value, ray.ObjectRef) else value
     ref = value if isinstance(value, ray.ObjectRef) else ray.put(embedding)
-    return key, [ref], _nbytes(embedding)
-
-
-def _nbytes(embedding: Embedding) -> int:
-    return sum(tensor.nbytes for tensor in embedding.outputs)
+    return key, [ref], embedding.nbytes
 
 
 def _copied(embedding: Embedding) -> Embedding:
