@@ -10,7 +10,9 @@ does. Also reports the capture and check time of the device's default budgets.
     python benchmarks/family_latency.py [--families qwen2_vl,glm4v] [--runs 30] [--compiled] [--out results.json]
 
 `--compiled` also times Hugging Face's path under `torch.compile(mode="reduce-overhead")` (its own
-CUDA graphs, where the shapes are fixed: the anchor for the tiled families).
+CUDA graphs, where the shapes are fixed: the anchor for the tiled families). `--baseline-attention
+fa2` also times a second encoder on the same adapter with that attention setting (before / after
+in one run).
 """
 
 from __future__ import annotations
@@ -184,7 +186,7 @@ def use_sdpa(module: torch.nn.Module) -> torch.nn.Module:
 
 def measure(
     family: str, vision_config: dict, runs: int, warmup: int, compiled: bool = False, compiled_blocks: bool = False,
-    only: set[str] | None = None,
+    only: set[str] | None = None, baseline_attention: str | None = None,
 ) -> dict:
     config = {**vision_config, **PROJECTOR_FIELDS.get(family, {}), "model_type": VISION_MODEL_TYPES[family]}
     gc.collect()  # the previous family's encoder and reference, held by reference cycles
@@ -201,6 +203,12 @@ def measure(
     # the encoder's memory once captured: weights, static buffers and the graphs' pool
     memory = {"weights_gib": weights / 2**30, "after_capture_gib": (torch.cuda.memory_allocated() - before) / 2**30}
     stats = encoder.stats()
+    baseline = None
+    if baseline_attention is not None:
+        baseline = GraphEncoder(
+            encoder.adapter, device="cuda", dtype=torch.bfloat16, compiled_blocks=compiled_blocks,
+            attention=baseline_attention,
+        )
     reference = use_sdpa(copy.deepcopy(encoder.adapter.tower))
     rows = {}
     with torch.no_grad():
@@ -220,6 +228,9 @@ def measure(
                 "hf_eager": eager, "vitpool": graph, "ratio": graph["median_ms"] / eager["median_ms"],
                 "rel_error": rel_error,
             }
+            if baseline is not None:
+                rows[name]["baseline"] = summarize(time_ms(lambda items=items: baseline.encode(items), runs, warmup))
+                rows[name]["baseline_ratio"] = rows[name]["baseline"]["median_ms"] / eager["median_ms"]
             if compiled:
                 torch._dynamo.reset()
                 fast = torch.compile(hugging_face_eager, mode="reduce-overhead")
@@ -247,6 +258,7 @@ def main() -> None:
     parser.add_argument("--compiled", action="store_true", help="also time HF under torch.compile (reduce-overhead)")
     parser.add_argument("--compiled-blocks", action="store_true", help="vitpool with compiled_blocks=True")
     parser.add_argument("--workloads", default=None, help='comma-separated workload names (e.g. "1 view"); default all')
+    parser.add_argument("--baseline-attention", default=None, help="also time an encoder with this attention (fa2)")
     args = parser.parse_args()
     unknown = sorted(set(args.families.split(",")) - set(VISION_MODEL_TYPES))
     if unknown:
@@ -262,7 +274,7 @@ def main() -> None:
         results["families"].append(
             measure(
                 family, configs[family]["vision_config"], args.runs, args.warmup, args.compiled, args.compiled_blocks,
-                set(args.workloads.split(",")) if args.workloads else None,
+                set(args.workloads.split(",")) if args.workloads else None, args.baseline_attention,
             )
         )
         torch.cuda.empty_cache()  # the family's encoder and reference are gone: give their memory back
@@ -284,7 +296,9 @@ def main() -> None:
                   f"| {row['ratio']:.2f} | {row['rel_error']:.1e} |"
                   + (f" HF compiled {row['hf_compiled']['median_ms']:.2f} ({row['hf_compiled']['p99_ms']:.2f}), "
                      f"ratio {row['ratio_compiled']:.2f} |" if "hf_compiled" in row else "")
-                  + (f" HF compile failed: {row['hf_compile_error'][:120]} |" if "hf_compile_error" in row else ""))
+                  + (f" HF compile failed: {row['hf_compile_error'][:120]} |" if "hf_compile_error" in row else "")
+                  + (f" {args.baseline_attention}: {row['baseline']['median_ms']:.2f} ({row['baseline']['p99_ms']:.2f}), "
+                     f"ratio {row['baseline_ratio']:.2f} |" if "baseline" in row else ""))
 
 
 if __name__ == "__main__":

@@ -1,11 +1,18 @@
 """One image per side, 224² to 1792²: Hugging Face eager (sdpa) against vitpool, on the real-size
 Qwen3-VL-8B tower (random bf16 weights), all in one run on one GPU.
 
-vitpool runs each image two ways, from the same weights:
-- "graph": the device's default ladder, the image padded into the smallest budget that holds it
-  and replayed in that budget's CUDA graph (packed FA2 attention);
-- "exact": eager at the image's own rows, no padding, where a batch of one attention sequence
-  takes SDPA's dense cuDNN attention (`vitpool.models.attention.host_boundaries`).
+vitpool runs each image three ways, from the same weights:
+- "graph": the defaults: the device's ladder (an image up to 1024 tokens padded into the smallest
+  budget that holds it and replayed in that budget's CUDA graph), larger images eager at their
+  own rows, attention chosen per batch (`attention="auto"`: cuDNN for the long sequences of an
+  eager batch, FA4 where installed, FA2 otherwise);
+- "fa2": the same with `attention="fa2"` (FlashAttention-2 everywhere: the default install's
+  attention before cuDNN was chosen), the baseline of the same run;
+- "exact": eager at the image's own rows for every size (a single tiny budget), attention "auto".
+
+Each size also gets its arithmetic floor: the tower's GEMM FLOPs (counted from its Linear and
+Conv3d layers on the HF forward) and attention FLOPs (4 · rows² · head_dim · heads · depth), over
+the bf16 peak measured in the same run (an 8192³ matmul), and vitpool's time over that floor.
 
 With --compiled, also the HF tower under torch.compile(mode="reduce-overhead") (one compile per
 side: slow). Prints median (p99) ms and ratios; writes JSON with --out.
@@ -16,14 +23,16 @@ side: slow). Prints median (p99) ms and ratios; writes JSON with --out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import logging
+import statistics
 import tempfile
 from pathlib import Path
 
 import torch
-from common import QWEN3_VL_8B_VISION, image, summarize, time_ms
+from common import QWEN3_VL_8B_VISION, gpu_ms, image, summarize, time_ms
 
 from vitpool import GraphEncoder
 
@@ -46,6 +55,8 @@ def main() -> None:
         graph = GraphEncoder.from_pretrained(directory, device="cuda", dtype=torch.bfloat16)
     # the same adapter and weights, one tiny budget: every image of the sweep runs eager, exact
     exact = GraphEncoder(graph.adapter, budgets=[16], device="cuda", dtype=torch.bfloat16)
+    before = GraphEncoder(graph.adapter, device="cuda", dtype=torch.bfloat16, attention="fa2")
+    peak_tflops = _bf16_peak_tflops()
     tower = copy.deepcopy(graph.adapter.tower)
     tower.config._attn_implementation = "sdpa"
     compiled = torch.compile(tower, mode="reduce-overhead") if args.compiled else None
@@ -59,36 +70,75 @@ def main() -> None:
     with torch.no_grad():
         for side in (int(s) for s in args.sides.split(",")):
             items = [image(side)]
-            want = hugging_face(tower, items).float()
+            with _counting_gemm_flops(tower) as gemm_flops:
+                want = hugging_face(tower, items).float()
             row = {"side": side, "patches": items[0].pixel_values.shape[0]}
+            config = graph.adapter.tower.config
+            attention_flops = 4 * row["patches"] ** 2 * config.hidden_size * config.depth
+            row["floor_ms"] = (gemm_flops[0] + attention_flops) / (peak_tflops * 1e9)
+            row["gemm_tflop"], row["attention_tflop"] = gemm_flops[0] / 1e12, attention_flops / 1e12
             paths = {
                 "hf_eager": lambda items=items: hugging_face(tower, items),
                 "graph": lambda items=items: graph.encode(items),
+                "fa2": lambda items=items: before.encode(items),
                 "exact": lambda items=items: exact.encode(items),
             }
             if compiled is not None:
                 paths["hf_compiled"] = lambda items=items: hugging_face(compiled, items).clone()
             for name, run in paths.items():
                 row[name] = summarize(time_ms(run, args.runs, args.warmup))
-            for name in ("graph", "exact"):
+            for name in ("graph", "fa2", "exact"):
                 got = torch.cat([e.tokens for e in paths[name]()]).float()
                 row[f"{name}_rel_error"] = float(torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want))
             rows.append(row)
             if args.out:
-                args.out.write_text(json.dumps({"gpu": gpu, "torch": torch.__version__, "rows": rows}, indent=2))
-    print(f"\nGPU: {gpu}; median (p99) ms of {args.runs} runs after {args.warmup} warm-up; ratios over HF eager")
+                args.out.write_text(json.dumps(
+                    {"gpu": gpu, "torch": torch.__version__, "bf16_peak_tflops": peak_tflops, "rows": rows}, indent=2
+                ))
+    print(f"\nGPU: {gpu}, torch {torch.__version__}; median (p99) ms of {args.runs} runs after {args.warmup} "
+          f"warm-up; ratios over HF eager; floor at the measured bf16 peak {peak_tflops:.0f} TFLOP/s")
     head = "| side | patches | HF eager | " + ("HF compiled | " if compiled is not None else "")
-    print(head + "graph | exact | graph / eager | exact / eager | rel. err graph, exact |")
-    print("|---" * (8 + (compiled is not None)) + "|")
+    print(head + "vitpool (defaults) | fa2 (before) | exact | vitpool / eager | fa2 / eager | floor ms | "
+          "vitpool / floor | rel. err vitpool, fa2, exact |")
+    print("|---" * (11 + (compiled is not None)) + "|")
     for row in rows:
         cells = [f"{row['side']}²", str(row["patches"]), _cell(row["hf_eager"])]
         if compiled is not None:
             cells.append(_cell(row["hf_compiled"]))
         eager = row["hf_eager"]["median_ms"]
-        cells += [_cell(row["graph"]), _cell(row["exact"]), f"{row['graph']['median_ms'] / eager:.2f}",
-                  f"{row['exact']['median_ms'] / eager:.2f}",
-                  f"{row['graph_rel_error']:.1e}, {row['exact_rel_error']:.1e}"]
+        cells += [_cell(row["graph"]), _cell(row["fa2"]), _cell(row["exact"]),
+                  f"**{row['graph']['median_ms'] / eager:.2f}**", f"{row['fa2']['median_ms'] / eager:.2f}",
+                  f"{row['floor_ms']:.1f}", f"{row['graph']['median_ms'] / row['floor_ms']:.2f}",
+                  f"{row['graph_rel_error']:.1e}, {row['fa2_rel_error']:.1e}, {row['exact_rel_error']:.1e}"]
         print("| " + " | ".join(cells) + " |")
+
+
+def _bf16_peak_tflops(size: int = 8192, runs: int = 20) -> float:
+    """The GPU's bf16 matmul rate on random data, TFLOP/s (median of `runs`)."""
+    a, b = (torch.randn(size, size, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    samples = gpu_ms(lambda: a @ b, runs)
+    return 2 * size**3 / (statistics.median(samples) * 1e9)
+
+
+@contextlib.contextmanager
+def _counting_gemm_flops(module: torch.nn.Module):
+    """Counts the multiply-add FLOPs of `module`'s Linear and Conv3d layers while inside (a
+    list of one number, complete on exit)."""
+    total = [0]
+
+    def count(layer, inputs, output):
+        total[0] += 2 * layer.weight.numel() * output.numel() // layer.weight.shape[0]
+
+    hooks = [
+        layer.register_forward_hook(count)
+        for layer in module.modules()
+        if isinstance(layer, (torch.nn.Linear, torch.nn.Conv3d))
+    ]
+    try:
+        yield total
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def _cell(stats: dict) -> str:

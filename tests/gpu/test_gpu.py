@@ -91,14 +91,15 @@ def test_oversized_item_runs_eager(gpu_encoder, gpu_reference):
 
 def test_an_eager_batch_picks_its_attention_from_its_boundaries(monkeypatch, gpu_encoder, gpu_reference):
     """An image too large for every budget runs eager at its own rows: one long sequence, known on
-    the host, so the hook runs FA4 where it is installed (FA2 otherwise); a video's short
-    per-frame sequences stay on FA2; a replayed graph never asks."""
+    the host, so the hook runs FA4 where it is installed (cuDNN otherwise, on Hopper); a video's
+    short per-frame sequences stay on FA2; a replayed graph never asks."""
     from vitpool.models import attention
 
     decisions = []
     original = attention.eager_backend
     monkeypatch.setattr(attention, "eager_backend", lambda *args: decisions.append(original(*args)) or decisions[-1])
-    long_image = "fa4" if attention.fa4_available(gpu_encoder.device) else "fa2"
+    device = gpu_encoder.device
+    long_image = "fa4" if attention.fa4_available(device) else "cudnn" if attention.cudnn_available(device) else "fa2"
     items = [image(96, 96, torch.Generator().manual_seed(5))]  # 9216 rows: one long sequence, eager
     assert 96 * 96 >= attention.FA4_MIN_ROWS_PER_SEQUENCE
     assert_close_to_reference(gpu_reference, items, gpu_encoder.encode(items))

@@ -3,11 +3,20 @@ the batch's shape (the kernels themselves run on the GPU: tests/gpu)."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
 from vitpool.models import attention
-from vitpool.models.attention import FA4_MIN_ROWS_PER_SEQUENCE, eager_backend, graph_backend
+from vitpool.models.attention import (
+    CUDNN_MIN_ROWS_PER_SEQUENCE,
+    DENSE_BUCKET_ROWS,
+    FA4_MIN_ROWS_PER_SEQUENCE,
+    dense_attention,
+    eager_backend,
+    graph_backend,
+)
 
 CUDA = torch.device("cuda", 0)
 
@@ -40,22 +49,50 @@ def test_a_graph_takes_fa4_where_its_sequences_may_be_long(fa4, choice, availabl
 
 
 @pytest.mark.parametrize(
-    "boundaries, rows, fa4_here, expected",
+    "boundaries, rows, fa4_here, cudnn_here, expected",
     [
-        ((0, 9216, 9216), 9216, True, "fa4"),  # one long image, a trailing empty sequence
-        ((0, 3136, 3136), 3136, True, "fa2"),  # not long enough to pay FA4's set-up per new size
-        ((0, 3136, 3136), 3136, False, "fa2"),  # no FA4: FA2
-        ((0, 576, 1152, 1728, 2304), 2304, False, "fa2"),  # a clip's frames, no FA4
-        ((0, 576, 1152, 1728, 2304), 2304, True, "fa2"),  # frames shorter than FA4's threshold
-        ((0, 8192, 16384), 16384, True, "fa4"),
-        ((0, 4900, 4900), 4900, True, "fa4"),  # one 1120² image
-        ((0, 100), 100, True, "fa2"),  # one short sequence: FA2
-        ((0, 3136), 3200, True, "fa2"),  # rows not all covered: boundaries not understood
-        ((0, 0), 0, True, "fa2"),
+        ((0, 9216, 9216), 9216, True, True, "fa4"),  # one long image, a trailing empty sequence
+        ((0, 3136, 3136), 3136, True, True, "cudnn"),  # too short to pay FA4's set-up per new size
+        ((0, 3136, 3136), 3136, True, False, "fa2"),  # neither: FA2
+        ((0, 9216), 9216, False, True, "cudnn"),  # the default install on Hopper
+        ((0, 9216), 9216, False, False, "fa2"),  # ... on an older GPU
+        ((0, 576, 1152, 1728, 2304), 2304, False, True, "fa2"),  # a clip's short frames
+        ((0, 576, 1152, 1728, 2304), 2304, True, True, "fa2"),  # frames shorter than FA4's threshold
+        ((0, 1024, 4096), 4096, False, True, "cudnn"),  # two long sequences: one call each
+        ((0, 1000, 5000), 5000, False, True, "fa2"),  # one of them short: FA2 for the batch
+        (tuple(range(0, 17 * 1024 + 1, 1024)), 17 * 1024, False, True, "fa2"),  # too many calls
+        ((0, 8192, 16384), 16384, True, True, "fa4"),
+        ((0, 4900, 4900), 4900, True, True, "fa4"),  # one 1120² image
+        ((0, 100), 100, True, True, "fa2"),  # one short sequence: FA2
+        ((0, 3136), 3200, True, True, "fa2"),  # rows not all covered: boundaries not understood
+        ((0, 0), 0, True, True, "fa2"),
     ],
 )
-def test_an_eager_batch_picks_from_its_boundaries(boundaries, rows, fa4_here, expected):
-    assert eager_backend(boundaries, rows, fa4_here) == expected
+def test_an_eager_batch_picks_from_its_boundaries(boundaries, rows, fa4_here, cudnn_here, expected):
+    assert eager_backend(boundaries, rows, fa4_here, cudnn_here) == expected
+
+
+@pytest.mark.parametrize("lengths", [[300], [DENSE_BUCKET_ROWS], [1, 513, 40], [700, 0, 129]])
+def test_dense_attention_masks_its_padding_exactly(lengths):
+    """Per sequence, padded to a bucket with the padding keys masked by an extra head dimension:
+    equal (fp32) to attention over each sequence alone, whatever the padding."""
+    generator = torch.Generator().manual_seed(len(lengths))
+    rows, heads, head_dim = sum(lengths), 3, 72
+    q, k, v = (torch.randn(rows, heads, head_dim, generator=generator) * 3 for _ in range(3))
+    boundaries = (0, *itertools.accumulate(lengths))
+    got = dense_attention(q, k, v, boundaries, 0.1)
+    for start, end in itertools.pairwise(boundaries):
+        if end > start:
+            want = torch.nn.functional.scaled_dot_product_attention(
+                *(t[start:end].transpose(0, 1) for t in (q, k, v)), scale=0.1
+            ).transpose(0, 1)
+            torch.testing.assert_close(got[start:end], want, rtol=1e-5, atol=1e-5)
+
+
+def test_dense_attention_leaves_rows_outside_every_sequence_zero():
+    q = torch.randn(40, 2, 16)
+    got = dense_attention(q, q, q, (0, 30), None)
+    assert torch.equal(got[30:], torch.zeros(10, 2, 16)) and got[:30].abs().sum() > 0
 
 
 def test_the_thresholds_are_between_the_measured_points():
@@ -65,6 +102,7 @@ def test_the_thresholds_are_between_the_measured_points():
     # from 4356 rows (1056²) on, and lost at 3136 on the first call (H100, benchmarks/HISTORY.md)
     assert 256 < FA4_MIN_ROWS_PER_GRAPH_SEQUENCE <= 3136
     assert 3136 < FA4_MIN_ROWS_PER_SEQUENCE <= 4356
+    assert CUDNN_MIN_ROWS_PER_SEQUENCE <= 3136  # 896² images above the ladder (small budgets) take it
 
 
 def test_fa4_is_never_available_off_the_gpu():

@@ -6,19 +6,21 @@ On a CPU (fp32) it runs SDPA with a block-diagonal mask built from `cu_seqlens`.
 precision it runs one of these kernels (all free of host synchronisation, so all capturable):
 
 - "fa2": PyTorch's own FlashAttention-2, `varlen_attn` (always there: the fallback);
+- "cudnn": SDPA's cuDNN kernel (Hopper's flash kernel, what Hugging Face eager runs), one dense call
+  per sequence. At the towers' head size 72 on an H100 it is about 1.5x FA2 on one long
+  sequence, but it has no packed form that can be captured, a padding mask takes its gain away,
+  and it builds a plan for every new shape (60-100 ms). So it runs only where the boundaries are
+  known on the host (eager batches), one call per long sequence, each padded to a multiple of
+  `DENSE_BUCKET_ROWS` rows so that the plans stay few, the padding keys masked by one extra
+  head dimension (`dense_attention`) rather than by a mask tensor;
 - "fa4": FlashAttention-4 (the optional `flash-attn-4` package, CuTe DSL; Hopper and newer). At
   the towers' head size 72 on an H100 it is 1.9x FA2 on long sequences (3136 rows: 141 vs 268
-  µs; 4 x 4096: 732 vs 1337) but slower on many short ones (64 x 256: 162 vs 131 µs);
-
-SDPA's cuDNN backend on one dense sequence is 1.5x FA2 too, but not used: with a padding mask it
-loses that gain, its packed path cannot be captured, and eagerly it builds a plan for every new
-sequence length (60-100 ms on the first call at each new image size on an H100,
-`benchmarks/studies/new_sizes.py`), which traffic of varied sizes would pay again and again.
+  µs; 4 x 4096: 732 vs 1337) but slower on many short ones (64 x 256: 162 vs 131 µs).
 
 The encoder picks per graph (`use_attention` around capture: FA4 for graphs whose sequences
-may be long) and, for an eager run at the items' own size, lets the hook pick from the batch's
-boundaries, which it declares on the host with `host_boundaries`
-(`benchmarks/studies/attention_backends.py` has the measurements).
+may be long, FA2 for the rest) and, for an eager run at the items' own size, lets the hook pick
+from the batch's boundaries, which it declares on the host with `host_boundaries`
+(`benchmarks/studies/attention_backends.py` and `dense_attention.py` have the measurements).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 
 from vitpool.models.compiled import install_compiled_blocks
@@ -52,6 +55,17 @@ ATTENTION_NAME = "vitpool_flash_varlen"
 # processor's resize targets), so the threshold favours the repeat.
 FA4_MIN_ROWS_PER_GRAPH_SEQUENCE = 512
 FA4_MIN_ROWS_PER_SEQUENCE = 4096
+# An eager batch whose sequences are all at least this long (and at most CUDNN_MAX_SEQUENCES of
+# them) runs cuDNN, one call per sequence, where FA4 is not taken.
+CUDNN_MIN_ROWS_PER_SEQUENCE = 1024
+CUDNN_MAX_SEQUENCES = 16
+# the extra head dimension must keep cuDNN's head size at 128 or below (GLM's 128 stays on FA2)
+CUDNN_MAX_HEAD_DIM = 120
+# cuDNN builds a plan per shape: sequences are padded up to a multiple of this many rows
+DENSE_BUCKET_ROWS = 256
+# The padding keys' extra head dimension: with the queries' 1 there, their scores sit this far
+# below every real key's (times the softmax scale), so their weights are exactly 0 in fp32.
+_MASKED_KEY = -30000.0
 
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 # The kernel the batch running now must use ("fa2", "fa4"); None: the hook decides
@@ -85,6 +99,25 @@ def fa4_available(device: torch.device) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=8)
+def cudnn_available(device: torch.device) -> bool:
+    """Whether SDPA's cuDNN kernel runs on `device`: Hopper (compute capability 9.0) or newer,
+    where it was measured to beat FA2, and a tiny dense call succeeds. Logged once per device."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+        return False
+    try:
+        probe = torch.zeros((DENSE_BUCKET_ROWS, 1, 72), device=device, dtype=torch.bfloat16)
+        dense_attention(probe, probe, probe, (0, DENSE_BUCKET_ROWS), None)
+    except RuntimeError as error:
+        logger.warning("attention on %s: no cuDNN attention for eager batches (%s)", device, error)
+        return False
+    logger.info(
+        "attention on %s: cuDNN for eager batches of at most %d sequences of %d rows or more",
+        device, CUDNN_MAX_SEQUENCES, CUDNN_MIN_ROWS_PER_SEQUENCE,
+    )
+    return True
+
+
 def graph_backend(choice: str, device: torch.device, num_rows: int, max_sequences: int) -> str:
     """The kernel a graph of `num_rows` rows and at most `max_sequences` sequences is captured with."""
     if choice == "fa4":
@@ -94,13 +127,16 @@ def graph_backend(choice: str, device: torch.device, num_rows: int, max_sequence
     return "fa2"
 
 
-def eager_backend(boundaries: tuple[int, ...], num_rows: int, fa4: bool) -> str:
-    """The kernel for a batch run at its own rows whose `cu_seqlens` are `boundaries`."""
+def eager_backend(boundaries: tuple[int, ...], num_rows: int, fa4: bool, cudnn: bool) -> str:
+    """The kernel for a batch run at its own rows whose `cu_seqlens` are `boundaries`, where FA4
+    and cuDNN can run or not."""
     lengths = [end - start for start, end in itertools.pairwise(boundaries) if end > start]
     if not lengths or boundaries[0] != 0 or boundaries[-1] != num_rows:
         return "fa2"
     if fa4 and sum(lengths) >= FA4_MIN_ROWS_PER_SEQUENCE * len(lengths):
         return "fa4"
+    if cudnn and len(lengths) <= CUDNN_MAX_SEQUENCES and min(lengths) >= CUDNN_MIN_ROWS_PER_SEQUENCE:
+        return "cudnn"
     return "fa2"
 
 
@@ -127,15 +163,21 @@ def host_boundaries(
         _KNOWN_BOUNDARIES.reset(token)
 
 
-def _backend_for(query: torch.Tensor, cu_seq_lens_q: torch.Tensor, cu_seq_lens_k: torch.Tensor) -> str:
+def _backend_for(
+    query: torch.Tensor, cu_seq_lens_q: torch.Tensor, cu_seq_lens_k: torch.Tensor
+) -> tuple[str, tuple[int, ...] | None]:
+    """The kernel, and the boundaries on the host where the batch declared them."""
     backend = _BACKEND.get()
     if backend is not None:
-        return backend
+        return backend, None
     known = _KNOWN_BOUNDARIES.get()
     key = _boundary_key(cu_seq_lens_q)
     if not known or key not in known or _boundary_key(cu_seq_lens_k) != key:
-        return "fa2"
-    return eager_backend(known[key], query.shape[0], fa4_available(query.device))
+        return "fa2", None
+    boundaries = known[key]
+    device = query.device
+    cudnn = query.shape[-1] <= CUDNN_MAX_HEAD_DIM and cudnn_available(device)
+    return eager_backend(boundaries, query.shape[0], fa4_available(device), cudnn), boundaries
 
 
 def _boundary_key(tensor: torch.Tensor) -> tuple[int, int]:
@@ -185,7 +227,10 @@ def flash_varlen(
     scaling: float | None,
 ) -> torch.Tensor:
     """Packed attention over [rows, heads, head_dim] with the kernel `_backend_for` picks."""
-    if _backend_for(q, cu_seq_lens_q, cu_seq_lens_k) == "fa4":
+    backend, boundaries = _backend_for(q, cu_seq_lens_q, cu_seq_lens_k)
+    if backend == "cudnn" and boundaries is not None:
+        return dense_attention(q, k, v, boundaries, scaling)
+    if backend == "fa4":
         from flash_attn.cute import flash_attn_varlen_func
 
         # FA4 picks (and compiles) a kernel configuration from max_seqlen: a captured graph has a
@@ -205,6 +250,42 @@ def flash_varlen(
 @flash_varlen.register_fake
 def _flash_varlen_shape(q, k, v, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, scaling):
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+
+def dense_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, boundaries: tuple[int, ...], scaling: float | None
+) -> torch.Tensor:
+    """Attention within each sequence [start, end) of `boundaries` over [rows, heads, head_dim],
+    one dense SDPA call per sequence (cuDNN's kernel on a GPU).
+
+    Each sequence is padded to a multiple of `DENSE_BUCKET_ROWS` rows, so that a stream of
+    varied sizes needs few cuDNN plans, and its head dimension by at least one column, where
+    queries hold 1 and keys 0, or `_MASKED_KEY` for the padding rows: their scores fall out of
+    the softmax without a mask tensor (which would cost cuDNN its speed). Rows outside every
+    sequence are left as zeros.
+    """
+    out = torch.zeros_like(q) if boundaries[-1] < q.shape[0] or boundaries[0] > 0 else torch.empty_like(q)
+    scale = q.shape[-1] ** -0.5 if scaling is None else scaling
+    for start, end in itertools.pairwise(boundaries):
+        if end > start:
+            out[start:end] = _dense_sequence(q[start:end], k[start:end], v[start:end], scale)
+    return out
+
+
+def _dense_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    rows, _, head_dim = q.shape
+    padded_rows = -(-rows // DENSE_BUCKET_ROWS) * DENSE_BUCKET_ROWS
+    padded_dim = (head_dim // 8 + 1) * 8  # cuDNN takes multiples of 8; one column at least is free
+    pad = (0, padded_dim - head_dim, 0, 0, 0, padded_rows - rows)
+    q_pad, k_pad, v_pad = (F.pad(t, pad) for t in (q, k, v))
+    q_pad[:, :, head_dim] = 1.0
+    k_pad[rows:, :, head_dim] = _MASKED_KEY
+    # [rows, heads, dim] -> [1, heads, rows, dim]: SDPA's layout, the rows-major memory kept
+    q_pad, k_pad, v_pad = (t.transpose(0, 1).unsqueeze(0) for t in (q_pad, k_pad, v_pad))
+    backends = [SDPBackend.CUDNN_ATTENTION] if q.is_cuda else [SDPBackend.MATH]
+    with sdpa_kernel(backends):
+        out = F.scaled_dot_product_attention(q_pad, k_pad, v_pad, scale=scale)
+    return out[0, :, :rows, :head_dim].transpose(0, 1)
 
 
 def _bucket(length: int) -> int:
