@@ -113,9 +113,30 @@ def test_an_eager_batch_picks_its_attention_from_its_boundaries(monkeypatch, gpu
     assert decisions == []
 
 
+def test_one_image_filling_a_budget_replays_its_dense_graph(gpu_encoder, gpu_reference):
+    """A budget of 1024 rows has a second graph with cuDNN attention over all its rows, replayed for
+    a batch of one image that fills most of it; two images in that budget replay the packed one."""
+    from vitpool.models import attention
+
+    if not attention.cudnn_available(gpu_encoder.device):
+        pytest.skip("no cuDNN attention on this GPU")
+    assert [tokens for tokens, _ in gpu_encoder.stats().dense_graphs] == [256]
+    one = [image(30, 32, torch.Generator().manual_seed(12))]  # 960 of the budget's 1024 rows
+    before = gpu_encoder.stats()
+    assert_close_to_reference(gpu_reference, one, gpu_encoder.encode(one))
+    after = gpu_encoder.stats()
+    assert after.dense_items == before.dense_items + 1 and after.graph_items == before.graph_items + 1
+    two = [image(16, 30, torch.Generator().manual_seed(13)), image(14, 30, torch.Generator().manual_seed(14))]
+    assert_close_to_reference(gpu_reference, two, gpu_encoder.encode(two))
+    assert gpu_encoder.stats().dense_items == after.dense_items
+    small = [image(4, 6, torch.Generator().manual_seed(3))]  # after the dense replay: as fresh
+    fresh = GraphEncoder.from_pretrained(None, budgets=[64], device="cuda").encode(small)[0]
+    assert torch.equal(gpu_encoder.encode(small)[0].tokens, fresh.tokens)
+
+
 def test_forced_fa2_matches_the_tower(gpu_reference):
     encoder = GraphEncoder.from_pretrained(None, budgets=[64, 256], device="cuda", attention="fa2")
-    assert encoder.stats().disabled_budgets == []
+    assert encoder.stats().disabled_budgets == [] and encoder.stats().dense_graphs == []
     items = [image(40, 40, torch.Generator().manual_seed(8)), image(10, 12, torch.Generator().manual_seed(9))]
     assert_close_to_reference(gpu_reference, items, encoder.encode(items))
 
@@ -150,13 +171,13 @@ def test_a_graph_freed_by_the_garbage_collector_cannot_break_a_capture(monkeypat
     held = [_small_graph() for _ in BUDGETS]
     forward = capture_module._forward_into_outputs
 
-    def forward_leaving_garbage(runner, budget):
+    def forward_leaving_garbage(runner, budget, dense=False):
         if held and torch.cuda.is_current_stream_capturing():
             cycle = {"graph": held.pop()}
             cycle["itself"] = cycle  # young garbage: a collection of the youngest generation frees it
             del cycle
             _ = [[] for _ in range(100)]  # tracked allocations, each may start that collection
-        forward(runner, budget)
+        forward(runner, budget, dense)
 
     monkeypatch.setattr(capture_module, "_forward_into_outputs", forward_leaving_garbage)
     thresholds = gc.get_threshold()
@@ -277,3 +298,22 @@ def test_large_host_pixels_pass_through_pinned_memory_unchanged(gpu_encoder, gpu
     for item, got in zip(items, together):
         assert torch.equal(got.tokens, gpu_encoder.encode([item])[0].tokens)
     assert_close_to_reference(gpu_reference, items, together)
+
+
+@pytest.mark.parametrize("target_dtype", [torch.bfloat16, torch.float32])
+def test_pinned_staging_in_chunks_copies_every_row(monkeypatch, target_dtype):
+    """Large host pixels go in chunks (the last one short), converted on the device or not: every
+    row arrives as a direct copy would bring it."""
+    from vitpool.graphs.buffers import PinnedStaging
+
+    monkeypatch.setattr(PinnedStaging, "CHUNK_BYTES", 3 * 1536 * 4 + 5)  # 3 rows a chunk
+    generator = torch.Generator().manual_seed(41)
+    sources = [torch.randn(1000, 1536, generator=generator), torch.randn(7, 1536, generator=generator)]
+    assert sum(s.nbytes for s in sources) >= PinnedStaging.MIN_BYTES
+    targets = [torch.full((len(s), 1536), float("nan"), device="cuda", dtype=target_dtype) for s in sources]
+    staging = PinnedStaging((1536,), torch.device("cuda", torch.cuda.current_device()))
+    staging.copy(list(zip(targets, sources)))
+    torch.cuda.synchronize()
+    assert staging._copied is not None  # staged, not copied directly
+    for target, source in zip(targets, sources):
+        assert torch.equal(target, source.to("cuda", target_dtype))

@@ -16,6 +16,7 @@ from vitpool.models.attention import (
     dense_attention,
     eager_backend,
     graph_backend,
+    leading_sequence_attention,
 )
 
 CUDA = torch.device("cuda", 0)
@@ -107,3 +108,45 @@ def test_the_thresholds_are_between_the_measured_points():
 
 def test_fa4_is_never_available_off_the_gpu():
     assert attention.fa4_available(torch.device("cpu")) is False
+
+
+def test_leading_sequence_attention_is_exact_for_the_sequence_and_finite_for_the_padding():
+    """A dense graph's attention: every row over the first sequence's keys only, its end read from
+    the device tensor (as in a captured graph)."""
+    generator = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(96, 2, 72, generator=generator) * 3 for _ in range(3))
+    cu_seqlens = torch.tensor([0, 70, 96, 96], dtype=torch.int32)
+    got = leading_sequence_attention(q, k, v, cu_seqlens, None)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        *(t[:70].transpose(0, 1) for t in (q, k, v))
+    ).transpose(0, 1)
+    torch.testing.assert_close(got[:70], want, rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(got).all() and got.is_contiguous()
+
+
+def _tiny_runner():
+    from vitpool import GraphEncoder
+
+    encoder = GraphEncoder.from_pretrained(None, budgets=[64, 256], device="cpu")
+    return encoder, encoder._runners[""]
+
+
+@pytest.mark.parametrize(
+    "items, fills_one_sequence",
+    [
+        ([("image", (1, 16, 16))], True),  # one image: one sequence, then padding
+        ([("image", (1, 16, 16)), ("image", (1, 8, 8))], False),  # two sequences
+        ([("video", (2, 8, 8))], False),  # a video: one sequence per temporal patch
+    ],
+)
+def test_a_batch_is_one_leading_sequence_only_when_one_item_of_one_sequence(items, fills_one_sequence):
+    from vitpool.graphs.runner import _leading_sequence_rows
+
+    encoder, runner = _tiny_runner()
+    rules, row_shape = encoder.adapter.item_rules, encoder.adapter.row_shape
+    specs = [rules.item_spec(kind, (grid[0] * grid[1] * grid[2], *row_shape), "float32", grid) for kind, grid in items]
+    budget = encoder.budgets[-1]
+    rows = runner.rows(budget)
+    metadata = encoder.adapter.build_metadata(specs, rows, budget)
+    expected = sum(spec.pixel_shape[0] for spec in specs) if fills_one_sequence else 0
+    assert _leading_sequence_rows(specs, metadata, rows) == expected

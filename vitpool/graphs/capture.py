@@ -3,7 +3,10 @@ first, into one shared memory pool, each checked against the eager run of the sa
 right after its capture.
 
 A budget whose replay does not match eager (or gives a non-finite row) is disabled: its batches
-run the static forward eagerly, counted in the stats.
+run the static forward eagerly, counted in the stats. A budget the runner `wants_dense` for is
+captured and checked a second time with its dense attention (`BatchRunner.dense_graphs`); that
+graph is dropped where the check fails or the tower never took the dense kernel (a head size cuDNN
+cannot take).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from vitpool.graphs.segments import SegmentedGraph, segmented_capture
+from vitpool.models.attention import leading_sequence_calls
 from vitpool.packing import Budget
 
 if TYPE_CHECKING:
@@ -64,6 +68,9 @@ def capture_all(runner: BatchRunner, budgets: Sequence[Budget], pool: tuple | No
                     "rel. error %.1e (tolerance %.0e, inf = non-finite output)",
                     budget.num_tokens, dict(budget.limits), error, tolerance,
                 )
+                continue
+            if runner.wants_dense(budget):
+                _capture_dense(runner, budget, pool, rng, generator)
     # Give back what the eager warm-ups and checks cached; the graphs' pool stays reserved.
     torch.cuda.empty_cache()
     stats.capture_seconds = time.perf_counter() - start
@@ -72,6 +79,25 @@ def capture_all(runner: BatchRunner, budgets: Sequence[Budget], pool: tuple | No
         len(runner.graphs), total, stats.capture_seconds,
         torch.cuda.memory_reserved(runner.device) / 1024**3, runner.device,
     )
+
+
+def _capture_dense(
+    runner: BatchRunner, budget: Budget, pool: tuple, rng: random.Random, generator: torch.Generator
+) -> None:
+    calls = leading_sequence_calls()
+    graph = _capture(runner, budget, pool, rng, generator, dense=True)
+    if leading_sequence_calls() == calls:
+        logger.debug("budget %d tokens: no dense graph (the tower's attention cannot take cuDNN)", budget.num_tokens)
+        return
+    error = _check(runner, budget, graph, rng, generator, dense=True)
+    if error <= CHECK_TOLERANCE[runner.dtype]:
+        runner.dense_graphs[budget] = graph
+        runner.stats.dense_graphs.append((budget.num_tokens, budget.max_sequences))
+        logger.info("captured the dense graph of %d tokens, limits %s: rel. error %.1e",
+                    budget.num_tokens, dict(budget.limits), error)
+    else:
+        logger.warning("budget %d tokens, limits %s: dense graph dropped (replay vs eager rel. error %.1e)",
+                       budget.num_tokens, dict(budget.limits), error)
 
 
 @contextlib.contextmanager
@@ -93,24 +119,25 @@ def _no_collection_while_capturing() -> Iterator[None]:
 
 
 def _capture(
-    runner: BatchRunner, budget: Budget, pool: tuple, rng: random.Random, generator: torch.Generator
+    runner: BatchRunner, budget: Budget, pool: tuple, rng: random.Random, generator: torch.Generator,
+    dense: bool = False,
 ) -> SegmentedGraph:
     runner.fill_random(budget, rng, generator)
     # warm-up on a side stream: lazy initialisation (cuBLAS handles, kernels) stays out of the graph
     side_stream = torch.cuda.Stream(runner.device)
     side_stream.wait_stream(torch.cuda.current_stream(runner.device))
     with torch.cuda.stream(side_stream):
-        _forward_into_outputs(runner, budget)
+        _forward_into_outputs(runner, budget, dense)
     torch.cuda.current_stream(runner.device).wait_stream(side_stream)
     cuts = runner.cut_points(budget)
     with _workspace_in_graph_pool():
         if not cuts:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                _forward_into_outputs(runner, budget)
+                _forward_into_outputs(runner, budget, dense)
             return SegmentedGraph([graph])
         with segmented_capture(cuts, pool, runner.device) as graphs:
-            _forward_into_outputs(runner, budget)
+            _forward_into_outputs(runner, budget, dense)
         return SegmentedGraph(graphs)
 
 
@@ -140,9 +167,9 @@ def _workspace_in_graph_pool() -> Iterator[None]:
             clear()
 
 
-def _forward_into_outputs(runner: BatchRunner, budget: Budget) -> None:
+def _forward_into_outputs(runner: BatchRunner, budget: Budget, dense: bool = False) -> None:
     # Copy into the shared output buffers, so no graph keeps outputs of its own alive in the pool.
-    outputs = runner.static_forward(budget)
+    outputs = runner.static_forward(budget, dense)
     for target, output in zip(runner.buffers.output_views(budget.num_tokens), outputs):
         target.copy_(output[: budget.num_tokens])
 
@@ -153,12 +180,13 @@ def _check(
     graph: SegmentedGraph,
     rng: random.Random,
     generator: torch.Generator,
+    dense: bool = False,
 ) -> float:
     """Replay on fresh random items and compare with eager; inf if any output row is non-finite."""
     runner.fill_random(budget, rng, generator)
     graph.replay()
     replayed = runner.buffers.output_views(budget.num_tokens)
-    eager = [output[: budget.num_tokens] for output in runner.static_forward(budget)]
+    eager = [output[: budget.num_tokens] for output in runner.static_forward(budget, dense)]
     error = 0.0
     for got, expected in zip(replayed, eager):
         if not bool(torch.isfinite(got).all()):

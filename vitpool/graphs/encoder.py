@@ -412,6 +412,7 @@ class GraphEncoder:
         # the urgent lane's budgets are copies of the others': list them once
         total.captured_budgets = [b for s in snapshots for b in s.captured_budgets]
         total.disabled_budgets = [b for s in snapshots for b in s.disabled_budgets]
+        total.dense_graphs = [b for s in snapshots for b in s.dense_graphs]
         total.urgent_interrupts = self._interleaver.interrupts if self._interleaver is not None else 0
         return total
 

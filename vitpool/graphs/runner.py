@@ -25,10 +25,17 @@ from vitpool.graphs.segments import SegmentedGraph, cut_points
 from vitpool.graphs.stats import EncoderStats
 from vitpool.items import PreparedItem
 from vitpool.models import VisionAdapter
-from vitpool.models.attention import graph_backend, host_boundaries, use_attention
+from vitpool.models.attention import (
+    DENSE_MIN_FILL,
+    LEADING_SEQUENCE,
+    graph_backend,
+    host_boundaries,
+    use_attention,
+    wants_dense_graph,
+)
 from vitpool.models.compiled import use_compiled_blocks
 from vitpool.models.fused import use_fused_ops
-from vitpool.packing import Budget
+from vitpool.packing import SEQUENCES, Budget
 from vitpool.specs import ItemSpec
 
 
@@ -38,6 +45,9 @@ class BatchRunner:
 
     Attributes:
         graphs: budget -> its checked graph; a budget without one runs its static forward eagerly.
+        dense_graphs: budget -> a second checked graph of the same forward with cuDNN attention
+            over all its rows (`vitpool.models.attention.leading_sequence_attention`), replayed
+            for a batch of one sequence that fills most of the budget (`wants_dense`).
         stats: the counters `GraphEncoder.stats()` copies (under `lock`).
         attention, fused_ops, compiled_blocks: the kernels the forward runs with (`kernels`).
         segment_above_tokens: budgets of more tokens are captured in segments that other work
@@ -64,6 +74,8 @@ class BatchRunner:
         self._metadata_staging = PinnedMetadata(device) if on_gpu else None
         self._metadata_key: tuple | None = None  # what the metadata buffers hold
         self.graphs: dict[Budget, SegmentedGraph] = {}
+        self.dense_graphs: dict[Budget, SegmentedGraph] = {}
+        self._leading_rows = 0  # rows of the one sequence the buffers' batch holds (0: not one)
         self.stats = EncoderStats()
         self.lock = threading.Lock()  # one batch at a time owns the static buffers
 
@@ -76,6 +88,15 @@ class BatchRunner:
     def rows(self, budget: Budget) -> int:
         """Pixel rows of the budget's static views."""
         return self.adapter.max_rows(budget.num_tokens)
+
+    def wants_dense(self, budget: Budget) -> bool:
+        """Whether the budget gets a dense capture too: a family whose batches bound attention
+        sequences (its metadata has `cu_seqlens`), a large enough budget, FA2 its graph's kernel."""
+        return (
+            self.device.type == "cuda"
+            and budget.limit(SEQUENCES) is not None
+            and wants_dense_graph(self.attention, self.device, self.rows(budget), budget.max_sequences)
+        )
 
     def launch(
         self, batches: Sequence[RunBatch], to_host: bool, between: Callable[[], None] | None = None
@@ -115,6 +136,9 @@ class BatchRunner:
             self.stats.batch_rows += rows
             self.stats.padding_rows += rows - item_rows
             graph = self.graphs.get(budget)
+            if budget in self.dense_graphs and self._leading_rows >= DENSE_MIN_FILL * rows:
+                graph = self.dense_graphs[budget]
+                self.stats.dense_items += len(members)
             if graph is None:
                 self.stats.eager_items += len(members)
                 outputs = [output[:num_tokens] for output in self.static_forward(budget)]
@@ -162,6 +186,7 @@ class BatchRunner:
         key = (budget, tuple(specs))
         if key != self._metadata_key:
             built = self.adapter.build_metadata(specs, rows, budget)
+            self._leading_rows = _leading_sequence_rows(specs, built, rows)
             pairs = [(metadata[name], tensor) for name, tensor in built.items()]
             if self._metadata_staging is None:
                 for target, tensor in pairs:
@@ -194,16 +219,18 @@ class BatchRunner:
             self.staging.copy(pairs)
         return row
 
-    def static_forward(self, budget: Budget) -> list[torch.Tensor]:
+    def static_forward(self, budget: Budget, dense: bool = False) -> list[torch.Tensor]:
         """The forward over the budget's buffers (captured, checked, or run eager when disabled),
-        with the attention kernel its graph is captured with; writes the buffers' `finite` flags."""
+        with the attention kernel its graph is captured with (`dense`: its dense graph's); writes
+        the buffers' `finite` flags."""
         rows = self.rows(budget)
         pixels, metadata = self.buffers.input_views(rows, budget)
         # Part of the graph, so a call launches none of it: which rows are finite (read after the
         # replay), and the non-finite values zeroed so that a bad item cannot reach the others.
         self.buffers.finite[:rows].copy_(finite_rows(pixels))
         _zero_nonfinite(pixels)
-        with self.kernels(graph_backend(self.attention, self.device, rows, budget.max_sequences)):
+        backend = LEADING_SEQUENCE if dense else graph_backend(self.attention, self.device, rows, budget.max_sequences)
+        with self.kernels(backend):
             return self.adapter.forward(pixels, metadata)
 
     @contextlib.contextmanager
@@ -219,6 +246,26 @@ class BatchRunner:
             use_compiled_blocks(self.compiled_blocks),
         ):
             yield
+
+
+def _leading_sequence_rows(specs: Sequence[ItemSpec], metadata: dict[str, torch.Tensor], rows: int) -> int:
+    """The rows of the batch's one attention sequence, where it is one item of one sequence and
+    needs nothing else (no windows), and every sequence boundary of its metadata (1-D int32, as
+    the packed kernels take them) reads [0, n, rows, rows...]; else 0. What a dense graph needs
+    to give the same result as the packed one."""
+    if len(specs) != 1 or dict(specs[0].needs) != {SEQUENCES: 1}:
+        return 0
+    boundaries = [t for t in metadata.values() if t.dim() == 1 and t.dtype == torch.int32]
+    if not boundaries:
+        return 0
+    first = boundaries[0]
+    if len(first) < 3 or first[0] != 0 or not 0 < int(first[1]) <= rows:
+        return 0
+    expected = torch.full_like(first, rows)
+    expected[0], expected[1] = 0, first[1]
+    if not all(t.shape == first.shape and torch.equal(t, expected) for t in boundaries):
+        return 0
+    return int(first[1])
 
 
 def _on_host(tensor: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,9 @@ class EncoderStats:
         capture_seconds: time to capture and check every graph.
         urgent_interrupts: urgent-lane batches queued between two segments of a run
             (`GraphEncoder`'s `urgent_tokens`).
+        dense_items: of the graph items, those replayed in a budget's dense graph (one image
+            filling most of its budget: cuDNN attention over the budget's rows).
+        dense_graphs: budgets (tokens, sequences) with a checked dense graph too.
     """
 
     graph_items: int = 0
@@ -33,6 +36,8 @@ class EncoderStats:
     disabled_budgets: list[tuple[int, int]] = field(default_factory=list)
     capture_seconds: float = 0.0
     urgent_interrupts: int = 0
+    dense_items: int = 0
+    dense_graphs: list[tuple[int, int]] = field(default_factory=list)
 
     @classmethod
     def combined(cls, parts: list[EncoderStats]) -> EncoderStats:
@@ -49,6 +54,8 @@ class EncoderStats:
             total.captured_budgets += part.captured_budgets
             total.disabled_budgets += part.disabled_budgets
             total.capture_seconds += part.capture_seconds
+            total.dense_items += part.dense_items
+            total.dense_graphs += part.dense_graphs
         return total
 
     @property

@@ -63,6 +63,17 @@ CUDNN_MAX_SEQUENCES = 16
 CUDNN_MAX_HEAD_DIM = 120
 # cuDNN builds a plan per shape: sequences are padded up to a multiple of this many rows
 DENSE_BUCKET_ROWS = 256
+# A graph of this many rows or more gets a second capture for batches of one sequence (an image)
+# and padding: cuDNN over all its rows, the padding keys masked (`leading_sequence_attention`). Its
+# cost grows with rows², FA2's with the sequence's: the dense graph wins where the sequence fills
+# DENSE_MIN_FILL of the rows (cuDNN at 1.5x FA2 breaks even near 0.82; FA2 also pays for the
+# padding's own sequence).
+DENSE_GRAPH_MIN_ROWS = 1024
+DENSE_MIN_FILL = 0.8
+LEADING_SEQUENCE = "leading_sequence"  # the backend of such a graph
+# calls that took the leading-sequence kernel (a family whose head size cuDNN cannot take never
+# does: its dense capture is dropped)
+_LEADING_SEQUENCE_CALLS = [0]
 # The padding keys' extra head dimension: with the queries' 1 there, their scores sit this far
 # below every real key's (times the softmax scale), so their weights are exactly 0 in fp32.
 _MASKED_KEY = -30000.0
@@ -141,8 +152,24 @@ def eager_backend(boundaries: tuple[int, ...], num_rows: int, fa4: bool, cudnn: 
 
 
 def use_attention(backend: str | None) -> contextlib.AbstractContextManager[None]:
-    """Run the towers' attention with `backend` ("fa2", "fa4"; None: the hook decides)."""
+    """Run the towers' attention with `backend` ("fa2", "fa4", LEADING_SEQUENCE; None: the hook
+    decides). Under LEADING_SEQUENCE a tower whose head size cuDNN cannot take runs FA2."""
     return scoped_value(_BACKEND, backend)
+
+
+def wants_dense_graph(choice: str, device: torch.device, num_rows: int, max_sequences: int) -> bool:
+    """Whether a graph of `num_rows` rows gets a second capture for one leading sequence."""
+    return (
+        choice == "auto"
+        and num_rows >= DENSE_GRAPH_MIN_ROWS
+        and graph_backend(choice, device, num_rows, max_sequences) == "fa2"
+        and cudnn_available(device)
+    )
+
+
+def leading_sequence_calls() -> int:
+    """How many attention calls have taken the leading-sequence kernel in this process."""
+    return _LEADING_SEQUENCE_CALLS[0]
 
 
 @contextlib.contextmanager
@@ -230,6 +257,9 @@ def flash_varlen(
     backend, boundaries = _backend_for(q, cu_seq_lens_q, cu_seq_lens_k)
     if backend == "cudnn" and boundaries is not None:
         return dense_attention(q, k, v, boundaries, scaling)
+    if backend == LEADING_SEQUENCE and q.shape[-1] <= CUDNN_MAX_HEAD_DIM:
+        _LEADING_SEQUENCE_CALLS[0] += 1
+        return leading_sequence_attention(q, k, v, cu_seq_lens_q, scaling)
     if backend == "fa4":
         from flash_attn.cute import flash_attn_varlen_func
 
@@ -272,14 +302,38 @@ def dense_attention(
     return out
 
 
-def _dense_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def leading_sequence_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scaling: float | None
+) -> torch.Tensor:
+    """Attention of every row over the keys of the first sequence [0, cu_seqlens[1]), one dense
+    SDPA call over all rows, the end read on the device (capturable). Exact for a batch of one
+    sequence followed by padding rows (whose outputs attend to the sequence and are finite)."""
+    scale = q.shape[-1] ** -0.5 if scaling is None else scaling
+    return _dense_sequence(q, k, v, scale, masked_from=cu_seqlens[1], padded_rows=q.shape[0]).contiguous()
+
+
+def _dense_sequence(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    masked_from: int | torch.Tensor | None = None,
+    padded_rows: int | None = None,
+) -> torch.Tensor:
+    """Dense SDPA over [rows, heads, head_dim]; keys from row `masked_from` on (default: none of
+    the rows) and the padding up to `padded_rows` (default: the next bucket) are masked."""
     rows, _, head_dim = q.shape
-    padded_rows = -(-rows // DENSE_BUCKET_ROWS) * DENSE_BUCKET_ROWS
+    if padded_rows is None:
+        padded_rows = -(-rows // DENSE_BUCKET_ROWS) * DENSE_BUCKET_ROWS
     padded_dim = (head_dim // 8 + 1) * 8  # cuDNN takes multiples of 8; one column at least is free
     pad = (0, padded_dim - head_dim, 0, 0, 0, padded_rows - rows)
     q_pad, k_pad, v_pad = (F.pad(t, pad) for t in (q, k, v))
     q_pad[:, :, head_dim] = 1.0
-    k_pad[rows:, :, head_dim] = _MASKED_KEY
+    if isinstance(masked_from, torch.Tensor):
+        row = torch.arange(padded_rows, device=q.device, dtype=masked_from.dtype)
+        k_pad[:, :, head_dim] = torch.where(row >= masked_from, _MASKED_KEY, 0.0).to(q.dtype).unsqueeze(1)
+    else:
+        k_pad[rows if masked_from is None else masked_from :, :, head_dim] = _MASKED_KEY
     # [rows, heads, dim] -> [1, heads, rows, dim]: SDPA's layout, the rows-major memory kept
     q_pad, k_pad, v_pad = (t.transpose(0, 1).unsqueeze(0) for t in (q_pad, k_pad, v_pad))
     backends = [SDPBackend.CUDNN_ATTENTION] if q.is_cuda else [SDPBackend.MATH]
