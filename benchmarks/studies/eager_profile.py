@@ -2,9 +2,7 @@
 weights), one square image above the largest budget (eager at its own rows), defaults.
 
 Times the call with the pixels on the host (float32, as processors emit them) and with the same
-pixels already on the GPU (the difference is moving them), with the host pixels staged in one
-piece (`PinnedStaging.CHUNK_BYTES = None`, the code before chunking) and in chunks (the default),
-turn by turn; and, under the profiler, the GPU time
+pixels already on the GPU (the difference is moving them), and, under the profiler, the GPU time
 of one call by kernel class (`kernel_breakdown.kernel_class`) and the host-to-device copies.
 
     python benchmarks/studies/eager_profile.py [--sides 1568] [--runs 20] [--out f.json]
@@ -28,7 +26,6 @@ from kernel_breakdown import kernel_class
 from torch.profiler import ProfilerActivity, profile
 
 from vitpool import GraphEncoder, Image
-from vitpool.graphs.buffers import PinnedStaging
 
 
 def main() -> None:
@@ -44,15 +41,11 @@ def main() -> None:
     for side in (int(s) for s in args.sides.split(",")):
         host = [image(side)]
         device = [Image(host[0].pixel_values.cuda(), host[0].grid_thw)]
-        samples: dict[str, list[float]] = defaultdict(list)
-        chunk_bytes = PinnedStaging.CHUNK_BYTES
-        for _ in range(2):  # in turns, so drift does not favour one
-            for name, chunks in (("host_pixels_one_piece", None), ("host_pixels", chunk_bytes)):
-                PinnedStaging.CHUNK_BYTES = chunks
-                samples[name] += time_ms(lambda: encoder.encode(host), args.runs // 2, 3)
-        PinnedStaging.CHUNK_BYTES = chunk_bytes
-        samples["device_pixels"] = time_ms(lambda: encoder.encode(device), args.runs, 3)
-        row = {"side": side, **{name: summarize(values) for name, values in samples.items()}}
+        row = {
+            "side": side,
+            "host_pixels": summarize(time_ms(lambda: encoder.encode(host), args.runs, 3)),
+            "device_pixels": summarize(time_ms(lambda: encoder.encode(device), args.runs, 3)),
+        }
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             encoder.encode(host)
             torch.cuda.synchronize()
@@ -69,9 +62,8 @@ def main() -> None:
         args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": results}, indent=2))
     print(f"\nGPU: {torch.cuda.get_device_name()}; median (p99) ms of {args.runs} calls")
     for row in results:
-        host, on_device, whole = row["host_pixels"], row["device_pixels"], row["host_pixels_one_piece"]
-        print(f"{row['side']}²: host pixels {host['median_ms']:.2f} ({host['p99_ms']:.2f}), staged in one piece "
-              f"{whole['median_ms']:.2f} ({whole['p99_ms']:.2f}), pixels on the GPU "
+        host, on_device = row["host_pixels"], row["device_pixels"]
+        print(f"{row['side']}²: host pixels {host['median_ms']:.2f} ({host['p99_ms']:.2f}), pixels on the GPU "
               f"{on_device['median_ms']:.2f} ({on_device['p99_ms']:.2f}); GPU time {row['gpu_ms']:.2f}: "
               + ", ".join(f"{name} {ms:.2f}" for name, ms in row["gpu_ms_by_class"].items()))
 

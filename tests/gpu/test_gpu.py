@@ -300,20 +300,23 @@ def test_large_host_pixels_pass_through_pinned_memory_unchanged(gpu_encoder, gpu
     assert_close_to_reference(gpu_reference, items, together)
 
 
-@pytest.mark.parametrize("target_dtype", [torch.bfloat16, torch.float32])
-def test_pinned_staging_in_chunks_copies_every_row(monkeypatch, target_dtype):
-    """Large host pixels go in chunks (the last one short), converted on the device or not: every
-    row arrives as a direct copy would bring it."""
-    from vitpool.graphs.buffers import PinnedStaging
+@pytest.mark.parametrize("on_device", [False, True])
+def test_the_dense_attention_padding_kernel_writes_what_torch_would(on_device):
+    """The Triton kernel that pads q, k, v for the dense cuDNN path: the rows and head dimension
+    padded with zeros, column 72 set to 1 in q and to the mask value in k from row 700 on."""
+    from vitpool.models.fused import pad_for_dense_attention
 
-    monkeypatch.setattr(PinnedStaging, "CHUNK_BYTES", 3 * 1536 * 4 + 5)  # 3 rows a chunk
-    generator = torch.Generator().manual_seed(41)
-    sources = [torch.randn(1000, 1536, generator=generator), torch.randn(7, 1536, generator=generator)]
-    assert sum(s.nbytes for s in sources) >= PinnedStaging.MIN_BYTES
-    targets = [torch.full((len(s), 1536), float("nan"), device="cuda", dtype=target_dtype) for s in sources]
-    staging = PinnedStaging((1536,), torch.device("cuda", torch.cuda.current_device()))
-    staging.copy(list(zip(targets, sources)))
-    torch.cuda.synchronize()
-    assert staging._copied is not None  # staged, not copied directly
-    for target, source in zip(targets, sources):
-        assert torch.equal(target, source.to("cuda", target_dtype))
+    generator = torch.Generator(device="cuda").manual_seed(43)
+    qkv = torch.randn(750, 3, 16, 72, device="cuda", dtype=torch.bfloat16, generator=generator)
+    q, k, v = qkv.unbind(1)  # strided views, as the towers hand them over
+    limit = torch.tensor([0, 700], device="cuda", dtype=torch.int32)[1] if on_device else 700
+    got = pad_for_dense_attention(q, k, v, 1024, 80, limit, -30000.0)
+    assert got is not None
+    for tensor, padded in zip((q, k, v), got):
+        want = torch.zeros(1024, 16, 80, device="cuda", dtype=torch.bfloat16)
+        want[:750, :, :72] = tensor
+        if tensor is q:
+            want[:, :, 72] = 1.0
+        elif tensor is k:
+            want[700:, :, 72] = -30000.0
+        assert torch.equal(padded, want)

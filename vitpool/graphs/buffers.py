@@ -109,13 +109,11 @@ class PinnedStaging:
     H100 took 28 ms beside an idle pool of one actor, 3.9 ms alone). Small batches go directly:
     for one 224² image (1.2 MB) a staging pass cost more than it saved (0.76 against 0.49 ms).
     Tensors already pinned (the pool's shared segments are registered with CUDA) always go
-    directly. A large item goes in chunks of CHUNK_BYTES, each sent by DMA as soon as the host has
-    copied it, so the DMA of one chunk runs while the host copies the next.
+    directly.
     """
 
     MIN_BYTES = 4 << 20
     MAX_BYTES = 256 << 20  # larger batches copy directly rather than hold this much pinned memory
-    CHUNK_BYTES: int | None = 8 << 20  # None: each item in one piece
 
     def __init__(self, row_shape: tuple[int, ...], device: torch.device) -> None:
         self._row_shape, self._device = row_shape, device
@@ -153,15 +151,11 @@ class PinnedStaging:
             if stage:
                 row = taken[source.dtype]
                 pinned = self._rows[source.dtype][row : row + source.shape[0]]
-                row_bytes = max(1, source[:1].nbytes)
-                step = source.shape[0] if self.CHUNK_BYTES is None else max(1, self.CHUNK_BYTES // row_bytes)
-                for start in range(0, source.shape[0], step):
-                    chunk = slice(start, start + step)
-                    np.copyto(to_array(pinned[chunk]), to_array(source[chunk]))
-                    if pinned.dtype == target.dtype:
-                        target[chunk].copy_(pinned[chunk], non_blocking=True)
-                    else:  # the pixels' dtype by DMA, then the compute dtype by a kernel on the device
-                        target[chunk].copy_(pinned[chunk].to(target.device, non_blocking=True))
+                np.copyto(to_array(pinned), to_array(source))
+                if pinned.dtype == target.dtype:
+                    target.copy_(pinned, non_blocking=True)
+                else:  # the pixels' dtype by DMA, then the compute dtype by a kernel on the device
+                    target.copy_(pinned.to(target.device, non_blocking=True))
                 taken[source.dtype] = row + source.shape[0]
         self._copied = torch.cuda.Event()
         self._copied.record(torch.cuda.current_stream(self._device))

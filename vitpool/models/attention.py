@@ -39,7 +39,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 
 from vitpool.models.compiled import install_compiled_blocks
-from vitpool.models.fused import install_fused_ops
+from vitpool.models.fused import install_fused_ops, pad_for_dense_attention
 from vitpool.models.scoped import scoped_value
 
 logger = logging.getLogger(__name__)
@@ -294,8 +294,11 @@ def dense_attention(
     the softmax without a mask tensor (which would cost cuDNN its speed). Rows outside every
     sequence are left as zeros.
     """
-    out = torch.zeros_like(q) if boundaries[-1] < q.shape[0] or boundaries[0] > 0 else torch.empty_like(q)
     scale = q.shape[-1] ** -0.5 if scaling is None else scaling
+    nonempty = [(start, end) for start, end in itertools.pairwise(boundaries) if end > start]
+    if nonempty == [(0, q.shape[0])]:  # one sequence over every row: no second copy
+        return _dense_sequence(q, k, v, scale).contiguous()
+    out = torch.zeros_like(q) if boundaries[-1] < q.shape[0] or boundaries[0] > 0 else torch.empty_like(q)
     for start, end in itertools.pairwise(boundaries):
         if end > start:
             out[start:end] = _dense_sequence(q[start:end], k[start:end], v[start:end], scale)
@@ -326,14 +329,19 @@ def _dense_sequence(
     if padded_rows is None:
         padded_rows = -(-rows // DENSE_BUCKET_ROWS) * DENSE_BUCKET_ROWS
     padded_dim = (head_dim // 8 + 1) * 8  # cuDNN takes multiples of 8; one column at least is free
-    pad = (0, padded_dim - head_dim, 0, 0, 0, padded_rows - rows)
-    q_pad, k_pad, v_pad = (F.pad(t, pad) for t in (q, k, v))
-    q_pad[:, :, head_dim] = 1.0
-    if isinstance(masked_from, torch.Tensor):
-        row = torch.arange(padded_rows, device=q.device, dtype=masked_from.dtype)
-        k_pad[:, :, head_dim] = torch.where(row >= masked_from, _MASKED_KEY, 0.0).to(q.dtype).unsqueeze(1)
+    masked_from = rows if masked_from is None else masked_from
+    padded = pad_for_dense_attention(q, k, v, padded_rows, padded_dim, masked_from, _MASKED_KEY)
+    if padded is not None:
+        q_pad, k_pad, v_pad = padded
     else:
-        k_pad[rows if masked_from is None else masked_from :, :, head_dim] = _MASKED_KEY
+        pad = (0, padded_dim - head_dim, 0, 0, 0, padded_rows - rows)
+        q_pad, k_pad, v_pad = (F.pad(t, pad) for t in (q, k, v))
+        q_pad[:, :, head_dim] = 1.0
+        if isinstance(masked_from, torch.Tensor):
+            row = torch.arange(padded_rows, device=q.device, dtype=masked_from.dtype)
+            k_pad[:, :, head_dim] = torch.where(row >= masked_from, _MASKED_KEY, 0.0).to(q.dtype).unsqueeze(1)
+        else:
+            k_pad[masked_from:, :, head_dim] = _MASKED_KEY
     # [rows, heads, dim] -> [1, heads, rows, dim]: SDPA's layout, the rows-major memory kept
     q_pad, k_pad, v_pad = (t.transpose(0, 1).unsqueeze(0) for t in (q_pad, k_pad, v_pad))
     backends = [SDPBackend.CUDNN_ATTENTION] if q.is_cuda else [SDPBackend.MATH]
