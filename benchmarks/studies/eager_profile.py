@@ -2,7 +2,9 @@
 weights), one square image above the largest budget (eager at its own rows), defaults.
 
 Times the call with the pixels on the host (float32, as processors emit them) and with the same
-pixels already on the GPU (the difference is moving them), and, under the profiler, the GPU time
+pixels already on the GPU (the difference is moving them), the host pixels copied into pinned
+memory by one thread (`PinnedStaging.COPY_THREADS = 1`, the code before) and by the default
+threads, in turns; and, under the profiler, the GPU time
 of one call by kernel class (`kernel_breakdown.kernel_class`) and the host-to-device copies.
 
     python benchmarks/studies/eager_profile.py [--sides 1568] [--runs 20] [--out f.json]
@@ -26,6 +28,7 @@ from kernel_breakdown import kernel_class
 from torch.profiler import ProfilerActivity, profile
 
 from vitpool import GraphEncoder, Image
+from vitpool.graphs.buffers import PinnedStaging
 
 
 def main() -> None:
@@ -41,11 +44,15 @@ def main() -> None:
     for side in (int(s) for s in args.sides.split(",")):
         host = [image(side)]
         device = [Image(host[0].pixel_values.cuda(), host[0].grid_thw)]
-        row = {
-            "side": side,
-            "host_pixels": summarize(time_ms(lambda: encoder.encode(host), args.runs, 3)),
-            "device_pixels": summarize(time_ms(lambda: encoder.encode(device), args.runs, 3)),
-        }
+        samples: dict[str, list[float]] = defaultdict(list)
+        threads = PinnedStaging.COPY_THREADS
+        for _ in range(2):  # in turns, so drift favours neither
+            for name, count in (("host_pixels_one_thread", 1), ("host_pixels", threads)):
+                PinnedStaging.COPY_THREADS = count
+                samples[name] += time_ms(lambda: encoder.encode(host), args.runs // 2, 3)
+        PinnedStaging.COPY_THREADS = threads
+        samples["device_pixels"] = time_ms(lambda: encoder.encode(device), args.runs, 3)
+        row = {"side": side, **{name: summarize(values) for name, values in samples.items()}}
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             encoder.encode(host)
             torch.cuda.synchronize()
@@ -62,8 +69,9 @@ def main() -> None:
         args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": results}, indent=2))
     print(f"\nGPU: {torch.cuda.get_device_name()}; median (p99) ms of {args.runs} calls")
     for row in results:
-        host, on_device = row["host_pixels"], row["device_pixels"]
-        print(f"{row['side']}²: host pixels {host['median_ms']:.2f} ({host['p99_ms']:.2f}), pixels on the GPU "
+        host, on_device, one = row["host_pixels"], row["device_pixels"], row["host_pixels_one_thread"]
+        print(f"{row['side']}²: host pixels {host['median_ms']:.2f} ({host['p99_ms']:.2f}), copied by one thread "
+              f"{one['median_ms']:.2f} ({one['p99_ms']:.2f}), pixels on the GPU "
               f"{on_device['median_ms']:.2f} ({on_device['p99_ms']:.2f}); GPU time {row['gpu_ms']:.2f}: "
               + ", ".join(f"{name} {ms:.2f}" for name, ms in row["gpu_ms_by_class"].items()))
 

@@ -240,3 +240,19 @@ def test_return_exceptions_gives_each_item_its_own_outcome(tiny_adapter):
     for got, expected in zip([outcomes[0], outcomes[2]], alone):
         assert torch.equal(got.tokens, expected.tokens)
     assert encoder.encode([], return_exceptions=True) == []
+
+
+@pytest.mark.parametrize("rows, threads", [(9605, 4), (3, 4), (9605, 1)])
+def test_large_host_pixels_are_copied_whole_by_several_threads(monkeypatch, rows, threads):
+    """The pinned staging's host copy: an item over PARALLEL_BYTES is cut among the copy threads
+    (rows not divisible by their number, fewer rows than threads); every row arrives."""
+    import numpy as np
+
+    from vitpool.graphs.buffers import PinnedStaging
+
+    monkeypatch.setattr(PinnedStaging, "PARALLEL_BYTES", 1)
+    monkeypatch.setattr(PinnedStaging, "COPY_THREADS", threads)
+    source = np.random.default_rng(rows).random((rows, 96), dtype=np.float32)
+    target = np.full_like(source, np.nan)
+    PinnedStaging((96,), torch.device("cpu"))._host_copy(target, source)
+    assert np.array_equal(target, source)

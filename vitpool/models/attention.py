@@ -56,8 +56,10 @@ ATTENTION_NAME = "vitpool_flash_varlen"
 FA4_MIN_ROWS_PER_GRAPH_SEQUENCE = 512
 FA4_MIN_ROWS_PER_SEQUENCE = 4096
 # An eager batch whose sequences are all at least this long (and at most CUDNN_MAX_SEQUENCES of
-# them) runs cuDNN, one call per sequence, where FA4 is not taken.
-CUDNN_MIN_ROWS_PER_SEQUENCE = 1024
+# them) runs cuDNN, one call per sequence, where FA4 is not taken. One eager call on an H100
+# (`benchmarks/studies/dense_attention.py`): FA2 / padded cuDNN 133 / 171 µs at 1024 rows, 325 /
+# 292 at 3136, 2023 / 1318 at 9604; the launches cost cuDNN's path more on short sequences.
+CUDNN_MIN_ROWS_PER_SEQUENCE = 2048
 CUDNN_MAX_SEQUENCES = 16
 # the extra head dimension must keep cuDNN's head size at 128 or below (GLM's 128 stays on FA2)
 CUDNN_MAX_HEAD_DIM = 120
