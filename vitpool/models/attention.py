@@ -6,21 +6,24 @@ On a CPU (fp32) it runs SDPA with a block-diagonal mask built from `cu_seqlens`.
 precision it runs one of these kernels (all free of host synchronisation, so all capturable):
 
 - "fa2": PyTorch's own FlashAttention-2, `varlen_attn` (always there: the fallback);
-- "cudnn": SDPA's cuDNN kernel (Hopper's flash kernel, what Hugging Face eager runs), one dense call
-  per sequence. At the towers' head size 72 on an H100 it is about 1.5x FA2 on one long
-  sequence, but it has no packed form that can be captured, a padding mask takes its gain away,
-  and it builds a plan for every new shape (60-100 ms). So it runs only where the boundaries are
-  known on the host (eager batches), one call per long sequence, each padded to a multiple of
-  `DENSE_BUCKET_ROWS` rows so that the plans stay few, the padding keys masked by one extra
-  head dimension (`dense_attention`) rather than by a mask tensor;
+- "cudnn": SDPA's cuDNN kernel (Hopper's flash kernel, what Hugging Face eager runs), dense. At
+  the towers' head size 72 on an H100 it is about 1.5x FA2 on one long sequence, but it has no
+  packed form that can be captured, a padding mask takes its gain away, and it builds a plan for
+  every new shape (about 40 ms). So it runs where one dense call serves a whole sequence: in an
+  eager batch, whose boundaries are known on the host, one call per long sequence, padded to a
+  multiple of `DENSE_BUCKET_ROWS` rows so that the plans stay few (`dense_attention`); and in a
+  budget's second graph, for a batch of one sequence and its padding (`LEADING_SEQUENCE`,
+  `leading_sequence_attention`). Padding keys are masked by one extra head dimension, not by a
+  mask tensor;
 - "fa4": FlashAttention-4 (the optional `flash-attn-4` package, CuTe DSL; Hopper and newer). At
   the towers' head size 72 on an H100 it is 1.9x FA2 on long sequences (3136 rows: 141 vs 268
   µs; 4 x 4096: 732 vs 1337) but slower on many short ones (64 x 256: 162 vs 131 µs).
 
 The encoder picks per graph (`use_attention` around capture: FA4 for graphs whose sequences
-may be long, FA2 for the rest) and, for an eager run at the items' own size, lets the hook pick
-from the batch's boundaries, which it declares on the host with `host_boundaries`
-(`benchmarks/studies/attention_backends.py` and `dense_attention.py` have the measurements).
+may be long, FA2 for the rest, and cuDNN for the second graph `wants_dense_graph` asks for) and,
+for an eager run at the items' own size, lets the hook pick from the batch's boundaries, which it
+declares on the host with `host_boundaries` (`benchmarks/studies/attention_backends.py` and
+`dense_attention.py` have the measurements).
 """
 
 from __future__ import annotations
@@ -81,7 +84,7 @@ _LEADING_SEQUENCE_CALLS = [0]
 _MASKED_KEY = -30000.0
 
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
-# The kernel the batch running now must use ("fa2", "fa4"); None: the hook decides
+# The kernel the batch running now must use ("fa2", "fa4", LEADING_SEQUENCE); None: the hook decides
 _BACKEND: contextvars.ContextVar[str | None] = contextvars.ContextVar("vitpool_attention", default=None)
 # (data_ptr, numel) of a device tensor -> its values, for the 1-D int32 metadata of the batch
 # running now (eager only)
