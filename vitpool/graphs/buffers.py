@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -172,7 +173,7 @@ class PinnedStaging:
             np.copyto(target, source)
             return
         bounds = np.linspace(0, source.shape[0], self.COPY_THREADS + 1).astype(int)
-        parts = [slice(start, end) for start, end in zip(bounds[:-1], bounds[1:])]
+        parts = [slice(start, end) for start, end in itertools.pairwise(bounds)]
         list(_copy_threads(self.COPY_THREADS).map(lambda part: np.copyto(target[part], source[part]), parts))
 
     def _may_stage(self, source: torch.Tensor) -> bool:
