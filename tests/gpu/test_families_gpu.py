@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 from conftest import relative_error
-from family_tiny import FAMILY_CASES, mixed_items, reference_tokens, save_tiny_tower, use_sdpa
+from family_tiny import FAMILY_CASES, mixed_items, reference_tokens, row_shape, save_tiny_tower, use_sdpa
 
 from vitpool import GraphEncoder
 
@@ -33,3 +33,28 @@ def test_every_budget_is_captured_and_encodes_match_the_tower(tmp_path, family):
         assert relative_error(embedding.tokens, want) <= TOLERANCE
     # every item within a budget of its path: Kimi-K2.5's clips on the clip path's graphs too
     assert encoder.stats().graph_items == len(items)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_CASES))
+def test_one_image_filling_its_budget_matches_the_tower(tmp_path, family):
+    """One image of 960 rows in the 1024-row budget: where the family has the budget's dense graph
+    (cuDNN over all rows, the padding keys masked) it replays that one, and either way the tokens
+    are the tower's. Qwen2.5-VL's window attention gets none; a family whose attention reads
+    boundaries the runner cannot check on the host would get none either."""
+    from vitpool import Image
+    from vitpool.models.attention import cudnn_available
+
+    encoder = GraphEncoder.from_pretrained(save_tiny_tower(family, tmp_path), budgets=BUDGETS, device="cuda")
+    dense = [tokens for tokens, _ in encoder.stats().dense_graphs]
+    if family == "qwen2_5_vl" or not cudnn_available(encoder.device):
+        assert dense == []
+    elif family in ("qwen2_vl", "qwen3_5"):
+        assert dense == [256]
+    item = Image(torch.randn(30 * 32, *row_shape(family), generator=torch.Generator().manual_seed(5)), (1, 30, 32))
+    [embedding] = encoder.encode([item])
+    module = use_sdpa(copy.deepcopy(encoder.adapter.tower))
+    want = reference_tokens(family, module, item, encoder.device, encoder.dtype)
+    assert torch.isfinite(embedding.tokens).all()
+    assert relative_error(embedding.tokens, want) <= TOLERANCE
+    assert encoder.stats().dense_items == (1 if dense else 0) and encoder.stats().graph_items == 1
+    print(f"{family}: dense graphs {dense}")

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from vitpool.graphs.segments import SegmentedGraph, segmented_capture
-from vitpool.models.attention import leading_sequence_calls
+from vitpool.models.attention import boundary_key, recording_leading_sequence_reads
 from vitpool.packing import Budget
 
 if TYPE_CHECKING:
@@ -84,10 +84,16 @@ def capture_all(runner: BatchRunner, budgets: Sequence[Budget], pool: tuple | No
 def _capture_dense(
     runner: BatchRunner, budget: Budget, pool: tuple, rng: random.Random, generator: torch.Generator
 ) -> None:
-    calls = leading_sequence_calls()
-    graph = _capture(runner, budget, pool, rng, generator, dense=True)
-    if leading_sequence_calls() == calls:
-        logger.debug("budget %d tokens: no dense graph (the tower's attention cannot take cuDNN)", budget.num_tokens)
+    with recording_leading_sequence_reads() as reads:
+        graph = _capture(runner, budget, pool, rng, generator, dense=True)
+    _, metadata = runner.buffers.input_views(runner.rows(budget), budget)
+    checked = {boundary_key(t) for t in metadata.values() if t.dim() == 1 and t.dtype == torch.int32}
+    if not reads or not set(reads) <= checked:
+        logger.debug(
+            "budget %d tokens: no dense graph (%s)", budget.num_tokens,
+            "the tower's head size is one cuDNN cannot take" if not reads
+            else "the tower's attention reads boundaries of its own",
+        )
         return
     error = _check(runner, budget, graph, rng, generator, dense=True)
     if error <= CHECK_TOLERANCE[runner.dtype]:

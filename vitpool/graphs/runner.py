@@ -91,10 +91,11 @@ class BatchRunner:
 
     def wants_dense(self, budget: Budget) -> bool:
         """Whether the budget gets a dense capture too: a family whose batches bound attention
-        sequences (its metadata has `cu_seqlens`), a large enough budget, FA2 its graph's kernel."""
+        sequences and nothing else (windows would need boundaries of their own), a large enough
+        budget, FA2 its graph's kernel."""
         return (
             self.device.type == "cuda"
-            and budget.limit(SEQUENCES) is not None
+            and [name for name, _ in budget.limits] == [SEQUENCES]
             and wants_dense_graph(self.attention, self.device, self.rows(budget), budget.max_sequences)
         )
 

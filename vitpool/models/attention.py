@@ -76,9 +76,10 @@ DENSE_BUCKET_ROWS = 256
 DENSE_GRAPH_MIN_ROWS = 1024
 DENSE_MIN_FILL = 0.8
 LEADING_SEQUENCE = "leading_sequence"  # the backend of such a graph
-# calls that took the leading-sequence kernel (a family whose head size cuDNN cannot take never
-# does: its dense capture is dropped)
-_LEADING_SEQUENCE_CALLS = [0]
+# While recording (capture): the memory of the boundaries each leading-sequence call read
+_LEADING_SEQUENCE_READS: contextvars.ContextVar[list[tuple[int, int]] | None] = contextvars.ContextVar(
+    "vitpool_leading_sequence_reads", default=None
+)
 # The padding keys' extra head dimension: with the queries' 1 there, their scores sit this far
 # below every real key's (times the softmax scale), so their weights are exactly 0 in fp32.
 _MASKED_KEY = -30000.0
@@ -172,9 +173,18 @@ def wants_dense_graph(choice: str, device: torch.device, num_rows: int, max_sequ
     )
 
 
-def leading_sequence_calls() -> int:
-    """How many attention calls have taken the leading-sequence kernel in this process."""
-    return _LEADING_SEQUENCE_CALLS[0]
+@contextlib.contextmanager
+def recording_leading_sequence_reads() -> Iterator[list[tuple[int, int]]]:
+    """While inside, the memory (`boundary_key`) of the `cu_seqlens` each attention call that took
+    the leading-sequence kernel read, in a list. None taken: the tower's head size is one cuDNN
+    cannot take. A key that is not one of the batch's own metadata buffers: the tower derived its
+    boundaries itself (windows, say), which a dense graph would get wrong."""
+    reads: list[tuple[int, int]] = []
+    token = _LEADING_SEQUENCE_READS.set(reads)
+    try:
+        yield reads
+    finally:
+        _LEADING_SEQUENCE_READS.reset(token)
 
 
 @contextlib.contextmanager
@@ -184,7 +194,7 @@ def host_boundaries(
     """While a batch runs eagerly: the host values of its 1-D int32 metadata (`cu_seqlens` and
     the like), keyed by the memory of the device tensors the tower will pass to the hook."""
     known = {
-        _boundary_key(on_device[name]): tuple(tensor.tolist())
+        boundary_key(on_device[name]): tuple(tensor.tolist())
         for name, tensor in on_host.items()
         if tensor.dim() == 1 and tensor.dtype == torch.int32
     }
@@ -203,8 +213,8 @@ def _backend_for(
     if backend is not None:
         return backend, None
     known = _KNOWN_BOUNDARIES.get()
-    key = _boundary_key(cu_seq_lens_q)
-    if not known or key not in known or _boundary_key(cu_seq_lens_k) != key:
+    key = boundary_key(cu_seq_lens_q)
+    if not known or key not in known or boundary_key(cu_seq_lens_k) != key:
         return "fa2", None
     boundaries = known[key]
     device = query.device
@@ -212,9 +222,9 @@ def _backend_for(
     return eager_backend(boundaries, query.shape[0], fa4_available(device), cudnn), boundaries
 
 
-def _boundary_key(tensor: torch.Tensor) -> tuple[int, int]:
-    """Names a metadata tensor by its memory, not its Python object: compiled code may hand the
-    hook another tensor object over the same memory."""
+def boundary_key(tensor: torch.Tensor) -> tuple[int, int]:
+    """Names a metadata tensor by its memory (data_ptr, numel), not its Python object: compiled
+    code may hand the hook another tensor object over the same memory."""
     return tensor.data_ptr(), tensor.numel()
 
 
@@ -263,7 +273,9 @@ def flash_varlen(
     if backend == "cudnn" and boundaries is not None:
         return dense_attention(q, k, v, boundaries, scaling)
     if backend == LEADING_SEQUENCE and q.shape[-1] <= CUDNN_MAX_HEAD_DIM:
-        _LEADING_SEQUENCE_CALLS[0] += 1
+        reads = _LEADING_SEQUENCE_READS.get()
+        if reads is not None:
+            reads.append(boundary_key(cu_seq_lens_q))
         return leading_sequence_attention(q, k, v, cu_seq_lens_q, scaling)
     if backend == "fa4":
         from flash_attn.cute import flash_attn_varlen_func
