@@ -48,8 +48,8 @@ def test_one_image_filling_its_budget_matches_the_tower(tmp_path, family):
     dense = [tokens for tokens, _ in encoder.stats().dense_graphs]
     if family == "qwen2_5_vl" or not cudnn_available(encoder.device):
         assert dense == []
-    elif family in ("qwen2_vl", "qwen3_5"):
-        assert dense == [256]
+    else:  # one set of boundaries, read by the attention hook as the metadata holds it
+        assert 256 in dense  # (and Kimi-K2.5's clip path's budget of 1024 rows)
     item = Image(torch.randn(30 * 32, *row_shape(family), generator=torch.Generator().manual_seed(5)), (1, 30, 32))
     [embedding] = encoder.encode([item])
     module = use_sdpa(copy.deepcopy(encoder.adapter.tower))

@@ -138,6 +138,7 @@ def _tiny_runner():
         ([("image", (1, 16, 16))], True),  # one image: one sequence, then padding
         ([("image", (1, 16, 16)), ("image", (1, 8, 8))], False),  # two sequences
         ([("video", (2, 8, 8))], False),  # a video: one sequence per temporal patch
+        ([("video", (1, 16, 16))], True),  # a one-frame clip is one sequence too
     ],
 )
 def test_a_batch_is_one_leading_sequence_only_when_one_item_of_one_sequence(items, fills_one_sequence):

@@ -91,7 +91,7 @@ def _capture_dense(
     if not reads or not set(reads) <= checked:
         logger.debug(
             "budget %d tokens: no dense graph (%s)", budget.num_tokens,
-            "the tower's head size is one cuDNN cannot take" if not reads
+            "the tower's attention never took it: another hook, or a head size over 120" if not reads
             else "the tower's attention reads boundaries of its own",
         )
         return

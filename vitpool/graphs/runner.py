@@ -35,7 +35,7 @@ from vitpool.models.attention import (
 )
 from vitpool.models.compiled import use_compiled_blocks
 from vitpool.models.fused import use_fused_ops
-from vitpool.packing import SEQUENCES, Budget
+from vitpool.packing import Budget
 from vitpool.specs import ItemSpec
 
 
@@ -90,13 +90,18 @@ class BatchRunner:
         return self.adapter.max_rows(budget.num_tokens)
 
     def wants_dense(self, budget: Budget) -> bool:
-        """Whether the budget gets a dense capture too: a family whose batches bound attention
-        sequences and nothing else (windows would need boundaries of their own), a large enough
-        budget, FA2 its graph's kernel."""
+        """Whether the budget gets a dense capture too: a large enough budget, FA2 its graph's
+        kernel, and one set of sequence boundaries in its metadata (a tower with a second set,
+        Qwen2.5-VL's windows, would rarely see one item be one sequence in both)."""
+        rows = self.rows(budget)
+        boundaries = [
+            spec for spec in self.adapter.metadata_specs(rows, budget).values()
+            if len(spec.shape) == 1 and spec.dtype == torch.int32
+        ]
         return (
             self.device.type == "cuda"
-            and [name for name, _ in budget.limits] == [SEQUENCES]
-            and wants_dense_graph(self.attention, self.device, self.rows(budget), budget.max_sequences)
+            and len(boundaries) == 1
+            and wants_dense_graph(self.attention, self.device, rows, budget.max_sequences)
         )
 
     def launch(
@@ -250,11 +255,11 @@ class BatchRunner:
 
 
 def _leading_sequence_rows(specs: Sequence[ItemSpec], metadata: dict[str, torch.Tensor], rows: int) -> int:
-    """The rows of the batch's one attention sequence, where it is one item of one sequence and
-    needs nothing else (no windows), and every sequence boundary of its metadata (1-D int32, as
-    the packed kernels take them) reads [0, n, rows, rows...]; else 0. What a dense graph needs
-    to give the same result as the packed one."""
-    if len(specs) != 1 or dict(specs[0].needs) != {SEQUENCES: 1}:
+    """The rows of the batch's one attention sequence, where it is one item and every sequence
+    boundary of its metadata (1-D int32, as the packed kernels take them) reads [0, n, rows,
+    rows...]; else 0. With the capture's check that the tower's attention reads no other
+    boundaries (`capture._capture_dense`), what a dense graph needs to give the packed one's result."""
+    if len(specs) != 1:
         return 0
     boundaries = [t for t in metadata.values() if t.dim() == 1 and t.dtype == torch.int32]
     if not boundaries:
