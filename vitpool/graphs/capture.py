@@ -5,8 +5,9 @@ right after its capture.
 A budget whose replay does not match eager (or gives a non-finite row) is disabled: its batches
 run the static forward eagerly, counted in the stats. A budget the runner `wants_dense` for is
 captured and checked a second time with its dense attention (`BatchRunner.dense_graphs`); that
-graph is dropped where the check fails or the tower never took the dense kernel (a head size cuDNN
-cannot take).
+graph is dropped where the check fails, where the tower never took the dense kernel (another hook,
+a head size cuDNN cannot take), or where its attention read boundaries other than the batch's own
+metadata buffer (ones it derived itself, which the runner cannot check on the host).
 """
 
 from __future__ import annotations
