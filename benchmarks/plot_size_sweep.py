@@ -1,7 +1,8 @@
 """Latency against image side (one image per side) from `size_sweep.py`'s JSON: Hugging Face eager,
-HF under torch.compile(mode="reduce-overhead"), and vitpool before and after issue 14; written as a
-PNG beside benchmarks/RESULTS.md. Needs matplotlib (`pip install -e ".[bench]"`), a benchmark-only
-dependency.
+HF under torch.compile(mode="reduce-overhead"), vitpool before and after issue 14 (with FA4), and
+the default install (no FA4) after issue 42's first step beside its FA2-only baseline of the same run;
+written as a PNG beside benchmarks/RESULTS.md. The runs are of different days and machines (H100s):
+compare lines of one run. Needs matplotlib (`pip install -e ".[bench]"`), a benchmark-only dependency.
 
     python benchmarks/plot_size_sweep.py [--before results/size_sweep_before.json] [--after ...]
 """
@@ -24,6 +25,7 @@ def main() -> None:
     parser.add_argument("--before", type=Path, default=HERE / "results" / "size_sweep_before.json")
     parser.add_argument("--after", type=Path, default=HERE / "results" / "size_sweep_after.json")
     parser.add_argument("--compiled", type=Path, default=HERE / "results" / "size_sweep_compiled_after.json")
+    parser.add_argument("--default-install", type=Path, default=HERE / "results" / "size_sweep_issue42_h100.json")
     parser.add_argument("--out", type=Path, default=HERE / "size_sweep.png")
     args = parser.parse_args()
     import matplotlib
@@ -32,6 +34,7 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     before, after, compiled = load(args.before), load(args.after), load(args.compiled)
+    default = load(args.default_install)
     figure, axis = plt.subplots(figsize=(7, 4.5))
 
     def plot(rows: list[dict], key: str, label: str, style: str) -> None:
@@ -41,6 +44,9 @@ def main() -> None:
     plot(compiled["rows"], "hf_compiled", 'HF torch.compile("reduce-overhead")', "D")
     plot(before["rows"], "graph", "vitpool before (graphs to 4096 tokens, FA2)", "s--")
     plot(after["rows"], "graph", "vitpool after (fused ops, FA4, eager above 1024 tokens)", "^-")
+    plot(default["rows"], "graph", "vitpool, default install (cuDNN attention), 2026-11-26", "v-")
+    plot(default["rows"], "fa2", "the same run, FA2 only (the default install before)", "x:")
+    plot(default["rows"], "hf_eager", "HF eager, same run as the default install", "o:")
     axis.set_xlabel("image side (pixels), one image")
     axis.set_ylabel("latency, median ms")
     axis.set_title(f"Qwen3-VL-8B vision tower, {after['gpu']}, bf16")
