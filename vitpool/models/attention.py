@@ -129,8 +129,9 @@ def cudnn_available(device: torch.device) -> bool:
         logger.warning("attention on %s: no cuDNN attention for eager batches (%s)", device, error)
         return False
     logger.info(
-        "attention on %s: cuDNN for eager batches of at most %d sequences of %d rows or more",
-        device, CUDNN_MAX_SEQUENCES, CUDNN_MIN_ROWS_PER_SEQUENCE,
+        "attention on %s: cuDNN for eager batches of at most %d sequences of %d rows or more, and for "
+        "one image filling a graph of %d rows or more",
+        device, CUDNN_MAX_SEQUENCES, CUDNN_MIN_ROWS_PER_SEQUENCE, DENSE_GRAPH_MIN_ROWS,
     )
     return True
 
