@@ -291,8 +291,9 @@ def pad_for_dense_attention(
     Triton kernel, column head_dim set to 1 in q and, in k, to `masked_key` from row `masked_from`
     (an int, or a 0-d int32 tensor on the device) on (`vitpool.models.attention`'s dense cuDNN
     path). Torch's own ops take six kernels (a fill and a copy per tensor) and the two column
-    writes, 2.2 ms of a 1120² image's 20.6 ms of GPU time on an H100. None where the kernel cannot
-    run (CPU, no Triton, a head stride that is not unit)."""
+    writes: a 1120² image's copy kernels took 2.35 ms of GPU time with them on an H100, 0.49 plus
+    this kernel's 0.72 without. None where the kernel cannot run (CPU, no Triton, a head stride
+    that is not unit)."""
     rows, heads, head_dim = q.shape
     if not (q.is_cuda and triton_available() and all(t.stride(-1) == 1 and t.shape == q.shape for t in (k, v))):
         return None
