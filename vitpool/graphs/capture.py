@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from vitpool.graphs.segments import SegmentedGraph, segmented_capture
-from vitpool.models.attention import boundary_key, recording_leading_sequence_reads
+from vitpool.models.attention import boundary_key, is_boundary, recording_leading_sequence_reads
 from vitpool.packing import Budget
 
 if TYPE_CHECKING:
@@ -88,7 +88,7 @@ def _capture_dense(
     with recording_leading_sequence_reads() as reads:
         graph = _capture(runner, budget, pool, rng, generator, dense=True)
     _, metadata = runner.buffers.input_views(runner.rows(budget), budget)
-    checked = {boundary_key(t) for t in metadata.values() if t.dim() == 1 and t.dtype == torch.int32}
+    checked = {boundary_key(t) for t in metadata.values() if is_boundary(t)}
     if not reads or not set(reads) <= checked:
         logger.debug(
             "budget %d tokens: no dense graph (%s)", budget.num_tokens,

@@ -30,6 +30,7 @@ from vitpool.models.attention import (
     LEADING_SEQUENCE,
     graph_backend,
     host_boundaries,
+    is_boundary,
     use_attention,
     wants_dense_graph,
 )
@@ -94,10 +95,7 @@ class BatchRunner:
         kernel, and one set of sequence boundaries in its metadata (a tower with a second set,
         Qwen2.5-VL's windows, would rarely see one item be one sequence in both)."""
         rows = self.rows(budget)
-        boundaries = [
-            spec for spec in self.adapter.metadata_specs(rows, budget).values()
-            if len(spec.shape) == 1 and spec.dtype == torch.int32
-        ]
+        boundaries = [spec for spec in self.adapter.metadata_specs(rows, budget).values() if is_boundary(spec)]
         return (
             self.device.type == "cuda"
             and len(boundaries) == 1
@@ -192,7 +190,8 @@ class BatchRunner:
         key = (budget, tuple(specs))
         if key != self._metadata_key:
             built = self.adapter.build_metadata(specs, rows, budget)
-            self._leading_rows = _leading_sequence_rows(specs, built, rows)
+            # only a budget with a dense graph asks (a graph batch's host work is on the hot path)
+            self._leading_rows = _leading_sequence_rows(specs, built, rows) if budget in self.dense_graphs else 0
             pairs = [(metadata[name], tensor) for name, tensor in built.items()]
             if self._metadata_staging is None:
                 for target, tensor in pairs:
@@ -261,7 +260,7 @@ def _leading_sequence_rows(specs: Sequence[ItemSpec], metadata: dict[str, torch.
     boundaries (`capture._capture_dense`), what a dense graph needs to give the packed one's result."""
     if len(specs) != 1:
         return 0
-    boundaries = [t for t in metadata.values() if t.dim() == 1 and t.dtype == torch.int32]
+    boundaries = [t for t in metadata.values() if is_boundary(t)]
     if not boundaries:
         return 0
     first = boundaries[0]

@@ -43,6 +43,7 @@ from transformers import AttentionInterface
 
 from vitpool.models.compiled import install_compiled_blocks
 from vitpool.models.fused import install_fused_ops, pad_for_dense_attention
+from vitpool.models.protocol import TensorSpec
 from vitpool.models.scoped import scoped_value
 
 logger = logging.getLogger(__name__)
@@ -188,6 +189,17 @@ def recording_leading_sequence_reads() -> Iterator[list[tuple[int, int]]]:
         _LEADING_SEQUENCE_READS.reset(token)
 
 
+def is_boundary(tensor: torch.Tensor | TensorSpec) -> bool:
+    """Whether a metadata tensor (or its spec) holds sequence boundaries: 1-D int32, as the packed
+    kernels take `cu_seqlens`."""
+    return len(tensor.shape) == 1 and tensor.dtype == torch.int32
+
+
+def cudnn_takes(head_dim: int) -> bool:
+    """Whether cuDNN takes this head size with the extra masking column."""
+    return head_dim <= CUDNN_MAX_HEAD_DIM
+
+
 @contextlib.contextmanager
 def host_boundaries(
     on_host: Mapping[str, torch.Tensor], on_device: Mapping[str, torch.Tensor]
@@ -197,7 +209,7 @@ def host_boundaries(
     known = {
         boundary_key(on_device[name]): tuple(tensor.tolist())
         for name, tensor in on_host.items()
-        if tensor.dim() == 1 and tensor.dtype == torch.int32
+        if is_boundary(tensor)
     }
     token = _KNOWN_BOUNDARIES.set(known)
     try:
@@ -219,7 +231,7 @@ def _backend_for(
         return "fa2", None
     boundaries = known[key]
     device = query.device
-    cudnn = query.shape[-1] <= CUDNN_MAX_HEAD_DIM and cudnn_available(device)
+    cudnn = cudnn_takes(query.shape[-1]) and cudnn_available(device)
     return eager_backend(boundaries, query.shape[0], fa4_available(device), cudnn), boundaries
 
 
@@ -273,7 +285,7 @@ def flash_varlen(
     backend, boundaries = _backend_for(q, cu_seq_lens_q, cu_seq_lens_k)
     if backend == "cudnn" and boundaries is not None:
         return dense_attention(q, k, v, boundaries, scaling)
-    if backend == LEADING_SEQUENCE and q.shape[-1] <= CUDNN_MAX_HEAD_DIM:
+    if backend == LEADING_SEQUENCE and cudnn_takes(q.shape[-1]):
         reads = _LEADING_SEQUENCE_READS.get()
         if reads is not None:
             reads.append(boundary_key(cu_seq_lens_q))
