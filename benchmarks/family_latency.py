@@ -12,7 +12,9 @@ does. Also reports the capture and check time of the device's default budgets.
 `--compiled` also times Hugging Face's path under `torch.compile(mode="reduce-overhead")` (its own
 CUDA graphs, where the shapes are fixed: the anchor for the tiled families). `--baseline-attention
 fa2` also times a second encoder on the same adapter with that attention setting (before / after
-in one run).
+in one run). `--fp8` also times an encoder with `precision="fp8"` on the same adapter and compares its
+tokens with the bf16 encoder's: per-token cosine similarity (the lowest and the median) and the
+relative error of the whole output.
 """
 
 from __future__ import annotations
@@ -186,7 +188,7 @@ def use_sdpa(module: torch.nn.Module) -> torch.nn.Module:
 
 def measure(
     family: str, vision_config: dict, runs: int, warmup: int, compiled: bool = False, compiled_blocks: bool = False,
-    only: set[str] | None = None, baseline_attention: str | None = None,
+    only: set[str] | None = None, baseline_attention: str | None = None, fp8: bool = False,
 ) -> dict:
     config = {**vision_config, **PROJECTOR_FIELDS.get(family, {}), "model_type": VISION_MODEL_TYPES[family]}
     gc.collect()  # the previous family's encoder and reference, held by reference cycles
@@ -209,6 +211,9 @@ def measure(
             encoder.adapter, device="cuda", dtype=torch.bfloat16, compiled_blocks=compiled_blocks,
             attention=baseline_attention,
         )
+    fp8_encoder = None
+    if fp8:
+        fp8_encoder = GraphEncoder(encoder.adapter, device="cuda", dtype=torch.bfloat16, precision="fp8")
     reference = use_sdpa(copy.deepcopy(encoder.adapter.tower))
     rows = {}
     with torch.no_grad():
@@ -228,6 +233,12 @@ def measure(
                 "hf_eager": eager, "vitpool": graph, "ratio": graph["median_ms"] / eager["median_ms"],
                 "rel_error": rel_error,
             }
+            if fp8_encoder is not None:
+                low = torch.cat([e.tokens for e in fp8_encoder.encode(items)]).float()
+                low_ms = time_ms(lambda items=items: fp8_encoder.encode(items), runs, warmup)
+                rows[name]["fp8"] = summarize(low_ms)
+                rows[name]["fp8_speedup"] = graph["median_ms"] / rows[name]["fp8"]["median_ms"]
+                rows[name]["fp8_accuracy"] = fp8_accuracy(low, got)
             if baseline is not None:
                 rows[name]["baseline"] = summarize(time_ms(lambda items=items: baseline.encode(items), runs, warmup))
                 rows[name]["baseline_ratio"] = rows[name]["baseline"]["median_ms"] / eager["median_ms"]
@@ -249,6 +260,16 @@ def measure(
     return result
 
 
+def fp8_accuracy(low: torch.Tensor, high: torch.Tensor) -> dict:
+    """FP8 tokens against bf16 ones: per-token cosine similarity and the whole output's relative error."""
+    width = high.shape[-1]
+    cosine = torch.nn.functional.cosine_similarity(low.reshape(-1, width), high.reshape(-1, width), dim=-1)
+    return {
+        "cosine_min": float(cosine.min()), "cosine_median": float(cosine.median()),
+        "rel_error": float(torch.linalg.vector_norm(low - high) / torch.linalg.vector_norm(high)),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--families", default=",".join(VISION_MODEL_TYPES))
@@ -259,6 +280,7 @@ def main() -> None:
     parser.add_argument("--compiled-blocks", action="store_true", help="vitpool with compiled_blocks=True")
     parser.add_argument("--workloads", default=None, help='comma-separated workload names (e.g. "1 view"); default all')
     parser.add_argument("--baseline-attention", default=None, help="also time an encoder with this attention (fa2)")
+    parser.add_argument("--fp8", action="store_true", help="also time precision='fp8' and compare it with bf16")
     args = parser.parse_args()
     unknown = sorted(set(args.families.split(",")) - set(VISION_MODEL_TYPES))
     if unknown:
@@ -274,7 +296,7 @@ def main() -> None:
         results["families"].append(
             measure(
                 family, configs[family]["vision_config"], args.runs, args.warmup, args.compiled, args.compiled_blocks,
-                set(args.workloads.split(",")) if args.workloads else None, args.baseline_attention,
+                set(args.workloads.split(",")) if args.workloads else None, args.baseline_attention, args.fp8,
             )
         )
         torch.cuda.empty_cache()  # the family's encoder and reference are gone: give their memory back
@@ -298,7 +320,10 @@ def main() -> None:
                      f"ratio {row['ratio_compiled']:.2f} |" if "hf_compiled" in row else "")
                   + (f" HF compile failed: {row['hf_compile_error'][:120]} |" if "hf_compile_error" in row else "")
                   + (f" {args.baseline_attention}: {row['baseline']['median_ms']:.2f} ({row['baseline']['p99_ms']:.2f}), "
-                     f"ratio {row['baseline_ratio']:.2f} |" if "baseline" in row else ""))
+                     f"ratio {row['baseline_ratio']:.2f} |" if "baseline" in row else "")
+                  + (f" fp8: {row['fp8']['median_ms']:.2f} ({row['fp8']['p99_ms']:.2f}), {row['fp8_speedup']:.2f}x bf16, "
+                     f"cosine min {row['fp8_accuracy']['cosine_min']:.4f} median {row['fp8_accuracy']['cosine_median']:.4f}, "
+                     f"rel. err {row['fp8_accuracy']['rel_error']:.1e} |" if "fp8" in row else ""))
 
 
 if __name__ == "__main__":

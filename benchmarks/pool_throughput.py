@@ -119,13 +119,16 @@ class Caller:
                 items += len(call)
             return items, latencies
 
-        start = time.monotonic()
+        start, cpu_start = time.monotonic(), time.process_time()
         with concurrent.futures.ThreadPoolExecutor(threads) as executor:
             outcomes = list(executor.map(worker, range(threads)))
+        elapsed = time.monotonic() - start
         return {
             "items": sum(o[0] for o in outcomes),
             "latencies": [x for o in outcomes for x in o[1]],
-            "seconds": time.monotonic() - start,
+            "seconds": elapsed,
+            # the process's CPU time over the wall time: near 1 (or above, outside the GIL), the caller limits
+            "cpu_share": (time.process_time() - cpu_start) / elapsed,
         }
 
     def open_loop(self, seconds: float, calls_per_second: float, max_threads: int) -> dict:
@@ -259,8 +262,14 @@ def measure_setting(label: str, overrides: dict, args, sizes: list[int], setting
         if size != pool.num_actors:
             pool.scale(size)
         ray.get([c.closed_loop.remote(args.warmup_seconds, args.threads) for c in callers])
+        busy_before = {actor.actor_index: actor.busy_seconds for actor in pool.stats().actors}
         with GpuBusy() as gpu_busy:
             saturated = ray.get([c.closed_loop.remote(args.seconds, args.threads) for c in callers])
+        window = max(o["seconds"] for o in saturated)
+        # each actor's share of the window with a batch running (the GPU's share is nvidia-smi's)
+        actor_busy = sorted(
+            (actor.busy_seconds - busy_before.get(actor.actor_index, 0.0)) / window for actor in pool.stats().actors
+        )
         rate = sum(o["items"] for o in saturated) / max(o["seconds"] for o in saturated)
         closed_latencies = [x for o in saturated for x in o["latencies"]]
         basis.setdefault(size, rate)
@@ -270,6 +279,8 @@ def measure_setting(label: str, overrides: dict, args, sizes: list[int], setting
             "saturated_p99_ms": percentile_ms(closed_latencies, 0.99),
             # nvidia-smi's utilization per GPU while saturated: below 1, the GPUs waited for the host
             "saturated_gpu_busy": gpu_busy.busy,
+            "saturated_actor_busy": actor_busy,
+            "caller_cpu_share": sorted(o["cpu_share"] for o in saturated),
             "basis_items_per_s": basis[size],
             "loads": {
                 f"{fraction:g}": open_loop_row(callers, fraction * basis[size], items_per_call, args, tokens, alone)
@@ -342,6 +353,8 @@ def main() -> None:
     parser.add_argument("--compiled-blocks", default="off", choices=("on", "off"), help="torch.compile'd blocks")
     parser.add_argument("--overlap-runs", default="on", choices=("on", "off"), help="actors overlap runs with host work")
     parser.add_argument("--budgets", default=None, help="comma-separated token budgets (default: the device's)")
+    parser.add_argument("--precision", default="bf16",
+                        help="comma-separated precisions (bf16, fp8), each measured on its own pool in turn")
     parser.add_argument(
         "--small-first", default=None,
         help="comma-separated small_first_tokens settings, each measured on its own pool in turn ('off' or a "
@@ -349,8 +362,9 @@ def main() -> None:
         "N the pool's default; e.g. off,256-nostream,256-stream); default: the pool's default only",
     )
     parser.add_argument(
-        "--loads", default="0.7", type=lambda text: [float(x) for x in text.split(",")],
-        help="comma-separated open-loop loads, fractions of the basis's saturated items/s, each measured in turn",
+        "--loads", default="0.7", type=lambda text: [float(x) for x in text.split(",") if x],
+        help="comma-separated open-loop loads, fractions of the basis's saturated items/s, each measured in turn "
+        "('': none, saturated only)",
     )
     parser.add_argument(
         "--load-basis", default="first", choices=("first", "own"),
@@ -386,8 +400,10 @@ def main() -> None:
     }
     basis: dict[int, float] = {}
     values = args.small_first.split(",") if args.small_first else [None]
-    for value in values:
+    for value, precision in [(v, p) for v in values for p in args.precision.split(",")]:
         label, overrides = setting_overrides(value)
+        if precision != "bf16":
+            label, overrides = f"{label} {precision}", {**overrides, "precision": precision}
         if label in results["settings"]:  # a setting repeated, to measure it in turns with another
             label += f" #{sum(name.split(' #')[0] == label for name in results['settings']) + 1}"
         results["settings"][label] = measure_setting(label, overrides, args, sizes, settings, basis)

@@ -46,6 +46,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--compiled", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--fp8", action="store_true", help="also time precision='fp8' on the same weights")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     gpu = torch.cuda.get_device_name()
@@ -56,6 +57,7 @@ def main() -> None:
     # the same adapter and weights, one tiny budget: every image of the sweep runs eager, exact
     exact = GraphEncoder(graph.adapter, budgets=[16], device="cuda", dtype=torch.bfloat16)
     before = GraphEncoder(graph.adapter, device="cuda", dtype=torch.bfloat16, attention="fa2")
+    fp8 = GraphEncoder(graph.adapter, device="cuda", dtype=torch.bfloat16, precision="fp8") if args.fp8 else None
     peak_tflops = _bf16_peak_tflops()
     tower = copy.deepcopy(graph.adapter.tower)
     tower.config._attn_implementation = "sdpa"
@@ -83,11 +85,13 @@ def main() -> None:
                 "fa2": lambda items=items: before.encode(items),
                 "exact": lambda items=items: exact.encode(items),
             }
+            if fp8 is not None:
+                paths["fp8"] = lambda items=items: fp8.encode(items)
             if compiled is not None:
                 paths["hf_compiled"] = lambda items=items: hugging_face(compiled, items).clone()
             for name, run in paths.items():
                 row[name] = summarize(time_ms(run, args.runs, args.warmup))
-            for name in ("graph", "fa2", "exact"):
+            for name in ("graph", "fa2", "exact", *(["fp8"] if fp8 is not None else [])):
                 got = torch.cat([e.tokens for e in paths[name]()]).float()
                 row[f"{name}_rel_error"] = float(torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want))
             rows.append(row)
@@ -101,6 +105,7 @@ def main() -> None:
     print(head + "vitpool (defaults) | fa2 (before) | exact | vitpool / eager | fa2 / eager | floor ms | "
           "vitpool / floor | rel. err vitpool, fa2, exact |")
     print("|---" * (11 + (compiled is not None)) + "|")
+    fp8_lines = []
     for row in rows:
         cells = [f"{row['side']}²", str(row["patches"]), _cell(row["hf_eager"])]
         if compiled is not None:
@@ -111,6 +116,14 @@ def main() -> None:
                   f"{row['floor_ms']:.1f}", f"{row['graph']['median_ms'] / row['floor_ms']:.2f}",
                   f"{row['graph_rel_error']:.1e}, {row['fa2_rel_error']:.1e}, {row['exact_rel_error']:.1e}"]
         print("| " + " | ".join(cells) + " |")
+        if fp8 is not None:
+            fp8_lines.append(f"| {row['side']}² | {_cell(row['graph'])} | {_cell(row['fp8'])} | "
+                             f"{row['graph']['median_ms'] / row['fp8']['median_ms']:.2f} | "
+                             f"{row['fp8']['median_ms'] / eager:.2f} | {row['fp8_rel_error']:.1e} |")
+    if fp8_lines:
+        print("\n| side | vitpool bf16 | vitpool fp8 | fp8 speed-up | fp8 / eager | fp8 rel. err vs HF bf16 |")
+        print("|---|---|---|---|---|---|")
+        print("\n".join(fp8_lines))
 
 
 def _bf16_peak_tflops(size: int = 8192, runs: int = 20) -> float:

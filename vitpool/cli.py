@@ -28,6 +28,7 @@ import torch
 from vitpool.errors import InvalidItemError, VitpoolError, counted
 from vitpool.items import Image
 from vitpool.pool import EncoderPool
+from vitpool.specs import PRECISION_CHOICES
 
 logger = logging.getLogger("vitpool.cli")
 
@@ -49,6 +50,8 @@ def serve(args: argparse.Namespace) -> int:
     settings = {"device": args.device} if args.device else {}
     if args.dtype:
         settings["dtype"] = args.dtype
+    if args.precision:
+        settings["precision"] = args.precision
     if args.embedding_cache_bytes:
         settings["embedding_cache_bytes"] = args.embedding_cache_bytes
     if args.embedding_cache_local_bytes is not None:
@@ -212,6 +215,8 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument("--num-actors", type=int, default=None, help="default: one per GPU of the cluster")
     sub.add_argument("--device", choices=("cuda", "cpu"), default=None)
     sub.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None)
+    sub.add_argument("--precision", choices=PRECISION_CHOICES, default=None,
+                     help="fp8: the blocks' GEMMs in FP8 on Ada/Hopper GPUs (default bf16)")
     sub.add_argument("--budgets", default=None, help="comma-separated token budgets (default: the device's)")
     sub.add_argument("--gpus-per-actor", type=float, default=None, help="e.g. 0.5 to share a GPU (default 1)")
     sub.add_argument("--embedding-cache-bytes", type=int, default=0, help="the shared embedding cache (0: off)")

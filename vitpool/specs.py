@@ -222,6 +222,8 @@ def _ints(values: Any) -> tuple[int, ...]:
 
 # What an encoder's `attention` setting takes (see `GraphEncoder`): "auto" picks per batch.
 ATTENTION_CHOICES = ("auto", "fa2", "fa4")
+# What an encoder's `precision` setting takes: "fp8" runs the blocks' GEMMs in FP8 on a GPU.
+PRECISION_CHOICES = ("bf16", "fp8")
 
 
 @dataclass(frozen=True)
@@ -241,6 +243,8 @@ class EncoderSpec:
         compile_cache_dir: where compiled kernels are kept; None: TORCHINDUCTOR_CACHE_DIR or
             ~/.cache/vitpool/inductor.
         urgent_tokens: an urgent lane for batches up to this many tokens (see `GraphEncoder`).
+        precision: "bf16" (the compute dtype throughout) or "fp8" (the blocks' GEMMs in FP8 on
+            a GPU; see `GraphEncoder`).
     """
 
     model: str | None = None
@@ -255,6 +259,7 @@ class EncoderSpec:
     compiled_blocks: bool = False
     compile_cache_dir: str | None = None
     urgent_tokens: int | None = None
+    precision: str = "bf16"
 
 
 @dataclass(frozen=True)

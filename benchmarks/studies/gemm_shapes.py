@@ -7,6 +7,10 @@ HBM and not from L2). Ways:
 - `linear`: `F.linear` as the tower runs it (cuBLAS / cuBLASLt as PyTorch picks);
 - `linear+gelu`: fc1 followed by the tower's tanh GELU (two kernels);
 - `addmm_gelu`: fc1 with bias and tanh GELU in cuBLASLt's epilogue (`torch._addmm_activation`);
+- `fp8` (`--fp8`): `vitpool.models.fp8.fp8_linear`, the row quantization of the input and
+  `torch._scaled_mm` with row and channel scales and the bias (what `precision="fp8"` runs);
+  `fp8_mm`: the `_scaled_mm` alone on an input already quantized; `fp8_tensor`: `_scaled_mm` with
+  one scale per tensor, no bias (the fastest FP8 GEMM torch has, for comparison);
 - `triton`: the linear under `torch.compile(mode="max-autotune-no-cudagraphs")` with static shapes,
   Triton templates only (the best of inductor's autotuning for this one shape).
 
@@ -63,6 +67,7 @@ def main() -> None:
     parser.add_argument("--triton-rows", default="224,784")
     parser.add_argument("--runs", type=int, default=50)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--fp8", action="store_true", help="also the FP8 ways")
     args = parser.parse_args()
     torch.manual_seed(0)
     dtype, device = torch.bfloat16, "cuda"
@@ -77,6 +82,8 @@ def main() -> None:
             if layer == "fc1":
                 ways["linear+gelu"] = lambda x, w, b: F.gelu(F.linear(x, w, b), approximate="tanh")
                 ways["addmm_gelu"] = lambda x, w, b: torch._addmm_activation(b, x, w.t(), use_gelu=True)
+            if args.fp8:
+                ways.update(_fp8_ways(inputs, weights))
             if rows in triton_rows:
                 ways["triton"] = _triton_linear()
             row = {"rows": rows, "layer": layer, "weight_mb": fan_in * fan_out * 2 / 1e6,
@@ -97,6 +104,29 @@ def main() -> None:
     print(f"GPU: {torch.cuda.get_device_name()}; per GEMM, median µs over {args.runs} replays of {BLOCKS} GEMMs")
 
 
+def _fp8_ways(inputs: torch.Tensor, weights: list[torch.Tensor]) -> dict:
+    from vitpool.models.fp8 import FP8_DTYPE, FP8_MAX, fp8_linear, quantize_rows
+
+    copies = {}
+    for weight in weights:  # per output channel, as install_fp8_linears makes them
+        scale = weight.abs().amax(dim=1, keepdim=True).float() / FP8_MAX
+        copies[weight.data_ptr()] = ((weight.float() / scale).to(FP8_DTYPE), scale.reshape(1, -1).contiguous())
+    quantized, row_scale = quantize_rows(inputs)
+    one = torch.ones((), device=inputs.device)
+
+    def fp8(x, w, b):
+        return fp8_linear(x, *copies[w.data_ptr()], b)
+
+    def fp8_mm(x, w, b):
+        weight, scale = copies[w.data_ptr()]
+        return torch._scaled_mm(quantized, weight.t(), scale_a=row_scale, scale_b=scale, bias=b, out_dtype=x.dtype)
+
+    def fp8_tensor(x, w, b):
+        return torch._scaled_mm(quantized, copies[w.data_ptr()][0].t(), scale_a=one, scale_b=one, out_dtype=x.dtype)
+
+    return {"fp8": fp8, "fp8_mm": fp8_mm, "fp8_tensor": fp8_tensor}
+
+
 def _triton_linear():
     import torch._inductor.config as inductor_config
 
@@ -106,7 +136,7 @@ def _triton_linear():
 
 def _line(row: dict) -> str:
     parts = [f"rows {row['rows']:5d} {row['layer']:4s} ({row['weight_mb']:.1f} MB)"]
-    for name in ("linear", "linear+gelu", "addmm_gelu", "triton"):
+    for name in ("linear", "linear+gelu", "addmm_gelu", "fp8", "fp8_mm", "fp8_tensor", "triton"):
         if name in row:
             value = row[name]
             shown = f"{value['median_ms'] * 1e3:.1f} µs" if "median_ms" in value else value["error"]

@@ -44,9 +44,11 @@ from vitpool.items import Embedding, Item, Prepared, PreparedItem, prepare_item,
 from vitpool.models import VisionAdapter, load_adapter
 from vitpool.models.attention import fa4_available
 from vitpool.models.compiled import set_compile_cache_dir
+from vitpool.models.fp8 import fp8_supported, install_fp8_linears
 from vitpool.models.path_rules import PathRules, rules_of_part
 from vitpool.packing import Budget, pack, smallest_fitting
-from vitpool.specs import ATTENTION_CHOICES, BatchPlan, EncoderSpec, ItemRules, ItemSpec, OutputLayout
+from vitpool.specs import ATTENTION_CHOICES, PRECISION_CHOICES, BatchPlan, EncoderSpec, ItemRules, ItemSpec
+from vitpool.specs import OutputLayout
 from vitpool.specs import capacity_limits as merged_capacity_limits
 from vitpool.transport.wire import wire_dtype_name
 
@@ -89,6 +91,13 @@ class GraphEncoder:
             few blocks (`vitpool.graphs.segments`). One thread queues both lanes' work; an urgent
             batch goes between two segments of the run being queued, so a small batch waits for
             the few segments already on the GPU, not for the large runs. None: no urgent lane.
+        precision: "bf16" (default): every GEMM in `dtype`. "fp8": on a GPU of compute capability
+            8.9 or newer, in bfloat16, the Linears of the tower's blocks run as FP8 GEMMs (per-row
+            activation and per-channel weight scales, `vitpool.models.fp8`); attention, the patch
+            embedding and the projector stay bf16. Each graph is still checked against the eager
+            forward of the same precision. ConfigError elsewhere, with `compiled_blocks`, and for
+            a family whose adapter refuses it (`fp8_refused`: DeepSeek-OCR-2). Measured no faster
+            than bf16 on an H100 with torch 2.11 (benchmarks/RESULTS.md); an opt-in to try.
 
     Attributes:
         budgets: the batch shapes, from the adapter's item rules.
@@ -112,6 +121,7 @@ class GraphEncoder:
         compiled_blocks: bool = False,
         compile_cache_dir: str | Path | None = None,
         urgent_tokens: int | None = None,
+        precision: str = "bf16",
     ) -> None:
         self.device = resolve_device(device)
         for name, value in (("fused_ops", fused_ops), ("compiled_blocks", compiled_blocks)):
@@ -127,11 +137,18 @@ class GraphEncoder:
             set_compile_cache_dir(compile_cache_dir)
         self.dtype = resolve_dtype(dtype, self.device)
         self.attention = _check_attention(attention, self.device, self.dtype)
+        self.precision = _check_precision(precision, self.device, self.dtype, self.compiled_blocks)
+        if self.precision == "fp8" and getattr(adapter, "fp8_refused", None):
+            raise ConfigError(f"precision 'fp8' is not offered for {type(adapter).__name__}: {adapter.fp8_refused}")
         self.adapter = adapter
         _place_tower(adapter.tower, self.device, self.dtype)
         # A family whose item is several inputs runs each through its own adapter, buffers and
         # graphs (a path, `vitpool.models.path_rules`); the others have one path, "".
         self._paths: dict[str, VisionAdapter] = dict(getattr(adapter, "paths", None) or {"": adapter})
+        if self.precision == "fp8":
+            towers = {id(each.tower): each.tower for each in (adapter, *self._paths.values())}
+            prepared = sum(install_fp8_linears(tower) for tower in towers.values())
+            logger.info("precision fp8: %d Linears of the tower's blocks run as FP8 GEMMs", prepared)
         try:
             limits = merged_capacity_limits(max_frames_per_batch, capacity_limits)
             budgets_of = {
@@ -151,7 +168,7 @@ class GraphEncoder:
         self._runners = {
             path: BatchRunner(
                 path_adapter, budgets_of[path], self.device, self.dtype, self.attention, fused_ops,
-                self.compiled_blocks,
+                self.compiled_blocks, precision=self.precision,
             )
             for path, path_adapter in self._paths.items()
         }
@@ -178,6 +195,7 @@ class GraphEncoder:
         urgent_budgets = [b for b in ordered if b.num_tokens <= cutoff]
         self._urgent = BatchRunner(
             self.adapter, urgent_budgets, self.device, self.dtype, self.attention, fused_ops, self.compiled_blocks,
+            precision=self.precision,
         )
         self._runners[""].segment_above_tokens = cutoff
         self.urgent_budgets = frozenset(urgent_budgets)
@@ -199,6 +217,7 @@ class GraphEncoder:
         compiled_blocks: bool = False,
         compile_cache_dir: str | Path | None = None,
         urgent_tokens: int | None = None,
+        precision: str = "bf16",
     ) -> GraphEncoder:
         """Load a local Hugging Face checkpoint and capture its graphs.
 
@@ -207,8 +226,8 @@ class GraphEncoder:
                 (safetensors), or only a config (random weights). None: the tiny Qwen3-VL-shaped
                 model shipped with vitpool (random weights), so everything runs offline.
             budgets, max_items_per_batch, max_frames_per_batch, device, dtype, capacity_limits,
-                attention, fused_ops, compiled_blocks, compile_cache_dir, urgent_tokens: as for the
-                constructor.
+                attention, fused_ops, compiled_blocks, compile_cache_dir, urgent_tokens, precision: as
+                for the constructor.
 
         Raises:
             CheckpointError: the directory cannot be loaded (names the missing or unexpected keys).
@@ -219,7 +238,7 @@ class GraphEncoder:
         adapter = load_adapter(path, resolved_device, resolved_dtype)
         return cls(
             adapter, budgets, max_items_per_batch, max_frames_per_batch, resolved_device, resolved_dtype,
-            capacity_limits, attention, fused_ops, compiled_blocks, compile_cache_dir, urgent_tokens,
+            capacity_limits, attention, fused_ops, compiled_blocks, compile_cache_dir, urgent_tokens, precision,
         )
 
     @classmethod
@@ -233,7 +252,7 @@ class GraphEncoder:
         return cls.from_pretrained(
             spec.model, budgets, spec.max_items_per_batch, spec.max_frames_per_batch,
             spec.device, dtype_from_name(spec.dtype), dict(spec.capacity_limits), spec.attention,
-            spec.fused_ops, spec.compiled_blocks, spec.compile_cache_dir, spec.urgent_tokens,
+            spec.fused_ops, spec.compiled_blocks, spec.compile_cache_dir, spec.urgent_tokens, spec.precision,
         )
 
     # encode
@@ -491,6 +510,22 @@ def _check_attention(attention: str, device: torch.device, dtype: torch.dtype) -
                 "newer; use 'auto' to take it where it can run"
             )
     return attention
+
+
+def _check_precision(precision: str, device: torch.device, dtype: torch.dtype, compiled_blocks: bool) -> str:
+    if precision not in PRECISION_CHOICES:
+        raise ConfigError(f"precision {precision!r} is not one of {PRECISION_CHOICES}")
+    if precision == "fp8":
+        if not fp8_supported(device):
+            raise ConfigError(
+                f"precision 'fp8' needs a GPU of compute capability 8.9 or newer (FP8 tensor cores); the device "
+                f"is {device}; use 'bf16'"
+            )
+        if dtype != torch.bfloat16:
+            raise ConfigError(f"precision 'fp8' computes in bfloat16, not {dtype}")
+        if compiled_blocks:
+            raise ConfigError("precision 'fp8' runs outside torch.compile: use it with compiled_blocks=False")
+    return precision
 
 
 def _spec_is_consistent(rules: ItemRules, spec: ItemSpec) -> bool:

@@ -35,6 +35,7 @@ from vitpool.models.attention import (
     wants_dense_graph,
 )
 from vitpool.models.compiled import use_compiled_blocks
+from vitpool.models.fp8 import use_fp8
 from vitpool.models.fused import use_fused_ops
 from vitpool.packing import Budget
 from vitpool.specs import ItemSpec
@@ -50,7 +51,7 @@ class BatchRunner:
             over all its rows (`vitpool.models.attention.leading_sequence_attention`), replayed
             for a batch of one sequence that fills most of the budget (`wants_dense`).
         stats: the counters `GraphEncoder.stats()` copies (under `lock`).
-        attention, fused_ops, compiled_blocks: the kernels the forward runs with (`kernels`).
+        attention, fused_ops, compiled_blocks, precision: the kernels the forward runs with (`kernels`).
         segment_above_tokens: budgets of more tokens are captured in segments that other work
             may run between (`vitpool.graphs.segments`); None: every budget as one graph.
     """
@@ -65,10 +66,12 @@ class BatchRunner:
         fused_ops: bool,
         compiled_blocks: bool,
         segment_above_tokens: int | None = None,
+        precision: str = "bf16",
     ) -> None:
         self.adapter, self.device, self.dtype = adapter, device, dtype
         self.segment_above_tokens = segment_above_tokens
         self.attention, self.fused_ops, self.compiled_blocks = attention, fused_ops, compiled_blocks
+        self.precision = precision
         self.buffers = StaticBuffers(adapter, budgets, device, dtype)
         on_gpu = device.type == "cuda"
         self.staging = PinnedStaging(adapter.row_shape, device) if on_gpu else None
@@ -242,13 +245,14 @@ class BatchRunner:
     def kernels(self, attention_backend: str | None) -> Iterator[None]:
         """The kernels the tower's forward runs with: this device current (kernels launched by
         device index, Triton and FA4, run where the tensors are), the attention backend (None:
-        the hook picks per batch), and the fused and compiled parts as set."""
+        the hook picks per batch), and the fused, compiled and FP8 parts as set."""
         device = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
         with (
             device,
             use_attention(attention_backend),
             use_fused_ops(self.fused_ops),
             use_compiled_blocks(self.compiled_blocks),
+            use_fp8(self.precision == "fp8"),
         ):
             yield
 

@@ -132,3 +132,7 @@ class VisionAdapter(Protocol):
     # def budget_range(self, device: torch.device) -> BudgetRange | None:
     #     """The budgets this family's graphs should cover when the user names none; None (or no
     #     such method): the device's default ladder (`vitpool.graphs.defaults`)."""
+    #
+    # fp8_refused: str
+    #     """Why `precision="fp8"` is refused for this family (the encoder's ConfigError says it);
+    #     absent: FP8 GEMMs are allowed (`vitpool.models.fp8`)."""

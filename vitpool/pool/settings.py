@@ -10,7 +10,7 @@ from typing import Any
 from vitpool.errors import ConfigError
 from vitpool.packing import make_budgets
 from vitpool.pool.autoscaler import checked_bounds
-from vitpool.specs import ATTENTION_CHOICES, ActorSpec, EncoderSpec
+from vitpool.specs import ATTENTION_CHOICES, PRECISION_CHOICES, ActorSpec, EncoderSpec
 
 _DTYPES = ("bfloat16", "float16", "float32")
 
@@ -35,8 +35,8 @@ class PoolSettings:
         model: local checkpoint directory; None for the tiny model shipped with vitpool.
         budgets: token budgets each actor captures; None for the defaults of its device.
         max_items_per_batch, max_frames_per_batch, capacity_limits, attention, fused_ops,
-            compiled_blocks, compile_cache_dir: as for `GraphEncoder` (the cache directory is
-            on each actor's node).
+            compiled_blocks, compile_cache_dir, precision: as for `GraphEncoder` (the cache
+            directory is on each actor's node).
         dtype: "bfloat16", "float16" or "float32"; None for the device's default.
         device: "cpu" runs every actor on its CPU even where it was given a GPU (tests, debugging);
             None: the actor's GPU if it has one.
@@ -164,6 +164,7 @@ class PoolSettings:
     fused_ops: bool = True
     compiled_blocks: bool = False
     compile_cache_dir: str | None = None
+    precision: str = "bf16"
     embedding_cache_bytes: int = 0
     embedding_cache_local_bytes: int | None = None
 
@@ -184,6 +185,10 @@ class PoolSettings:
             object.__setattr__(self, "dtype", name)
         if self.attention not in ATTENTION_CHOICES:
             raise ConfigError(f"attention {self.attention!r}: use one of {ATTENTION_CHOICES}")
+        if self.precision not in PRECISION_CHOICES:
+            raise ConfigError(f"precision {self.precision!r}: use one of {PRECISION_CHOICES}")
+        if self.precision == "fp8" and self.device == "cpu":
+            raise ConfigError("precision 'fp8' needs GPU actors (FP8 tensor cores), not device='cpu'")
         if self.warm_standby is not None and not isinstance(self.warm_standby, bool):
             raise ConfigError(f"warm_standby must be True, False or None (on for GPU actors); got {self.warm_standby!r}")
         for name in ("fused_ops", "compiled_blocks", "overlap_runs", "small_first_stream", "detached"):
@@ -234,7 +239,7 @@ class PoolSettings:
         return EncoderSpec(
             self.model, self.budgets, self.max_items_per_batch, self.max_frames_per_batch, self.dtype, self.device,
             self.capacity_limits, self.attention, self.fused_ops, self.compiled_blocks, self.compile_cache_dir,
-            self.small_first_tokens if self.small_first_stream else None,
+            self.small_first_tokens if self.small_first_stream else None, self.precision,
         )
 
     @property

@@ -1,0 +1,88 @@
+"""GPU: the opt-in FP8 GEMMs. The Triton row quantization against torch's, the FP8 Linear against
+bf16, and every family's FP8 encoder: each budget captured and checked against the eager FP8
+forward at capture, its tokens finite and near the bf16 tower's. Skipped without a GPU of
+compute capability 8.9 or newer."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import relative_error
+from family_tiny import FAMILY_CASES, mixed_items, reference_tokens, save_tiny_tower, use_sdpa
+
+from vitpool import GraphEncoder
+from vitpool.models.fp8 import FP8_MAX, fp8_linear, fp8_supported, install_fp8_linears, quantize_rows, use_fp8
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or not fp8_supported(torch.device("cuda")),
+                       reason="needs FP8 tensor cores"),
+]
+BUDGETS = [16, 64, 256]
+# FP8 (e4m3: 3 mantissa bits) in every block's GEMMs of a tiny random tower, against the bf16 tower
+FP8_TOLERANCE = 0.12
+
+
+@pytest.mark.parametrize("rows, width", [(1, 64), (333, 1152), (4096, 4304), (7, 8192)])
+def test_the_triton_row_quantization_matches_torch(rows, width):
+    x = torch.randn(rows, width, device="cuda", dtype=torch.bfloat16) * 3
+    quantized, scale = quantize_rows(x)
+    want_scale = x.abs().amax(dim=1, keepdim=True).float() / FP8_MAX
+    torch.testing.assert_close(scale, want_scale, rtol=1e-6, atol=0)
+    want = (x.float() / want_scale).clamp(-FP8_MAX, FP8_MAX).to(quantized.dtype)
+    # the same fp32 quotient, rounded to e4m3 by Triton and by torch: at most one step apart
+    assert (quantized.float() - want.float()).abs().max() <= 32
+    assert (quantized.float() == want.float()).float().mean() >= 0.999
+
+
+@torch.no_grad()
+def test_the_fp8_linear_is_near_the_bf16_one():
+    blocks = torch.nn.ModuleList([torch.nn.Linear(1152, 4304) for _ in range(2)]).to("cuda", torch.bfloat16)
+    install_fp8_linears(blocks)
+    x = torch.randn(3, 600, 1152, device="cuda", dtype=torch.bfloat16)
+    calls = []
+    scaled_mm = torch._scaled_mm
+    torch._scaled_mm = lambda *a, **k: calls.append(1) or scaled_mm(*a, **k)
+    try:
+        with use_fp8(True):
+            got = blocks[0](x)
+    finally:
+        torch._scaled_mm = scaled_mm
+    assert calls and got.dtype == torch.bfloat16 and got.shape == (3, 600, 4304)
+    assert torch.isfinite(got).all() and relative_error(got, torch.nn.functional.linear(x, blocks[0].weight, blocks[0].bias)) <= 0.05
+    with use_fp8(False):
+        assert torch.equal(blocks[0](x), torch.nn.functional.linear(x, blocks[0].weight, blocks[0].bias))
+    weight, weight_scale, _ = blocks[0].__dict__["_vitpool_fp8_weight"]
+    assert relative_error(got, fp8_linear(x, weight, weight_scale, blocks[0].bias)) == 0
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_CASES))
+def test_every_familys_fp8_encoder_is_checked_at_capture_and_near_bf16(tmp_path, family, monkeypatch):
+    calls = []
+    scaled_mm = torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: calls.append(1) or scaled_mm(*a, **k))
+    encoder = GraphEncoder.from_pretrained(
+        save_tiny_tower(family, tmp_path), budgets=BUDGETS, device="cuda", precision="fp8"
+    )
+    stats = encoder.stats()
+    # a graph whose replay differed from the eager FP8 forward would be disabled
+    assert sorted({tokens for tokens, _ in stats.captured_budgets}) == BUDGETS and stats.disabled_budgets == []
+    assert calls  # the FP8 GEMMs ran at capture
+    module = use_sdpa(copy.deepcopy(encoder.adapter.tower))
+    items = mixed_items(family, seed=1)
+    errors = []
+    for item, embedding in zip(items, encoder.encode(items), strict=True):
+        want = reference_tokens(family, module, item, encoder.device, encoder.dtype)
+        assert torch.isfinite(embedding.tokens).all()
+        errors.append(relative_error(embedding.tokens, want))
+    assert max(errors) <= FP8_TOLERANCE, errors
+    # the bf16 encoder on the same adapter is untouched by the FP8 one
+    bf16 = GraphEncoder(encoder.adapter, budgets=BUDGETS, device="cuda")
+    calls.clear()
+    for item, embedding in zip(items, bf16.encode(items), strict=True):
+        want = reference_tokens(family, module, item, bf16.device, bf16.dtype)
+        assert relative_error(embedding.tokens, want) <= 1.5e-2
+    assert not calls
+    print(f"{family}: fp8 vs HF bf16 relative error max {max(errors):.3e}")
