@@ -1,6 +1,7 @@
 """Latency against image side (one image per side) from `size_sweep.py`'s JSON: Hugging Face eager,
 HF under torch.compile(mode="reduce-overhead"), vitpool before and after issue 14 (with FA4), and
-the default install (no FA4) after issue 42's first step beside its FA2-only baseline of the same run;
+the default install (no FA4) after issue 42's first step beside its FA2-only baseline of the same run,
+and issue 42's second step: the FA4 install and `precision="fp8"` (default install) of 2026-11-26;
 written as a PNG beside benchmarks/RESULTS.md. The runs are of different days and machines (H100s):
 compare lines of one run. Needs matplotlib (`pip install -e ".[bench]"`), a benchmark-only dependency.
 
@@ -26,6 +27,8 @@ def main() -> None:
     parser.add_argument("--after", type=Path, default=HERE / "results" / "size_sweep_after.json")
     parser.add_argument("--compiled", type=Path, default=HERE / "results" / "size_sweep_compiled_after.json")
     parser.add_argument("--default-install", type=Path, default=HERE / "results" / "size_sweep_issue42_h100.json")
+    parser.add_argument("--fa4", type=Path, default=HERE / "results" / "size_sweep_fa4_issue42_h100.json")
+    parser.add_argument("--fp8", type=Path, default=HERE / "results" / "size_sweep_fp8_issue42_h100.json")
     parser.add_argument("--out", type=Path, default=HERE / "size_sweep.png")
     args = parser.parse_args()
     import matplotlib
@@ -34,7 +37,7 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     before, after, compiled = load(args.before), load(args.after), load(args.compiled)
-    default = load(args.default_install)
+    default, fa4, fp8 = load(args.default_install), load(args.fa4), load(args.fp8)
     figure, axis = plt.subplots(figsize=(7, 4.5))
 
     def plot(rows: list[dict], key: str, label: str, style: str) -> None:
@@ -47,6 +50,8 @@ def main() -> None:
     plot(default["rows"], "graph", "vitpool, default install (cuDNN attention), 2026-11-26", "v-")
     plot(default["rows"], "fa2", "the same run, FA2 only (the default install before)", "x:")
     plot(default["rows"], "hf_eager", "HF eager, same run as the default install", "o:")
+    plot(fa4["rows"], "graph", "vitpool with FA4 (.[fa4]), 2026-11-26", "*-")
+    plot(fp8["rows"], "fp8", 'vitpool precision="fp8", default install, 2026-11-26', "P--")
     axis.set_xlabel("image side (pixels), one image")
     axis.set_ylabel("latency, median ms")
     axis.set_title(f"Qwen3-VL-8B vision tower, {after['gpu']}, bf16")
