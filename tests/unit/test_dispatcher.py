@@ -252,3 +252,23 @@ def test_a_batch_that_comes_back_after_close_fails_its_call():
     subject._on_outcome(flight, Refused("leaving"))
     with pytest.raises(PoolUnavailableError, match="closed"):
         call.future.result(timeout=5)
+
+
+def test_calls_one_at_a_time_go_round_the_actors_and_reach_one_that_joins():
+    links = {0: FakeLink(delay_s=0.0), 1: FakeLink(delay_s=0.0)}
+    failed: list[int] = []
+    subject = dispatcher(links, failed, batch_window_s=0.0)
+    try:
+        for n in range(6):
+            call = Call(1)
+            subject.submit(call, queued(call, [3 + n]))
+            assert [float(r.tokens) for r in call.future.result(timeout=10)] == [3 + n]
+        assert links[0].batches == 3 and links[1].batches == 3
+        links[2] = FakeLink(delay_s=0.0)  # e.g. a standby took over a dead actor's GPU
+        subject.set_actors(list(links), make_budgets(BUDGETS, None, None))
+        call = Call(1)
+        subject.submit(call, queued(call, [4]))
+        call.future.result(timeout=10)
+        assert links[2].batches == 1
+    finally:
+        subject.close()

@@ -97,3 +97,23 @@ def test_ties_go_to_an_order_of_each_dispatchers_own():
     policy = DispatchPolicy(budgets, max_in_flight=2, tie_seed=7)
     busy = {index: ActorLoad(in_flight=1, outstanding_cost=50.0) for index in range(8)}
     assert policy.choose_actor({**busy, 5: ActorLoad()}) == 5
+
+
+def test_among_idle_actors_the_one_sent_a_batch_least_recently_wins():
+    """A caller whose calls come one at a time finds every actor idle each time: the calls go
+    round the actors, so an actor that joins (a standby that took over a dead actor's GPU, a
+    scale-up) gets work at once instead of never (tests/gpu/test_standby_gpu.py)."""
+    budgets = tuple(make_budgets([16, 64, 256], None, None))
+    policy = DispatchPolicy(budgets, max_in_flight=2, tie_seed=3)
+    loads = {index: ActorLoad() for index in range(3)}
+    chosen = []
+    for sent in range(1, 7):
+        index = policy.choose_actor(loads)
+        chosen.append(index)
+        loads[index].last_sent = sent  # answered before the next call: idle again
+    assert sorted(chosen[:3]) == [0, 1, 2] and chosen[3:] == chosen[:3]
+    loads[7] = ActorLoad()  # joins: never sent a batch
+    assert policy.choose_actor(loads) == 7
+    # cost still decides first
+    loads[7] = ActorLoad(in_flight=1, outstanding_cost=10.0)
+    assert policy.choose_actor(loads) != 7

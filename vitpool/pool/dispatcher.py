@@ -324,6 +324,7 @@ class Dispatcher:
         small_lane: bool = False,
     ) -> None:
         slot = self._actors[actor_index]
+        slot.load.last_sent = self.counters.batches + 1
         slot.load.in_flight += 1
         slot.load.small_in_flight += small_lane
         slot.load.outstanding_cost += cost

@@ -36,6 +36,7 @@ class ActorLoad:
     in_flight: int = 0  # batches sent and not yet answered, in either lane
     small_in_flight: int = 0  # of those, the ones in the small lane
     outstanding_cost: float = 0.0  # their estimated cost, in token units
+    last_sent: int = 0  # when this dispatcher last sent it a batch (its count of batches sent then; 0: never)
 
 
 @dataclass(frozen=True)
@@ -126,17 +127,20 @@ class DispatchPolicy:
         return any(load.accepting and load.in_flight == 0 for load in loads.values())
 
     def choose_actor(self, loads: Mapping[int, ActorLoad], small: bool = False) -> int | None:
-        """The accepting actor with a free slot and the least outstanding cost (ties: see
-        `tie_seed`), or None when none has room. A `small` batch looks in the small lanes first."""
+        """The accepting actor with a free slot and the least outstanding cost, or None when none
+        has room. A `small` batch looks in the small lanes first. Among actors of equal cost the
+        one sent a batch least recently wins (then `tie_seed`'s order): a caller whose calls come
+        one at a time, each finding every actor idle, spreads them over all actors, so an actor
+        that joined (a standby that took over, a scale-up) gets work at once."""
         lanes = [True, False] if small and self.small_tokens is not None else [False]
         for small_lane in lanes:
             candidates = [
-                (load.outstanding_cost, self._tie_rank(index), index)
+                (load.outstanding_cost, load.last_sent, self._tie_rank(index), index)
                 for index, load in loads.items()
                 if load.accepting and self._lane_has_room(load, small_lane)
             ]
             if candidates:
-                return min(candidates)[2]
+                return min(candidates)[-1]
         return None
 
     def _tie_rank(self, index: int) -> int:
