@@ -3,8 +3,9 @@
     python examples/quickstart.py [--checkpoint DIR] [--actors N] [--threads 4]
 
 With GPUs, one encoder actor per GPU captures its graphs first (progress is logged); without
-GPUs, one CPU actor runs the same static-buffer forward. The pool's Ray cluster is started here
-and stopped at the end.
+GPUs, one CPU actor runs the same static-buffer forward. The pool joins the Ray cluster running
+on this machine (`ray start --head`) or at RAY_ADDRESS, and leaves it running; without one, it
+starts a cluster here and stops it at the end.
 """
 
 from __future__ import annotations

@@ -13,6 +13,10 @@ are printed as ids).
     python examples/tp_llm.py                       # CPU: two fake GPUs, CPU actors
     python examples/tp_llm.py --device cuda --model DIR --benchmark 50
 
+On the CPU it starts a Ray cluster of its own (its fake GPUs), beside any cluster already running
+on the machine; with `--device cuda` it joins the running one (`ray start --head`, RAY_ADDRESS),
+else starts one, and needs two GPUs in it (three with `--encoder own-gpu`).
+
 `--benchmark N` times, N times after warm-up, the delivery of 8 images of 448² onto both ranks'
 devices (median and p99), against the same encode with `pool.encode` fetched by the caller alone.
 NCCL cannot put two members of one group on one GPU, so RDT from a colocated pool falls back to
@@ -149,9 +153,18 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     own_gpu = args.encoder == "own-gpu"
-    # On a CPU machine Ray fakes the GPUs (and enough CPUs) so that the same placement works everywhere.
-    fake = {"num_gpus": TP_RANKS + own_gpu, "num_cpus": max(4, os.cpu_count() or 1)} if args.device == "cpu" else {}
-    ray.init(include_dashboard=False, **fake)
+    num_gpus = TP_RANKS + own_gpu
+    if args.device == "cpu":
+        # A cluster of this process's own, beside any other on the machine (`ray start`, RAY_ADDRESS):
+        # Ray fakes its GPUs (and enough CPUs) so that the same placement works everywhere.
+        ray.init(address="local", include_dashboard=False, num_gpus=num_gpus, num_cpus=max(4, os.cpu_count() or 1))
+    else:
+        ray.init(include_dashboard=False)  # the running cluster (`ray start`, RAY_ADDRESS), else a local one
+        if ray.cluster_resources().get("GPU", 0) < num_gpus:
+            raise SystemExit(
+                f"the Ray cluster at {ray.get_runtime_context().gcs_address} has "
+                f"{ray.cluster_resources().get('GPU', 0):g} GPUs; this needs {num_gpus} (or run with --device cpu)"
+            )
     group = placement_group([{"GPU": 1, "CPU": 1}] * TP_RANKS, strategy="PACK")
     ray.get(group.ready(), timeout=300)
     ranks = [

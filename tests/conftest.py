@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +24,32 @@ from vitpool import GraphEncoder, Image, Video
 from vitpool.models import Qwen3VLAdapter, load_adapter
 
 ROW_WIDTH = 3 * 2 * 16 * 16  # channels * temporal patch * patch * patch of the Qwen3-VL family
+RAY_TEMP_ROOT = pytest.StashKey[tuple[str, dict[str, str | None]]]()
+
+
+def pytest_configure(config):
+    """Ray's temp directory private to this run, set before any test module reads os.environ (some
+    build their subprocesses' environment at import). A cluster started on this machine with
+    `ray start` (any user's) writes its address into Ray's default temp directory, where
+    `ray.init()` and vitpool's launch and connect would find and join it; in a private one they
+    find only the clusters this run started, and so do the processes the tests start. No
+    RAY_ADDRESS either: each test chooses its cluster."""
+    # short, in /tmp: Ray's socket paths (<root>/ray/session_<date>_<pid>/sockets/...) must fit 107 bytes
+    root = tempfile.mkdtemp(prefix="vpray-", dir="/tmp" if os.path.isdir("/tmp") else None)
+    previous = {name: os.environ.get(name) for name in ("RAY_TMPDIR", "RAY_ADDRESS")}
+    config.stash[RAY_TEMP_ROOT] = root, previous
+    os.environ["RAY_TMPDIR"] = root
+    os.environ.pop("RAY_ADDRESS", None)
+
+
+def pytest_unconfigure(config):
+    root, previous = config.stash[RAY_TEMP_ROOT]
+    for name, value in previous.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    shutil.rmtree(root, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -70,7 +105,8 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(actual - expected) / torch.linalg.vector_norm(expected))
 
 
-# pools on a local Ray cluster (tests/test_pool.py, tests/test_faults.py)
+# Ray clusters the tests start, and only those (pytest_configure keeps them apart from any other
+# cluster on the machine); pools on a local Ray cluster (test_pool.py, test_faults.py, ...)
 
 BUDGETS = [16, 64, 256]
 
@@ -85,6 +121,83 @@ def ray_cluster():
     ray.init(address="local", num_gpus=2, num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
+
+
+def ray_env(ray_temp_root: str | os.PathLike | None = None) -> dict[str, str]:
+    """The environment for a process that starts or finds Ray: no token auth (Ray 2.60 turns it on
+    for new clusters), no RAY_ADDRESS, and Ray's temp directory `ray_temp_root` (default: this
+    run's private one), where a process without an address looks for a running cluster."""
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+    env.pop("RAY_ADDRESS", None)
+    if ray_temp_root is not None:
+        env["RAY_TMPDIR"] = str(ray_temp_root)
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextlib.contextmanager
+def ray_head(ray_temp_root: Path, *options: str, timeout_s: float = 180) -> Iterator[int]:
+    """A one-node cluster started by `ray start --head --block` (as a user would) on a free port,
+    with Ray's temp directory `ray_temp_root`: yields the port once the head's address file names it.
+
+    The head runs in a process group of its own. On exit, also when it did not come up or a test
+    failed, its process group and every process whose command line names its temp directory are
+    killed, by pid: never `ray stop`, which stops every cluster of this user on the machine."""
+    ray_temp_root.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    address_file = ray_temp_root / "ray" / "ray_current_cluster"
+    log = ray_temp_root / "head.log"
+    with log.open("wb") as output:
+        head = subprocess.Popen(
+            [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={port}", *options,
+             "--disable-usage-stats", "--include-dashboard=false", "--block"],
+            env=ray_env(ray_temp_root), stdout=output, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not (address_file.exists() and address_file.read_text().strip().endswith(f":{port}")):
+            assert head.poll() is None, f"ray start --head exited with {head.returncode}:\n{log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"ray start --head did not come up in {timeout_s:.0f} s"
+            time.sleep(0.5)
+        yield port
+    finally:
+        _stop_ray_head(head, ray_temp_root)
+        if address_file.exists() and address_file.read_text().strip().endswith(f":{port}"):
+            address_file.unlink()
+
+
+def _stop_ray_head(head: subprocess.Popen, ray_temp_root: Path) -> None:
+    head.send_signal(signal.SIGTERM)  # `ray start --block` stops its cluster's processes
+    try:
+        head.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        head.kill()
+        head.wait(timeout=30)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(head.pid, signal.SIGKILL)  # what of its group outlived it (the group is the head's own)
+    # workers run in groups of their own and stop with their raylet; anything else naming the
+    # temp directory (GCS, raylet, agents of a session of it) is this head's or a cluster started there
+    for pid in _pids_naming(f"{ray_temp_root}/ray/"):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _pids_naming(text: str) -> list[int]:
+    """Pids of the processes whose command line contains `text`."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if text in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
 
 
 @pytest.fixture(scope="session")

@@ -1,26 +1,34 @@
 """The `vitpool` command line: a pool as a cluster service.
 
     vitpool serve --model PATH --num-actors N [--name NAME] [--address ADDR]   # detached; returns once ready
+    vitpool list                          # the pools running in the cluster
     vitpool status [--name NAME]          # the pool's actors and counters, as a short table
     vitpool scale N [--name NAME]         # start or retire actors
     vitpool bench [--name NAME]           # a short latency and throughput check against the pool
     vitpool stop [--name NAME]            # stop the pool and its actors
+    vitpool --version
 
 Every command joins the Ray cluster that `ray.init()` would (`--address`, RAY_ADDRESS, or the
 cluster `ray start --head` started on this machine); `serve` refuses to start a private one, which
-would end with the command. Progress goes to stderr; an error is one line (exit status 1), not a
-traceback. Only the pool's public API is used here.
+would end with the command (and `list` with none running says so, starting none). Progress goes to
+stderr; an error is one line (exit status 1), not a traceback; a flag's mistake is refused before
+Ray is joined (exit status 2). Only the pool's public API is used here, but for `list`, which finds
+the pools' controllers in vitpool's Ray namespace.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
+import importlib.metadata
 import logging
+import math
+import os
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import ray
 import torch
@@ -28,9 +36,20 @@ import torch
 from vitpool.errors import InvalidItemError, VitpoolError, counted
 from vitpool.items import Image
 from vitpool.pool import EncoderPool
+from vitpool.pool.cluster import join_ray, running_local_cluster
+from vitpool.pool.controller import NAMESPACE, Membership
+from vitpool.pool.settings import MAX_BUDGET_TOKENS
 from vitpool.specs import PRECISION_CHOICES
 
 logger = logging.getLogger("vitpool.cli")
+
+# The library's errors about actor options name Python keywords (`actor_options={'num_cpus': ...}`,
+# `device='cpu'`), which a command-line user cannot pass: `serve` adds the flag that sets each.
+SERVE_FLAGS_FOR_ACTOR_OPTIONS = {
+    "num_cpus": "--cpus-per-actor", "num_gpus": "--gpus-per-actor", "device='cpu'": "--device cpu",
+}
+LIST_TIMEOUT_S = 10.0  # how long `list` waits for each pool's controller to answer
+PROGRESS_HANDLER = "vitpool-cli-progress"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -42,7 +61,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("vitpool: interrupted", file=sys.stderr)
         return 130
     except (VitpoolError, ValueError, ConnectionError, TimeoutError, ray.exceptions.RayError) as error:
-        print(f"vitpool {args.command_name}: error: {_one_line(error)}", file=sys.stderr)
+        message = _one_line(error)
+        if args.command_name == "serve":
+            message = with_serve_flags(message)
+        print(f"vitpool {args.command_name}: error: {message}", file=sys.stderr)
         return 1
 
 
@@ -64,16 +86,10 @@ def serve(args: argparse.Namespace) -> int:
         settings["autoscale_interval_s"] = args.autoscale_interval
     if args.warm_standby is not None:
         settings["warm_standby"] = args.warm_standby == "on"
-    options = None
-    if args.gpus_per_actor is not None:
-        options = {"num_gpus": args.gpus_per_actor}
-    elif args.device == "cpu":
-        options = {"num_gpus": 0}
-    budgets = [int(b) for b in args.budgets.split(",")] if args.budgets else None
     start = time.monotonic()
     pool = EncoderPool.launch(
-        model=args.model, num_actors=args.num_actors, budgets=budgets, name=args.name, address=args.address,
-        actor_options=options, detached=True, **settings,
+        model=args.model, num_actors=args.num_actors, budgets=args.budgets, name=args.name,
+        address=args.address, actor_options=actor_options(args), detached=True, **settings,
     )
     num_actors = pool.num_actors
     pool.close()  # the pool is detached: it keeps running
@@ -83,6 +99,78 @@ def serve(args: argparse.Namespace) -> int:
         f"stop with `vitpool stop --name {args.name}`"
     )
     return 0
+
+
+def actor_options(args: argparse.Namespace) -> dict[str, float] | None:
+    """`serve`'s flags as Ray options for each encoder actor; None: the pool's defaults (a GPU
+    each where the cluster has GPUs, and one CPU)."""
+    options = {}
+    if args.gpus_per_actor is not None:
+        options["num_gpus"] = args.gpus_per_actor
+    elif args.device == "cpu":
+        options["num_gpus"] = 0
+    if args.cpus_per_actor is not None:
+        options["num_cpus"] = args.cpus_per_actor
+    return options or None
+
+
+def with_serve_flags(message: str) -> str:
+    """`message` with the `serve` flags for the actor options it names, unless it names them."""
+    if "actor_options" not in message:
+        return message
+    named = [flag for keyword, flag in SERVE_FLAGS_FOR_ACTOR_OPTIONS.items() if keyword in message]
+    flags = [flag for flag in named if flag not in message]
+    return f"{message} (vitpool serve: {', '.join(flags)})" if flags else message
+
+
+def list_pools(args: argparse.Namespace) -> int:
+    pools = running_pools(args.address)
+    if pools is None:
+        print("no pools: no Ray cluster runs on this machine to look in (--address names one elsewhere)")
+        return 0
+    if not pools:
+        print("no pools")
+        return 0
+    rows = ["| pool | model | actors | detached |", "|---|---|---|---|"]
+    for name, membership in pools:
+        if membership is None:
+            rows.append(f"| {name} | ? | controller did not answer in {LIST_TIMEOUT_S:.0f} s | ? |")
+            continue
+        model = membership.settings.model or "shipped tiny model"
+        detached = "yes" if membership.settings.detached else "no"
+        rows.append(f"| {name} | {model} | {len(membership.actors)} | {detached} |")
+    print("\n".join(rows))
+    return 0
+
+
+def running_pools(address: str | None) -> list[tuple[str, Membership | None]] | None:
+    """Each pool of the cluster by name, with its membership (None: its controller did not answer
+    in time), sorted by name; None where no cluster runs to look in (as `EncoderPool.connect`
+    would find it: a private one started here could hold no pool)."""
+    if not address and not os.environ.get("RAY_ADDRESS") and not running_local_cluster():
+        return None
+    join_ray(address)
+    # A pool is its named controller in vitpool's namespace; its encoder actors and standbys are
+    # named there too, but only a controller has `membership`.
+    controllers = {}
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["namespace"] != NAMESPACE:
+            continue
+        try:
+            handle = ray.get_actor(entry["name"], namespace=NAMESPACE)
+        except ValueError:
+            continue  # gone since it was listed
+        if hasattr(handle, "membership"):
+            controllers[entry["name"]] = handle
+    refs = {name: handle.membership.remote() for name, handle in controllers.items()}
+    pools = []
+    for name in sorted(refs):
+        try:
+            membership = ray.get(refs[name], timeout=LIST_TIMEOUT_S)
+        except (ray.exceptions.RayError, TimeoutError):
+            membership = None
+        pools.append((name, membership))
+    return pools
 
 
 def status(args: argparse.Namespace) -> int:
@@ -112,7 +200,8 @@ def stop(args: argparse.Namespace) -> int:
         raise VitpoolError(
             f"pool {args.name!r} is not detached: it stops with the process that launched it (its shutdown())"
         )
-    pool.shutdown()  # from any handle, shutdown stops a detached pool
+    with _progress_muted():  # shutdown logs "pool ... stopped", which this command prints as its result
+        pool.shutdown()  # from any handle, shutdown stops a detached pool
     print(f"pool {args.name!r} stopped")
     return 0
 
@@ -172,6 +261,53 @@ def sample_item(pool: EncoderPool) -> Image:
     raise VitpoolError("could not build a sample image for this model; use benchmarks/pool_latency.py")
 
 
+def budget_list(text: str) -> list[int]:
+    """`--budgets`: comma-separated token budgets, each at most MAX_BUDGET_TOKENS, checked before
+    anything starts (an actor allocates every budget's buffers as it starts).
+
+    Raises:
+        argparse.ArgumentTypeError: which budget is wrong and why (argparse names --budgets).
+    """
+    budgets = []
+    for part in text.split(","):
+        try:
+            budget = int(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{part.strip()!r} is not a whole number; give output-token budgets such as 64,256,1024"
+            ) from None
+        if budget < 1:
+            raise argparse.ArgumentTypeError(f"{budget}: budgets are positive numbers of output tokens")
+        if budget > MAX_BUDGET_TOKENS:
+            raise argparse.ArgumentTypeError(
+                f"{budget} is above the largest budget a pool captures ({MAX_BUDGET_TOKENS} tokens); "
+                "budgets count output tokens, not patches or pixels"
+            )
+        budgets.append(budget)
+    return budgets
+
+
+def non_negative_share(text: str) -> float:
+    """`--cpus-per-actor`, `--gpus-per-actor`: a number >= 0 (a fraction shares one CPU or GPU)."""
+    try:
+        share = float(text)
+    except ValueError:
+        share = math.nan
+    if not (math.isfinite(share) and share >= 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number >= 0, e.g. 0.5 or 2")
+    return share
+
+
+def version() -> str:
+    """The installed distribution's version; the package's own where it runs from a source tree."""
+    try:
+        return importlib.metadata.version("vitpool")
+    except importlib.metadata.PackageNotFoundError:
+        import vitpool
+
+        return getattr(vitpool, "__version__", "unknown")
+
+
 def _bounds(text: str) -> tuple[int, int]:
     try:
         low, high = (int(part) for part in text.split(","))
@@ -189,36 +325,61 @@ def _one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 
+@contextlib.contextmanager
+def _progress_muted() -> Iterator[None]:
+    """vitpool's progress lines (info) hidden while inside; warnings and errors still shown."""
+    library = logging.getLogger("vitpool")
+    level = library.level
+    library.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        library.setLevel(level)
+
+
 def _show_progress(quiet: bool) -> None:
     """vitpool's progress lines on stderr (the library only logs; the command line shows them)."""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("vitpool: %(message)s"))
+    handler.set_name(PROGRESS_HANDLER)
     library = logging.getLogger("vitpool")
+    for earlier in [h for h in library.handlers if h.get_name() == PROGRESS_HANDLER]:
+        library.removeHandler(earlier)  # `main` run again in one process would show each line twice
     library.addHandler(handler)
     library.setLevel(logging.WARNING if quiet else logging.INFO)
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vitpool", description="vitpool: a pool of vision encoders on Ray")
+    parser.add_argument("--version", action="version", version=f"vitpool {version()}")
     commands = parser.add_subparsers(required=True, metavar="command")
 
-    def command(name: str, function, text: str) -> argparse.ArgumentParser:
+    def command(name: str, function, text: str, names_a_pool: bool = True) -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=text, description=text)
         sub.set_defaults(command=function, command_name=name)
-        sub.add_argument("--name", default="vitpool", help="the pool's name (default: vitpool)")
+        if names_a_pool:
+            sub.add_argument("--name", default="vitpool", help="the pool's name (default: vitpool)")
         sub.add_argument("--address", default=None, help="the Ray cluster (default: as ray.init() finds it)")
         sub.add_argument("--quiet", action="store_true", help="no progress lines")
         return sub
 
     sub = command("serve", serve, "start a detached pool and return once its actors are ready")
     sub.add_argument("--model", default=None, help="local checkpoint directory (default: the shipped tiny model)")
-    sub.add_argument("--num-actors", type=int, default=None, help="default: one per GPU of the cluster")
-    sub.add_argument("--device", choices=("cuda", "cpu"), default=None)
-    sub.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None)
+    sub.add_argument("--num-actors", type=int, default=None, help="default: one per GPU of the cluster; one on a cluster without GPUs")
+    sub.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                     help="cpu: actors hold no GPU and run on their CPUs (default: the actor's GPU if it has one)")
+    sub.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
+                     help="default: bfloat16 on a GPU, float32 on a CPU")
     sub.add_argument("--precision", choices=PRECISION_CHOICES, default=None,
                      help="fp8: the blocks' GEMMs in FP8 on Ada/Hopper GPUs (default bf16)")
-    sub.add_argument("--budgets", default=None, help="comma-separated token budgets (default: the device's)")
-    sub.add_argument("--gpus-per-actor", type=float, default=None, help="e.g. 0.5 to share a GPU (default 1)")
+    sub.add_argument("--budgets", type=budget_list, default=None, metavar="B,B,...",
+                     help=f"comma-separated output-token budgets, each at most {MAX_BUDGET_TOKENS} "
+                     "(default: the device's)")
+    sub.add_argument("--gpus-per-actor", type=non_negative_share, default=None, metavar="N",
+                     help="GPUs each actor holds, e.g. 0.5 to share a GPU (default 1 on a cluster with GPUs)")
+    sub.add_argument("--cpus-per-actor", type=non_negative_share, default=None, metavar="N",
+                     help="CPUs each actor holds in Ray's accounting, e.g. 0.5 to run more CPU actors than "
+                     "the cluster has CPUs (default 1)")
     sub.add_argument("--embedding-cache-bytes", type=int, default=0, help="the shared embedding cache (0: off)")
     sub.add_argument("--embedding-cache-local-bytes", type=int, default=None, metavar="BYTES",
                      help="with the cache on, what each connected handle keeps of it in its own process "
@@ -230,13 +391,17 @@ def _parser() -> argparse.ArgumentParser:
                      help="seconds between the autoscaler's readings (default 5)")
     sub.add_argument("--warm-standby", choices=("on", "off"), default=None,
                      help="a process per node ready to replace a dead actor (default: on for GPU actors)")
+    command("list", list_pools, "the pools in the Ray cluster: name, model, actors", names_a_pool=False)
     command("status", status, "the pool's actors and counters")
     sub = command("scale", scale, "start or retire actors")
-    sub.add_argument("num_actors", type=int)
+    sub.add_argument("num_actors", type=int, help="encoder actors taking work once it returns")
     command("stop", stop, "stop the pool")
     sub = command("bench", bench, "a short latency and throughput check against the running pool")
-    sub.add_argument("--calls", type=int, default=50)
-    sub.add_argument("--warmup", type=int, default=5)
-    sub.add_argument("--threads", type=int, default=4)
-    sub.add_argument("--seconds", type=float, default=5.0)
+    sub.add_argument("--calls", type=int, default=50,
+                     help="one-item calls timed one by one for p50 / p99 (default 50)")
+    sub.add_argument("--warmup", type=int, default=5, help="untimed calls first (default 5)")
+    sub.add_argument("--threads", type=int, default=4,
+                     help="threads calling at once for items/s, each again as its call returns (default 4)")
+    sub.add_argument("--seconds", type=float, default=5.0, metavar="S",
+                     help="how long the threads call for items/s (default 5)")
     return parser

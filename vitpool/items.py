@@ -1,5 +1,7 @@
 """Plain data that crosses every layer: the inputs (Image, Video) and the output (Embedding),
-and the check at the public boundary that turns an input into its spec (`prepare_items`).
+and the checks at the public boundary that a pool and an in-process encoder share: a call's list
+(`check_item_list`), each input turned into its spec (`prepare_items`), and the bound on one
+item's size (`check_token_bound`).
 
 Inputs are checked when they are encoded, not when they are built, so that an error can name
 the item's position in the caller's list. What an item must look like is the model's business
@@ -167,6 +169,37 @@ class PreparedParts:
 
 
 Prepared = PreparedItem | PreparedParts
+
+
+def check_item_list(items: Any) -> None:
+    """A call's items must come as a list (any sequence but a string): a tensor, a single item, a
+    dict or a generator is a mistake worth naming before anything looks inside it.
+
+    Raises:
+        TypeError: `items` is not a list of items.
+    """
+    if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
+        raise TypeError(f"items must be a list of vitpool.Image / vitpool.Video; got {type(items).__name__}")
+
+
+def check_token_bound(
+    index: int, prepared: Prepared, max_item_tokens: int | None, holder: str, raise_bound: str
+) -> None:
+    """Refuse item `index` where it gives more output tokens than `max_item_tokens` (None: no
+    bound), before it costs any work. `holder` is what sets the bound ("pool", "encoder") and
+    `raise_bound` how its user raises it ("launch the pool"), for the message.
+
+    Raises:
+        InvalidItemError: the item is over the bound (the message names the bound and the fixes).
+    """
+    if max_item_tokens is not None and prepared.num_tokens > max_item_tokens:
+        num_rows = sum(part.spec.num_rows for part in prepared.parts)
+        raise InvalidItemError(
+            index,
+            f"{prepared.num_tokens} output tokens ({num_rows} pixel rows) is over this {holder}'s bound, "
+            f"max_item_tokens={max_item_tokens}: resize it as the model's processor does (its max_pixels), "
+            f"or {raise_bound} with a larger max_item_tokens (None: no bound)",
+        )
 
 
 def prepare_items(items: Sequence[Any], rules: ItemRules) -> list[Prepared]:

@@ -225,6 +225,18 @@ ATTENTION_CHOICES = ("auto", "fa2", "fa4")
 # What an encoder's `precision` setting takes: "fp8" runs the blocks' GEMMs in FP8 on a GPU.
 PRECISION_CHOICES = ("bf16", "fp8")
 
+# The default bound on one item's output tokens, a pool's and an in-process encoder's
+# (`max_item_tokens`): the most any supported family's released processor settings give one image.
+# Qwen2-VL / Qwen2.5-VL (max_pixels 16384·28·28) and Qwen3-VL / Qwen3.5 (longest_edge 16384·32·32)
+# resize an image to at most 65 536 patches, 16 384 tokens; GLM-4.1V's processor stops at 15 000,
+# Qwen3-VL's videos at 12 288, Kimi-K2.5's images at 4 096, PaddleOCR-VL's at about 3 000. So no
+# image a processor made is refused, while an item built by mistake (a raw frame, a grid off by a
+# factor) is refused before it runs instead of holding an encoder for minutes or exhausting its
+# memory (an item 100x the largest default budget, 102 400 tokens, failed in an actor's allocator
+# in bf16; in-process on a CPU it ran 19.5 s, then asked for 156 GiB at once). Longer videos
+# (Qwen2-VL-style total pixel budgets) can pass it: raise the bound, or set None.
+DEFAULT_MAX_ITEM_TOKENS = 16384
+
 
 @dataclass(frozen=True)
 class EncoderSpec:

@@ -6,8 +6,21 @@ import sys
 import warnings
 from pathlib import Path
 
+import pytest
+from conftest import ray_env, ray_head
+
 ROOT = Path(__file__).resolve().parents[2]
-RAY_ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": ""}  # a fresh local cluster
+RAY_ENV = ray_env()  # no cluster runs where these look (tests/conftest.py): each starts its own
+# Ray's temp directory of a cluster started as the README's service section has the user start one
+OTHER_CLUSTER_ROOT = Path(os.environ["RAY_TMPDIR"]) / "other"
+
+
+@pytest.fixture(scope="module")
+def other_cluster_env():
+    """The environment of a process on a machine where `ray start --head` runs a cluster (one
+    CPU, no GPU): ray.init() without an address would join it."""
+    with ray_head(OTHER_CLUSTER_ROOT, "--num-cpus=1", "--num-gpus=0"):
+        yield ray_env(OTHER_CLUSTER_ROOT)
 
 
 def run_example(name: str, *args: str, env: dict | None = None) -> list[str]:
@@ -43,8 +56,9 @@ def test_quickstart_runs_a_pool_and_stops_it():
     assert "9 items" in next(line for line in lines if line.startswith("pool 'quickstart'"))
 
 
-def test_tp_llm_example_delivers_one_encode_to_both_ranks():
-    lines = run_example("tp_llm.py", "--new-tokens", "6", env=RAY_ENV)
+def test_tp_llm_example_delivers_one_encode_to_both_ranks(other_cluster_env):
+    # beside a running cluster: on the CPU the example starts its own (fake GPUs), joining none
+    lines = run_example("tp_llm.py", "--new-tokens", "6", env=other_cluster_env)
     assert "delivering through gloo from encoder actor 0" in lines  # Ray Direct Transport between CPU actors
     assert any(line.startswith("both ranks received identical embeddings") for line in lines)
     generated = next(line for line in lines if line.startswith("both ranks generated the same 6 tokens"))

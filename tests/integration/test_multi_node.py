@@ -112,8 +112,9 @@ def cluster():
     """Head (this driver; no GPU) and GPU_NODES nodes with one fake GPU each, for the module.
 
     The finalizer stops every node and checks that none of the cluster's processes outlives it;
-    it also puts back Ray's address file (/tmp/ray/ray_current_cluster), which `Cluster` points at
-    itself: later `ray.init()` or `EncoderPool.connect()` calls without an address read it.
+    it also puts back Ray's address file (ray_current_cluster in Ray's temp directory, this run's
+    own: tests/conftest.py), which `Cluster` points at itself: later `ray.init()` or
+    `EncoderPool.connect()` calls without an address read it.
     """
     os.environ["RAY_AUTH_MODE"] = "disabled"  # Ray 2.60 turns on token auth for new local clusters
     address_file = ray._private.utils.get_ray_address_file(None)

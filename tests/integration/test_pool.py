@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 import subprocess
 import sys
@@ -13,7 +12,7 @@ import time
 import pytest
 import ray
 import torch
-from conftest import BUDGETS, assert_same, image, mixed_items
+from conftest import BUDGETS, assert_same, image, mixed_items, ray_env
 
 from vitpool import ConfigError, EncoderPool, InvalidItemError, PoolUnavailableError
 from vitpool.codec import decode_results, encode_request
@@ -146,8 +145,7 @@ def test_a_caller_process_loads_no_engine(pool):
     """connect + encode in a fresh process: the item rules arrive pickled, and nothing of the
     engine (transformers, modeling code, graphs) is imported."""
     address = ray.get_runtime_context().gcs_address
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    done = subprocess.run([sys.executable, "-c", ENGINE_FREE_CALLER, address, POOL_NAME], env=env,
+    done = subprocess.run([sys.executable, "-c", ENGINE_FREE_CALLER, address, POOL_NAME], env=ray_env(),
                           capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "engine modules: []" in done.stdout, done.stdout
@@ -327,7 +325,7 @@ print("stopped")
 
 
 def test_a_pool_that_started_ray_stops_it():
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": ""}
-    done = subprocess.run([sys.executable, "-c", SELF_STARTED], env=env, capture_output=True, text=True, timeout=240, check=False)
+    done = subprocess.run([sys.executable, "-c", SELF_STARTED], env=ray_env(), capture_output=True, text=True,
+                          timeout=240, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "stopped" in done.stdout

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import time
 import pytest
 import ray
 import torch
-from conftest import BUDGETS, ROW_WIDTH, assert_same, image
+from conftest import BUDGETS, ROW_WIDTH, assert_same, image, ray_env
 
 from vitpool import (
     CheckpointError,
@@ -195,7 +194,7 @@ def test_a_handle_whose_pool_controller_is_gone_says_so(ray_cluster):
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
-        env={**os.environ, "RAY_AUTH_MODE": "disabled"},
+        env=ray_env(),
     )
     try:
         assert owner.stdout.readline().strip() == "ready"
@@ -258,10 +257,9 @@ print("all refused, no Ray started")
 
 
 def test_a_handle_used_after_shutdown_raises_and_starts_no_ray():
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": ""}
     done = subprocess.run(
         [sys.executable, "-c", AFTER_SHUTDOWN],
-        env=env,
+        env=ray_env(),
         capture_output=True,
         text=True,
         timeout=240,

@@ -1,7 +1,6 @@
 """The README's processor-to-pool snippet runs as written: a PIL image through Qwen3-VL's image
 processor into `vitpool.Image`, encoded by a local pool on the shipped tiny model."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,10 +10,11 @@ import pytest
 pytest.importorskip("PIL")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+from conftest import ray_env
 from test_processor_items import readme_snippet
 
 ROOT = Path(__file__).resolve().parents[2]
-RAY_ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": ""}  # a fresh local cluster
+RAY_ENV = ray_env()  # a fresh local cluster: no address, and no cluster started elsewhere is seen
 
 
 @pytest.mark.ray

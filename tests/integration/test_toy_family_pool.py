@@ -32,12 +32,15 @@ def toy_pool(toy_checkpoint):
     installed), and a pool of two CPU actors on it."""
     os.environ["RAY_AUTH_MODE"] = "disabled"
     python_path = os.pathsep.join(filter(None, [str(TESTS_DIRECTORY), os.environ.get("PYTHONPATH")]))
-    ray.init(num_gpus=2, num_cpus=4, include_dashboard=False, log_to_driver=False,
+    # address="local": this module's own cluster, never one started elsewhere on the machine
+    ray.init(address="local", num_gpus=2, num_cpus=4, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"VITPOOL_FAMILY_MODULES": "toy_family", "PYTHONPATH": python_path}})
-    pool = EncoderPool.launch(model=str(toy_checkpoint), budgets=BUDGETS, name="toy", device="cpu")
-    yield pool
-    pool.shutdown()
-    ray.shutdown()
+    try:
+        pool = EncoderPool.launch(model=str(toy_checkpoint), budgets=BUDGETS, name="toy", device="cpu")
+        yield pool
+        pool.shutdown()
+    finally:
+        ray.shutdown()  # also when the launch failed: the next module starts a cluster of its own
 
 
 def tiles(count: int, seed: int) -> Image:

@@ -6,6 +6,12 @@ right after capture; per batch, copy the items (and their metadata) into the buf
 padding rows, replay, and clone each item's rows out. An item larger than every budget runs
 eager, alone. On a CPU the same static forward runs without capture.
 
+What a caller hands `encode` is checked as a pool's caller checks it (`vitpool.items`): a list, each
+item by the model's rules, each item within `max_item_tokens`; a bad item's InvalidItemError names
+its index. A batch that runs out of device memory runs again in halves, down to single items; an
+item that does not fit alone is refused with the memory it asked for, and the call's other items
+are still encoded.
+
 Batches come three ways: `encode` / `encode_each` check and pack the caller's items themselves;
 `run_plans` runs batches a pool's dispatcher already planned (item specs computed in the
 caller's process, trusted after a cheap consistency check), and `start_plans` queues such batches
@@ -36,19 +42,44 @@ from vitpool.errors import ConfigError, InvalidItemError
 from vitpool.graphs.capture import capture_all
 from vitpool.graphs.defaults import default_token_budgets, dtype_from_name, resolve_device, resolve_dtype
 from vitpool.graphs.in_flight import LaunchedBatches, PendingLaunch, PlansInFlight, RunBatch
-from vitpool.graphs.inputs import NONFINITE_MESSAGE, CheckedPlan, check_pixels, check_plan, totals
+from vitpool.graphs.inputs import (
+    NONFINITE_MESSAGE,
+    CheckedPlan,
+    asked_bytes,
+    check_pixels,
+    check_plan,
+    is_out_of_memory,
+    out_of_memory_reason,
+    totals,
+)
 from vitpool.graphs.runner import BatchRunner
 from vitpool.graphs.segments import Interleaver
 from vitpool.graphs.stats import EncoderStats
-from vitpool.items import Embedding, Item, Prepared, PreparedItem, prepare_item, prepare_items
+from vitpool.items import (
+    Embedding,
+    Item,
+    Prepared,
+    PreparedItem,
+    check_item_list,
+    check_token_bound,
+    prepare_item,
+)
 from vitpool.models import VisionAdapter, load_adapter
 from vitpool.models.attention import fa4_available
 from vitpool.models.compiled import set_compile_cache_dir
 from vitpool.models.fp8 import fp8_supported, install_fp8_linears
 from vitpool.models.path_rules import PathRules, rules_of_part
 from vitpool.packing import Budget, pack, smallest_fitting
-from vitpool.specs import ATTENTION_CHOICES, PRECISION_CHOICES, BatchPlan, EncoderSpec, ItemRules, ItemSpec
-from vitpool.specs import OutputLayout
+from vitpool.specs import (
+    ATTENTION_CHOICES,
+    DEFAULT_MAX_ITEM_TOKENS,
+    PRECISION_CHOICES,
+    BatchPlan,
+    EncoderSpec,
+    ItemRules,
+    ItemSpec,
+    OutputLayout,
+)
 from vitpool.specs import capacity_limits as merged_capacity_limits
 from vitpool.transport.wire import wire_dtype_name
 
@@ -98,13 +129,19 @@ class GraphEncoder:
             forward of the same precision. ConfigError elsewhere, with `compiled_blocks`, and for
             a family whose adapter refuses it (`fp8_refused`: DeepSeek-OCR-2). Measured no faster
             than bf16 on an H100 with torch 2.11 (benchmarks/RESULTS.md); an opt-in to try.
+        max_item_tokens: the largest item (output tokens) `encode` takes; a larger one is an
+            InvalidItemError naming its index, before any work (default 16384, the most a
+            supported family's processor gives one image: `vitpool.specs.DEFAULT_MAX_ITEM_TOKENS`,
+            the pool's default too). None: no bound (an item too large for the device's memory is
+            still refused on its own, once it has run out of memory).
 
     Attributes:
         budgets: the batch shapes, from the adapter's item rules.
         output_layout: the tensors each item gets (`Embedding.outputs` order).
+        max_item_tokens: the bound on one item `encode` takes (None: none).
 
     Raises:
-        ConfigError: invalid budgets, batch limits, device or dtype.
+        ConfigError: invalid budgets, batch limits, device, dtype or max_item_tokens.
     """
 
     def __init__(
@@ -122,7 +159,16 @@ class GraphEncoder:
         compile_cache_dir: str | Path | None = None,
         urgent_tokens: int | None = None,
         precision: str = "bf16",
+        max_item_tokens: int | None = DEFAULT_MAX_ITEM_TOKENS,
     ) -> None:
+        if max_item_tokens is not None and (
+            isinstance(max_item_tokens, bool) or not isinstance(max_item_tokens, int) or max_item_tokens < 1
+        ):
+            raise ConfigError(
+                "max_item_tokens must be a positive number of output tokens or None (no bound); "
+                f"got {max_item_tokens!r}"
+            )
+        self.max_item_tokens = max_item_tokens
         self.device = resolve_device(device)
         for name, value in (("fused_ops", fused_ops), ("compiled_blocks", compiled_blocks)):
             if not isinstance(value, bool):
@@ -218,6 +264,7 @@ class GraphEncoder:
         compile_cache_dir: str | Path | None = None,
         urgent_tokens: int | None = None,
         precision: str = "bf16",
+        max_item_tokens: int | None = DEFAULT_MAX_ITEM_TOKENS,
     ) -> GraphEncoder:
         """Load a local Hugging Face checkpoint and capture its graphs.
 
@@ -226,8 +273,8 @@ class GraphEncoder:
                 (safetensors), or only a config (random weights). None: the tiny Qwen3-VL-shaped
                 model shipped with vitpool (random weights), so everything runs offline.
             budgets, max_items_per_batch, max_frames_per_batch, device, dtype, capacity_limits,
-                attention, fused_ops, compiled_blocks, compile_cache_dir, urgent_tokens, precision: as
-                for the constructor.
+                attention, fused_ops, compiled_blocks, compile_cache_dir, urgent_tokens, precision,
+                max_item_tokens: as for the constructor.
 
         Raises:
             CheckpointError: the directory cannot be loaded (names the missing or unexpected keys).
@@ -239,6 +286,7 @@ class GraphEncoder:
         return cls(
             adapter, budgets, max_items_per_batch, max_frames_per_batch, resolved_device, resolved_dtype,
             capacity_limits, attention, fused_ops, compiled_blocks, compile_cache_dir, urgent_tokens, precision,
+            max_item_tokens=max_item_tokens,
         )
 
     @classmethod
@@ -266,7 +314,7 @@ class GraphEncoder:
         """Encode `items`; returns one Embedding per item, in input order.
 
         Args:
-            items: Image and Video items.
+            items: a list (or tuple) of Image and Video items.
             output_device: where the results go. None: the encoder's device. "cpu": each batch's
                 outputs are copied to pinned host memory in one transfer per tensor.
             return_exceptions: False (default): a bad item raises and nothing is returned. True:
@@ -274,14 +322,18 @@ class GraphEncoder:
                 InvalidItemError instead (as `asyncio.gather(..., return_exceptions=True)`).
 
         Raises:
-            InvalidItemError: an item is malformed or its pixels are not finite (the message
-                names its index), unless `return_exceptions`; the encoder stays usable.
+            TypeError: `items` is not a list (a tensor, a single item, a dict, a generator).
+            InvalidItemError: an item is malformed, over `max_item_tokens` (refused before any
+                work), has pixels that are not finite, or alone does not fit the device's memory;
+                the message names its index. Unless `return_exceptions`; the encoder stays usable.
         """
+        check_item_list(items)
         if return_exceptions:
             return self.encode_each(items, output_device)
         if not items:
             return []
-        outcomes = self.encode_prepared(prepare_items(items, self.adapter.item_rules), output_device)
+        prepared = [self._checked_item(index, item) for index, item in enumerate(items)]
+        outcomes = self.encode_prepared(prepared, output_device)
         for outcome in outcomes:
             if isinstance(outcome, InvalidItemError):
                 raise outcome
@@ -291,19 +343,31 @@ class GraphEncoder:
         self, items: Sequence[Item], output_device: str | torch.device | None = None
     ) -> list[Embedding | InvalidItemError]:
         """`encode(items, output_device, return_exceptions=True)`: a bad item does not stop the
-        others; its slot holds its InvalidItemError (naming its index in `items`)."""
+        others; its slot holds its InvalidItemError (naming its index in `items`).
+
+        Raises:
+            TypeError: `items` is not a list.
+        """
+        check_item_list(items)
         outcomes: list[Embedding | InvalidItemError | None] = [None] * len(items)
         prepared: list[Prepared] = []
         indices: list[int] = []
         for index, item in enumerate(items):
             try:
-                prepared.append(prepare_item(index, item, self.adapter.item_rules))
+                prepared.append(self._checked_item(index, item))
                 indices.append(index)
             except InvalidItemError as error:
                 outcomes[index] = error
         for index, outcome in zip(indices, self.encode_prepared(prepared, output_device)):
             outcomes[index] = _renumbered(outcome, index)
         return outcomes  # type: ignore[return-value]  # every slot holds a result or an error
+
+    def _checked_item(self, index: int, item: Item) -> Prepared:
+        """Item `index` of a call checked by the model's rules and within `max_item_tokens`, as a
+        pool's caller checks it; InvalidItemError naming the index otherwise."""
+        prepared = prepare_item(index, item, self.adapter.item_rules)
+        check_token_bound(index, prepared, self.max_item_tokens, "encoder", "build the encoder")
+        return prepared
 
     def encode_prepared(
         self, prepared: Sequence[Prepared], output_device: str | torch.device | None = None
@@ -327,7 +391,8 @@ class GraphEncoder:
     ) -> list[Embedding | InvalidItemError]:
         """Encode items already checked by the model's item rules (`vitpool.items.prepare_items`),
         packing them into budgets here. Per item its Embedding, or an InvalidItemError (its
-        position in `prepared`) where its pixels were not finite.
+        position in `prepared`) where its pixels were not finite or it alone did not fit the
+        device's memory (batches that run out of memory run again in halves, down to single items).
 
         Raises:
             ValueError: an item's pixels do not have the shape its spec says.
@@ -337,10 +402,52 @@ class GraphEncoder:
         batches = pack([item.spec for item in prepared], self.budgets, budgets_sorted=True)
         runs: list[RunBatch] = [(batch.budget, [prepared[i] for i in batch.item_indices]) for batch in batches]
         outcomes: list[Embedding | InvalidItemError | None] = [None] * len(prepared)
-        for batch, results in zip(batches, self._launch(runs, output_device).embeddings()):
-            for index, result in zip(batch.item_indices, results):
-                outcomes[index] = InvalidItemError(index, NONFINITE_MESSAGE) if result is None else result
+        for group in _launch_groups(runs):
+            group_results = self._embeddings_splitting([runs[p] for p in group], output_device)
+            for position, results in zip(group, group_results):
+                for index, result in zip(batches[position].item_indices, results):
+                    if result is None:
+                        result = InvalidItemError(index, NONFINITE_MESSAGE)
+                    # an error comes named by its position in its batch
+                    outcomes[index] = _renumbered(result, index)
         return outcomes  # type: ignore[return-value]  # every item is in one batch
+
+    def _embeddings_splitting(
+        self, runs: list[RunBatch], output_device: str | torch.device | None
+    ) -> list[list[Embedding | InvalidItemError | None]]:
+        """Per batch, per item: its Embedding; None where its pixels were not finite; or an
+        InvalidItemError (its position in its batch) where it ran out of device memory alone.
+        Batches that run out of memory run again in halves, then a batch's items in halves (a part
+        of a batch fits its budget), so one item too large for the device costs the others of
+        its call nothing."""
+        try:
+            return self._launch(runs, output_device).embeddings()
+        except RuntimeError as error:  # torch.OutOfMemoryError is one
+            if not is_out_of_memory(error):
+                raise
+            asked = asked_bytes(error)
+        # Retried outside the except clause: the exception's traceback holds the failed run's
+        # tensors until the clause ends (PyTorch FAQ), and freeing the cache needs them gone.
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        if len(runs) > 1:
+            logger.warning("out of %s memory on %d batches; running them in halves", self.device, len(runs))
+            half = len(runs) // 2
+            return self._embeddings_splitting(runs[:half], output_device) + self._embeddings_splitting(
+                runs[half:], output_device
+            )
+        budget, members = runs[0]
+        if len(members) == 1:
+            reason = out_of_memory_reason(members[0].spec, budget is None, str(self.device), asked)
+            logger.error("refused an item: %s", reason)
+            return [[InvalidItemError(0, reason)]]
+        logger.warning(
+            "out of %s memory on a batch of %d items; encoding them in halves", self.device, len(members)
+        )
+        half = len(members) // 2
+        [first] = self._embeddings_splitting([(budget, members[:half])], output_device)
+        [second] = self._embeddings_splitting([(budget, members[half:])], output_device)
+        return [first + [_renumbered(outcome, half + position) for position, outcome in enumerate(second)]]
 
     def run_plans(
         self,
@@ -553,8 +660,20 @@ def _path_budgets(
     return [budget for budget in rules.budgets(token_budgets, max_items_per_batch, limits) if budget.path == path]
 
 
-def _renumbered(outcome: Embedding | InvalidItemError, index: int) -> Embedding | InvalidItemError:
-    """An item's error under its index in the caller's list."""
+def _launch_groups(runs: Sequence[RunBatch]) -> list[list[int]]:
+    """Positions of the runs launched together: every budgeted run in one launch, each eager run
+    (one item over every budget) in its own. An eager item is large enough that a launch of its
+    own costs little, and it is the one likely to run out of memory: alone, it is refused without
+    running again, and without the call's other batches running again."""
+    budgeted = [position for position, (budget, _) in enumerate(runs) if budget is not None]
+    eager = [[position] for position, (budget, _) in enumerate(runs) if budget is None]
+    return ([budgeted] if budgeted else []) + eager
+
+
+def _renumbered(
+    outcome: Embedding | InvalidItemError | None, index: int
+) -> Embedding | InvalidItemError | None:
+    """An item's error under its index in the caller's list (anything else as it is)."""
     return InvalidItemError(index, outcome.reason) if isinstance(outcome, InvalidItemError) else outcome
 
 

@@ -207,7 +207,8 @@ def restore_vision_tower(model: torch.nn.Module, original: torch.nn.Module) -> N
 def graph_encoder_for(model: torch.nn.Module, **kwargs: Any) -> GraphEncoder:
     """An in-process GraphEncoder over a copy of `model`'s own vision tower (and projector, where
     vitpool runs it), same weights, device and dtype. `kwargs` go to GraphEncoder (budgets,
-    max_items_per_batch, ...).
+    max_items_per_batch, ...). Unlike a standalone GraphEncoder, no item bound by default
+    (`max_item_tokens=None`): the drop-in runs what the Hugging Face model would (a long video).
 
     Step-3.7's and DeepSeek-OCR-2's crop size is the processor's setting, not the model's: set
     `local_image_size` in the model's vision config where its processor cuts crops of another
@@ -230,6 +231,7 @@ def graph_encoder_for(model: torch.nn.Module, **kwargs: Any) -> GraphEncoder:
         module = encoder_class(copy.deepcopy(tower), copy.deepcopy(getattr(inner, parts.projector)))
     else:
         module = copy.deepcopy(tower)  # the adapter changes the tower's attention
+    kwargs.setdefault("max_item_tokens", None)
     return GraphEncoder(family.adapter(module), device=weight.device, dtype=weight.dtype, **kwargs)
 
 

@@ -2,17 +2,28 @@
 two paths through one tower.
 
 `DeepseekOcr2ImageProcessor` gives an image a global view (`pixel_values`, one 1024² tile: the
-image padded to a square) and, when its long side is over 768 pixels, 2 to 6 local crops
-(`pixel_values_local`, 768² tiles). The model runs both through the same tower at their own
-resolution: a SAM ViT-B (16-pixel patches, windowed and global attention with decomposed
-relative-position biases, a neck and two stride-2 convolutions: 256 tokens a global view, 144 a
-crop), then a Qwen2 decoder stack used as an encoder over [SAM tokens; as many learned queries],
-where the SAM tokens attend to each other both ways and the queries causally (to every SAM token
-and the queries before them); the queries' outputs, projected into the LLM's width, are the
-view's tokens. `get_image_features` hands the LLM an image's crops first, then its global view,
-then one learned `view_separator` row. In vitpool each input is a path
-(`vitpool.models.path_rules`), with its own tiles, budgets and graphs; the global path appends the
-separator to each view's tokens (257 a tile), so an item's parts are joined by concatenation.
+image padded to a square) and, when its long side is over its `tile_size` (768 pixels by
+default), 2 to 6 local crops (`pixel_values_local`, tiles of that side). The model runs both
+through the same tower at their own resolution: a SAM ViT-B (16-pixel patches, windowed and
+global attention with decomposed relative-position biases, a neck and two stride-2 convolutions:
+256 SAM tokens a global view, 144 a 768² crop), then a Qwen2 decoder stack used as an encoder
+over [SAM tokens; learned queries], where the SAM tokens attend to each other both ways and the
+queries causally (to every SAM token and the queries before them); the queries' outputs,
+projected into the LLM's width, are the view's tokens. There are two query tables, 144 rows and
+256, and a tile takes the first where it has at most 144 SAM tokens, the second otherwise.
+`get_image_features` hands the LLM an image's crops first, then its global view, then one learned
+`view_separator` row. In vitpool each input is a path (`vitpool.models.path_rules`), with its own
+tiles, budgets and graphs; the global path appends the separator to each view's tokens (257 a
+tile), so an item's parts are joined by concatenation.
+
+The tower takes a square tile of any side S of at least one patch: the patch convolution reads
+floor(S / 16) patches a side (pixels past the last whole patch are not read), the position table
+and the global layers' relative-position tables are interpolated to that grid, windows are padded,
+and each stride-2 convolution rounds up, so a tile has ceil(floor(S / 16) / 4)² SAM tokens and
+gives 144 tokens (S under 784) or 256. The crop size is the processor's setting: vitpool reads it
+where the checkpoint sets it (`crop_size`) and runs crops of that size. (The processor counts
+ceil(S / 64)² placeholder tokens a crop, so the full model accepts only crops whose count is their
+query table's: S in 705..768 or 961..1024.)
 
 Every tile of a path has one size, so a batch of tiles needs no metadata. The tower's own forward
 cannot be captured: SAM's `get_rel_pos` indexes its tables with tensors made on the host at every
@@ -38,11 +49,19 @@ import torch.nn.functional as F
 
 from vitpool.models.compat import check_tower_parts
 from vitpool.models.fused import fused_ops_apply, fused_rotary, triton_available
-from vitpool.models.tiled import GLOBAL_VIEW, LOCAL_CROPS, PathTiles, ViewAndCropsAdapter, install_kernels
+from vitpool.models.tiled import (
+    GLOBAL_VIEW,
+    LOCAL_CROPS,
+    CropSize,
+    PathTiles,
+    ViewAndCropsAdapter,
+    crop_size_of,
+    install_kernels,
+)
 
 GLOBAL, LOCAL = GLOBAL_VIEW, LOCAL_CROPS
-# DeepseekOcr2ImageProcessor's `tile_size`: the side of a local crop in pixels. It is the
-# processor's setting, not the model's; a tower-only save may set `local_image_size` in its config.
+# DeepseekOcr2ImageProcessor's default `tile_size`: the side of a local crop in pixels. It is the
+# processor's setting, not the model's (`crop_size`).
 LOCAL_IMAGE_SIZE = 768
 # The tower picks its query table by the SAM token count (`DeepseekOcr2VisionModel.forward`).
 MAX_PATCHES_OF_SMALL_QUERIES = 144
@@ -148,11 +167,12 @@ class DeepseekOcr2Encoder(torch.nn.Module):
         vision_tower: `DeepseekOcr2VisionModel`; its SAM's `image_size` is the global view's side.
         projector: `DeepseekOcr2Model.multi_modal_projector` (Linear: encoder width -> LLM width).
         view_separator: `DeepseekOcr2Model.view_separator` [LLM width] (copied).
-        local_image_size: the side of a local crop in pixels (the processor's `tile_size`).
+        local_image_size: the side of a local crop in pixels (the processor's `tile_size`), or that
+            and where it was set (`crop_size`), named when crops of another size are refused.
 
     Raises:
         ConfigError: the tower lacks a part `tile_features` runs (another transformers release).
-        ValueError: tiles that are not whole patches.
+        ValueError: tiles smaller than one patch.
     """
 
     def __init__(
@@ -160,7 +180,7 @@ class DeepseekOcr2Encoder(torch.nn.Module):
         vision_tower: torch.nn.Module,
         projector: torch.nn.Module,
         view_separator: torch.Tensor,
-        local_image_size: int,
+        local_image_size: int | CropSize,
     ) -> None:
         super().__init__()
         check_tower_parts("DeepSeek-OCR-2", vision_tower, TOWER_PARTS)
@@ -175,16 +195,18 @@ class DeepseekOcr2Encoder(torch.nn.Module):
                 f"DeepSeek-OCR-2 needs square patches and views (one integer each); got patch_size "
                 f"{patch!r}, image_size {sam.image_size!r}"
             )
-        self.tile_sizes = {GLOBAL: sam.image_size, LOCAL: int(local_image_size)}
+        crop = CropSize.of(local_image_size)
+        self.crop_size_source = crop.source
+        self.tile_sizes = {GLOBAL: sam.image_size, LOCAL: crop.pixels}
         self.grids: dict[str, int] = {}  # patches per side of a path's tile
         self.query_names: dict[str, str] = {}
         rel_sizes = {int(sam.window_size)}
         for path, size in self.tile_sizes.items():
-            if size % patch:
+            if size < patch:
                 raise ValueError(
-                    f"DeepSeek-OCR-2 {path} tiles of {size} pixels are not whole {patch}-pixel patches"
+                    f"DeepSeek-OCR-2 {path} tiles of {size} pixels are smaller than one {patch}-pixel patch"
                 )
-            grid = size // patch
+            grid = size // patch  # as the patch convolution: pixels past the last whole patch are not read
             side = (grid + 1) // 2
             num_patches = ((side + 1) // 2) ** 2  # after the two stride-2 convolutions
             small = num_patches <= MAX_PATCHES_OF_SMALL_QUERIES
@@ -216,11 +238,23 @@ class DeepseekOcr2Encoder(torch.nn.Module):
         return getattr(self, f"key_positions_{size}")
 
 
+def crop_size(config: Any) -> CropSize:
+    """The side of the checkpoint's crops: the vision config's `local_image_size`, else the
+    processor config's `tile_size`, else the processor's default (`vitpool.models.tiled.crop_size_of`).
+
+    Raises:
+        CheckpointError: a size that is no positive whole number of pixels.
+    """
+    return crop_size_of(config, "DeepseekOcr2ImageProcessor", "tile_size", LOCAL_IMAGE_SIZE)
+
+
 def build_encoder(config: Any, dtype: torch.dtype | None = None) -> DeepseekOcr2Encoder:
-    """Fresh tower, projector and separator from a tower-only config (`tower_only_config`).
+    """Fresh tower, projector and separator from a tower-only config (`tower_only_config`), for
+    crops of `crop_size(config)`.
 
     Raises:
         ValueError: the config lacks a field the tower or the projector needs.
+        CheckpointError: a crop size that is no positive whole number of pixels.
     """
     from transformers.models.deepseek_ocr2.modeling_deepseek_ocr2 import DeepseekOcr2VisionModel
 
@@ -236,8 +270,7 @@ def build_encoder(config: Any, dtype: torch.dtype | None = None) -> DeepseekOcr2
         vision = DeepseekOcr2VisionModel._from_config(config, dtype=dtype)
     width, text_width = int(config.encoder_config.hidden_size), int(config.text_hidden_size)
     projector = torch.nn.Linear(width, text_width, dtype=dtype)
-    local = int(getattr(config, "local_image_size", None) or LOCAL_IMAGE_SIZE)
-    return DeepseekOcr2Encoder(vision, projector, torch.zeros(text_width, dtype=dtype), local)
+    return DeepseekOcr2Encoder(vision, projector, torch.zeros(text_width, dtype=dtype), crop_size(config))
 
 
 def tower_only_config(full_config: Any) -> Any:
@@ -503,7 +536,7 @@ class DeepseekOcr2PathAdapter(PathTiles):
         tokens = encoder.queries(path).shape[0] + (SEPARATOR_TOKENS if path == GLOBAL else 0)
         super().__init__(
             encoder, path, int(encoder.vision_tower.sam_encoder.config.num_channels), encoder.tile_sizes[path],
-            tokens, output_width, MAX_GRAPH_TILES[path],
+            tokens, output_width, MAX_GRAPH_TILES[path], encoder.crop_size_source if path == LOCAL else "",
         )
 
     def forward(self, pixels: torch.Tensor, metadata: dict[str, torch.Tensor]) -> list[torch.Tensor]:

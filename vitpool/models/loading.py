@@ -7,8 +7,11 @@ layout's `convert` turns them into the module's state; a release whose config.js
 remote code reads is read by the layout's `read_full_config`, found by the vision config's
 `model_type`). Only safetensors are read, and of a full checkpoint only the shards that hold
 vision weights. Weights load strictly: a missing or unexpected key is an error that names it. A
-directory with a config and no weights gives random weights (benchmarks). Which tower and adapter
-a config gets is `vitpool.models.registry`'s business.
+directory with a config and no weights gives random weights (benchmarks). The image processor's
+settings saved beside the checkpoint, where there are any, go to the family with the tower's
+config (`IMAGE_PROCESSOR_ATTRIBUTE`): some towers' input sizes are their processor's settings
+(Step-3.7's and DeepSeek-OCR-2's crops). Which tower and adapter a config gets is
+`vitpool.models.registry`'s business.
 """
 
 from __future__ import annotations
@@ -32,6 +35,13 @@ logger = logging.getLogger(__name__)
 SHIPPED_CHECKPOINT = Path(__file__).parent / "checkpoints" / "tiny-qwen3-vl"
 
 _SHOWN_KEYS = 8
+# Where transformers reads an image processor's settings from a directory, in its order: a
+# processor's own config with them nested under "image_processor" (what transformers 5 saves), else
+# the image processor's file.
+PROCESSOR_CONFIG, IMAGE_PROCESSOR_CONFIG = "processor_config.json", "preprocessor_config.json"
+# The tower config's attribute that carries them to the family's `build_tower`: {"file": the path
+# they were read from, "settings": the image processor's settings}; absent where none are saved.
+IMAGE_PROCESSOR_ATTRIBUTE = "vitpool_image_processor"
 
 
 def load_adapter(
@@ -40,11 +50,14 @@ def load_adapter(
     """The tower of the checkpoint at `path` (None: the shipped tiny model), on `device` in `dtype`.
 
     Raises:
-        CheckpointError: no config, an unsupported model, non-safetensors weights, or weights
-            that do not match the tower (the message names the keys).
+        CheckpointError: no config, an unsupported model, non-safetensors weights, weights that do
+            not match the tower (the message names the keys), or an unreadable processor config.
     """
     directory = _checkpoint_directory(path)
     family, tower_config, is_full_model = _read_config(directory)
+    image_processor = _image_processor_settings(directory)
+    if image_processor is not None:
+        setattr(tower_config, IMAGE_PROCESSOR_ATTRIBUTE, image_processor)
     with torch.device(device):
         tower = family.build_tower(tower_config, dtype)
     weight_files = _weight_files(directory)
@@ -148,6 +161,26 @@ def _read_config(directory: Path) -> tuple[Family, Any, bool]:
             f"supported: {supported_model_types()}"
         )
     return family, family.checkpoint.tower_config(config) if is_full_model else vision_config, is_full_model
+
+
+def _image_processor_settings(directory: Path) -> dict[str, Any] | None:
+    """The image processor's settings saved in `directory` and the file they were read from, as
+    transformers finds them (`PROCESSOR_CONFIG`'s nested "image_processor", else
+    `IMAGE_PROCESSOR_CONFIG`); None where neither file holds them."""
+    for name in (PROCESSOR_CONFIG, IMAGE_PROCESSOR_CONFIG):
+        file = directory / name
+        if not file.is_file():
+            continue
+        try:
+            raw = json.loads(file.read_text())
+        except (OSError, ValueError) as error:
+            raise CheckpointError(f"{file} cannot be read: {error}") from None
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{file} holds no settings (a JSON object); got a {type(raw).__name__}")
+        settings = raw.get("image_processor") if name == PROCESSOR_CONFIG else raw
+        if isinstance(settings, dict):
+            return {"file": str(file), "settings": settings}
+    return None
 
 
 def _weight_files(directory: Path) -> list[Path]:

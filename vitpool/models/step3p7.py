@@ -1,13 +1,21 @@
 """Step-3.7 (`Step3p7VisionModel`) and its `multi_modal_projector`: two paths through one tower.
 
 `Step3p7ImageProcessor` cuts an image into a global view (`pixel_values`, one 728² tile) and,
-for a large image, local crops (`pixel_values_local`, 504² tiles cut by a sliding window). The
-model runs both through the same tower at their own resolution: patches, learned positions
-interpolated to the tile's grid, 2-D rotary positions, the layers, then two stride-2
-convolutions (a 4 x 4 reduction: 169 tokens a global view, 81 a crop) and the projector into
-the LLM's width. `get_image_features` hands the LLM an image's crops first, then its global
-view. In vitpool each input is a path (`vitpool.models.path_rules`): its own tiles, budgets and
-graphs; an item's two parts are joined in that order.
+for a large image, local crops (`pixel_values_local`, tiles cut by a sliding window and resized to
+its `patch_size`, 504 pixels by default). The model runs both through the same tower at their own
+resolution: patches, learned positions interpolated to the tile's grid, 2-D rotary positions, the
+layers, then two stride-2 convolutions (a 4 x 4 reduction: 169 tokens a global view, 81 a 504²
+crop) and the projector into the LLM's width. `get_image_features` hands the LLM an image's crops
+first, then its global view. In vitpool each input is a path (`vitpool.models.path_rules`): its own
+tiles, budgets and graphs; an item's two parts are joined in that order.
+
+The tower takes a square tile of any side S of at least one patch: the patch convolution reads
+floor(S / 14) patches a side (pixels past the last whole patch are not read), the positions are
+interpolated (bilinear) to that grid, and each stride-2 convolution rounds up, so a tile gives
+ceil(floor(S / 14) / 4)² tokens. The crop size is the processor's setting: vitpool reads it where
+the checkpoint sets it (`crop_size`) and runs crops of that size. (The processor counts (S // 56)²
+placeholder tokens a crop, so the full model accepts only crops with S mod 56 under 14 and S of
+56 or more, 504 among them.)
 
 Every tile of a path has one size, so a batch of tiles needs no metadata; the tower's own
 forward builds its rotary positions from a tensor made on the host at every call, which a
@@ -27,14 +35,21 @@ from typing import Any
 import torch
 
 from vitpool.models.compat import check_tower_parts
-from vitpool.models.tiled import GLOBAL_VIEW, LOCAL_CROPS, PathTiles, ViewAndCropsAdapter, install_kernels
+from vitpool.models.tiled import (
+    GLOBAL_VIEW,
+    LOCAL_CROPS,
+    CropSize,
+    PathTiles,
+    ViewAndCropsAdapter,
+    crop_size_of,
+    install_kernels,
+)
 
 GLOBAL, LOCAL = GLOBAL_VIEW, LOCAL_CROPS
-# Step3p7ImageProcessor's `patch_size`: the side of a local crop in pixels. It is the processor's
-# setting, not the model's; a checkpoint whose processor cuts crops of another size sets
-# `local_image_size` in its vision config (a full save's or a tower-only save's).
+# Step3p7ImageProcessor's default `patch_size`: the side of a local crop in pixels. It is the
+# processor's setting, not the model's (`crop_size`).
 LOCAL_IMAGE_SIZE = 504
-DOWNSAMPLE = 4  # two stride-2 convolutions
+DOWNSAMPLE = 4  # two stride-2 convolutions, each rounding up
 
 # Default budgets: up to 8 global views (8 images) and 16 crops per batch; more run eager at
 # their own size. 16 crops are 20736 patch rows, compute-bound already: a graph gains little
@@ -45,24 +60,37 @@ TOWER_PARTS = ("embeddings", "pre_layernorm", "rotary_emb", "layers", "downsampl
 
 class Step3p7Encoder(torch.nn.Module):
     """The tower, the projector and each path's rotary positions (buffers, so they move with
-    the module to the encoder's device)."""
+    the module to the encoder's device).
 
-    def __init__(self, vision_model: torch.nn.Module, projector: torch.nn.Module, local_image_size: int) -> None:
+    Args:
+        vision_model: `Step3p7VisionModel`; its `image_size` is the global view's side.
+        projector: `Step3p7Model.multi_modal_projector`.
+        local_image_size: the side of a local crop in pixels (the processor's `patch_size`), or that
+            and where it was set (`crop_size`), named when crops of another size are refused.
+
+    Raises:
+        ValueError: tiles smaller than one patch.
+    """
+
+    def __init__(
+        self, vision_model: torch.nn.Module, projector: torch.nn.Module, local_image_size: int | CropSize
+    ) -> None:
         super().__init__()
         from transformers.vision_utils import get_vision_position_ids
 
         self.vision_model = vision_model
         self.multi_modal_projector = projector
         self.config = vision_model.config
-        self.tile_sizes = {GLOBAL: int(self.config.image_size), LOCAL: int(local_image_size)}
+        crop = CropSize.of(local_image_size)
+        self.crop_size_source = crop.source
+        self.tile_sizes = {GLOBAL: int(self.config.image_size), LOCAL: crop.pixels}
         patch = int(self.config.patch_size)
         for path, size in self.tile_sizes.items():
-            if size % (patch * DOWNSAMPLE):
+            if size < patch:
                 raise ValueError(
-                    f"Step-3.7 {path} tiles of {size} pixels are not whole {patch * DOWNSAMPLE}-pixel blocks "
-                    f"(patch {patch}, downsampled {DOWNSAMPLE}x)"
+                    f"Step-3.7 {path} tiles of {size} pixels are smaller than one {patch}-pixel patch"
                 )
-            side = size // patch
+            side = size // patch  # as the patch convolution: pixels past the last whole patch are not read
             positions = get_vision_position_ids(torch.tensor([[1, side, side]]), spatial_merge_size=1)
             self.register_buffer(f"{path}_positions", positions, persistent=False)
 
@@ -79,8 +107,24 @@ def projector_of(config: Any, dtype: torch.dtype | None) -> torch.nn.Linear:
     return projector if dtype is None else projector.to(dtype)
 
 
+def crop_size(config: Any) -> CropSize:
+    """The side of the checkpoint's crops: the vision config's `local_image_size`, else the
+    processor config's `patch_size`, else the processor's default (`vitpool.models.tiled.crop_size_of`).
+
+    Raises:
+        CheckpointError: a size that is no positive whole number of pixels.
+    """
+    return crop_size_of(config, "Step3p7ImageProcessor", "patch_size", LOCAL_IMAGE_SIZE)
+
+
 def build_encoder(config: Any, dtype: torch.dtype | None = None) -> Step3p7Encoder:
-    """Fresh tower and projector from a tower-only config (`tower_only_config`)."""
+    """Fresh tower and projector from a tower-only config (`tower_only_config`), for crops of
+    `crop_size(config)`.
+
+    Raises:
+        ValueError: the config lacks a field the projector needs.
+        CheckpointError: a crop size that is no positive whole number of pixels.
+    """
     from transformers.models.step3p7.modeling_step3p7 import Step3p7VisionModel
 
     for name in ("text_hidden_size", "projector_bias"):
@@ -90,8 +134,7 @@ def build_encoder(config: Any, dtype: torch.dtype | None = None) -> Step3p7Encod
                 "model's checkpoint (Step3p7Config) or a tower-only save that carries it"
             )
     vision = Step3p7VisionModel(config) if dtype is None else Step3p7VisionModel._from_config(config, dtype=dtype)
-    local = int(getattr(config, "local_image_size", None) or LOCAL_IMAGE_SIZE)
-    return Step3p7Encoder(vision, projector_of(config, dtype), local)
+    return Step3p7Encoder(vision, projector_of(config, dtype), crop_size(config))
 
 
 def tower_only_config(full_config: Any) -> Any:
@@ -157,14 +200,14 @@ def _halves_from_pairs(rows: torch.Tensor, heads: int) -> torch.Tensor:
 
 def tile_features(encoder: Step3p7Encoder, path: str, pixels: torch.Tensor) -> torch.Tensor:
     """`Step3p7VisionModel.forward` on tiles [n, C, S, S] of `path`, with the path's positions
-    from buffers: [n, (S / patch / 4)², 4 * hidden], as the model's `last_hidden_state`."""
+    from buffers: [n, ceil(floor(S / patch) / 4)², 4 * hidden], as the model's `last_hidden_state`."""
     vision = encoder.vision_model
     hidden = vision.embeddings(pixels, interpolate_pos_encoding=True)
     hidden = vision.pre_layernorm(hidden)
     position_embeddings = vision.rotary_emb(hidden, encoder.positions(path))
     for layer in vision.layers:
         hidden = layer(hidden, position_embeddings=position_embeddings)
-    tiles, num_patches, channels = hidden.shape
+    tiles, _, channels = hidden.shape
     side = pixels.shape[-1] // vision.embeddings.patch_size
     hidden = hidden.permute(0, 2, 1).reshape(tiles, channels, side, side)
     hidden = vision.downsampler2(vision.downsampler1(hidden))
@@ -177,9 +220,10 @@ class Step3p7PathAdapter(PathTiles):
     def __init__(self, encoder: Step3p7Encoder, path: str, output_width: int) -> None:
         size = encoder.tile_sizes[path]
         side = size // int(encoder.config.patch_size)
+        tokens_per_side = -(-side // DOWNSAMPLE)
         super().__init__(
-            encoder, path, int(encoder.config.num_channels), size, (side // DOWNSAMPLE) ** 2, output_width,
-            MAX_GRAPH_TILES[path],
+            encoder, path, int(encoder.config.num_channels), size, tokens_per_side**2, output_width,
+            MAX_GRAPH_TILES[path], encoder.crop_size_source if path == LOCAL else "",
         )
 
     def forward(self, pixels: torch.Tensor, metadata: dict[str, torch.Tensor]) -> list[torch.Tensor]:

@@ -26,6 +26,9 @@ class TileRules:
     output_row_shapes: tuple[tuple[int, ...], ...]
     capacities: tuple[str, ...] = (SEQUENCES,)
     max_tiles_per_item: int | None = None  # Step-3.7's global view: one tile an image
+    # Where `tile_size` was set and how to change it, named when square tiles of another size are
+    # refused (a processor setting: Step-3.7's and DeepSeek-OCR-2's crops); "" gives the plain error.
+    tile_size_source: str = ""
 
     @property
     def row_shape(self) -> tuple[int, ...]:
@@ -36,6 +39,13 @@ class TileRules:
             raise ValueError("this model takes images (tiles) only; send each frame as an Image")
         if metadata is not None and metadata != ():  # (): a spec's own layout, given back to check it
             raise ValueError(f"tiled items have no grid; pass Image(pixels) without grid_thw, got {metadata!r}")
+        if self.tile_size_source and len(pixel_shape) == 4 and pixel_shape[1] == self.channels and (
+            pixel_shape[2] == pixel_shape[3] != self.tile_size
+        ):
+            raise ValueError(
+                f"tiles of {pixel_shape[2]} pixels; this encoder was built for tiles of {self.tile_size} "
+                f"({self.tile_size_source})"
+            )
         if len(pixel_shape) != 4 or tuple(pixel_shape[1:]) != self.row_shape:
             raise ValueError(
                 f"pixel_values must be tiles [tiles, {self.channels}, {self.tile_size}, {self.tile_size}]; "

@@ -1,17 +1,28 @@
 """What the adapters of tiled towers share: rows are whole tiles, each a fixed-length attention
 sequence that the tower runs as its batch dimension, so a batch needs no metadata; a padding
 tile is a zero tile whose tokens nobody reads. A family subclass sets `tower`, `item_rules`
-(`TileRules`), `tokens_per_tile` and `max_graph_tiles`, and writes `forward`."""
+(`TileRules`), `tokens_per_tile` and `max_graph_tiles`, and writes `forward`.
+
+A global-view-and-crops tower (Step-3.7, DeepSeek-OCR-2) takes crops of any size its patch
+convolution can cut, but the size is its image processor's setting, not the model's: `crop_size_of`
+reads it where the checkpoint says it. An encoder runs one crop size (each path's buffers and
+graphs are of one tile shape); crops of another size are refused where the caller's items are
+checked, with a message that says where the size was set.
+"""
 
 from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from vitpool.errors import CheckpointError
 from vitpool.models.compiled import install_compiled_blocks
 from vitpool.models.fused import install_fused_ops
+from vitpool.models.loading import IMAGE_PROCESSOR_ATTRIBUTE
 from vitpool.models.path_rules import PathRules
 from vitpool.models.protocol import BudgetRange, TensorSpec
 from vitpool.models.tile_rules import TileRules
@@ -23,6 +34,60 @@ MAX_SAMPLED_ITEMS = 6
 # their processors name them: one view an image, any number of crops.
 GLOBAL_VIEW = "pixel_values"
 LOCAL_CROPS = "pixel_values_local"
+# What to do about crops of another size, wherever the encoder's crop size came from.
+OTHER_CROP_SIZES = (
+    "for crops of another size, set local_image_size in the vision config (config.json) or save the "
+    "processor's config that cuts them beside the checkpoint"
+)
+
+
+@dataclass(frozen=True)
+class CropSize:
+    """The side of a global-view-and-crops tower's local crops in pixels, and where it was set (named
+    when crops of another size are refused)."""
+
+    pixels: int
+    source: str
+
+    @classmethod
+    def of(cls, size: int | CropSize) -> CropSize:
+        """`size` as it is, or a number of pixels given to the encoder module directly."""
+        if isinstance(size, CropSize):
+            return size
+        return cls(int(size), f"the local_image_size the encoder module was built with; {OTHER_CROP_SIZES}")
+
+
+def crop_size_of(config: Any, processor_class: str, processor_key: str, default: int) -> CropSize:
+    """The side of the crops a tower's image processor cuts, the first of:
+
+    1. `local_image_size` in the vision config: vitpool's own setting, for crops of another size than
+       the saved processor config's (a processor called with another size) or a checkpoint without
+       one;
+    2. the image processor's `processor_key` in the processor config saved beside the checkpoint
+       (`vitpool.models.loading` attaches it to the config it builds the tower from);
+    3. `processor_class`'s default, `default`.
+
+    Raises:
+        CheckpointError: a size that is no positive whole number of pixels (names where it was set).
+    """
+    explicit = getattr(config, "local_image_size", None)
+    if explicit is not None:
+        where = "local_image_size in the checkpoint's vision config"
+        return CropSize(_pixels(explicit, where), f"{where}; for crops of another size, change it there")
+    saved = getattr(config, IMAGE_PROCESSOR_ATTRIBUTE, None)
+    if saved is not None and saved["settings"].get(processor_key) is not None:
+        where = f"{processor_key} in {saved['file']}"
+        return CropSize(_pixels(saved["settings"][processor_key], where), f"{where}; {OTHER_CROP_SIZES}")
+    return CropSize(default, (
+        f"{processor_class}'s default {processor_key}: the checkpoint has no processor config that sets it; "
+        f"{OTHER_CROP_SIZES}"
+    ))
+
+
+def _pixels(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise CheckpointError(f"{where} is {value!r}; a crop's side is a positive whole number of pixels")
+    return value
 
 
 def install_kernels(tower: torch.nn.Module) -> None:
@@ -86,7 +151,7 @@ class PathTiles(TiledAdapter):
 
     def __init__(
         self, tower: torch.nn.Module, path: str, channels: int, tile_size: int, tokens_per_tile: int,
-        output_width: int, max_graph_tiles: int,
+        output_width: int, max_graph_tiles: int, tile_size_source: str = "",
     ) -> None:
         self.tower = tower
         self.path = path
@@ -94,7 +159,7 @@ class PathTiles(TiledAdapter):
         self.tokens_per_tile = tokens_per_tile
         self.item_rules = TileRules(
             channels, tile_size, tokens_per_tile, ((output_width,),),
-            max_tiles_per_item=1 if path == GLOBAL_VIEW else None,
+            max_tiles_per_item=1 if path == GLOBAL_VIEW else None, tile_size_source=tile_size_source,
         )
 
 

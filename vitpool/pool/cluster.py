@@ -3,6 +3,7 @@ owns), what the cluster or a placement group can hold, and the actors' options t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ from typing import Any
 import ray
 
 from vitpool.errors import ConfigError, counted
+from vitpool.pool.ray_auth import match_authentication
 
 logger = logging.getLogger(__name__)
 
@@ -25,28 +27,111 @@ class Placement:
     bundles: tuple[int, ...]
 
 
-def join_ray(address: str | None) -> bool:
+@dataclass(frozen=True)
+class JoinedCluster:
+    """The Ray cluster this process joined, and why that one: several clusters can run on one
+    machine, and without an address Ray follows whichever `ray start` wrote its address file last."""
+
+    address: str  # the cluster's GCS address, host:port
+    reason: str  # how it was chosen, e.g. "from RAY_ADDRESS"
+    connected_here: bool  # this call connected (its pool disconnects on shutdown); False: already connected
+
+    def __str__(self) -> str:
+        return f"Ray cluster at {self.address} ({self.reason})"
+
+
+FROM_ADDRESS_ARGUMENT = "from the address argument"
+FROM_RAY_ADDRESS = "from RAY_ADDRESS"
+
+# What this process joined last: the CLI prints it, and an error that no pool was found names it.
+# Ray's connection is one per process, so this record is too.
+_last_joined: JoinedCluster | None = None
+
+
+def last_joined() -> JoinedCluster | None:
+    """The Ray cluster `join_ray` (so `EncoderPool.launch` / `connect`) last joined in this
+    process, and why that one; None before any."""
+    return _last_joined
+
+
+def join_ray(address: str | None) -> JoinedCluster:
     """Connect this process to Ray, to the cluster `ray.init()` would join: `address`, else
     RAY_ADDRESS, else the cluster last started on this machine with `ray start` while it still
-    runs, else a new local cluster. Returns True if this call connected (the pool disconnects, or
-    stops the local cluster it started, on shutdown); False if Ray was already initialised.
+    runs, else a new local cluster. Returns which cluster and why (logged at INFO; `last_joined()`
+    keeps it); its `connected_here` is True if this call connected (the pool disconnects, or stops
+    the local cluster it started, on shutdown), False if Ray was already initialised.
 
     Unlike `ray.init()`, an address file left by a cluster that no longer runs is not followed
-    (Ray would wait on it, then fail): a local cluster starts instead, with a warning.
+    (Ray would wait on it, then fail): a local cluster starts instead, with a warning. And this
+    process is put in the cluster's authentication mode first (`match_authentication`): a
+    cluster that wants a token this process does not send is found out at once, not after
+    Ray's ~20 s of retries, and an open cluster is not joined in token mode.
+
+    Raises:
+        ConnectionError: the cluster could not be joined (one line naming it and why it was chosen).
     """
+    global _last_joined
     if ray.is_initialized():
-        return False
+        current = ray.get_runtime_context().gcs_address
+        if _last_joined is not None and _last_joined.address == current:
+            return dataclasses.replace(_last_joined, connected_here=False)
+        return JoinedCluster(current, "this process was already connected to it", connected_here=False)
+    reason = FROM_ADDRESS_ARGUMENT if address else FROM_RAY_ADDRESS
     address = address or os.environ.get("RAY_ADDRESS") or None
-    if address and address != "local":
-        logger.info("connecting to the Ray cluster at %s", address)
-        ray.init(address=address)
+    if address and address not in ("local", "auto"):
+        if "://" not in address:  # ray:// is Ray Client, with its own server in front
+            reason += match_authentication(address)
+        _init_or_explain(address, address, reason)
+    elif address == "auto":
+        reason = f"address 'auto': from {_address_file()}, the cluster last started on this machine"
+        if local := running_local_cluster():
+            reason += match_authentication(local)
+        _init_or_explain(address, local or address, reason)
     elif address is None and (local := running_local_cluster()):
-        logger.info("connecting to the Ray cluster started on this machine at %s", local)
-        ray.init()  # Ray's own lookup (and its local credentials), now known not to be stale
+        reason = f"from {_address_file()}, the cluster last started on this machine"
+        reason += match_authentication(local)
+        _init_or_explain(None, local, reason)  # Ray's own lookup (and its local token), now known not to be stale
     else:
-        logger.info("starting a local Ray cluster for the pool (no running cluster found: `ray start --head` starts one)")
+        if address == "local":
+            reason = "a new local cluster for this process (address='local')"
+        else:
+            reason = "a new local cluster for this process: none runs here (`ray start --head` starts one)"
+        logger.info("starting %s", reason)  # a few seconds
         ray.init(address="local")
-    return True
+    _last_joined = JoinedCluster(ray.get_runtime_context().gcs_address, reason, connected_here=True)
+    logger.info("%s", _last_joined)
+    return _last_joined
+
+
+def _init_or_explain(init_address: str | None, cluster_address: str, reason: str) -> None:
+    """`ray.init(address=init_address)`, whose failure to connect names the cluster and why it
+    was the one chosen."""
+    try:
+        ray.init(address=init_address)
+    except ConnectionError as error:
+        lines = str(error).strip().splitlines()
+        raise ConnectionError(
+            f"could not join the Ray cluster at {cluster_address} ({reason}): "
+            f"{lines[0] if lines else type(error).__name__}"
+        ) from error
+
+
+def _address_file_owner() -> int | None:
+    """The uid that owns the address file `ray start` wrote; None where it cannot be read."""
+    try:
+        return os.stat(_address_file()).st_uid
+    except OSError:
+        return None
+
+
+def _address_file() -> str:
+    """The file where `ray start` writes its cluster's address (/tmp/ray/ray_current_cluster)."""
+    try:
+        from ray._common.utils import get_ray_address_file
+
+        return get_ray_address_file(None)
+    except Exception:  # noqa: BLE001 - Ray's private helper moved: name the usual place
+        return "/tmp/ray/ray_current_cluster"
 
 
 def running_local_cluster() -> str | None:
@@ -64,6 +149,14 @@ def running_local_cluster() -> str | None:
         return None
     port = address.rsplit(":", 1)[-1]
     if any(str(candidate).rsplit(":", 1)[-1] == port for candidate in running):
+        owner = _address_file_owner()
+        if owner is not None and owner != os.getuid():
+            # /tmp/ray is every user's: another user's cluster is not this one's to join by default
+            logger.warning(
+                "Ray's address file (%s) names %s, a cluster another user (uid %d) started: it is ignored; "
+                "pass address= (--address) or set RAY_ADDRESS to join it", _address_file(), address, owner,
+            )
+            return None
         return address
     logger.warning("Ray's address file names %s, but no Ray cluster runs there: it is ignored", address)
     return None

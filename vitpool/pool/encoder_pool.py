@@ -30,14 +30,14 @@ import ray
 
 from vitpool.codec import decode_request, encode_results
 from vitpool.errors import ConfigError, InvalidItemError, PoolUnavailableError, counted
-from vitpool.items import Embedding, Item
+from vitpool.items import Embedding, Item, check_item_list
 from vitpool.packing import Budget
 from vitpool.pool.calls import Call, PartResults, QueuedItem
 from vitpool.pool.controller import Membership
 from vitpool.pool.dispatcher import Dispatcher
 from vitpool.pool.embedding_cache import CacheAnswer, CacheClient
 from vitpool.pool.item_checks import checked_items, each_checked
-from vitpool.pool.launcher import find_pool, launch_pool, scale_pool, stop_controller
+from vitpool.pool.launcher import find_pool, launch_pool, progress_on_stderr, scale_pool, stop_controller
 from vitpool.pool.membership import MembershipWatcher
 from vitpool.pool.metrics import CallerMetrics
 from vitpool.pool.rank_delivery import RDT_TRANSPORTS, RankDelivery, choose_transport
@@ -116,6 +116,7 @@ class EncoderPool:
         address: str | None = None,
         actor_options: dict[str, Any] | None = None,
         placement_group: Any = None,
+        progress: bool = True,
         **settings: Any,
     ) -> EncoderPool:
         """Start a pool: a named controller and `num_actors` encoder actors, each ready only once
@@ -127,14 +128,20 @@ class EncoderPool:
                 a cluster without GPUs.
             budgets: token budgets each actor captures; None for its device's defaults.
             name: the pool's name, for `EncoderPool.connect(name)` from any process.
-            address: a Ray cluster to join (else RAY_ADDRESS; else a local cluster is started,
-                owned by the pool and stopped by `shutdown`).
+            address: a Ray cluster to join (else RAY_ADDRESS; else the cluster `ray start` last
+                started on this machine, while it runs; else a local cluster is started, owned by
+                the pool and stopped by `shutdown`). The cluster joined, and why that one, is
+                logged. A cluster on this machine that uses token authentication is joined with
+                this machine's token; one elsewhere needs RAY_AUTH_MODE=token and its token.
             actor_options: Ray options for each encoder actor, over the defaults
                 {"num_gpus": 1, "num_cpus": 1}; e.g. {"num_gpus": 0.5} shares a GPU.
             placement_group: colocate with an existing placement group (say, a tensor-parallel
                 LLM's): one encoder actor in each of its GPU bundles (`num_actors` defaults to
                 their number), on the share of the bundle's GPU that `actor_options["num_gpus"]`
                 sets (required; the bundle must have it free). `num_cpus` defaults to 0 here.
+            progress: show the start-up's progress (the cluster joined, each actor ready) on
+                stderr where this process has not set up logging; False: quiet. Logging the
+                caller configured is used as it is either way.
             **settings: any field of `vitpool.pool.settings.PoolSettings` (dtype, batch_window_s,
                 max_batches_in_flight_per_actor, max_items_per_batch, ...); `detached=True` for a
                 pool that outlives this process (a service: stopped by any handle's `shutdown()`).
@@ -146,13 +153,17 @@ class EncoderPool:
                 path), has no readable config.json, or is of a family vitpool does not serve
                 (checked here, before any actor starts); or an actor's own CheckpointError as it
                 loaded the weights.
-            VitpoolError: an actor failed to start for another reason (its one line; the full
-                error is the cause). Whatever the error, nothing the launch started is left behind.
+            VitpoolError: an actor failed to start for another reason, or the pool's controller
+                died as it started (its one line and the Ray cluster it was in; the full error is
+                the cause). Whatever the error, nothing the launch started is left behind.
+            ConnectionError: the Ray cluster could not be joined, e.g. it uses token
+                authentication and this process sends no token (the message says what to set).
         """
         pool_settings = PoolSettings(model=model, budgets=budgets, **settings)
-        controller, owns_ray, membership = launch_pool(
-            pool_settings, num_actors, name, address, actor_options, placement_group
-        )
+        with progress_on_stderr(progress):
+            controller, owns_ray, membership = launch_pool(
+                pool_settings, num_actors, name, address, actor_options, placement_group
+            )
         return cls(name, controller, owns_pool=True, owns_ray=owns_ray, membership=membership)
 
     @classmethod
@@ -163,7 +174,8 @@ class EncoderPool:
 
         Raises:
             PoolUnavailableError: no pool of this name runs (or none of its actors is ready
-                within `timeout_s`).
+                within `timeout_s`); the message names the Ray cluster looked in and why that one.
+            ConnectionError: the Ray cluster could not be joined (as for `launch`).
         """
         controller, owns_ray, membership = find_pool(name, address, timeout_s)
         return cls(name, controller, owns_pool=False, owns_ray=owns_ray, membership=membership)
@@ -716,8 +728,7 @@ def _dtype_name(membership: Membership) -> str:
 
 def _checked_list(items: Any) -> bool:
     """Whether there is anything to encode; TypeError for something that is not a list of items."""
-    if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
-        raise TypeError(f"items must be a list of vitpool.Image / vitpool.Video; got {type(items).__name__}")
+    check_item_list(items)
     return len(items) > 0
 
 

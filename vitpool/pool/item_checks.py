@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from vitpool.errors import InvalidItemError
-from vitpool.items import Prepared, prepare_item
+from vitpool.items import Prepared, check_token_bound, prepare_item
 from vitpool.pool.item_queue import oversized_item_reason
 from vitpool.specs import ItemRules
 
@@ -25,14 +25,7 @@ def checked_item(
             the bound and how to raise it).
     """
     prepared = prepare_item(index, item, rules)
-    if max_item_tokens is not None and prepared.num_tokens > max_item_tokens:
-        num_rows = sum(part.spec.num_rows for part in prepared.parts)
-        raise InvalidItemError(
-            index,
-            f"{prepared.num_tokens} output tokens ({num_rows} pixel rows) is over this pool's bound, "
-            f"max_item_tokens={max_item_tokens}: resize it as the model's processor does (its max_pixels), "
-            "or launch the pool with a larger max_item_tokens (None: no bound)",
-        )
+    check_token_bound(index, prepared, max_item_tokens, "pool", "launch the pool")
     reason = (
         None if max_queued_bytes is None else oversized_item_reason(prepared.nbytes, max_queued_bytes)
     )

@@ -6,10 +6,13 @@ starts; an actor's own start error is raised as its own type (`start_errors`).""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
+import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import ray
@@ -18,6 +21,7 @@ from vitpool.actors.reports import ActorInfo
 from vitpool.errors import ConfigError, PoolUnavailableError, VitpoolError, counted
 from vitpool.pool.cluster import (
     ON_HEAD_NODE,
+    JoinedCluster,
     check_bundles,
     check_capacity,
     cluster_gpus,
@@ -35,12 +39,35 @@ from vitpool.pool.preflight import (
     family_modules_for_actors,
 )
 from vitpool.pool.settings import PoolSettings
-from vitpool.pool.start_errors import one_line, start_error, start_failure
+from vitpool.pool.start_errors import died_at_start, one_line, start_error, start_failure
 
 logger = logging.getLogger(__name__)
 
 PROGRESS_EVERY_S = 15.0
+PROGRESS_FORMAT = "vitpool: %(message)s"  # as the command line shows it
 CONTROLLER_CONCURRENCY = 32  # scaling, failure reports, stats; long polls have their own group
+
+
+@contextlib.contextmanager
+def progress_on_stderr(enabled: bool) -> Iterator[None]:
+    """vitpool's INFO lines (the cluster joined, actors starting and ready) on stderr for the
+    duration, where the caller has not set up logging: a start-up takes tens of seconds, and
+    without a handler Python shows nothing below WARNING. Logging the caller configured (a
+    handler on "vitpool" or the root logger, or a level set on "vitpool") is left alone, as
+    `enabled=False` leaves everything."""
+    library = logging.getLogger("vitpool")
+    if not enabled or library.handlers or logging.getLogger().handlers or library.level != logging.NOTSET:
+        yield
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(PROGRESS_FORMAT))
+    library.addHandler(handler)
+    library.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        library.removeHandler(handler)
+        library.setLevel(logging.NOTSET)
 
 
 def launch_pool(
@@ -69,16 +96,15 @@ def launch_pool(
         if num_actors is not None and not low <= num_actors <= high:
             raise ConfigError(f"num_actors={num_actors} is outside autoscale={settings.autoscale}")
         num_actors = low if num_actors is None else num_actors
-    joins_a_cluster = address not in (None, "local") or (
-        address is None and bool(os.environ.get("RAY_ADDRESS") or running_local_cluster())
-    )
+    joins_a_cluster = _joins_a_cluster(address)
     if settings.detached and not ray.is_initialized() and not joins_a_cluster:
         raise ConfigError(
             "a detached pool outlives this process, so it needs a Ray cluster that does: start one with "
             "`ray start --head` (launch and `vitpool serve` then join it), or pass address=..."
         )
     settings = dataclasses.replace(settings, model=checked_model_directory(settings.model, joins_a_cluster))
-    owns_ray = join_ray(address)
+    joined = join_ray(address)
+    owns_ray = joined.connected_here
     controller = None
     try:
         placement = None
@@ -109,8 +135,8 @@ def launch_pool(
         except ValueError as error:  # Ray: the name is taken
             controller = None
             raise ConfigError(
-                f"a pool named {name!r} is already running ({error}); connect to it with "
-                f"EncoderPool.connect({name!r}) or launch with another name"
+                f"a pool named {name!r} is already running in the {joined} ({error}); connect to it "
+                f"with EncoderPool.connect({name!r}) or launch with another name"
             ) from None
         logger.info(
             "launching %spool %r: %s (%s), model %s",
@@ -120,34 +146,55 @@ def launch_pool(
         started, _ = ray.get(controller.scale.remote(num_actors))
         failures = await_started(controller, started, settings.startup_timeout_s)
         if failures:
-            raise start_failure(failures, num_actors)
+            raise start_failure(failures, num_actors, str(joined), _elsewhere(joined, "launch in"))
         if settings.autoscale is not None:
             ray.get(controller.start_autoscaling.remote())
         return controller, owns_ray, ray.get(controller.membership.remote())
-    except BaseException:
+    except BaseException as error:
         if controller is not None:
             stop_controller(controller)
         if owns_ray:
             ray.shutdown()
+        if isinstance(error, ray.exceptions.RayActorError):
+            # The controller died, or never started: Ray's error names neither the cluster nor why
+            # this one, and a cluster joined by mistake is a usual reason.
+            raise died_at_start("the pool's controller", error, str(joined), _elsewhere(joined, "launch in")) from error
         raise
+
+
+def _joins_a_cluster(address: str | None) -> bool:
+    """Whether a pool launched (or looked for) with `address` runs in a cluster that outlives this
+    process, which may have other nodes: what `join_ray` would join, or, where this process is
+    connected already, a cluster of more than this node. "local" (as the argument or RAY_ADDRESS)
+    asks for a private cluster."""
+    if ray.is_initialized():
+        return sum(1 for node in ray.nodes() if node.get("Alive")) > 1
+    target = address or os.environ.get("RAY_ADDRESS") or None
+    if target is not None:
+        return target != "local"
+    return running_local_cluster() is not None
 
 
 def find_pool(name: str, address: str | None, timeout_s: float) -> tuple[Any, bool, Membership]:
     """A running pool's controller, whether this joined Ray, and its membership once an actor is
     ready. Raises PoolUnavailableError when there is no such pool or no ready actor in time, or
-    no cluster to look in (a private one started here could hold no pool)."""
-    if not ray.is_initialized() and not address and not os.environ.get("RAY_ADDRESS") and not running_local_cluster():
+    no cluster to look in (a private one started here could hold no pool); each message names
+    the cluster looked in and why that one."""
+    if not ray.is_initialized() and not _joins_a_cluster(address):
         raise PoolUnavailableError(
-            f"no pool named {name!r}: no Ray cluster runs on this machine to look in; pass address= (or set "
-            "RAY_ADDRESS) for a cluster elsewhere"
+            f"no pool named {name!r}: no Ray cluster runs on this machine to look in (no RAY_ADDRESS, and "
+            "`ray start` left no running cluster's address); pass address= (--address) or set RAY_ADDRESS "
+            "for a cluster elsewhere"
         )
-    owns_ray = join_ray(address)
+    joined = join_ray(address)
+    owns_ray = joined.connected_here
     try:
         try:
             controller = ray.get_actor(name, namespace=NAMESPACE)
         except ValueError:
             raise PoolUnavailableError(
-                f"no pool named {name!r} runs in this Ray cluster; start one with EncoderPool.launch or `vitpool serve`"
+                f"no pool named {name!r} in the {joined}; {_elsewhere(joined, 'look in')}, or start "
+                "one with EncoderPool.launch or `vitpool serve`"
             ) from None
         deadline = time.monotonic() + timeout_s
         membership = ray.get(controller.membership.remote(), timeout=timeout_s)
@@ -231,3 +278,10 @@ def stop_controller(controller: Any) -> None:
     except ray.exceptions.RayError:
         pass
     ray.kill(controller, no_restart=True)
+
+
+def _elsewhere(joined: JoinedCluster, verb: str) -> str:
+    """Where a pool was looked for (or launched), and how to choose another cluster."""
+    if joined.connected_here:
+        return f"pass address= (--address) or set RAY_ADDRESS to {verb} another"
+    return f"this process was already connected to it: call ray.shutdown() first to {verb} another"

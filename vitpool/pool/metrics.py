@@ -17,21 +17,26 @@ installed), named `ray_vitpool_...`, with Ray's own labels and these:
 | `vitpool_actors` | gauge | pool | encoder actors taking work |
 | `vitpool_actor_failures`, `vitpool_actor_restarts` | counter | pool | dead or silent actors; replacements |
 | `vitpool_actor_busy_fraction` | gauge | pool, actor | share of the last interval with a batch running |
-| `vitpool_actor_graph_hit_rate` | gauge | pool, actor | share of items that ran in a captured graph |
+| `vitpool_actor_graph_hit_rate` | gauge | pool, actor | share of items run in a captured graph (GPU actors) |
 | `vitpool_actor_padding_waste` | gauge | pool, actor | share of budgeted rows that were padding |
 | `vitpool_actor_items` | counter | pool, actor | items the actor encoded |
 
 Nothing is recorded on a call's path: a thread of each handle (`CallerMetrics`) reads its
 dispatcher's counters every `metrics_interval_s`, and one of the controller (`PoolMetrics`) reads
 the actors' stats as often. A counter goes up by what its source counted since the last reading.
+A handle reads its counters once more when it is closed, or when its process exits without closing
+it (Ray exports what was recorded as the process leaves), so a short-lived caller's calls count too.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 from collections.abc import Callable
 from typing import Any
+
+from vitpool.actors.reports import ActorStats
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +50,9 @@ CALLER_COUNTERS = {
     "requeued_items": "items sent again after their actor died, left or went silent",
     "failed_batches": "batches whose actor died, timed out or failed them",
 }
+# How long a process's exit waits for a handle's last reading: it reads local counters into Ray's
+# local recorder, which takes milliseconds; the bound only keeps a stuck reading from holding the exit.
+EXIT_RECORD_TIMEOUT_S = 2.0
 
 
 class Periodic:
@@ -72,9 +80,10 @@ class Periodic:
             logger.log(level, "%s: a periodic reading failed", self._thread.name, exc_info=True)
             self._failed_before = True
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop, after the last reading where there is one (waiting at most `timeout_s` for it)."""
         self._closed.set()
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=timeout_s)
 
 
 class CallerMetrics:
@@ -104,6 +113,10 @@ class CallerMetrics:
         self._seen = dict.fromkeys(CALLER_COUNTERS, 0)
         self._seen_completed = 0
         self._every = Periodic("vitpool-metrics", interval_s, self._record)
+        # The reading thread is a daemon (it must not keep the process alive), so it dies unheard at
+        # exit: a caller that ends within one interval without closing its handle would report none
+        # of its calls. Registered after `import ray`, this runs before Ray's own exit handler.
+        atexit.register(self._record_at_exit)
 
     def _record(self) -> None:
         counters = self._dispatcher.counters
@@ -122,7 +135,15 @@ class CallerMetrics:
 
     def close(self) -> None:
         """Record what was counted since the last reading, and stop."""
+        atexit.unregister(self._record_at_exit)
         self._every.close()
+
+    def _record_at_exit(self) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            return  # this process left Ray: a reading would go nowhere
+        self._every.close(timeout_s=EXIT_RECORD_TIMEOUT_S)
 
 
 class PoolMetrics:
@@ -181,7 +202,8 @@ class PoolMetrics:
             uptime, busy, items = self._seen_actor.get(index, (0.0, 0.0, 0))
             if stats.uptime_seconds > uptime:
                 self._busy.set(min(1.0, (stats.busy_seconds - busy) / (stats.uptime_seconds - uptime)), tags=actor_tags)
-            self._hit_rate.set(stats.graph_hit_rate, tags=actor_tags)
+            if runs_graphs(stats):
+                self._hit_rate.set(stats.graph_hit_rate, tags=actor_tags)
             self._padding.set(stats.padding_waste, tags=actor_tags)
             if stats.items > items:
                 self._items.inc(stats.items - items, tags=actor_tags)
@@ -189,3 +211,10 @@ class PoolMetrics:
 
     def close(self) -> None:
         self._every.close()
+
+
+def runs_graphs(stats: ActorStats) -> bool:
+    """Whether an actor's graph hit rate means something: a CPU actor runs its static forward
+    without capture (`PoolStats.summary` shows "-" for it), and an actor that has encoded nothing
+    has no rate yet. Either exports no value rather than a misleading 0.0."""
+    return not stats.device.startswith("cpu") and stats.graph_items + stats.eager_items > 0

@@ -10,20 +10,23 @@ from typing import Any
 from vitpool.errors import ConfigError
 from vitpool.packing import make_budgets
 from vitpool.pool.autoscaler import checked_bounds
-from vitpool.specs import ATTENTION_CHOICES, PRECISION_CHOICES, ActorSpec, EncoderSpec
+from vitpool.specs import (
+    ATTENTION_CHOICES,
+    DEFAULT_MAX_ITEM_TOKENS,
+    PRECISION_CHOICES,
+    ActorSpec,
+    EncoderSpec,
+)
 
 _DTYPES = ("bfloat16", "float16", "float32")
 
-# The default bound on one item's output tokens: the most any supported family's released
-# processor settings give one image. Qwen2-VL / Qwen2.5-VL (max_pixels 16384·28·28) and Qwen3-VL /
-# Qwen3.5 (longest_edge 16384·32·32) resize an image to at most 65 536 patches, 16 384 tokens;
-# GLM-4.1V's processor stops at 15 000, Qwen3-VL's videos at 12 288, Kimi-K2.5's images at 4 096,
-# PaddleOCR-VL's at about 3 000. So no image a processor made is refused, while an item built
-# by mistake (a raw frame, a grid off by a factor) is refused in the caller instead of holding an
-# actor for minutes or exhausting its memory (an item 100x the largest default budget, 102 400
-# tokens, failed in the actor's allocator in bf16). Longer videos (Qwen2-VL-style total pixel
-# budgets) can pass it: raise the bound, or set None.
-DEFAULT_MAX_ITEM_TOKENS = 16384
+# The largest token budget a pool captures. Each actor allocates every budget's static buffers
+# before it takes work (pixel rows alone: budget x merge² rows of C·T·P·P values, 24 KiB a token in
+# float32 for Qwen3-VL), so a mistyped budget fails only inside the actor, after its start: 5 000 000
+# tokens asked 122 GB after 14.7 s. 65 536 tokens is 4x the largest item a processor makes
+# (DEFAULT_MAX_ITEM_TOKENS) and 64x the largest default GPU budget (GRAPH_MAX_TOKENS); graphs stop
+# paying long before (a larger item runs eager at its own rows), so no useful budget is refused.
+MAX_BUDGET_TOKENS = 4 * DEFAULT_MAX_ITEM_TOKENS
 LOCAL_CACHE_BYTES = 256 << 20  # each handle's own tier of the embedding cache, by default
 
 
@@ -33,7 +36,8 @@ class PoolSettings:
 
     Attributes:
         model: local checkpoint directory; None for the tiny model shipped with vitpool.
-        budgets: token budgets each actor captures; None for the defaults of its device.
+        budgets: token budgets each actor captures; None for the defaults of its device. At most
+            MAX_BUDGET_TOKENS (65536) tokens each.
         max_items_per_batch, max_frames_per_batch, capacity_limits, attention, fused_ops,
             compiled_blocks, compile_cache_dir, precision: as for `GraphEncoder` (the cache
             directory is on each actor's node).
@@ -178,6 +182,11 @@ class PoolSettings:
             make_budgets(self.budgets or [64], self.max_items_per_batch, self.max_frames_per_batch)
         except ValueError as error:
             raise ConfigError(str(error)) from None
+        if self.budgets is not None and max(self.budgets) > MAX_BUDGET_TOKENS:
+            raise ConfigError(
+                f"budgets: {max(self.budgets)} tokens is above the largest budget a pool captures "
+                f"({MAX_BUDGET_TOKENS} tokens, MAX_BUDGET_TOKENS); budgets count output tokens, not patches"
+            )
         if self.dtype is not None:
             name = str(self.dtype).removeprefix("torch.")
             if name not in _DTYPES:

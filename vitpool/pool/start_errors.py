@@ -26,11 +26,15 @@ def one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 
-def start_failure(failures: list[tuple[int, BaseException]], num_started: int) -> BaseException:
+def start_failure(
+    failures: list[tuple[int, BaseException]], num_started: int, cluster: str = "", hint: str = ""
+) -> BaseException:
     """What to raise for the actors of one launch or scale that failed to start (`failures`:
     index and `start_error`, at least one). vitpool's own errors (a bad setting or checkpoint:
     every actor meets the same) are raised as they are, with a note naming the actor; any other
-    becomes a VitpoolError carrying its one line (the full error is its cause)."""
+    (the actor's process died, it was never placed) becomes a VitpoolError carrying its one line
+    (the full error is its cause), and, where given, the Ray `cluster` it was started in and a
+    `hint` on choosing another."""
     index, error = failures[0]
     if num_started == 1:
         what = f"encoder actor {index} failed to start"
@@ -39,6 +43,20 @@ def start_failure(failures: list[tuple[int, BaseException]], num_started: int) -
     if isinstance(error, VitpoolError):
         error.add_note(what)
         return error
-    failure = VitpoolError(f"{what}: {one_line(error)}")
+    line = one_line(error)
+    if cluster:
+        what = f"{what} in the {cluster}"
+    if hint:
+        line = f"{line.rstrip('.')}; {hint}"
+    failure = VitpoolError(f"{what}: {line}")
     failure.__cause__ = error
     return failure
+
+
+def died_at_start(what: str, error: BaseException, cluster: str, hint: str) -> VitpoolError:
+    """What to raise for an actor that died, or never started, while a pool started (Ray's
+    ActorDiedError: several lines that name neither the cluster nor why it was the one joined).
+    The caller chains `error` as the cause."""
+    return VitpoolError(
+        f"{what} died before the pool was ready, in the {cluster}: {one_line(error).rstrip('.')}; {hint}"
+    )

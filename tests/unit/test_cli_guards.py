@@ -1,0 +1,289 @@
+"""The command line's checks and small commands without a Ray cluster: `--budgets` refused before
+anything starts, `--cpus-per-actor` and the flags named in actor-option errors, `--version`,
+`list` (over a faked cluster), `stop` printing its result once, and help text on every flag."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import logging
+
+import pytest
+import ray
+
+import vitpool
+from vitpool import cli
+from vitpool.errors import ConfigError
+from vitpool.pool import EncoderPool, cluster
+from vitpool.pool.controller import NAMESPACE, Membership
+from vitpool.pool.settings import MAX_BUDGET_TOKENS, PoolSettings
+
+
+class LaunchRecorder:
+    """Stands in for EncoderPool.launch: records its keyword arguments, starts nothing."""
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self.calls: list[dict] = []
+        self.error = error
+
+    def __call__(self, **kwargs):
+        self.calls.append(kwargs)
+        if self.error is not None:
+            raise self.error
+        return FakePool(num_actors=kwargs["num_actors"] or 1)
+
+
+class FakePool:
+    def __init__(self, num_actors: int = 1, detached: bool = True) -> None:
+        self.num_actors = num_actors
+        self.settings = PoolSettings(detached=detached)
+        self.closed = self.shut_down = False
+
+    def close(self) -> None:
+        self.closed = True
+
+    def shutdown(self) -> None:
+        # as EncoderPool._shutdown does once the controller is stopped
+        logging.getLogger("vitpool.pool.encoder_pool").info("pool %r stopped", "svc")
+        self.shut_down = True
+
+
+@pytest.fixture(autouse=True)
+def restore_vitpool_logger():
+    """main() sets the library logger's level and handler; leave it as found for other tests."""
+    library = logging.getLogger("vitpool")
+    level, handlers = library.level, list(library.handlers)
+    yield
+    library.setLevel(level)
+    library.handlers[:] = handlers
+
+
+# ---- --budgets --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("budgets", "wanted"),
+    [
+        ("abc", "'abc' is not a whole number"),  # was a bare "invalid literal for int()"
+        ("64,abc", "'abc' is not a whole number"),  # the wrong one among good ones
+        ("64,", "'' is not a whole number"),  # a trailing comma
+        ("3,5000000", f"5000000 is above the largest budget a pool captures ({MAX_BUDGET_TOKENS} tokens)"),
+        (f"{MAX_BUDGET_TOKENS + 1}", f"({MAX_BUDGET_TOKENS} tokens)"),  # one past the bound
+        ("0,64", "0: budgets are positive"),
+        ("-16", "-16: budgets are positive"),
+    ],
+)
+def test_bad_budgets_are_refused_naming_the_flag_before_any_launch(budgets, wanted, monkeypatch, capsys):
+    launch = LaunchRecorder()
+    monkeypatch.setattr(EncoderPool, "launch", launch)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["serve", "--device", "cpu", "--budgets", budgets])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("vitpool serve: error: argument --budgets: ") and wanted in error, error
+    assert launch.calls == []  # refused before any actor (or Ray) starts
+
+
+def test_good_budgets_reach_the_launch_as_integers(monkeypatch, capsys):
+    launch = LaunchRecorder()
+    monkeypatch.setattr(EncoderPool, "launch", launch)
+    assert cli.main(["serve", "--device", "cpu", "--budgets", f"16, 64,{MAX_BUDGET_TOKENS}", "--quiet"]) == 0
+    assert launch.calls[0]["budgets"] == [16, 64, MAX_BUDGET_TOKENS]
+    assert "serving with 1 encoder actor" in capsys.readouterr().out
+
+
+def test_pool_settings_refuse_an_absurd_budget_too():
+    # the library's own guard, for callers of EncoderPool.launch that never pass through the CLI
+    with pytest.raises(ConfigError, match=rf"budgets: 5000000 tokens is above .*\({MAX_BUDGET_TOKENS} tokens"):
+        PoolSettings(budgets=[3, 5_000_000])
+    assert PoolSettings(budgets=[16, MAX_BUDGET_TOKENS]).budgets == (16, MAX_BUDGET_TOKENS)
+
+
+# ---- actor options ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("flags", "options"),
+    [
+        ([], None),  # the pool's defaults: a GPU each where the cluster has some, one CPU
+        (["--device", "cpu"], {"num_gpus": 0}),
+        (["--cpus-per-actor", "0.5"], {"num_cpus": 0.5}),
+        (["--device", "cpu", "--cpus-per-actor", "0.5"], {"num_gpus": 0, "num_cpus": 0.5}),
+        (["--gpus-per-actor", "0.5", "--cpus-per-actor", "2"], {"num_gpus": 0.5, "num_cpus": 2.0}),
+        (["--device", "cpu", "--gpus-per-actor", "1"], {"num_gpus": 1.0}),  # an explicit share wins
+    ],
+)
+def test_serve_flags_become_actor_options(flags, options, monkeypatch):
+    launch = LaunchRecorder()
+    monkeypatch.setattr(EncoderPool, "launch", launch)
+    assert cli.main(["serve", "--num-actors", "4", "--quiet", *flags]) == 0
+    assert launch.calls[0]["actor_options"] == options
+    assert launch.calls[0]["num_actors"] == 4
+
+
+@pytest.mark.parametrize("value", ["-1", "abc", "nan", "inf"])
+def test_a_share_per_actor_must_be_a_number_of_at_least_zero(value, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--cpus-per-actor", value])
+    assert "argument --cpus-per-actor: " in capsys.readouterr().err
+
+
+def test_four_cpu_actors_on_two_cpus_are_told_the_flag_that_fits_them(monkeypatch, capsys):
+    # the library's own refusal, as on a 2-core machine: it names actor_options, which the CLI cannot pass
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
+    with pytest.raises(ConfigError) as refusal:
+        cluster.check_capacity({"num_gpus": 0, "num_cpus": 1}, 4)
+    monkeypatch.setattr(EncoderPool, "launch", LaunchRecorder(error=refusal.value))
+    assert cli.main(["serve", "--device", "cpu", "--num-actors", "4", "--quiet"]) == 1
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("vitpool serve: error: ConfigError: 4 encoder actors with num_cpus=1")
+    assert "actor_options={'num_cpus': ...}" in error and error.endswith("(vitpool serve: --cpus-per-actor)")
+
+
+@pytest.mark.parametrize(
+    ("message", "wanted"),
+    [
+        # the no-GPU refusal: both of the flags that do what it asks
+        ("leave num_gpus out of actor_options (or set it to 0) and launch with device='cpu'",
+         "(vitpool serve: --gpus-per-actor, --device cpu)"),
+        # no actor_options named: nothing added (this one is about the precision, not a flag to set)
+        ("precision 'fp8' needs GPU actors (FP8 tensor cores), not device='cpu'", ""),
+        # the flag already named by the library: not said twice
+        ("a fractional share (actor_options={'num_cpus': ...}, --cpus-per-actor)", ""),
+    ],
+)
+def test_actor_option_errors_name_the_serve_flags_once(message, wanted):
+    assert cli.with_serve_flags(message) == f"{message} {wanted}".strip()
+
+
+def test_other_commands_get_no_serve_flags(monkeypatch, capsys):
+    # `scale` keeps the options the pool was served with: no flag of its own would help
+    def refuse(name, address):
+        raise ConfigError("2 encoder actors with num_cpus=1 need 2 CPUs; (actor_options={'num_cpus': ...})")
+
+    monkeypatch.setattr(EncoderPool, "connect", refuse)
+    assert cli.main(["scale", "2", "--quiet"]) == 1
+    assert "--cpus-per-actor" not in capsys.readouterr().err
+
+
+# ---- --version, list, stop, help ----------------------------------------------------------------
+
+
+def test_version_prints_the_installed_version(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"vitpool {importlib.metadata.version('vitpool')}"
+
+
+def test_version_falls_back_to_the_package_from_a_source_tree(monkeypatch):
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    assert cli.version() == vitpool.__version__
+
+
+def test_list_without_a_cluster_says_no_pools_and_starts_none(monkeypatch, capsys):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(cli, "running_local_cluster", lambda: None)
+    monkeypatch.setattr(cli, "join_ray", lambda address: pytest.fail("list joined (or started) Ray"))
+    assert cli.main(["list", "--quiet"]) == 0
+    assert capsys.readouterr().out.startswith("no pools: no Ray cluster runs on this machine")
+
+
+class FakeMethod:
+    def __init__(self, result) -> None:
+        self.result = result
+
+    def remote(self):
+        return self.result
+
+
+class FakeController:
+    def __init__(self, membership) -> None:
+        self.membership = FakeMethod(membership)
+
+
+class FakeEncoderActor:
+    """An encoder actor (or standby) named in vitpool's namespace: it has no `membership`."""
+
+
+def fake_cluster(monkeypatch, named: dict[tuple[str, str], object]) -> None:
+    """A running cluster whose named actors are `named` ((namespace, name) -> handle)."""
+    monkeypatch.setattr(cli, "running_local_cluster", lambda: "127.0.0.1:6379")
+    monkeypatch.setattr(cli, "join_ray", lambda address: True)
+    monkeypatch.setattr(
+        ray.util, "list_named_actors",
+        lambda all_namespaces=False: [{"namespace": namespace, "name": name} for namespace, name in named],
+    )
+    monkeypatch.setattr(ray, "get_actor", lambda name, namespace=None: named[(namespace, name)])
+
+    def get(ref, timeout=None):
+        if isinstance(ref, Exception):
+            raise ref
+        return ref
+
+    monkeypatch.setattr(ray, "get", get)
+
+
+def test_list_shows_each_pool_with_its_model_and_actors(monkeypatch, capsys):
+    served = Membership(3, {0: object(), 1: object()}, {}, PoolSettings(model="/models/qwen3-vl-8b", detached=True))
+    owned = Membership(1, {0: object()}, {}, PoolSettings())
+    fake_cluster(monkeypatch, {
+        (NAMESPACE, "svc"): FakeController(served),
+        (NAMESPACE, "svc-encoder-0"): FakeEncoderActor(),  # the pools' actors are not pools
+        (NAMESPACE, "svc-standby-0"): FakeEncoderActor(),
+        (NAMESPACE, "mine"): FakeController(owned),
+        (NAMESPACE, "gone"): FakeController(ray.exceptions.GetTimeoutError("no answer")),
+        ("other-app", "svc2"): FakeController(served),  # another namespace: not vitpool's
+    })
+    assert cli.main(["list", "--quiet"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "| pool | model | actors | detached |",
+        "|---|---|---|---|",
+        f"| gone | ? | controller did not answer in {cli.LIST_TIMEOUT_S:.0f} s | ? |",
+        "| mine | shipped tiny model | 1 | no |",
+        "| svc | /models/qwen3-vl-8b | 2 | yes |",
+    ]
+
+
+def test_list_says_no_pools_in_a_cluster_without_any(monkeypatch, capsys):
+    fake_cluster(monkeypatch, {("other-app", "model-server"): FakeEncoderActor()})
+    assert cli.main(["list", "--quiet"]) == 0
+    assert capsys.readouterr().out.strip() == "no pools"
+
+
+def test_stop_says_stopped_once(monkeypatch, capsys):
+    pool = FakePool()
+    monkeypatch.setattr(EncoderPool, "connect", lambda name, address: pool)
+    assert cli.main(["stop", "--name", "svc"]) == 0  # not quiet: progress lines are on
+    captured = capsys.readouterr()
+    assert pool.shut_down
+    assert captured.out.strip() == "pool 'svc' stopped"
+    assert "stopped" not in captured.err  # was also the library's progress line
+
+
+def test_main_run_twice_in_one_process_shows_each_progress_line_once(monkeypatch, capsys):
+    def connect(name, address):
+        logging.getLogger("vitpool.pool.launcher").info("connecting to %s", name)
+        raise ConfigError("no such pool")
+
+    monkeypatch.setattr(EncoderPool, "connect", connect)
+    cli.main(["status"])
+    capsys.readouterr()
+    cli.main(["status"])
+    assert capsys.readouterr().err.count("connecting to vitpool") == 1
+
+
+def test_every_flag_of_every_command_has_help():
+    parser = cli._parser()
+    commands = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
+    missing = [
+        f"{name} {action.dest}"
+        for name, command in commands.choices.items()
+        for action in command._actions
+        if not action.help
+    ]
+    assert missing == []  # bench's --calls, --warmup, --threads and --seconds had none
+    assert "list" in commands.choices and "--name" not in commands.choices["list"].format_usage()
