@@ -12,7 +12,15 @@ from conftest import relative_error
 from vitpool import GraphEncoder, PoolSettings
 from vitpool.cli import _parser
 from vitpool.errors import ConfigError
-from vitpool.models.fp8 import FP8_DTYPE, FP8_MAX, FP8_WEIGHT, fp8_linear, install_fp8_linears, quantize_rows, use_fp8
+from vitpool.models.fp8 import (
+    FP8_DTYPE,
+    FP8_MAX,
+    FP8_WEIGHT,
+    fp8_linear,
+    install_fp8_linears,
+    quantize_rows,
+    use_fp8,
+)
 
 
 def test_rows_are_quantized_to_the_fp8_range_with_one_scale_each():

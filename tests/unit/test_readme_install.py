@@ -4,8 +4,9 @@ Pillow, which only the `processors` extra installs."""
 from __future__ import annotations
 
 import re
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 
