@@ -26,6 +26,12 @@ def launch(name: str, **settings) -> EncoderPool:
     )
 
 
+def new_actor_items(pool: EncoderPool, pid: int) -> int:
+    """Items the actor in process `pid` (a standby that took over) has encoded; 0 until it is one."""
+    index = next((index for index, process in actor_pids(pool).items() if process == pid), None)
+    return 0 if index is None else next((a.items for a in pool.stats().actors if a.actor_index == index), 0)
+
+
 def ready_standby(pool: EncoderPool) -> tuple[str, int]:
     """The node's standby, once it has imported the engine: (node id, its process id)."""
     wait_for(lambda: ray.get(pool._controller.standbys.remote()), 60, "a standby to start", pool)
@@ -45,6 +51,10 @@ def test_a_killed_actor_is_replaced_by_its_nodes_standby_and_nothing_is_lost(ray
             completed_at_kill = stream.completed
             wait_for(lambda: pool.num_actors == 2 and victim not in actor_pids(pool), 120, "the take-over", pool)
             wait_for(lambda: stream.completed >= completed_at_kill + 40 or stream.failures, 120, "calls after", pool)
+            # the new actor counts in the pool as soon as it is ready, and reaches this process's
+            # dispatcher a moment later (on a loaded machine, after 40 calls): it must take work then
+            wait_for(lambda: new_actor_items(pool, standby_pid) > 0 or stream.failures, 120,
+                     "the new actor to take work", pool)
         stats = pool.stats()
         assert stream.failures == [] and stats.failed_calls == 0, stats.summary()
         assert stats.actor_restarts == 1 and stats.standby_takeovers == 1, stats.summary()
