@@ -24,7 +24,6 @@ import contextlib
 import importlib.metadata
 import logging
 import math
-import os
 import statistics
 import sys
 import time
@@ -36,7 +35,7 @@ import torch
 from vitpool.errors import InvalidItemError, VitpoolError, counted
 from vitpool.items import Image
 from vitpool.pool import EncoderPool
-from vitpool.pool.cluster import join_ray, running_local_cluster
+from vitpool.pool.cluster import join_ray, joins_a_cluster
 from vitpool.pool.controller import NAMESPACE, Membership
 from vitpool.pool.settings import MAX_BUDGET_TOKENS
 from vitpool.specs import PRECISION_CHOICES
@@ -147,7 +146,7 @@ def running_pools(address: str | None) -> list[tuple[str, Membership | None]] | 
     """Each pool of the cluster by name, with its membership (None: its controller did not answer
     in time), sorted by name; None where no cluster runs to look in (as `EncoderPool.connect`
     would find it: a private one started here could hold no pool)."""
-    if not address and not os.environ.get("RAY_ADDRESS") and not running_local_cluster():
+    if not joins_a_cluster(address):
         return None
     join_ray(address)
     # A pool is its named controller in vitpool's namespace; its encoder actors and standbys are

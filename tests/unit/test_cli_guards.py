@@ -186,7 +186,7 @@ def test_version_falls_back_to_the_package_from_a_source_tree(monkeypatch):
 
 def test_list_without_a_cluster_says_no_pools_and_starts_none(monkeypatch, capsys):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    monkeypatch.setattr(cli, "running_local_cluster", lambda: None)
+    monkeypatch.setattr(cluster, "running_local_cluster", lambda: None)
     monkeypatch.setattr(cli, "join_ray", lambda address: pytest.fail("list joined (or started) Ray"))
     assert cli.main(["list", "--quiet"]) == 0
     assert capsys.readouterr().out.startswith("no pools: no Ray cluster runs on this machine")
@@ -211,7 +211,7 @@ class FakeEncoderActor:
 
 def fake_cluster(monkeypatch, named: dict[tuple[str, str], object]) -> None:
     """A running cluster whose named actors are `named` ((namespace, name) -> handle)."""
-    monkeypatch.setattr(cli, "running_local_cluster", lambda: "127.0.0.1:6379")
+    monkeypatch.setattr(cluster, "running_local_cluster", lambda: "127.0.0.1:6379")
     monkeypatch.setattr(cli, "join_ray", lambda address: True)
     monkeypatch.setattr(
         ray.util, "list_named_actors",

@@ -22,22 +22,22 @@ from vitpool.pool import cluster, launcher
     ],
 )
 def test_a_launch_joins_the_cluster_its_address_names(monkeypatch, address, env, local, joins):
-    monkeypatch.setattr(launcher.ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(launcher, "running_local_cluster", lambda: local)
+    monkeypatch.setattr(cluster.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(cluster, "running_local_cluster", lambda: local)
     if env is None:
         monkeypatch.delenv("RAY_ADDRESS", raising=False)
     else:
         monkeypatch.setenv("RAY_ADDRESS", env)
-    assert launcher._joins_a_cluster(address) is joins
+    assert cluster.joins_a_cluster(address) is joins
 
 
 def test_a_process_already_connected_joins_a_cluster_only_of_several_nodes(monkeypatch):
-    monkeypatch.setattr(launcher.ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(cluster.ray, "is_initialized", lambda: True)
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.2:6379")  # the connection, not the variable, decides
-    monkeypatch.setattr(launcher.ray, "nodes", lambda: [{"Alive": True}, {"Alive": False}])
-    assert launcher._joins_a_cluster(None) is False
-    monkeypatch.setattr(launcher.ray, "nodes", lambda: [{"Alive": True}, {"Alive": True}])
-    assert launcher._joins_a_cluster(None) is True
+    monkeypatch.setattr(cluster.ray, "nodes", lambda: [{"Alive": True}, {"Alive": False}])
+    assert cluster.joins_a_cluster(None) is False
+    monkeypatch.setattr(cluster.ray, "nodes", lambda: [{"Alive": True}, {"Alive": True}])
+    assert cluster.joins_a_cluster(None) is True
 
 
 def test_another_users_address_file_is_not_followed(monkeypatch, caplog):

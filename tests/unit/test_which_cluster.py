@@ -137,9 +137,8 @@ def test_a_controller_that_dies_as_the_pool_starts_is_one_error_naming_the_clust
     died = ray.exceptions.ActorDiedError()  # "The actor died unexpectedly before finishing this task."
     stopped, shutdowns = [], []
     monkeypatch.setattr(launcher, "join_ray", lambda address: FROM_THE_FILE)
-    monkeypatch.setattr(launcher, "running_local_cluster", lambda: GCS)
     monkeypatch.setattr(launcher, "checked_model_directory", lambda model, joins: model)
-    monkeypatch.setattr(launcher, "_joins_a_cluster", lambda address: True)
+    monkeypatch.setattr(launcher, "joins_a_cluster", lambda address: True)
     monkeypatch.setattr(launcher, "cluster_gpus", lambda: 0.0)
     monkeypatch.setattr(launcher, "check_capacity", lambda options, num_actors: None)
     monkeypatch.setattr(launcher, "check_device", lambda device, options, gpus: None)

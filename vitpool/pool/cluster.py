@@ -103,6 +103,19 @@ def join_ray(address: str | None) -> JoinedCluster:
     return _last_joined
 
 
+def joins_a_cluster(address: str | None) -> bool:
+    """Whether a pool launched (or looked for) with `address` runs in a cluster that outlives this
+    process, which may have other nodes: what `join_ray` would join, or, where this process is
+    connected already, a cluster of more than this node. "local" (as the argument or RAY_ADDRESS)
+    asks for a private cluster."""
+    if ray.is_initialized():
+        return sum(1 for node in ray.nodes() if node.get("Alive")) > 1
+    target = address or os.environ.get("RAY_ADDRESS") or None
+    if target is not None:
+        return target != "local"
+    return running_local_cluster() is not None
+
+
 def _init_or_explain(init_address: str | None, cluster_address: str, reason: str) -> None:
     """`ray.init(address=init_address)`, whose failure to connect names the cluster and why it
     was the one chosen."""

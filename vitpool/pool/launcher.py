@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
 import sys
 import time
 from collections.abc import Iterator
@@ -29,7 +28,7 @@ from vitpool.pool.cluster import (
     default_threads,
     free_resources,
     join_ray,
-    running_local_cluster,
+    joins_a_cluster,
 )
 from vitpool.pool.controller import MAX_WATCHING_HANDLES, NAMESPACE, WATCH_GROUP, Membership, PoolController
 from vitpool.pool.preflight import (
@@ -96,13 +95,13 @@ def launch_pool(
         if num_actors is not None and not low <= num_actors <= high:
             raise ConfigError(f"num_actors={num_actors} is outside autoscale={settings.autoscale}")
         num_actors = low if num_actors is None else num_actors
-    joins_a_cluster = _joins_a_cluster(address)
-    if settings.detached and not ray.is_initialized() and not joins_a_cluster:
+    in_a_cluster = joins_a_cluster(address)
+    if settings.detached and not ray.is_initialized() and not in_a_cluster:
         raise ConfigError(
             "a detached pool outlives this process, so it needs a Ray cluster that does: start one with "
             "`ray start --head` (launch and `vitpool serve` then join it), or pass address=..."
         )
-    settings = dataclasses.replace(settings, model=checked_model_directory(settings.model, joins_a_cluster))
+    settings = dataclasses.replace(settings, model=checked_model_directory(settings.model, in_a_cluster))
     joined = join_ray(address)
     owns_ray = joined.connected_here
     controller = None
@@ -162,25 +161,12 @@ def launch_pool(
         raise
 
 
-def _joins_a_cluster(address: str | None) -> bool:
-    """Whether a pool launched (or looked for) with `address` runs in a cluster that outlives this
-    process, which may have other nodes: what `join_ray` would join, or, where this process is
-    connected already, a cluster of more than this node. "local" (as the argument or RAY_ADDRESS)
-    asks for a private cluster."""
-    if ray.is_initialized():
-        return sum(1 for node in ray.nodes() if node.get("Alive")) > 1
-    target = address or os.environ.get("RAY_ADDRESS") or None
-    if target is not None:
-        return target != "local"
-    return running_local_cluster() is not None
-
-
 def find_pool(name: str, address: str | None, timeout_s: float) -> tuple[Any, bool, Membership]:
     """A running pool's controller, whether this joined Ray, and its membership once an actor is
     ready. Raises PoolUnavailableError when there is no such pool or no ready actor in time, or
     no cluster to look in (a private one started here could hold no pool); each message names
     the cluster looked in and why that one."""
-    if not ray.is_initialized() and not _joins_a_cluster(address):
+    if not ray.is_initialized() and not joins_a_cluster(address):
         raise PoolUnavailableError(
             f"no pool named {name!r}: no Ray cluster runs on this machine to look in (no RAY_ADDRESS, and "
             "`ray start` left no running cluster's address); pass address= (--address) or set RAY_ADDRESS "
