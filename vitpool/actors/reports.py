@@ -55,6 +55,11 @@ class ActorStats:
     uptime_seconds: float = 0.0
 
     @property
+    def captures_graphs(self) -> bool:
+        """A GPU actor; a CPU actor runs its static forward without capture (no hit rate)."""
+        return not self.device.startswith("cpu")
+
+    @property
     def graph_hit_rate(self) -> float:
         encoded = self.graph_items + self.eager_items
         return self.graph_items / encoded if encoded else 0.0

@@ -217,4 +217,4 @@ def runs_graphs(stats: ActorStats) -> bool:
     """Whether an actor's graph hit rate means something: a CPU actor runs its static forward
     without capture (`PoolStats.summary` shows "-" for it), and an actor that has encoded nothing
     has no rate yet. Either exports no value rather than a misleading 0.0."""
-    return not stats.device.startswith("cpu") and stats.graph_items + stats.eager_items > 0
+    return stats.captures_graphs and stats.graph_items + stats.eager_items > 0

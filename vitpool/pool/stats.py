@@ -132,7 +132,7 @@ class PoolStats:
         ]
         for actor in self.actors:
             # a CPU actor runs its static forward without capture: no graphs to hit
-            hit_rate = "- (CPU)" if actor.device.startswith("cpu") else f"{actor.graph_hit_rate:.0%}"
+            hit_rate = "- (CPU)" if not actor.captures_graphs else f"{actor.graph_hit_rate:.0%}"
             lines.append(
                 f"| {actor.actor_index} | {actor.device} | {actor.batches} | {actor.items} | {actor.runs} "
                 f"({actor.combined_batches}) | {hit_rate} | {actor.padding_waste:.0%} | {actor.utilization:.0%} | "
