@@ -5,7 +5,7 @@
     vitpool status [--name NAME]          # the pool's actors and counters, as a short table
     vitpool scale N [--name NAME]         # start or retire actors
     vitpool bench [--name NAME]           # a short latency and throughput check against the pool
-    vitpool stop [--name NAME]            # stop the pool and its actors
+    vitpool stop [--name NAME]            # stop the pool, its actors and its vLLM store
     vitpool --version
 
 Every command joins the Ray cluster that `ray.init()` would (`--address`, RAY_ADDRESS, or the
@@ -201,7 +201,11 @@ def stop(args: argparse.Namespace) -> int:
         )
     with _progress_muted():  # shutdown logs "pool ... stopped", which this command prints as its result
         pool.shutdown()  # from any handle, shutdown stops a detached pool
-    print(f"pool {args.name!r} stopped")
+    from vitpool.integrations.vllm.store import stop_store
+
+    # the vLLM gateway's store of this pool, if one ran: detached, it would outlive the pool
+    store = " and its vLLM embedding store" if stop_store(args.name) else ""
+    print(f"pool {args.name!r}{store} stopped")
     return 0
 
 

@@ -187,11 +187,20 @@ def test_the_command_line_serves_scales_benches_and_stops_a_pool(ray_head_port):
         assert len(errors) == 1 and wanted in errors[0], failed.stderr[-2000:]
         assert "Traceback" not in failed.stderr
 
+    # a vLLM gateway's embedding store of this pool (detached): stopping the pool stops it too
+    store_code = ("import ray, sys\nfrom vitpool.integrations.vllm.store import find_store, open_store\n"
+                  "ray.init(address='auto', log_to_driver=False)\n")
+    opened = run_python(store_code + f"ray.get(open_store({name!r}).stats.remote())")
+    assert opened.returncode == 0, opened.stderr[-3000:]
     stopped = vitpool("stop", "--name", name)
     assert stopped.returncode == 0, stopped.stderr[-3000:]
-    assert f"pool {name!r} stopped" in stopped.stdout
+    assert f"pool {name!r} and its vLLM embedding store stopped" in stopped.stdout
     after = vitpool("status", "--name", name, "--quiet")
     assert after.returncode == 1 and f"no pool named {name!r}" in after.stderr
+    gone = run_python(store_code + "import time\ndeadline = time.monotonic() + 30\n"
+                      f"while find_store({name!r}) is not None and time.monotonic() < deadline: time.sleep(0.2)\n"
+                      f"sys.exit(find_store({name!r}) is not None)")
+    assert gone.returncode == 0, gone.stderr[-3000:]
 
 
 HELD_OPEN = """

@@ -319,10 +319,83 @@ def test_the_store_bounds_its_bytes_and_readers_find_it(ray_cluster):
         time.sleep(0.05)
     assert not reader.contains("k4")  # gone: vLLM encodes itself
     assert not StoreReader("no-such-pool").contains("k4")
-    # the publisher opens a new store (its owner gone: another gateway exited), empty
+    # the publisher opens a new store, empty, and says so by its scope (a gateway's keys change)
+    old_scope = publisher.scope
     assert publisher.contains_many(["k4"]) == [False]
+    assert publisher.scope != old_scope
     assert publisher.publish("k5", torch.ones(8, 8)) and publisher.stats().entries == 1
     ray.kill(find_store("store-test"))
+
+
+PUBLISH_AND_EXIT = """
+import sys, ray, torch
+from vitpool import Embedding
+from vitpool.integrations.vllm.store import StorePublisher
+ray.init(address=sys.argv[1], log_to_driver=False)
+publisher = StorePublisher(sys.argv[2])
+assert publisher.publish("tensor", torch.full((4, 8), 7.0))
+assert publisher.publish_embeddings([("embedding", Embedding(torch.full((3, 8), 5.0), []))]) == [True]
+print(publisher.scope)
+"""
+
+
+def test_entries_outlive_the_process_that_published_them(ray_cluster):
+    """The store owns its copy of the bytes: after the publisher's process (a gateway) exited, an
+    entry vLLM was told is there still loads, and a new publisher gets the same scope (its keys
+    find the old entries)."""
+    import os
+    import subprocess
+    import sys
+
+    address = ray.get_runtime_context().gcs_address
+    published = subprocess.run([sys.executable, "-c", PUBLISH_AND_EXIT, address, "outlive-test"],
+                               check=False, capture_output=True, text=True, timeout=180, env=os.environ.copy())
+    assert published.returncode == 0, published.stderr[-3000:]
+    reader = StoreReader("outlive-test")
+    assert reader.contains("tensor") and reader.contains("embedding")
+    tensor, embedding = reader.get_many(["tensor", "embedding"])
+    assert torch.equal(tensor, torch.full((4, 8), 7.0)) and torch.equal(embedding.tokens, torch.full((3, 8), 5.0))
+    assert StorePublisher("outlive-test").scope == published.stdout.split()[-1]
+    stats = ray.get(find_store("outlive-test").stats.remote())
+    assert stats.loaded == 2 and stats.dropped == 0
+    ray.kill(find_store("outlive-test"))
+
+
+class ScopeChangingPublisher:
+    """A store that is lost (and opened anew) while a request asks what it holds."""
+
+    def __init__(self) -> None:
+        self.scope = "old"
+        self.published: list[str] = []
+
+    def contains_many(self, keys: list[str]) -> list[bool]:
+        self.scope = "new"
+        return [False] * len(keys)
+
+    def publish_embeddings(self, entries: list) -> list[bool]:
+        self.published += [key for key, _ in entries]
+        return [True] * len(entries)
+
+    def stats(self):
+        return None
+
+
+def test_a_request_during_a_store_change_is_published_under_the_new_stores_keys(pool, shipped):
+    gateway = Gateway(pool, ScopeChangingPublisher(), shipped, "http://unused", dtype=torch.float32,
+                      make_item=make_item)
+    received: list[dict] = []
+
+    async def scenario():
+        upstream, client = await serve(gateway, received)
+        response = await client.post("/v1/chat/completions", json=chat(png(30)))
+        assert response.status == 200
+        await client.close()
+        await upstream.close()
+
+    run(scenario())
+    uuid = received[0]["messages"][0]["content"][0]["uuid"]
+    assert uuid == image_key(gateway.prefix, png(30)) and gateway.prefix.endswith("-new")
+    assert gateway.publisher.published[-1] == uuid
 
 
 def test_the_store_takes_pool_results_as_they_are_and_readers_lay_them_out(pool, shipped, reference_encoder):

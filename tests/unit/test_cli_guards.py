@@ -255,13 +255,19 @@ def test_list_says_no_pools_in_a_cluster_without_any(monkeypatch, capsys):
 
 
 def test_stop_says_stopped_once(monkeypatch, capsys):
+    from vitpool.integrations.vllm import store
+
     pool = FakePool()
     monkeypatch.setattr(EncoderPool, "connect", lambda name, address: pool)
+    stores = {"svc": False}
+    monkeypatch.setattr(store, "stop_store", lambda name: stores.pop(name, True))
     assert cli.main(["stop", "--name", "svc"]) == 0  # not quiet: progress lines are on
     captured = capsys.readouterr()
     assert pool.shut_down
     assert captured.out.strip() == "pool 'svc' stopped"
     assert "stopped" not in captured.err  # was also the library's progress line
+    assert cli.main(["stop", "--name", "svc"]) == 0  # now with the vLLM gateway's store
+    assert capsys.readouterr().out.strip() == "pool 'svc' and its vLLM embedding store stopped"
 
 
 def test_main_run_twice_in_one_process_shows_each_progress_line_once(monkeypatch, capsys):

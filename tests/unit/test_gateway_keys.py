@@ -1,5 +1,5 @@
-"""A gateway whose published entries end with its process (the embedding store's) keys them per
-process, so a restarted gateway never asks vLLM for a uuid whose cached stand-in outlived it."""
+"""A gateway's keys carry the store's scope: keys under a store opened anew are new, so vLLM never
+meets a stand-in it cached for an entry of the lost store; under the same store they stay."""
 
 from __future__ import annotations
 
@@ -7,12 +7,11 @@ import types
 
 from vitpool.integrations.vllm.gateway import key_prefix
 from vitpool.integrations.vllm.publisher import FilePublisher
-from vitpool.integrations.vllm.store import StorePublisher
 
 
-def test_store_keys_are_a_gateways_own_and_file_keys_are_the_models():
-    assert StorePublisher.entries_outlive_publisher is False
-    store = types.SimpleNamespace(entries_outlive_publisher=False)
-    first, second = key_prefix("abc", store), key_prefix("abc", store)
-    assert first.startswith("abc-") and second.startswith("abc-") and first != second
+def test_store_keys_follow_the_store_and_file_keys_are_the_models():
+    store = types.SimpleNamespace(scope="aa11")
+    assert key_prefix("abc", store) == key_prefix("abc", store) == "abc-aa11"
+    store.scope = "bb22"  # the store was opened anew
+    assert key_prefix("abc", store) == "abc-bb22"
     assert key_prefix("abc", FilePublisher.__new__(FilePublisher)) == "abc"  # files outlive the gateway

@@ -16,6 +16,7 @@ import pytest
 import tomllib
 import torch
 
+from vitpool import ConfigError
 from vitpool.integrations.vllm import images
 
 ROOT = Path(__file__).parents[2]
@@ -81,6 +82,26 @@ def test_without_torchvision_the_pil_processor_is_used_and_said_once(checkpoint,
     assert len(warnings) == 1
     assert "PIL image processor, not the torchvision one vLLM runs" in warnings[0]
     assert images.PIL_PROCESSOR_BOUND in warnings[0] and "Install the torchvision built for this torch" in warnings[0]
+
+
+def test_a_torchvision_that_cannot_load_stops_the_gateway_in_one_line(fresh_backend, monkeypatch, tmp_path, capsys):
+    def failing_import(name, *args, **kwargs):
+        if name == "torchvision":
+            raise RuntimeError("operator torchvision::nms does not exist")
+        return real_import(name, *args, **kwargs)
+
+    import builtins
+
+    real_import = builtins.__import__
+    monkeypatch.setattr(builtins, "__import__", failing_import)
+    with pytest.raises(ConfigError, match="torchvision .* is installed but does not load beside torch") as raised:
+        images.processor_backend()
+    assert "nms does not exist" in str(raised.value) and "uninstall torchvision" in str(raised.value)
+    from vitpool.integrations.vllm import gateway
+
+    monkeypatch.setattr("vitpool.pool.EncoderPool.connect", lambda *a, **k: pytest.fail("no pool before the check"))
+    with pytest.raises(SystemExit, match="^vitpool gateway: torchvision"):
+        gateway.main(["--model", str(tmp_path), "--upstream", "http://127.0.0.1:1"])
 
 
 def test_keys_of_the_two_backends_differ():

@@ -1,5 +1,6 @@
-"""The embedding store's lifetime and counters, and its reader's connection, without a cluster:
-the store's class is plain Python, and the reader's join is replaced by a slow stand-in."""
+"""The embedding store's copies and counters, and its reader's connection, without a cluster: the
+store's class is plain Python over a stand-in object store, and the reader's join is replaced by a
+slow stand-in."""
 
 from __future__ import annotations
 
@@ -12,26 +13,41 @@ from vitpool.integrations.vllm import store as store_module
 from vitpool.integrations.vllm.store import EmbeddingStore, StoredRef, StoreReader
 
 
-def entry(key: str, owner: str) -> StoredRef:
-    return StoredRef(key, [None], "array", 16, "float32", owner)
+def entry(key: str, ref: object = None) -> StoredRef:
+    return StoredRef(key, [ref], "array", 16, "float32")
 
 
-def test_entries_of_a_publisher_whose_job_ended_are_dropped_before_any_answer(monkeypatch):
-    monkeypatch.setattr(store_module, "OWNER_CHECK_S", 0.0)
-    ended: set[str] = set()
-    monkeypatch.setattr(store_module, "ended_jobs", lambda: ended)
+@pytest.fixture
+def fake_ray_objects(monkeypatch):
+    """Ray's object store as a dict: a reference is a key, "lost-..." ones cannot be read."""
+    objects: dict[str, object] = {}
+
+    def get(ref, timeout=None):
+        if str(ref).startswith("lost"):
+            raise store_module.ray.exceptions.ObjectLostError(str(ref))
+        return ref
+
+    def put(value):
+        objects[f"own-{len(objects)}"] = value
+        return f"own-{len(objects) - 1}"
+
+    monkeypatch.setattr(store_module.ray, "get", get)
+    monkeypatch.setattr(store_module.ray, "put", put)
+    return objects
+
+
+def test_the_store_holds_its_own_copy_and_refuses_what_it_cannot_read(fake_ray_objects):
     store = EmbeddingStore(max_bytes=1 << 20, min_age_s=0.0)
-    assert store.put_many([entry("old-a", "01"), entry("old-b", "01"), entry("new", "02")]) == [True] * 3
-    assert store.contains_many(["old-a", "new"]) == [True, True]
-    ended.add("01")  # the first gateway exited: its bytes went with it
-    assert store.contains_many(["old-a", "old-b", "new"]) == [False, False, True]
-    stats = store.stats()
-    assert stats.entries == 1 and stats.dropped == 2 and stats.bytes == 16
+    assert store.put_many([entry("a", "bytes-a"), entry("gone", "lost-1"), entry("b", "bytes-b")]) == [True, False, True]
+    held = store.get_many(["a", "b", "gone"])
+    assert [e.object[0] for e in held[:2]] == ["own-0", "own-1"] and held[2] is None  # the store's objects
+    assert fake_ray_objects == {"own-0": "bytes-a", "own-1": "bytes-b"}
+    assert store.stats().entries == 2
 
 
-def test_loads_are_counted_and_a_lost_one_is_dropped_not_counted():
+def test_loads_are_counted_and_a_lost_one_is_dropped_not_counted(fake_ray_objects):
     store = EmbeddingStore(max_bytes=1 << 20, min_age_s=0.0)
-    store.put_many([entry("a", "01"), entry("b", "01")])
+    store.put_many([entry("a", "x"), entry("b", "y")])
     assert [e and e.key for e in store.get_many(["a", "b", "absent"])] == ["a", "b", None]
     store.drop(["b"])  # a reader could not fetch it
     stats = store.stats()

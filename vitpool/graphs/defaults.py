@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from vitpool.dtypes import SUPPORTED_DTYPES
 from vitpool.errors import ConfigError
 from vitpool.models.protocol import BudgetRange, VisionAdapter
 from vitpool.packing import budget_ladder
-
-_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 # Above 256 tokens a batch costs about its rows, so budgets step by 12.5% there (padding
 # stays under that); see `budget_ladder`.
@@ -36,8 +35,8 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 def resolve_dtype(dtype: torch.dtype | None, device: torch.device) -> torch.dtype:
     if dtype is None:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in _SUPPORTED_DTYPES:
-        raise ConfigError(f"dtype {dtype} is not supported; use one of {_SUPPORTED_DTYPES}")
+    if dtype not in SUPPORTED_DTYPES:
+        raise ConfigError(f"dtype {dtype} is not supported; use one of {SUPPORTED_DTYPES}")
     return dtype
 
 
@@ -82,13 +81,3 @@ def family_budgets(chosen: BudgetRange) -> list[int]:
     dense = range(chosen.min_tokens, min(chosen.max_tokens, DENSE_STEPS * step) + 1, step)
     ladder = budget_ladder(chosen.min_tokens, chosen.max_tokens, LADDER_GROWTH, step)
     return sorted({*dense, *ladder})
-
-
-def dtype_from_name(name: str | None) -> torch.dtype | None:
-    """The torch dtype named "bfloat16", "float16" or "float32"; None for the device's default."""
-    if name is None:
-        return None
-    dtype = getattr(torch, name, None) if isinstance(name, str) else None
-    if dtype not in _SUPPORTED_DTYPES:
-        raise ConfigError(f"dtype {name!r} is not supported; use 'bfloat16', 'float16' or 'float32'")
-    return dtype

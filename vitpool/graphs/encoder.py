@@ -38,9 +38,10 @@ from pathlib import Path
 
 import torch
 
+from vitpool.dtypes import dtype_from_name
 from vitpool.errors import ConfigError, InvalidItemError
 from vitpool.graphs.capture import capture_all
-from vitpool.graphs.defaults import default_token_budgets, dtype_from_name, resolve_device, resolve_dtype
+from vitpool.graphs.defaults import default_token_budgets, resolve_device, resolve_dtype
 from vitpool.graphs.in_flight import LaunchedBatches, PendingLaunch, PlansInFlight, RunBatch
 from vitpool.graphs.inputs import (
     NONFINITE_MESSAGE,

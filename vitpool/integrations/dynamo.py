@@ -27,8 +27,8 @@ from dynamo.vllm.multimodal_utils.custom_encoder import (
     VisionEncoderBackend,
 )
 
+from vitpool.dtypes import dtype_from_name
 from vitpool.errors import InvalidItemError
-from vitpool.graphs.defaults import dtype_from_name
 from vitpool.integrations.vllm.images import checkpoint_family, data_url_bytes, decode_image, processor_items
 from vitpool.integrations.vllm.layouts import vllm_embedding
 from vitpool.items import Item

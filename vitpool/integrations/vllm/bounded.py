@@ -17,7 +17,7 @@ class PublisherStats:
     evicted: int = 0
     refused: int = 0  # no room: every entry younger than min_age_s, or the item alone over the bound
     loaded: int = 0  # entries handed to vLLM's workers (the store only: files are read unseen)
-    dropped: int = 0  # entries whose bytes were lost (their publisher's process exited; the store only)
+    dropped: int = 0  # entries a reader could not load (the store only)
 
 
 class BoundedEntries:

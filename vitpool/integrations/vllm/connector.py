@@ -15,14 +15,12 @@ request's media, as if no connector were set.
 
 vLLM's connector API lets only the scheduler choose vLLM's own tower for an item: once it answered
 "here", the worker must put the item in the encoder cache, or vLLM's model runner fails its whole
-engine. So the store answers "here" only for entries whose publisher still runs, and a worker that
-still cannot fetch one (its publisher exited in between) puts a placeholder of zeros and reports
-it: the scheduler fails that one request (vLLM's `take_unavailable_requests`), and vLLM keeps
-serving. vLLM keeps that placeholder under the item's uuid (its encoder cache, and the prefix
-cache's blocks of the failed prefill): until they are evicted, a retry of the same uuid on this
-server is answered from it. Only the worker staging items before the scheduler promises them
-(vLLM's `ensure_cache_available`) would close that window; it is open only while a publisher's
-exit is not yet seen (at most the store's `OWNER_CHECK_S`).
+engine. The store owns its entries' bytes, so an entry it holds stays loadable after its gateway
+exits; a worker that still cannot load one (the store lost with its node, or an entry that does
+not parse) puts a placeholder of zeros and reports it: the scheduler fails that one request
+(vLLM's `take_unavailable_requests`), and vLLM keeps serving. vLLM keeps that placeholder under the
+item's uuid until it is evicted; the gateway's keys name the store (`StorePublisher.scope`), so a
+store opened anew never meets it.
 """
 
 from __future__ import annotations
@@ -87,9 +85,9 @@ class VitpoolECWorkerMetadata(ECConnectorWorkerMetadata):
 
 @dataclass
 class ConnectorCounters:
-    """Scheduler: `hits` (loaded from the pool), `misses` (not published: vLLM encodes), `fallbacks`
-    (the store unreachable or not yet found: vLLM encodes). Worker: `loaded`, `lost` (promised
-    but not fetchable: its request failed, vLLM kept serving)."""
+    """Scheduler: `hits` (told "here"), `misses` (not published: vLLM encodes), `fallbacks` (the
+    store unreachable or not yet found: vLLM encodes). Worker: `loaded`, `lost` (promised but not
+    loadable: its request failed, vLLM kept serving)."""
 
     hits: int = 0
     misses: int = 0
@@ -181,7 +179,7 @@ class VitpoolECConnector(ECConnectorBase):
         unavailable, self._unavailable = self._unavailable, set()
         if unavailable:
             logger.warning("vitpool: failing %d requests whose published images could not be loaded "
-                           "(their publisher exited after the store said they were there)", len(unavailable))
+                           "after the store said they were there", len(unavailable))
         return unavailable
 
     # worker side
@@ -195,7 +193,7 @@ class VitpoolECConnector(ECConnectorBase):
         device = _device()
         for key, value in zip(keys, self._reader.get_many(keys)):
             if value is None:
-                # promised, not loadable (gone with its publisher, or the store unreachable): vLLM's
+                # promised, not loadable (the store lost, or the entry unreadable): vLLM's
                 # runner needs an entry; zeros stand in and the scheduler fails the request
                 logger.warning("vitpool: embedding %r could not be loaded; its request fails, vLLM keeps serving", key)
                 self.counters.lost += 1

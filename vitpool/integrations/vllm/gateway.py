@@ -26,7 +26,6 @@ import asyncio
 import base64
 import json
 import logging
-import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -35,8 +34,8 @@ from typing import Any, Protocol
 
 import torch
 
+from vitpool.dtypes import dtype_from_name
 from vitpool.errors import ConfigError, VitpoolError
-from vitpool.graphs.defaults import dtype_from_name
 from vitpool.integrations.vllm.images import (
     checkpoint_family,
     data_url_bytes,
@@ -78,14 +77,13 @@ class PhaseTimes:
 
 
 def key_prefix(identity: str, publisher: Any) -> str:
-    """The prefix of this gateway's keys: the model's identity, and, where the publisher's entries
-    end with this process (the store's), a part of this process's own. vLLM caches what it was
-    handed under an image's uuid; once handed a stand-in for an entry that vanished (its gateway
-    died between the store's "here" and the load) it would answer later requests for that uuid
-    from it. A restarted gateway's uuids are new, so it never meets them."""
-    if getattr(publisher, "entries_outlive_publisher", True):
-        return identity
-    return f"{identity}-{secrets.token_hex(4)}"
+    """The prefix of this gateway's keys: the model's identity, and the publisher's `scope` where it
+    has one (the store's: a store opened anew has another). vLLM caches what it was handed under an
+    image's uuid; once handed a stand-in for an entry that vanished (only a store's loss does that)
+    it would answer later requests for that uuid from it. Keys under a new store are new, so it
+    never meets them; a gateway restarted against the same store finds its entries again."""
+    scope = getattr(publisher, "scope", "")
+    return f"{identity}-{scope}" if scope else identity
 
 
 @dataclass
@@ -186,7 +184,7 @@ class Gateway:
         check_same_dtype(pool, dtype)
         # a function given decides its own pixels; the checkpoint's processor, on vLLM's backend where it can
         self.processor = "" if make_item is not None else processor_backend()
-        self.prefix = key_prefix(model_identity(checkpoint, dtype, weights, self.processor), publisher)
+        self.identity = model_identity(checkpoint, dtype, weights, self.processor)
         if make_item is None:
             make_item = processor_items(checkpoint, self.model_type)
         self.make_item = make_item
@@ -194,9 +192,14 @@ class Gateway:
         self._in_flight: dict[str, asyncio.Future[bool]] = {}
         self._session: Any = None
 
+    @property
+    def prefix(self) -> str:
+        """The prefix of the keys of a request that starts now (`key_prefix`)."""
+        return key_prefix(self.identity, self.publisher)
+
     # the request's images
 
-    async def _images_of(self, body: dict[str, Any]) -> list[_Image]:
+    async def _images_of(self, body: dict[str, Any], prefix: str) -> list[_Image]:
         images = []
         messages = body.get("messages")
         for message in messages if isinstance(messages, list) else []:  # else vLLM answers the mistake
@@ -218,10 +221,15 @@ class Gateway:
                 # the content's key, also where the client set a uuid: a uuid is a claim about the
                 # bytes, and an entry published under a claimed name could answer other clients'
                 # requests for that name with this image
-                key = image_key(self.prefix, data)
+                key = image_key(prefix, data)
                 part["uuid"] = key
                 images.append(_Image(part, data, key))
         return images
+
+    @staticmethod
+    def _rekey(images: list[_Image], prefix: str) -> None:
+        for image in images:
+            image.key = image.part["uuid"] = image_key(prefix, image.data)
 
     async def _bytes_of(self, url: str) -> bytes | None:
         if url.startswith("data:"):
@@ -375,10 +383,17 @@ class Gateway:
             return web.json_response({"error": {"message": "the request body is not a JSON object",
                                                 "type": "BadRequest"}}, status=400)
         self.stats.requests += 1
-        images = await self._images_of(body)
+        prefix = self.prefix
+        images = await self._images_of(body, prefix)
         self.stats.images += len(images)
         self.stats.phases.receive += time.perf_counter() - started
         await self.publish_images(images)
+        if images and self.prefix != prefix:
+            # the store was opened anew meanwhile: vLLM may hold stand-ins under the old keys
+            logger.warning("vitpool gateway: the embedding store changed during a request; publishing its "
+                           "images again under the new store's keys")
+            self._rekey(images, self.prefix)
+            await self.publish_images(images)
         return await self.forward(request, CHAT_PATH, json.dumps(body).encode())
 
     async def forward(self, request: Any, path: str, body: bytes | None) -> Any:
@@ -504,6 +519,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.publish == "files" and not args.root:
         parser.error("--publish files needs --root")
     try:
+        processor_backend()  # a torchvision that cannot load stops the gateway here, before a pool starts
         # both join Ray through join_ray: a cluster that wants a token this process lacks is a one-line error
         if args.launch_actors:
             pool = EncoderPool.launch(args.model, num_actors=args.launch_actors, name=args.pool, address=args.address,

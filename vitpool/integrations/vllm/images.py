@@ -110,19 +110,41 @@ PIL_PROCESSOR_BOUND = ("a resized image's pixels differ from vLLM's by up to one
 @functools.lru_cache(maxsize=1)  # one answer (and one warning) per process
 def processor_backend() -> str:
     """The backend of transformers' image processors that gives vLLM's pixels: "torchvision"
-    where it imports here, else "pil", with a warning naming why, the bound that follows and
-    the fix."""
+    where it imports here, else (not installed) "pil", with a warning naming why, the bound that
+    follows and the fix.
+
+    Raises:
+        ConfigError: torchvision is installed but does not load (a build for another torch:
+            "operator torchvision::nms does not exist"); transformers' models do not import beside
+            it either, so nothing here could run.
+    """
     try:
         import torchvision  # noqa: F401
-    except Exception as error:  # noqa: BLE001 - ImportError, or a build for another torch (RuntimeError:
-        # "operator torchvision::nms does not exist")
+    except ImportError as error:
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
         logger.warning(
             "vitpool: images are processed with transformers' PIL image processor, not the torchvision one "
             "vLLM runs (torchvision does not import here: %s): %s. Install the torchvision built for this "
             "torch (README: \"vitpool as vLLM's encoder\")", reason, PIL_PROCESSOR_BOUND)
         return "pil"
+    except Exception as error:  # noqa: BLE001 - a build for another torch fails in its op registrations
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise ConfigError(
+            f"torchvision {_installed_version('torchvision')} is installed but does not load beside torch "
+            f"{torch.__version__} ({reason}), and transformers' models do not import beside it either: install "
+            "the torchvision built for this torch, from the index this torch came from (README: \"Extras\"), or "
+            "uninstall torchvision to run the PIL image processor (answers within ~5e-3 of vLLM's)"
+        ) from None
     return VLLM_PROCESSOR_BACKEND
+
+
+def _installed_version(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "(version unknown)"
 
 
 def image_processor(checkpoint: str | Path) -> Any:

@@ -1,21 +1,23 @@
-"""The pool's embedding store: a named Ray actor that knows the published embeddings (kept in Ray's
+"""The pool's embedding store: a named Ray actor that holds the published embeddings (in Ray's
 object store), so that vLLM's processes on any node read them through Ray (`VitpoolECConnector`)
 with no shared disk.
 
 One store per pool, named "<pool>.embeddings" in the namespace "vitpool"; `open_store` finds it or
 creates it, detached: it outlives the gateway that opened it, so that a gateway's restart leaves
-vLLM's connector nothing to reconnect to. `stop_store` (or the cluster's end) ends it. Its bytes
-stay owned by the process that published them: an entry whose publisher exited is dropped (the
-store checks its publishers' jobs, and readers report what they could not fetch), and vLLM encodes
-that image itself. Every side finds the store again by name when a call says it is gone.
+vLLM's connector nothing to reconnect to. `stop_store` (or the cluster's end) ends it. The store
+owns its entries' bytes (it copies what a publisher hands it into objects of its own): an entry
+lives as long as the store, not as long as its publisher, so an entry vLLM was told is there stays
+loadable after its gateway exits. Every side finds the store again by name when a call says it is
+gone; a new store is a new `scope`, and the gateway's keys change with it (`StorePublisher.scope`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import secrets
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -33,9 +35,7 @@ logger = logging.getLogger(__name__)
 STORE_NAMESPACE = "vitpool"
 # Errors that mean the store actor is gone (stopped, or its node lost), not that a call was bad.
 STORE_GONE_ERRORS = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
-# Errors that mean an entry's bytes are gone: its publisher (their owner) exited.
-ENTRY_LOST_ERRORS = (ray.exceptions.ObjectLostError, ray.exceptions.ObjectFetchTimedOutError)
-OWNER_CHECK_S = 1.0  # how often the store asks the cluster which publishers' jobs ended
+OWN_TIMEOUT_S = 10.0  # the bound of the store's read of a publisher's object (the publisher waits for it)
 
 
 def store_name(pool_name: str) -> str:
@@ -45,25 +45,30 @@ def store_name(pool_name: str) -> str:
 class EmbeddingStore:
     """Keyed embeddings, at most `max_bytes`, least recently used evicted first (`BoundedEntries`).
 
-    The store holds references, not bytes: a publisher puts each tensor into Ray's object store
-    (as a NumPy array, read without a copy) and hands the store its reference; readers fetch the
-    objects straight from the object store of their node. The publisher's process owns the bytes:
-    entries of a publisher whose job ended are dropped before any answer (checked every
-    `OWNER_CHECK_S`).
+    A publisher puts each tensor into Ray's object store (as a NumPy array, read without a copy)
+    and hands the store its reference; the store copies the bytes into an object it owns (the
+    publisher's may end with its process) and keeps that reference. Readers fetch the objects
+    straight from the object store of the store's node. `scope` names this store: a store opened
+    anew (the old one stopped, or lost with its node) has another.
     """
 
     def __init__(self, max_bytes: int, min_age_s: float) -> None:
         self._lock = threading.Lock()
         self._entries = BoundedEntries(max_bytes, min_age_s)
         self._refs: dict[str, StoredRef] = {}
-        self._next_owner_check = 0.0
+        self.scope = secrets.token_hex(4)
+
+    def get_scope(self) -> str:
+        return self.scope
 
     def put_many(self, entries: list[StoredRef]) -> list[bool]:
-        """Hold each entry (replacing one of its key); False for one that cannot fit now."""
+        """Hold each entry (replacing one of its key); False for one that cannot fit now or whose
+        bytes cannot be read from its publisher."""
+        owned = self._own(entries)
         accepted = []
         with self._lock:
-            for entry in entries:
-                victims = self._entries.add(check_key(entry.key), entry.nbytes)
+            for entry in owned:
+                victims = None if entry is None else self._entries.add(check_key(entry.key), entry.nbytes)
                 if victims is None:
                     accepted.append(False)
                     continue
@@ -74,12 +79,29 @@ class EmbeddingStore:
                 accepted.append(True)
         return accepted
 
+    @staticmethod
+    def _own(entries: list[StoredRef]) -> list[StoredRef | None]:
+        """The entries with their bytes in objects of this process: read (without a copy, the
+        publisher's object store is shared memory of the node) and put once more. None for one
+        that cannot be read."""
+        owned: list[StoredRef | None] = []
+        with shared_results():
+            for entry in entries:
+                try:
+                    value = ray.get(entry.object[0], timeout=OWN_TIMEOUT_S)
+                except Exception as error:  # noqa: BLE001 - its publisher gone meanwhile: not held
+                    logger.warning("vitpool: embedding %r could not be read from its publisher (%s)", entry.key,
+                                   type(error).__name__)
+                    owned.append(None)
+                    continue
+                owned.append(dataclasses.replace(entry, object=[ray.put(value)]))
+        return owned
+
     def contains(self, key: str) -> bool:
         return self.contains_many([key])[0]
 
     def contains_many(self, keys: list[str]) -> list[bool]:
-        """Whether each key is published by a publisher still running (and marks it used)."""
-        self._drop_orphans()
+        """Whether each key is held (and marks it used)."""
         with self._lock:
             return self._entries.touch_many(keys)
 
@@ -96,8 +118,8 @@ class EmbeddingStore:
                 del self._refs[key]
 
     def drop(self, keys: list[str]) -> None:
-        """Forget entries whose bytes a reader could not fetch (their publisher exited): counted as
-        dropped, no longer as loaded."""
+        """Forget entries a reader could not load (their bytes lost with a node, or unreadable):
+        counted as dropped, no longer as loaded."""
         with self._lock:
             for key in keys:
                 if self._entries.remove(key):
@@ -109,42 +131,11 @@ class EmbeddingStore:
         with self._lock:
             return self._entries.snapshot()
 
-    def _drop_orphans(self) -> None:
-        """Drop the entries of publishers whose job ended (their bytes went with them)."""
-        now = time.monotonic()
-        with self._lock:
-            if now < self._next_owner_check or not self._refs:
-                return
-            self._next_owner_check = now + OWNER_CHECK_S
-            owners = {entry.owner for entry in self._refs.values()}
-        ended = owners & ended_jobs()
-        if not ended:
-            return
-        with self._lock:
-            orphans = [key for key, entry in self._refs.items() if entry.owner in ended]
-            for key in orphans:
-                self._entries.remove(key)
-                del self._refs[key]
-            self._entries.stats.dropped += len(orphans)
-        logger.warning("vitpool: dropped %d embeddings whose publishers exited (jobs %s)", len(orphans),
-                       ", ".join(sorted(ended)))
 
-
-def ended_jobs() -> set[str]:
-    """The hex ids of the cluster's jobs that ended (none where Ray's job table cannot be read)."""
-    try:
-        from ray._private import state
-
-        return {job["JobID"] for job in state.state.job_table() if job["IsDead"]}
-    except Exception as error:  # noqa: BLE001 - Ray's table moved: readers still report lost entries
-        logger.debug("could not read Ray's job table: %s", error)
-        return set()
-
-
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class StoredRef:
     """One entry: its key, the object holding it (in a list, so that Ray passes the reference
-    itself), what the object is, its size and the publisher's job. An "array" is a tensor already in vLLM's layout
+    itself), what the object is and its size. An "array" is a tensor already in vLLM's layout
     (a NumPy array, as `vitpool.transport.wire` carries tensors); an "embedding" is a pool result (an
     `Embedding`), which the reader lays out for vLLM itself."""
 
@@ -153,7 +144,6 @@ class StoredRef:
     kind: str  # "array" (with dtype) or "embedding"
     nbytes: int
     dtype: str = ""
-    owner: str = ""  # the publisher's Ray job (hex): the bytes end with it
 
     def value(self, fetched: Any) -> torch.Tensor | Embedding:
         return from_array(fetched, self.dtype, copy_read_only=False) if self.kind == "array" else fetched
@@ -193,12 +183,13 @@ class StorePublisher:
 
     Opening waits until the store answers (at most `start_timeout_s`: a new actor is a new worker
     process); then each call waits at most `timeout_s` (GetTimeoutError past it). A store that is
-    gone (stopped) is found again by name, or opened anew, and the call made there once. What this
-    process publishes ends with its job: the bytes are its own.
-    """
+    gone (stopped) is found again by name, or opened anew, and the call made there once. What it
+    publishes outlives this process: the store keeps its own copy.
 
-    # What it publishes ends with this process (`Gateway` then keys its entries per process).
-    entries_outlive_publisher = False
+    `scope` names the store published into: a gateway puts it in its keys, so that the keys change
+    when the store does (vLLM keeps a stand-in under the key of an entry it was told is there and
+    could not load, which only a store's loss causes).
+    """
 
     def __init__(self, pool_name: str = "vitpool", max_bytes: int = 8 << 30, min_age_s: float = 30.0,
                  timeout_s: float = 10.0, start_timeout_s: float = 60.0) -> None:
@@ -208,12 +199,12 @@ class StorePublisher:
         self.timeout_s = timeout_s
         self.start_timeout_s = start_timeout_s
         self._threads = copy_threads()
+        self.scope = ""
         self._store = self._open()
-        self._owner = ray.get_runtime_context().get_job_id()
 
     def _open(self) -> Any:
         store = open_store(self.pool_name, self.max_bytes, self.min_age_s)
-        ray.get(store.stats.remote(), timeout=self.start_timeout_s)
+        self.scope = ray.get(store.get_scope.remote(), timeout=self.start_timeout_s)
         return store
 
     def _call(self, method: str, *args: Any) -> Any:
@@ -240,19 +231,18 @@ class StorePublisher:
         is called once for all of them."""
         arrays = [to_array(tensor.contiguous()) for _, tensor in entries]
         stored = [
-            StoredRef(check_key(key), [ref], "array", array.nbytes, wire_dtype_name(tensor.dtype), self._owner)
+            StoredRef(check_key(key), [ref], "array", array.nbytes, wire_dtype_name(tensor.dtype))
             for (key, tensor), array, ref in zip(entries, arrays, in_parallel(self._threads, ray.put, arrays))
         ]
         return self._call("put_many", stored)
 
     def publish_embeddings(self, entries: list[tuple[str, Embedding]]) -> list[bool]:
-        """Pool results as they came back: each is put into the object store once, as it is (this
-        process owns it, so it outlives the encoder actor that made it), and vLLM's connector lays
-        it out for its model on the rank's device."""
+        """Pool results as they came back: each is put into the object store as it is (the store
+        copies it into an object of its own, which outlives both the encoder actor that made it and
+        this process), and vLLM's connector lays it out for its model on the rank's device."""
         refs = in_parallel(self._threads, ray.put, [embedding for _, embedding in entries])
         stored = [
-            StoredRef(check_key(key), [ref], "embedding", sum(t.nbytes for t in embedding.outputs),
-                      owner=self._owner)
+            StoredRef(check_key(key), [ref], "embedding", sum(t.nbytes for t in embedding.outputs))
             for (key, embedding), ref in zip(entries, refs)
         ]
         return self._call("put_many", stored)
