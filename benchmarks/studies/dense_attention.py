@@ -24,7 +24,7 @@ from common import gpu_ms, summarize
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.varlen import varlen_attn
 
-from vitpool.models.attention import dense_attention
+from vitpool.kernels.attention import dense_attention
 
 DEFAULT_LENGTHS = "256,512,784,1024,1600,2304,3136,4900,7056,9604,12544,16384"
 

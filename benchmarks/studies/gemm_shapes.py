@@ -7,7 +7,7 @@ HBM and not from L2). Ways:
 - `linear`: `F.linear` as the tower runs it (cuBLAS / cuBLASLt as PyTorch picks);
 - `linear+gelu`: fc1 followed by the tower's tanh GELU (two kernels);
 - `addmm_gelu`: fc1 with bias and tanh GELU in cuBLASLt's epilogue (`torch._addmm_activation`);
-- `fp8` (`--fp8`): `vitpool.models.fp8.fp8_linear`, the row quantization of the input and
+- `fp8` (`--fp8`): `vitpool.kernels.fp8.fp8_linear`, the row quantization of the input and
   `torch._scaled_mm` with row and channel scales and the bias (what `precision="fp8"` runs);
   `fp8_mm`: the `_scaled_mm` alone on an input already quantized; `fp8_tensor`: `_scaled_mm` with
   one scale per tensor, no bias (the fastest FP8 GEMM torch has, for comparison);
@@ -105,7 +105,7 @@ def main() -> None:
 
 
 def _fp8_ways(inputs: torch.Tensor, weights: list[torch.Tensor]) -> dict:
-    from vitpool.models.fp8 import FP8_DTYPE, FP8_MAX, fp8_linear, quantize_rows
+    from vitpool.kernels.fp8 import FP8_DTYPE, FP8_MAX, fp8_linear, quantize_rows
 
     copies = {}
     for weight in weights:  # per output channel, as install_fp8_linears makes them

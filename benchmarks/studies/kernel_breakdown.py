@@ -6,7 +6,7 @@ the rows of a budget, the forward run as vitpool captures it, under the profiler
 
 Prints one table per (rows, attention kernel, fused work): ms per class, its share, kernel launches,
 and the replay time of the same forward captured as a CUDA graph (GPU time plus the gaps between
-kernels). "compiled" is the fused ops plus the torch.compile'd blocks (`vitpool.models.compiled`).
+kernels). "compiled" is the fused ops plus the torch.compile'd blocks (`vitpool.kernels.compiled`).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ import torch
 from common import QWEN3_VL_8B_VISION, gpu_ms, padded_image_batch, summarize
 from torch.profiler import ProfilerActivity, profile
 
+from vitpool.kernels.attention import fa4_available, use_attention
+from vitpool.kernels.compiled import use_compiled_blocks
+from vitpool.kernels.fused import use_fused_ops
 from vitpool.models import load_adapter
-from vitpool.models.attention import fa4_available, use_attention
-from vitpool.models.compiled import use_compiled_blocks
-from vitpool.models.fused import use_fused_ops
 
 # First match wins: (class, pattern over the kernel's name)
 CLASSES = [

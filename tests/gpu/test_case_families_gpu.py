@@ -28,7 +28,7 @@ def build(family: str, case) -> tuple[torch.nn.Module, GraphEncoder, list[Image]
     generator = torch.Generator().manual_seed(1)
     budgets = list(case.CASE_FIELDS["budgets"])
     if family == "minicpmv4_6":
-        from vitpool.models.minicpmv4_6 import MiniCPMV4_6Adapter
+        from vitpool.families.minicpmv4_6.adapter import MiniCPMV4_6Adapter
 
         model = case.tiny_model(seed=2)
         adapter = MiniCPMV4_6Adapter(case.encoder_module(model))

@@ -42,7 +42,7 @@ def test_one_image_filling_its_budget_matches_the_tower(tmp_path, family):
     are the tower's. Qwen2.5-VL's window attention gets none; a family whose attention reads
     boundaries the runner cannot check on the host would get none either."""
     from vitpool import Image
-    from vitpool.models.attention import cudnn_available
+    from vitpool.kernels.attention import cudnn_available
 
     encoder = GraphEncoder.from_pretrained(save_tiny_tower(family, tmp_path), budgets=BUDGETS, device="cuda")
     dense = [tokens for tokens, _ in encoder.stats().dense_graphs]

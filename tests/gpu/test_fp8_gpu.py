@@ -13,7 +13,14 @@ from conftest import relative_error
 from family_tiny import FAMILY_CASES, mixed_items, reference_tokens, save_tiny_tower, use_sdpa
 
 from vitpool import GraphEncoder
-from vitpool.models.fp8 import FP8_MAX, fp8_linear, fp8_supported, install_fp8_linears, quantize_rows, use_fp8
+from vitpool.kernels.fp8 import (
+    FP8_MAX,
+    fp8_linear,
+    fp8_supported,
+    install_fp8_linears,
+    quantize_rows,
+    use_fp8,
+)
 
 pytestmark = [
     pytest.mark.gpu,

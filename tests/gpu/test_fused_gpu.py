@@ -11,7 +11,7 @@ import torch
 from conftest import image, relative_error, video
 
 from vitpool import GraphEncoder
-from vitpool.models.fused import ROTARY_FUNCTION, fused_rotary, gelu_mlp_layout, use_fused_ops
+from vitpool.kernels.fused import ROTARY_FUNCTION, fused_rotary, gelu_mlp_layout, use_fused_ops
 
 pytestmark = pytest.mark.gpu
 
@@ -37,7 +37,7 @@ def test_the_rotary_kernel_matches_hugging_face(rows, heads, head_dim):
 
 
 def test_the_patch_embedding_as_a_gemm_matches_the_convolution(monkeypatch):
-    from vitpool.models import fused
+    from vitpool.kernels import fused
 
     encoder = GraphEncoder.from_pretrained(None, budgets=[16], device="cuda")
     linears = []
@@ -71,7 +71,7 @@ def test_every_family_runs_the_fused_rotary(monkeypatch, tmp_path):
     """Each family's tower reaches the Triton kernel (Kimi-K2.5's 4-D q and k included)."""
     from family_tiny import FAMILY_CASES, mixed_items, save_tiny_tower
 
-    from vitpool.models import fused
+    from vitpool.kernels import fused
 
     calls, epilogues = [], []
     original = fused.fused_rotary
@@ -99,7 +99,7 @@ def test_every_familys_blocks_compile_and_agree_with_the_uncompiled_encoder(tmp_
     and give what the same weights give without the compile (bf16: different roundings)."""
     from family_tiny import FAMILY_CASES, mixed_items, save_tiny_tower
 
-    from vitpool.models import compiled
+    from vitpool.kernels import compiled
 
     for family in sorted(FAMILY_CASES):
         path = save_tiny_tower(family, tmp_path / family)

@@ -93,7 +93,7 @@ def test_an_eager_batch_picks_its_attention_from_its_boundaries(monkeypatch, gpu
     """An image too large for every budget runs eager at its own rows: one long sequence, known on
     the host, so the hook runs FA4 where it is installed (cuDNN otherwise, on Hopper); a video's
     short per-frame sequences stay on FA2; a replayed graph never asks."""
-    from vitpool.models import attention
+    from vitpool.kernels import attention
 
     decisions = []
     original = attention.eager_backend
@@ -116,7 +116,7 @@ def test_an_eager_batch_picks_its_attention_from_its_boundaries(monkeypatch, gpu
 def test_one_image_filling_a_budget_replays_its_dense_graph(gpu_encoder, gpu_reference):
     """A budget of 1024 rows has a second graph with cuDNN attention over all its rows, replayed for
     a batch of one image that fills most of it; two images in that budget replay the packed one."""
-    from vitpool.models import attention
+    from vitpool.kernels import attention
 
     if not attention.cudnn_available(gpu_encoder.device):
         pytest.skip("no cuDNN attention on this GPU")
@@ -304,7 +304,7 @@ def test_large_host_pixels_pass_through_pinned_memory_unchanged(gpu_encoder, gpu
 def test_the_dense_attention_padding_kernel_writes_what_torch_would(on_device):
     """The Triton kernel that pads q, k, v for the dense cuDNN path: the rows and head dimension
     padded with zeros, column 72 set to 1 in q and to the mask value in k from row 700 on."""
-    from vitpool.models.fused import pad_for_dense_attention
+    from vitpool.kernels.fused import pad_for_dense_attention
 
     generator = torch.Generator(device="cuda").manual_seed(43)
     qkv = torch.randn(750, 3, 16, 72, device="cuda", dtype=torch.bfloat16, generator=generator)

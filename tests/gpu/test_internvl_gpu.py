@@ -20,7 +20,7 @@ TOLERANCE = 1.5e-2  # bf16 against Hugging Face's own path, as for the other fam
 def test_every_budget_is_captured_and_encodes_match_get_image_features():
     from transformers import InternVLConfig, InternVLForConditionalGeneration
 
-    from vitpool.models.internvl import InternVLAdapter, InternVLEncoder
+    from vitpool.families.internvl.adapter import InternVLAdapter, InternVLEncoder
 
     config = InternVLConfig(
         vision_config=dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, intermediate_size=128,

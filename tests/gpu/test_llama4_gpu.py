@@ -20,7 +20,7 @@ TOLERANCE = 1.5e-2  # bf16 against Hugging Face's own path, as for the other fam
 def test_every_budget_is_captured_and_encodes_match_the_model():
     from transformers import Llama4Config, Llama4ForConditionalGeneration
 
-    from vitpool.models.llama4 import Llama4Adapter, Llama4Encoder
+    from vitpool.families.llama4.adapter import Llama4Adapter, Llama4Encoder
 
     vision = dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, intermediate_size=256,
                   image_size=56, patch_size=14, vision_output_dim=64, projector_input_dim=64,

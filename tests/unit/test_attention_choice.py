@@ -8,8 +8,8 @@ import itertools
 import pytest
 import torch
 
-from vitpool.models import attention
-from vitpool.models.attention import (
+from vitpool.kernels import attention
+from vitpool.kernels.attention import (
     CUDNN_MIN_ROWS_PER_SEQUENCE,
     DENSE_BUCKET_ROWS,
     FA4_MIN_ROWS_PER_SEQUENCE,
@@ -97,7 +97,7 @@ def test_dense_attention_leaves_rows_outside_every_sequence_zero():
 
 
 def test_the_thresholds_are_between_the_measured_points():
-    from vitpool.models.attention import FA4_MIN_ROWS_PER_GRAPH_SEQUENCE
+    from vitpool.kernels.attention import FA4_MIN_ROWS_PER_GRAPH_SEQUENCE
 
     # in graphs FA4 lost at 256-row sequences and won at 3136; eagerly it won every repeated call
     # from 4356 rows (1056²) on, and lost at 3136 on the first call (H100, benchmarks/HISTORY.md)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-ENGINE_MODULES = ("transformers", "vitpool.graphs", "vitpool.models.loading", "vitpool.models.qwen3_vl",
+ENGINE_MODULES = ("transformers", "vitpool.graphs", "vitpool.models.loading", "vitpool.families.qwen3_vl.adapter",
                   "vitpool.actors.encoder_actor")
 
 

@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from vitpool.pool import cluster, launcher
+from vitpool.pool import cluster
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""The compiled blocks (`vitpool.models.compiled`): installed in every family through the shared
+"""The compiled blocks (`vitpool.kernels.compiled`): installed in every family through the shared
 attention hook, one compile per block class whatever the rows, exact against the uncompiled
 forward, and a clean eager fallback. On a GPU they run inside the captured graphs (tests/gpu);
 here the GPU gate is opened on the CPU so the compile itself is exercised with inductor's C++
@@ -13,11 +13,11 @@ import pytest
 import torch
 from conftest import image, relative_error
 
-import vitpool.models.compiled as compiled
+import vitpool.kernels.compiled as compiled
 from vitpool import GraphEncoder, PoolSettings
 from vitpool.errors import ConfigError
 from vitpool.items import prepare_items
-from vitpool.models.compiled import repeated_block_stacks, set_compile_cache_dir
+from vitpool.kernels.compiled import repeated_block_stacks, set_compile_cache_dir
 
 
 @pytest.fixture

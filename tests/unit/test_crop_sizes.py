@@ -24,8 +24,9 @@ from family_cases import deepseek_ocr2 as deepseek_case
 from family_cases import step3p7 as step_case
 
 from vitpool import CheckpointError, GraphEncoder, Image, InvalidItemError
+from vitpool.families.deepseek_ocr2 import adapter as deepseek_ocr2
+from vitpool.families.step3p7 import adapter as step3p7
 from vitpool.items import prepare_item
-from vitpool.models import deepseek_ocr2, step3p7
 
 TOLERANCE = 1e-5
 LOCAL = "pixel_values_local"

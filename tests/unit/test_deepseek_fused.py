@@ -1,4 +1,4 @@
-"""DeepSeek-OCR-2's fused path (`vitpool.models.deepseek_ocr2`: `rms_norm`, `masked_attention`,
+"""DeepSeek-OCR-2's fused path (`vitpool.families.deepseek_ocr2.adapter`: `rms_norm`, `masked_attention`,
 `fused_sam_attention`, `fused_encoder_layer`), taken only under `use_fused_ops(True)` on CUDA in
 half precision. On the CPU each piece runs in fp32 against the reference it replaces (the Triton
 rotary by its math in torch); the `gpu` tests run the kernel and the whole fused tower in bf16
@@ -13,8 +13,8 @@ import torch
 from conftest import relative_error
 from family_cases import deepseek_ocr2 as case
 
-from vitpool.models import deepseek_ocr2
-from vitpool.models.fused import use_fused_ops
+from vitpool.families.deepseek_ocr2 import adapter as deepseek_ocr2
+from vitpool.kernels.fused import use_fused_ops
 
 TOLERANCE = 1e-5  # fp32 against the reference path
 GPU_TOLERANCE = 1.5e-2  # bf16 against Hugging Face's own path in fp32
@@ -120,7 +120,7 @@ def test_off_cuda_the_reference_path_runs(model, monkeypatch):
 def test_the_rotary_kernel_takes_one_table_for_every_tile(batch, length, heads):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from vitpool.models.fused import fused_rotary
+    from vitpool.kernels.fused import fused_rotary
 
     generator = torch.Generator(device="cuda").manual_seed(length)
     x = torch.randn(batch * length, heads, 64, device="cuda", dtype=torch.bfloat16, generator=generator)

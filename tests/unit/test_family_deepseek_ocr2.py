@@ -13,7 +13,8 @@ from safetensors.torch import save_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vitpool import CheckpointError, GraphEncoder, Image
-from vitpool.models import deepseek_ocr2, registry
+from vitpool.families.deepseek_ocr2 import adapter as deepseek_ocr2
+from vitpool.models import registry
 
 TOLERANCE = 1e-5
 # local budgets of 1 and 3 crops, global budgets of 1 and 2 views

@@ -22,9 +22,9 @@ from family_cases.kimi_k25 import BAD_ITEMS, ROW_SHAPE, full_config, randomize, 
 from safetensors.torch import load_file, save_file
 
 from vitpool import CheckpointError, GraphEncoder, Image, InvalidItemError, Video
+from vitpool.families.kimi_k25.adapter import KimiK25Adapter, KimiK25Encoder, encoder_state, tower_only_config
+from vitpool.families.kimi_k25.rules import CLIP, EXTRA_ROWS, KimiK25Rules
 from vitpool.items import prepare_item
-from vitpool.models.kimi_k25 import KimiK25Adapter, KimiK25Encoder, encoder_state, tower_only_config
-from vitpool.models.kimi_k25_rules import CLIP, EXTRA_ROWS, KimiK25Rules
 from vitpool.models.registry import find_family
 from vitpool.packing import Budget
 from vitpool.specs import BatchPlan

@@ -12,9 +12,9 @@ import pytest
 import torch
 from conftest import relative_error
 from family_cases.minicpmv4_6 import (
-    TOO_OLD,
     ROW_SHAPE,
     TEXT_HIDDEN,
+    TOO_OLD,
     encoder_module,
     full_config,
     image_features,
@@ -24,15 +24,15 @@ from safetensors.torch import load_file, save_file
 
 from vitpool import GraphEncoder, Image
 from vitpool.errors import CheckpointError, ConfigError
-from vitpool.models import registry
-from vitpool.models.minicpmv4_6 import (
+from vitpool.families.minicpmv4_6.adapter import (
     CHECKPOINT_PREFIXES,
     MiniCPMV4_6Adapter,
     build_encoder,
     convert_checkpoint,
     tower_only_config,
 )
-from vitpool.models.minicpmv4_6_rules import patch_rows
+from vitpool.families.minicpmv4_6.rules import patch_rows
+from vitpool.models import registry
 from vitpool.packing import Budget
 
 pytestmark = pytest.mark.skipif(TOO_OLD is not None, reason=str(TOO_OLD))

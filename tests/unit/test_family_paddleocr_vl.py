@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from vitpool import GraphEncoder, Image, InvalidItemError
 from vitpool.errors import CheckpointError
-from vitpool.models.paddleocr_vl import (
+from vitpool.families.paddleocr_vl.adapter import (
     PaddleOCREncoder,
     PaddleOCRVLAdapter,
     build_encoder,

@@ -9,7 +9,7 @@ from family_cases.common import tower_reference
 from family_cases.qwen2_5_vl import BUDGETS, ROW_WIDTH, tiny_encoder
 
 from vitpool import Image
-from vitpool.models.qwen2_5_vl_rules import WINDOWS, frame_windows, max_windows
+from vitpool.families.qwen2_5_vl.rules import WINDOWS, frame_windows, max_windows
 
 TOLERANCE = 1e-5
 

@@ -12,7 +12,7 @@ from conftest import relative_error
 from vitpool import GraphEncoder, PoolSettings
 from vitpool.cli import _parser
 from vitpool.errors import ConfigError
-from vitpool.models.fp8 import (
+from vitpool.kernels.fp8 import (
     FP8_DTYPE,
     FP8_MAX,
     FP8_WEIGHT,

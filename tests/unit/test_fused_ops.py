@@ -8,7 +8,7 @@ import sys
 import torch
 
 from vitpool import GraphEncoder
-from vitpool.models.fused import (
+from vitpool.kernels.fused import (
     GELU_MLP_LAYOUT,
     ROTARY_FUNCTION,
     _is_patch_conv,

@@ -23,10 +23,10 @@ from family_cases import qwen3_5 as qwen3_5_case
 from safetensors.torch import load_file, save_file
 
 from vitpool import CheckpointError, GraphEncoder, Image, Video
-from vitpool.models.glm4v import Glm4vAdapter
-from vitpool.models.qwen2_5_vl import Qwen2_5_VLAdapter
-from vitpool.models.qwen2_vl import Qwen2VLAdapter
-from vitpool.models.qwen3_5 import Qwen3_5Adapter
+from vitpool.families.glm4v.adapter import Glm4vAdapter
+from vitpool.families.qwen2_5_vl.adapter import Qwen2_5_VLAdapter
+from vitpool.families.qwen2_vl.adapter import Qwen2VLAdapter
+from vitpool.families.qwen3_5.adapter import Qwen3_5Adapter
 from vitpool.models.registry import find_family
 
 TOLERANCE = 1e-5

@@ -17,7 +17,7 @@ from family_cases import internvl as case
 from safetensors.torch import save_file
 
 from vitpool import CheckpointError, GraphEncoder, Image
-from vitpool.models.internvl import (
+from vitpool.families.internvl.checkpoint import (
     RELEASE_VISION_DEFAULTS,
     convert_checkpoint,
     release_config,

@@ -163,7 +163,7 @@ def test_a_family_whose_transformers_code_moved_fails_alone_naming_the_versions(
     from vitpool.models.registry import FAMILIES
 
     monkeypatch.delattr(importlib.import_module("transformers.vision_utils"), "get_vision_window_index")
-    monkeypatch.delitem(sys.modules, "vitpool.models.qwen2_5_vl", raising=False)
+    monkeypatch.delitem(sys.modules, "vitpool.families.qwen2_5_vl.adapter", raising=False)
     expected = rf"transformers {transformers.__version__} .*get_vision_window_index.*tested with transformers"
     with pytest.raises(ConfigError, match=expected):
         FAMILIES["qwen2_5_vl_vision"].adapter(None)
@@ -176,8 +176,8 @@ def test_a_transformers_release_older_than_a_familys_minimum_is_refused(monkeypa
     from family_cases.minicpmv4_6 import encoder_module, tiny_model
 
     from vitpool.errors import ConfigError
+    from vitpool.families.minicpmv4_6.adapter import MiniCPMV4_6Adapter
     from vitpool.models import compat
-    from vitpool.models.minicpmv4_6 import MiniCPMV4_6Adapter
 
     module = encoder_module(tiny_model())
     monkeypatch.setattr(compat, "installed_transformers", lambda: "5.18.0")

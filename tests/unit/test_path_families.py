@@ -159,7 +159,7 @@ def test_step3p7_loads_a_full_model_save(model, tmp_path):
 
 
 def test_step3p7_loads_a_tower_only_save_and_refuses_missing_weights(model, tmp_path):
-    from vitpool.models.step3p7 import tower_only_config
+    from vitpool.families.step3p7.adapter import tower_only_config
 
     config = tower_only_config(model.config)
     config.local_image_size = step3p7_case.LOCAL_SIZE
@@ -176,7 +176,7 @@ def test_step3p7_loads_a_tower_only_save_and_refuses_missing_weights(model, tmp_
 
 
 def test_step3p7_default_budgets_are_whole_tiles_per_path(model):
-    from vitpool.models.step3p7 import MAX_GRAPH_TILES
+    from vitpool.families.step3p7.adapter import MAX_GRAPH_TILES
 
     encoder = GraphEncoder(step3p7_case.encoder_of(model, [4]).adapter, device="cpu", dtype=torch.float32)
     per_tile = {GLOBAL: step3p7_case.TOKENS_PER_GLOBAL, LOCAL: step3p7_case.TOKENS_PER_CROP}

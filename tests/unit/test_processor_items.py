@@ -23,10 +23,10 @@ import pytest
 import torch
 
 from vitpool import GraphEncoder, Image, InvalidItemError, Video
+from vitpool.families.kimi_k25.rules import KimiK25Rules
+from vitpool.families.qwen2_5_vl.rules import WindowedMergeRules
 from vitpool.items import prepare_items
 from vitpool.models.item_rules import SpatialMergeRules
-from vitpool.models.kimi_k25_rules import KimiK25Rules
-from vitpool.models.qwen2_5_vl_rules import WindowedMergeRules
 from vitpool.specs import IMAGE, VIDEO
 
 PILImage = pytest.importorskip("PIL.Image")
@@ -87,7 +87,7 @@ def kimi_rules(processor: Any, config: Any) -> KimiK25Rules:
 
 
 def paddleocr_rules(processor: Any, config: Any) -> Any:
-    rules = pytest.importorskip("vitpool.models.paddleocr_vl_rules")
+    rules = pytest.importorskip("vitpool.families.paddleocr_vl.rules")
     return rules.PaddleOCRVLRules(
         channels=3 * processor.temporal_patch_size, patch_size=processor.patch_size,
         merge_size=processor.merge_size, output_width=OUTPUT_WIDTH,

@@ -16,13 +16,13 @@ from family_cases import llama4 as llama4_case
 from safetensors.torch import save_file
 
 from vitpool import CheckpointError, GraphEncoder, Image
-from vitpool.models.internvl import InternVLEncoder
+from vitpool.families.internvl.adapter import InternVLEncoder
 
 TOLERANCE = 1e-5
 # per family: its tiny case, its vitpool module, and the projector weight a tower-only save must hold
 TILED = {
-    "internvl": (internvl_case, "vitpool.models.internvl", "multi_modal_projector.linear_2.weight"),
-    "llama4": (llama4_case, "vitpool.models.llama4", "multi_modal_projector.linear_1.weight"),
+    "internvl": (internvl_case, "vitpool.families.internvl.adapter", "multi_modal_projector.linear_2.weight"),
+    "llama4": (llama4_case, "vitpool.families.llama4.adapter", "multi_modal_projector.linear_1.weight"),
 }
 
 
@@ -95,7 +95,7 @@ def test_default_budgets_are_whole_tiles(family, model):
 
 
 def test_internvl_feature_settings_vitpool_does_not_run_are_refused():
-    from vitpool.models.internvl import InternVLAdapter
+    from vitpool.families.internvl.adapter import InternVLAdapter
 
     model = internvl_case.hf_model()
     config = model.config.__class__.from_dict(model.config.to_dict())
@@ -128,10 +128,10 @@ def test_the_internvl_processors_output_for_one_image_is_one_item():
 def test_the_pools_cost_of_a_tiled_batch_prices_attention_per_tile():
     """A tile is one attention sequence: a 13-tile image costs attention over 13 sequences of 256
     tokens, not over one of 3328 (the cost model would rate it 13 times too dear)."""
+    from vitpool.models.tile_rules import TileRules
     from vitpool.packing import batch_cost, pack
     from vitpool.pool.policy import DispatchPolicy
     from vitpool.specs import IMAGE
-    from vitpool.models.tile_rules import TileRules
 
     rules = TileRules(3, 448, 256, ((64,),))
     spec = rules.item_spec(IMAGE, (13, 3, 448, 448), "float32", None)

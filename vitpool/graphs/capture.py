@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from vitpool.graphs.segments import SegmentedGraph, segmented_capture
-from vitpool.models.attention import boundary_key, is_boundary, recording_leading_sequence_reads
+from vitpool.kernels.attention import boundary_key, is_boundary, recording_leading_sequence_reads
 from vitpool.packing import Budget
 
 if TYPE_CHECKING:

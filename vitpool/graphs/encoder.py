@@ -65,10 +65,10 @@ from vitpool.items import (
     check_token_bound,
     prepare_item,
 )
+from vitpool.kernels.attention import fa4_available
+from vitpool.kernels.compiled import set_compile_cache_dir
+from vitpool.kernels.fp8 import fp8_supported, install_fp8_linears
 from vitpool.models import VisionAdapter, load_adapter
-from vitpool.models.attention import fa4_available
-from vitpool.models.compiled import set_compile_cache_dir
-from vitpool.models.fp8 import fp8_supported, install_fp8_linears
 from vitpool.models.path_rules import PathRules, rules_of_part
 from vitpool.packing import Budget, pack, smallest_fitting
 from vitpool.specs import (
@@ -102,7 +102,7 @@ class GraphEncoder:
         dtype: compute dtype; default bfloat16 on a GPU, float32 on a CPU.
         capacity_limits: most per batch of other capacities the family declares, by name (its
             item rules' `capacities`, e.g. windows); None: the family's defaults.
-        attention: the attention kernel on a GPU (`vitpool.models.attention`). "auto" (default):
+        attention: the attention kernel on a GPU (`vitpool.kernels.attention`). "auto" (default):
             FlashAttention-4 where the optional `flash-attn-4` package is installed and the GPU
             is Hopper or newer, for graphs and eager batches whose sequences are long;
             FlashAttention-2 (`varlen_attn`) for the rest. "fa2": FlashAttention-2 always
@@ -110,10 +110,10 @@ class GraphEncoder:
             (ConfigError where it cannot run).
         fused_ops: on a GPU, run every family's rotary embedding as one Triton kernel per tensor,
             its patch embedding as a GEMM, and the first bias and tanh GELU of its two-layer MLPs
-            in the GEMM's epilogue (`vitpool.models.fused`). False: Hugging Face's own code
+            in the GEMM's epilogue (`vitpool.kernels.fused`). False: Hugging Face's own code
             (debugging).
         compiled_blocks: on a GPU, run the tower's repeated blocks through one `torch.compile` per
-            block class (`vitpool.models.compiled`), before capture, so the graphs replay fused
+            block class (`vitpool.kernels.compiled`), before capture, so the graphs replay fused
             elementwise kernels. False: no compile (debugging, faster first start).
         compile_cache_dir: where compiled kernels are kept between starts, shared by the actors of
             a node. None: TORCHINDUCTOR_CACHE_DIR if set, else ~/.cache/vitpool/inductor.
@@ -125,7 +125,7 @@ class GraphEncoder:
             the few segments already on the GPU, not for the large runs. None: no urgent lane.
         precision: "bf16" (default): every GEMM in `dtype`. "fp8": on a GPU of compute capability
             8.9 or newer, in bfloat16, the Linears of the tower's blocks run as FP8 GEMMs (per-row
-            activation and per-channel weight scales, `vitpool.models.fp8`); attention, the patch
+            activation and per-channel weight scales, `vitpool.kernels.fp8`); attention, the patch
             embedding and the projector stay bf16. Each graph is still checked against the eager
             forward of the same precision. ConfigError elsewhere, with `compiled_blocks`, and for
             a family whose adapter refuses it (`fp8_refused`: DeepSeek-OCR-2). Measured no faster

@@ -24,8 +24,7 @@ from vitpool.graphs.inputs import finite_rows, totals
 from vitpool.graphs.segments import SegmentedGraph, cut_points
 from vitpool.graphs.stats import EncoderStats
 from vitpool.items import PreparedItem
-from vitpool.models import VisionAdapter
-from vitpool.models.attention import (
+from vitpool.kernels.attention import (
     DENSE_MIN_FILL,
     LEADING_SEQUENCE,
     graph_backend,
@@ -34,9 +33,10 @@ from vitpool.models.attention import (
     use_attention,
     wants_dense_graph,
 )
-from vitpool.models.compiled import use_compiled_blocks
-from vitpool.models.fp8 import use_fp8
-from vitpool.models.fused import use_fused_ops
+from vitpool.kernels.compiled import use_compiled_blocks
+from vitpool.kernels.fp8 import use_fp8
+from vitpool.kernels.fused import use_fused_ops
+from vitpool.models import VisionAdapter
 from vitpool.packing import Budget
 from vitpool.specs import ItemSpec
 
@@ -48,7 +48,7 @@ class BatchRunner:
     Attributes:
         graphs: budget -> its checked graph; a budget without one runs its static forward eagerly.
         dense_graphs: budget -> a second checked graph of the same forward with cuDNN attention
-            over all its rows (`vitpool.models.attention.leading_sequence_attention`), replayed
+            over all its rows (`vitpool.kernels.attention.leading_sequence_attention`), replayed
             for a batch of one sequence that fills most of the budget (`wants_dense`).
         stats: the counters `GraphEncoder.stats()` copies (under `lock`).
         attention, fused_ops, compiled_blocks, precision: the kernels the forward runs with (`kernels`).

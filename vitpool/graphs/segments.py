@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from vitpool.models.compiled import repeated_block_stacks
+from vitpool.kernels.compiled import repeated_block_stacks
 
 # Blocks per segment: one replay per segment costs a few microseconds of host time, and a block of
 # a 1024-token run is about half a millisecond of GPU time on an H100.

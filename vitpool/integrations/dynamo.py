@@ -32,9 +32,10 @@ from vitpool.errors import InvalidItemError
 from vitpool.integrations.vllm.images import checkpoint_family, data_url_bytes, decode_image, processor_items
 from vitpool.integrations.vllm.layouts import vllm_embedding
 from vitpool.items import Item
+from vitpool.models.registry import RECORDS
 
 # Dynamo's native adapter for these decoders takes Qwen3VLImageEncoding (embeddings and grid)
-DYNAMO_FAMILIES = frozenset({"qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"})
+DYNAMO_FAMILIES = frozenset(model_type for record in RECORDS if record.dynamo for model_type in record.model_types)
 
 
 def image_bytes(url: str, allowed_local_path: str | Path | None = None) -> bytes:

@@ -19,14 +19,13 @@ PaddleOCR-VL's `projector`), vitpool's embeddings are already projected: the sta
 the field the model reads after its tower, and the projector is replaced by a pass-through.
 
 The families added later (InternVL, Llama 4, Step-3.7, DeepSeek-OCR-2, MiniCPM-V 4.6) are answered
-one step up, at the model's `get_image_features` (`vitpool.integrations.image_features`).
+one step up, at the model's `get_image_features` (each family's `features.py`, on `vitpool.models.stand_in`).
 """
 
 from __future__ import annotations
 
 import copy
 import importlib
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,42 +33,10 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
 
 from vitpool.graphs import GraphEncoder
-from vitpool.integrations.image_features import FEATURE_STAND_INS, Encoder, PooledImageFeatures, StandIn
 from vitpool.items import Image, Item, Video
-from vitpool.models.registry import find_family, supported_model_types
-
-
-@dataclass(frozen=True)
-class ModelParts:
-    """Where a Hugging Face model keeps its vision modules and how it calls its tower.
-
-    Attributes:
-        tower: the tower's attribute on `model.model`.
-        projector: the projector's attribute there, when it sits outside the tower (vitpool runs it).
-        encoder_module: "module:Class" of vitpool's module holding the tower and that projector,
-            built as Class(tower, projector).
-        output: the tower output's field the model reads.
-        batch_dim: the model adds a leading batch dimension of 1 to the pixels.
-    """
-
-    tower: str = "visual"
-    projector: str | None = None
-    encoder_module: str | None = None
-    output: str = "pooler_output"
-    batch_dim: bool = False
-
-
-# by the tower's config model_type; Qwen and GLM models: `ModelParts()`
-_MODEL_PARTS = {
-    "kimi_k25_vision": ModelParts(
-        tower="vision_tower", projector="mm_projector",
-        encoder_module="vitpool.models.kimi_k25:KimiK25Encoder",
-    ),
-    "paddleocr_vl_vision": ModelParts(
-        projector="projector", encoder_module="vitpool.models.paddleocr_vl:PaddleOCREncoder",
-        output="last_hidden_state", batch_dim=True,
-    ),
-}
+from vitpool.models.family import ModelParts
+from vitpool.models.registry import RECORDS, find_family, record_of, supported_model_types
+from vitpool.models.stand_in import Encoder, PooledImageFeatures, StandIn
 
 
 class PassThroughProjector(torch.nn.Module):
@@ -133,9 +100,27 @@ class PooledVisionTower(StandIn):
         return torch.cat([t.to(self._device, self._dtype, non_blocking=True) for t in tensors])
 
 
+def _feature_stand_in(model_type: str) -> type[PooledImageFeatures] | None:
+    """The family's `get_image_features` stand-in (`FamilyRecord.image_features`), or None for a
+    family whose drop-in stands in for its tower."""
+    record = record_of(model_type)
+    if record is None or record.image_features is None:
+        return None
+    module_name, class_name = record.image_features.split(":")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def _model_parts(model_type: str) -> ModelParts:
+    """How the family's Hugging Face model calls its tower (`FamilyRecord.transformers_parts`);
+    the Qwen and GLM layout for a family registered without a record."""
+    record = record_of(model_type)
+    return (record.transformers_parts if record is not None else None) or ModelParts()
+
+
 _TOWER_ATTRIBUTES = sorted(
-    {parts.tower for parts in (ModelParts(), *_MODEL_PARTS.values())}
-    | {stand_in.tower for stand_in in FEATURE_STAND_INS.values()}
+    {ModelParts().tower}
+    | {record.transformers_parts.tower for record in RECORDS if record.transformers_parts is not None}
+    | {_feature_stand_in(record.model_types[0]).tower for record in RECORDS if record.image_features is not None}
 )
 _STAND_INS = (PooledVisionTower, PooledImageFeatures)
 
@@ -159,7 +144,7 @@ def replace_vision_tower(model: torch.nn.Module, encoder: Encoder) -> torch.nn.M
     """
     inner, tower, model_type = _vision_parts(model)
     weight = next(tower.parameters())
-    stand_in_class = FEATURE_STAND_INS.get(model_type)
+    stand_in_class = _feature_stand_in(model_type)
     if stand_in_class is not None:
         stand_in = stand_in_class(encoder, weight.dtype, weight.device, inner.config)
         names = (stand_in_class.tower, *stand_in_class.projectors)
@@ -170,7 +155,7 @@ def replace_vision_tower(model: torch.nn.Module, encoder: Encoder) -> torch.nn.M
         # an instance attribute: the model's forward calls self.get_image_features, found here first
         inner.get_image_features = stand_in.get_image_features
         return features_original
-    parts = _MODEL_PARTS.get(model_type, ModelParts())
+    parts = _model_parts(model_type)
     merge = getattr(tower, "spatial_merge_size", None) or getattr(tower.config, "spatial_merge_size", None)
     if merge is None:  # Kimi-K2.5: a square merge kernel
         merge = int(tower.config.merge_kernel_size[0])
@@ -221,8 +206,8 @@ def graph_encoder_for(model: torch.nn.Module, **kwargs: Any) -> GraphEncoder:
     inner, tower, model_type = _vision_parts(model)
     family = find_family(model_type)
     weight = next(tower.parameters())
-    stand_in_class = FEATURE_STAND_INS.get(model_type)
-    parts = _MODEL_PARTS.get(model_type, ModelParts())
+    stand_in_class = _feature_stand_in(model_type)
+    parts = _model_parts(model_type)
     if stand_in_class is not None:
         module = stand_in_class.encoder_module(inner, tower)
     elif parts.projector is not None and parts.encoder_module is not None:

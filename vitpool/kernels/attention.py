@@ -41,10 +41,10 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 
-from vitpool.models.compiled import install_compiled_blocks
-from vitpool.models.fused import install_fused_ops, pad_for_dense_attention
+from vitpool.kernels.compiled import install_compiled_blocks
+from vitpool.kernels.fused import install_fused_ops, pad_for_dense_attention
+from vitpool.kernels.scoped import scoped_value
 from vitpool.models.protocol import TensorSpec
-from vitpool.models.scoped import scoped_value
 
 logger = logging.getLogger(__name__)
 
@@ -268,7 +268,7 @@ def packed_attention(
     return out.unsqueeze(0), None
 
 
-# An opaque op to torch.compile (`vitpool.models.compiled`): the kernel is chosen when it runs,
+# An opaque op to torch.compile (`vitpool.kernels.compiled`): the kernel is chosen when it runs,
 # from the encoder's context, not baked in when a block is traced.
 @torch.library.custom_op("vitpool::flash_varlen", mutates_args=(), device_types="cuda")
 def flash_varlen(
@@ -403,8 +403,8 @@ def _block_diagonal_sdpa(
 
 def install_packed_attention(tower: torch.nn.Module) -> None:
     """Register the hook and make `tower` use it, and install the fused rotary embedding, patch
-    embedding and MLP GELU (`vitpool.models.fused`; in effect under `use_fused_ops`) and the
-    compiled blocks (`vitpool.models.compiled`; under `use_compiled_blocks`). Doing it again is
+    embedding and MLP GELU (`vitpool.kernels.fused`; in effect under `use_fused_ops`) and the
+    compiled blocks (`vitpool.kernels.compiled`; under `use_compiled_blocks`). Doing it again is
     harmless."""
     AttentionInterface.register(ATTENTION_NAME, packed_attention)
     tower.config._attn_implementation = ATTENTION_NAME

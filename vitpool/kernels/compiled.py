@@ -8,7 +8,7 @@ each block's forward through `torch.compile(type(block).forward, dynamic=True)`:
 takes the block as an input (its weights are graph inputs, not constants), and its row count is
 symbolic, so 27 blocks and every budget share one compile per class (the "regional compilation"
 PyTorch recommends for repeated layers). Attention stays outside the compiled code, as an opaque
-custom op (`vitpool.models.attention`), so the kernel behind it is still chosen at run time.
+custom op (`vitpool.kernels.attention`), so the kernel behind it is still chosen at run time.
 
 It is off by default (`GraphEncoder(compiled_blocks=True)` turns it on): on an H100 it cut a
 224-row forward's replay from 2.34 to 1.97 ms but moved neither the pool's throughput nor the
@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from vitpool.models.scoped import scoped_value
+from vitpool.kernels.scoped import scoped_value
 
 logger = logging.getLogger(__name__)
 

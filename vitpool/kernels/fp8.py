@@ -28,8 +28,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from vitpool.models.compiled import repeated_block_stacks
-from vitpool.models.scoped import scoped_value
+from vitpool.kernels.compiled import repeated_block_stacks
+from vitpool.kernels.scoped import scoped_value
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448

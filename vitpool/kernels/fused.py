@@ -37,8 +37,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from vitpool.models.fp8 import fp8_active
-from vitpool.models.scoped import scoped_value
+from vitpool.kernels.fp8 import fp8_active
+from vitpool.kernels.scoped import scoped_value
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ def _patch_rotary(modeling: types.ModuleType) -> None:
 
     @functools.wraps(original)
     def apply_rotary_pos_emb_vision(q, k, cos, sin):
-        # inside a compiled block (`vitpool.models.compiled`) inductor fuses Hugging Face's math itself
+        # inside a compiled block (`vitpool.kernels.compiled`) inductor fuses Hugging Face's math itself
         if not torch.compiler.is_compiling() and _FUSED.get():
             # Kimi-K2.5 passes [1, rows, heads, head_dim] (and may pass cos as [1, rows, head_dim])
             batched = q.dim() == 4 and q.shape[0] == 1 and k.dim() == 4 and k.shape[0] == 1
@@ -240,7 +240,7 @@ def _is_tanh_gelu(activation: torch.nn.Module) -> bool:
 
 def _patch_gelu_mlp(module: torch.nn.Module, layout: tuple[str, str, str]) -> None:
     """Mark `module` with its layout and wrap its class's forward once. The class, not the
-    instance: a compiled block (`vitpool.models.compiled`) would otherwise see another function
+    instance: a compiled block (`vitpool.kernels.compiled`) would otherwise see another function
     object in every block and compile once per block."""
     module.__dict__[GELU_MLP_LAYOUT] = layout
     cls = type(module)
@@ -292,7 +292,7 @@ def pad_for_dense_attention(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """q, k, v [rows, heads, head_dim] copied into zeros of [padded_rows, heads, padded_dim] by one
     Triton kernel, column head_dim set to 1 in q and, in k, to `masked_key` from row `masked_from`
-    (an int, or a 0-d int32 tensor on the device) on (`vitpool.models.attention`'s dense cuDNN
+    (an int, or a 0-d int32 tensor on the device) on (`vitpool.kernels.attention`'s dense cuDNN
     path). Torch's own ops take six kernels (a fill and a copy per tensor) and the two column
     writes: a 1120² image's copy kernels took 2.35 ms of GPU time with them on an H100, 0.49 plus
     this kernel's 0.72 without. None where the kernel cannot run (CPU, no Triton, a head stride

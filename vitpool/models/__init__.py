@@ -16,7 +16,7 @@ _NAMES = {
     "register_family": "vitpool.models.registry",
     "SHIPPED_CHECKPOINT": "vitpool.models.loading",
     "load_adapter": "vitpool.models.loading",
-    "Qwen3VLAdapter": "vitpool.models.qwen3_vl",
+    "Qwen3VLAdapter": "vitpool.families.qwen3_vl.adapter",
     "SpatialMergeRules": "vitpool.models.item_rules",
     "VisionAdapter": "vitpool.models.protocol",
     "TensorSpec": "vitpool.models.protocol",

@@ -135,4 +135,4 @@ class VisionAdapter(Protocol):
     #
     # fp8_refused: str
     #     """Why `precision="fp8"` is refused for this family (the encoder's ConfigError says it);
-    #     absent: FP8 GEMMs are allowed (`vitpool.models.fp8`)."""
+    #     absent: FP8 GEMMs are allowed (`vitpool.kernels.fp8`)."""

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from vitpool.models.attention import install_packed_attention
+from vitpool.kernels.attention import install_packed_attention
 from vitpool.models.item_rules import SpatialMergeRules
 from vitpool.packing import Budget
 from vitpool.specs import IMAGE, VIDEO, ItemSpec

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from vitpool.errors import CheckpointError
-from vitpool.models.compiled import install_compiled_blocks
-from vitpool.models.fused import install_fused_ops
+from vitpool.kernels.compiled import install_compiled_blocks
+from vitpool.kernels.fused import install_fused_ops
 from vitpool.models.loading import IMAGE_PROCESSOR_ATTRIBUTE
 from vitpool.models.path_rules import PathRules
 from vitpool.models.protocol import BudgetRange, TensorSpec

@@ -57,7 +57,7 @@ def reference(encoder: GraphEncoder) -> Callable[[Any], list[torch.Tensor]]:
 
 
 def make_encoder(budgets: list[int]) -> GraphEncoder:
-    from vitpool.models.glm4v import Glm4vAdapter
+    from vitpool.families.glm4v.adapter import Glm4vAdapter
 
     return GraphEncoder(Glm4vAdapter(tiny_tower()), budgets=budgets, device="cpu", dtype=torch.float32)
 

@@ -59,7 +59,7 @@ def hf_model(seed: int = 0, vision: dict[str, Any] = TINY_VISION) -> torch.nn.Mo
 
 
 def encoder_of(model: torch.nn.Module, budgets: list[int]) -> GraphEncoder:
-    from vitpool.models.internvl import InternVLAdapter, InternVLEncoder
+    from vitpool.families.internvl.adapter import InternVLAdapter, InternVLEncoder
 
     module = InternVLEncoder(
         copy.deepcopy(model.model.vision_tower),

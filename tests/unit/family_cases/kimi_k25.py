@@ -37,7 +37,7 @@ def full_config() -> Any:
 
 
 def tiny_encoder_module(seed: int = 0) -> torch.nn.Module:
-    from vitpool.models.kimi_k25 import build_encoder
+    from vitpool.families.kimi_k25.adapter import build_encoder
 
     return randomize(build_encoder(full_config()), seed).eval().requires_grad_(False)
 
@@ -60,7 +60,7 @@ def reference(encoder: GraphEncoder) -> Callable[[Any], list[torch.Tensor]]:
 def make_encoder(budgets: list[int], clip_frames: int | None = None) -> GraphEncoder:
     """A CPU fp32 encoder of the tiny model; `clip_frames` as for `KimiK25Adapter` (None: its clip
     path holds 4 frames' rows per token; 1: no clip path)."""
-    from vitpool.models.kimi_k25 import KimiK25Adapter
+    from vitpool.families.kimi_k25.adapter import KimiK25Adapter
 
     adapter = KimiK25Adapter(tiny_encoder_module(), clip_frames=clip_frames)
     return GraphEncoder(adapter, budgets=budgets, device="cpu", dtype=torch.float32)

@@ -54,7 +54,7 @@ def hf_model(seed: int = 0) -> torch.nn.Module:
 
 
 def encoder_of(model: torch.nn.Module, budgets: list[int]) -> GraphEncoder:
-    from vitpool.models.llama4 import Llama4Adapter, Llama4Encoder
+    from vitpool.families.llama4.adapter import Llama4Adapter, Llama4Encoder
 
     module = Llama4Encoder(copy.deepcopy(model.vision_model), copy.deepcopy(model.multi_modal_projector))
     return GraphEncoder(Llama4Adapter(module), budgets=budgets, device="cpu", dtype=torch.float32)

@@ -15,13 +15,14 @@ from family_cases.common import randomize
 from vitpool import GraphEncoder, Image, Video
 from vitpool.specs import ItemSpec
 
+
 def _older_than_minimum() -> str | None:
     """Why the family's tests skip here (None: they run): transformers before the release whose
     MiniCPM-V 4.6 takes slices of unlike sizes (the reference, and what vitpool requires)."""
     import transformers
     from packaging.version import Version
 
-    from vitpool.models.minicpmv4_6 import MINIMUM_TRANSFORMERS
+    from vitpool.families.minicpmv4_6.adapter import MINIMUM_TRANSFORMERS
 
     if Version(transformers.__version__) < Version(MINIMUM_TRANSFORMERS):
         return f"MiniCPM-V 4.6 needs transformers>={MINIMUM_TRANSFORMERS}; {transformers.__version__} is installed"
@@ -69,7 +70,7 @@ def tiny_model(seed: int = 0) -> torch.nn.Module:
 
 def encoder_module(model: torch.nn.Module) -> torch.nn.Module:
     """vitpool's encoder module over copies of the model's tower and Merger."""
-    from vitpool.models.minicpmv4_6 import MiniCPMV4_6Encoder
+    from vitpool.families.minicpmv4_6.adapter import MiniCPMV4_6Encoder
 
     return MiniCPMV4_6Encoder(copy.deepcopy(model.vision_tower), copy.deepcopy(model.merger))
 
@@ -102,7 +103,7 @@ def shared_model() -> torch.nn.Module:
 
 
 def make_encoder(budgets: list[int]) -> GraphEncoder:
-    from vitpool.models.minicpmv4_6 import MiniCPMV4_6Adapter
+    from vitpool.families.minicpmv4_6.adapter import MiniCPMV4_6Adapter
 
     adapter = MiniCPMV4_6Adapter(encoder_module(shared_model()))
     return GraphEncoder(adapter, budgets=budgets, device="cpu", dtype=torch.float32)

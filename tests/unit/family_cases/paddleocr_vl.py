@@ -33,7 +33,7 @@ def full_config() -> Any:
 
 
 def tiny_encoder_module(seed: int = 0) -> torch.nn.Module:
-    from vitpool.models.paddleocr_vl import build_encoder
+    from vitpool.families.paddleocr_vl.adapter import build_encoder
 
     return randomize(build_encoder(full_config()), seed).eval().requires_grad_(False)
 
@@ -55,7 +55,7 @@ def reference(encoder: GraphEncoder) -> Callable[[Any], list[torch.Tensor]]:
 
 
 def make_encoder(budgets: list[int]) -> GraphEncoder:
-    from vitpool.models.paddleocr_vl import PaddleOCRVLAdapter
+    from vitpool.families.paddleocr_vl.adapter import PaddleOCRVLAdapter
 
     return GraphEncoder(PaddleOCRVLAdapter(tiny_encoder_module()), budgets=budgets, device="cpu", dtype=torch.float32)
 

@@ -40,7 +40,7 @@ def tiny_tower(seed: int = 0) -> torch.nn.Module:
 
 
 def tiny_encoder(budgets: list[int], seed: int = 0, **kwargs: Any) -> GraphEncoder:
-    from vitpool.models.qwen2_5_vl import Qwen2_5_VLAdapter
+    from vitpool.families.qwen2_5_vl.adapter import Qwen2_5_VLAdapter
 
     adapter = Qwen2_5_VLAdapter(tiny_tower(seed).requires_grad_(False))
     return GraphEncoder(adapter, budgets=budgets, device="cpu", dtype=torch.float32, **kwargs)

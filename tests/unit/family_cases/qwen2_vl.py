@@ -37,7 +37,7 @@ def tiny_tower(seed: int = 0) -> torch.nn.Module:
 
 
 def tiny_encoder(budgets: list[int], seed: int = 0) -> GraphEncoder:
-    from vitpool.models.qwen2_vl import Qwen2VLAdapter
+    from vitpool.families.qwen2_vl.adapter import Qwen2VLAdapter
 
     adapter = Qwen2VLAdapter(tiny_tower(seed).requires_grad_(False))
     return GraphEncoder(adapter, budgets=budgets, device="cpu", dtype=torch.float32)

@@ -35,7 +35,7 @@ def tiny_tower(seed: int = 0) -> torch.nn.Module:
 
 
 def make_encoder(budgets: list[int]) -> GraphEncoder:
-    from vitpool.models.qwen3_5 import Qwen3_5Adapter
+    from vitpool.families.qwen3_5.adapter import Qwen3_5Adapter
 
     return GraphEncoder(Qwen3_5Adapter(tiny_tower()), budgets=budgets, device="cpu", dtype=torch.float32)
 

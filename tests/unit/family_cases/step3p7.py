@@ -58,7 +58,7 @@ def hf_model(seed: int = 0) -> torch.nn.Module:
 
 
 def encoder_of(model: torch.nn.Module, budgets: list[int]) -> GraphEncoder:
-    from vitpool.models.step3p7 import Step3p7Adapter, Step3p7Encoder
+    from vitpool.families.step3p7.adapter import Step3p7Adapter, Step3p7Encoder
 
     module = Step3p7Encoder(
         copy.deepcopy(model.model.vision_model), copy.deepcopy(model.model.multi_modal_projector), LOCAL_SIZE

@@ -47,8 +47,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from vitpool.kernels.fused import fused_ops_apply, fused_rotary, triton_available
 from vitpool.models.compat import check_tower_parts
-from vitpool.models.fused import fused_ops_apply, fused_rotary, triton_available
 from vitpool.models.tiled import (
     GLOBAL_VIEW,
     LOCAL_CROPS,

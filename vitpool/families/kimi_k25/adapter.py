@@ -19,7 +19,7 @@ slots past an item's frames).
 
 A clip of t frames takes t times an image's rows for the same tokens, so the adapter has two
 paths over the one tower (`KimiK25Adapter.paths`, routed by the item rules: see
-`vitpool.models.kimi_k25_rules`), each with buffers, budgets and graphs of its own: images (and
+`vitpool.families.kimi_k25.rules`), each with buffers, budgets and graphs of its own: images (and
 single frames) in buffers of kh*kw rows per token that pool one slot, and clips of 2 to
 `pos_emb_time` frames in buffers of `clip_frames` * kh*kw rows per token that pool `pos_emb_time`
 slots. A clip of fewer frames than the buffers hold fills its own rows and slots; the rest is
@@ -36,14 +36,15 @@ from typing import Any
 
 import torch
 
+from vitpool.families.kimi_k25.rules import CLIP, EXTRA_ROWS, KimiK25Rules
 from vitpool.models.compat import check_tower_parts
-from vitpool.models.kimi_k25_rules import CLIP, EXTRA_ROWS, KimiK25Rules
 from vitpool.models.patch_adapter import PatchRowAdapter, renamed_key
 from vitpool.models.patch_rules import Grid
 from vitpool.models.projected import tower_and_projector
 from vitpool.models.protocol import TensorSpec
 from vitpool.packing import Budget
 from vitpool.specs import ItemSpec
+
 # What a tower-only save's vision config carries besides Hugging Face's fields, for the projector.
 PROJECTOR_FIELDS = ("text_hidden_size", "projection_hidden_size", "projection_layer_norm_eps")
 
@@ -189,7 +190,7 @@ class KimiK25PathAdapter(PatchRowAdapter):
 
 class KimiK25Adapter:
     """Adapter for `KimiK25Encoder` (Kimi_K25VisionModel + mm_projector): two paths over the one
-    tower, images and videos of one frame on "" and clips on CLIP (`vitpool.models.kimi_k25_rules`).
+    tower, images and videos of one frame on "" and clips on CLIP (`vitpool.families.kimi_k25.rules`).
 
     Args:
         tower: the encoder module; both paths run it (no copy of its weights).

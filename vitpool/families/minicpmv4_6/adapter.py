@@ -49,9 +49,9 @@ import torch.nn.functional as F
 from transformers.vision_utils import get_vision_nearest_position_ids
 
 from vitpool.errors import ConfigError
-from vitpool.models.attention import install_packed_attention
+from vitpool.families.minicpmv4_6.rules import PATCHES_PER_TOKEN, MiniCPMV4_6Rules, parse_target_sizes
+from vitpool.kernels.attention import install_packed_attention
 from vitpool.models.compat import check_tower_parts, require_transformers
-from vitpool.models.minicpmv4_6_rules import PATCHES_PER_TOKEN, MiniCPMV4_6Rules, parse_target_sizes
 from vitpool.models.projected import tower_and_projector
 from vitpool.models.protocol import TensorSpec, zero_metadata
 from vitpool.packing import Budget

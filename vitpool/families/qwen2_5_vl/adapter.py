@@ -21,8 +21,8 @@ from functools import lru_cache
 import torch
 from transformers.vision_utils import get_vision_position_ids, get_vision_window_index
 
+from vitpool.families.qwen2_5_vl.rules import WINDOWS, WindowedMergeRules, frame_windows
 from vitpool.models.protocol import TensorSpec, zero_metadata
-from vitpool.models.qwen2_5_vl_rules import WINDOWS, WindowedMergeRules, frame_windows
 from vitpool.models.spatial_merge import SpatialMergeAdapter, row_width_of
 from vitpool.packing import Budget
 from vitpool.specs import ItemSpec

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from vitpool.models.qwen3_vl import Qwen3VLAdapter
+from vitpool.families.qwen3_vl.adapter import Qwen3VLAdapter
 
 
 class Qwen3_5Adapter(Qwen3VLAdapter):  # noqa: N801  (the Hugging Face family name)

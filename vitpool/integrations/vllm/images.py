@@ -19,12 +19,12 @@ import xxhash
 
 from vitpool.errors import ConfigError
 from vitpool.items import Image, Item
+from vitpool.models.registry import RECORDS
 
 logger = logging.getLogger(__name__)
 
 # families whose image processor gives `pixel_values` and `image_grid_thw` (README: "Models")
-GRID_FAMILIES = frozenset({"qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "qwen2_vl", "qwen2_5_vl",
-                           "glm4v", "glm4v_moe", "paddleocr_vl"})
+GRID_FAMILIES = frozenset(model_type for record in RECORDS if record.grid_processor for model_type in record.model_types)
 
 
 def data_url_bytes(url: str) -> bytes | None:

