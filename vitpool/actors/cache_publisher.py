@@ -4,22 +4,22 @@ A caller that missed an item in the cache claims its key and sends the key in th
 (`BatchPlan.cache_keys`); the actor that runs the batch puts the item's embedding in Ray's object
 store and hands the reference to the cache's actor. Doing it here, not in the caller, keeps the
 copy into the object store off the caller's path (in the caller, the put beside its next call made
-a missed 1x224 call 3.5x slower on an H100, `benchmarks/RESULTS.md`), and the entries belong to a
-process that lives as long as the pool's actor, not as long as a caller.
+a missed call several times slower), and the entries belong to a process that lives as long as the
+pool's actor, not as long as a caller.
 
 The work runs on one thread of its own, queued as the batch's results go back: outputs still on
 the GPU are copied to the host on a stream of its own, so the encoder's next replay neither waits
-for it nor is held up by it (measured: a call right after a miss is not slower,
-`benchmarks/studies/cache_miss_phases.py`). Items whose batch refused them give their claims up at once,
-so that callers waiting for them encode them themselves.
+for it nor is held up by it (a call right after a miss is not slower). Items whose batch refused
+them give their claims up at once, so that callers waiting for them encode them themselves.
 
-One thread, though under load it falls behind: on an H100 with `cache_trace.py`'s trace (8
-threads, half the items repeats) a publication took about 4 ms and waited 76-109 ms (median) for
-the thread, and callers waiting for those items waited with it. Four threads took the wait under
-1 ms and the p99 of calls that repeat finished items from 108-177 to 24-40 ms, but raised the
-median call from 15 to 20-22 ms, likely because the publishing then competes with the actor's
-encoding (two threads: between the two). Most of a publication is its `ray.put` (3.6 of 5 ms);
-`benchmarks/studies/cache_publish_lag.py` measures it.
+One thread, though under load it falls behind: publications wait for it far longer than each
+takes, and callers waiting for those items wait with them. More threads empty that queue and cut
+the tail of calls that repeat finished items, but raise the median call, likely because the
+publishing then competes with the actor's encoding; a trade of the median for the tail is not
+clearly better, so it stays one. Most of a publication is its `ray.put`. Figures:
+`benchmarks/RESULTS.md`, "The embedding cache"; `benchmarks/HISTORY.md`, "Where the cache's p99
+goes: the encoder actor's publishing under load (issue 30, fifth session)"
+(`benchmarks/studies/cache_publish_lag.py`).
 
 The cache actor's methods used (`vitpool.pool.embedding_cache.EmbeddingCacheActor`):
 `insert([(key, [reference], nbytes), ...])` and `abandon([key, ...])`.

@@ -28,9 +28,9 @@ been passed over `max_passes` times (a run took a batch that came after it while
 run is the oldest batch and those right behind it that fit, as without small first. So a small
 batch waits for the run in flight (and, with overlapping runs, the one already queued behind it)
 but not for the large batches that came before it, and no batch waits for ever, however much
-small work keeps coming. The run still fills up with large batches: small batches run alone paid a
-replay's fixed cost each, which at 70% load on an H100 raised the medium and large calls' p99 by
-a quarter or more (`benchmarks/pool_throughput.py --small-first off,256`).
+small work keeps coming. The run still fills up with large batches: small batches run alone pay a
+replay's fixed cost each, which under load raised the medium and large calls' tails
+(`benchmarks/HISTORY.md`, "Small calls under load — `benchmarks/pool_throughput.py --small-first`").
 
 The combiner knows nothing of what it runs: in the actor, each batch is one (plan, pixels) group
 and the start function is the encoder's `start_plans`, which decides which groups share a replay.

@@ -1,8 +1,8 @@
 """A process kept ready to become an encoder actor, so that a dead actor is replaced in seconds.
 
-A fresh actor process spends most of its start before the encoder exists: on an H100, 12-14 s
-of a 20-21 s start went to importing torch, transformers and the engine, then 0.4 s to the CUDA
-context and 5-6 s to loading and capturing (`benchmarks/studies/start_phases.py`). A standby has
+A fresh actor process spends most of its start before the encoder exists: importing torch,
+transformers and the engine takes about two thirds of it, more than the CUDA context, loading and
+capturing together (`benchmarks/RESULTS.md`, "Startup: build, capture, memory"). A standby has
 done the imports and read the checkpoint's files, holds no GPU and has not touched CUDA; when an
 actor on its node dies, the pool gives it that actor's GPU (`take_over`), and it loads, captures
 and checks its graphs as any actor does, then serves as an encoder actor of the same class.

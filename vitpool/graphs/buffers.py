@@ -103,19 +103,21 @@ def _largest_metadata(adapter: VisionAdapter, budgets: Sequence[Budget]) -> dict
 class PinnedStaging:
     """Pinned host rows that large host pixels pass through on their way to the device.
 
-    From ordinary (pageable) memory a large copy runs at the driver's staging speed: the float32
-    pixels of one 896² image (19 MB) took 2.4 ms of host time on an H100 machine
-    (`benchmarks/studies/encode_profile.py`). Copied into pinned memory first, they go by DMA,
-    which does not hold the host; the conversion to the compute dtype runs on the device.
+    From ordinary (pageable) memory a large copy runs at the driver's staging speed and holds the
+    host before the replay can start. Copied into pinned memory first, the pixels go by DMA, which
+    does not hold the host; the conversion to the compute dtype runs on the device.
     The host copy is NumPy's, on the calling thread: torch's converting copy ran on its CPU thread
-    pool, and beside a pool's busy processes that pool stalled (an in-process 4×224² encode on an
-    H100 took 28 ms beside an idle pool of one actor, 3.9 ms alone). Small batches go directly:
-    for one 224² image (1.2 MB) a staging pass cost more than it saved (0.76 against 0.49 ms).
-    Tensors already pinned (the pool's shared segments are registered with CUDA) always go
-    directly. An item of PARALLEL_BYTES or more is copied by COPY_THREADS threads (NumPy lets go
-    of the GIL while it copies): on an H100 machine one 1568² image (59 MB) encoded in 59.6 ms
-    against 62.2 with one thread, 1792² (77 MB) 86.4 against 91.2; 1120² (29 MB) gained nothing
-    (26.2 against 24.8, `benchmarks/studies/eager_profile.py`).
+    pool, and beside a pool's busy processes that pool stalled, making an in-process encode several
+    times slower. Small batches go directly: for one 224² image (1.2 MB) a staging pass cost more
+    than it saved. Tensors already pinned (the pool's shared segments are registered with CUDA)
+    always go directly. An item of PARALLEL_BYTES or more is copied by COPY_THREADS threads (NumPy
+    lets go of the GIL while it copies): that shortened the largest images' encodes, while a 1120²
+    image (29 MB) gained nothing.
+
+    Figures: benchmarks/RESULTS.md, "What the pool adds to one call" (the stalled thread pool);
+    benchmarks/HISTORY.md, "Large host pixels through pinned memory (issue 14, fourth step)" (staging)
+    and "Attention where compute dominates: cuDNN on the default install (issue 42, first step)"
+    (the threads).
     """
 
     MIN_BYTES = 4 << 20

@@ -113,8 +113,8 @@ def _no_collection_while_capturing() -> Iterator[None]:
     captured. A CUDA graph left in a reference cycle (of an earlier encoder, or of the caller's
     objects) is freed only by the collector, and freeing it destroys its executable graph, which
     CUDA forbids while a stream captures: the capture is invalidated ("operation not permitted
-    when stream is capturing (function reset)", seen on an H100). torch 2.11 no longer collects
-    before a capture."""
+    when stream is capturing (function reset)"; benchmarks/HISTORY.md, "Runs that overlap,
+    measured (issue 14, seventh step)"). torch 2.11 no longer collects before a capture."""
     gc.collect()
     was_enabled = gc.isenabled()
     gc.disable()
@@ -156,10 +156,11 @@ def _workspace_in_graph_pool() -> Iterator[None]:
     the address it used at capture. Captured with a cached workspace, the graphs depend on memory
     they do not own: PyTorch's CUDA-graph trees (`torch.compile(mode="reduce-overhead")`) clear
     that cache around every recording, and once the memory is handed back the replays write
-    their GEMM workspace into freed or reused memory. Seen on an H100: an encoder dropped after
-    capturing left the workspace of torch.cuda.graph's shared capture stream in its released
-    pool, the next encoder captured with it, and after a compiled model ran beside it the
-    replays slowed 7x and then faulted ("unspecified launch failure"). Cleared before the
+    their GEMM workspace into freed or reused memory. An encoder dropped after capturing left the
+    workspace of torch.cuda.graph's shared capture stream in its released pool, the next encoder
+    captured with it, and after a compiled model ran beside it the replays slowed several-fold and
+    then faulted ("unspecified launch failure"; benchmarks/HISTORY.md, "An encoder beside
+    CUDA-graph trees in one process (issue 27)"). Cleared before the
     capture, the workspace is allocated inside it, from the pool that lives as long as the
     graphs and serves only their captures (which never run at once); cleared after, no cache
     points into that pool. PyTorch's graph trees do the same around their recordings.

@@ -43,13 +43,13 @@ def resolve_dtype(dtype: torch.dtype | None, device: torch.device) -> torch.dtyp
 # Above this many tokens (4096 patch rows for a 2x2 merge: one ~1024² image) a batch runs eager at
 # its own rows instead of padded into a graph: it is compute-bound, so launches cost little, it
 # pays no padding, and one image is one unpadded attention sequence, which dense cuDNN attention
-# runs 1.5x faster than packed FA2. On an H100 (Qwen3-VL-8B tower, benchmarks/size_sweep.py) the
-# eager run beats the padded graph from 1120² up (34.9 vs 38.7 ms; 1792²: 107.6 vs 144.9 ms) and
-# loses below 896² (672²: 19.9 vs 11.4 ms), where launches dominate.
+# runs faster than packed FA2. The eager run beats the padded graph from 1120² up and loses below
+# 896², where launches dominate (benchmarks/HISTORY.md, "Large images: eager at their own rows with
+# dense attention, a ladder up to 1024 tokens (issue 14, first step)").
 GRAPH_MAX_TOKENS = 1024
 # Below 256 tokens the GPU ladder steps by 32 tokens rather than doubling: 4 more graphs (27 in
-# all), and on pool_throughput.py's mix the padding of calls packed alone falls from 8.5% to 6.4%
-# of graph rows (benchmarks/studies/ladder_padding.py); 4 x 224² (196 tokens) fills 224 instead of 256.
+# all) buy less padding for small calls packed alone (benchmarks/RESULTS.md, "Figures the code's
+# design rests on"); 4 x 224² (196 tokens) fills 224 instead of 256.
 SMALL_STEP_TOKENS = 32
 
 

@@ -128,8 +128,8 @@ class GraphEncoder:
             activation and per-channel weight scales, `vitpool.kernels.fp8`); attention, the patch
             embedding and the projector stay bf16. Each graph is still checked against the eager
             forward of the same precision. ConfigError elsewhere, with `compiled_blocks`, and for
-            a family whose adapter refuses it (`fp8_refused`: DeepSeek-OCR-2). Measured no faster
-            than bf16 on an H100 with torch 2.11 (benchmarks/RESULTS.md); an opt-in to try.
+            a family whose adapter refuses it (`fp8_refused`: DeepSeek-OCR-2). No faster than
+            bf16 with torch 2.11 (benchmarks/RESULTS.md, "FP8 GEMMs"); an opt-in to try.
         max_item_tokens: the largest item (output tokens) `encode` takes; a larger one is an
             InvalidItemError naming its index, before any work (default 16384, the most a
             supported family's processor gives one image: `vitpool.specs.DEFAULT_MAX_ITEM_TOKENS`,

@@ -1,14 +1,14 @@
 """Runs that small batches can interrupt: a budget's graph captured as several graphs, cut between
 the tower's blocks, and one thread that replays them with small batches in between.
 
-Why: a small batch that arrives while a 1024-token run is on the GPU waits for all of it (about
-15 ms on an H100 for Qwen3-VL-8B, against a small call's 6 ms alone), and a CUDA stream of higher
-priority does not help (its kernels share the SMs with the run's and slow both; measured in
-issue 30). Cut into segments, the run is replayed one segment at a time, and a small batch that
-waits goes between two of them, on the same stream, so it waits for the segments already queued
-and no more (`benchmarks/studies/small_call_tails.py` models what that buys). Measured on an H100
-at 70% load: small calls' p50 / p99 20-23 / 48-60 -> 7.5-8.3 / 23-32 ms, saturated throughput
-2-7% lower, so the pool leaves it off by default (`small_first_stream`).
+Why: a small batch that arrives while a 1024-token run is on the GPU waits for all of it, more
+than twice a small call's own latency, and a CUDA stream of higher priority does not help (its
+kernels share the SMs with the run's and slow both). Cut into segments, the run is replayed one
+segment at a time, and a small batch that waits goes between two of them, on the same stream, so
+it waits for the segments already queued and no more (`benchmarks/studies/small_call_tails.py`
+models what that buys). Under load that cuts small calls' median and tail sharply but costs some
+saturated throughput, so the pool leaves it off by default (`small_first_stream`). Figures:
+`benchmarks/RESULTS.md`, "Small calls under load".
 
 The cuts need nothing of the model: the forward is captured as usual, and a forward pre-hook on
 every `BLOCKS_PER_SEGMENT`-th block of the tower's longest stack of repeated blocks ends the graph
@@ -36,8 +36,10 @@ import torch
 
 from vitpool.kernels.compiled import repeated_block_stacks
 
-# Blocks per segment: one replay per segment costs a few microseconds of host time, and a block of
-# a 1024-token run is about half a millisecond of GPU time on an H100.
+# Blocks per segment: one replay per segment costs a few microseconds of host time, far less than a
+# block of a large run takes on the GPU; one block a segment helped small calls little more and cost
+# the other calls more (benchmarks/HISTORY.md, "Small batches that interrupt large runs (issue 30,
+# third session)").
 BLOCKS_PER_SEGMENT = 2
 # Segments left queued on the GPU while the feeding thread waits: enough that the GPU does not run
 # dry while the thread waits for Python's lock, few enough that a small batch waits little.

@@ -7,23 +7,25 @@ precision it runs one of these kernels (all free of host synchronisation, so all
 
 - "fa2": PyTorch's own FlashAttention-2, `varlen_attn` (always there: the fallback);
 - "cudnn": SDPA's cuDNN kernel (Hopper's flash kernel, what Hugging Face eager runs), dense. At
-  the towers' head size 72 on an H100 it is about 1.5x FA2 on one long sequence, but it has no
-  packed form that can be captured, a padding mask takes its gain away, and it builds a plan for
-  every new shape (about 40 ms). So it runs where one dense call serves a whole sequence: in an
+  the towers' head size 72 it beats FA2 on one long sequence, but it has no packed form that can
+  be captured, a padding mask takes its gain away, and it builds a plan for every new shape, too
+  slow for a call's path. So it runs where one dense call serves a whole sequence: in an
   eager batch, whose boundaries are known on the host, one call per long sequence, padded to a
   multiple of `DENSE_BUCKET_ROWS` rows so that the plans stay few (`dense_attention`); and in a
   budget's second graph, for a batch of one sequence and its padding (`LEADING_SEQUENCE`,
   `leading_sequence_attention`). Padding keys are masked by one extra head dimension, not by a
   mask tensor;
 - "fa4": FlashAttention-4 (the optional `flash-attn-4` package, CuTe DSL; Hopper and newer). At
-  the towers' head size 72 on an H100 it is 1.9x FA2 on long sequences (3136 rows: 141 vs 268
-  µs; 4 x 4096: 732 vs 1337) but slower on many short ones (64 x 256: 162 vs 131 µs).
+  the towers' head size 72 it is much faster than FA2 on long sequences but slower on many short
+  ones.
 
 The encoder picks per graph (`use_attention` around capture: FA4 for graphs whose sequences
 may be long, FA2 for the rest, and cuDNN for the second graph `wants_dense_graph` asks for) and,
 for an eager run at the items' own size, lets the hook pick from the batch's boundaries, which it
 declares on the host with `host_boundaries` (`benchmarks/studies/attention_backends.py` and
-`dense_attention.py` have the measurements).
+`dense_attention.py` measure them; figures: `benchmarks/HISTORY.md`, "FlashAttention-4 and fused ops
+(issue 14, second step)" and "Attention where compute dominates: cuDNN on the default install
+(issue 42, first step)").
 """
 
 from __future__ import annotations
@@ -49,20 +51,21 @@ from vitpool.models.protocol import TensorSpec
 logger = logging.getLogger(__name__)
 
 ATTENTION_NAME = "vitpool_flash_varlen"
-# FA4 beats FA2 on sequences of 3136 rows and more on an H100 and loses at 256. A graph takes it
-# from this many rows per sequence it may hold (a few-sequence variant from 544 tokens: 2176 rows
-# in at most 4 sequences). An eager batch pays FA4's host-side set-up again at each new size
-# (`benchmarks/studies/new_sizes.py`, H100, first / second call): from 4096 rows per sequence FA4 wins
-# every call at a size seen before (1056², 4356 rows: 20.6 against FA2's 29.1 ms; 1376²: 36.0
-# against 53.9) and costs 5-18 ms more than FA2 on the first call at a new size up to about
-# 1250² (1248²: 56.9 against 38.8), nothing from 1312² on. Sizes repeat in real traffic (a
-# processor's resize targets), so the threshold favours the repeat.
+# FA4 wins on long sequences and loses on short ones, so a graph takes it only from this many rows
+# per sequence it may hold (a few-sequence variant from 544 tokens: 2176 rows in at most 4
+# sequences). An eager batch pays FA4's host-side set-up again at each new size
+# (`benchmarks/studies/new_sizes.py`): from FA4_MIN_ROWS_PER_SEQUENCE rows per sequence FA4 wins
+# every call at a size seen before and loses only the first call at a new size up to about 1250².
+# Sizes repeat in real traffic (a processor's resize targets), so the threshold favours the repeat
+# (benchmarks/HISTORY.md, "Compiled blocks, eager FA4 threshold, same-run parts off / on (issue 14,
+# third step)").
 FA4_MIN_ROWS_PER_GRAPH_SEQUENCE = 512
 FA4_MIN_ROWS_PER_SEQUENCE = 4096
 # An eager batch whose sequences are all at least this long (and at most CUDNN_MAX_SEQUENCES of
-# them) runs cuDNN, one call per sequence, where FA4 is not taken. One eager call on an H100
-# (`benchmarks/studies/dense_attention.py`): FA2 / padded cuDNN 133 / 171 µs at 1024 rows, 325 /
-# 292 at 3136, 2023 / 1318 at 9604; the launches cost cuDNN's path more on short sequences.
+# them) runs cuDNN, one call per sequence, where FA4 is not taken. For one eager call cuDNN's padded
+# path loses to FA2 on short sequences, where its extra launches weigh most, and wins more the
+# longer they get (`benchmarks/studies/dense_attention.py`; benchmarks/HISTORY.md, "Attention where
+# compute dominates: cuDNN on the default install (issue 42, first step)").
 CUDNN_MIN_ROWS_PER_SEQUENCE = 2048
 CUDNN_MAX_SEQUENCES = 16
 # the extra head dimension must keep cuDNN's head size at 128 or below (GLM's 128 stays on FA2)
@@ -72,8 +75,8 @@ DENSE_BUCKET_ROWS = 256
 # A graph of this many rows or more gets a second capture for batches of one sequence (an image)
 # and padding: cuDNN over all its rows, the padding keys masked (`leading_sequence_attention`). Its
 # cost grows with rows², FA2's with the sequence's: the dense graph wins where the sequence fills
-# DENSE_MIN_FILL of the rows (cuDNN at 1.5x FA2 breaks even near 0.82; FA2 also pays for the
-# padding's own sequence).
+# DENSE_MIN_FILL of the rows (at cuDNN's speed-up over FA2 they break even near 0.82, HISTORY.md
+# as above; FA2 also pays for the padding's own sequence).
 DENSE_GRAPH_MIN_ROWS = 1024
 DENSE_MIN_FILL = 0.8
 LEADING_SEQUENCE = "leading_sequence"  # the backend of such a graph

@@ -10,18 +10,19 @@ symbolic, so 27 blocks and every budget share one compile per class (the "region
 PyTorch recommends for repeated layers). Attention stays outside the compiled code, as an opaque
 custom op (`vitpool.kernels.attention`), so the kernel behind it is still chosen at run time.
 
-It is off by default (`GraphEncoder(compiled_blocks=True)` turns it on): on an H100 it cut a
-224-row forward's replay from 2.34 to 1.97 ms but moved neither the pool's throughput nor the
-latency benchmarks measurably, and it adds the compile (or, warm, the trace) to every start
-(`benchmarks/RESULTS.md`). It takes effect only inside `use_compiled_blocks(True)` (the encoder
+It is off by default (`GraphEncoder(compiled_blocks=True)` turns it on): it shortens a small
+forward's replay but moved neither the pool's throughput nor the latency benchmarks measurably, and
+it adds the compile (or, warm, the trace) to every start (`benchmarks/RESULTS.md`, "Startup: build,
+capture, memory"; `benchmarks/HISTORY.md`, "Compiled blocks, eager FA4 threshold, same-run parts
+off / on (issue 14, third step)"). It takes effect only inside `use_compiled_blocks(True)` (the encoder
 sets it around its GPU forwards, before capture, so every graph records the compiled kernels) and
 only on CUDA tensors; anything else runs Hugging Face's forward, so the CPU path stays the exact
 reference. A block class whose compile fails runs eager from then on, with a warning in the log.
 
 Inductor keeps what it compiles on disk (`compile_cache_dir`: FX graphs, Triton kernels, autotuning
 results); it writes each entry to a temporary file and renames it into place, so the actors of a
-node can share one directory. A start with a warm cache skips the code generation (on an H100 the
-blocks took 3.8 s instead of 8.8 s); dynamo still traces.
+node can share one directory. A start with a warm cache skips the code generation, most of the
+blocks' compile time (same sections); dynamo still traces.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ they are a few percent of the FLOPs and the first and last to see the values.
 
 Attention stays bf16: torch 2.11 ships no FP8 attention (SDPA's cuDNN and Flash backends take
 half precision only), so at large images, where attention is most of the time, FP8 shortens only
-the GEMM part (`benchmarks/RESULTS.md`).
+the GEMM part (`benchmarks/RESULTS.md`, "FP8 GEMMs").
 
 The FP8 copies live in the module's `__dict__`, not as parameters or buffers: `state_dict` and
 `tower.to(dtype)` never see them (a cast would turn them back into bf16). Outside `use_fp8(True)`

@@ -1,22 +1,24 @@
 """Fused work in the Hugging Face towers on a GPU, installed through shared code for every family.
 
-What it replaces, with where it came from (`benchmarks/studies/kernel_breakdown.py`, Qwen3-VL-8B tower on
-an H100):
+What it replaces, and why (`benchmarks/studies/kernel_breakdown.py` and `gemm_shapes.py`; figures:
+`benchmarks/HISTORY.md`, "FlashAttention-4 and fused ops (issue 14, second step)" and "GELU in the
+GEMM epilogue, host work per call, and what bounds the rest (issue 14, fifth step)"; the kernel
+counts: `benchmarks/RESULTS.md`, "Figures the code's design rests on"):
 
 - rotary position embedding: every family's `apply_rotary_pos_emb_vision(q, k, cos, sin)` casts
   q and k to fp32, multiplies, rotates halves with a `cat`, adds and casts back: about 16 kernels
-  and several fp32 copies of [rows, heads, head_dim] per layer, most of the 310 elementwise and
-  196 copy kernels of a 196-row forward. Here one Triton kernel per tensor computes the same
-  fp32 math from the bf16 input and writes bf16.
+  and several fp32 copies of [rows, heads, head_dim] per layer, most of the elementwise and copy
+  kernels of a small forward. Here one Triton kernel per tensor computes the same fp32 math from
+  the bf16 input and writes bf16.
 - patch embedding: a Conv3d / Conv2d whose kernel equals its stride, applied to one patch per row
-  (every family's patch embedding), runs as an implicit fp32-accumulating convolution (0.26 ms
-  at 196 rows); it is the same product as a Linear over the flattened patch, a small GEMM.
+  (every family's patch embedding), runs as a slow implicit fp32-accumulating convolution; it is
+  the same product as a Linear over the flattened patch, a small GEMM.
 
 - MLP activation: a two-layer MLP with a tanh GELU between its Linears (Qwen3-VL, Qwen3.5,
   Kimi-K2.5, PaddleOCR-VL) runs its first Linear's bias and the GELU in cuBLASLt's GEMM epilogue
   (`torch._addmm_activation`), so the [rows, intermediate] activation is written once instead of
-  written, read and written again: fc1 + GELU 71.6 -> 57.6 µs per block at 3136 rows, 11.1 -> 9.2
-  at 224 (`benchmarks/studies/gemm_shapes.py`). The GELU is taken on the fp32 accumulator before rounding.
+  written, read and written again, which saves that round trip at every size. The GELU is taken
+  on the fp32 accumulator before rounding.
 
 All take effect only inside `use_fused_ops(True)` (the encoder sets it around its forwards) and
 only on CUDA tensors in half precision; anything else runs Hugging Face's own code, so a reference
@@ -294,9 +296,9 @@ def pad_for_dense_attention(
     Triton kernel, column head_dim set to 1 in q and, in k, to `masked_key` from row `masked_from`
     (an int, or a 0-d int32 tensor on the device) on (`vitpool.kernels.attention`'s dense cuDNN
     path). Torch's own ops take six kernels (a fill and a copy per tensor) and the two column
-    writes: a 1120² image's copy kernels took 2.35 ms of GPU time with them on an H100, 0.49 plus
-    this kernel's 0.72 without. None where the kernel cannot run (CPU, no Triton, a head stride
-    that is not unit)."""
+    writes, about twice the GPU time of this kernel and the copies left (benchmarks/HISTORY.md,
+    "Attention where compute dominates: cuDNN on the default install (issue 42, first step)").
+    None where the kernel cannot run (CPU, no Triton, a head stride that is not unit)."""
     rows, heads, head_dim = q.shape
     if not (q.is_cuda and triton_available() and all(t.stride(-1) == 1 and t.shape == q.shape for t in (k, v))):
         return None

@@ -1,4 +1,4 @@
-"""The dispatcher: the coordinator's logic, run in each caller's process.
+"""The dispatcher, run in each caller's process.
 
 Every process that calls the pool has one. It queues the items of all its concurrent calls and
 sends batches straight to the encoder actors; which items go together, in which budget, and to

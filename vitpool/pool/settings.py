@@ -22,8 +22,8 @@ _DTYPES = ("bfloat16", "float16", "float32")
 
 # The largest token budget a pool captures. Each actor allocates every budget's static buffers
 # before it takes work (pixel rows alone: budget x merge² rows of C·T·P·P values, 24 KiB a token in
-# float32 for Qwen3-VL), so a mistyped budget fails only inside the actor, after its start: 5 000 000
-# tokens asked 122 GB after 14.7 s. 65 536 tokens is 4x the largest item a processor makes
+# float32 for Qwen3-VL), so a mistyped budget fails only inside the actor, after its start
+# (5 000 000 tokens ask 122 GB). 65 536 tokens is 4x the largest item a processor makes
 # (DEFAULT_MAX_ITEM_TOKENS) and 64x the largest default GPU budget (GRAPH_MAX_TOKENS); graphs stop
 # paying long before (a larger item runs eager at its own rows), so no useful budget is refused.
 MAX_BUDGET_TOKENS = 4 * DEFAULT_MAX_ITEM_TOKENS
@@ -72,12 +72,13 @@ class PoolSettings:
         max_actor_restarts: how many dead (or silent) actors the pool replaces over its life.
         warm_standby: keep one process per node of the pool's actors with the engine imported and
             the checkpoint read, holding no GPU (`vitpool.actors.standby`): an actor there that
-            dies is replaced by it on the GPU the dead one freed, without the 12-14 s of imports
-            a fresh process spends first (on an H100). It costs a process's host memory (about
-            1 GB) per node and no GPU memory; a node's standby starts after its first actor is
-            ready, and again after each take-over. None (the default): on for actors given GPUs
-            (`num_gpus` in their options) that run on them, off for CPU actors. Not for pools
-            colocated with a placement group.
+            dies is replaced by it on the GPU the dead one freed, without the imports that take
+            most of a fresh process's start (benchmarks/RESULTS.md, "Startup: build, capture,
+            memory"). It costs a process's host memory per node (how much: "Figures the code's
+            design rests on", there) and no GPU memory; a node's standby starts after its first
+            actor is ready, and again after each take-over. None (the default): on for actors
+            given GPUs (`num_gpus` in their options) that run on them, off for CPU actors. Not for
+            pools colocated with a placement group.
         max_queued_items, max_queued_bytes: bounds on the items (and their pixel bytes) that wait
             in one caller process; a call that would pass them waits for room.
         max_item_tokens: the largest item (output tokens) a call may carry; a larger one is
@@ -97,32 +98,33 @@ class PoolSettings:
             go in batches of their own, which have a lane of `max_batches_in_flight_per_actor`
             extra slots at each actor, and an actor runs waiting batches of at most this many
             tokens first (a batch passed over 4 times goes first, so none waits for ever). So a
-            small call does not wait behind large batches queued before it: on one H100 at 70%
-            load the small calls' p99 fell from 106.9 to 44.0 ms, saturated throughput unchanged.
-            None: one lane, oldest first.
+            small call does not wait behind large batches queued before it: under load this more
+            than halved the small calls' p99 at no cost in saturated throughput
+            (benchmarks/RESULTS.md, "Small calls under load"). None: one lane, oldest first.
         small_first_stream: with `small_first_tokens`, on a GPU, small batches interrupt large
             runs: each actor keeps a second copy of its small budgets' graphs (up to the smallest
             budget of at least `small_first_tokens`), captures its larger budgets in segments of
             two blocks, and queues a waiting small batch between two segments of the run being
             queued, so that it waits for the two segments ahead of it, not for the large runs
             (`GraphEncoder`'s `urgent_tokens`, `vitpool.graphs.segments`). Costs those graphs'
-            capture time and memory. Off by default: on one H100 at 70% load it cut the small calls'
-            p50 / p99 from 20-23 / 48-60 to 7.5-8.3 / 23-32 ms but cost 2-7% of saturated
-            throughput (4.5% over four runs) and raised the medium calls' p99 by 10-38%
-            (`pool_throughput.py --small-first 256,256-stream`). False: small batches wait for
-            the run in flight and the one queued behind it.
+            capture time and memory. Off by default: under load it cuts the small calls' median
+            and p99 sharply but costs a few percent of saturated throughput and raises the medium
+            calls' p99 (benchmarks/RESULTS.md, "Small calls under load"). False: small batches
+            wait for the run in flight and the one queued behind it.
         channel_spin_s: on the same-node channel, how long a waiting thread polls before it
             sleeps: an actor after each answer, for the connection's next batch; a caller from
             shortly before its reply is due (learnt from its earlier batches of the same size).
             Each batch costs at most about this much CPU time per side; a thread that sleeps
-            instead pays a wake-up (0.2-0.4 ms measured on a GPU VM). 0: never poll.
+            instead pays a wake-up (benchmarks/HISTORY.md, "Fourth pass: one call's phases,
+            results viewed in place, brief polling (issue 3)"). 0: never poll.
         rank_transport: "nccl" (GPU actors) or "gloo" (CPU actors): the encoder actors can also
             hand a call's embeddings to tensor-parallel ranks over Ray Direct Transport
             (`EncoderPool.deliver_to`; see `vitpool.pool.rank_delivery` for what the ranks need).
             None: deliveries go through the object store.
         same_node_channel: callers on an actor's node send it batches through shared memory and
-            a Unix socket instead of Ray's object store (Linux; about 1 ms less per call on a
-            small image). Results of `encode_refs` always go through the object store.
+            a Unix socket instead of Ray's object store (Linux; less time per call:
+            benchmarks/RESULTS.md, "Figures the code's design rests on"). Results of `encode_refs`
+            always go through the object store.
         embedding_cache_bytes: bound on the pool's embedding cache (`vitpool.pool.embedding_cache`),
             shared by every caller of the pool: an item whose content (pixels, grid, model, dtype)
             was encoded before is served from it. Least recently used entries go first. 0 (the

@@ -312,11 +312,13 @@ def sam_attention(
 
     SAM adds a decomposed relative-position bias, rel_h[q, row(k)] + rel_w[q, column(k)], to the
     attention logits. Built as a mask it is [heads, h*w, h*w] per tile (200M values a global
-    layer at 1024²), written and read again each layer: on an H100 that took half of a view's
-    encode. The same logits come from a longer dot product, with no mask: the query gains its
-    rel_h and rel_w rows (divided by the softmax scale) and the key the one-hot of its row and
-    column, so q'·k' * scale = q·k * scale + rel_h[q, row(k)] + rel_w[q, column(k)]; the value
-    gains zero columns (one head size for the flash kernels), cut off after."""
+    layer at 1024²), written and read again each layer: a large share of a view's encode
+    (benchmarks/HISTORY.md, "Wave 2: Step-3.7, DeepSeek-OCR-2, MiniCPM-V 4.6, and the tiled towers'
+    fused and compiled kernels (issue 28)"). The same logits come from a longer dot product, with
+    no mask: the query gains its rel_h and rel_w rows (divided by the softmax scale) and the key
+    the one-hot of its row and column, so q'·k' * scale = q·k * scale + rel_h[q, row(k)] +
+    rel_w[q, column(k)]; the value gains zero columns (one head size for the flash kernels), cut
+    off after."""
     batch, height, width, _ = hidden.shape
     heads, tokens = attention.num_attention_heads, height * width
     qkv = attention.qkv(hidden).reshape(batch, tokens, 3, heads, -1).permute(2, 0, 3, 1, 4)
@@ -345,10 +347,10 @@ def fused_sam_attention(
     key, written into one buffer [b, h*w, 2, heads, d + E] in the layout of the qkv projection
     instead of built by `cat`s and `pad`s: one copy of q and k together, one write each of the
     keys' one-hot rows (cast as they are written) and the queries' scaled rel_h and rel_w, against
-    about ten kernels that each read and wrote whole extended tensors (their copies took a tenth
-    of a view's GPU time on an H100). The value keeps its head size: cuDNN's attention takes a
-    value head smaller than the query's (the reference pads it for the flash kernel, whose
-    product with the padding was a sixth of a global layer's attention)."""
+    about ten kernels that each read and wrote whole extended tensors (a noticeable share of a
+    view's GPU time). The value keeps its head size: cuDNN's attention takes a value head
+    smaller than the query's (the reference pads it for the flash kernel, which then multiplies
+    the padding too). Figures: benchmarks/RESULTS.md, "Figures the code's design rests on"."""
     batch, height, width, _ = hidden.shape
     heads, tokens = attention.num_attention_heads, height * width
     qkv = attention.qkv(hidden).view(batch, tokens, 3, heads, -1)
@@ -387,8 +389,8 @@ def sam_features(encoder: DeepseekOcr2Encoder, path: str, pixels: torch.Tensor) 
     hidden = sam.patch_embed(pixels)  # [n, grid, grid, hidden]: a view of the convolution's NCHW output
     if fused_ops_apply(hidden):
         # one copy into [n, grid, grid, hidden] order: else every add of the residual stream keeps
-        # the NCHW order (strided kernels, a quarter of SAM's time on an H100) and each layer norm
-        # copies its input
+        # the NCHW order (strided kernels, a large share of SAM's time: benchmarks/RESULTS.md,
+        # "Figures the code's design rests on") and each layer norm copies its input
         hidden = hidden.contiguous()
     if sam.pos_embed is not None:
         hidden = hidden + sam.interpolate_pos_encoding(grid, grid)

@@ -12,7 +12,7 @@ exactly what `MiniCPMV4_6Model.get_image_features` gives the LLM (its `pooler_ou
 per slice, concatenated). Only the default "16x" mode; "4x" (no `vit_merger`) is refused.
 
 Why not Hugging Face's forward: it derives `cu_seqlens` from `target_sizes`, formats
-`target_sizes` into an f-string on every call (a host read that invalidated capture on an H100),
+`target_sizes` into an f-string on every call (a host read, which invalidated capture),
 and its Merger loops over slices in Python with data-dependent slicing. Given a precomputed
 `cu_seqlens` it would also apply it after the merge, where the rows are a quarter as many. So the
 adapter drives the submodules itself, the same in transformers 5.17 and 5.24 (whose `vit_merger`

@@ -53,7 +53,9 @@ DOWNSAMPLE = 4  # two stride-2 convolutions, each rounding up
 
 # Default budgets: up to 8 global views (8 images) and 16 crops per batch; more run eager at
 # their own size. 16 crops are 20736 patch rows, compute-bound already: a graph gains little
-# there, and 36 (a 3024² image's) made capture and check take 22 s on an H100.
+# there, and budgets up to 36 (a 3024² image's) nearly doubled capture and check
+# (benchmarks/HISTORY.md, "Every family against HF eager and HF compiled, capture and memory
+# (issue 28, last runs)").
 MAX_GRAPH_TILES = {GLOBAL: 8, LOCAL: 16}
 TOWER_PARTS = ("embeddings", "pre_layernorm", "rotary_emb", "layers", "downsampler1", "downsampler2")
 
