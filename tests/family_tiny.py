@@ -45,7 +45,7 @@ def save_tiny_tower(family: str, directory: Path) -> Path:
         return directory
     from safetensors.torch import save_file
 
-    module = importlib.import_module(f"vitpool.models.{family}")
+    module = importlib.import_module(f"vitpool.families.{family}.adapter")
     module.tower_only_config(case.full_config()).save_pretrained(directory)
     state = {key: value.contiguous() for key, value in case.tiny_encoder_module().state_dict().items()}
     save_file(state, str(directory / "model.safetensors"))
