@@ -36,7 +36,7 @@ from conftest import BUDGETS, CheckedStream, assert_same, image, mixed_items, vi
 from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-import vitpool.pool.encoder_pool as encoder_pool_module
+import vitpool.pool.encode_call as encode_call_module
 from vitpool import EncoderPool
 
 pytestmark = pytest.mark.ray
@@ -459,7 +459,7 @@ def test_results_waiting_on_a_lost_node_are_encoded_again(cluster, pool, referen
     items = [image(40, 36, generator), image(40, 36, generator)]
     expected = reference_encoder.encode(items)
     holds_controller = controller_node(pool)
-    fetch_results = encoder_pool_module.refs_among
+    fetch_results = encode_call_module.refs_among
     lost: list[str] = []
 
     def lose_a_node_before_the_fetch(results):
@@ -473,7 +473,7 @@ def test_results_waiting_on_a_lost_node_are_encoded_again(cluster, pool, referen
             lost.append(victim)
         return refs
 
-    monkeypatch.setattr(encoder_pool_module, "refs_among", lose_a_node_before_the_fetch)
+    monkeypatch.setattr(encode_call_module, "refs_among", lose_a_node_before_the_fetch)
     results = pool.encode(items, timeout_s=120)
     assert lost, "no result waited in an object store: nothing was tested"
     assert_same(results, expected)

@@ -39,13 +39,13 @@ lapse, and then encode it themselves). Duplicates within one call are encoded on
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +55,7 @@ import xxhash
 
 from vitpool.items import Embedding
 from vitpool.pool.cluster import ON_HEAD_NODE
+from vitpool.pool.lru import ByteBoundedLRU
 from vitpool.pool.stats import CacheStats
 from vitpool.transport.wire import from_array, to_array, wire_dtype_name
 
@@ -103,12 +104,6 @@ def item_key(identity: bytes, parts: Sequence[Any]) -> bytes:
 
 
 @dataclass
-class _Entry:
-    ref: Any  # ray.ObjectRef to an Embedding, put by the caller that encoded it
-    nbytes: int
-
-
-@dataclass
 class _Claim:
     deadline: float
     done: asyncio.Event = field(default_factory=asyncio.Event)
@@ -124,7 +119,7 @@ class EmbeddingCacheActor:
     """
 
     def __init__(self, capacity_bytes: int, claim_timeout_s: float = CLAIM_TIMEOUT_S) -> None:
-        self._entries: collections.OrderedDict[bytes, _Entry] = collections.OrderedDict()
+        self._entries: ByteBoundedLRU[bytes, Any] = ByteBoundedLRU(capacity_bytes)  # key -> reference
         self._claims: dict[bytes, _Claim] = {}
         self._claim_timeout_s = claim_timeout_s
         self._stats = CacheStats(capacity_bytes=capacity_bytes)
@@ -136,11 +131,10 @@ class EmbeddingCacheActor:
         answers: list[tuple[str, list[Any]]] = []
         now = time.monotonic()
         for key in keys:
-            entry = self._entries.get(key)
-            if entry is not None:
-                self._entries.move_to_end(key)
+            ref = self._entries.get(key)
+            if ref is not None:
                 self._stats.hits += 1
-                answers.append((HIT, [entry.ref]))
+                answers.append((HIT, [ref]))
                 continue
             self._stats.misses += 1
             claim = self._claims.get(key)
@@ -167,8 +161,8 @@ class EmbeddingCacheActor:
                 await asyncio.wait_for(claim.done.wait(), max(0.0, claim.deadline - time.monotonic()))
             except asyncio.TimeoutError:
                 pass
-        entry = self._entries.get(key)
-        return [entry.ref] if entry is not None else []
+        ref = self._entries.peek(key)
+        return [ref] if ref is not None else []
 
     async def insert(self, entries: Sequence[tuple[bytes, list[Any], int]]) -> None:
         """Keep each (key, [reference to its Embedding], the embedding's bytes) and release its
@@ -177,16 +171,8 @@ class EmbeddingCacheActor:
             self._release(key)
             if key in self._entries:
                 continue
-            if nbytes > self._stats.capacity_bytes:
-                self._stats.too_large += 1
-                continue
-            self._entries[key] = _Entry(refs[0], nbytes)
-            self._stats.inserts += 1
-            self._stats.bytes += nbytes
-            while self._stats.bytes > self._stats.capacity_bytes:
-                _, evicted = self._entries.popitem(last=False)
-                self._stats.bytes -= evicted.nbytes
-                self._stats.evictions += 1
+            if self._entries.put(key, refs[0], nbytes) is not None:  # else larger than the whole cache
+                self._stats.inserts += 1
 
     async def abandon(self, keys: Sequence[bytes]) -> None:
         """Give up claims (their items failed): waiters encode them themselves."""
@@ -196,14 +182,16 @@ class EmbeddingCacheActor:
     async def forget(self, keys: Sequence[bytes]) -> None:
         """Drop entries whose objects a caller could not fetch (lost with a node)."""
         for key in keys:
-            entry = self._entries.pop(key, None)
-            if entry is not None:
-                self._stats.bytes -= entry.nbytes
+            if self._entries.pop(key) is not None:
                 self._stats.lost_hits += 1
 
     async def stats(self) -> CacheStats:
-        self._stats.entries = len(self._entries)
-        return CacheStats(**vars(self._stats))
+        entries = self._entries
+        # no entry is protected by age here, so the bound refuses only embeddings over the whole cache
+        return replace(
+            self._stats, entries=len(entries), bytes=entries.bytes, evictions=entries.evictions,
+            too_large=entries.refusals,
+        )
 
     def _release(self, key: bytes) -> None:
         claim = self._claims.pop(key, None)
@@ -253,31 +241,22 @@ class _LocalTier:
     private copies and hands out copies."""
 
     def __init__(self, capacity_bytes: int) -> None:
-        self._entries: collections.OrderedDict[bytes, Embedding] = collections.OrderedDict()
-        self._capacity_bytes = capacity_bytes
-        self._bytes = 0
+        self._entries: ByteBoundedLRU[bytes, Embedding] = ByteBoundedLRU(capacity_bytes)
         self._lock = threading.Lock()
 
     def get(self, key: bytes) -> Embedding | None:
         with self._lock:
             embedding = self._entries.get(key)
-            if embedding is not None:
-                self._entries.move_to_end(key)
         return None if embedding is None else _copied(embedding)
 
     def keep(self, key: bytes, embedding: Embedding) -> None:
         nbytes = embedding.nbytes
-        if nbytes > self._capacity_bytes:
-            return
+        if nbytes > self._entries.max_bytes:
+            return  # not worth the copy: the bound refuses it
         copy = _copied(embedding)
         with self._lock:
-            if key in self._entries:
-                return
-            self._entries[key] = copy
-            self._bytes += nbytes
-            while self._bytes > self._capacity_bytes:
-                _, evicted = self._entries.popitem(last=False)
-                self._bytes -= evicted.nbytes
+            if key not in self._entries:
+                self._entries.put(key, copy, nbytes)
 
 
 class CacheClient:
@@ -418,6 +397,37 @@ class CacheClient:
             if lost:
                 self._handle.forget.remote(lost)
         return fell_through
+
+    def finish(
+        self, answer: CacheAnswer, results: list[Any], want_refs: bool, timeout_s: float | None,
+        return_exceptions: bool, encode_again: Callable[[list[int]], list[Any]],
+    ) -> None:
+        """A call's results once its own items are in: publish what it encoded, then fill the
+        slots the cache serves. Items that fell through (their entry lost, or never published by
+        its claimant) are encoded now by `encode_again` (their indices; their results, in order);
+        a failure among them raises unless `return_exceptions`.
+
+        Raises:
+            TimeoutError: another caller's result for a waiting item did not come within `timeout_s`.
+        """
+        self.publish(answer, results)  # first: another caller may wait for these while this one waits
+        fell_through = sorted(self.served(answer, results, want_refs, timeout_s))
+        if fell_through:
+            for index, value in zip(fell_through, encode_again(fell_through)):
+                if isinstance(value, BaseException) and not return_exceptions:
+                    raise value
+                results[index] = value
+        self.copy_repeats(answer, results, want_refs)
+
+    @contextlib.contextmanager
+    def claims_given_up_on_error(self, answer: CacheAnswer) -> Iterator[None]:
+        """A call that fails as a whole gives up its claims on the cache's keys (others that wait
+        for them encode them themselves instead of waiting for the claims to lapse)."""
+        try:
+            yield
+        except BaseException:
+            self.abandon(answer)
+            raise
 
     def copy_repeats(self, answer: CacheAnswer, results: list[Any], want_refs: bool) -> None:
         """Each repeat within the call gets its first occurrence's result (a copy of its own, so

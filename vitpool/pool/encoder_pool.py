@@ -6,10 +6,10 @@ dispatcher: calls go from the caller's process straight to the encoder actors. P
 embeddings go through shared memory to actors on the caller's node and through Ray's object store
 to the others; only small control messages go anywhere else.
 
-This module is the facade: it checks a call's items against the model's rules (in this process,
-once), queues them with the dispatcher, and waits. Starting actors is `launcher`'s, keeping the
-membership current `membership`'s, choosing batches and actors `policy`'s, moving batches the
-transport's. A caller's process loads no model code: the rules arrive pickled from an actor.
+This module is the facade. A call's way through (check its items against the model's rules, in
+this process, once; ask the cache; queue; wait; fetch) is `encode_call`'s, starting actors
+`launcher`'s, keeping the membership current `membership`'s, choosing batches and actors
+`policy`'s, moving batches the transport's. A caller's process loads no model code: the rules arrive pickled from an actor.
 
 A handle that was closed, or whose pool's controller is gone, or whose process left Ray, raises
 PoolUnavailableError saying which from every method, before any Ray call: Ray's calls would
@@ -18,44 +18,31 @@ start a new local Ray instance in a process that is not connected.
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-import contextlib
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import ray
 
 from vitpool.codec import decode_request, encode_results
-from vitpool.errors import ConfigError, InvalidItemError, PoolUnavailableError, counted
+from vitpool.errors import ConfigError, PoolUnavailableError, counted
 from vitpool.items import Embedding, Item, check_item_list
 from vitpool.packing import Budget
-from vitpool.pool.calls import Call, PartResults, QueuedItem
 from vitpool.pool.controller import Membership
 from vitpool.pool.dispatcher import Dispatcher
-from vitpool.pool.embedding_cache import CacheAnswer, CacheClient
-from vitpool.pool.item_checks import checked_items, each_checked
+from vitpool.pool.embedding_cache import CacheClient
+from vitpool.pool.encode_call import EncodePipeline
 from vitpool.pool.launcher import find_pool, launch_pool, progress_on_stderr, scale_pool, stop_controller
 from vitpool.pool.membership import MembershipWatcher
 from vitpool.pool.metrics import CallerMetrics
 from vitpool.pool.rank_delivery import RDT_TRANSPORTS, RankDelivery, choose_transport
-from vitpool.pool.results import (
-    fetched,
-    joined,
-    joined_ref,
-    lost_with_its_node,
-    put_back,
-    refs_among,
-)
 from vitpool.pool.settings import PoolSettings
 from vitpool.pool.start_errors import start_failure
 from vitpool.pool.stats import PoolStats, percentile, recent_rate
 from vitpool.specs import ItemRules
 from vitpool.transport.link import ActorLink
 from vitpool.transport.links import make_link
-from vitpool.transport.wire import to_array
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +87,9 @@ class EncoderPool:
                 membership.cache, self._settings.model, _dtype_name(membership), self._settings.local_cache_bytes
             )
             if membership.cache is not None else None
+        )
+        self._pipeline = EncodePipeline(
+            name, self._dispatcher, self._rules, self._settings, self._cache, explained=self._explained
         )
         interval = self._settings.metrics_interval_s
         self._metrics = CallerMetrics(name, self._dispatcher, interval) if interval is not None else None
@@ -211,63 +201,7 @@ class EncoderPool:
         self._check_usable()
         if not _checked_list(items):
             return []
-        return self._encode(items, timeout_s, return_exceptions, self._cache)
-
-    def _encode(
-        self, items: Sequence[Item], timeout_s: float | None, return_exceptions: bool, cache: CacheClient | None,
-        attempts_left: int | None = None,
-    ) -> list[Any]:
-        # Without a timeout this thread may carry its own batches; with one it must stay free to
-        # give up, so connection threads carry them.
-        call, answer = self._submit(
-            items, False, timeout_s, inline=timeout_s is None, return_exceptions=return_exceptions, cache=cache
-        )
-        with _abandoned_on_error(cache, answer):
-            try:
-                results = call.future.result(timeout_s)
-            except concurrent.futures.TimeoutError:
-                raise self._timed_out(call, timeout_s) from None
-            except PoolUnavailableError as error:
-                raise self._explained(error) from None
-            refs = refs_among(results)
-            if refs:  # none when every batch took the same-node channel; ray.get costs even then
-                attempts = self._settings.max_attempts_per_item if attempts_left is None else attempts_left
-                self._fetch_refs(items, results, refs, timeout_s, return_exceptions, attempts)
-            results = joined(results, return_exceptions)
-        if answer is not None:
-            self._serve_from_cache(items, answer, results, False, timeout_s, return_exceptions)
-        return results
-
-    def _fetch_refs(
-        self, items: Sequence[Item], results: list[Any], refs: dict[tuple[int, int | None], Any],
-        timeout_s: float | None, return_exceptions: bool, attempts_left: int,
-    ) -> None:
-        """Fetch the results that came as object references into `results`. One lost with its
-        node (its actor answered, then the node went before the fetch) is encoded again, within
-        the pool's attempts per item; another failure raises (`EncodeError` naming the item), or
-        with `return_exceptions` fills the item's slot."""
-        try:
-            put_back(results, refs, ray.get(list(refs.values())))
-            return
-        except ray.exceptions.RayError:
-            values = [fetched(where[0], ref) for where, ref in refs.items()]
-        put_back(results, refs, values)
-        lost = sorted({index for (index, _), value in zip(refs, values) if lost_with_its_node(value)})
-        if lost and attempts_left > 1:
-            logger.warning(
-                "pool %r: the results of items %s were lost with their actor's node before they were "
-                "fetched; encoding them again", self.name, lost,
-            )
-            self._dispatcher.count_requeued(len(lost))
-            again = self._encode([items[i] for i in lost], timeout_s, True, None, attempts_left - 1)
-            for index, value in zip(lost, again):
-                results[index] = value
-        if not return_exceptions:
-            for result in results:
-                parts = result.parts if isinstance(result, PartResults) else [result]
-                failure = next((part for part in parts if isinstance(part, BaseException)), None)
-                if failure is not None:
-                    raise failure
+        return self._pipeline.encode(items, timeout_s, return_exceptions)
 
     async def encode_async(
         self, items: Sequence[Item], timeout_s: float | None = None, return_exceptions: bool = False
@@ -277,33 +211,7 @@ class EncoderPool:
         self._check_usable()
         if not _checked_list(items):
             return []
-        outcomes = self._checked(items, return_exceptions)
-        answer = await self._cache.lookup_async(outcomes) if self._cache is not None else None
-        call, queued = self._queued(outcomes, False, return_exceptions, answer)
-        with _abandoned_on_error(self._cache, answer):
-            if queued:
-                try:
-                    self._dispatcher.submit(call, queued, timeout_s=0)
-                except TimeoutError:  # the queue is full: wait for room off the event loop
-                    await asyncio.to_thread(self._dispatcher.submit, call, queued, timeout_s)
-            try:
-                results = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(call.future)), timeout_s)
-            except asyncio.TimeoutError:
-                raise self._timed_out(call, timeout_s) from None
-            except PoolUnavailableError as error:
-                raise await asyncio.to_thread(self._explained, error) from None
-            refs = refs_among(results)
-            if refs:
-                await asyncio.to_thread(
-                    self._fetch_refs, items, results, refs, timeout_s, return_exceptions,
-                    self._settings.max_attempts_per_item,
-                )
-            results = joined(results, return_exceptions)
-        if answer is not None:
-            await asyncio.to_thread(
-                self._serve_from_cache, items, answer, results, False, timeout_s, return_exceptions
-            )
-        return results
+        return await self._pipeline.encode_async(items, timeout_s, return_exceptions)
 
     def encode_bytes(self, request: bytes, timeout_s: float | None = None) -> bytes:
         """Encode a request in vitpool's msgpack format (`vitpool.codec`), for bytes that come from
@@ -328,26 +236,7 @@ class EncoderPool:
         self._check_usable()
         if not _checked_list(items):
             return []
-        return self._encode_refs(items, timeout_s, self._cache)
-
-    def _encode_refs(self, items: Sequence[Item], timeout_s: float | None, cache: CacheClient | None) -> list[Any]:
-        call, answer = self._submit(items, want_refs=True, timeout_s=timeout_s, cache=cache)
-        with _abandoned_on_error(cache, answer):
-            try:
-                results = call.future.result(timeout_s)
-            except concurrent.futures.TimeoutError:
-                raise self._timed_out(call, timeout_s) from None
-            except PoolUnavailableError as error:
-                raise self._explained(error) from None
-            # an item of several inputs: its parts' embeddings fetched, joined here and put as one (a
-            # copy through this process, which references to single-input items do not make)
-            results = [
-                joined_ref(index, result, timeout_s) if isinstance(result, PartResults) else result
-                for index, result in enumerate(results)
-            ]
-        if answer is not None:
-            self._serve_from_cache(items, answer, results, True, timeout_s, False)
-        return results
+        return self._pipeline.encode(items, timeout_s, want_refs=True)
 
     def deliver_to(self, ranks: Sequence[Any], transport: str = "auto", actor_index: int | None = None) -> RankDelivery:
         """A delivery of encodes to every tensor-parallel rank in `ranks` (Ray actor handles):
@@ -378,99 +267,6 @@ class EncoderPool:
         return RankDelivery(
             actors[index], index, chosen, self._rules, dtype_name, self._settings.max_item_tokens
         )
-
-    def _submit(
-        self, items: Sequence[Item], want_refs: bool, timeout_s: float | None, inline: bool = False,
-        return_exceptions: bool = False, cache: CacheClient | None = None,
-    ) -> tuple[Call, CacheAnswer | None]:
-        """Check and queue a call, waiting up to `timeout_s` for room in the queue. `inline`: this
-        thread may carry batches over the same-node channel itself (it waits for them anyway).
-        With a `cache`, the items it serves are not queued (the answer says which)."""
-        outcomes = self._checked(items, return_exceptions)
-        answer = cache.lookup(outcomes) if cache is not None else None
-        call, queued = self._queued(outcomes, want_refs, return_exceptions, answer)
-        if queued:  # else every item was refused here or served by the cache, and the call is complete
-            with _abandoned_on_error(cache, answer):
-                self._dispatcher.submit(call, queued, timeout_s, inline)
-        return call, answer
-
-    def _checked(self, items: Sequence[Item], return_exceptions: bool) -> list[Any]:
-        """Items are checked and sized here, once, in the caller's process: a bad item costs no hop
-        and harms no one, and the specs travel with the pixels. A refused item raises, or with
-        `return_exceptions` is its InvalidItemError in the list."""
-        settings = self._settings
-        if return_exceptions:
-            outcomes = each_checked(items, self._rules, settings.max_item_tokens, settings.max_queued_bytes)
-        else:
-            try:
-                outcomes = checked_items(
-                    items, self._rules, settings.max_item_tokens, settings.max_queued_bytes
-                )
-            except InvalidItemError:
-                self._dispatcher.count_rejected(1)
-                raise
-        return outcomes
-
-    def _queued(
-        self, outcomes: list[Any], want_refs: bool, return_exceptions: bool, answer: CacheAnswer | None
-    ) -> tuple[Call, list[QueuedItem]]:
-        """The call and its items to queue: a refused item fills its slot at once, as does one the
-        cache serves (filled in once the call's own items are in)."""
-        served = answer.served if answer is not None else set()
-        call = Call(
-            len(outcomes), return_exceptions,
-            [1 if isinstance(p, InvalidItemError) or i in served else len(p.parts) for i, p in enumerate(outcomes)],
-        )
-        for index in served:
-            call.complete_item(index, _SERVED)
-        refused = [
-            (index, error) for index, error in enumerate(outcomes) if isinstance(error, InvalidItemError)
-        ]
-        if refused:
-            self._dispatcher.count_rejected(len(refused))
-        for index, error in refused:
-            call.complete_item(index, error)
-        # Arrays can take the same-node channel; references (put in the caller's thread, outside
-        # the dispatcher's lock) go through Ray and give results that stay in the object store.
-        keep_arrays = not want_refs and self._dispatcher.has_channel
-        queued = [
-            QueuedItem(
-                call, index, part.spec,
-                to_array(part.pixels) if keep_arrays else ray.put(to_array(part.pixels)),
-                part.nbytes, part=number,
-                cache_key=None if answer is None else answer.actor_publishes(index, len(p.parts), want_refs),
-            )
-            for index, p in enumerate(outcomes)
-            if not isinstance(p, InvalidItemError) and index not in served
-            for number, part in enumerate(p.parts)
-        ]
-        return call, queued
-
-    def _serve_from_cache(
-        self, items: Sequence[Item], answer: CacheAnswer, results: list[Any], want_refs: bool,
-        timeout_s: float | None, return_exceptions: bool,
-    ) -> None:
-        """Publish what this call encoded for the cache, then fill the slots the cache serves; an
-        item whose entry was lost or never published is encoded now, without the cache."""
-        cache = self._cache
-        cache.publish(answer, results)  # first: another caller may wait for these while this one waits
-        fell_through = sorted(cache.served(answer, results, want_refs, timeout_s))
-        if fell_through:
-            logger.debug("pool %r: %d cached items encoded again", self.name, len(fell_through))
-            again = (
-                self._encode_refs([items[i] for i in fell_through], timeout_s, None) if want_refs
-                else self._encode([items[i] for i in fell_through], timeout_s, True, None)
-            )
-            for index, value in zip(fell_through, again):
-                if isinstance(value, BaseException) and not return_exceptions:
-                    raise value
-                results[index] = value
-        cache.copy_repeats(answer, results, want_refs)
-
-    def _timed_out(self, call: Call, timeout_s: float | None) -> TimeoutError:
-        error = TimeoutError(f"pool {self.name!r}: no result within {timeout_s} s")
-        self._dispatcher.cancel(call, error)
-        return error
 
     # scale, stats, shutdown
 
@@ -703,22 +499,6 @@ class EncoderPool:
             self._membership.actors[actor_index], channel, settings.batch_timeout_s + 5.0, settings.channel_spin_s,
             f"encoder actor {actor_index}",
         )
-
-
-# the slot of an item the cache serves, until the call's own items are in
-_SERVED = object()
-
-
-@contextlib.contextmanager
-def _abandoned_on_error(cache: CacheClient | None, answer: CacheAnswer | None) -> Iterator[None]:
-    """A call that fails as a whole gives up its claims on the cache's keys (others that wait for
-    them encode them themselves instead of waiting for the claims to lapse)."""
-    try:
-        yield
-    except BaseException:
-        if cache is not None and answer is not None:
-            cache.abandon(answer)
-        raise
 
 
 def _dtype_name(membership: Membership) -> str:
