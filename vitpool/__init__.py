@@ -8,8 +8,9 @@ Public names load on first use, so that `vitpool.packing` stays importable witho
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from vitpool._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from vitpool.codec import decode_request, decode_results, encode_request, encode_results
@@ -81,12 +82,4 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _PUBLIC:
-        raise AttributeError(f"module 'vitpool' has no attribute {name!r}")
-    return getattr(importlib.import_module(_PUBLIC[name]), name)
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_PUBLIC])
+__getattr__, __dir__ = lazy_exports(__name__, _PUBLIC)

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from vitpool.items import Embedding, Image, Item, Video
+from vitpool.specs import is_int
 from vitpool.transport.wire import WIRE_DTYPES, from_array, to_array, wire_dtype_name
 
 FORMAT = "vitpool"
@@ -135,7 +136,7 @@ def _item_v1(entry: Any, where: str) -> Item:
     if kind not in _ITEM_TYPES:
         raise ValueError(f"{where}: type {kind!r} is not one of {sorted(_ITEM_TYPES)}")
     grid = _field(entry, "grid_thw", list, where)
-    if len(grid) != 3 or not all(_is_int(n) for n in grid):
+    if len(grid) != 3 or not all(is_int(n) for n in grid):
         raise ValueError(f"{where}: grid_thw must be three integers, got {grid!r}")
     pixels = _unpack_tensor(_field(entry, "pixels", dict, where), f"{where} pixels")
     return _ITEM_TYPES[kind](pixels, tuple(grid))
@@ -146,7 +147,7 @@ def _grid_to_wire(grid: Any, where: str, depth: int = 0) -> Any:
         return None
     if hasattr(grid, "tolist"):  # a tensor or an array (or a NumPy integer)
         grid = grid.tolist()
-    if _is_int(grid) and depth > 0:
+    if is_int(grid) and depth > 0:
         return int(grid)
     if isinstance(grid, (list, tuple)) and depth < MAX_GRID_DEPTH:
         return [_grid_to_wire(value, where, depth + 1) for value in grid]
@@ -159,7 +160,7 @@ def _grid_from_wire(grid: Any, where: str, depth: int = 0) -> Any:
     """nil, or the lists of integers as tuples (nested as they came)."""
     if grid is None and depth == 0:
         return None
-    if _is_int(grid) and depth > 0:
+    if is_int(grid) and depth > 0:
         return grid
     if isinstance(grid, list) and depth < MAX_GRID_DEPTH:
         return tuple(_grid_from_wire(value, where, depth + 1) for value in grid)
@@ -188,7 +189,7 @@ def _unpack(data: Any, kind: str) -> tuple[dict, int]:
     if not isinstance(message, dict) or message.get("format") != FORMAT:
         raise ValueError("not a vitpool message")
     version = message.get("version")
-    if not _is_int(version) or version not in READ_VERSIONS:  # True == 1 in Python: not a version
+    if not is_int(version) or version not in READ_VERSIONS:  # True == 1 in Python: not a version
         raise ValueError(
             f"vitpool message version {version!r}; this vitpool reads versions "
             f"{', '.join(map(str, READ_VERSIONS))} and writes version {VERSION}"
@@ -205,10 +206,6 @@ def _field(message: dict, name: str, kind: type, where: str = "message") -> Any:
     if not isinstance(value, kind):
         raise ValueError(f"{where}: {name!r} must be a {kind.__name__}, got {type(value).__name__}")
     return value
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _tensors(entries: list, where: str) -> list[torch.Tensor]:
@@ -234,7 +231,7 @@ def _unpack_tensor(entry: dict, where: str) -> torch.Tensor:
     if dtype_name not in WIRE_DTYPES:
         raise ValueError(f"{where}: dtype {dtype_name!r} is not one of {sorted(WIRE_DTYPES)}")
     shape = _field(entry, "shape", list, where)
-    if not 1 <= len(shape) <= MAX_DIMENSIONS or not all(_is_int(n) and n >= 0 for n in shape):
+    if not 1 <= len(shape) <= MAX_DIMENSIONS or not all(is_int(n) and n >= 0 for n in shape):
         raise ValueError(f"{where}: shape must be 1 to {MAX_DIMENSIONS} non-negative integers, got {shape!r}")
     data = _field(entry, "data", bytes, where)
     wire_dtype = WIRE_DTYPES[dtype_name][1]

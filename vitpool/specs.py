@@ -12,6 +12,7 @@ msgpack-able plain values (`*_to_wire` / `*_from_wire`).
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -208,10 +209,16 @@ def check_capacity_limits(limits: Mapping[str, int], capacities: Sequence[str]) 
             raise ValueError(f"capacity_limits[{name!r}] must be a positive integer; got {value!r}")
 
 
+def is_int(value: Any) -> bool:
+    """Whether `value` is an integer: Python's or NumPy's (a processor's grids hold either), never
+    a bool (True == 1 in Python) nor a float or a tensor."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def _int(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise ValueError(f"{value!r} is not an integer")
-    return value
+    return int(value)
 
 
 def _ints(values: Any) -> tuple[int, ...]:

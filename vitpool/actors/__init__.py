@@ -7,8 +7,9 @@ without loading the encoder, torch's model code or transformers.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from vitpool._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from vitpool.actors.delivering_actor import DeliveringEncoderActor
@@ -23,9 +24,4 @@ _NAMES = {
 }
 
 __all__ = ["ActorInfo", "ActorStats", "DeliveringEncoderActor", "EncoderActor"]
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _NAMES:
-        raise AttributeError(f"module 'vitpool.actors' has no attribute {name!r}")
-    return getattr(importlib.import_module(_NAMES[name]), name)
+__getattr__, __dir__ = lazy_exports(__name__, _NAMES)

@@ -6,8 +6,7 @@ without importing transformers or any modeling code.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from vitpool._lazy import lazy_exports
 
 _NAMES = {
     "FAMILIES": "vitpool.models.registry",
@@ -34,9 +33,4 @@ __all__ = [
     "load_adapter",
     "register_family",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _NAMES:
-        raise AttributeError(f"module 'vitpool.models' has no attribute {name!r}")
-    return getattr(importlib.import_module(_NAMES[name]), name)
+__getattr__, __dir__ = lazy_exports(__name__, _NAMES)

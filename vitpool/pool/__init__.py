@@ -4,8 +4,7 @@ Names load on first use, so that `vitpool.pool.policy` and friends import withou
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from vitpool._lazy import lazy_exports
 
 _NAMES = {
     "CacheStats": "vitpool.pool.stats",
@@ -15,9 +14,4 @@ _NAMES = {
 }
 
 __all__ = sorted(_NAMES)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _NAMES:
-        raise AttributeError(f"module 'vitpool.pool' has no attribute {name!r}")
-    return getattr(importlib.import_module(_NAMES[name]), name)
+__getattr__, __dir__ = lazy_exports(__name__, _NAMES)

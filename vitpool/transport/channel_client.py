@@ -23,7 +23,6 @@ import msgpack
 import numpy as np
 import torch
 
-from vitpool.items import Embedding
 from vitpool.specs import BatchPlan, OutputLayout, plan_to_wire
 from vitpool.transport.channel_protocol import (
     ERROR,
@@ -36,6 +35,7 @@ from vitpool.transport.channel_protocol import (
     sleep_until_due,
     spin_until_readable,
 )
+from vitpool.transport.embedding import Embedding
 from vitpool.transport.link import OK, BatchReceipt
 from vitpool.transport.segments import OutputSegments, OwnedSegment, aligned, array_at, segment_size
 from vitpool.transport.wire import WIRE_DTYPES

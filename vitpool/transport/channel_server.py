@@ -20,7 +20,6 @@ import msgpack
 import numpy as np
 import torch
 
-from vitpool.items import Embedding
 from vitpool.specs import BatchPlan, OutputLayout, plan_from_wire
 from vitpool.transport.channel_protocol import (
     ERROR,
@@ -30,6 +29,7 @@ from vitpool.transport.channel_protocol import (
     send_message,
     spin_until_readable,
 )
+from vitpool.transport.embedding import Embedding
 from vitpool.transport.link import BatchReceipt
 from vitpool.transport.segments import MappedSegments, array_at
 from vitpool.transport.wire import to_array, wire_dtype_name

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from vitpool.specs import is_int
 from vitpool.transport.wire import WIRE_DTYPES
 
 logger = logging.getLogger(__name__)
@@ -70,17 +71,15 @@ def array_at(buffer: mmap.mmap, dtype_name: str, offset: int, shape: Sequence[in
     if (
         not isinstance(shape, (list, tuple))
         or not 1 <= len(shape) <= MAX_ARRAY_DIMENSIONS
-        or any(not _is_int(n) or n < 0 for n in shape)
+        or any(not is_int(n) or n < 0 for n in shape)
     ):
         raise ValueError(f"bad shape {shape!r}: 1 to {MAX_ARRAY_DIMENSIONS} non-negative integers are needed")
-    count = math.prod(shape)  # Python integers: a huge shape cannot overflow past the check below
-    if not _is_int(offset) or offset < 0 or offset + count * dtype.itemsize > len(buffer):
+    # as Python integers (NumPy's would wrap around): a huge shape cannot overflow past the check below
+    shape = tuple(int(n) for n in shape)
+    count = math.prod(shape)
+    if not is_int(offset) or offset < 0 or int(offset) + count * dtype.itemsize > len(buffer):
         raise ValueError(f"{count} values at offset {offset} do not fit the {len(buffer)}-byte segment")
-    return np.frombuffer(buffer, dtype=dtype, count=count, offset=offset).reshape(tuple(shape))
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return np.frombuffer(buffer, dtype=dtype, count=count, offset=int(offset)).reshape(shape)
 
 
 # the caller's side
