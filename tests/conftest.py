@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from vitpool import GraphEncoder, Image, Video
-from vitpool.models import Qwen3VLAdapter, load_adapter
+from vitpool.families.qwen3_vl.adapter import Qwen3VLAdapter
+from vitpool.models import load_adapter
 
 ROW_WIDTH = 3 * 2 * 16 * 16  # channels * temporal patch * patch * patch of the Qwen3-VL family
 RAY_TEMP_ROOT = pytest.StashKey[tuple[str, dict[str, str | None]]]()

@@ -37,6 +37,7 @@ import importlib.util
 import itertools
 import logging
 from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +47,9 @@ from transformers import AttentionInterface
 from vitpool.kernels.compiled import install_compiled_blocks
 from vitpool.kernels.fused import install_fused_ops, pad_for_dense_attention
 from vitpool.kernels.scoped import scoped_value
-from vitpool.models.protocol import TensorSpec
+
+if TYPE_CHECKING:
+    from vitpool.models.protocol import TensorSpec
 
 logger = logging.getLogger(__name__)
 
