@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vitpool.packing import SEQUENCES, Budget, make_budgets
-from vitpool.specs import IMAGE, ItemSpec, check_capacity_limits
+from vitpool.specs import IMAGE, ItemSpec, check_capacity_limits, is_int
 
 
 @dataclass(frozen=True)
@@ -106,12 +106,7 @@ def parse_grid(grid_thw: Any) -> tuple[int, int, int]:
     if (
         not isinstance(values, (list, tuple))
         or len(values) != 3
-        or not all(_is_int(v) for v in values)
+        or not all(is_int(v) for v in values)
     ):
         raise ValueError(f"grid_thw must be three integers (t, h, w); got {grid_thw!r}")
     return (int(values[0]), int(values[1]), int(values[2]))
-
-
-def _is_int(value: Any) -> bool:
-    # NumPy integers too, without importing NumPy: they have __index__ and are not bool
-    return not isinstance(value, bool) and hasattr(value, "__index__") and not isinstance(value, float)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vitpool.packing import SEQUENCES, Budget, make_budgets
-from vitpool.specs import IMAGE, VIDEO, ItemSpec, check_capacity_limits
+from vitpool.specs import IMAGE, VIDEO, ItemSpec, check_capacity_limits, is_int
 
 MERGE_SIDE = 4  # patches per token along each side: the in-tower 2 x 2 merge, then the merger's 2 x 2
 PATCHES_PER_TOKEN = MERGE_SIDE * MERGE_SIDE
@@ -121,7 +121,7 @@ def parse_target_sizes(target_sizes: Any) -> tuple[tuple[int, int], ...]:
         pairs = [tuple(values[i : i + 2]) for i in range(0, len(values), 2)]
     else:
         pairs = []
-    if not pairs or any(len(pair) != 2 or not all(_is_int(v) for v in pair) for pair in pairs):
+    if not pairs or any(len(pair) != 2 or not all(is_int(v) for v in pair) for pair in pairs):
         raise ValueError(
             f"target_sizes must be the processor's [[h, w], ...] for one image (one row per slice, "
             f"integers, at least one slice); got {target_sizes!r}"
@@ -130,8 +130,3 @@ def parse_target_sizes(target_sizes: Any) -> tuple[tuple[int, int], ...]:
     if any(h <= 0 or w <= 0 for h, w in sizes):
         raise ValueError(f"target_sizes {[list(s) for s in sizes]} have a zero or negative size")
     return sizes
-
-
-def _is_int(value: Any) -> bool:
-    # NumPy integers too, without importing NumPy: they have __index__ and are not bool
-    return not isinstance(value, bool) and hasattr(value, "__index__") and not isinstance(value, float)
