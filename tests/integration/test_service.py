@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import ray_env, ray_head
 
-from vitpool.transport.segments import SEGMENT_PREFIX, shm_directory
+from vitpool.transport.shared_memory import SEGMENT_PREFIX, shm_directory
 
 # Ray's temp directory of this module's cluster: the `ray start` head writes its address file
 # there, and the clients, given no address, find the head through it as ray.init() does; the

@@ -19,7 +19,7 @@ import torch
 
 from vitpool.items import Embedding
 from vitpool.specs import BatchPlan, ItemSpec, OutputLayout, plan_to_wire
-from vitpool.transport import segments
+from vitpool.transport import shared_memory as segments
 from vitpool.transport.channel import (
     ChannelClient,
     ChannelClosed,
@@ -30,7 +30,7 @@ from vitpool.transport.channel import (
     item_output_offsets,
 )
 from vitpool.transport.link import OK, RETIRED, BatchReceipt
-from vitpool.transport.segments import OUTPUT_SEGMENTS_PER_CONNECTION, SEGMENT_PREFIX, OwnedSegment
+from vitpool.transport.shared_memory import OUTPUT_SEGMENTS_PER_CONNECTION, SEGMENT_PREFIX, OwnedSegment
 from vitpool.transport.wire import WIRE_DTYPES, from_array, to_array
 
 pytestmark = pytest.mark.skipif(not channel_supported(), reason="the same-node channel needs Linux")

@@ -1,5 +1,5 @@
 """The caller's end of the same-node channel to one actor: a connection per batch in flight, each
-with its own shared-memory segments (`vitpool.transport.segments`).
+with its own shared-memory segments (`vitpool.transport.shared_memory`).
 
 A batch's pixels are copied into the connection's segment; its outputs come back into an output
 segment that the results view in place (held until the last result tensor is gone), or, when
@@ -37,7 +37,7 @@ from vitpool.transport.channel_protocol import (
 )
 from vitpool.transport.embedding import Embedding
 from vitpool.transport.link import OK, BatchReceipt
-from vitpool.transport.segments import OutputSegments, OwnedSegment, aligned, array_at, segment_size
+from vitpool.transport.shared_memory import OutputSegments, OwnedSegment, aligned, array_at, segment_size
 from vitpool.transport.wire import WIRE_DTYPES
 
 logger = logging.getLogger(__name__)

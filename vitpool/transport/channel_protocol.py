@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import msgpack
 
 from vitpool.specs import OutputLayout
-from vitpool.transport.segments import aligned, shm_directory
+from vitpool.transport.shared_memory import aligned, shm_directory
 from vitpool.transport.wire import WIRE_DTYPES
 
 MAX_MESSAGE_BYTES = 16 << 20

@@ -31,7 +31,7 @@ from vitpool.transport.channel_protocol import (
 )
 from vitpool.transport.embedding import Embedding
 from vitpool.transport.link import BatchReceipt
-from vitpool.transport.segments import MappedSegments, array_at
+from vitpool.transport.shared_memory import MappedSegments, array_at
 from vitpool.transport.wire import to_array, wire_dtype_name
 
 logger = logging.getLogger(__name__)
