@@ -17,7 +17,7 @@ the same call's unloaded latency.
 
 `--small-first off,256-nostream,256` runs the whole measurement once per setting of the pool's
 `small_first_tokens` (small calls dispatched and run ahead of large ones; "-nostream": without
-the urgent lane, `small_first_stream=False`), in that order, each on
+the urgent lane, `urgent_tokens=None`), in that order, each on
 a freshly launched pool: before and after in one run (a setting named twice is measured twice,
 in turns with the others). The open loops of every setting run at their
 fractions of the first setting's saturated rate (`--load-basis first`), so all face the same
@@ -231,9 +231,10 @@ def setting_overrides(value: str | None) -> tuple[str, dict]:
     tokens, _, lane = value.partition("-")
     overrides: dict = {"small_first_tokens": None if tokens == "off" else int(tokens)}
     if lane:
-        if lane not in ("nostream", "stream") or "small_first_stream" not in PoolSettings.__dataclass_fields__:
+        if lane not in ("nostream", "stream") or "urgent_tokens" not in PoolSettings.__dataclass_fields__:
             raise SystemExit(f"--small-first {value!r}: use off, N, N-nostream or N-stream")
-        overrides["small_first_stream"] = lane == "stream"
+        # the urgent lane (once `small_first_stream`) for the batches small-first runs first
+        overrides["urgent_tokens"] = None if tokens == "off" or lane == "nostream" else int(tokens)
     return f"small_first={value}", overrides
 
 

@@ -21,13 +21,19 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import dataclasses
 import importlib.metadata
+import inspect
 import logging
 import math
+import re
 import statistics
 import sys
 import time
-from collections.abc import Iterator, Sequence
+import types
+import typing
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import ray
 import torch
@@ -37,8 +43,8 @@ from vitpool.items import Image
 from vitpool.pool import EncoderPool
 from vitpool.pool.cluster import join_ray, joins_a_cluster
 from vitpool.pool.controller import NAMESPACE, Membership
-from vitpool.pool.settings import MAX_BUDGET_TOKENS
-from vitpool.specs import PRECISION_CHOICES
+from vitpool.pool.settings import MAX_BUDGET_TOKENS, POOL_DEVICES, RANK_TRANSPORTS, PoolSettings
+from vitpool.specs import ATTENTION_CHOICES, DTYPE_CHOICES, PRECISION_CHOICES, EncoderSpec
 
 logger = logging.getLogger("vitpool.cli")
 
@@ -68,27 +74,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def serve(args: argparse.Namespace) -> int:
-    settings = {"device": args.device} if args.device else {}
-    if args.dtype:
-        settings["dtype"] = args.dtype
-    if args.precision:
-        settings["precision"] = args.precision
-    if args.embedding_cache_bytes:
-        settings["embedding_cache_bytes"] = args.embedding_cache_bytes
-    if args.embedding_cache_local_bytes is not None:
-        settings["embedding_cache_local_bytes"] = args.embedding_cache_local_bytes
-    if args.small_first_stream is not None:
-        settings["small_first_stream"] = args.small_first_stream == "on"
-    if args.autoscale:
-        settings["autoscale"] = _bounds(args.autoscale)
-    if args.autoscale_interval is not None:
-        settings["autoscale_interval_s"] = args.autoscale_interval
-    if args.warm_standby is not None:
-        settings["warm_standby"] = args.warm_standby == "on"
+    settings = serve_settings(args)
+    if "small_first_stream" in vars(args):
+        logger.warning("--small-first-stream is deprecated: use --urgent-tokens N (on: N is --small-first-tokens, 256)")
+        settings["small_first_stream"] = args.small_first_stream  # PoolSettings takes it, for one release
     start = time.monotonic()
     pool = EncoderPool.launch(
-        model=args.model, num_actors=args.num_actors, budgets=args.budgets, name=args.name,
-        address=args.address, actor_options=actor_options(args), detached=True, **settings,
+        num_actors=args.num_actors, name=args.name, address=args.address, actor_options=actor_options(args),
+        detached=True, **settings,
     )
     num_actors = pool.num_actors
     pool.close()  # the pool is detached: it keeps running
@@ -98,6 +91,13 @@ def serve(args: argparse.Namespace) -> int:
         f"stop with `vitpool stop --name {args.name}`"
     )
     return 0
+
+
+def serve_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The pool settings `serve`'s flags set, by field name: those given (a flag left out is None,
+    and the pool's own default stands; "none" sets None)."""
+    given = {field.name: getattr(args, field.name, None) for field in dataclasses.fields(PoolSettings)}
+    return {name: None if value is NONE_GIVEN else value for name, value in given.items() if value is not None}
 
 
 def actor_options(args: argparse.Namespace) -> dict[str, float] | None:
@@ -311,12 +311,33 @@ def version() -> str:
         return getattr(vitpool, "__version__", "unknown")
 
 
-def _bounds(text: str) -> tuple[int, int]:
+def autoscale_bounds(text: str) -> tuple[int, int]:
+    """`--autoscale`: MIN,MAX actors (the pool checks the bounds themselves)."""
     try:
         low, high = (int(part) for part in text.split(","))
     except ValueError:
-        raise VitpoolError(f"--autoscale {text!r}: use MIN,MAX, e.g. 1,4") from None
+        raise argparse.ArgumentTypeError(f"{text!r}: use MIN,MAX, e.g. 1,4") from None
     return low, high
+
+
+def capacity_limit_list(text: str) -> dict[str, int]:
+    """`--capacity-limits`: NAME=N pairs, comma-separated, e.g. windows=64 (the model's capacities
+    are checked by its actors)."""
+    limits = {}
+    for part in text.split(","):
+        name, _, value = part.partition("=")
+        try:
+            limits[name.strip()] = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part.strip()!r}: use NAME=N pairs, e.g. windows=64") from None
+    return limits
+
+
+def on_off(text: str) -> bool:
+    """A True/False setting's flag value: on or off."""
+    if text not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"{text!r}: use on or off")
+    return text == "on"
 
 
 def _describe(item: Image) -> str:
@@ -352,6 +373,133 @@ def _show_progress(quiet: bool) -> None:
     library.setLevel(logging.WARNING if quiet else logging.INFO)
 
 
+# ---- serve's flags: one per PoolSettings field -------------------------------------------------
+#
+# A setting's flag is its name with dashes, but a number of seconds drops its `_s`
+# (autoscale_interval_s: --autoscale-interval S); its help is the field's entry in the settings'
+# docstrings (PoolSettings, EncoderSpec, EncoderOptions); its value is parsed by the field's type:
+# on/off for True/False, a number, a string, and "none" (NONE_GIVEN) for None where None is not
+# the default. A flag left out is None in the parsed arguments, and the pool's own default stands.
+# What the types cannot say:
+SETTING_CHOICES: dict[str, tuple[str, ...]] = {
+    "device": POOL_DEVICES, "dtype": DTYPE_CHOICES, "attention": ATTENTION_CHOICES,
+    "precision": PRECISION_CHOICES, "rank_transport": RANK_TRANSPORTS,
+}
+SETTING_PARSERS: dict[str, tuple[Callable[[str], Any], str]] = {  # values of several parts: (parser, metavar)
+    "budgets": (budget_list, "B,B,..."),
+    "autoscale": (autoscale_bounds, "MIN,MAX"),
+    "capacity_limits": (capacity_limit_list, "NAME=N,..."),
+}
+NOT_SERVE_FLAGS = {  # settings `serve` has no flag for, and why
+    "detached": "serve always starts a detached pool: one that outlives the command is what it is for",
+}
+METAVARS = {"_s": "S", "_bytes": "BYTES", "_tokens": "TOKENS"}  # by the name's unit; else N or X
+SENTENCE_END = re.compile(r"(?<!e\.g)(?<!i\.e)\.\s+(?=[A-Z(\"'`])")
+
+
+def setting_flag(name: str) -> str:
+    """The flag of setting `name`."""
+    return "--" + (name.removesuffix("_s") if name.endswith("_s") else name).replace("_", "-")
+
+
+def setting_docs(settings_class: type = PoolSettings) -> dict[str, list[str]]:
+    """Each field's entries in the `Attributes:` sections of the class's docstring and its
+    bases', base first (an entry "a, b: text" documents both)."""
+    docs: dict[str, list[str]] = {}
+    for klass in reversed(settings_class.__mro__):
+        _, _, section = inspect.cleandoc(vars(klass).get("__doc__") or "").partition("\nAttributes:\n")
+        names: list[str] = []
+        for line in section.splitlines():
+            if line and not line.startswith("    "):
+                break  # the next section
+            if line.startswith("        "):  # an entry's next line
+                for name in names:
+                    docs[name][-1] += " " + line.strip()
+            elif line.strip():
+                listed, _, text = line.strip().partition(": ")
+                names = [name.strip() for name in listed.split(",")]
+                for name in names:
+                    docs.setdefault(name, []).append(text)
+    return docs
+
+
+def setting_help(field: dataclasses.Field, entries: Sequence[str], optional: bool) -> str:
+    """A flag's help: the first sentence of each docstring entry, then its default where that
+    sentence does not say it (for a default of None or empty: what that means, where the entry
+    says)."""
+    sentences = [SENTENCE_END.split(entry) for entry in entries]
+    text = " ".join(each[0].rstrip(".") + "." for each in sentences)
+    text = text[:1] + re.sub(r"\. ([a-z])", lambda match: ". " + match[1].upper(), text[1:])  # entries start lowercase
+    said = [s.partition(": ")[2] for each in sentences for s in each if re.match(r"(None|Empty)\b.*?: ", s)]
+    unset = said[0].rstrip(".") if said else ""
+    if field.default in (None, ()):
+        default = "" if "None" in text or "default" in text else f"(default: {unset or 'None'})"
+    elif "default" in text:
+        default = f"(none: {unset or 'None'})" if optional else ""
+    else:
+        shown = ("on" if field.default else "off") if isinstance(field.default, bool) else field.default
+        default = f"(default: {shown}; none: {unset or 'None'})" if optional else f"(default: {shown})"
+    return f"{text} {default}".strip().replace("%", "%%")
+
+
+def add_setting_flags(parser: argparse.ArgumentParser) -> None:
+    """A flag for every PoolSettings field but NOT_SERVE_FLAGS, in two groups: the encoder's
+    options and the pool's own settings.
+
+    Raises:
+        TypeError: a field of a type no flag parses (a new one goes in SETTING_PARSERS).
+    """
+    docs = setting_docs()
+    hints = typing.get_type_hints(PoolSettings)
+    encoder_fields = {field.name for field in dataclasses.fields(EncoderSpec)}
+    groups = {
+        True: parser.add_argument_group("the encoder's options (vitpool.specs.EncoderOptions)"),
+        False: parser.add_argument_group("the pool's settings (vitpool.PoolSettings)"),
+    }
+    for field in dataclasses.fields(PoolSettings):
+        if field.name in NOT_SERVE_FLAGS:
+            continue
+        hint = hints[field.name]
+        parts = [part for part in typing.get_args(hint) if part is not type(None)]
+        optional = typing.get_origin(hint) in (types.UnionType, typing.Union) and len(parts) == 1
+        kind = parts[0] if optional else hint
+        flag: dict[str, Any] = {"dest": field.name, "default": None,
+                                "help": setting_help(field, docs.get(field.name, []), optional)}
+        if field.name in SETTING_PARSERS:
+            flag["type"], flag["metavar"] = SETTING_PARSERS[field.name]
+        elif field.name in SETTING_CHOICES:
+            flag["choices"] = SETTING_CHOICES[field.name]
+        elif kind is bool:
+            flag["type"], flag["metavar"] = on_off, "{on,off}"
+        elif kind in (int, float, str):
+            unit = next((metavar for suffix, metavar in METAVARS.items() if field.name.endswith(suffix)), None)
+            flag["metavar"] = unit or {int: "N", float: "X", str: field.name.upper()}[kind]
+            flag["type"] = _or_none(kind) if optional and field.default is not None else kind
+        else:
+            raise TypeError(f"PoolSettings.{field.name} ({hint}): no flag parses it; add it to SETTING_PARSERS")
+        groups[field.name in encoder_fields].add_argument(setting_flag(field.name), **flag)
+
+
+class _NoneGiven:
+    """A flag's value "none": the setting set to None, where a flag left out is None too."""
+
+    def __repr__(self) -> str:
+        return "none"
+
+
+NONE_GIVEN = _NoneGiven()
+
+
+def _or_none(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """`parse`, but "none" is NONE_GIVEN."""
+
+    def parse_or_none(text: str) -> Any:
+        return NONE_GIVEN if text == "none" else parse(text)
+
+    parse_or_none.__name__ = parse.__name__  # argparse names it in its error: "invalid int value"
+    return parse_or_none
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vitpool", description="vitpool: a pool of vision encoders on Ray")
     parser.add_argument("--version", action="version", version=f"vitpool {version()}")
@@ -367,33 +515,15 @@ def _parser() -> argparse.ArgumentParser:
         return sub
 
     sub = command("serve", serve, "start a detached pool and return once its actors are ready")
-    sub.add_argument("--model", default=None, help="local checkpoint directory (default: the shipped tiny model)")
     sub.add_argument("--num-actors", type=int, default=None, help="default: one per GPU of the cluster; one on a cluster without GPUs")
-    sub.add_argument("--device", choices=("cuda", "cpu"), default=None,
-                     help="cpu: actors hold no GPU and run on their CPUs (default: the actor's GPU if it has one)")
-    sub.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default=None,
-                     help="default: bfloat16 on a GPU, float32 on a CPU")
-    sub.add_argument("--precision", choices=PRECISION_CHOICES, default=None,
-                     help="fp8: the blocks' GEMMs in FP8 on Ada/Hopper GPUs (default bf16)")
-    sub.add_argument("--budgets", type=budget_list, default=None, metavar="B,B,...",
-                     help=f"comma-separated output-token budgets, each at most {MAX_BUDGET_TOKENS} "
-                     "(default: the device's)")
     sub.add_argument("--gpus-per-actor", type=non_negative_share, default=None, metavar="N",
                      help="GPUs each actor holds, e.g. 0.5 to share a GPU (default 1 on a cluster with GPUs)")
     sub.add_argument("--cpus-per-actor", type=non_negative_share, default=None, metavar="N",
                      help="CPUs each actor holds in Ray's accounting, e.g. 0.5 to run more CPU actors than "
                      "the cluster has CPUs (default 1)")
-    sub.add_argument("--embedding-cache-bytes", type=int, default=0, help="the shared embedding cache (0: off)")
-    sub.add_argument("--embedding-cache-local-bytes", type=int, default=None, metavar="BYTES",
-                     help="with the cache on, what each connected handle keeps of it in its own process "
-                     "(default: the smaller of the cache's bound and 256 MiB; 0: none)")
-    sub.add_argument("--small-first-stream", choices=("on", "off"), default=None,
-                     help="small batches interrupt large runs on GPU actors (default: off; see the README)")
-    sub.add_argument("--autoscale", default=None, metavar="MIN,MAX", help="actors added while busy, retired while idle")
-    sub.add_argument("--autoscale-interval", type=float, default=None, metavar="S",
-                     help="seconds between the autoscaler's readings (default 5)")
-    sub.add_argument("--warm-standby", choices=("on", "off"), default=None,
-                     help="a process per node ready to replace a dead actor (default: on for GPU actors)")
+    sub.add_argument("--small-first-stream", type=on_off, default=argparse.SUPPRESS, metavar="{on,off}",
+                     help="deprecated: use --urgent-tokens N (on: N is --small-first-tokens, 256)")
+    add_setting_flags(sub)
     command("list", list_pools, "the pools in the Ray cluster: name, model, actors", names_a_pool=False)
     command("status", status, "the pool's actors and counters")
     sub = command("scale", scale, "start or retire actors")

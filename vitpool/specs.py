@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
+from vitpool.errors import ConfigError
 from vitpool.packing import SEQUENCES, Budget, Needs
+from vitpool.packing.budgets import check_token_budgets
 
 IMAGE = "image"
 VIDEO = "video"
@@ -221,16 +223,40 @@ def _int(value: Any) -> int:
     return int(value)
 
 
+def _is_positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _limit_pairs(limits: Any) -> Needs:
+    """Capacity limits (a mapping, or pairs) as sorted (name, limit) pairs, each limit a positive
+    integer; which names the model has is checked by the encoder, which knows the model."""
+    if limits is None:
+        return ()
+    pairs = limits.items() if isinstance(limits, Mapping) else limits
+    try:
+        checked = tuple(sorted((str(name), value) for name, value in pairs))
+    except (TypeError, ValueError):
+        raise ConfigError(
+            f"capacity_limits must map capacity names to limits, e.g. {{'windows': 64}}; got {limits!r}"
+        ) from None
+    for name, value in checked:
+        if not _is_positive_int(value):
+            raise ConfigError(f"capacity_limits[{name!r}] must be a positive integer; got {value!r}")
+    return checked
+
+
 def _ints(values: Any) -> tuple[int, ...]:
     if not isinstance(values, (list, tuple)):
         raise ValueError(f"{values!r} is not a list of integers")
     return tuple(_int(v) for v in values)
 
 
-# What an encoder's `attention` setting takes (see `GraphEncoder`): "auto" picks per batch.
+# What an encoder's `attention` option takes (see `EncoderOptions`): "auto" picks per batch.
 ATTENTION_CHOICES = ("auto", "fa2", "fa4")
-# What an encoder's `precision` setting takes: "fp8" runs the blocks' GEMMs in FP8 on a GPU.
+# What an encoder's `precision` option takes: "fp8" runs the blocks' GEMMs in FP8 on a GPU.
 PRECISION_CHOICES = ("bf16", "fp8")
+# What an encoder's `dtype` option takes, by name (`vitpool.dtypes` turns a name into torch's).
+DTYPE_CHOICES = ("bfloat16", "float16", "float32")
 
 # The default bound on one item's output tokens, a pool's and an in-process encoder's
 # (`max_item_tokens`): the most any supported family's released processor settings give one image.
@@ -243,42 +269,156 @@ PRECISION_CHOICES = ("bf16", "fp8")
 # in bf16; in-process on a CPU it ran 19.5 s, then asked for 156 GiB at once). Longer videos
 # (Qwen2-VL-style total pixel budgets) can pass it: raise the bound, or set None.
 DEFAULT_MAX_ITEM_TOKENS = 16384
+# With no budgets given, the item bound is checked against a budget this large: the defaults
+# depend on the device and the family, which are not known here (the encoder checks them again).
+_ANY_BUDGET_TOKENS = 1 << 30
 
 
-@dataclass(frozen=True)
-class EncoderSpec:
-    """What a `GraphEncoder` is built from; `EncoderActor` gets it inside its `ActorSpec`.
+@dataclass(frozen=True, kw_only=True)
+class EncoderOptions:
+    """How a `GraphEncoder` captures and runs its tower: the one place its options are written
+    out, documented and checked (`GraphEncoder(adapter, **options)`,
+    `GraphEncoder.from_pretrained(path, **options)`; a pool's `PoolSettings` has them too).
+    Plain values only, so that a pool's caller builds and checks them without torch.
 
     Attributes:
-        model: local checkpoint directory; None for the tiny model shipped with vitpool.
-        budgets: token budgets to capture; None for the device's defaults.
-        max_items_per_batch, max_frames_per_batch, capacity_limits: batch limits (see
-            `GraphEncoder`); `capacity_limits` as sorted (name, limit) pairs.
-        dtype: "bfloat16", "float16" or "float32"; None for the device's default.
-        device: "cpu", "cuda" or "cuda:N"; None for the current GPU if there is one.
-        attention: the attention kernel on a GPU: "auto", "fa2" or "fa4" (see `GraphEncoder`).
-        fused_ops: fused rotary, patch embedding and MLP GELU on a GPU (see `GraphEncoder`).
-        compiled_blocks: the tower's blocks through `torch.compile` on a GPU (see `GraphEncoder`).
-        compile_cache_dir: where compiled kernels are kept; None: TORCHINDUCTOR_CACHE_DIR or
+        budgets: token budgets (output tokens per batch) to capture. None: the family's budget
+            range where its adapter states one (`budget_range`), else derived from the device
+            (a ladder up to `GRAPH_MAX_TOKENS` = 1024 tokens on a GPU, larger batches run eager
+            at their own rows; up to 1024 on a CPU).
+        max_items_per_batch: most items in one batch (default min(32, smallest budget)).
+        max_frames_per_batch: for families with one attention sequence per frame (or tile), most
+            sequences (video frames / temporal patches / tiles) in one batch (default 64); it
+            sizes `cu_seqlens`. The long-standing name of `capacity_limits["sequences"]`.
+        capacity_limits: most per batch of other capacities the family declares, by name (its
+            item rules' `capacities`, e.g. {"windows": 64}); kept as sorted (name, limit) pairs.
+            Empty: the family's defaults. A bound on a capacity the model lacks is a ConfigError.
+        device: "cuda", "cuda:N" or "cpu". None: the current GPU if there is one.
+        dtype: the compute dtype, "bfloat16", "float16" or "float32" (`GraphEncoder` also takes
+            a torch dtype). None: bfloat16 on a GPU, float32 on a CPU.
+        attention: the attention kernel on a GPU (`vitpool.kernels.attention`). "auto" (default):
+            FlashAttention-4 where the optional `flash-attn-4` package is installed and the GPU
+            is Hopper or newer, for graphs and eager batches whose sequences are long;
+            FlashAttention-2 (`varlen_attn`) for the rest. "fa2": FlashAttention-2 always
+            (debugging, GPUs where FA4 does not help). "fa4": FlashAttention-4 always
+            (ConfigError where it cannot run).
+        fused_ops: on a GPU, run every family's rotary embedding as one Triton kernel per tensor,
+            its patch embedding as a GEMM, and the first bias and tanh GELU of its two-layer MLPs
+            in the GEMM's epilogue (`vitpool.kernels.fused`). False: Hugging Face's own code
+            (debugging).
+        compiled_blocks: on a GPU, run the tower's repeated blocks through one `torch.compile` per
+            block class (`vitpool.kernels.compiled`), before capture, so the graphs replay fused
+            elementwise kernels. False (default): no compile (debugging, faster first start).
+        compile_cache_dir: where compiled kernels are kept between starts, shared by the actors of
+            a node (a pool's: on each actor's node). None: TORCHINDUCTOR_CACHE_DIR if set, else
             ~/.cache/vitpool/inductor.
-        urgent_tokens: an urgent lane for batches up to this many tokens (see `GraphEncoder`).
-        precision: "bf16" (the compute dtype throughout) or "fp8" (the blocks' GEMMs in FP8 on
-            a GPU; see `GraphEncoder`).
+        urgent_tokens: the urgent lane, for batches of at most this many output tokens: on a GPU,
+            for a one-path family, a second copy of the buffers and graphs of the budgets up to
+            the smallest one of at least this many tokens (`start_plans(..., urgent=True)`), and
+            the larger budgets captured in segments of a few blocks (`vitpool.graphs.segments`).
+            One thread queues both lanes' work; an urgent batch goes between two segments of the
+            run being queued, so it waits for the few segments already on the GPU, not for the
+            large runs. Costs those graphs' capture time and memory. In a pool, each actor sends
+            its batches of at most this many tokens to the lane: under load that cut the small
+            calls' median and p99 sharply, but cost a few percent of saturated throughput and
+            raised the medium calls' p99 (benchmarks/RESULTS.md, "Small calls under load"); 256,
+            the pool's `small_first_tokens`, is the size measured. None (default): no urgent lane.
+        precision: the GEMMs' precision, "bf16" or "fp8" (an opt-in to try, on a GPU of compute
+            capability 8.9 or newer). "bf16" (default): every GEMM in `dtype`. "fp8": in bfloat16,
+            the Linears of the tower's blocks run as FP8 GEMMs (per-row activation and per-channel
+            weight scales, `vitpool.kernels.fp8`); attention, the patch embedding and the
+            projector stay bf16. Each graph is still checked against the eager
+            forward of the same precision. ConfigError elsewhere, with `compiled_blocks`, and for
+            a family whose adapter refuses it (`fp8_refused`: DeepSeek-OCR-2). No faster than
+            bf16 with torch 2.11 (benchmarks/RESULTS.md, "FP8 GEMMs").
+        max_item_tokens: the largest item (output tokens) a call may carry; a larger one is an
+            InvalidItemError naming its index, before any work (in a pool: in the caller). Default
+            16384 (`DEFAULT_MAX_ITEM_TOKENS`): the most a supported family's processor gives one
+            image at its released settings; raise it for longer videos. None: no bound (an item
+            too large for the device's memory is still refused on its own, once it has run out
+            of memory).
+
+    Raises:
+        ConfigError: a value of the wrong kind or out of range, naming the option. What needs
+            the model or the device (budgets against the family's rules, a capacity's name, "fa4"
+            and "fp8" on this GPU) is checked by the encoder as it is built.
     """
 
-    model: str | None = None
     budgets: tuple[int, ...] | None = None
     max_items_per_batch: int | None = None
     max_frames_per_batch: int | None = None
-    dtype: str | None = None
-    device: str | None = None
     capacity_limits: Needs = ()
+    device: str | None = None
+    dtype: str | None = None
     attention: str = "auto"
     fused_ops: bool = True
     compiled_blocks: bool = False
     compile_cache_dir: str | None = None
     urgent_tokens: int | None = None
     precision: str = "bf16"
+    max_item_tokens: int | None = DEFAULT_MAX_ITEM_TOKENS
+
+    def __post_init__(self) -> None:
+        if self.budgets is not None:
+            object.__setattr__(self, "budgets", tuple(self.budgets))
+        try:
+            budgets = [_ANY_BUDGET_TOKENS] if self.budgets is None else self.budgets
+            check_token_budgets(budgets, self.max_items_per_batch)
+        except (TypeError, ValueError) as error:
+            raise ConfigError(str(error)) from None
+        if self.max_frames_per_batch is not None and not _is_positive_int(self.max_frames_per_batch):
+            raise ConfigError(f"max_frames_per_batch must be a positive integer; got {self.max_frames_per_batch!r}")
+        object.__setattr__(self, "capacity_limits", _limit_pairs(self.capacity_limits))
+        if self.device is not None and not isinstance(self.device, str):
+            raise ConfigError(f"device {self.device!r}: use 'cuda', 'cuda:N', 'cpu' or None")
+        if self.dtype is not None:
+            name = str(self.dtype).removeprefix("torch.")
+            if name not in DTYPE_CHOICES:
+                raise ConfigError(
+                    f"dtype {self.dtype!r} is not supported; use one of {DTYPE_CHOICES} (or None for the device's default)"
+                )
+            object.__setattr__(self, "dtype", name)
+        if self.attention not in ATTENTION_CHOICES:
+            raise ConfigError(f"attention {self.attention!r} is not one of {ATTENTION_CHOICES}")
+        if self.precision not in PRECISION_CHOICES:
+            raise ConfigError(f"precision {self.precision!r} is not one of {PRECISION_CHOICES}")
+        if self.precision == "fp8" and self.compiled_blocks is True:
+            raise ConfigError("precision 'fp8' runs outside torch.compile: use it with compiled_blocks=False")
+        for name in ("fused_ops", "compiled_blocks"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False; got {getattr(self, name)!r}")
+        if self.compile_cache_dir is not None:
+            object.__setattr__(self, "compile_cache_dir", str(self.compile_cache_dir))
+        if self.urgent_tokens is not None and not _is_positive_int(self.urgent_tokens):
+            raise ConfigError(
+                f"urgent_tokens must be a positive number of tokens or None; got {self.urgent_tokens!r}"
+            )
+        if self.max_item_tokens is not None and not _is_positive_int(self.max_item_tokens):
+            raise ConfigError(
+                "max_item_tokens must be a positive number of output tokens or None (no bound); "
+                f"got {self.max_item_tokens!r}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class EncoderSpec(EncoderOptions):
+    """What an actor's `GraphEncoder` is built from (`GraphEncoder.from_spec`): its checkpoint
+    and its options. `EncoderActor` gets it inside its `ActorSpec`.
+
+    Attributes:
+        model: local checkpoint directory. None: the tiny model shipped with vitpool.
+    """
+
+    model: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.model is not None:
+            object.__setattr__(self, "model", str(self.model))
+        super().__post_init__()
+
+    def options(self) -> EncoderOptions:
+        """The encoder's options, without the checkpoint."""
+        return EncoderOptions(**{f.name: getattr(self, f.name) for f in fields(EncoderOptions)})
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""GPU: the urgent lane (`GraphEncoder(urgent_tokens=...)`, the pool's `small_first_stream`):
+"""GPU: the urgent lane (`GraphEncoder(urgent_tokens=...)`, the pool's `urgent_tokens`):
 the larger budgets captured in segments, each checked against eager at capture; small batches
 replayed from a second copy of the small budgets' graphs between two segments of the runs being
 queued give what the main lane gives, and so do the interrupted runs. Skipped without CUDA."""

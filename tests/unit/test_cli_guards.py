@@ -1,10 +1,13 @@
 """The command line's checks and small commands without a Ray cluster: `--budgets` refused before
-anything starts, `--cpus-per-actor` and the flags named in actor-option errors, `--version`,
-`list` (over a faked cluster), `stop` printing its result once, and help text on every flag."""
+anything starts, `--cpus-per-actor` and the flags named in actor-option errors, `serve`'s flags
+made from PoolSettings' fields (today's spellings, the deprecated `--small-first-stream`),
+`--version`, `list` (over a faked cluster), `stop` printing its result once, and help text on
+every flag."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.metadata
 import logging
 
@@ -97,6 +100,96 @@ def test_pool_settings_refuse_an_absurd_budget_too():
     with pytest.raises(ConfigError, match=rf"budgets: 5000000 tokens is above .*\({MAX_BUDGET_TOKENS} tokens"):
         PoolSettings(budgets=[3, 5_000_000])
     assert PoolSettings(budgets=[16, MAX_BUDGET_TOKENS]).budgets == (16, MAX_BUDGET_TOKENS)
+
+
+# ---- settings flags ---------------------------------------------------------------------------
+
+LAUNCH_KEYWORDS = {"num_actors", "name", "address", "actor_options", "detached"}  # serve's own, always passed
+
+
+def serve_flags() -> dict[str, argparse.Action]:
+    """`serve`'s flags by their destination."""
+    commands = next(action for action in cli._parser()._actions if isinstance(action, argparse._SubParsersAction))
+    return {action.dest: action for action in commands.choices["serve"]._actions}
+
+
+def test_every_pool_setting_has_a_serve_flag_or_a_reason_not_to():
+    flags = serve_flags()
+    fields = {field.name for field in dataclasses.fields(PoolSettings)}
+    assert sorted(fields - set(flags) - set(cli.NOT_SERVE_FLAGS)) == []
+    assert set(cli.NOT_SERVE_FLAGS) <= fields and all(cli.NOT_SERVE_FLAGS.values())  # no stale entry, each says why
+    assert not set(cli.NOT_SERVE_FLAGS) & set(flags)
+    for exception_table in (cli.SETTING_CHOICES, cli.SETTING_PARSERS):
+        assert set(exception_table) <= fields
+
+
+@pytest.mark.parametrize(
+    ("flags", "settings"),
+    [
+        # today's spellings, as the docs and tests/integration/test_service.py give them
+        (["--budgets", "16,64"], {"budgets": [16, 64]}),
+        (["--autoscale-interval", "3"], {"autoscale_interval_s": 3.0}),  # seconds: the flag drops `_s`
+        (["--warm-standby", "on"], {"warm_standby": True}),
+        (["--embedding-cache-bytes", "4096", "--embedding-cache-local-bytes", "1024"],
+         {"embedding_cache_bytes": 4096, "embedding_cache_local_bytes": 1024}),
+        (["--precision", "fp8", "--dtype", "bfloat16"], {"precision": "fp8", "dtype": "bfloat16"}),
+        (["--device", "cpu"], {"device": "cpu"}),
+        (["--autoscale", "1,4"], {"autoscale": (1, 4)}),
+        # flags no line of cli.py names: made from the fields
+        (["--urgent-tokens", "256"], {"urgent_tokens": 256}),
+        (["--overlap-runs", "off", "--fused-ops", "off"], {"overlap_runs": False, "fused_ops": False}),
+        (["--small-first-tokens", "none"], {"small_first_tokens": None}),  # None where it is not the default
+        (["--metrics-interval", "none", "--batch-window", "0"], {"metrics_interval_s": None, "batch_window_s": 0.0}),
+        (["--capacity-limits", "sequences=8"], {"capacity_limits": {"sequences": 8}}),
+        (["--model", "/models/m", "--max-queued-items", "64"], {"model": "/models/m", "max_queued_items": 64}),
+        ([], {}),  # a flag left out leaves the pool's default
+    ],
+)
+def test_setting_flags_reach_the_launch_as_settings(flags, settings, monkeypatch):
+    launch = LaunchRecorder()
+    monkeypatch.setattr(EncoderPool, "launch", launch)
+    assert cli.main(["serve", "--quiet", *flags]) == 0
+    passed = {key: value for key, value in launch.calls[0].items() if key not in LAUNCH_KEYWORDS}
+    assert passed == settings
+    PoolSettings(**passed)  # what the pool takes
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--warm-standby", "yes"], "argument --warm-standby: 'yes': use on or off"),
+        (["--autoscale", "4"], "argument --autoscale: '4': use MIN,MAX"),  # was a ConfigError after parsing
+        (["--max-item-tokens", "many"], "argument --max-item-tokens: invalid int value: 'many'"),
+        (["--attention", "fa3"], "argument --attention: invalid choice: 'fa3'"),
+        (["--capacity-limits", "windows"], "argument --capacity-limits: 'windows': use NAME=N pairs"),
+    ],
+)
+def test_a_bad_setting_flag_is_refused_before_any_launch(flags, words, monkeypatch, capsys):
+    launch = LaunchRecorder()
+    monkeypatch.setattr(EncoderPool, "launch", launch)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["serve", *flags])
+    assert exit_info.value.code == 2 and words in capsys.readouterr().err
+    assert launch.calls == []
+
+
+def test_small_first_stream_is_taken_for_one_release_naming_urgent_tokens(monkeypatch, capsys):
+    launch = LaunchRecorder()
+    monkeypatch.setattr(EncoderPool, "launch", launch)
+    assert cli.main(["serve", "--small-first-stream", "on"]) == 0
+    assert launch.calls[0]["small_first_stream"] is True  # PoolSettings maps it, with its own warning
+    assert "--small-first-stream is deprecated: use --urgent-tokens N" in capsys.readouterr().err
+    with pytest.warns(DeprecationWarning, match="urgent_tokens"):
+        assert PoolSettings(small_first_stream=True).urgent_tokens == 256
+
+
+def test_a_flags_help_is_its_fields_documentation():
+    flags = serve_flags()
+    assert flags["autoscale_interval_s"].help.startswith("how often the autoscaler reads")
+    assert "(default: 5.0)" in flags["autoscale_interval_s"].help
+    assert "(default: 256; none: one lane, oldest first)" in flags["small_first_tokens"].help
+    assert "(default: no urgent lane)" in flags["urgent_tokens"].help
+    assert flags["budgets"].help.startswith("token budgets") and "In a pool, at most" in flags["budgets"].help
 
 
 # ---- actor options ----------------------------------------------------------------------------

@@ -308,10 +308,16 @@ def test_the_urgent_lane_settings_are_checked_and_reach_the_encoder(tiny_adapter
 
     from vitpool.errors import ConfigError
 
-    assert PoolSettings(small_first_stream=True).encoder_spec().urgent_tokens == PoolSettings().small_first_tokens == 256
+    assert PoolSettings(urgent_tokens=128).encoder_spec().urgent_tokens == 128
     assert PoolSettings().encoder_spec().urgent_tokens is None  # off by default, for now
-    assert PoolSettings(small_first_tokens=None).encoder_spec().urgent_tokens is None
-    with pytest.raises(ConfigError, match="small_first_stream"):
+    with pytest.raises(ConfigError, match="urgent_tokens"):
+        PoolSettings(urgent_tokens=0)
+    # its pool setting until 0.1.0, for one release: an urgent lane of the small calls' size
+    with pytest.warns(DeprecationWarning, match="urgent_tokens"):
+        assert PoolSettings(small_first_stream=True).encoder_spec().urgent_tokens == PoolSettings().small_first_tokens
+    with pytest.warns(DeprecationWarning):
+        assert PoolSettings(small_first_stream=True, small_first_tokens=None).encoder_spec().urgent_tokens is None
+    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="small_first_stream"):
         PoolSettings(small_first_stream="yes")
     for bad in (0, -4, 2.5, True):
         with pytest.raises(ConfigError, match="urgent_tokens"):

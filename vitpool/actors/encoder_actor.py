@@ -92,15 +92,15 @@ class EncoderActor:
         max_tokens_per_run = min(largest, spec.max_tokens_per_run or largest)
         start = self._start_splitting if spec.overlap_runs else finished(self._run_splitting)
         self._combiner = BatchCombiner(start, max_tokens_per_run, spec.small_first_tokens)
-        # Small batches replay in the encoder's urgent lane, beside the run in flight, combined
-        # among themselves up to the lane's largest budget.
+        # Batches of at most `urgent_tokens` replay in the encoder's urgent lane, beside the run in
+        # flight, combined among themselves up to the lane's largest budget.
         self._urgent_combiner: BatchCombiner | None = None
-        self._small_tokens = spec.small_first_tokens
-        if self.encoder.has_urgent_lane and self._small_tokens is not None:
+        self._urgent_tokens = spec.encoder.urgent_tokens
+        if self.encoder.has_urgent_lane:
             urgent_start = functools.partial(self._start_splitting, urgent=True)
-            urgent_tokens = max(budget.num_tokens for budget in self.encoder.urgent_budgets)
+            lane_tokens = max(budget.num_tokens for budget in self.encoder.urgent_budgets)
             self._urgent_combiner = BatchCombiner(
-                urgent_start if spec.overlap_runs else finished(urgent_start), urgent_tokens,
+                urgent_start if spec.overlap_runs else finished(urgent_start), lane_tokens,
             )
         self._publisher = None
         if spec.embedding_cache is not None:
@@ -214,10 +214,11 @@ class EncoderActor:
         return [torch.cat([outcome.outputs[k] for outcome in outcomes]) for k in range(num_outputs)]
 
     def _combiner_for(self, plan: BatchPlan) -> BatchCombiner:
-        """The urgent lane's combiner for a small batch in one of its budgets, else the other."""
+        """The urgent lane's combiner for a batch of at most `urgent_tokens` in one of its budgets,
+        else the other."""
         if (
             self._urgent_combiner is not None
-            and plan.num_tokens <= self._small_tokens
+            and plan.num_tokens <= self._urgent_tokens
             and plan.budget in self.encoder.urgent_budgets
         ):
             return self._urgent_combiner

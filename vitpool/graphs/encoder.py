@@ -35,6 +35,7 @@ import logging
 import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -72,10 +73,8 @@ from vitpool.models import VisionAdapter, load_adapter
 from vitpool.models.path_rules import PathRules, rules_of_part
 from vitpool.packing import Budget, pack, smallest_fitting
 from vitpool.specs import (
-    ATTENTION_CHOICES,
-    DEFAULT_MAX_ITEM_TOKENS,
-    PRECISION_CHOICES,
     BatchPlan,
+    EncoderOptions,
     EncoderSpec,
     ItemRules,
     ItemSpec,
@@ -86,105 +85,46 @@ from vitpool.transport.wire import wire_dtype_name
 
 logger = logging.getLogger(__name__)
 
+
 class GraphEncoder:
     """Encodes images and videos with a vision tower, replaying a CUDA graph per token budget.
 
     Args:
         adapter: the model, seen through `vitpool.models.VisionAdapter`.
-        budgets: token budgets (output tokens per batch) to capture. None: the family's budget
-            range where its adapter states one (`budget_range`), else derived from the device
-            (a ladder up to `GRAPH_MAX_TOKENS` = 1024 tokens on a GPU, larger batches run eager
-            at their own rows; up to 1024 on a CPU).
-        max_items_per_batch: most items in one batch (default min(32, smallest budget)).
-        max_frames_per_batch: for families with one attention sequence per frame, most sequences
-            (video frames / temporal patches) in one batch (default 64); it sizes `cu_seqlens`.
-        device: "cuda", "cuda:N" or "cpu"; default the current GPU if there is one.
-        dtype: compute dtype; default bfloat16 on a GPU, float32 on a CPU.
-        capacity_limits: most per batch of other capacities the family declares, by name (its
-            item rules' `capacities`, e.g. windows); None: the family's defaults.
-        attention: the attention kernel on a GPU (`vitpool.kernels.attention`). "auto" (default):
-            FlashAttention-4 where the optional `flash-attn-4` package is installed and the GPU
-            is Hopper or newer, for graphs and eager batches whose sequences are long;
-            FlashAttention-2 (`varlen_attn`) for the rest. "fa2": FlashAttention-2 always
-            (debugging, GPUs where FA4 does not help). "fa4": FlashAttention-4 always
-            (ConfigError where it cannot run).
-        fused_ops: on a GPU, run every family's rotary embedding as one Triton kernel per tensor,
-            its patch embedding as a GEMM, and the first bias and tanh GELU of its two-layer MLPs
-            in the GEMM's epilogue (`vitpool.kernels.fused`). False: Hugging Face's own code
-            (debugging).
-        compiled_blocks: on a GPU, run the tower's repeated blocks through one `torch.compile` per
-            block class (`vitpool.kernels.compiled`), before capture, so the graphs replay fused
-            elementwise kernels. False: no compile (debugging, faster first start).
-        compile_cache_dir: where compiled kernels are kept between starts, shared by the actors of
-            a node. None: TORCHINDUCTOR_CACHE_DIR if set, else ~/.cache/vitpool/inductor.
-        urgent_tokens: on a GPU, for a one-path family, an urgent lane: a second copy of the
-            buffers and graphs of the budgets up to the smallest one of at least this many tokens
-            (`start_plans(..., urgent=True)`), and the larger budgets captured in segments of a
-            few blocks (`vitpool.graphs.segments`). One thread queues both lanes' work; an urgent
-            batch goes between two segments of the run being queued, so a small batch waits for
-            the few segments already on the GPU, not for the large runs. None: no urgent lane.
-        precision: "bf16" (default): every GEMM in `dtype`. "fp8": on a GPU of compute capability
-            8.9 or newer, in bfloat16, the Linears of the tower's blocks run as FP8 GEMMs (per-row
-            activation and per-channel weight scales, `vitpool.kernels.fp8`); attention, the patch
-            embedding and the projector stay bf16. Each graph is still checked against the eager
-            forward of the same precision. ConfigError elsewhere, with `compiled_blocks`, and for
-            a family whose adapter refuses it (`fp8_refused`: DeepSeek-OCR-2). No faster than
-            bf16 with torch 2.11 (benchmarks/RESULTS.md, "FP8 GEMMs"); an opt-in to try.
-        max_item_tokens: the largest item (output tokens) `encode` takes; a larger one is an
-            InvalidItemError naming its index, before any work (default 16384, the most a
-            supported family's processor gives one image: `vitpool.specs.DEFAULT_MAX_ITEM_TOKENS`,
-            the pool's default too). None: no bound (an item too large for the device's memory is
-            still refused on its own, once it has run out of memory).
+        options: how to capture and run it (`vitpool.specs.EncoderOptions`, where each option is
+            documented): budgets, max_items_per_batch, max_frames_per_batch, capacity_limits,
+            device, dtype, attention, fused_ops, compiled_blocks, compile_cache_dir,
+            urgent_tokens, precision, max_item_tokens. None: the defaults.
+        **option_values: options by name, over `options`: `GraphEncoder(adapter, budgets=[64, 256],
+            attention="fa2")`. `device` may be a torch device and `dtype` a torch dtype.
 
     Attributes:
+        options: the options it was built with.
         budgets: the batch shapes, from the adapter's item rules.
         output_layout: the tensors each item gets (`Embedding.outputs` order).
+        device, dtype: where and in what it computes (the options' values, resolved).
         max_item_tokens: the bound on one item `encode` takes (None: none).
 
     Raises:
-        ConfigError: invalid budgets, batch limits, device, dtype or max_item_tokens.
+        ConfigError: an invalid option (`EncoderOptions`), or one this model or device cannot
+            take (budgets or capacity limits against the family's rules, a device without CUDA,
+            "fa4" or "fp8" where they cannot run).
+        TypeError: a keyword that is no option.
     """
 
     def __init__(
-        self,
-        adapter: VisionAdapter,
-        budgets: Sequence[int] | None = None,
-        max_items_per_batch: int | None = None,
-        max_frames_per_batch: int | None = None,
-        device: str | torch.device | None = None,
-        dtype: torch.dtype | None = None,
-        capacity_limits: Mapping[str, int] | None = None,
-        attention: str = "auto",
-        fused_ops: bool = True,
-        compiled_blocks: bool = False,
-        compile_cache_dir: str | Path | None = None,
-        urgent_tokens: int | None = None,
-        precision: str = "bf16",
-        max_item_tokens: int | None = DEFAULT_MAX_ITEM_TOKENS,
+        self, adapter: VisionAdapter, options: EncoderOptions | None = None, **option_values: Any
     ) -> None:
-        if max_item_tokens is not None and (
-            isinstance(max_item_tokens, bool) or not isinstance(max_item_tokens, int) or max_item_tokens < 1
-        ):
-            raise ConfigError(
-                "max_item_tokens must be a positive number of output tokens or None (no bound); "
-                f"got {max_item_tokens!r}"
-            )
-        self.max_item_tokens = max_item_tokens
-        self.device = resolve_device(device)
-        for name, value in (("fused_ops", fused_ops), ("compiled_blocks", compiled_blocks)):
-            if not isinstance(value, bool):
-                raise ConfigError(f"{name} must be True or False; got {value!r}")
-        if urgent_tokens is not None and (
-            isinstance(urgent_tokens, bool) or not isinstance(urgent_tokens, int) or urgent_tokens < 1
-        ):
-            raise ConfigError(f"urgent_tokens must be a positive number of tokens or None; got {urgent_tokens!r}")
-        self.fused_ops = fused_ops
-        self.compiled_blocks = compiled_blocks and self.device.type == "cuda"
+        self.options = options = _options_with(options, option_values)
+        self.max_item_tokens = options.max_item_tokens
+        self.device = resolve_device(options.device)
+        self.fused_ops = options.fused_ops
+        self.compiled_blocks = options.compiled_blocks and self.device.type == "cuda"
         if self.compiled_blocks:
-            set_compile_cache_dir(compile_cache_dir)
-        self.dtype = resolve_dtype(dtype, self.device)
-        self.attention = _check_attention(attention, self.device, self.dtype)
-        self.precision = _check_precision(precision, self.device, self.dtype, self.compiled_blocks)
+            set_compile_cache_dir(options.compile_cache_dir)
+        self.dtype = resolve_dtype(dtype_from_name(options.dtype), self.device)
+        self.attention = _check_attention(options.attention, self.device, self.dtype)
+        self.precision = _check_precision(options.precision, self.device, self.dtype)
         if self.precision == "fp8" and getattr(adapter, "fp8_refused", None):
             raise ConfigError(f"precision 'fp8' is not offered for {type(adapter).__name__}: {adapter.fp8_refused}")
         self.adapter = adapter
@@ -197,10 +137,10 @@ class GraphEncoder:
             prepared = sum(install_fp8_linears(tower) for tower in towers.values())
             logger.info("precision fp8: %d Linears of the tower's blocks run as FP8 GEMMs", prepared)
         try:
-            limits = merged_capacity_limits(max_frames_per_batch, capacity_limits)
+            limits = merged_capacity_limits(options.max_frames_per_batch, dict(options.capacity_limits))
             budgets_of = {
-                path: _path_budgets(adapter.item_rules, path, path_adapter, budgets, self.device,
-                                    max_items_per_batch, limits)
+                path: _path_budgets(adapter.item_rules, path, path_adapter, options.budgets, self.device,
+                                    options.max_items_per_batch, limits)
                 for path, path_adapter in self._paths.items()
             }
         except ValueError as error:
@@ -214,7 +154,7 @@ class GraphEncoder:
         self._is_consistent = functools.lru_cache(maxsize=4096)(consistent)
         self._runners = {
             path: BatchRunner(
-                path_adapter, budgets_of[path], self.device, self.dtype, self.attention, fused_ops,
+                path_adapter, budgets_of[path], self.device, self.dtype, self.attention, self.fused_ops,
                 self.compiled_blocks, precision=self.precision,
             )
             for path, path_adapter in self._paths.items()
@@ -224,15 +164,15 @@ class GraphEncoder:
         self._interleaver: Interleaver | None = None
         self.urgent_budgets: frozenset[Budget] = frozenset()  # those of the urgent lane
         if self.device.type == "cuda":
-            if urgent_tokens is not None and len(self._paths) == 1:
-                self._start_urgent_lane(urgent_tokens, budgets_of[""], fused_ops)
+            if options.urgent_tokens is not None and len(self._paths) == 1:
+                self._start_urgent_lane(options.urgent_tokens, budgets_of[""])
             pool = torch.cuda.graph_pool_handle()  # one memory pool for every path's graphs: they replay in turn
             for path, runner in self._runners.items():
                 capture_all(runner, budgets_of[path], pool)
             if self._urgent is not None:
                 capture_all(self._urgent, sorted(self.urgent_budgets), torch.cuda.graph_pool_handle())
 
-    def _start_urgent_lane(self, urgent_tokens: int, budgets: list[Budget], fused_ops: bool) -> None:
+    def _start_urgent_lane(self, urgent_tokens: int, budgets: list[Budget]) -> None:
         """The urgent lane's runner (its own buffers, captured into a memory pool of its own: its
         graphs replay between two segments of a main-lane run, whose tensors that cross the cut
         live in the main pool), the main lane's budgets above it cut into segments, and the thread
@@ -241,7 +181,7 @@ class GraphEncoder:
         cutoff = next((b.num_tokens for b in ordered if b.num_tokens >= urgent_tokens), ordered[-1].num_tokens)
         urgent_budgets = [b for b in ordered if b.num_tokens <= cutoff]
         self._urgent = BatchRunner(
-            self.adapter, urgent_budgets, self.device, self.dtype, self.attention, fused_ops, self.compiled_blocks,
+            self.adapter, urgent_budgets, self.device, self.dtype, self.attention, self.fused_ops, self.compiled_blocks,
             precision=self.precision,
         )
         self._runners[""].segment_above_tokens = cutoff
@@ -251,21 +191,7 @@ class GraphEncoder:
 
     @classmethod
     def from_pretrained(
-        cls,
-        path: str | Path | None = None,
-        budgets: Sequence[int] | None = None,
-        max_items_per_batch: int | None = None,
-        max_frames_per_batch: int | None = None,
-        device: str | torch.device | None = None,
-        dtype: torch.dtype | None = None,
-        capacity_limits: Mapping[str, int] | None = None,
-        attention: str = "auto",
-        fused_ops: bool = True,
-        compiled_blocks: bool = False,
-        compile_cache_dir: str | Path | None = None,
-        urgent_tokens: int | None = None,
-        precision: str = "bf16",
-        max_item_tokens: int | None = DEFAULT_MAX_ITEM_TOKENS,
+        cls, path: str | Path | None = None, options: EncoderOptions | None = None, **option_values: Any
     ) -> GraphEncoder:
         """Load a local Hugging Face checkpoint and capture its graphs.
 
@@ -273,22 +199,16 @@ class GraphEncoder:
             path: a directory with a vision-tower-only save or a full multimodal checkpoint
                 (safetensors), or only a config (random weights). None: the tiny Qwen3-VL-shaped
                 model shipped with vitpool (random weights), so everything runs offline.
-            budgets, max_items_per_batch, max_frames_per_batch, device, dtype, capacity_limits,
-                attention, fused_ops, compiled_blocks, compile_cache_dir, urgent_tokens, precision,
-                max_item_tokens: as for the constructor.
+            options, **option_values: as for the constructor (`vitpool.specs.EncoderOptions`).
 
         Raises:
             CheckpointError: the directory cannot be loaded (names the missing or unexpected keys).
-            ConfigError: invalid settings.
+            ConfigError: invalid options.
         """
-        resolved_device = resolve_device(device)
-        resolved_dtype = resolve_dtype(dtype, resolved_device)
-        adapter = load_adapter(path, resolved_device, resolved_dtype)
-        return cls(
-            adapter, budgets, max_items_per_batch, max_frames_per_batch, resolved_device, resolved_dtype,
-            capacity_limits, attention, fused_ops, compiled_blocks, compile_cache_dir, urgent_tokens, precision,
-            max_item_tokens=max_item_tokens,
-        )
+        options = _options_with(options, option_values)
+        device = resolve_device(options.device)
+        adapter = load_adapter(path, device, resolve_dtype(dtype_from_name(options.dtype), device))
+        return cls(adapter, options)
 
     @classmethod
     def from_spec(cls, spec: EncoderSpec) -> GraphEncoder:
@@ -297,12 +217,7 @@ class GraphEncoder:
         Raises:
             CheckpointError, ConfigError: as for `from_pretrained`.
         """
-        budgets = None if spec.budgets is None else list(spec.budgets)
-        return cls.from_pretrained(
-            spec.model, budgets, spec.max_items_per_batch, spec.max_frames_per_batch,
-            spec.device, dtype_from_name(spec.dtype), dict(spec.capacity_limits), spec.attention,
-            spec.fused_ops, spec.compiled_blocks, spec.compile_cache_dir, spec.urgent_tokens, spec.precision,
-        )
+        return cls.from_pretrained(spec.model, spec.options())
 
     # encode
 
@@ -607,8 +522,7 @@ class GraphEncoder:
 
 
 def _check_attention(attention: str, device: torch.device, dtype: torch.dtype) -> str:
-    if attention not in ATTENTION_CHOICES:
-        raise ConfigError(f"attention {attention!r} is not one of {ATTENTION_CHOICES}")
+    """What `EncoderOptions` cannot check without the device: whether FA4 runs here."""
     if attention == "fa4" and device.type == "cuda":
         if dtype not in (torch.float16, torch.bfloat16):
             raise ConfigError(f"attention 'fa4' runs in bfloat16 or float16, not {dtype}")
@@ -620,9 +534,8 @@ def _check_attention(attention: str, device: torch.device, dtype: torch.dtype) -
     return attention
 
 
-def _check_precision(precision: str, device: torch.device, dtype: torch.dtype, compiled_blocks: bool) -> str:
-    if precision not in PRECISION_CHOICES:
-        raise ConfigError(f"precision {precision!r} is not one of {PRECISION_CHOICES}")
+def _check_precision(precision: str, device: torch.device, dtype: torch.dtype) -> str:
+    """What `EncoderOptions` cannot check without the device: whether it runs FP8 GEMMs."""
     if precision == "fp8":
         if not fp8_supported(device):
             raise ConfigError(
@@ -631,9 +544,30 @@ def _check_precision(precision: str, device: torch.device, dtype: torch.dtype, c
             )
         if dtype != torch.bfloat16:
             raise ConfigError(f"precision 'fp8' computes in bfloat16, not {dtype}")
-        if compiled_blocks:
-            raise ConfigError("precision 'fp8' runs outside torch.compile: use it with compiled_blocks=False")
     return precision
+
+
+def _options_with(options: EncoderOptions | None, values: Mapping[str, Any]) -> EncoderOptions:
+    """`options` (None: the defaults) with `values` over them, a torch device or dtype among them
+    given by name (the options hold plain values).
+
+    Raises:
+        ConfigError: an invalid option; TypeError: a name that is no option.
+    """
+    if options is not None and not isinstance(options, EncoderOptions):
+        raise TypeError(
+            f"options must be a vitpool.specs.EncoderOptions, not {type(options).__name__}; give budgets and the "
+            "other options by name (budgets=[64, 256])"
+        )
+    plain = dict(values)
+    device, dtype = plain.get("device"), plain.get("dtype")
+    if device is not None and not isinstance(device, str):
+        plain["device"] = str(resolve_device(device))  # a torch.device, or an index
+    if isinstance(dtype, torch.dtype):
+        plain["dtype"] = str(dtype).removeprefix("torch.")
+    if options is None:
+        return EncoderOptions(**plain)
+    return dataclasses.replace(options, **plain) if plain else options
 
 
 def _spec_is_consistent(rules: ItemRules, spec: ItemSpec) -> bool:

@@ -1,5 +1,6 @@
-"""Runs that small batches can interrupt: a budget's graph captured as several graphs, cut between
-the tower's blocks, and one thread that replays them with small batches in between.
+"""Runs that the urgent lane's small batches can interrupt: a budget's graph captured as several
+graphs, cut between the tower's blocks, and one thread that replays them with urgent batches in
+between.
 
 Why: a small batch that arrives while a 1024-token run is on the GPU waits for all of it, more
 than twice a small call's own latency, and a CUDA stream of higher priority does not help (its
@@ -7,7 +8,7 @@ kernels share the SMs with the run's and slow both). Cut into segments, the run 
 segment at a time, and a small batch that waits goes between two of them, on the same stream, so
 it waits for the segments already queued and no more (`benchmarks/studies/small_call_tails.py`
 models what that buys). Under load that cuts small calls' median and tail sharply but costs some
-saturated throughput, so the pool leaves it off by default (`small_first_stream`). Figures:
+saturated throughput, so it is off by default (`EncoderOptions.urgent_tokens`). Figures:
 `benchmarks/RESULTS.md`, "Small calls under load".
 
 The cuts need nothing of the model: the forward is captured as usual, and a forward pre-hook on
@@ -19,7 +20,7 @@ nothing they write can reach it.
 
 `Interleaver` is the one thread that queues the GPU work of both lanes: each main-lane run as its
 launch function, which calls `between` after each segment; there the thread lets at most
-`LOOKAHEAD_SEGMENTS` segments stay queued and launches the small batches that wait.
+`LOOKAHEAD_SEGMENTS` segments stay queued and launches the urgent batches that wait.
 """
 
 from __future__ import annotations

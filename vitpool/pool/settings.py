@@ -1,24 +1,30 @@
-"""A pool's settings: one frozen dataclass, checked when it is made, shared with every caller."""
+"""A pool's settings: one frozen dataclass, checked when it is made, shared with every caller.
+
+Its first fields are an actor's encoder's (`vitpool.specs.EncoderSpec`: the checkpoint and the
+`EncoderOptions`), inherited, so that each is written, documented and checked in one place; the
+rest are the pool's own.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
-from collections.abc import Mapping
+import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from vitpool.errors import ConfigError
 from vitpool.packing import make_budgets
 from vitpool.pool.autoscaler import checked_bounds
-from vitpool.specs import (
-    ATTENTION_CHOICES,
-    DEFAULT_MAX_ITEM_TOKENS,
-    PRECISION_CHOICES,
-    ActorSpec,
-    EncoderSpec,
-)
+from vitpool.specs import DEFAULT_MAX_ITEM_TOKENS, ActorSpec, EncoderSpec
 
-_DTYPES = ("bfloat16", "float16", "float32")
+POOL_DEVICES = ("cuda", "cpu")  # an actor holds one GPU (or none): no "cuda:N"
+RANK_TRANSPORTS = ("nccl", "gloo")
+# A pool given no budgets captures its device's defaults, from 64 tokens on a GPU: its batch bounds
+# are checked against that budget.
+SMALLEST_DEFAULT_BUDGET = 64
 
 # The largest token budget a pool captures. Each actor allocates every budget's static buffers
 # before it takes work (pixel rows alone: budget x merge² rows of C·T·P·P values, 24 KiB a token in
@@ -30,20 +36,21 @@ MAX_BUDGET_TOKENS = 4 * DEFAULT_MAX_ITEM_TOKENS
 LOCAL_CACHE_BYTES = 256 << 20  # each handle's own tier of the embedding cache, by default
 
 
-@dataclass(frozen=True)
-class PoolSettings:
+@dataclass(frozen=True, kw_only=True)
+class PoolSettings(EncoderSpec):
     """How a pool encodes and dispatches. `EncoderPool.launch` takes these as keyword arguments.
 
+    The encoder's options are fields here too, inherited from `EncoderSpec` (`model`) and
+    `vitpool.specs.EncoderOptions` (budgets, max_items_per_batch, max_frames_per_batch,
+    capacity_limits, device, dtype, attention, fused_ops, compiled_blocks, compile_cache_dir,
+    urgent_tokens, precision, max_item_tokens), documented there; every actor's encoder gets them
+    (`encoder_spec`). A pool adds to them:
+
     Attributes:
-        model: local checkpoint directory; None for the tiny model shipped with vitpool.
-        budgets: token budgets each actor captures; None for the defaults of its device. At most
-            MAX_BUDGET_TOKENS (65536) tokens each.
-        max_items_per_batch, max_frames_per_batch, capacity_limits, attention, fused_ops,
-            compiled_blocks, compile_cache_dir, precision: as for `GraphEncoder` (the cache
-            directory is on each actor's node).
-        dtype: "bfloat16", "float16" or "float32"; None for the device's default.
-        device: "cpu" runs every actor on its CPU even where it was given a GPU (tests, debugging);
-            None: the actor's GPU if it has one.
+        budgets: in a pool, at most MAX_BUDGET_TOKENS (65536) tokens each, checked here so that a
+            mistyped budget costs no actor start.
+        device: in a pool, None (the actor's GPU if it has one), "cuda" or "cpu": "cpu" runs every
+            actor on its CPU even where it was given a GPU (tests, debugging).
         max_batches_in_flight_per_actor: batches sent to an actor and not yet answered. Two keep
             a GPU busy: the next batch is already there when one finishes.
         batch_window_s: how long items wait for others to share a batch while every actor is
@@ -81,10 +88,6 @@ class PoolSettings:
             pools colocated with a placement group.
         max_queued_items, max_queued_bytes: bounds on the items (and their pixel bytes) that wait
             in one caller process; a call that would pass them waits for room.
-        max_item_tokens: the largest item (output tokens) a call may carry; a larger one is
-            refused in the caller (InvalidItemError naming it). Default 16384: the most a supported
-            family's processor gives one image at its released settings (Qwen's max_pixels of
-            16384·28·28 or 16384·32·32); raise it for longer videos. None: any size the model takes.
         max_tokens_per_run: the most output tokens that several items share in one replay: the
             dispatcher's batches and an actor's combined runs stop there (a larger item still
             runs, alone). Under load a small call waits behind the run in progress and then its
@@ -100,17 +103,8 @@ class PoolSettings:
             tokens first (a batch passed over 4 times goes first, so none waits for ever). So a
             small call does not wait behind large batches queued before it: under load this more
             than halved the small calls' p99 at no cost in saturated throughput
-            (benchmarks/RESULTS.md, "Small calls under load"). None: one lane, oldest first.
-        small_first_stream: with `small_first_tokens`, on a GPU, small batches interrupt large
-            runs: each actor keeps a second copy of its small budgets' graphs (up to the smallest
-            budget of at least `small_first_tokens`), captures its larger budgets in segments of
-            two blocks, and queues a waiting small batch between two segments of the run being
-            queued, so that it waits for the two segments ahead of it, not for the large runs
-            (`GraphEncoder`'s `urgent_tokens`, `vitpool.graphs.segments`). Costs those graphs'
-            capture time and memory. Off by default: under load it cuts the small calls' median
-            and p99 sharply but costs a few percent of saturated throughput and raises the medium
-            calls' p99 (benchmarks/RESULTS.md, "Small calls under load"). False: small batches
-            wait for the run in flight and the one queued behind it.
+            (benchmarks/RESULTS.md, "Small calls under load"); `urgent_tokens` (the urgent lane, on
+            GPU actors) lets small batches interrupt large runs too. None: one lane, oldest first.
         channel_spin_s: on the same-node channel, how long a waiting thread polls before it
             sleeps: an actor after each answer, for the connection's next batch; a caller from
             shortly before its reply is due (learnt from its earlier batches of the same size).
@@ -136,13 +130,6 @@ class PoolSettings:
             None (the default): the smaller of `embedding_cache_bytes` and 256 MiB; 0: none.
     """
 
-    model: str | None = None
-    budgets: tuple[int, ...] | None = None
-    max_items_per_batch: int | None = None
-    max_frames_per_batch: int | None = None
-    capacity_limits: Any = None  # {capacity name: limit}; kept as sorted (name, limit) pairs
-    dtype: str | None = None
-    device: str | None = None
     max_batches_in_flight_per_actor: int = 2
     batch_window_s: float = 0.002
     actor_threads: int | None = None
@@ -158,57 +145,38 @@ class PoolSettings:
     warm_standby: bool | None = None
     max_queued_items: int = 4096
     max_queued_bytes: int = 2 << 30
-    max_item_tokens: int | None = DEFAULT_MAX_ITEM_TOKENS
     max_tokens_per_run: int | None = None
     overlap_runs: bool = True
     small_first_tokens: int | None = 256
-    small_first_stream: bool = False
     channel_spin_s: float = 0.002
     rank_transport: str | None = None
     same_node_channel: bool = True
-    attention: str = "auto"
-    fused_ops: bool = True
-    compiled_blocks: bool = False
-    compile_cache_dir: str | None = None
-    precision: str = "bf16"
     embedding_cache_bytes: int = 0
     embedding_cache_local_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        if self.model is not None:
-            object.__setattr__(self, "model", str(self.model))
-        if self.budgets is not None:
-            object.__setattr__(self, "budgets", tuple(self.budgets))
-        object.__setattr__(self, "capacity_limits", _limit_pairs(self.capacity_limits))
-        try:  # the actors check these too, but a mistake should not cost an actor start
-            make_budgets(self.budgets or [64], self.max_items_per_batch, self.max_frames_per_batch)
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
+        super().__post_init__()  # the checkpoint and the encoder's options
+        # what a pool adds to them: its actors allocate every budget's buffers as they start, and
+        # hold one GPU each (or none)
         if self.budgets is not None and max(self.budgets) > MAX_BUDGET_TOKENS:
             raise ConfigError(
                 f"budgets: {max(self.budgets)} tokens is above the largest budget a pool captures "
                 f"({MAX_BUDGET_TOKENS} tokens, MAX_BUDGET_TOKENS); budgets count output tokens, not patches"
             )
-        if self.dtype is not None:
-            name = str(self.dtype).removeprefix("torch.")
-            if name not in _DTYPES:
-                raise ConfigError(f"dtype {self.dtype!r}: use one of {_DTYPES} (or None for the device's default)")
-            object.__setattr__(self, "dtype", name)
-        if self.attention not in ATTENTION_CHOICES:
-            raise ConfigError(f"attention {self.attention!r}: use one of {ATTENTION_CHOICES}")
-        if self.precision not in PRECISION_CHOICES:
-            raise ConfigError(f"precision {self.precision!r}: use one of {PRECISION_CHOICES}")
+        try:  # the actors check these again, against the model, but a mistake should not cost an actor start
+            budgets = self.budgets or [SMALLEST_DEFAULT_BUDGET]
+            make_budgets(budgets, self.max_items_per_batch, self.max_frames_per_batch)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        if self.device not in (None, *POOL_DEVICES):
+            raise ConfigError(f"device {self.device!r}: use None (the actor's GPU if any), 'cuda' or 'cpu'")
         if self.precision == "fp8" and self.device == "cpu":
             raise ConfigError("precision 'fp8' needs GPU actors (FP8 tensor cores), not device='cpu'")
         if self.warm_standby is not None and not isinstance(self.warm_standby, bool):
             raise ConfigError(f"warm_standby must be True, False or None (on for GPU actors); got {self.warm_standby!r}")
-        for name in ("fused_ops", "compiled_blocks", "overlap_runs", "small_first_stream", "detached"):
+        for name in ("overlap_runs", "same_node_channel", "detached"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False; got {getattr(self, name)!r}")
-        if self.compile_cache_dir is not None:
-            object.__setattr__(self, "compile_cache_dir", str(self.compile_cache_dir))
-        if self.device not in (None, "cpu", "cuda"):
-            raise ConfigError(f"device {self.device!r}: use None (the actor's GPU if any), 'cuda' or 'cpu'")
         _positive_int("max_batches_in_flight_per_actor", self.max_batches_in_flight_per_actor)
         _positive_int("max_attempts_per_item", self.max_attempts_per_item)
         _positive_int("max_queued_items", self.max_queued_items)
@@ -218,8 +186,6 @@ class PoolSettings:
         local = self.embedding_cache_local_bytes
         if local is not None and (isinstance(local, bool) or not isinstance(local, int) or local < 0):
             raise ConfigError(f"embedding_cache_local_bytes must be None or an integer >= 0 (0: none); got {local!r}")
-        if self.max_item_tokens is not None:
-            _positive_int("max_item_tokens", self.max_item_tokens)
         if self.max_tokens_per_run is not None:
             _positive_int("max_tokens_per_run", self.max_tokens_per_run)
         if self.small_first_tokens is not None:
@@ -230,12 +196,10 @@ class PoolSettings:
         _non_negative_seconds("channel_spin_s", self.channel_spin_s)
         if self.actor_threads is not None:
             _positive_int("actor_threads", self.actor_threads)
-        if self.rank_transport not in (None, "nccl", "gloo"):
+        if self.rank_transport not in (None, *RANK_TRANSPORTS):
             raise ConfigError(f"rank_transport {self.rank_transport!r}: use 'nccl' (GPU actors), 'gloo' (CPU actors) or None")
         if self.rank_transport == "nccl" and self.device == "cpu":
             raise ConfigError("rank_transport='nccl' moves embeddings GPU to GPU; it needs GPU actors, not device='cpu'")
-        if not isinstance(self.same_node_channel, bool):
-            raise ConfigError(f"same_node_channel must be True or False; got {self.same_node_channel!r}")
         _non_negative_seconds("batch_window_s", self.batch_window_s)
         _non_negative_seconds("startup_timeout_s", self.startup_timeout_s, positive=True)
         object.__setattr__(self, "autoscale", checked_bounds(self.autoscale))
@@ -244,14 +208,18 @@ class PoolSettings:
             _non_negative_seconds("metrics_interval_s", self.metrics_interval_s, positive=True)
         _non_negative_seconds("retire_timeout_s", self.retire_timeout_s, positive=True)
 
-
     def encoder_spec(self) -> EncoderSpec:
-        """What each actor's encoder is built from."""
-        return EncoderSpec(
-            self.model, self.budgets, self.max_items_per_batch, self.max_frames_per_batch, self.dtype, self.device,
-            self.capacity_limits, self.attention, self.fused_ops, self.compiled_blocks, self.compile_cache_dir,
-            self.small_first_tokens if self.small_first_stream else None, self.precision,
+        """What each actor's encoder is built from: these settings' `EncoderSpec` fields."""
+        return EncoderSpec(**{field.name: getattr(self, field.name) for field in dataclasses.fields(EncoderSpec)})
+
+    @property
+    def small_first_stream(self) -> bool:
+        """Deprecated, goes after 0.1 (the urgent lane's pool setting in 0.1.0): whether the actors
+        have an urgent lane; read `urgent_tokens`."""
+        warnings.warn(
+            "PoolSettings.small_first_stream is deprecated: read urgent_tokens", DeprecationWarning, stacklevel=2
         )
+        return self.urgent_tokens is not None
 
     @property
     def local_cache_bytes(self) -> int:
@@ -279,19 +247,32 @@ class PoolSettings:
         )
 
 
-def _limit_pairs(limits: Any) -> tuple[tuple[str, int], ...]:
-    """Capacity limits as sorted (name, limit) pairs; which names the model has is checked by the
-    actors, which know the model."""
-    if limits is None:
-        return ()
-    pairs = limits.items() if isinstance(limits, Mapping) else limits
-    try:
-        checked = tuple(sorted((str(name), value) for name, value in pairs))
-    except (TypeError, ValueError):
-        raise ConfigError(f"capacity_limits must map capacity names to limits, e.g. {{'windows': 64}}; got {limits!r}") from None
-    for name, value in checked:
-        _positive_int(f"capacity_limits[{name!r}]", value)
-    return checked
+def _taking_small_first_stream(init: Callable[..., None]) -> Callable[..., None]:
+    """`PoolSettings.__init__`, also taking `small_first_stream`, the urgent lane's pool setting in
+    0.1.0 (True: an urgent lane of `small_first_tokens`): accepted for one release, with a
+    DeprecationWarning naming `urgent_tokens`. Not a field, so no copy of the settings carries it."""
+
+    @functools.wraps(init)
+    def __init__(self: PoolSettings, *args: Any, small_first_stream: Any = None, **kwargs: Any) -> None:
+        if small_first_stream is not None:
+            warnings.warn(
+                "small_first_stream is deprecated: use urgent_tokens=N (small_first_stream=True is "
+                "urgent_tokens=small_first_tokens, 256 by default)", DeprecationWarning, stacklevel=2,
+            )
+            if not isinstance(small_first_stream, bool):
+                raise ConfigError(
+                    f"small_first_stream must be True or False (deprecated: use urgent_tokens); got {small_first_stream!r}"
+                )
+            if kwargs.get("urgent_tokens") is not None:
+                raise ConfigError("small_first_stream is the deprecated name of urgent_tokens: give urgent_tokens alone")
+            if small_first_stream:
+                kwargs["urgent_tokens"] = kwargs.get("small_first_tokens", PoolSettings.small_first_tokens)
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+PoolSettings.__init__ = _taking_small_first_stream(PoolSettings.__init__)  # type: ignore[method-assign]
 
 
 def _positive_int(name: str, value: Any) -> None:
