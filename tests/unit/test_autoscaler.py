@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from vitpool.actors.reports import ActorStats
 from vitpool.errors import ConfigError
-from vitpool.pool.autoscaler import DOWN_READINGS, UP_READINGS, AutoscalePolicy, checked_bounds
+from vitpool.pool.autoscaler import DOWN_READINGS, UP_READINGS, AutoscalePolicy, Autoscaler, checked_bounds
 from vitpool.pool.settings import PoolSettings
+from vitpool.pool.stats import ActorReading
 
 
 def readings(policy: AutoscalePolicy, busy: float, count: int, num_actors: int, starting: int = 0) -> list[int]:
@@ -51,3 +53,20 @@ def test_bounds_are_checked():
             PoolSettings(autoscale=bad)
     with pytest.raises(ConfigError, match="autoscale_interval_s"):
         PoolSettings(autoscale=(1, 2), autoscale_interval_s=0)
+
+
+def test_the_autoscaler_decides_on_each_actors_busy_fraction_since_its_last_reading(monkeypatch):
+    scaled_to = []
+    autoscaler = Autoscaler(AutoscalePolicy(1, 2), starting=lambda: 0, scale=scaled_to.append, actor_resources={"CPU": 1})
+    monkeypatch.setattr(autoscaler, "_request", lambda num_actors: None)  # no Ray autoscaler here
+    monkeypatch.setattr("ray.available_resources", lambda: {"CPU": 4.0})
+
+    def reading(second: int, busy_seconds: float) -> ActorReading:
+        return ActorReading((0,), {0: ActorStats(0, "cpu", busy_seconds=busy_seconds, uptime_seconds=float(second))})
+
+    # the first reading spans the actor's start (idle for 10 s): not counted; then 90% busy
+    autoscaler.take(reading(10, 0.0))
+    for second in range(1, UP_READINGS + 1):
+        assert scaled_to == []
+        autoscaler.take(reading(10 + second, 0.9 * second))
+    assert scaled_to == [2] and autoscaler.scale_ups == 1

@@ -8,13 +8,13 @@ import subprocess
 import sys
 import textwrap
 import time
-from types import SimpleNamespace
 
 import pytest
 import ray.util.metrics
 
 from vitpool.actors.reports import ActorStats
 from vitpool.pool.metrics import PoolMetrics
+from vitpool.pool.stats import ActorReading, PoolCounters
 
 # A caller process with fakes for Ray's metric classes (each recording prints a line) and a
 # dispatcher that counted 30 calls; it exits long before the 60 s reading interval, as a script
@@ -38,8 +38,10 @@ SHORT_LIVED_CALLER = textwrap.dedent("""
     ray.is_initialized = lambda: sys.argv[1] != "left-ray"
     from vitpool.pool.metrics import CallerMetrics
 
-    counters = SimpleNamespace(calls=30, items=60, tokens=600, failed_calls=0, rejected_items=0,
-                               requeued_items=0, failed_batches=0, completed_calls=30, latencies_s=[0.01] * 30)
+    from vitpool.pool.dispatcher import DispatchCounters
+
+    counters = DispatchCounters(calls=30, items=60, tokens=600, completed_calls=30)
+    counters.latencies_s.extend([0.01] * 30)
     dispatcher = SimpleNamespace(counters=counters, queue_depth=0, queued_bytes=0, in_flight=dict)
     metrics = CallerMetrics("short", dispatcher, interval_s=60.0)
     if sys.argv[1] == "closed":
@@ -105,12 +107,7 @@ def test_graph_hit_rate_is_exported_only_for_actors_that_run_graphs(monkeypatch)
         # a GPU actor that has encoded nothing yet: no rate to speak of
         2: ActorStats(2, "cuda:1 (NVIDIA H100)", uptime_seconds=10.0),
     }
-    handles = {index: SimpleNamespace(stats=SimpleNamespace(remote=lambda index=index: index)) for index in stats}
-    monkeypatch.setattr(ray, "get", lambda index, timeout=None: stats[index])
-    metrics = PoolMetrics("p", lambda: handles, lambda: (0, 0), interval_s=3600.0)
-    try:
-        metrics._record()  # one reading, as the controller's thread makes every interval
-    finally:
-        metrics.close()
+    metrics = PoolMetrics("p", PoolCounters)
+    metrics.take(ActorReading(tuple(stats), stats))  # one reading, as the controller's reader hands it over
     assert made["vitpool_actor_graph_hit_rate"].values == {"1": 0.75}  # was 0.0 for actors 0 and 2
     assert made["vitpool_actor_padding_waste"].values == {"0": 0.25, "1": 0.0, "2": 0.0}  # as before

@@ -67,3 +67,12 @@ class ActorStats:
     @property
     def utilization(self) -> float:
         return self.busy_seconds / self.uptime_seconds if self.uptime_seconds else 0.0
+
+    def busy_fraction_since(self, earlier: ActorStats | None) -> float | None:
+        """The share of the time since `earlier` (this actor's stats read before; None: since it
+        started) that it had a batch running, at most 1; None where its uptime did not advance.
+        What the autoscaler decides on and the metrics export, each against its own last reading."""
+        busy_before, uptime_before = (earlier.busy_seconds, earlier.uptime_seconds) if earlier else (0.0, 0.0)
+        if self.uptime_seconds <= uptime_before:
+            return None
+        return min(1.0, (self.busy_seconds - busy_before) / (self.uptime_seconds - uptime_before))

@@ -3,8 +3,9 @@ actors stay busy and retires one while they stay idle, through the same `scale` 
 (a retired actor finishes its batches first, so no item is lost or run twice).
 
 The signal is each actor's busy fraction over the last interval (the share of it with a batch
-running), read from the actors by a thread of the controller: a pool whose callers queue work
-keeps every actor busy, so the callers' queues need not be read. Hysteresis: up after
+running, `ActorStats.busy_fraction_since`), from the readings of the controller's one reader of
+its actors (`vitpool.pool.stats.ActorReader`), one every `autoscale_interval_s`: a pool whose
+callers queue work keeps every actor busy, so the callers' queues need not be read. Hysteresis: up after
 `UP_READINGS` readings in a row with the mean at or above `UP_BUSY`, down after `DOWN_READINGS`
 in a row at or below `DOWN_BUSY`, and the count starts again after every change and while an
 actor is starting. On a cluster with Ray's autoscaler, the pool asks for the resources of the
@@ -19,12 +20,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from vitpool.actors.reports import ActorStats
 from vitpool.errors import ConfigError
+from vitpool.pool.stats import ActorReading
 
 logger = logging.getLogger(__name__)
 
 UP_BUSY, UP_READINGS = 0.75, 3
 DOWN_BUSY, DOWN_READINGS = 0.25, 12
+# How many intervals a reading waits for the actors' stats: a busy actor may answer late, and a
+# reading without any answer starts the hysteresis' count again.
+READING_TIMEOUT_INTERVALS = 4
 
 
 def checked_bounds(autoscale: Any) -> tuple[int, int] | None:
@@ -79,53 +85,45 @@ class AutoscalePolicy:
 
 
 class Autoscaler:
-    """The controller's autoscaling loop, one reading every `interval_s`.
+    """The controller's autoscaling, one decision per reading of the actors it is handed (every
+    `autoscale_interval_s`, by the controller's `ActorReader`).
 
     Args:
         policy: the decision.
-        actors: the active actors' handles by index; `starting`: how many are starting.
+        starting: how many actors are starting.
         scale: the controller's `scale_to(n)`: start or retire actors.
         actor_resources: one actor's Ray resources (e.g. {"GPU": 1, "CPU": 1}).
     """
 
     def __init__(
-        self, policy: AutoscalePolicy, actors: Callable[[], dict[int, Any]], starting: Callable[[], int],
-        scale: Callable[[int], None], actor_resources: dict[str, float], interval_s: float,
+        self, policy: AutoscalePolicy, starting: Callable[[], int], scale: Callable[[int], None],
+        actor_resources: dict[str, float],
     ) -> None:
-        from vitpool.pool.metrics import Periodic
-
-        self.policy, self._actors, self._starting, self._scale = policy, actors, starting, scale
+        self.policy, self._starting, self._scale = policy, starting, scale
         self._resources = {name: amount for name, amount in actor_resources.items() if amount}
-        self._interval_s = interval_s
-        self._seen: dict[int, tuple[float, float]] = {}  # index -> (uptime, busy seconds)
+        self._seen: dict[int, ActorStats] = {}  # index -> its stats at the last reading
         self._waiting_for_room = False
         self.scale_ups = self.scale_downs = 0
-        self._every = Periodic("vitpool-autoscaler", interval_s, self._step, final_record=False)
 
-    def _step(self) -> None:
-        import ray
-
-        actors = self._actors()
+    def take(self, reading: ActorReading) -> None:
+        """Decide on one reading: an actor's busy fraction counts from its second reading on (the
+        first would span its start)."""
         busy = []
-        refs = {index: handle.stats.remote() for index, handle in actors.items()}
-        for index, ref in refs.items():
-            try:
-                stats = ray.get(ref, timeout=self._interval_s * 4)
-            except ray.exceptions.RayError:
-                continue
-            uptime, busy_seconds = self._seen.get(index, (0.0, 0.0))
-            if index in self._seen and stats.uptime_seconds > uptime:
-                busy.append(min(1.0, (stats.busy_seconds - busy_seconds) / (stats.uptime_seconds - uptime)))
-            self._seen[index] = (stats.uptime_seconds, stats.busy_seconds)
-        self._seen = {index: seen for index, seen in self._seen.items() if index in actors}
-        step = self.policy.decide(busy, len(actors), self._starting())
+        for index, stats in reading.stats.items():
+            fraction = stats.busy_fraction_since(self._seen[index]) if index in self._seen else None
+            if fraction is not None:
+                busy.append(fraction)
+            self._seen[index] = stats
+        self._seen = {index: seen for index, seen in self._seen.items() if index in reading.actors}
+        num_actors = len(reading.actors)
+        step = self.policy.decide(busy, num_actors, self._starting())
         if step > 0:
-            self._grow(len(actors))
+            self._grow(num_actors)
         elif step < 0:
             self.scale_downs += 1
-            logger.info("autoscaling: actors idle (%s busy); %d -> %d", _fractions(busy), len(actors), len(actors) - 1)
-            self._request(len(actors) - 1)
-            self._scale(len(actors) - 1)
+            logger.info("autoscaling: actors idle (%s busy); %d -> %d", _fractions(busy), num_actors, num_actors - 1)
+            self._request(num_actors - 1)
+            self._scale(num_actors - 1)
 
     def _grow(self, current: int) -> None:
         import ray
@@ -152,9 +150,6 @@ class Autoscaler:
             request_resources(bundles=[dict(self._resources) for _ in range(num_actors)])
         except Exception as error:  # noqa: BLE001 - no autoscaler API here: the room check decides
             logger.debug("request_resources failed: %s", error)
-
-    def close(self) -> None:
-        self._every.close()
 
 
 def _fractions(values: Sequence[float]) -> str:

@@ -19,14 +19,14 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from vitpool.actors.reports import ActorInfo, ActorStats
-from vitpool.pool.autoscaler import AutoscalePolicy, Autoscaler
+from vitpool.pool.autoscaler import READING_TIMEOUT_INTERVALS, AutoscalePolicy, Autoscaler
 from vitpool.pool.cluster import Placement
 from vitpool.pool.embedding_cache import start_cache_actor
-from vitpool.pool.metrics import Periodic, PoolMetrics
+from vitpool.pool.metrics import PoolMetrics
 from vitpool.pool.settings import PoolSettings
 from vitpool.pool.standby import HOLD_TIMEOUT_S, Standbys, hold_gpu
 from vitpool.pool.start_errors import one_line, start_error
-from vitpool.pool.stats import add_actor_counts
+from vitpool.pool.stats import ActorReader, ActorReading, PoolCounters, add_actor_counts
 from vitpool.specs import ActorSpec
 
 logger = logging.getLogger(__name__)
@@ -39,9 +39,10 @@ MAX_WATCHING_HANDLES = 128
 # An autoscaled actor waits this long for its node to free a GPU for a warm standby, then starts
 # fresh anywhere: unlike a dead actor's node, the standby's node may have no GPU free at all.
 SCALE_UP_HOLD_TIMEOUT_S = 5.0
-# How often the controller asks its actors whether they live. Callers report a dead actor when a
-# batch to it fails, but a caller never sends to an actor its dispatcher does not choose (a light
-# load goes to the actors it prefers), so without this a dead actor could stay unreplaced.
+# How often, at least, the controller reads its actors (and so finds those that died). Callers report
+# a dead actor when a batch to it fails, but a caller never sends to an actor its dispatcher does not
+# choose (a light load goes to the actors it prefers), so without this a dead actor could stay
+# unreplaced.
 LIVENESS_INTERVAL_S = 2.0
 STARTING, ACTIVE, RETIRING = "starting", "active", "retiring"
 
@@ -57,14 +58,9 @@ class _Member:
 
 @dataclass(frozen=True)
 class PoolHealth:
-    failures: int  # actors reported dead or silent
-    restarts: int  # replacements started for them
+    counters: PoolCounters
     restarts_left: int
-    departed_actors: int = 0  # actors that retired or failed since launch
-    departed: ActorStats = field(default_factory=ActorStats)  # their last known counters, summed
-    autoscale_ups: int = 0
-    autoscale_downs: int = 0
-    standby_takeovers: int = 0  # actors that a node's warm standby became (replacements or autoscaled)
+    departed: ActorStats = field(default_factory=ActorStats)  # the departed actors' last known counters, summed
 
 
 @dataclass(frozen=True)
@@ -93,29 +89,27 @@ class PoolController:
         self._members: dict[int, _Member] = {}
         self._next_index = 0
         self._version = 0
-        self._failures = 0
-        self._restarts = 0
+        self._counters = PoolCounters()  # the autoscaler counts its own steps; `health` adds them
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         # the pool's totals outlive its actors: the last counters seen of each, and of those gone
         self._last_stats: dict[int, ActorStats] = {}
-        self._departed_actors = 0
         self._departed = ActorStats()
         # created here, so it shares the controller's lifetime (and the pool's), not a caller's
         self._cache = start_cache_actor(settings.embedding_cache_bytes) if settings.embedding_cache_bytes else None
         self._autoscaler: Autoscaler | None = None
-        self._standby_takeovers = 0
         self._standbys = (
             Standbys(name, NAMESPACE, settings.model, actor_options, settings.rank_transport is not None,
                      self._max_concurrency())
             if placement is None and settings.uses_warm_standby(actor_options) else None
         )
-        self._liveness = Periodic("vitpool-liveness", LIVENESS_INTERVAL_S, self._check_liveness, final_record=False)
-        self._metrics = (
-            PoolMetrics(name, lambda: self.membership().actors, lambda: (self._failures, self._restarts),
-                        settings.metrics_interval_s, self.saw_stats)
-            if settings.metrics_interval_s is not None else None
-        )
+        # One thread reads the active actors for the controller's own use (every reading), the
+        # metrics and the autoscaler (each at its interval); a stats call that fails says who died.
+        self._reader = ActorReader(lambda: self.membership().actors)
+        self._reader.add("liveness check", LIVENESS_INTERVAL_S, self._took_reading, every_reading=True)
+        if settings.metrics_interval_s is not None:
+            metrics = PoolMetrics(name, lambda: self.health().counters)
+            self._reader.add("metrics", settings.metrics_interval_s, metrics.take)
 
     def settings(self) -> PoolSettings:
         return self._settings
@@ -190,10 +184,9 @@ class PoolController:
             "GPU": float(options.get("num_gpus") or 0), "CPU": float(options.get("num_cpus") or 0),
             **{name: float(amount) for name, amount in (options.get("resources") or {}).items()},
         }
-        self._autoscaler = Autoscaler(
-            AutoscalePolicy(*self._settings.autoscale), lambda: self.membership().actors, self._starting,
-            self.scale_to, resources, self._settings.autoscale_interval_s,
-        )
+        self._autoscaler = Autoscaler(AutoscalePolicy(*self._settings.autoscale), self._starting, self.scale_to, resources)
+        interval_s = self._settings.autoscale_interval_s
+        self._reader.add("autoscaler", interval_s, self._autoscaler.take, interval_s * READING_TIMEOUT_INTERVALS)
 
     def scale_to(self, num_actors: int) -> None:
         """`scale` for the autoscaler: new actors take work once ready, with no caller waiting; a
@@ -207,17 +200,22 @@ class PoolController:
         with self._lock:
             return sum(member.state == STARTING for member in self._members.values())
 
-    def saw_stats(self, index: int, stats: ActorStats) -> None:
-        """An actor's latest counters (kept to add to the pool's totals when it leaves)."""
+    def _took_reading(self, reading: ActorReading) -> None:
+        """Every reading of the actors: keep each one's latest counters (to add to the pool's totals
+        when it leaves), and report those that Ray says have died (slow ones are the batch timeout's)."""
         with self._lock:
-            if index in self._members:
-                self._last_stats[index] = stats
+            for index, stats in reading.stats.items():
+                if index in self._members:
+                    self._last_stats[index] = stats
+        for index in reading.dead:
+            logger.warning("encoder actor %d is dead (found by the controller's check)", index)
+            self.report_failure(index)
 
     def _depart(self, index: int, final: ActorStats | None = None) -> None:
         """An actor that served leaves (lock held): its counters join the departed totals."""
         last = self._last_stats.pop(index, None)
         stats = final or last
-        self._departed_actors += 1
+        self._counters.departed_actors += 1
         if stats is not None:
             add_actor_counts(self._departed, stats)
 
@@ -285,12 +283,12 @@ class PoolController:
             del self._members[index]
             self._depart(index)
             self._bump()
-            self._failures += 1
-            replace = self._restarts < self._settings.max_actor_restarts
+            self._counters.actor_failures += 1
+            replace = self._counters.actor_restarts < self._settings.max_actor_restarts
             node = member.info.node_id if member.info is not None else None
             standby = self._standbys.take(node) if replace and self._standbys is not None else None
             if replace:
-                self._restarts += 1
+                self._counters.actor_restarts += 1
                 started = self._start_actor() if standby is None else self._new_member(standby)
         how = "its node's warm standby takes over" if standby is not None else "starting a fresh actor"
         logger.warning(
@@ -337,24 +335,10 @@ class PoolController:
             self._start_fresh_instead(index)
             return
         with self._lock:
-            self._standby_takeovers += 1
+            self._counters.standby_takeovers += 1
         self.activate(index, info)
         logger.info("encoder actor %d (a warm standby) ready on %s, %.1f s after it was asked",
                     index, info.device, time.monotonic() - began)
-
-    def _check_liveness(self) -> None:
-        """Report every active actor that Ray says has died (slow ones are the batch timeout's)."""
-        refs = {index: handle.__ray_ready__.remote() for index, handle in self.membership().actors.items()}
-        for index, ref in refs.items():
-            try:
-                ray.get(ref, timeout=LIVENESS_INTERVAL_S)
-            except ray.exceptions.ActorUnavailableError:
-                continue  # unreachable for now, maybe back soon
-            except ray.exceptions.RayActorError:
-                logger.warning("encoder actor %d is dead (found by the controller's check)", index)
-                self.report_failure(index)
-            except ray.exceptions.GetTimeoutError:
-                continue
 
     def _start_fresh_instead(self, index: int) -> None:
         """A fresh actor in the place of starting member `index` (whose actor and hold stop)."""
@@ -372,11 +356,13 @@ class PoolController:
 
     def _health_locked(self) -> PoolHealth:
         scaler = self._autoscaler
+        counters = dataclasses.replace(
+            self._counters, autoscale_ups=scaler.scale_ups if scaler else 0,
+            autoscale_downs=scaler.scale_downs if scaler else 0,
+        )
         return PoolHealth(
-            self._failures, self._restarts, self._settings.max_actor_restarts - self._restarts,
-            self._departed_actors, ActorStats(**vars(self._departed)),
-            scaler.scale_ups if scaler else 0, scaler.scale_downs if scaler else 0,
-            self._standby_takeovers,
+            counters, self._settings.max_actor_restarts - self._counters.actor_restarts,
+            ActorStats(**vars(self._departed)),
         )
 
     def _activate_when_ready(self, index: int, handle: Any, info_ref: Any) -> None:
@@ -393,11 +379,7 @@ class PoolController:
 
     def shutdown(self) -> int:
         """Kill every encoder actor; returns how many there were."""
-        self._liveness.close()
-        if self._autoscaler is not None:
-            self._autoscaler.close()
-        if self._metrics is not None:
-            self._metrics.close()
+        self._reader.close()
         if self._standbys is not None:
             self._standbys.close()
         with self._lock:

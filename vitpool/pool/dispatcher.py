@@ -45,6 +45,7 @@ from vitpool.pool.calls import Call, QueuedItem
 from vitpool.pool.item_queue import ItemQueue, oversized_item_reason
 from vitpool.pool.policy import ActorLoad, DispatchPolicy
 from vitpool.pool.settings import PoolSettings
+from vitpool.pool.stats import CallerCounters
 from vitpool.specs import BatchPlan
 from vitpool.transport.link import (
     OK,
@@ -79,20 +80,11 @@ class _Flight:
 
 
 @dataclass
-class DispatchCounters:
-    """What this process's dispatcher has seen."""
+class DispatchCounters(CallerCounters):
+    """What this process's dispatcher has seen: the handle's counters (`CallerCounters`, defined
+    with `PoolStats`), and the completed calls its latency and rate figures come from."""
 
-    calls: int = 0
     completed_calls: int = 0
-    items: int = 0
-    tokens: int = 0  # output tokens of the items encoded
-    batches: int = 0
-    channel_batches: int = 0  # answered through the same-node channel rather than a Ray call
-    requeued_items: int = 0
-    failed_calls: int = 0
-    failed_batches: int = 0  # the actor died, went silent past the timeout, or failed the batch
-    timed_out_batches: int = 0
-    rejected_items: int = 0  # bad items, found here or by the actor
     latencies_s: collections.deque = field(default_factory=lambda: collections.deque(maxlen=_LATENCY_SAMPLES))
     completions: collections.deque = field(default_factory=lambda: collections.deque(maxlen=_LATENCY_SAMPLES))
 

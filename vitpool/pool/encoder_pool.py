@@ -39,7 +39,7 @@ from vitpool.pool.metrics import CallerMetrics
 from vitpool.pool.rank_delivery import RDT_TRANSPORTS, RankDelivery, choose_transport
 from vitpool.pool.settings import PoolSettings
 from vitpool.pool.start_errors import start_failure
-from vitpool.pool.stats import PoolStats, percentile, recent_rate
+from vitpool.pool.stats import CallerCounters, PoolCounters, PoolStats, counts, percentile, recent_rate
 from vitpool.specs import ItemRules
 from vitpool.transport.link import ActorLink
 from vitpool.transport.links import make_link
@@ -338,18 +338,6 @@ class EncoderPool:
             actors=sorted(actor_stats, key=lambda s: s.actor_index),
             queue_depth=self._dispatcher.queue_depth,
             batches_in_flight=sum(self._dispatcher.in_flight().values()),
-            calls=counters.calls,
-            items=counters.items,
-            batches=counters.batches,
-            channel_batches=counters.channel_batches,
-            failed_calls=counters.failed_calls,
-            requeued_items=counters.requeued_items,
-            failed_batches=counters.failed_batches,
-            timed_out_batches=counters.timed_out_batches,
-            rejected_items=counters.rejected_items,
-            actor_restarts=health.restarts,
-            actor_failures=health.failures,
-            standby_takeovers=health.standby_takeovers,
             queued_bytes=self._dispatcher.queued_bytes,
             peak_queued_items=self._dispatcher.peak_queued[0],
             peak_queued_bytes=self._dispatcher.peak_queued[1],
@@ -357,11 +345,10 @@ class EncoderPool:
             latency_p50_s=percentile(list(counters.latencies_s), 0.50),
             latency_p99_s=percentile(list(counters.latencies_s), 0.99),
             cache=self._cache.stats(timeout_s) if self._cache is not None else None,
-            departed_actors=health.departed_actors,
             departed=health.departed,
             autoscale=self._settings.autoscale,
-            autoscale_ups=health.autoscale_ups,
-            autoscale_downs=health.autoscale_downs,
+            **counts(CallerCounters, counters),
+            **counts(PoolCounters, health.counters),
         )
 
     def close(self) -> None:

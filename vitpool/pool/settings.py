@@ -60,7 +60,8 @@ class PoolSettings(EncoderSpec):
         startup_timeout_s: how long launch and scale wait for actors to load and capture.
         metrics_interval_s: how often the pool's counters are recorded as Ray metrics (exported
             on each node's Prometheus endpoint; `vitpool.pool.metrics` lists them): by a thread of
-            each handle and one of the controller, never on a call's path. None: no metrics.
+            each handle and from the controller's reader of the actors, never on a call's path.
+            None: no metrics.
         autoscale: (min_actors, max_actors): the controller adds an actor while the actors stay
             busy and retires one while they stay idle (`vitpool.pool.autoscaler`), within these
             bounds, through `scale`; launch starts `min_actors` unless told otherwise. None: the

@@ -1,15 +1,75 @@
-"""What `EncoderPool.stats()` returns."""
+"""The pool's counters, defined once, and what `EncoderPool.stats()` returns.
+
+Two dataclasses hold every counter of a pool, each field with what it counts: `CallerCounters`,
+what a handle counts of its calls (its dispatcher's counters are one), and `PoolCounters`, what
+the controller counts of its actors. `PoolStats` is both plus the snapshot's other figures, the
+metrics export one Ray counter per field (`vitpool.pool.metrics`), and `EncoderPool.stats` copies
+them over by name: a new counter is one field here.
+
+`ActorReader` is the controller's one reader of its actors' stats: each consumer (its own
+bookkeeping, the metrics, the autoscaler) gets readings at its own interval from one thread.
+"""
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from vitpool.actors.reports import ActorStats
 from vitpool.errors import counted
 
+logger = logging.getLogger(__name__)
+
 RATE_WINDOW_S = 10.0
+
+
+def counter(what: str) -> Any:
+    """A counter field: 0 at first, counting up; `what` it counts is also its metric's description."""
+    return field(default=0, metadata={"counts": what})
+
+
+# keyword-only, so that `PoolStats`, which adds them to its own fields, keeps its positional ones
+@dataclass(kw_only=True)
+class CallerCounters:
+    """What a handle counted of the calls made through it since it was opened (its dispatcher counts)."""
+
+    calls: int = counter("calls made")
+    items: int = counter("items encoded")
+    tokens: int = counter("output tokens encoded")
+    batches: int = counter("batches sent to the actors")
+    channel_batches: int = counter("batches answered through the same-node channel rather than a Ray call")
+    failed_calls: int = counter("calls that failed")
+    rejected_items: int = counter("bad items, found in the caller or by an actor")
+    requeued_items: int = counter("items sent again after their actor died, left or went silent")
+    failed_batches: int = counter("batches whose actor died, timed out or failed them")
+    timed_out_batches: int = counter("batches unanswered within batch_timeout_s")
+
+
+@dataclass(kw_only=True)
+class PoolCounters:
+    """What the pool's controller counted of its actors since launch."""
+
+    actor_failures: int = counter("actors reported dead or silent (by any caller, or the controller's check)")
+    actor_restarts: int = counter("replacements started for dead or silent actors")
+    standby_takeovers: int = counter("actors that a node's warm standby became (replacements or autoscaled)")
+    departed_actors: int = counter("actors that retired or failed since launch")
+    autoscale_ups: int = counter("actors the autoscaler added")
+    autoscale_downs: int = counter("actors the autoscaler retired")
+
+
+def counter_meanings(counters: type) -> dict[str, str]:
+    """Each counter of a counters class (`CallerCounters`, `PoolCounters`), by name: what it counts."""
+    return {item.name: item.metadata["counts"] for item in fields(counters)}
+
+
+def counts(counters: type, source: Any) -> dict[str, int]:
+    """`source`'s value of each counter of `counters` (an instance of it, or of a class that has its
+    fields: a dispatcher's counters, `PoolStats`)."""
+    return {name: getattr(source, name) for name in counter_meanings(counters)}
 
 
 @dataclass
@@ -49,16 +109,16 @@ class CacheStats:
 
 
 @dataclass
-class PoolStats:
+class PoolStats(PoolCounters, CallerCounters):
     """A snapshot of a pool.
 
     The pool's: `actors` (per actor taking work: device, batches, items, graph hit rate, padding
     waste, busy time), `departed` (the counters of the actors that retired or failed since launch,
-    summed, so that the pool's totals survive scaling), actor failures and restarts, and the
-    embedding cache shared by every caller (`cache`). This process's calls through its handles:
-    queue depth, batches in flight (and how many went through the same-node channel), items per
-    second over the last 10 s, and call latency (submit to results ready) p50/p99 over the last
-    4096 calls.
+    summed, so that the pool's totals survive scaling), the controller's counters (`PoolCounters`:
+    actor failures, restarts, ...), and the embedding cache shared by every caller (`cache`). This
+    process's calls through its handles: their counters (`CallerCounters`: calls, items, ...),
+    queue depth, batches in flight, items per second over the last 10 s, and call latency (submit
+    to results ready) p50/p99 over the last 4096 calls.
     """
 
     name: str
@@ -66,18 +126,6 @@ class PoolStats:
     actors: list[ActorStats] = field(default_factory=list)
     queue_depth: int = 0
     batches_in_flight: int = 0
-    calls: int = 0
-    items: int = 0
-    batches: int = 0
-    channel_batches: int = 0
-    failed_calls: int = 0
-    requeued_items: int = 0  # sent again after their actor died, went silent or left
-    failed_batches: int = 0  # actor died, timed out or failed the batch
-    timed_out_batches: int = 0
-    rejected_items: int = 0  # bad input, found in this process or by an actor
-    actor_restarts: int = 0  # replacements the pool started for dead or silent actors
-    actor_failures: int = 0  # actors reported dead or silent (by any caller process)
-    standby_takeovers: int = 0  # actors that a node's warm standby became (replacements or autoscaled)
     queued_bytes: int = 0
     peak_queued_items: int = 0
     peak_queued_bytes: int = 0
@@ -85,11 +133,8 @@ class PoolStats:
     latency_p50_s: float = 0.0
     latency_p99_s: float = 0.0
     cache: CacheStats | None = None  # the pool's embedding cache, shared by every caller; None: off
-    departed_actors: int = 0  # actors that retired or failed since launch
-    departed: ActorStats = field(default_factory=ActorStats)  # their counters, summed
+    departed: ActorStats = field(default_factory=ActorStats)  # the departed actors' counters, summed
     autoscale: tuple[int, int] | None = None  # (min_actors, max_actors) where the pool autoscales
-    autoscale_ups: int = 0
-    autoscale_downs: int = 0
 
     @property
     def pool_items(self) -> int:
@@ -166,3 +211,155 @@ def recent_rate(completions: Iterable[tuple[float, int]], now: float | None = No
         return 0.0
     span = max(now - recent[0][0], 1e-3) if len(recent) > 1 else RATE_WINDOW_S
     return sum(n for _, n in recent) / span
+
+
+@dataclass(frozen=True)
+class ActorReading:
+    """One reading of the pool's active actors, each asked for its stats once."""
+
+    actors: tuple[int, ...]  # the active actors asked, by index
+    stats: dict[int, ActorStats]  # by index, of those that answered in time
+    dead: tuple[int, ...] = ()  # those that Ray says have died
+
+
+@dataclass(eq=False)  # identity: the consumers due are picked from the list
+class _Consumer:
+    name: str
+    interval_s: float
+    timeout_s: float
+    take: Callable[[ActorReading], None]
+    every_reading: bool
+    next_due_s: float
+    failed_before: bool = False
+
+
+class ActorReader:
+    """The controller's one reader of its actors' stats, for each consumer at its own interval.
+
+    A reading asks each active actor for its stats once and waits for the answers up to the
+    longest `timeout_s` of the consumers it serves; an actor that answers later is neither asked nor
+    waited for again until it has (a hung actor holds up one reading, not each), and its answer goes
+    into the reading after it came. A reading is taken when the soonest
+    consumer is due, and serves every consumer due within half the shortest interval: readings
+    come at the shortest interval, and a consumer with a longer one takes the reading nearest each
+    of its due times (its own interval on average, each one within half the shortest of it). With N
+    active actors that is at most N Ray calls per shortest interval, however many consumers.
+    Consumers run on the reader's thread, one after another.
+
+    Args:
+        actors: the active actors' handles by index.
+        name: the thread's name.
+        clock: seconds, for the consumers' due times (a test's own clock).
+    """
+
+    def __init__(
+        self, actors: Callable[[], dict[int, Any]], name: str = "vitpool-actor-reader",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._actors, self._clock = actors, clock
+        self._consumers: list[_Consumer] = []
+        self._unanswered: dict[int, Any] = {}  # actor index -> its stats call, not answered yet
+        self._lock = threading.Lock()  # guards the list of consumers
+        self._wake = threading.Event()
+        self._closed = False
+        self._failed_before = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def add(
+        self, name: str, interval_s: float, take: Callable[[ActorReading], None], timeout_s: float | None = None,
+        every_reading: bool = False,
+    ) -> None:
+        """Hand `take` a reading every `interval_s`, the first one interval from now, with the
+        actors' answers waited for up to `timeout_s` (default `interval_s`); with `every_reading`,
+        the readings taken for other consumers in between too."""
+        with self._lock:
+            self._consumers.append(_Consumer(
+                name, interval_s, interval_s if timeout_s is None else timeout_s, take, every_reading,
+                self._clock() + interval_s,
+            ))
+        self._wake.set()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop, after the reading under way (waiting at most `timeout_s` for it)."""
+        self._closed = True
+        self._wake.set()
+        self._thread.join(timeout=timeout_s)
+
+    def read(self, timeout_s: float) -> ActorReading:
+        """Ask every active actor for its stats, but those still to answer the last asking, and
+        wait up to `timeout_s` for the answers to this asking."""
+        import ray
+
+        actors = self._actors()
+        self._unanswered = {index: ref for index, ref in self._unanswered.items() if index in actors}
+        asked = []
+        for index, handle in actors.items():
+            if index not in self._unanswered:
+                self._unanswered[index] = handle.stats.remote()
+                asked.append(self._unanswered[index])
+        if asked:
+            ray.wait(asked, num_returns=len(asked), timeout=timeout_s)
+        refs = list(self._unanswered.values())
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) if refs else set()
+        stats, dead = {}, []
+        for index, ref in list(self._unanswered.items()):
+            if ref not in ready:
+                continue
+            del self._unanswered[index]
+            try:
+                stats[index] = ray.get(ref)
+            except ray.exceptions.ActorUnavailableError:
+                continue  # unreachable for now, maybe back soon
+            except ray.exceptions.RayActorError:
+                dead.append(index)
+            except ray.exceptions.RayError:
+                continue  # its stats failed: asked again at the next reading
+        return ActorReading(tuple(actors), stats, tuple(dead))
+
+    def soonest_due_s(self) -> float | None:
+        """When the next reading is due (on the reader's clock); None without consumers."""
+        with self._lock:
+            return min((consumer.next_due_s for consumer in self._consumers), default=None)
+
+    def _run(self) -> None:
+        while not self._closed:
+            soonest = self.soonest_due_s()
+            self._wake.wait(None if soonest is None else max(0.0, soonest - self._clock()))
+            self._wake.clear()  # an `add` after this is seen by the next loop's look at the list
+            if not self._closed:
+                self._serve_due()
+
+    def _serve_due(self) -> None:
+        now = self._clock()
+        with self._lock:
+            consumers = list(self._consumers)
+        slack_s = min((consumer.interval_s for consumer in consumers), default=0.0) / 2
+        due = [consumer for consumer in consumers if consumer.next_due_s <= now + slack_s]
+        if not due:
+            return
+        try:
+            reading = self.read(max(consumer.timeout_s for consumer in due))
+        except Exception:  # a reading that fails must never take the pool down
+            # said once as a warning (a reader that always fails would otherwise go unseen)
+            logger.log(logging.DEBUG if self._failed_before else logging.WARNING,
+                       "reading the encoder actors' stats failed", exc_info=True)
+            self._failed_before = True
+            reading = None
+        for consumer in consumers:
+            if reading is not None and (consumer in due or consumer.every_reading):
+                _hand(consumer, reading)
+        finished = self._clock()
+        for consumer in due:
+            consumer.next_due_s += consumer.interval_s
+            if consumer.next_due_s <= finished:  # the reading and its use outlasted an interval: a whole one from now
+                consumer.next_due_s = finished + consumer.interval_s
+
+
+def _hand(consumer: _Consumer, reading: ActorReading) -> None:
+    try:
+        consumer.take(reading)
+    except Exception:  # a consumer that fails must never stop the others, or the reader
+        level = logging.DEBUG if consumer.failed_before else logging.WARNING  # said once as a warning
+        logger.log(level, "the %s failed on a reading of the encoder actors", consumer.name, exc_info=True)
+        consumer.failed_before = True
