@@ -1,4 +1,4 @@
-"""Warm standbys (`vitpool.actors.standby`, `vitpool.pool.standby`) on a local Ray cluster with two
+"""Warm standbys (`vitpool.actors.standby`, `vitpool.pool.warm_standbys`) on a local Ray cluster with two
 fake GPUs, CPU actors: a killed actor's place is taken by its node's standby process, which loses
 no call and answers as the encoder in this process does; a standby that cannot take over gives
 way to a fresh actor; scaling away from a node stops its standby; shutdown leaves none."""

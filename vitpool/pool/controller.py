@@ -24,7 +24,7 @@ from vitpool.pool.cluster import Placement
 from vitpool.pool.embedding_cache import start_cache_actor
 from vitpool.pool.metrics import PoolMetrics
 from vitpool.pool.settings import PoolSettings
-from vitpool.pool.standby import HOLD_TIMEOUT_S, Standbys, hold_gpu
+from vitpool.pool.warm_standbys import HOLD_TIMEOUT_S, Standbys, hold_gpu
 from vitpool.pool.start_errors import one_line, start_error
 from vitpool.pool.stats import ActorReader, ActorReading, PoolCounters, add_actor_counts
 from vitpool.specs import ActorSpec
@@ -161,7 +161,7 @@ class PoolController:
         )
 
     def standbys(self) -> dict[str, Any]:
-        """Node id -> handle of its warm standby (`vitpool.pool.standby`); empty without them."""
+        """Node id -> handle of its warm standby (`vitpool.pool.warm_standbys`); empty without them."""
         return {} if self._standbys is None else self._standbys.handles()
 
     def all_actors(self) -> dict[int, Any]:
