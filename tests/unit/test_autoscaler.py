@@ -7,9 +7,9 @@ import pytest
 
 from vitpool.actors.reports import ActorStats
 from vitpool.errors import ConfigError
+from vitpool.pool.actor_reader import ActorReading
 from vitpool.pool.autoscaler import DOWN_READINGS, UP_READINGS, AutoscalePolicy, Autoscaler, checked_bounds
 from vitpool.pool.settings import PoolSettings
-from vitpool.pool.stats import ActorReading
 
 
 def readings(policy: AutoscalePolicy, busy: float, count: int, num_actors: int, starting: int = 0) -> list[int]:

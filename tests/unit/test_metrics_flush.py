@@ -13,8 +13,9 @@ import pytest
 import ray.util.metrics
 
 from vitpool.actors.reports import ActorStats
+from vitpool.pool.actor_reader import ActorReading
 from vitpool.pool.metrics import PoolMetrics
-from vitpool.pool.stats import ActorReading, PoolCounters
+from vitpool.pool.stats import PoolCounters
 
 # A caller process with fakes for Ray's metric classes (each recording prints a line) and a
 # dispatcher that counted 30 calls; it exits long before the 60 s reading interval, as a script

@@ -14,11 +14,10 @@ import ray
 import ray.util.metrics
 
 from vitpool.actors.reports import ActorStats
+from vitpool.pool.actor_reader import ActorReader, ActorReading
 from vitpool.pool.dispatcher import DispatchCounters
 from vitpool.pool.metrics import CallerMetrics, PoolMetrics
 from vitpool.pool.stats import (
-    ActorReader,
-    ActorReading,
     CallerCounters,
     PoolCounters,
     PoolStats,

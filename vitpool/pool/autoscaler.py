@@ -4,7 +4,7 @@ actors stay busy and retires one while they stay idle, through the same `scale` 
 
 The signal is each actor's busy fraction over the last interval (the share of it with a batch
 running, `ActorStats.busy_fraction_since`), from the readings of the controller's one reader of
-its actors (`vitpool.pool.stats.ActorReader`), one every `autoscale_interval_s`: a pool whose
+its actors (`vitpool.pool.actor_reader.ActorReader`), one every `autoscale_interval_s`: a pool whose
 callers queue work keeps every actor busy, so the callers' queues need not be read. Hysteresis: up after
 `UP_READINGS` readings in a row with the mean at or above `UP_BUSY`, down after `DOWN_READINGS`
 in a row at or below `DOWN_BUSY`, and the count starts again after every change and while an
@@ -22,7 +22,7 @@ from typing import Any
 
 from vitpool.actors.reports import ActorStats
 from vitpool.errors import ConfigError
-from vitpool.pool.stats import ActorReading
+from vitpool.pool.actor_reader import ActorReading
 
 logger = logging.getLogger(__name__)
 

@@ -19,14 +19,15 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from vitpool.actors.reports import ActorInfo, ActorStats
+from vitpool.pool.actor_reader import ActorReader, ActorReading
 from vitpool.pool.autoscaler import READING_TIMEOUT_INTERVALS, AutoscalePolicy, Autoscaler
 from vitpool.pool.cluster import Placement
 from vitpool.pool.embedding_cache import start_cache_actor
 from vitpool.pool.metrics import PoolMetrics
 from vitpool.pool.settings import PoolSettings
-from vitpool.pool.warm_standbys import HOLD_TIMEOUT_S, Standbys, hold_gpu
 from vitpool.pool.start_errors import one_line, start_error
-from vitpool.pool.stats import ActorReader, ActorReading, PoolCounters, add_actor_counts
+from vitpool.pool.stats import PoolCounters, add_actor_counts
+from vitpool.pool.warm_standbys import HOLD_TIMEOUT_S, Standbys, hold_gpu
 from vitpool.specs import ActorSpec
 
 logger = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ installed), named `ray_vitpool_...`, with Ray's own labels and these:
 
 Each counter's description is what its field says it counts. Nothing is recorded on a call's path:
 a thread of each handle (`CallerMetrics`) reads its dispatcher's counters every
-`metrics_interval_s`, and the controller's reader of its actors (`vitpool.pool.stats.ActorReader`)
+`metrics_interval_s`, and the controller's reader of its actors (`vitpool.pool.actor_reader.ActorReader`)
 hands `PoolMetrics` a reading of them as often. A counter goes up by what its source counted since
 the last reading. A handle reads its counters once more when it is closed, or when its process
 exits without closing it (Ray exports what was recorded as the process leaves), so a short-lived
@@ -33,7 +33,8 @@ from collections.abc import Callable
 from typing import Any
 
 from vitpool.actors.reports import ActorStats
-from vitpool.pool.stats import ActorReading, CallerCounters, PoolCounters, counter_meanings, counts
+from vitpool.pool.actor_reader import ActorReading
+from vitpool.pool.stats import CallerCounters, PoolCounters, counter_meanings, counts
 
 logger = logging.getLogger(__name__)
 
