@@ -7,8 +7,11 @@ thread-safe: its owner locks."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 from vitpool.pool.lru import ByteBoundedLRU
+
+Value = TypeVar("Value")
 
 
 @dataclass
@@ -22,8 +25,9 @@ class PublisherStats:
     dropped: int = 0  # entries a reader could not load (the store only)
 
 
-class BoundedEntries(ByteBoundedLRU[str, None]):
-    """Keys and their sizes, bounded as `ByteBoundedLRU` bounds them.
+class BoundedEntries(ByteBoundedLRU[str, Value]):
+    """Keys and their sizes (and, for a publisher that keeps them here, their values), bounded as
+    `ByteBoundedLRU` bounds them.
 
     `stats` is the publisher's counters: it counts `published`, `loaded` and `dropped` there
     itself; `entries`, `bytes`, `evicted` and `refused` are the bound's, current whenever read.

@@ -54,8 +54,7 @@ class EmbeddingStore:
 
     def __init__(self, max_bytes: int, min_age_s: float) -> None:
         self._lock = threading.Lock()
-        self._entries = BoundedEntries(max_bytes, min_age_s)
-        self._refs: dict[str, StoredRef] = {}
+        self._entries: BoundedEntries[StoredRef] = BoundedEntries(max_bytes, min_age_s)
         self.scope = secrets.token_hex(4)
 
     def get_scope(self) -> str:
@@ -68,15 +67,10 @@ class EmbeddingStore:
         accepted = []
         with self._lock:
             for entry in owned:
-                victims = None if entry is None else self._entries.add(check_key(entry.key), entry.nbytes)
-                if victims is None:
-                    accepted.append(False)
-                    continue
-                for victim in victims:
-                    del self._refs[victim]
-                self._refs[entry.key] = entry
-                self._entries.stats.published += 1
-                accepted.append(True)
+                held = entry is not None and self._entries.put(check_key(entry.key), entry, entry.nbytes) is not None
+                if held:
+                    self._entries.stats.published += 1
+                accepted.append(held)
         return accepted
 
     @staticmethod
@@ -108,14 +102,13 @@ class EmbeddingStore:
     def get_many(self, keys: list[str]) -> list[StoredRef | None]:
         """The entries of `keys` (None where absent), each counted as loaded by vLLM."""
         with self._lock:
-            entries = [self._refs.get(key) for key in keys]
+            entries = [self._entries.peek(key) for key in keys]
             self._entries.stats.loaded += sum(entry is not None for entry in entries)
             return entries
 
     def remove(self, key: str) -> None:
         with self._lock:
-            if self._entries.remove(key):
-                del self._refs[key]
+            self._entries.remove(key)
 
     def drop(self, keys: list[str]) -> None:
         """Forget entries a reader could not load (their bytes lost with a node, or unreadable):
@@ -123,7 +116,6 @@ class EmbeddingStore:
         with self._lock:
             for key in keys:
                 if self._entries.remove(key):
-                    del self._refs[key]
                     self._entries.stats.dropped += 1
                     self._entries.stats.loaded -= 1
 
