@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import vitpool.families
-from vitpool.models.family import FamilyRecord
+from vitpool.models.family import FamilyRecord, named_object
 from vitpool.models.registry import FAMILIES, RECORDS, record_of
 
 ROOT = Path(vitpool.families.__file__).parents[1]
@@ -36,12 +36,10 @@ def test_a_records_names_resolve(name):
     """Every "module:Class" a record names imports, and each tower's adapter is found lazily."""
     record = importlib.import_module(f"vitpool.families.{name}").RECORD
     if record.image_features is not None:
-        module, cls = record.image_features.split(":")
-        assert module.startswith(f"vitpool.families.{name}.")
-        assert hasattr(importlib.import_module(module), cls)
+        assert record.image_features.startswith(f"vitpool.families.{name}.")
+        assert isinstance(named_object(record.image_features), type)
     if record.transformers_parts is not None and record.transformers_parts.encoder_module is not None:
-        module, cls = record.transformers_parts.encoder_module.split(":")
-        assert hasattr(importlib.import_module(module), cls)
+        assert isinstance(named_object(record.transformers_parts.encoder_module), type)
 
 
 def test_a_record_refuses_what_no_integration_reads():

@@ -25,7 +25,6 @@ one step up, at the model's `get_image_features` (each family's `features.py`, o
 from __future__ import annotations
 
 import copy
-import importlib
 from typing import Any
 
 import torch
@@ -34,7 +33,7 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDe
 
 from vitpool.graphs import GraphEncoder
 from vitpool.items import Image, Item, Video
-from vitpool.models.family import ModelParts
+from vitpool.models.family import ModelParts, named_object
 from vitpool.models.registry import RECORDS, find_family, record_of, supported_model_types
 from vitpool.models.stand_in import Encoder, PooledImageFeatures, StandIn
 
@@ -106,8 +105,7 @@ def _feature_stand_in(model_type: str) -> type[PooledImageFeatures] | None:
     record = record_of(model_type)
     if record is None or record.image_features is None:
         return None
-    module_name, class_name = record.image_features.split(":")
-    return getattr(importlib.import_module(module_name), class_name)
+    return named_object(record.image_features)
 
 
 def _model_parts(model_type: str) -> ModelParts:
@@ -120,7 +118,7 @@ def _model_parts(model_type: str) -> ModelParts:
 _TOWER_ATTRIBUTES = sorted(
     {ModelParts().tower}
     | {record.transformers_parts.tower for record in RECORDS if record.transformers_parts is not None}
-    | {_feature_stand_in(record.model_types[0]).tower for record in RECORDS if record.image_features is not None}
+    | {named_object(record.image_features).tower for record in RECORDS if record.image_features is not None}
 )
 _STAND_INS = (PooledVisionTower, PooledImageFeatures)
 
@@ -211,9 +209,7 @@ def graph_encoder_for(model: torch.nn.Module, **kwargs: Any) -> GraphEncoder:
     if stand_in_class is not None:
         module = stand_in_class.encoder_module(inner, tower)
     elif parts.projector is not None and parts.encoder_module is not None:
-        module_name, class_name = parts.encoder_module.split(":")
-        encoder_class = getattr(importlib.import_module(module_name), class_name)
-        module = encoder_class(copy.deepcopy(tower), copy.deepcopy(getattr(inner, parts.projector)))
+        module = named_object(parts.encoder_module)(copy.deepcopy(tower), copy.deepcopy(getattr(inner, parts.projector)))
     else:
         module = copy.deepcopy(tower)  # the adapter changes the tower's attention
     kwargs.setdefault("max_item_tokens", None)

@@ -20,6 +20,12 @@ if TYPE_CHECKING:
     from vitpool.models.protocol import VisionAdapter
 
 
+def named_object(path: str) -> Any:
+    """What a "module:Name" path of a record names, imported now."""
+    module_name, name = path.split(":")
+    return getattr(importlib.import_module(module_name), name)
+
+
 def read_hf_config(directory: Path) -> Any:
     """The config of a tower-only Hugging Face save, through transformers' AutoConfig."""
     from transformers import AutoConfig
