@@ -204,12 +204,12 @@ def _pixels(index: int, pixel_values: Any, name: str = "pixel_values") -> torch.
     if isinstance(pixel_values, np.ndarray):
         if pixel_values.dtype.type not in _NUMPY_FLOATS:
             raise InvalidItemError(index, f"{name} have dtype {pixel_values.dtype}; expected a floating-point dtype")
-        pixel_values = torch.from_numpy(pixel_values)
+        pixel_values = torch.from_numpy(pixel_values)  # of a dtype that travels: checked once, above
     elif not isinstance(pixel_values, torch.Tensor):
         raise InvalidItemError(
             index, f"{name} must be a torch tensor or NumPy array, got {type(pixel_values).__name__}"
         )
-    if pixel_values.dtype not in _TRAVELLING_DTYPES:  # all floating point
+    elif pixel_values.dtype not in _TRAVELLING_DTYPES:  # all floating point
         raise InvalidItemError(
             index,
             f"{name} have dtype {pixel_values.dtype}; expected a floating-point dtype "

@@ -87,8 +87,9 @@ def spec_from_wire(value: Any) -> ItemSpec:
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """A batch as the dispatcher packed it and the actor runs it: the budget whose graph to
-    replay (None: an item larger than every budget, run eager alone) and its items' specs.
+    """A batch as the dispatcher packed it: its items' specs, and the budget the dispatcher
+    reckoned with (None: an item larger than every budget), an estimate for its own scheduling;
+    the encoder that runs the batch picks the budget itself (`GraphEncoder.check_plan`).
     `cache_keys`: empty, or per item the embedding cache's key under which the actor publishes
     its result (None: not this item), for items whose caller claimed them in the pool's cache."""
 

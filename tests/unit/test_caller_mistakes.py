@@ -166,20 +166,20 @@ def test_each_checked_keeps_the_good_items_beside_the_bad(tiny_adapter):
         checked_item(0, good, tiny_adapter.item_rules, None, max_queued_bytes=1000)
 
 
-def test_a_call_too_large_for_the_queue_says_whether_an_item_or_the_call_is():
+def test_a_call_too_large_for_the_queue_as_a_whole_says_split_it():
+    """An item over the queue's bytes is refused where items are checked (the test above); what
+    reaches the dispatcher and cannot fit is the call as a whole."""
     subject = dispatcher({0: FakeLink(delay_s=None)}, [], max_queued_items=4, max_queued_bytes=4096)
     try:
-        call = Call(3)
-        items = queued(call, [1, 40, 2])  # 128 pixel bytes a token: the second takes 5120
-        with pytest.raises(InvalidItemError, match="item 1: its pixels take 5120 bytes") as raised:
-            subject.submit(call, items)
-        assert raised.value.index == 1
         call = Call(5)
         with pytest.raises(
             ValueError, match="a call of 5 items .* each item fits on its own: split the call"
         ) as raised:
             subject.submit(call, queued(call, [1] * 5))
         assert not isinstance(raised.value, InvalidItemError)
+        call = Call(3)
+        with pytest.raises(ValueError, match="a call of 3 items and 6144 pixel bytes"):
+            subject.submit(call, queued(call, [16, 16, 16]))  # 2048 bytes each: 6144 over 4096
     finally:
         subject.close()
 

@@ -174,11 +174,22 @@ def test_planned_batches_run_as_planned_when_they_do_not_fit_together(tiny_adapt
     assert stats.replays_per_budget == {64: 1, 16: 2} and stats.eager_batches == 1
 
 
-def test_a_plan_for_a_budget_the_encoder_lacks_fails(tiny_adapter):
+def test_the_encoder_picks_the_budget_a_plan_runs_in(tiny_adapter, reference_tower):
+    """A plan's budget is its planner's estimate: this encoder runs it in its own smallest budget
+    that holds it, and refuses a plan of several items that none holds."""
     encoder = make_encoder(tiny_adapter, [16, 64])
-    plan, pixels = planned(make_encoder(tiny_adapter, [32]), [image(4, 4)])
-    with pytest.raises(ValueError, match="not one of this encoder's budgets"):
-        encoder.run_plans([(plan, pixels)])
+    items = [image(4, 4)]
+    plan, pixels = planned(make_encoder(tiny_adapter, [32]), items)
+    assert plan.budget.num_tokens == 32
+    assert encoder.check_plan(plan, pixels).plan.budget.num_tokens == 16
+    [embeddings] = encoder.run_plans([(plan, pixels)], output_device=None)
+    assert_matches_reference(reference_tower, items, embeddings)
+    assert encoder.stats().replays_per_budget == {16: 1}
+    too_many = [image(8, 8), image(8, 8), image(4, 4)]  # 16 + 16 + 4 tokens
+    plan, pixels = planned(make_encoder(tiny_adapter, [128]), too_many)
+    small = make_encoder(tiny_adapter, [16, 32])
+    with pytest.raises(ValueError, match="fits none of this encoder's budgets"):
+        small.run_plans([(plan, pixels)])
 
 
 def test_attention_is_a_setting_of_the_encoder_and_the_pool():

@@ -34,7 +34,7 @@ from vitpool.items import Embedding, PreparedItem
 from vitpool.specs import ActorSpec, BatchPlan, ItemSpec
 from vitpool.transport.channel import ChannelServer, channel_supported
 from vitpool.transport.link import OK, RETIRED, BatchReceipt
-from vitpool.transport.wire import from_array, to_array
+from vitpool.transport.wire import to_array
 
 if TYPE_CHECKING:
     from vitpool.graphs import GraphEncoder
@@ -167,8 +167,8 @@ class EncoderActor:
         try:
             # Checked here, once, before it can share a run: a plan that does not hold fails its own
             # batch only, and the encoder runs what passed without checking it again.
-            checked = self.encoder.check_plan(plan, _tensors(plan.specs, pixels))
-            outcomes = self._combiner_for(plan)([checked], plan.num_tokens, output_device)[0]
+            checked = self.encoder.check_plan(plan, pixels)
+            outcomes = self._combiner_for(checked.plan)([checked], plan.num_tokens, output_device)[0]
         finally:
             self._leave()
         if plan.cache_keys and self._publisher is not None:
@@ -321,26 +321,18 @@ class EncoderActor:
 
 
 def _tensors(specs: Sequence[ItemSpec], pixels: Sequence[np.ndarray | torch.Tensor]) -> list[torch.Tensor]:
-    """The pixels as torch tensors of their specs' dtypes, sharing memory (the encoder only reads
-    them, so read-only object-store arrays are not copied).
+    """The pixels as torch tensors of their specs' dtypes, sharing memory (`pixel_tensor`).
 
     Raises:
         ValueError: not one array per spec, or an array that does not travel as its spec says.
     """
+    from vitpool.graphs.inputs import pixel_tensor  # the engine is loaded once the actor is built
+
     if len(pixels) != len(specs):
         raise ValueError(
             f"a batch of {counted(len(specs), 'item spec')} came with {counted(len(pixels), 'pixel array')}"
         )
-    tensors = []
-    for position, (spec, array) in enumerate(zip(specs, pixels)):
-        if isinstance(array, torch.Tensor):
-            tensors.append(array)
-            continue
-        try:
-            tensors.append(from_array(np.asarray(array), spec.pixel_dtype, copy_read_only=False))
-        except (KeyError, TypeError) as error:
-            raise ValueError(f"item {position} of the batch: pixels do not travel as {spec.pixel_dtype}: {error}") from None
-    return tensors
+    return [pixel_tensor(position, spec, array) for position, (spec, array) in enumerate(zip(specs, pixels))]
 
 
 def _shifted(outcome: Embedding | InvalidItemError, offset: int) -> Embedding | InvalidItemError:

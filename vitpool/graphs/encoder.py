@@ -37,6 +37,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from vitpool.dtypes import dtype_from_name
@@ -71,7 +72,7 @@ from vitpool.kernels.compiled import set_compile_cache_dir
 from vitpool.kernels.fp8 import fp8_supported, install_fp8_linears
 from vitpool.models import VisionAdapter, load_adapter
 from vitpool.models.path_rules import PathRules, rules_of_part
-from vitpool.packing import Budget, pack, smallest_fitting
+from vitpool.packing import Budget, fits, pack
 from vitpool.specs import (
     BatchPlan,
     EncoderOptions,
@@ -147,7 +148,6 @@ class GraphEncoder:
             raise ConfigError(str(error)) from None
         self.budgets: list[Budget] = sorted(budget for own in budgets_of.values() for budget in own)
         self.output_layout = OutputLayout(tuple(adapter.output_row_shapes), wire_dtype_name(self.dtype))
-        self._known_budgets = frozenset(self.budgets)  # a plan's budget is checked on every batch
         # bound to the rules, not to self: an encoder in a reference cycle (and its graphs) would
         # wait for the garbage collector, which may run while another encoder captures
         consistent = functools.partial(_spec_is_consistent, adapter.item_rules)
@@ -420,25 +420,42 @@ class GraphEncoder:
     def _fits_urgent_lane(self, batches: Sequence[RunBatch]) -> bool:
         return self._urgent is not None and all(budget in self.urgent_budgets for budget, _ in batches)
 
-    def check_plan(self, plan: BatchPlan, pixels: Sequence[torch.Tensor]) -> CheckedPlan:
-        """Whether a batch planned elsewhere can run as given: its pixels shaped as their specs
-        say, each spec what the model's rules make of its layout, its totals within its budget
-        (one of this encoder's). Cheap: specs seen before are not derived again.
+    def check_plan(self, plan: BatchPlan, pixels: Sequence[np.ndarray | torch.Tensor]) -> CheckedPlan:
+        """Whether a batch planned elsewhere can run: its pixels shaped as their specs say, each
+        spec what the model's rules make of its layout (cheap: specs seen before are not derived
+        again), and one budget of this encoder holding them all, which this encoder picks here
+        (the plan's own budget was its planner's estimate).
 
         Returns:
-            The plan and its pixels, as `start_plans` runs them without checking them again.
+            The plan in the budget picked for it (None: one item over every budget, run eager) and
+            its pixels as tensors, as `start_plans` runs them without checking them again.
 
         Raises:
             ValueError: what does not match; the batch fails as a whole.
         """
         path = plan.specs[0].path if plan.specs else ""
-        if plan.budget is not None and plan.budget.path != path:
-            raise ValueError(f"a batch of path {path!r} planned into a budget of path {plan.budget.path!r}")
         if any(spec.path != path for spec in plan.specs):
             raise ValueError(f"a batch mixes paths {sorted({spec.path for spec in plan.specs})}")
-        rows = None if plan.budget is None else self._runner(path).rows(plan.budget)
-        check_plan(plan, pixels, self._row_shape(path), self._known_budgets, rows, self._is_consistent)
-        return CheckedPlan(plan, pixels)
+        tensors = check_plan(plan, pixels, self._row_shape(path), self._is_consistent)
+        budget = self._budget_for(plan.specs, path)
+        if budget is None and len(plan.specs) > 1:
+            num_items, num_tokens, needs = totals(plan.specs)
+            raise ValueError(
+                f"a batch of {num_items} items, {num_tokens} tokens and needs {dict(needs)} fits none of this "
+                "encoder's budgets"
+            )
+        return CheckedPlan(plan if budget == plan.budget else dataclasses.replace(plan, budget=budget), tensors)
+
+    def _budget_for(self, specs: Sequence[ItemSpec], path: str) -> Budget | None:
+        """The smallest budget of `path` that holds these items, their pixel rows included; None
+        where none does."""
+        num_items, num_tokens, needs = totals(specs)
+        num_rows = sum(spec.num_rows for spec in specs)
+        runner = self._runner(path)
+        for budget in self.budgets:
+            if budget.path == path and fits(budget, num_items, num_tokens, needs) and num_rows <= runner.rows(budget):
+                return budget
+        return None
 
     def stats(self) -> EncoderStats:
         """A snapshot of the counters (every path's together)."""
@@ -471,16 +488,14 @@ class GraphEncoder:
 
     def _merge_plans(self, plans: Sequence[BatchPlan]) -> list[tuple[Budget | None, list[int]]]:
         """(budget, plan indices) per run: a plan joins the run before it when together they fit
-        one budget (the smallest that holds them); an eager plan runs alone."""
+        one budget (`_budget_for` picks it); an eager plan runs alone."""
         runs: list[tuple[Budget | None, list[int]]] = []
         for index, plan in enumerate(plans):
             previous = runs[-1][0] if runs else None
             if plan.budget is not None and previous is not None and previous.path == plan.budget.path:
                 indices = [*runs[-1][1], index]
-                specs = [spec for i in indices for spec in plans[i].specs]
-                path = plan.budget.path
-                merged = smallest_fitting(self.budgets, *totals(specs), is_sorted=True, path=path)
-                if merged is not None and sum(spec.num_rows for spec in specs) <= self._runner(path).rows(merged):
+                merged = self._budget_for([spec for i in indices for spec in plans[i].specs], plan.budget.path)
+                if merged is not None:
                     runs[-1] = (merged, indices)
                     continue
             runs.append((plan.budget, [index]))

@@ -3,9 +3,9 @@
 Items are checked and sized once, by the model's item rules (`vitpool.items.prepare_items`),
 usually in the caller's process. A batch planned elsewhere (`vitpool.specs.BatchPlan`) gets only
 a cheap consistency check here, once: pixels shaped as their specs say, each spec what the rules
-make of its layout, totals within the budget. What passed it is a `CheckedPlan`, which the
-encoder runs without checking it again (an actor checks a batch before its combiner, and the
-encoder then runs it). Non-finite pixels are found on the device, once the pixels are there:
+make of its layout. What passed it is a `CheckedPlan`, in the budget this encoder picked for it,
+which the encoder runs without checking it again (an actor checks a batch before its combiner,
+and the encoder then runs it). Non-finite pixels are found on the device, once the pixels are there:
 scanning them on the host would cost as much as a small encode. An item too large for the
 device's memory is found by running it (`is_out_of_memory`): its size in memory depends on the
 family, the attention kernel and the device, which no cheap rule here knows.
@@ -14,15 +14,17 @@ family, the attention kernel and the device, which no cheap rule here knows.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from vitpool.errors import counted
 from vitpool.items import PreparedItem
-from vitpool.packing import Budget, Needs, fits
+from vitpool.packing import Needs
 from vitpool.specs import BatchPlan, ItemSpec
+from vitpool.transport.wire import from_array
 
 NONFINITE_MESSAGE = "pixel_values contain NaN or infinity (or values too large for the model's dtype)"
 
@@ -58,12 +60,16 @@ class CheckedPlan(NamedTuple):
 
 
 def check_plan(
-    plan: BatchPlan, pixels: Sequence[torch.Tensor], row_shape: tuple[int, ...], budgets: Collection[Budget],
-    max_rows: int | None, is_consistent: Callable[[ItemSpec], bool],
-) -> None:
-    """A planned batch the encoder can run as given; `max_rows` is the rows of the plan's budget;
-    `is_consistent` tells whether a spec is what the model's rules make of its own layout. One
-    pass over the items.
+    plan: BatchPlan, pixels: Sequence[np.ndarray | torch.Tensor], row_shape: tuple[int, ...],
+    is_consistent: Callable[[ItemSpec], bool],
+) -> list[torch.Tensor]:
+    """The one check of a batch planned elsewhere, where it crosses into the encoder: one pixel
+    array per spec, each shaped and typed as its spec says, in rows the model takes, and each spec
+    what the model's rules make of its layout (`is_consistent`). Arrays become tensors sharing
+    their memory (the encoder only reads them, so read-only object-store arrays are not copied).
+
+    The plan's budget is not checked: it was the planner's estimate, and the encoder picks the
+    budget a batch runs in (`GraphEncoder.check_plan`).
 
     Raises:
         ValueError: what does not match (the batch fails as a whole: its planner and this encoder
@@ -74,24 +80,27 @@ def check_plan(
     if len(pixels) != len(plan.specs):
         raise ValueError(
             f"a batch plan of {counted(len(plan.specs), 'item')} came with "
-            f"{counted(len(pixels), 'pixel tensor')}"
+            f"{counted(len(pixels), 'pixel array')}"
         )
-    num_rows = 0
-    for position, (spec, tensor) in enumerate(zip(plan.specs, pixels)):
+    tensors = []
+    for position, (spec, array) in enumerate(zip(plan.specs, pixels)):
+        tensor = pixel_tensor(position, spec, array)
         check_pixels(position, spec, tensor, row_shape)
         if not is_consistent(spec):
             raise ValueError(f"item {position} of the batch: its spec {spec} is not what the model's rules make of it")
-        num_rows += spec.num_rows
-    if plan.budget is None:
-        return
-    if plan.budget not in budgets:
-        raise ValueError(f"the batch's budget {plan.budget} is not one of this encoder's budgets")
-    num_items, num_tokens, needs = totals(plan.specs)
-    if not fits(plan.budget, num_items, num_tokens, needs) or (max_rows is not None and num_rows > max_rows):
-        raise ValueError(
-            f"a batch of {num_items} items, {num_tokens} tokens, {num_rows} rows and needs {dict(needs)} "
-            f"does not fit its budget {plan.budget}"
-        )
+        tensors.append(tensor)
+    return tensors
+
+
+def pixel_tensor(position: int, spec: ItemSpec, array: np.ndarray | torch.Tensor) -> torch.Tensor:
+    """Item `position`'s pixels as a tensor of its spec's dtype, sharing their memory; ValueError
+    naming the item where they do not travel as its spec says."""
+    if isinstance(array, torch.Tensor):
+        return array
+    try:
+        return from_array(np.asarray(array), spec.pixel_dtype, copy_read_only=False)
+    except (KeyError, TypeError) as error:
+        raise ValueError(f"item {position} of the batch: pixels do not travel as {spec.pixel_dtype}: {error}") from None
 
 
 def check_pixels(position: int, spec: ItemSpec, pixels: torch.Tensor, row_shape: tuple[int, ...]) -> None:

@@ -42,7 +42,7 @@ from typing import Any
 from vitpool.errors import EncodeError, InvalidItemError, PoolUnavailableError, counted
 from vitpool.packing import Budget
 from vitpool.pool.calls import Call, QueuedItem
-from vitpool.pool.item_queue import ItemQueue, oversized_item_reason
+from vitpool.pool.item_queue import ItemQueue
 from vitpool.pool.policy import ActorLoad, DispatchPolicy
 from vitpool.pool.settings import PoolSettings
 from vitpool.pool.stats import CallerCounters
@@ -190,12 +190,9 @@ class Dispatcher:
             exchange.finish()
 
     def _never_fits(self, items: list[QueuedItem], nbytes: int) -> ValueError:
-        """Why a call can never be queued: one item too large (InvalidItemError naming it), or
-        the call as a whole (split it)."""
-        largest = max(items, key=lambda item: item.nbytes)
-        reason = oversized_item_reason(largest.nbytes, self._queue.max_bytes)
-        if reason is not None:
-            return InvalidItemError(largest.index, reason)
+        """Why a call can never be queued. Each item was bounded once, where the caller's items
+        are checked (`item_checks`: an item over the queue's bytes is refused naming it), so what
+        is left is the call as a whole."""
         return ValueError(
             f"a call of {counted(len(items), 'item')} and {nbytes} pixel bytes can never fit this "
             f"process's queue (max_queued_items={self._queue.max_items}, "
