@@ -176,7 +176,7 @@ def test_planned_batches_run_as_planned_when_they_do_not_fit_together(tiny_adapt
 
 def test_the_encoder_picks_the_budget_a_plan_runs_in(tiny_adapter, reference_tower):
     """A plan's budget is its planner's estimate: this encoder runs it in its own smallest budget
-    that holds it, and refuses a plan of several items that none holds."""
+    that holds it, or eagerly at its own size where none does."""
     encoder = make_encoder(tiny_adapter, [16, 64])
     items = [image(4, 4)]
     plan, pixels = planned(make_encoder(tiny_adapter, [32]), items)
@@ -188,8 +188,10 @@ def test_the_encoder_picks_the_budget_a_plan_runs_in(tiny_adapter, reference_tow
     too_many = [image(8, 8), image(8, 8), image(4, 4)]  # 16 + 16 + 4 tokens
     plan, pixels = planned(make_encoder(tiny_adapter, [128]), too_many)
     small = make_encoder(tiny_adapter, [16, 32])
-    with pytest.raises(ValueError, match="fits none of this encoder's budgets"):
-        small.run_plans([(plan, pixels)])
+    assert small.check_plan(plan, pixels).plan.budget is None
+    [embeddings] = small.run_plans([(plan, pixels)], output_device=None)
+    assert_matches_reference(reference_tower, too_many, embeddings)
+    assert small.stats().eager_batches == 1 and small.stats().replays_per_budget == {}
 
 
 def test_attention_is_a_setting_of_the_encoder_and_the_pool():

@@ -423,12 +423,13 @@ class GraphEncoder:
     def check_plan(self, plan: BatchPlan, pixels: Sequence[np.ndarray | torch.Tensor]) -> CheckedPlan:
         """Whether a batch planned elsewhere can run: its pixels shaped as their specs say, each
         spec what the model's rules make of its layout (cheap: specs seen before are not derived
-        again), and one budget of this encoder holding them all, which this encoder picks here
-        (the plan's own budget was its planner's estimate).
+        again). The budget it runs in is picked here: this encoder's smallest that holds it (the
+        plan's own budget was its planner's estimate), else none, and it runs eagerly at its own
+        size, as a planner's batch of one item over every budget does.
 
         Returns:
-            The plan in the budget picked for it (None: one item over every budget, run eager) and
-            its pixels as tensors, as `start_plans` runs them without checking them again.
+            The plan in the budget picked for it and its pixels as tensors, as `start_plans` runs
+            them without checking them again.
 
         Raises:
             ValueError: what does not match; the batch fails as a whole.
@@ -438,12 +439,6 @@ class GraphEncoder:
             raise ValueError(f"a batch mixes paths {sorted({spec.path for spec in plan.specs})}")
         tensors = check_plan(plan, pixels, self._row_shape(path), self._is_consistent)
         budget = self._budget_for(plan.specs, path)
-        if budget is None and len(plan.specs) > 1:
-            num_items, num_tokens, needs = totals(plan.specs)
-            raise ValueError(
-                f"a batch of {num_items} items, {num_tokens} tokens and needs {dict(needs)} fits none of this "
-                "encoder's budgets"
-            )
         return CheckedPlan(plan if budget == plan.budget else dataclasses.replace(plan, budget=budget), tensors)
 
     def _budget_for(self, specs: Sequence[ItemSpec], path: str) -> Budget | None:
