@@ -1,7 +1,7 @@
 """What every layer agrees on about an item, a batch and an encoder, with no model code.
 
 An item's spec is computed once, in the caller's process, by the model's item rules (see
-`ItemRules`): its modality, the shape and dtype its pixels travel in, the family's metadata
+`ItemRules`): its modality, the shape and dtype its pixels travel in, the family's layout
 as plain integers (a grid, a tile count, ...), its rows and output tokens, and what it needs of
 each per-batch capacity the family declares (attention sequences, windows, ...). The spec
 travels with the pixels; packing, the transport and the actor read it and never look inside.
@@ -35,7 +35,7 @@ class ItemSpec:
         pixel_shape: the pixels' shape as the processor emitted it; the first dimension is rows
             of the tower's input (patches, or tiles), the rest is `ItemRules.row_shape`.
         pixel_dtype: the pixels' dtype name as they travel (`vitpool.transport.wire`).
-        layout: the family's metadata as plain integers (Qwen: t, h, w; a tiled tower: ()).
+        layout: the family's grid or tile layout as plain integers (Qwen: t, h, w; a tiled tower: ()).
         num_tokens: output tokens the item produces.
         needs: what the item uses of each per-batch capacity the rules declare, e.g.
             (("sequences", 2),) for a two-frame video.
@@ -170,11 +170,11 @@ class ItemRules(Protocol):
     output_row_shapes: tuple[tuple[int, ...], ...]
     capacities: tuple[str, ...]
 
-    def item_spec(self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, metadata: Any) -> ItemSpec:
-        """The spec of an item with these pixels and this metadata (what the processor emitted
+    def item_spec(self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, layout: Any) -> ItemSpec:
+        """The spec of an item with these pixels and this layout (what the processor emitted
         besides the pixels, e.g. `grid_thw`). Raises ValueError naming what is wrong.
 
-        Given a spec's own `layout` as the metadata it must give back that spec: an actor checks
+        Given a spec's own `layout` as the layout it must give back that spec: an actor checks
         every spec it receives this way, so a spec that lies about its item fails its batch
         instead of corrupting its neighbours' rows.
         """

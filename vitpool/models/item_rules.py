@@ -31,9 +31,9 @@ class SpatialMergeRules:
     def row_shape(self) -> tuple[int, ...]:
         return (self.row_width,)
 
-    def item_spec(self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, metadata: Any) -> ItemSpec:
+    def item_spec(self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, layout: Any) -> ItemSpec:
         t, h, w = grid = checked_grid(
-            modality, metadata, (self.merge_size, self.merge_size), f"spatial merge size {self.merge_size}"
+            modality, layout, (self.merge_size, self.merge_size), f"spatial merge size {self.merge_size}"
         )
         if len(pixel_shape) != 2:
             raise ValueError(

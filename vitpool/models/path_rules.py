@@ -86,7 +86,7 @@ class PathRules:
                 return rules
         raise ValueError(f"this model takes the inputs {list(self.input_names)}; {path!r} is none of them")
 
-    def part_specs(self, modality: str, inputs: Mapping[str, PartInput], metadata: Any) -> list[ItemSpec]:
+    def part_specs(self, modality: str, inputs: Mapping[str, PartInput], layout: Any) -> list[ItemSpec]:
         """The specs of an item's parts, in join order, from its inputs' shapes and dtypes (by
         name). An optional input with no rows gives no part. Raises ValueError naming the input."""
         unknown = [name for name in inputs if name not in self.input_names]
@@ -103,15 +103,15 @@ class PathRules:
             if name not in self.required and len(shape) >= 1 and shape[0] == 0:
                 continue
             try:
-                spec = rules.item_spec(modality, shape, dtype, metadata)
+                spec = rules.item_spec(modality, shape, dtype, layout)
             except ValueError as error:
                 raise ValueError(f"{name}: {error}") from None
             specs.append(dataclasses.replace(spec, path=name))
         return specs
 
-    def item_spec(self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, metadata: Any) -> ItemSpec:
+    def item_spec(self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, layout: Any) -> ItemSpec:
         """The spec of an item that holds its primary input alone."""
-        [spec] = self.part_specs(modality, {self.primary: (pixel_shape, pixel_dtype)}, metadata)
+        [spec] = self.part_specs(modality, {self.primary: (pixel_shape, pixel_dtype)}, layout)
         return spec
 
     def budgets(

@@ -34,11 +34,11 @@ class TileRules:
     def row_shape(self) -> tuple[int, ...]:
         return (self.channels, self.tile_size, self.tile_size)
 
-    def item_spec(self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, metadata: Any) -> ItemSpec:
+    def item_spec(self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, layout: Any) -> ItemSpec:
         if modality != IMAGE:
             raise ValueError("this model takes images (tiles) only; send each frame as an Image")
-        if metadata is not None and metadata != ():  # (): a spec's own layout, given back to check it
-            raise ValueError(f"tiled items have no grid; pass Image(pixels) without grid_thw, got {metadata!r}")
+        if layout is not None and layout != ():  # (): a spec's own layout, given back to check it
+            raise ValueError(f"tiled items have no grid; pass Image(pixels) without grid_thw, got {layout!r}")
         if self.tile_size_source and len(pixel_shape) == 4 and pixel_shape[1] == self.channels and (
             pixel_shape[2] == pixel_shape[3] != self.tile_size
         ):

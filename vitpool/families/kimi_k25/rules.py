@@ -67,8 +67,8 @@ class KimiK25Rules(PatchRows):
         """The family's paths: "" (images), and CLIP unless clips run eager."""
         return ("", CLIP) if self.clip_frames > 1 else ("",)
 
-    def item_spec(self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, metadata: Any) -> ItemSpec:
-        t, h, w = grid = patch_grid(self, modality, pixel_shape, metadata, f"merge kernel {self.merge_kernel}")
+    def item_spec(self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, layout: Any) -> ItemSpec:
+        t, h, w = grid = patch_grid(self, modality, pixel_shape, layout, f"merge kernel {self.merge_kernel}")
         if t > self.max_frames:
             raise ValueError(f"grid_thw {grid}: at most {self.max_frames} frames per clip (the model's pos_emb_time)")
         path = CLIP if t > 1 and self.clip_frames > 1 else ""

@@ -16,7 +16,7 @@ its patches [N, C, P, P]: the rules' `pixel_rows` takes the strip as the process
 `Image(out["pixel_values"], out["target_sizes"])`, to that view of it (strided: the patch index
 sits inside the last axis; the copy into the buffers gathers it), and passes patch rows given as
 such through. An item's layout is the slice sizes flattened, (h_0, w_0, h_1, w_1, ...); given back
-as metadata it gives the same spec.
+as layout it gives the same spec.
 """
 
 from __future__ import annotations
@@ -68,12 +68,12 @@ class MiniCPMV4_6Rules:
             return patch_rows(pixel_values, patch)
         return pixel_values
 
-    def item_spec(self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, metadata: Any) -> ItemSpec:
+    def item_spec(self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, layout: Any) -> ItemSpec:
         if modality == VIDEO:
             raise ValueError(
                 "MiniCPM-V 4.6 takes images only here; pass each frame's slices as an Image"
             )
-        sizes = parse_target_sizes(metadata)
+        sizes = parse_target_sizes(layout)
         for number, (h, w) in enumerate(sizes):
             if h % MERGE_SIDE or w % MERGE_SIDE:
                 raise ValueError(

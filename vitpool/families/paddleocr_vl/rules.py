@@ -35,11 +35,11 @@ class PaddleOCRVLRules(PatchRows):
     def merge_kernel(self) -> tuple[int, int]:
         return (self.merge_size, self.merge_size)
 
-    def item_spec(self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, metadata: Any) -> ItemSpec:
+    def item_spec(self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, layout: Any) -> ItemSpec:
         if modality == VIDEO:
             raise ValueError("PaddleOCR-VL takes images only; pass each frame as an Image")
         grid = patch_grid(
-            self, modality, pixel_shape, metadata, f"spatial merge size {self.merge_size}", takes_video=False
+            self, modality, pixel_shape, layout, f"spatial merge size {self.merge_size}", takes_video=False
         )
         return ItemSpec(modality, tuple(pixel_shape), pixel_dtype, grid, pixel_shape[0] // self.merge_unit)
 

@@ -47,8 +47,8 @@ class WindowedMergeRules(SpatialMergeRules):
     window_tokens: int = 1  # v: a window's side in output (merged) tokens
     capacities: tuple[str, ...] = (SEQUENCES, WINDOWS)
 
-    def item_spec(self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, metadata: Any) -> ItemSpec:
-        spec = super().item_spec(modality, pixel_shape, pixel_dtype, metadata)
+    def item_spec(self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, layout: Any) -> ItemSpec:
+        spec = super().item_spec(modality, pixel_shape, pixel_dtype, layout)
         t, h, w = spec.layout
         windows = t * frame_windows(h, w, self.merge_size, self.window_tokens)
         return dataclasses.replace(spec, needs=((SEQUENCES, t), (WINDOWS, windows)))
