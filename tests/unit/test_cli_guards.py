@@ -15,7 +15,7 @@ import pytest
 import ray
 
 import vitpool
-from vitpool import cli
+from vitpool import cli, cli_flags
 from vitpool.errors import ConfigError
 from vitpool.pool import EncoderPool, cluster
 from vitpool.pool.controller import NAMESPACE, Membership
@@ -116,10 +116,10 @@ def serve_flags() -> dict[str, argparse.Action]:
 def test_every_pool_setting_has_a_serve_flag_or_a_reason_not_to():
     flags = serve_flags()
     fields = {field.name for field in dataclasses.fields(PoolSettings)}
-    assert sorted(fields - set(flags) - set(cli.NOT_SERVE_FLAGS)) == []
-    assert set(cli.NOT_SERVE_FLAGS) <= fields and all(cli.NOT_SERVE_FLAGS.values())  # no stale entry, each says why
-    assert not set(cli.NOT_SERVE_FLAGS) & set(flags)
-    for exception_table in (cli.SETTING_CHOICES, cli.SETTING_PARSERS):
+    assert sorted(fields - set(flags) - set(cli_flags.NOT_SERVE_FLAGS)) == []
+    assert set(cli_flags.NOT_SERVE_FLAGS) <= fields and all(cli_flags.NOT_SERVE_FLAGS.values())  # no stale entry, each says why
+    assert not set(cli_flags.NOT_SERVE_FLAGS) & set(flags)
+    for exception_table in (cli_flags.SETTING_CHOICES, cli_flags.SETTING_PARSERS):
         assert set(exception_table) <= fields
 
 
@@ -135,7 +135,7 @@ def test_every_pool_setting_has_a_serve_flag_or_a_reason_not_to():
         (["--precision", "fp8", "--dtype", "bfloat16"], {"precision": "fp8", "dtype": "bfloat16"}),
         (["--device", "cpu"], {"device": "cpu"}),
         (["--autoscale", "1,4"], {"autoscale": (1, 4)}),
-        # flags no line of cli.py names: made from the fields
+        # flags no line of cli.py or cli_flags.py names: made from the fields
         (["--urgent-tokens", "256"], {"urgent_tokens": 256}),
         (["--overlap-runs", "off", "--fused-ops", "off"], {"overlap_runs": False, "fused_ops": False}),
         (["--small-first-tokens", "none"], {"small_first_tokens": None}),  # None where it is not the default

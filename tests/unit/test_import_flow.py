@@ -41,6 +41,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("pool",),  # the caller's side: EncoderPool and its coordinator
     ("__init__",),  # vitpool's public names (`import vitpool`)
     ("integrations",),  # transformers, vLLM and Dynamo, on the pool's public API
+    ("cli_flags",),  # `vitpool serve`'s flags, one per pool setting
     ("cli",),  # the `vitpool` command line
     ("__main__",),  # `python -m vitpool`
 ]
