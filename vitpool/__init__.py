@@ -22,6 +22,7 @@ if TYPE_CHECKING:
         PoolUnavailableError,
         VitpoolError,
     )
+    from vitpool.from_processor import items_from
     from vitpool.graphs import EncoderStats, GraphEncoder, PlansInFlight
     from vitpool.items import Embedding, Image, Video, shared_results
     from vitpool.pool import CacheStats, EncoderPool, PoolSettings, PoolStats
@@ -38,6 +39,7 @@ _PUBLIC = {
     "InvalidItemError": "vitpool.errors",
     "PoolUnavailableError": "vitpool.errors",
     "VitpoolError": "vitpool.errors",
+    "items_from": "vitpool.from_processor",
     "EncoderStats": "vitpool.graphs",
     "GraphEncoder": "vitpool.graphs",
     "PlansInFlight": "vitpool.graphs",
@@ -79,6 +81,7 @@ __all__ = [
     "decode_results",
     "encode_request",
     "encode_results",
+    "items_from",
     "received_embeddings",
     "shared_results",
 ]

@@ -36,6 +36,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("models",),  # the adapter protocol, the family record and registry, loading, shared blocks
     ("families",),  # one package per family: its record, adapter, rules, checkpoint conversion
     ("items",),  # Image, Video (and Embedding, defined in transport/) and the checks at the boundary
+    ("from_processor",),  # items_from: a processor's output cut into items, by the family's record
     ("graphs", "codec"),  # GraphEncoder; the msgpack format for bytes from outside the cluster
     ("actors",),  # an encoder actor: one GraphEncoder on one GPU
     ("pool",),  # the caller's side: EncoderPool and its coordinator

@@ -9,7 +9,7 @@ modeling code when called (`lazy`, `hf_tower`), so a pool's callers read records
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -133,6 +133,38 @@ VLLM_LAYOUTS = ("tokens", "tokens_and_deepstack")
 
 
 @dataclass(frozen=True)
+class ProcessorOutput:
+    """What the family's Hugging Face processor returns, and how `vitpool.items_from` cuts it
+    into items.
+
+    Attributes:
+        image_keys: the keys a batch of images holds, pixel values first (empty: none).
+        video_keys: the keys a batch of videos holds (empty: the family takes no videos).
+        split: "module:function" of the cutter: (the batch, a mapping) -> one
+            `vitpool.models.processor_items.ProcessorItem` per image in the processor's order,
+            then one per video. It raises ValueError naming what does not add up.
+    """
+
+    image_keys: tuple[str, ...]
+    video_keys: tuple[str, ...] = ()
+    split: str = "vitpool.models.processor_items:grid_items"
+
+    def missing(self, keys: Collection[str]) -> tuple[str, ...]:
+        """What a batch with these keys lacks to be this processor's: the rest of its images'
+        keys where it holds their first, the same for videos, and its images' keys where it
+        holds neither first key. Empty: the batch is this processor's."""
+        groups = [group for group in (self.image_keys, self.video_keys) if group and group[0] in keys]
+        return tuple(key for group in groups or [self.image_keys] for key in group if key not in keys)
+
+
+# Qwen's processors and those modelled on them: patch rows and a (t, h, w) grid row per item
+GRID_PROCESSOR_OUTPUT = ProcessorOutput(
+    image_keys=("pixel_values", "image_grid_thw"), video_keys=("pixel_values_videos", "video_grid_thw")
+)
+GRID_IMAGES_OUTPUT = ProcessorOutput(image_keys=("pixel_values", "image_grid_thw"))
+
+
+@dataclass(frozen=True)
 class FamilyRecord:
     """One family, in one place: its towers and what each integration needs of it.
 
@@ -150,6 +182,8 @@ class FamilyRecord:
         grid_processor: its image processor returns `pixel_values` and `image_grid_thw` (the
             vLLM gateway makes items from them).
         dynamo: NVIDIA Dynamo's encoder backend serves it.
+        processor_output: what its processor returns and how `vitpool.items_from` cuts it into
+            items (None: items are built by hand).
     """
 
     name: str
@@ -161,6 +195,7 @@ class FamilyRecord:
     image_features: str | None = None
     grid_processor: bool = False
     dynamo: bool = False
+    processor_output: ProcessorOutput | None = None
 
     def __post_init__(self) -> None:
         if self.vllm_layout is not None and self.vllm_layout not in VLLM_LAYOUTS:

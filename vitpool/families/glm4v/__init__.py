@@ -1,6 +1,6 @@
 """GLM-4.1V (glm4v), GLM-4.6V (glm46v, GLM-4.1V's tower) and GLM-4.5V (glm4v_moe)."""
 
-from vitpool.models.family import Family, FamilyRecord, hf_tower, lazy
+from vitpool.models.family import GRID_PROCESSOR_OUTPUT, Family, FamilyRecord, hf_tower, lazy
 
 _ADAPTER = lazy("vitpool.families.glm4v.adapter", "Glm4vAdapter")
 
@@ -15,4 +15,5 @@ RECORD = FamilyRecord(
     vllm_layout="tokens",
     vllm_checked=True,
     grid_processor=True,
+    processor_output=GRID_PROCESSOR_OUTPUT,
 )

@@ -1,7 +1,7 @@
 """PaddleOCR-VL (paddleocr_vl): PaddleOCRVisionModel and its projector, transformers' or the
 release's keys; patch rows (`rules.py`)."""
 
-from vitpool.models.family import CheckpointLayout, Family, FamilyRecord, ModelParts, lazy
+from vitpool.models.family import GRID_IMAGES_OUTPUT, CheckpointLayout, Family, FamilyRecord, ModelParts, lazy
 
 _ADAPTER = "vitpool.families.paddleocr_vl.adapter"
 
@@ -24,4 +24,5 @@ RECORD = FamilyRecord(
     transformers_parts=ModelParts(projector="projector", encoder_module=f"{_ADAPTER}:PaddleOCREncoder",
                                   output="last_hidden_state", batch_dim=True),
     grid_processor=True,
+    processor_output=GRID_IMAGES_OUTPUT,
 )

@@ -1,6 +1,6 @@
 """Qwen2.5-VL (qwen2_5_vl): windowed attention blocks (`rules.py`: the windows an item needs)."""
 
-from vitpool.models.family import Family, FamilyRecord, hf_tower, lazy
+from vitpool.models.family import GRID_PROCESSOR_OUTPUT, Family, FamilyRecord, hf_tower, lazy
 
 RECORD = FamilyRecord(
     name="qwen2_5_vl",
@@ -13,4 +13,5 @@ RECORD = FamilyRecord(
     vllm_layout="tokens",
     vllm_checked=True,
     grid_processor=True,
+    processor_output=GRID_PROCESSOR_OUTPUT,
 )

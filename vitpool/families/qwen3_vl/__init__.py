@@ -1,6 +1,6 @@
 """Qwen3-VL (qwen3_vl, qwen3_vl_moe): Hugging Face's tower, the tokens and the deepstack features."""
 
-from vitpool.models.family import Family, FamilyRecord, hf_tower, lazy
+from vitpool.models.family import GRID_PROCESSOR_OUTPUT, Family, FamilyRecord, hf_tower, lazy
 
 _ADAPTER = lazy("vitpool.families.qwen3_vl.adapter", "Qwen3VLAdapter")
 
@@ -16,5 +16,6 @@ RECORD = FamilyRecord(
     vllm_layout="tokens_and_deepstack",
     vllm_checked=True,
     grid_processor=True,
+    processor_output=GRID_PROCESSOR_OUTPUT,
     dynamo=True,
 )

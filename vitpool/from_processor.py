@@ -1,0 +1,119 @@
+"""`items_from`: a Hugging Face processor's output, cut into vitpool items, for every family.
+
+Each family's record says what its processor returns and names the function that cuts it
+(`vitpool.models.family.ProcessorOutput`); this module finds the family a batch belongs to, by the
+keys the batch holds or as the caller names it, and turns each cut into an `Image` or a `Video`.
+No model is loaded: a caller needs no engine to make its items.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from vitpool.items import Image, Item, Video
+from vitpool.models.family import FamilyRecord, ProcessorOutput, named_object
+from vitpool.models.processor_items import VIDEO, ProcessorItem
+from vitpool.models.registry import RECORDS, record_of
+
+
+def items_from(
+    batch: Mapping[str, Any], family: str | None = None, model: str | os.PathLike | None = None
+) -> list[Item]:
+    """One item per image of a processor's output, in the processor's order, then one per video.
+
+    Args:
+        batch: what the model's Hugging Face processor (or image / video processor) returned, a
+            `BatchFeature` or a dict, with tensors (`return_tensors="pt"` or "np"). Keys the family
+            does not use are ignored.
+        family: the family whose processor made the batch, by its name or a `model_type`
+            ("qwen3_vl", "glm46v", ...): needed only where the batch's keys fit families that cut
+            them differently.
+        model: instead of `family`, the local checkpoint directory the processor belongs to (its
+            config.json names the model type).
+
+    Raises:
+        ValueError: the batch lacks a key the family needs (named), fits no family or several, or
+            does not add up (say, grid rows that do not account for the pixel rows).
+        TypeError: `batch` is not a mapping.
+    """
+    if not isinstance(batch, Mapping):
+        raise TypeError(
+            f"batch must be what the processor returned (a BatchFeature or a dict), not {type(batch).__name__}"
+        )
+    if family is not None and model is not None:
+        raise ValueError("pass family= or model=, not both")
+    if model is not None:
+        family = _model_type_of(model)
+    record = _named(family) if family is not None else _found(batch)
+    output = record.processor_output
+    assert output is not None  # _named and _found return records that have one
+    missing = output.missing(batch.keys())
+    if missing:
+        raise ValueError(
+            f"the batch lacks {', '.join(missing)}, which {record.name}'s processor output holds; it has "
+            f"{_listed(batch)}"
+        )
+    cut: list[ProcessorItem] = named_object(output.split)(batch)
+    if not output.video_keys and any(item.modality == VIDEO for item in cut):
+        raise ValueError(f"{record.name} takes images only; the batch holds videos")
+    return [_item(part) for part in cut]
+
+
+def _item(part: ProcessorItem) -> Item:
+    kind = Video if part.modality == VIDEO else Image
+    return kind(part.pixel_values, part.grid, dict(part.inputs) if part.inputs else None)
+
+
+def _named(name: str) -> FamilyRecord:
+    record = next((r for r in RECORDS if r.name == name), None) or record_of(name)
+    if record is None:
+        raise ValueError(f"no family {name!r}; the families are {sorted(r.name for r in RECORDS)}")
+    if record.processor_output is None:
+        raise ValueError(f"{record.name}'s processor output has no cutter yet; build its items by hand (README)")
+    return record
+
+
+def _found(batch: Mapping[str, Any]) -> FamilyRecord:
+    """The family the batch's keys fit. Families that cut the same keys the same way (the grid
+    families) are one answer; families that would cut it differently need family= to decide."""
+    keyed = [r for r in RECORDS if r.processor_output is not None]
+    fitting = [r for r in keyed if not r.processor_output.missing(batch.keys())]  # type: ignore[union-attr]
+    cutters: dict[tuple[str, tuple[str, ...]], list[FamilyRecord]] = {}
+    for record in fitting:
+        output: ProcessorOutput = record.processor_output  # type: ignore[assignment]
+        cutters.setdefault((output.split, output.image_keys), []).append(record)
+    if len(cutters) == 1:
+        return next(iter(cutters.values()))[0]
+    if cutters:
+        names = sorted(r.name for r in fitting)
+        raise ValueError(
+            f"the batch's keys ({_listed(batch)}) fit the processors of {', '.join(names)}, which cut it "
+            "differently; pass family= (one of those) or model= (the checkpoint's directory)"
+        )
+    nearest = min(keyed, key=lambda r: len(r.processor_output.missing(batch.keys())))  # type: ignore[union-attr]
+    raise ValueError(
+        f"the batch's keys ({_listed(batch)}) are no family's processor output; the nearest, {nearest.name}'s, "
+        f"also holds {', '.join(nearest.processor_output.missing(batch.keys()))}. Pass what the processor "  # type: ignore[union-attr]
+        "returned as it is (a BatchFeature or its dict), or name the family with family="
+    )
+
+
+def _model_type_of(model: str | os.PathLike) -> str:
+    """A local checkpoint's model type, from its config.json (read as JSON: no transformers)."""
+    path = Path(model)
+    config = path if path.name == "config.json" else path / "config.json"
+    try:
+        model_type = json.loads(config.read_text()).get("model_type")
+    except (OSError, ValueError) as error:
+        raise ValueError(f"model={str(model)!r}: cannot read its config.json ({error})") from None
+    if not isinstance(model_type, str):
+        raise ValueError(f"model={str(model)!r}: its config.json names no model_type")
+    return model_type
+
+
+def _listed(batch: Mapping[str, Any]) -> str:
+    return ", ".join(sorted(map(str, batch.keys()))) or "no keys"

@@ -1,0 +1,95 @@
+"""Items as a family's Hugging Face processor returns them, before they are `Image`s and `Video`s
+(`vitpool.items_from` makes those): each family's record names its cutter
+(`vitpool.models.family.ProcessorOutput`), a function from the processor's batch to one
+`ProcessorItem` per image, then one per video. The grid families share `grid_items`.
+
+No torch here: a batch's values are torch tensors or NumPy arrays (`return_tensors="pt"` or
+"np"), cut by slicing, which both share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+IMAGE, VIDEO = "image", "video"
+
+
+@dataclass(frozen=True)
+class ProcessorItem:
+    """One image or video of a processor's batch: its pixels, its grid or layout (None: it has
+    none) and, for a family whose item is several inputs, the others by name."""
+
+    modality: str
+    pixel_values: Any
+    grid: Any = None
+    inputs: Mapping[str, Any] | None = None
+
+
+def grid_items(batch: Mapping[str, Any]) -> list[ProcessorItem]:
+    """Qwen-style output: patch rows `pixel_values` with a (t, h, w) row of `image_grid_thw` per
+    image, then `pixel_values_videos` with `video_grid_thw` per video; an item's rows are t*h*w
+    consecutive rows."""
+    items = cut_by_grid(batch, "pixel_values", "image_grid_thw", IMAGE)
+    return items + cut_by_grid(batch, "pixel_values_videos", "video_grid_thw", VIDEO)
+
+
+def cut_by_grid(batch: Mapping[str, Any], pixels_key: str, grid_key: str, modality: str) -> list[ProcessorItem]:
+    """The items of one modality: `batch[pixels_key]`'s rows, t*h*w per row of `batch[grid_key]`
+    (none where the batch holds neither key).
+
+    Raises:
+        ValueError: one key without the other, or rows the grids do not account for.
+    """
+    if pixels_key not in batch and grid_key not in batch:
+        return []
+    pixels, grids = batch.get(pixels_key), batch.get(grid_key)
+    if pixels is None or grids is None:
+        missing = pixels_key if pixels is None else grid_key
+        raise ValueError(f"the batch has {grid_key if pixels is None else pixels_key} but no {missing}")
+    check_array(pixels, pixels_key)
+    rows = [grid_row(row, grid_key, index) for index, row in enumerate(int_rows(grids, grid_key))]
+    counts = [t * h * w for t, h, w in rows]
+    if sum(counts) != len(pixels):
+        raise ValueError(
+            f"{pixels_key} has {len(pixels)} rows; its {len(rows)} {grid_key} rows account for {sum(counts)} "
+            f"({' + '.join(map(str, counts))})"
+        )
+    items, start = [], 0
+    for grid, count in zip(rows, counts):
+        items.append(ProcessorItem(modality, pixels[start : start + count], grid))
+        start += count
+    return items
+
+
+def check_array(value: Any, key: str) -> None:
+    """A batch's pixels come as a tensor or an array (the processor's return_tensors "pt" or "np")."""
+    if not hasattr(value, "shape") or not hasattr(value, "dtype"):
+        raise ValueError(
+            f"{key} is a {type(value).__name__}; call the processor with return_tensors='pt' (or 'np') so "
+            "that it is one tensor"
+        )
+
+
+def int_rows(value: Any, key: str) -> list[list[int]]:
+    """A 2-D integer tensor, array or nested list as lists of ints."""
+    rows = value.tolist() if hasattr(value, "tolist") else value
+    if not isinstance(rows, Sequence) or not all(isinstance(row, Sequence) for row in rows):
+        raise ValueError(f"{key} must be rows of integers, got {type(value).__name__}")
+    try:
+        return [[_as_int(v) for v in row] for row in rows]
+    except (TypeError, ValueError):
+        raise ValueError(f"{key} must hold whole numbers; got {rows!r}") from None
+
+
+def grid_row(row: list[int], key: str, index: int) -> tuple[int, int, int]:
+    if len(row) != 3 or min(row) < 1:
+        raise ValueError(f"{key} row {index} is {row}; expected (t, h, w) of positive integers")
+    return row[0], row[1], row[2]
+
+
+def _as_int(value: Any) -> int:
+    if isinstance(value, bool) or int(value) != value:
+        raise ValueError(value)
+    return int(value)
