@@ -35,6 +35,7 @@ import toy_family
 from conftest import ROW_WIDTH, reference_outputs, relative_error
 from family_cases import deepseek_ocr2 as deepseek_ocr2_case
 from family_cases import glm4v as glm4v_case
+from family_cases import glm_ocr as glm_ocr_case
 from family_cases import internvl as internvl_case
 from family_cases import kimi_k25 as kimi_k25_case
 from family_cases import llama4 as llama4_case
@@ -123,6 +124,7 @@ TOY_TILES = FamilyCase(
 FAMILIES = {
     "deepseek_ocr2": FamilyCase(**deepseek_ocr2_case.CASE_FIELDS),
     "glm4v": FamilyCase(**glm4v_case.CASE_FIELDS),
+    "glm_ocr": FamilyCase(**glm_ocr_case.CASE_FIELDS),
     "internvl": FamilyCase(**internvl_case.CASE_FIELDS),
     "kimi_k25": FamilyCase(**kimi_k25_case.CASE_FIELDS),
     "llama4": FamilyCase(**llama4_case.CASE_FIELDS),
