@@ -38,6 +38,7 @@ VISION_MODEL_TYPES = {
     "qwen2_5_vl": "qwen2_5_vl_vision",
     "qwen3_5": "qwen3_5_vision",
     "glm4v": "glm4v_vision",
+    "glm_ocr": "glm_ocr_vision",
     "kimi_k25": "kimi_k25_vision",
     "paddleocr_vl": "paddleocr_vl_vision",
     "internvl": "internvl_vision",
@@ -168,7 +169,7 @@ def hugging_face_eager(family: str, module: torch.nn.Module, items: list) -> tor
     rows = []
     for item in items:
         t, h, w = item.grid_thw
-        rows.extend([[1, h, w]] * t if family == "glm4v" else [[t, h, w]])  # GLM: one row per frame
+        rows.extend([[1, h, w]] * t if family in ("glm4v", "glm_ocr") else [[t, h, w]])  # GLM: one row per frame
     grid = torch.tensor(rows, device="cuda")
     if family == "kimi_k25":
         return module.mm_projector(module.vision_tower(pixels, grid_thw=grid).pooler_output).squeeze(1)

@@ -1,7 +1,7 @@
 """DeepSeek-OCR-2 (deepseek_ocr2): SAM, a Qwen2 encoder, its multi_modal_projector and
 view_separator, two paths."""
 
-from vitpool.models.family import CheckpointLayout, Family, FamilyRecord, lazy
+from vitpool.models.family import CheckpointLayout, Family, FamilyRecord, ProcessorOutput, lazy
 
 _ADAPTER = "vitpool.families.deepseek_ocr2.adapter"
 
@@ -27,4 +27,9 @@ RECORD = FamilyRecord(
     vllm_layout=None,
     transformers_parts=None,
     image_features="vitpool.families.deepseek_ocr2.features:DeepseekOcr2Features",
+    # Step-3.7's cut, as DeepSeek-OCR-2's: either's batch is cut without naming the family
+    processor_output=ProcessorOutput(
+        image_keys=("pixel_values", "num_local_patches"),
+        split="vitpool.families.step3p7.processor:view_and_crops_items",
+    ),
 )

@@ -2,7 +2,7 @@
 keys), and InternVL 2 / 2.5 / 3 as OpenGVLab released them (config "internvl_chat", remote code:
 InternViT, every size "intern_vit_6b", under vision_model. with a fused qkv, the projector as mlp1)."""
 
-from vitpool.models.family import CheckpointLayout, Family, FamilyRecord, lazy
+from vitpool.models.family import CheckpointLayout, Family, FamilyRecord, ProcessorOutput, lazy
 
 _ADAPTER = "vitpool.families.internvl.adapter"
 _CHECKPOINT = "vitpool.families.internvl.checkpoint"
@@ -36,4 +36,7 @@ RECORD = FamilyRecord(
     vllm_checked=True,
     transformers_parts=None,
     image_features="vitpool.families.internvl.features:InternVLFeatures",
+    processor_output=ProcessorOutput(
+        image_keys=("pixel_values", "num_patches"), split="vitpool.families.internvl.processor:items"
+    ),
 )

@@ -1,7 +1,14 @@
 """Kimi-K2.5 / K2.6 (kimi_k25): Kimi_K25VisionModel and its mm_projector, Moonshot's or
 transformers' keys; patch rows and video clips (`rules.py`)."""
 
-from vitpool.models.family import CheckpointLayout, Family, FamilyRecord, ModelParts, lazy
+from vitpool.models.family import (
+    GRID_PROCESSOR_OUTPUT,
+    CheckpointLayout,
+    Family,
+    FamilyRecord,
+    ModelParts,
+    lazy,
+)
 
 _ADAPTER = "vitpool.families.kimi_k25.adapter"
 
@@ -23,4 +30,5 @@ RECORD = FamilyRecord(
     vllm_checked=False,  # its image processor needs torchvision, which the tests' side lacks
     transformers_parts=ModelParts(tower="vision_tower", projector="mm_projector",
                                   encoder_module=f"{_ADAPTER}:KimiK25Encoder"),
+    processor_output=GRID_PROCESSOR_OUTPUT,  # one video item per chunk of frames: a video_grid_thw row
 )

