@@ -37,6 +37,7 @@ VISION_MODEL_TYPES = {
     "qwen2_vl": "qwen2_vl_vision",
     "qwen2_5_vl": "qwen2_5_vl_vision",
     "qwen3_5": "qwen3_5_vision",
+    "qwen3_omni_moe": "qwen3_omni_moe_vision_encoder",
     "glm4v": "glm4v_vision",
     "glm_ocr": "glm_ocr_vision",
     "kimi_k25": "kimi_k25_vision",

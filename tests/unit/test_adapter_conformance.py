@@ -44,6 +44,7 @@ from family_cases import paddleocr_vl as paddleocr_vl_case
 from family_cases import qwen2_5_vl as qwen2_5_vl_case
 from family_cases import qwen2_vl as qwen2_vl_case
 from family_cases import qwen3_5 as qwen3_5_case
+from family_cases import qwen3_omni_moe as qwen3_omni_moe_case
 from family_cases import step3p7 as step3p7_case
 from family_cases.common import item_for
 
@@ -133,6 +134,7 @@ FAMILIES = {
     "qwen2_5_vl": FamilyCase(**qwen2_5_vl_case.CASE_FIELDS),
     "qwen2_vl": FamilyCase(**qwen2_vl_case.CASE_FIELDS),
     "qwen3_5": FamilyCase(**qwen3_5_case.CASE_FIELDS),
+    "qwen3_omni_moe": FamilyCase(**qwen3_omni_moe_case.CASE_FIELDS),
     "qwen3_vl": QWEN3_VL,
     "step3p7": FamilyCase(**step3p7_case.CASE_FIELDS),
     "toy_tiles": TOY_TILES,

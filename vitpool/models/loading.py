@@ -118,6 +118,16 @@ def _checkpoint_directory(path: str | Path | None) -> Path:
     return directory
 
 
+def _vision_part(config: Any) -> Any:
+    """A full model's vision sub-config (a dict's or a config object's): `vision_config`, or the
+    thinker's (Qwen3-Omni nests its vision, audio and LLM parts under `thinker_config`); None
+    for a tower-only config."""
+    def part(of: Any, name: str) -> Any:
+        return of.get(name) if isinstance(of, dict) else getattr(of, name, None)
+
+    return part(config, "vision_config") or part(part(config, "thinker_config"), "vision_config")
+
+
 def _read_config(directory: Path) -> tuple[Family, Any, bool]:
     """The family, the config its tower is built from, and whether the directory holds a full
     multimodal model.
@@ -134,7 +144,7 @@ def _read_config(directory: Path) -> tuple[Family, Any, bool]:
     family = find_family(model_type) if isinstance(model_type, str) else None
     if family is not None:
         return family, family.read_config(directory), False
-    vision = raw.get("vision_config") if isinstance(raw, dict) else None
+    vision = _vision_part(raw) if isinstance(raw, dict) else None
     vision_type = vision.get("model_type") if isinstance(vision, dict) else None
     family = find_family(vision_type) if isinstance(vision_type, str) else None
     if family is not None and family.checkpoint.read_full_config is not None:
@@ -151,7 +161,7 @@ def _read_config(directory: Path) -> tuple[Family, Any, bool]:
             f"{directory}: model type {model_type!r} is not supported ({error}); "
             f"supported vision model types: {supported_model_types()}"
         ) from None
-    vision_config = getattr(config, "vision_config", None)
+    vision_config = _vision_part(config)
     is_full_model = vision_config is not None
     vision_config = vision_config if is_full_model else config
     family = find_family(vision_config.model_type)
