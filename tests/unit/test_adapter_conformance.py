@@ -34,6 +34,7 @@ import torch
 import toy_family
 from conftest import ROW_WIDTH, reference_outputs, relative_error
 from family_cases import deepseek_ocr2 as deepseek_ocr2_case
+from family_cases import ernie4_5_vl_moe as ernie4_5_vl_moe_case
 from family_cases import glm4v as glm4v_case
 from family_cases import glm_ocr as glm_ocr_case
 from family_cases import internvl as internvl_case
@@ -124,6 +125,7 @@ TOY_TILES = FamilyCase(
 # One line per family.
 FAMILIES = {
     "deepseek_ocr2": FamilyCase(**deepseek_ocr2_case.CASE_FIELDS),
+    "ernie4_5_vl_moe": FamilyCase(**ernie4_5_vl_moe_case.CASE_FIELDS),
     "glm4v": FamilyCase(**glm4v_case.CASE_FIELDS),
     "glm_ocr": FamilyCase(**glm_ocr_case.CASE_FIELDS),
     "internvl": FamilyCase(**internvl_case.CASE_FIELDS),

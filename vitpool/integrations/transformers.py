@@ -39,7 +39,15 @@ from vitpool.models.stand_in import Encoder, PooledImageFeatures, StandIn
 
 
 class PassThroughProjector(torch.nn.Module):
-    """Stands in for a projector whose work vitpool already did: returns the features unchanged."""
+    """Stands in for a projector whose work vitpool already did: returns the features unchanged.
+    Keeps the replaced projector's plain settings, which the model may read around the call
+    (ERNIE-4.5-VL's `get_video_features` reads its resampler's `temporal_merge_size`)."""
+
+    def __init__(self, replaced: torch.nn.Module | None = None) -> None:
+        super().__init__()
+        for name, value in vars(replaced).items() if replaced is not None else ():
+            if not name.startswith("_") and name != "training" and isinstance(value, (bool, int, float, str, tuple)):
+                setattr(self, name, value)
 
     def forward(self, features: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         return features
@@ -148,7 +156,7 @@ def replace_vision_tower(model: torch.nn.Module, encoder: Encoder) -> torch.nn.M
         names = (stand_in_class.tower, *stand_in_class.projectors)
         features_original = torch.nn.ModuleDict({name: getattr(inner, name) for name in names})
         for name in stand_in_class.projectors:
-            setattr(inner, name, PassThroughProjector())
+            setattr(inner, name, PassThroughProjector(getattr(inner, name)))
         setattr(inner, stand_in_class.tower, stand_in)
         # an instance attribute: the model's forward calls self.get_image_features, found here first
         inner.get_image_features = stand_in.get_image_features
@@ -160,7 +168,7 @@ def replace_vision_tower(model: torch.nn.Module, encoder: Encoder) -> torch.nn.M
     original: torch.nn.Module = tower
     if parts.projector is not None:
         original = torch.nn.ModuleDict({"tower": tower, "projector": getattr(inner, parts.projector)})
-        setattr(inner, parts.projector, PassThroughProjector())
+        setattr(inner, parts.projector, PassThroughProjector(getattr(inner, parts.projector)))
     setattr(inner, parts.tower, PooledVisionTower(encoder, merge, weight.dtype, weight.device, parts))
     return original
 
