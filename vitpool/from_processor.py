@@ -17,6 +17,8 @@ from typing import Any
 from vitpool.items import Image, Item, Video
 from vitpool.models.family import FamilyRecord, ProcessorOutput, named_object
 from vitpool.models.processor_items import VIDEO, ProcessorItem
+
+VIDEO_PIXELS = "pixel_values_videos"
 from vitpool.models.registry import RECORDS, record_of
 
 
@@ -51,16 +53,20 @@ def items_from(
     record = _named(family) if family is not None else _found(batch)
     output = record.processor_output
     assert output is not None  # _named and _found return records that have one
+    if not output.video_keys and (VIDEO_PIXELS in batch or any(key.startswith("video_") for key in batch)):
+        # refused, not dropped: the prompt would keep placeholders that no item fills
+        raise ValueError(f"{record.name} takes images only; the batch holds videos ({_listed(batch)})")
+    cut = named_object(output.split)
     missing = output.missing(batch.keys())
     if missing:
+        # the family's cutter says best what is missing and where to get it (a processor that drops
+        # a count the image processor keeps); a cutter that does not raise gets the plain account
+        cut(batch)
         raise ValueError(
             f"the batch lacks {', '.join(missing)}, which {record.name}'s processor output holds; it has "
             f"{_listed(batch)}"
         )
-    cut: list[ProcessorItem] = named_object(output.split)(batch)
-    if not output.video_keys and any(item.modality == VIDEO for item in cut):
-        raise ValueError(f"{record.name} takes images only; the batch holds videos")
-    return [_item(part) for part in cut]
+    return [_item(part) for part in cut(batch)]
 
 
 def _item(part: ProcessorItem) -> Item:

