@@ -35,6 +35,7 @@ import toy_family
 from conftest import ROW_WIDTH, reference_outputs, relative_error
 from family_cases import deepseek_ocr2 as deepseek_ocr2_case
 from family_cases import ernie4_5_vl_moe as ernie4_5_vl_moe_case
+from family_cases import gemma3 as gemma3_case
 from family_cases import glm4v as glm4v_case
 from family_cases import glm_ocr as glm_ocr_case
 from family_cases import idefics3 as idefics3_case
@@ -42,6 +43,7 @@ from family_cases import internvl as internvl_case
 from family_cases import kimi_k25 as kimi_k25_case
 from family_cases import llama4 as llama4_case
 from family_cases import minicpmv4_6 as minicpmv4_6_case
+from family_cases import minicpmv4_7 as minicpmv4_7_case
 from family_cases import mistral3 as mistral3_case
 from family_cases import paddleocr_vl as paddleocr_vl_case
 from family_cases import qwen2_5_vl as qwen2_5_vl_case
@@ -128,6 +130,7 @@ TOY_TILES = FamilyCase(
 FAMILIES = {
     "deepseek_ocr2": FamilyCase(**deepseek_ocr2_case.CASE_FIELDS),
     "ernie4_5_vl_moe": FamilyCase(**ernie4_5_vl_moe_case.CASE_FIELDS),
+    "gemma3": FamilyCase(**gemma3_case.CASE_FIELDS),
     "glm4v": FamilyCase(**glm4v_case.CASE_FIELDS),
     "glm_ocr": FamilyCase(**glm_ocr_case.CASE_FIELDS),
     "idefics3": FamilyCase(**idefics3_case.CASE_FIELDS),
@@ -135,6 +138,7 @@ FAMILIES = {
     "kimi_k25": FamilyCase(**kimi_k25_case.CASE_FIELDS),
     "llama4": FamilyCase(**llama4_case.CASE_FIELDS),
     "minicpmv4_6": FamilyCase(**minicpmv4_6_case.CASE_FIELDS),
+    "minicpmv4_7": FamilyCase(**minicpmv4_7_case.CASE_FIELDS),
     "mistral3": FamilyCase(**mistral3_case.CASE_FIELDS),
     "paddleocr_vl": FamilyCase(**paddleocr_vl_case.CASE_FIELDS),
     "qwen2_5_vl": FamilyCase(**qwen2_5_vl_case.CASE_FIELDS),

@@ -24,7 +24,6 @@ RECORD = FamilyRecord(
     transformers_parts=None,
     image_features="vitpool.families.minicpmv4_6.features:MiniCPMV4_6Features",
     processor_output=ProcessorOutput(
-        image_keys=("pixel_values", "target_sizes", "num_patches_per_image"),
-        split="vitpool.families.minicpmv4_6.processor:items",
+        image_keys=("pixel_values", "target_sizes"), split="vitpool.families.minicpmv4_6.processor:items"
     ),
 )

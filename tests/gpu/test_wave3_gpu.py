@@ -1,0 +1,65 @@
+"""GPU: the third wave's families, from their tiny cases in tests/unit/family_cases: every budget
+captured in bf16 (each checked against eager at capture), and items sampled for each budget against
+the case's reference (Hugging Face's own path) in fp32 on the CPU. Skipped without CUDA."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import relative_error
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+
+from vitpool import GraphEncoder  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+TOLERANCE = 1.5e-2  # bf16 against Hugging Face's own path in fp32
+WAVE_3 = ["ernie4_5_vl_moe", "gemma3", "glm_ocr", "idefics3", "minicpmv4_7", "mistral3", "qwen3_omni_moe"]
+
+
+def check_family(family: str, device: str, dtype: torch.dtype, tolerance: float) -> list[float]:
+    """The family's encoder on `device` against its case's reference on the CPU in fp32, items
+    sampled for every budget; returns the relative errors."""
+    case = importlib.import_module(f"family_cases.{family}")
+    if getattr(case, "TOO_OLD", None):
+        pytest.skip(case.TOO_OLD)
+    fields = case.CASE_FIELDS
+    reference_encoder = fields["make_encoder"](list(fields["budgets"]))
+    reference = fields["reference"](reference_encoder)
+    adapter = copy.deepcopy(reference_encoder.adapter)
+    encoder = GraphEncoder(adapter, budgets=list(fields["budgets"]), device=device, dtype=dtype)
+    stats = encoder.stats()
+    if device == "cuda":
+        assert len(stats.captured_budgets) == len(encoder.budgets) and stats.disabled_budgets == []
+    errors = []
+    for number, budget in enumerate(encoder.budgets):
+        path_adapter = getattr(encoder.adapter, "paths", {}).get(budget.path, encoder.adapter)
+        specs = path_adapter.sample_specs(path_adapter.max_rows(budget.num_tokens), budget, random.Random(number))
+        specs = [dataclasses.replace(spec, path=budget.path) for spec in specs]
+        generator = torch.Generator().manual_seed(number)
+        items = [fields["item_for"](spec, torch.randn(spec.pixel_shape, generator=generator)) for spec in specs]
+        for item, embedding in zip(items, encoder.encode(items), strict=True):
+            with torch.no_grad():
+                wanted = reference(item)
+            for got, want in zip(embedding.outputs, wanted, strict=True):
+                got = got.float().cpu()
+                assert torch.isfinite(got).all(), family
+                errors.append(relative_error(got, want.float().cpu()))
+                assert errors[-1] <= tolerance, f"{family}, budget {budget}: {errors[-1]}"
+    return errors
+
+
+@pytest.mark.parametrize("family", WAVE_3)
+def test_every_budget_is_captured_and_sampled_items_match_the_reference(family):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    errors = check_family(family, "cuda", torch.bfloat16, TOLERANCE)
+    print(f"{family}: {len(errors)} outputs, largest relative error {max(errors):.2e}")

@@ -1,0 +1,175 @@
+"""Gemma 3 (`SiglipVisionModel`) and its `multi_modal_projector` (`Gemma3MultiModalProjector`).
+
+An image is whole views of one size (896² in the releases): the image resized, then, with
+pan-and-scan (`Gemma3ImageProcessor(do_pan_and_scan=True)`), up to `pan_and_scan_max_num_crops`
+crops of it, each resized to the same square. Each view is one fixed-length attention sequence
+((896 / 14)² = 4096 patches, no class token) and the tower runs views as its batch dimension, so a
+batch needs no metadata: a padding view is a zero view whose tokens nobody reads. After the tower,
+as `Gemma3Model.get_image_features` does, the projector average-pools each view's patch grid to
+`mm_tokens_per_image` tokens (256: 4 x 4 patches each), normalises them (Gemma's RMSNorm) and
+projects them into the LLM's width: the LLM receives exactly that, view after view.
+
+`Gemma3Encoder` holds the tower and the projector (state keys `vision_tower.*` and
+`multi_modal_projector.*`). A full checkpoint keeps them under those names, under `model.` when
+saved by transformers 4.52 to 4.x, and the releases keep SigLIP's inner `vision_model.` level
+(`vision_tower.vision_model.*`), which transformers 5's `SiglipVisionModel` no longer has.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from vitpool.errors import CheckpointError
+from vitpool.models.compat import check_tower_parts
+from vitpool.models.projected import tower_and_projector
+from vitpool.models.tile_rules import TileRules
+from vitpool.models.tiled import TiledAdapter, install_kernels
+
+# What a tower-only save's vision config carries besides SigLIP's fields, for the projector (the
+# full model's Gemma3Config holds them: the LLM's width, the tokens a view is pooled to).
+PROJECTOR_FIELDS = ("text_hidden_size", "mm_tokens_per_image")
+# The full checkpoints whose SigLIP tower and projector this family runs.
+FULL_MODEL_TYPES = ("gemma3",)
+# The releases keep SigLIP's tower one level down; transformers 5's module has no such level.
+RELEASE_TOWER_PREFIX = "vision_tower.vision_model."
+# The default budgets hold up to this many views: one image with the processor's most crops
+# (pan_and_scan_max_num_crops=4) and the whole image. A batch of more runs eager at its own size.
+MAX_GRAPH_VIEWS = 5
+TOWER_PARTS = ("embeddings", "encoder", "post_layernorm")
+
+
+class Gemma3Encoder(torch.nn.Module):
+    """The tower and the projector, as `Gemma3Model` holds them."""
+
+    def __init__(self, vision_tower: torch.nn.Module, projector: torch.nn.Module) -> None:
+        super().__init__()
+        self.vision_tower = vision_tower
+        self.multi_modal_projector = projector
+        self.config = vision_tower.config
+
+
+def projector_config(config: Any) -> Any:
+    """What `Gemma3MultiModalProjector` reads, from a full `Gemma3Config` or from a SigLIP vision
+    config carrying PROJECTOR_FIELDS (a tower-only save).
+
+    Raises:
+        ValueError: a vision config without PROJECTOR_FIELDS (a plain SigLIP save).
+    """
+    if getattr(config, "text_config", None) is not None:
+        return config
+    missing = [name for name in PROJECTOR_FIELDS if getattr(config, name, None) is None]
+    if missing:
+        raise ValueError(
+            f"a Gemma 3 vision config needs {missing} to build its multi_modal_projector; give the full "
+            "model's config (Gemma3Config) or a tower-only save that carries them (a plain SigLIP tower "
+            "has no projector for vitpool to run)"
+        )
+    return SimpleNamespace(
+        vision_config=config,
+        text_config=SimpleNamespace(hidden_size=config.text_hidden_size),
+        mm_tokens_per_image=config.mm_tokens_per_image,
+    )
+
+
+def build_encoder(config: Any, dtype: torch.dtype | None = None) -> Gemma3Encoder:
+    """Fresh tower and projector from a full Gemma3Config or a vision config with PROJECTOR_FIELDS."""
+    from transformers import SiglipVisionModel
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector
+
+    full = projector_config(config)
+    check_pooling(full.vision_config, full.mm_tokens_per_image)
+    tower, projector = tower_and_projector(SiglipVisionModel, Gemma3MultiModalProjector, full, dtype)
+    return Gemma3Encoder(tower, projector)
+
+
+def tower_only_config(full_config: Any) -> Any:
+    """The vision config of a full Gemma3Config with PROJECTOR_FIELDS added: what a tower-only save
+    of `Gemma3Encoder` writes as its config.json (and what a full checkpoint is built from).
+
+    Raises:
+        CheckpointError: a full model of another type with a SigLIP tower (PaliGemma, ...), whose
+            projector is not Gemma 3's.
+    """
+    model_type = getattr(full_config, "model_type", None)
+    if model_type not in FULL_MODEL_TYPES:
+        raise CheckpointError(
+            f"a {model_type!r} checkpoint with a SigLIP vision tower: vitpool runs SigLIP towers with Gemma 3's "
+            f"projector only (model_type {' or '.join(map(repr, FULL_MODEL_TYPES))})"
+        )
+    config = copy.deepcopy(full_config.vision_config)
+    config.text_hidden_size = full_config.text_config.hidden_size
+    config.mm_tokens_per_image = full_config.mm_tokens_per_image
+    return config
+
+
+def convert_checkpoint(checkpoint: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
+    """The loader's hook: the module's state from a full checkpoint in any release's layout or from
+    a tower-only save (the module's own keys).
+
+    Args:
+        checkpoint: tensors keyed as saved: `model.vision_tower.*` / `model.multi_modal_projector.*`
+            (transformers 4.52 and later 4.x), `vision_tower.*` / `multi_modal_projector.*`
+            (transformers 5, tower-only saves), `vision_tower.vision_model.*` (the releases).
+        config: the tower config (unused).
+
+    Returns:
+        `Gemma3Encoder`'s state: `vision_tower.*` and `multi_modal_projector.*`.
+    """
+    state: dict[str, torch.Tensor] = {}
+    for key, tensor in checkpoint.items():
+        name = key.removeprefix("model.")
+        if name.startswith(RELEASE_TOWER_PREFIX):
+            name = "vision_tower." + name.removeprefix(RELEASE_TOWER_PREFIX)
+        state[name] = tensor
+    return state
+
+
+def check_pooling(vision_config: Any, mm_tokens_per_image: int) -> None:
+    """Refuse sizes under which `Gemma3MultiModalProjector` would not give `mm_tokens_per_image`
+    tokens a view (the processor's placeholders): the patch grid average-pooled in square windows.
+
+    Raises:
+        ValueError: a token count that is no square, or a pooling window that does not tile the grid.
+    """
+    image_size, patch_size = int(vision_config.image_size), int(vision_config.patch_size)
+    side = image_size // patch_size
+    tokens_side = math.isqrt(int(mm_tokens_per_image))
+    if image_size % patch_size or tokens_side < 1 or tokens_side**2 != mm_tokens_per_image or side % tokens_side:
+        raise ValueError(
+            f"Gemma 3 views of {image_size}² pixels in {patch_size}-pixel patches ({side}² patches) cannot be "
+            f"pooled to mm_tokens_per_image={mm_tokens_per_image}: it must be a square whose side divides {side}"
+        )
+
+
+class Gemma3Adapter(TiledAdapter):
+    """Adapter for `Gemma3Encoder`: rows are views, no metadata."""
+
+    max_graph_tiles = MAX_GRAPH_VIEWS
+
+    def __init__(self, tower: Gemma3Encoder) -> None:
+        vision = tower.vision_tower
+        check_tower_parts("Gemma 3", vision, TOWER_PARTS)
+        config = vision.config
+        projector = tower.multi_modal_projector
+        # AvgPool2d's output grid: what the projector gives a view, whatever the config says
+        tokens = (projector.patches_per_image // projector.kernel_size) ** 2
+        install_kernels(tower)
+        self.tower = tower
+        self.tokens_per_tile = tokens
+        self.item_rules = TileRules(
+            int(config.num_channels),
+            int(config.image_size),
+            tokens,
+            ((int(projector.mm_input_projection_weight.shape[1]),),),
+        )
+
+    def forward(self, pixels: torch.Tensor, metadata: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        # pixels: [views, C, S, S] -> patches [views, (S/P)², D] -> tokens [views, tokens a view, LLM width]
+        patches = self.tower.vision_tower(pixel_values=pixels).last_hidden_state
+        tokens = self.tower.multi_modal_projector(patches)
+        return [tokens.reshape(-1, tokens.shape[-1])]
