@@ -47,6 +47,8 @@ VISION_MODEL_TYPES = {
     "step3p7": "step3p5_vision",
     "deepseek_ocr2": "deepseek_ocr2_vision",
     "minicpmv4_6": "minicpmv4_6_vision",
+    "gemma3": "siglip_vision_model",
+    "idefics3": "idefics3_vision",
 }
 # Families whose vitpool module holds the projector too: what their tower-only config adds (the
 # flagship's LLM width and projector settings, from the config file's "extra").
@@ -66,11 +68,16 @@ PROJECTOR_FIELDS = {
         "text_hidden_size": 1024, "downsample_mode": "16x", "merge_kernel_size": [2, 2], "merger_times": 1,
         "insert_layer_id": 6,
     },
+    "gemma3": {"text_hidden_size": 5376, "mm_tokens_per_image": 256},  # Gemma 3 27B's LLM width
+    "idefics3": {"text_hidden_size": 4096, "scale_factor": 2},  # Idefics3-8B: Llama 3's width
 }
 # slices (h, w in patches) of one image as MiniCPM-V 4.6's processor cuts them: a 448² overview
 # alone, or the overview and 6 slices of a ~1024² image
 MINICPM_SLICES = {"1 slice": [(32, 32)], "7 slices": [(32, 32)] + [(40, 24)] * 6}
-TILED = {"internvl", "llama4"}  # pixels are whole tiles [tiles, 3, S, S], no grid
+TILED = {"internvl", "llama4", "gemma3", "idefics3"}  # pixels are whole tiles [tiles, 3, S, S], no grid
+# a large image's views: InternVL's 6 crops and thumbnail; Gemma 3's image and 4 pan-and-scan crops;
+# Idefics3's 3x3 splits of a ~1024² image and its global image
+MANY_VIEWS = {"gemma3": 5, "idefics3": 10}
 # a global view and local crops, each a path of its own (Step-3.7: 728² view, 504² crops)
 GLOBAL_AND_CROPS = {"step3p7": 504, "deepseek_ocr2": 768}
 PATCH_ROWS = {"kimi_k25", "paddleocr_vl"}  # pixels are unflattened patches [rows, 3, P, P]
@@ -108,7 +115,8 @@ def workloads(family: str, vision_config: dict) -> dict[str, list]:
         def tiles(count: int) -> Image:
             return Image(torch.randn(count, 3, size, size))
 
-        return {"1 view": [tiles(1)], "4x1 view": [tiles(1) for _ in range(4)], "7 views": [tiles(7)]}
+        many = MANY_VIEWS.get(family, 7)
+        return {"1 view": [tiles(1)], "4x1 view": [tiles(1) for _ in range(4)], f"{many} views": [tiles(many)]}
     patch = vision_config["patch_size"]
     merge = vision_config.get("spatial_merge_size") or vision_config["merge_kernel_size"][0]
     row_shape = (3, patch, patch) if family in PATCH_ROWS else (3 * 2 * patch * patch,)
@@ -164,6 +172,12 @@ def hugging_face_eager(family: str, module: torch.nn.Module, items: list) -> tor
         shuffled = InternVLModel.pixel_shuffle(None, hidden.reshape(hidden.shape[0], side, side, -1), 0.5)
         tokens = module.multi_modal_projector(shuffled.reshape(hidden.shape[0], -1, shuffled.shape[-1]))
         return tokens.reshape(-1, tokens.shape[-1])
+    if family in ("gemma3", "idefics3"):  # get_image_features: the tower, then the projector per view
+        if family == "gemma3":
+            features = module.multi_modal_projector(module.vision_tower(pixel_values=pixels).last_hidden_state)
+        else:  # every split whole: the processor's splits have no padding (patch_attention_mask all ones)
+            features = module.connector(module.vision_model(pixel_values=pixels).last_hidden_state)
+        return features.reshape(-1, features.shape[-1])
     if family == "llama4":  # get_image_features, flattened and projected as the model's forward does
         features = module.vision_model(pixel_values=pixels).last_hidden_state
         return module.multi_modal_projector(features.reshape(-1, features.shape[-1]))
@@ -294,13 +308,20 @@ def main() -> None:
         "gpu": gpu, "torch": torch.__version__, "runs": args.runs, "compiled_blocks": args.compiled_blocks,
         "families": [],
     }
+    failed = {}
     for family in args.families.split(","):
-        results["families"].append(
-            measure(
-                family, configs[family]["vision_config"], args.runs, args.warmup, args.compiled, args.compiled_blocks,
-                set(args.workloads.split(",")) if args.workloads else None, args.baseline_attention, args.fp8,
+        try:
+            results["families"].append(
+                measure(
+                    family, configs[family]["vision_config"], args.runs, args.warmup, args.compiled,
+                    args.compiled_blocks, set(args.workloads.split(",")) if args.workloads else None,
+                    args.baseline_attention, args.fp8,
+                )
             )
-        )
+        except Exception as error:  # noqa: BLE001 - one family's failure is its result; the others still run
+            logging.exception("family %s failed", family)
+            failed[family] = f"{type(error).__name__}: {str(error)[:500]}"
+            results["failed"] = failed
         torch.cuda.empty_cache()  # the family's encoder and reference are gone: give their memory back
         if args.out:
             args.out.write_text(json.dumps(results, indent=2))
@@ -326,6 +347,8 @@ def main() -> None:
                   + (f" fp8: {row['fp8']['median_ms']:.2f} ({row['fp8']['p99_ms']:.2f}), {row['fp8_speedup']:.2f}x bf16, "
                      f"cosine min {row['fp8_accuracy']['cosine_min']:.4f} median {row['fp8_accuracy']['cosine_median']:.4f}, "
                      f"rel. err {row['fp8_accuracy']['rel_error']:.1e} |" if "fp8" in row else ""))
+    for family, error in failed.items():
+        print(f"{family}: failed: {error}")
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from family_cases import ernie4_5_vl_moe as ernie4_5_vl_moe_case
 from family_cases import gemma3 as gemma3_case
 from family_cases import glm4v as glm4v_case
 from family_cases import glm_ocr as glm_ocr_case
+from family_cases import hunyuan_vl as hunyuan_vl_case
 from family_cases import idefics3 as idefics3_case
 from family_cases import internvl as internvl_case
 from family_cases import kimi_k25 as kimi_k25_case
@@ -133,6 +134,7 @@ FAMILIES = {
     "gemma3": FamilyCase(**gemma3_case.CASE_FIELDS),
     "glm4v": FamilyCase(**glm4v_case.CASE_FIELDS),
     "glm_ocr": FamilyCase(**glm_ocr_case.CASE_FIELDS),
+    "hunyuan_vl": FamilyCase(**hunyuan_vl_case.CASE_FIELDS),
     "idefics3": FamilyCase(**idefics3_case.CASE_FIELDS),
     "internvl": FamilyCase(**internvl_case.CASE_FIELDS),
     "kimi_k25": FamilyCase(**kimi_k25_case.CASE_FIELDS),
