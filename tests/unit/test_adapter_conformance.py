@@ -47,6 +47,7 @@ from family_cases import minicpmv4_6 as minicpmv4_6_case
 from family_cases import minicpmv4_7 as minicpmv4_7_case
 from family_cases import mistral3 as mistral3_case
 from family_cases import paddleocr_vl as paddleocr_vl_case
+from family_cases import phi4_multimodal as phi4_multimodal_case
 from family_cases import qwen2_5_vl as qwen2_5_vl_case
 from family_cases import qwen2_vl as qwen2_vl_case
 from family_cases import qwen3_5 as qwen3_5_case
@@ -143,6 +144,7 @@ FAMILIES = {
     "minicpmv4_7": FamilyCase(**minicpmv4_7_case.CASE_FIELDS),
     "mistral3": FamilyCase(**mistral3_case.CASE_FIELDS),
     "paddleocr_vl": FamilyCase(**paddleocr_vl_case.CASE_FIELDS),
+    "phi4_multimodal": FamilyCase(**phi4_multimodal_case.CASE_FIELDS),
     "qwen2_5_vl": FamilyCase(**qwen2_5_vl_case.CASE_FIELDS),
     "qwen2_vl": FamilyCase(**qwen2_vl_case.CASE_FIELDS),
     "qwen3_5": FamilyCase(**qwen3_5_case.CASE_FIELDS),

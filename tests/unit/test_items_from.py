@@ -159,5 +159,5 @@ def test_every_family_says_what_its_processor_returns():
         output = record.processor_output
         if output is None:
             continue
-        assert output.image_keys and output.image_keys[0].startswith("pixel_values"), record.name
+        assert output.image_keys and "pixel_values" in output.image_keys[0], record.name
         assert callable(named_object(output.split)), record.name

@@ -1,0 +1,35 @@
+"""Phi-4-multimodal (phi4_multimodal): the image path only (no audio), `Phi4MultimodalImageEmbedding`
+(the SigLIP tower, the HD crop assembly with its separators and the projection) in one graph.
+
+The transformers drop-in cannot install its stand-in yet (`features.py` says why and how to install
+it by hand); the record names it because the drop-in answers this family one step above the tower."""
+
+from vitpool.models.family import CheckpointLayout, Family, FamilyRecord, ProcessorOutput, lazy
+
+_ADAPTER = "vitpool.families.phi4_multimodal.adapter"
+
+RECORD = FamilyRecord(
+    name="phi4_multimodal",
+    towers={
+        "phi4_multimodal_vision": Family(
+            lazy(_ADAPTER, "build_encoder"),
+            lazy(_ADAPTER, "Phi4MultimodalAdapter"),
+            checkpoint=CheckpointLayout(
+                prefixes=("model.embed_tokens_extend.image_embed.",),
+                tower_config=lazy(_ADAPTER, "tower_only_config"),
+                convert=lazy(_ADAPTER, "convert_checkpoint"),
+            ),
+        ),
+    },
+    model_types=("phi4_multimodal",),
+    # vLLM's Phi4MultimodalForCausalLM.embed_multimodal: per image, Phi4MMImageEmbedding's output (its
+    # crops' and global crop's tokens with the separators, projected), flattened to rows
+    vllm_layout="tokens",
+    vllm_checked=False,
+    transformers_parts=None,
+    image_features="vitpool.families.phi4_multimodal.features:Phi4MultimodalFeatures",
+    processor_output=ProcessorOutput(
+        image_keys=("image_pixel_values", "image_sizes", "image_attention_mask"),
+        split="vitpool.families.phi4_multimodal.processor:items",
+    ),
+)
