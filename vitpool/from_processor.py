@@ -88,12 +88,15 @@ def _found(batch: Mapping[str, Any]) -> FamilyRecord:
     families) are one answer; families that would cut it differently need family= to decide."""
     keyed = [r for r in RECORDS if r.processor_output is not None]
     fitting = [r for r in keyed if not r.processor_output.missing(batch.keys())]  # type: ignore[union-attr]
-    cutters: dict[tuple[str, tuple[str, ...]], list[FamilyRecord]] = {}
+    cutters: dict[tuple[str, frozenset[str]], list[FamilyRecord]] = {}
     for record in fitting:
         output: ProcessorOutput = record.processor_output  # type: ignore[assignment]
-        cutters.setdefault((output.split, output.image_keys), []).append(record)
-    if len(cutters) == 1:
-        return next(iter(cutters.values()))[0]
+        cutters.setdefault((output.split, _matched(output, batch.keys())), []).append(record)
+    # the most specific: a cutter whose keys the batch holds include every other fitting one's
+    # (LLaVA-OneVision's pixel_values, image_sizes and batch_num_images over Mistral 3's first two)
+    widest = [key for key in cutters if all(other[1] <= key[1] for other in cutters)]
+    if len(widest) == 1:
+        return cutters[widest[0]][0]
     if cutters:
         names = sorted(r.name for r in fitting)
         raise ValueError(
@@ -106,6 +109,12 @@ def _found(batch: Mapping[str, Any]) -> FamilyRecord:
         f"also holds {', '.join(nearest.processor_output.missing(batch.keys()))}. Pass what the processor "  # type: ignore[union-attr]
         "returned as it is (a BatchFeature or its dict), or name the family with family="
     )
+
+
+def _matched(output: ProcessorOutput, keys: Any) -> frozenset[str]:
+    """The keys of `output`'s groups (images, videos) that a batch with `keys` holds."""
+    groups = [group for group in (output.image_keys, output.video_keys) if group and group[0] in keys]
+    return frozenset(key for group in groups for key in group)
 
 
 def _model_type_of(model: str | os.PathLike) -> str:

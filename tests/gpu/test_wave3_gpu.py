@@ -22,7 +22,7 @@ from vitpool import GraphEncoder  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 TOLERANCE = 1.5e-2  # bf16 against Hugging Face's own path in fp32
-WAVE_3 = ["ernie4_5_vl_moe", "gemma3", "glm_ocr", "hunyuan_vl", "idefics3", "minicpmv4_7", "mistral3", "phi4_multimodal", "qwen3_omni_moe"]
+WAVE_3 = ["ernie4_5_vl_moe", "gemma3", "glm_ocr", "hunyuan_vl", "idefics3", "minicpmv4_7", "mistral3", "phi4_multimodal", "qwen3_omni_moe", "lfm2_vl", "llava_onevision", "gemma4"]
 
 
 def check_family(family: str, device: str, dtype: torch.dtype, tolerance: float) -> list[float]:

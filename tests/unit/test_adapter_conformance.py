@@ -36,13 +36,16 @@ from conftest import ROW_WIDTH, reference_outputs, relative_error
 from family_cases import deepseek_ocr2 as deepseek_ocr2_case
 from family_cases import ernie4_5_vl_moe as ernie4_5_vl_moe_case
 from family_cases import gemma3 as gemma3_case
+from family_cases import gemma4 as gemma4_case
 from family_cases import glm4v as glm4v_case
 from family_cases import glm_ocr as glm_ocr_case
 from family_cases import hunyuan_vl as hunyuan_vl_case
 from family_cases import idefics3 as idefics3_case
 from family_cases import internvl as internvl_case
 from family_cases import kimi_k25 as kimi_k25_case
+from family_cases import lfm2_vl as lfm2_vl_case
 from family_cases import llama4 as llama4_case
+from family_cases import llava_onevision as llava_onevision_case
 from family_cases import minicpmv4_6 as minicpmv4_6_case
 from family_cases import minicpmv4_7 as minicpmv4_7_case
 from family_cases import mistral3 as mistral3_case
@@ -133,13 +136,16 @@ FAMILIES = {
     "deepseek_ocr2": FamilyCase(**deepseek_ocr2_case.CASE_FIELDS),
     "ernie4_5_vl_moe": FamilyCase(**ernie4_5_vl_moe_case.CASE_FIELDS),
     "gemma3": FamilyCase(**gemma3_case.CASE_FIELDS),
+    "gemma4": FamilyCase(**gemma4_case.CASE_FIELDS),
     "glm4v": FamilyCase(**glm4v_case.CASE_FIELDS),
     "glm_ocr": FamilyCase(**glm_ocr_case.CASE_FIELDS),
     "hunyuan_vl": FamilyCase(**hunyuan_vl_case.CASE_FIELDS),
     "idefics3": FamilyCase(**idefics3_case.CASE_FIELDS),
     "internvl": FamilyCase(**internvl_case.CASE_FIELDS),
     "kimi_k25": FamilyCase(**kimi_k25_case.CASE_FIELDS),
+    "lfm2_vl": FamilyCase(**lfm2_vl_case.CASE_FIELDS),
     "llama4": FamilyCase(**llama4_case.CASE_FIELDS),
+    "llava_onevision": FamilyCase(**llava_onevision_case.CASE_FIELDS),
     "minicpmv4_6": FamilyCase(**minicpmv4_6_case.CASE_FIELDS),
     "minicpmv4_7": FamilyCase(**minicpmv4_7_case.CASE_FIELDS),
     "mistral3": FamilyCase(**mistral3_case.CASE_FIELDS),

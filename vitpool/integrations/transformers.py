@@ -33,8 +33,8 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDe
 
 from vitpool.graphs import GraphEncoder
 from vitpool.items import Image, Item, Video
-from vitpool.models.family import ModelParts, named_object
-from vitpool.models.registry import RECORDS, find_family, record_of, supported_model_types
+from vitpool.models.family import Family, FamilyRecord, ModelParts, named_object
+from vitpool.models.registry import RECORDS, family_record, supported_model_types, tower_family
 from vitpool.models.stand_in import Encoder, PooledImageFeatures, StandIn
 
 
@@ -107,19 +107,17 @@ class PooledVisionTower(StandIn):
         return torch.cat([t.to(self._device, self._dtype, non_blocking=True) for t in tensors])
 
 
-def _feature_stand_in(model_type: str) -> type[PooledImageFeatures] | None:
+def _feature_stand_in(record: FamilyRecord | None) -> type[PooledImageFeatures] | None:
     """The family's `get_image_features` stand-in (`FamilyRecord.image_features`), or None for a
     family whose drop-in stands in for its tower."""
-    record = record_of(model_type)
     if record is None or record.image_features is None:
         return None
     return named_object(record.image_features)
 
 
-def _model_parts(model_type: str) -> ModelParts:
+def _model_parts(record: FamilyRecord | None) -> ModelParts:
     """How the family's Hugging Face model calls its tower (`FamilyRecord.transformers_parts`);
     the Qwen and GLM layout for a family registered without a record."""
-    record = record_of(model_type)
     return (record.transformers_parts if record is not None else None) or ModelParts()
 
 
@@ -148,9 +146,9 @@ def replace_vision_tower(model: torch.nn.Module, encoder: Encoder) -> torch.nn.M
     Raises:
         TypeError: the model has no tower of a vitpool family, or its tower is replaced already.
     """
-    inner, tower, model_type = _vision_parts(model)
+    inner, tower, record, _ = _vision_parts(model)
     weight = next(tower.parameters())
-    stand_in_class = _feature_stand_in(model_type)
+    stand_in_class = _feature_stand_in(record)
     if stand_in_class is not None:
         stand_in = stand_in_class(encoder, weight.dtype, weight.device, inner.config)
         names = (stand_in_class.tower, *stand_in_class.projectors)
@@ -161,7 +159,7 @@ def replace_vision_tower(model: torch.nn.Module, encoder: Encoder) -> torch.nn.M
         # an instance attribute: the model's forward calls self.get_image_features, found here first
         inner.get_image_features = stand_in.get_image_features
         return features_original
-    parts = _model_parts(model_type)
+    parts = _model_parts(record)
     merge = getattr(tower, "spatial_merge_size", None) or getattr(tower.config, "spatial_merge_size", None)
     if merge is None:  # Kimi-K2.5: a square merge kernel
         merge = int(tower.config.merge_kernel_size[0])
@@ -209,11 +207,10 @@ def graph_encoder_for(model: torch.nn.Module, **kwargs: Any) -> GraphEncoder:
         TypeError: the model has no tower of a vitpool family, or its tower is replaced already.
         ConfigError: a setting vitpool does not run (MiniCPM-V 4.6's "4x" mode, ...).
     """
-    inner, tower, model_type = _vision_parts(model)
-    family = find_family(model_type)
+    inner, tower, record, family = _vision_parts(model)
     weight = next(tower.parameters())
-    stand_in_class = _feature_stand_in(model_type)
-    parts = _model_parts(model_type)
+    stand_in_class = _feature_stand_in(record)
+    parts = _model_parts(record)
     if stand_in_class is not None:
         module = stand_in_class.encoder_module(inner, tower)
     elif parts.projector is not None and parts.encoder_module is not None:
@@ -224,9 +221,11 @@ def graph_encoder_for(model: torch.nn.Module, **kwargs: Any) -> GraphEncoder:
     return GraphEncoder(family.adapter(module), device=weight.device, dtype=weight.dtype, **kwargs)
 
 
-def _vision_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module, str]:
+def _vision_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module, FamilyRecord | None, Family]:
     """`model.model` (Llama 4: the model itself), its (original) vision tower, and the tower's
-    config model_type.
+    family's record (None: a family registered without one) and family: the model's own
+    family's where it has a tower of that type (a SigLIP tower is Gemma 3's and
+    LLaVA-OneVision's), else whichever family has it.
 
     Raises:
         TypeError: no tower of a vitpool family, or one already replaced.
@@ -241,9 +240,11 @@ def _vision_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Mod
     if isinstance(tower, _STAND_INS):
         raise TypeError("the model's tower is already replaced; pass the original tower's model")
     model_type = getattr(getattr(tower, "config", None), "model_type", None)
-    if not model_type or find_family(model_type) is None:
+    full_type = getattr(getattr(inner, "config", None), "model_type", None)
+    family = tower_family(full_type, model_type) if model_type else None
+    if family is None:
         raise TypeError(
             f"{type(model).__name__}'s vision tower ({model_type!r}) is of no vitpool family; "
             f"supported: {', '.join(supported_model_types())}"
         )
-    return inner, tower, model_type
+    return inner, tower, family_record(full_type, model_type), family

@@ -28,7 +28,7 @@ from safetensors import safe_open
 
 from vitpool.errors import CheckpointError
 from vitpool.models.protocol import VisionAdapter
-from vitpool.models.registry import CheckpointLayout, Family, find_family, record_of, supported_model_types
+from vitpool.models.registry import CheckpointLayout, Family, find_family, supported_model_types, tower_family
 
 logger = logging.getLogger(__name__)
 
@@ -128,16 +128,6 @@ def _vision_part(config: Any) -> Any:
     return part(config, "vision_config") or part(part(config, "thinker_config"), "vision_config")
 
 
-def _tower_family(full_type: Any, vision_type: str) -> Family | None:
-    """The family of a full checkpoint's tower: its own family's where that family has a tower
-    of this type (SigLIP's `siglip_vision_model` is Gemma 3's and LLaVA-OneVision's), else
-    whichever family has it."""
-    record = record_of(full_type) if isinstance(full_type, str) else None
-    if record is not None and vision_type in record.towers:
-        return record.towers[vision_type]
-    return find_family(vision_type)
-
-
 def _read_config(directory: Path) -> tuple[Family, Any, bool]:
     """The family, the config its tower is built from, and whether the directory holds a full
     multimodal model.
@@ -156,7 +146,7 @@ def _read_config(directory: Path) -> tuple[Family, Any, bool]:
         return family, family.read_config(directory), False
     vision = _vision_part(raw) if isinstance(raw, dict) else None
     vision_type = vision.get("model_type") if isinstance(vision, dict) else None
-    family = _tower_family(model_type, vision_type) if isinstance(vision_type, str) else None
+    family = tower_family(model_type, vision_type) if isinstance(vision_type, str) else None
     if family is not None and family.checkpoint.read_full_config is not None:
         try:
             return family, family.checkpoint.read_full_config(raw), True
@@ -174,7 +164,7 @@ def _read_config(directory: Path) -> tuple[Family, Any, bool]:
     vision_config = _vision_part(config)
     is_full_model = vision_config is not None
     vision_config = vision_config if is_full_model else config
-    family = _tower_family(config.model_type if is_full_model else None, vision_config.model_type)
+    family = tower_family(config.model_type if is_full_model else None, vision_config.model_type)
     if family is None:
         raise CheckpointError(
             f"{directory}: vision model type {vision_config.model_type!r} is not supported; "

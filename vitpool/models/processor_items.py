@@ -93,3 +93,57 @@ def _as_int(value: Any) -> int:
     if isinstance(value, bool) or int(value) != value:
         raise ValueError(value)
     return int(value)
+
+
+# counts per item, rows cut by them: what the tiled families' cutters share
+
+
+def required(batch: Mapping[str, Any], key: str, hint: str) -> Any:
+    """`batch[key]`; a ValueError naming the key (and what to do, `hint`) where it is absent."""
+    if batch.get(key) is None:
+        raise ValueError(f"the batch has no {key}" + (f": {hint}" if hint else ""))
+    return batch[key]
+
+
+def refuse_videos(batch: Mapping[str, Any], family: str) -> None:
+    """A family that takes no videos refuses a batch holding some, rather than dropping them (its
+    prompt would then have placeholders no item fills)."""
+    if "pixel_values_videos" in batch:
+        raise ValueError(
+            f"the batch holds pixel_values_videos: vitpool takes {family} images only; pass the images' "
+            "output alone"
+        )
+
+
+def whole_numbers(value: Any, key: str) -> list[int]:
+    """A 1-D integer tensor, array or list (a processor's count per image) as non-negative ints."""
+    numbers = value.tolist() if hasattr(value, "tolist") else value
+    counts = isinstance(numbers, Sequence) and not isinstance(numbers, str) and all(map(_is_count, numbers))
+    if not counts:
+        raise ValueError(f"{key} must be one non-negative whole number per image; got {numbers!r}")
+    return [int(number) for number in numbers]
+
+
+def cut_by_counts(rows: Any, rows_key: str, counts: list[int], counts_key: str) -> list[Any]:
+    """`rows` (a tensor or an array) cut into consecutive runs of `counts[i]` rows.
+
+    Raises:
+        ValueError: not a tensor or an array, or counts that do not add up to its rows.
+    """
+    check_array(rows, rows_key)
+    if sum(counts) != len(rows):
+        raise ValueError(
+            f"{rows_key} has {len(rows)} rows; {counts_key} {counts} accounts for {sum(counts)}"
+        )
+    runs, start = [], 0
+    for count in counts:
+        runs.append(rows[start : start + count])
+        start += count
+    return runs
+
+
+def _is_count(number: Any) -> bool:
+    try:
+        return not isinstance(number, bool) and int(number) == number and number >= 0
+    except (TypeError, ValueError):
+        return False

@@ -38,11 +38,36 @@ def _shipped_records() -> tuple[FamilyRecord, ...]:
 
 
 RECORDS: tuple[FamilyRecord, ...] = _shipped_records()
-# Keyed by the vision config's model_type: every tower of every shipped family, then the registered ones.
-FAMILIES: dict[str, Family] = {tower: family for record in RECORDS for tower, family in record.towers.items()}
-_RECORD_BY_TYPE = {
-    model_type: record for record in RECORDS for model_type in (*record.towers, *record.model_types)
-}
+# Keyed by the vision config's model_type: every tower of every shipped family, then the registered
+# ones. A generic tower type several families build on (SigLIP's `siglip_vision_model`: Gemma 3,
+# LLaVA-OneVision) is the first family's here, by name; a full checkpoint finds its own family's
+# through its own model_type first (`tower_family`).
+FAMILIES: dict[str, Family] = {}
+_RECORD_BY_TYPE: dict[str, FamilyRecord] = {}
+for _record in RECORDS:
+    for _tower, _family in _record.towers.items():
+        FAMILIES.setdefault(_tower, _family)
+    for _model_type in (*_record.towers, *_record.model_types):
+        _RECORD_BY_TYPE.setdefault(_model_type, _record)
+del _record, _tower, _family, _model_type
+
+
+def tower_family(full_type: str | None, vision_type: str) -> Family | None:
+    """The family of a tower of `vision_type` in a full checkpoint of `full_type` (None: a
+    tower-only save): the checkpoint's own family's where it has a tower of that type, else
+    whichever family has it (`find_family`)."""
+    record = record_of(full_type) if isinstance(full_type, str) else None
+    if record is not None and vision_type in record.towers:
+        return record.towers[vision_type]
+    return find_family(vision_type)
+
+
+def family_record(full_type: str | None, vision_type: str) -> FamilyRecord | None:
+    """The record of the family `tower_family` gives."""
+    record = record_of(full_type) if isinstance(full_type, str) else None
+    if record is not None and vision_type in record.towers:
+        return record
+    return record_of(vision_type)
 
 
 def record_of(model_type: str) -> FamilyRecord | None:

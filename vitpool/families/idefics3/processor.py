@@ -19,8 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from vitpool.families.internvl.processor import refuse_videos, required
-from vitpool.models.processor_items import IMAGE, ProcessorItem, check_array
+from vitpool.models.processor_items import IMAGE, ProcessorItem, check_array, refuse_videos, required
 
 GRID_KEYS = ("rows", "cols")
 GRID_HINT = (

@@ -12,8 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from vitpool.families.internvl.processor import cut_by_counts, required
-from vitpool.models.processor_items import IMAGE, ProcessorItem, int_rows
+from vitpool.models.processor_items import IMAGE, ProcessorItem, cut_by_counts, int_rows, required
 
 CANVAS_KEY = "aspect_ratios"
 

@@ -17,8 +17,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from vitpool.families.internvl.processor import refuse_videos, required
-from vitpool.models.processor_items import IMAGE, ProcessorItem, check_array, int_rows
+from vitpool.models.processor_items import (
+    IMAGE,
+    ProcessorItem,
+    check_array,
+    int_rows,
+    refuse_videos,
+    required,
+)
 
 PIXELS, SIZES, MASKS = "image_pixel_values", "image_sizes", "image_attention_mask"
 HINT = "pass the (image) processor's output as it is (return_tensors='pt' or 'np')"

@@ -16,8 +16,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from vitpool.families.internvl.processor import cut_by_counts, required, whole_numbers
-from vitpool.models.processor_items import IMAGE, ProcessorItem, check_array
+from vitpool.models.processor_items import (
+    IMAGE,
+    ProcessorItem,
+    check_array,
+    cut_by_counts,
+    required,
+    whole_numbers,
+)
 
 CROPS_KEY = "pixel_values_local"
 COUNTS_KEY = "num_local_patches"

@@ -1,0 +1,317 @@
+"""LLaVA-OneVision (`LlavaOnevisionModel`): the SigLIP tower (`SiglipVisionModel`), the
+`multi_modal_projector` and the packing of `get_image_features` / `get_video_features` (the
+unpadding, the pooling, the `image_newline` tokens), all in one graph.
+
+The tower runs tiles (an image's base tile and crops, a video's frames: `rules.py`) as its batch
+dimension, each tile one fixed-length attention sequence (side² patches, no class token), so the
+tower needs no metadata. The projector maps each patch's features (the hidden state of
+`vision_feature_layer`, before `post_layernorm`) into the LLM's width. What the LLM receives is
+then a rearrangement of those rows and the newline embedding, a mix of them where features are
+pooled, and which rows go where depends only on each item's size and tile count, which its spec
+holds. So the host computes it (`build_metadata`), and the graph does one static gather:
+
+    output token t = sum over k of tap_weights[t, k] * table[taps[t, k]],   k < 4,
+
+over `table`, the projected features of every tile in the buffer, then the newline embedding
+(`taps.py`: a copied feature is one tap of weight 1, a pooled one the four of PyTorch's bilinear
+interpolation). The sum runs in float32 (the weights' dtype) and is rounded once to the model's
+dtype; padding tokens take row 0 with weight 0.
+
+`LlavaOnevisionEncoder` holds the tower, the projector and the newline embedding (state keys
+`vision_tower.*`, `multi_modal_projector.*` and `image_newline`). The releases keep SigLIP's inner
+level (`vision_tower.vision_model.*`); transformers 5 saves without it; a model's state_dict has all
+three under `model.`.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+import random
+from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from transformers import SiglipVisionConfig
+
+from vitpool.errors import CheckpointError, ConfigError
+from vitpool.families.llava_onevision.rules import LlavaOnevisionRules, max_num_patches_of
+from vitpool.families.llava_onevision.taps import NEWLINE, TAPS, item_taps
+from vitpool.models.compat import check_tower_parts
+from vitpool.models.projected import tower_and_projector
+from vitpool.models.protocol import BudgetRange, TensorSpec, zero_metadata
+from vitpool.models.tiled import install_kernels
+from vitpool.packing import SEQUENCES, Budget
+from vitpool.specs import IMAGE, VIDEO, ItemSpec
+
+# What a tower-only save's vision config carries besides SigLIP's fields (the full model's
+# LlavaOnevisionConfig holds them): the projector's, the feature selection, the packing.
+PROJECTOR_FIELDS = (
+    "text_hidden_size", "projector_hidden_act", "multimodal_projector_bias", "vision_feature_layer",
+    "vision_feature_select_strategy", "image_grid_pinpoints", "vision_aspect_ratio",
+)
+FULL_MODEL_TYPES = ("llava_onevision",)
+# A tower-only save's model_type: SigLIP's own (`siglip_vision_model`) is Gemma 3's family's.
+TOWER_MODEL_TYPE = "llava_onevision_vision"
+RELEASE_TOWER_PREFIX = "vision_tower.vision_model."
+TOWER_PARTS = ("vision_tower.embeddings", "vision_tower.encoder.layers", "multi_modal_projector.linear_2")
+# Sampled check batches stay small, and their images within this factor of the largest pinpoint.
+MAX_SAMPLED_ITEMS = 6
+MAX_SAMPLE_ATTEMPTS = 60
+SAMPLED_SIZE_FACTOR = 1.5
+Tensors = dict[str, torch.Tensor]
+
+
+class LlavaOnevisionVisionConfig(SiglipVisionConfig):
+    """SigLIP's vision config under vitpool's own model_type, with PROJECTOR_FIELDS: what a
+    tower-only save of `LlavaOnevisionEncoder` writes (SigLIP's type would load as Gemma 3's)."""
+
+    model_type = TOWER_MODEL_TYPE
+
+
+class LlavaOnevisionEncoder(torch.nn.Module):
+    """The tower, the projector and the newline embedding, with what `get_image_features` reads of
+    the full config (`settings`: vision_feature_layer, vision_feature_select_strategy,
+    image_grid_pinpoints, vision_aspect_ratio)."""
+
+    def __init__(
+        self,
+        vision_tower: torch.nn.Module,
+        projector: torch.nn.Module,
+        image_newline: torch.Tensor,
+        settings: Any,
+    ) -> None:
+        super().__init__()
+        self.vision_tower = vision_tower
+        self.multi_modal_projector = projector
+        self.image_newline = torch.nn.Parameter(image_newline.detach().clone(), requires_grad=False)
+        self.config = vision_tower.config
+        self.vision_feature_layer = settings.vision_feature_layer
+        self.vision_feature_select_strategy = settings.vision_feature_select_strategy
+        self.image_grid_pinpoints = tuple(tuple(int(v) for v in pin) for pin in settings.image_grid_pinpoints)
+        self.vision_aspect_ratio = settings.vision_aspect_ratio
+
+
+def projector_config(config: Any) -> Any:
+    """What `LlavaOnevisionMultiModalProjector` and the packing read, from a full
+    `LlavaOnevisionConfig` or from a vision config carrying PROJECTOR_FIELDS (a tower-only save).
+
+    Raises:
+        ValueError: a vision config without PROJECTOR_FIELDS (a plain SigLIP save).
+    """
+    if getattr(config, "text_config", None) is not None:
+        return config
+    missing = [name for name in PROJECTOR_FIELDS if getattr(config, name, None) is None]
+    if missing:
+        raise ValueError(
+            f"a LLaVA-OneVision vision config needs {missing} to build its projector and pack its features; give "
+            "the full model's config (LlavaOnevisionConfig) or a tower-only save written from tower_only_config"
+        )
+    return SimpleNamespace(
+        vision_config=config,
+        text_config=SimpleNamespace(hidden_size=config.text_hidden_size),
+        **{name: getattr(config, name) for name in PROJECTOR_FIELDS[1:]},
+    )
+
+
+def build_encoder(config: Any, dtype: torch.dtype | None = None) -> LlavaOnevisionEncoder:
+    """Fresh tower, projector and newline embedding from a full LlavaOnevisionConfig or a vision
+    config with PROJECTOR_FIELDS."""
+    from transformers import SiglipVisionModel
+    from transformers.models.llava_onevision.modeling_llava_onevision import LlavaOnevisionMultiModalProjector
+
+    full = projector_config(config)
+    tower, projector = tower_and_projector(SiglipVisionModel, LlavaOnevisionMultiModalProjector, full, dtype)
+    width = int(projector.linear_2.out_features)
+    # as the model initialises it; a checkpoint's replaces it
+    newline = torch.randn(width, dtype=dtype or torch.get_default_dtype()) / math.sqrt(width)
+    return LlavaOnevisionEncoder(tower, projector, newline, full)
+
+
+def tower_only_config(full_config: Any) -> LlavaOnevisionVisionConfig:
+    """The vision config of a full LlavaOnevisionConfig with PROJECTOR_FIELDS added, under
+    TOWER_MODEL_TYPE: what a tower-only save of `LlavaOnevisionEncoder` writes as its config.json
+    (and what a full checkpoint is built from).
+
+    Raises:
+        CheckpointError: a full model of another type, whose projector or packing is not this one's.
+    """
+    model_type = getattr(full_config, "model_type", None)
+    if model_type not in FULL_MODEL_TYPES:
+        raise CheckpointError(
+            f"a {model_type!r} checkpoint: vitpool's llava_onevision family runs LLaVA-OneVision's packing and "
+            f"projector only (model_type {' or '.join(map(repr, FULL_MODEL_TYPES))})"
+        )
+    fields = full_config.vision_config.to_dict()
+    fields.pop("model_type", None)  # the class's own
+    config = LlavaOnevisionVisionConfig.from_dict(fields)
+    config.text_hidden_size = int(full_config.text_config.hidden_size)
+    for name in PROJECTOR_FIELDS[1:]:
+        setattr(config, name, copy.deepcopy(getattr(full_config, name)))
+    return config
+
+
+def read_tower_config(directory: Any) -> LlavaOnevisionVisionConfig:
+    """A tower-only save's config (TOWER_MODEL_TYPE, which AutoConfig does not know)."""
+    return LlavaOnevisionVisionConfig.from_pretrained(directory)
+
+
+def convert_checkpoint(checkpoint: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
+    """The loader's hook: `LlavaOnevisionEncoder`'s state from a full checkpoint in any layout or
+    from a tower-only save (the module's own keys).
+
+    Args:
+        checkpoint: tensors keyed as saved: `vision_tower.vision_model.*` (the releases),
+            `vision_tower.*` (transformers 5, tower-only saves), `multi_modal_projector.*`,
+            `image_newline`, any of them under `model.` (a model's state_dict).
+        config: the tower config (unused).
+    """
+    state: dict[str, torch.Tensor] = {}
+    for key, tensor in checkpoint.items():
+        name = key.removeprefix("model.")
+        if name.startswith(RELEASE_TOWER_PREFIX):
+            name = "vision_tower." + name.removeprefix(RELEASE_TOWER_PREFIX)
+        state[name] = tensor
+    return state
+
+
+def feature_layers(vision_feature_layer: Any, num_layers: int) -> tuple[int, ...]:
+    """The hidden states `get_image_features` reads (0: the embeddings, `num_layers`: the last
+    layer's output, before `post_layernorm`), concatenated in this order where there are several.
+
+    Raises:
+        ConfigError: a layer outside the tower.
+    """
+    layers = vision_feature_layer if isinstance(vision_feature_layer, (list, tuple)) else [vision_feature_layer]
+    indices = []
+    for layer in layers:
+        index = int(layer) if int(layer) >= 0 else num_layers + 1 + int(layer)
+        if not 0 <= index <= num_layers:
+            raise ConfigError(
+                f"LLaVA-OneVision: vision_feature_layer {layer} is outside the tower's {num_layers} layers"
+            )
+        indices.append(index)
+    return tuple(indices)
+
+
+class LlavaOnevisionAdapter:
+    """Adapter for `LlavaOnevisionEncoder`: tiles in, what the LLM receives out."""
+
+    def __init__(self, tower: LlavaOnevisionEncoder) -> None:
+        check_tower_parts("LLaVA-OneVision", tower, TOWER_PARTS)
+        if tower.vision_feature_select_strategy != "full":
+            # "default" drops each tile's first patch as if SigLIP had a class token: the crops'
+            # features then no longer form a grid, and Hugging Face's model fails on them too
+            raise ConfigError(
+                "vitpool runs LLaVA-OneVision with vision_feature_select_strategy='full' (the releases' setting); "
+                f"got {tower.vision_feature_select_strategy!r}"
+            )
+        vision = tower.vision_tower
+        config = vision.config
+        self.tower = tower
+        self.feature_layers = feature_layers(tower.vision_feature_layer, len(vision.encoder.layers))
+        self.item_rules = LlavaOnevisionRules(
+            channels=int(config.num_channels),
+            tile_size=int(config.image_size),
+            patch_size=int(config.patch_size),
+            pinpoints=tower.image_grid_pinpoints,
+            max_num_patches=max_num_patches_of(tower.vision_aspect_ratio),
+            output_width=int(tower.multi_modal_projector.linear_2.out_features),
+        )
+        self.row_shape = self.item_rules.row_shape
+        self.output_row_shapes = self.item_rules.output_row_shapes
+        self._tile_features = self.item_rules.side**2
+        self._taps_of = functools.lru_cache(maxsize=1024)(functools.partial(item_taps, self.item_rules))
+        install_kernels(tower)
+
+    def max_rows(self, num_tokens: int) -> int:
+        return self.item_rules.max_tiles(num_tokens)
+
+    def budget_range(self, device: torch.device) -> BudgetRange:
+        """Whole tiles, up to an image of the largest pinpoint's crops and its base tile."""
+        step = self.item_rules.tokens_per_tile
+        return BudgetRange(step, self.item_rules.max_item_tiles * step, step)
+
+    def metadata_specs(self, num_rows: int, budget: Budget) -> dict[str, TensorSpec]:
+        return {
+            "taps": TensorSpec((budget.num_tokens, TAPS), torch.long),  # rows of the table
+            "tap_weights": TensorSpec((budget.num_tokens, TAPS), torch.float32),
+        }
+
+    def build_metadata(self, specs: Sequence[ItemSpec], num_rows: int, budget: Budget) -> Tensors:
+        num_tiles = sum(spec.num_rows for spec in specs)
+        num_tokens = sum(spec.num_tokens for spec in specs)
+        if num_tiles > num_rows or num_tokens > budget.num_tokens:
+            raise ValueError(
+                f"{len(specs)} items need {num_tiles} tiles and {num_tokens} tokens; the buffers hold {num_rows} "
+                f"tiles and {budget.num_tokens} tokens"
+            )
+        metadata = zero_metadata(self.metadata_specs(num_rows, budget))  # padding tokens: row 0, weight 0
+        newline_row = num_rows * self._tile_features
+        tile = token = 0
+        for spec in specs:
+            taps, weights = self._taps_of(spec.modality, spec.num_rows, spec.layout)
+            end = token + taps.shape[0]
+            first_row = tile * self._tile_features  # the item's first tile's first feature
+            metadata["taps"][token:end] = torch.where(taps == NEWLINE, newline_row, taps + first_row)
+            metadata["tap_weights"][token:end] = weights
+            tile += spec.num_rows
+            token = end
+        return metadata
+
+    def forward(self, pixels: torch.Tensor, metadata: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        # pixels: [tiles, C, S, S] -> features [tiles, side², D_vision * layers] -> [tiles * side², LLM width]
+        projected = self.tower.multi_modal_projector(self._features(pixels)).flatten(0, 1)
+        newline = self.tower.image_newline.to(projected.dtype)
+        table = torch.cat([projected, newline[None]])
+        taps, weights = metadata["taps"], metadata["tap_weights"]
+        # float32: the weights' dtype; a copied row stays exact (x * 1 + 0), pooled ones round once
+        tokens = table[taps[:, 0]] * weights[:, :1]
+        for k in range(1, TAPS):
+            tokens.addcmul_(table[taps[:, k]], weights[:, k : k + 1])
+        return [tokens.to(projected.dtype)]
+
+    def _features(self, pixels: torch.Tensor) -> torch.Tensor:
+        """The hidden states of `feature_layers`, side by side: [tiles, side², D_vision * layers].
+        Layers past the last one read are not run; `post_layernorm` is not read."""
+        vision = self.tower.vision_tower
+        hidden = vision.embeddings(pixels)
+        states = {0: hidden}
+        for index, layer in enumerate(vision.encoder.layers[: max(self.feature_layers)], start=1):
+            hidden = layer(hidden, None)
+            states[index] = hidden
+        return torch.cat([states[index] for index in self.feature_layers], dim=-1)
+
+    def sample_specs(self, num_rows: int, budget: Budget, rng: random.Random) -> list[ItemSpec]:
+        rules = self.item_rules
+        tiles_left = min(num_rows, budget.limit(SEQUENCES) or num_rows)
+        tokens_left = budget.num_tokens
+        specs: list[ItemSpec] = []
+        for _ in range(MAX_SAMPLE_ATTEMPTS):
+            if len(specs) >= min(MAX_SAMPLED_ITEMS, budget.max_items):
+                break
+            spec = self._random_spec(rng)
+            if spec.num_rows <= tiles_left and spec.num_tokens <= tokens_left:
+                specs.append(spec)
+                tiles_left -= spec.num_rows
+                tokens_left -= spec.num_tokens
+        if not specs and tiles_left and rules.video_tokens(1) <= tokens_left:  # the smallest item there is
+            specs.append(rules.item_spec(VIDEO, (1, *self.row_shape), "float32", ()))
+        return specs
+
+    def _random_spec(self, rng: random.Random) -> ItemSpec:
+        """An image of a random size (its tiles, or its base tile alone), or a short video."""
+        rules = self.item_rules
+        kind = rng.random()
+        if kind < 0.15:
+            return rules.item_spec(VIDEO, (rng.randint(1, 3), *self.row_shape), "float32", ())
+        log_largest = math.log(max(max(pin) for pin in rules.pinpoints) * SAMPLED_SIZE_FACTOR)
+        while True:  # sides log-uniform: small grids as often as large ones
+            size = tuple(max(1, int(math.exp(rng.uniform(0, log_largest)))) for _ in range(2))
+            try:
+                tiles = 1 if kind < 0.3 else rules.packed_grid(*size).num_crops + 1
+            except ValueError:  # pooled to nothing: no image of this size is run
+                continue
+            return rules.item_spec(IMAGE, (tiles, *self.row_shape), "float32", size)
