@@ -26,6 +26,10 @@ pytestmark = pytest.mark.gpu
 # 1.5e-2, the rest below 1.1e-2). The graph's exactness is the capture's check of every budget
 # against the same forward run eagerly (no budget disabled, asserted below).
 TOLERANCE = 3e-2
+# Mistral 3's tiny tower in bf16 is that far from its fp32 self in Hugging Face's own path too: HF
+# bf16 against HF fp32 on the same sampled items, max 3.75e-2, median 1.85e-2 (CPU); vitpool's
+# graphs on an H100 gave 3.2e-2
+TOLERANCES = {"mistral3": 4e-2}
 WAVE_3 = ["ernie4_5_vl_moe", "gemma3", "glm_ocr", "hunyuan_vl", "idefics3", "minicpmv4_7", "mistral3", "phi4_multimodal", "qwen3_omni_moe", "lfm2_vl", "llava_onevision", "gemma4"]
 
 
@@ -65,5 +69,5 @@ def check_family(family: str, device: str, dtype: torch.dtype, tolerance: float)
 def test_every_budget_is_captured_and_sampled_items_match_the_reference(family):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    errors = check_family(family, "cuda", torch.bfloat16, TOLERANCE)
+    errors = check_family(family, "cuda", torch.bfloat16, TOLERANCES.get(family, TOLERANCE))
     print(f"{family}: {len(errors)} outputs, largest relative error {max(errors):.2e}")
