@@ -17,9 +17,9 @@ from typing import Any
 from vitpool.items import Image, Item, Video
 from vitpool.models.family import FamilyRecord, ProcessorOutput, named_object
 from vitpool.models.processor_items import VIDEO, ProcessorItem
+from vitpool.models.registry import RECORDS, record_of
 
 VIDEO_PIXELS = "pixel_values_videos"
-from vitpool.models.registry import RECORDS, record_of
 
 
 def items_from(
@@ -32,7 +32,7 @@ def items_from(
             `BatchFeature` or a dict, with tensors (`return_tensors="pt"` or "np"). Keys the family
             does not use are ignored.
         family: the family whose processor made the batch, by its name or a `model_type`
-            ("qwen3_vl", "glm46v", ...): needed only where the batch's keys fit families that cut
+            ("qwen3_vl", "glm4v_moe", ...): needed only where the batch's keys fit families that cut
             them differently.
         model: instead of `family`, the local checkpoint directory the processor belongs to (its
             config.json names the model type).
