@@ -42,14 +42,19 @@ RECORDS: tuple[FamilyRecord, ...] = _shipped_records()
 # ones. A generic tower type several families build on (SigLIP's `siglip_vision_model`: Gemma 3,
 # LLaVA-OneVision) is the first family's here, by name; a full checkpoint finds its own family's
 # through its own model_type first (`tower_family`).
-FAMILIES: dict[str, Family] = {}
-_RECORD_BY_TYPE: dict[str, FamilyRecord] = {}
-for _record in RECORDS:
-    for _tower, _family in _record.towers.items():
-        FAMILIES.setdefault(_tower, _family)
-    for _model_type in (*_record.towers, *_record.model_types):
-        _RECORD_BY_TYPE.setdefault(_model_type, _record)
-del _record, _tower, _family, _model_type
+def _first_claims(records: tuple[FamilyRecord, ...]) -> tuple[dict[str, Family], dict[str, FamilyRecord]]:
+    """Each tower type's family and each type's record, the first record's where several claim it."""
+    families: dict[str, Family] = {}
+    by_type: dict[str, FamilyRecord] = {}
+    for record in records:
+        for tower, family in record.towers.items():
+            families.setdefault(tower, family)
+        for model_type in (*record.towers, *record.model_types):
+            by_type.setdefault(model_type, record)
+    return families, by_type
+
+
+FAMILIES, _RECORD_BY_TYPE = _first_claims(RECORDS)
 
 
 def tower_family(full_type: str | None, vision_type: str) -> Family | None:
