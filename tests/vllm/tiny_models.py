@@ -4,7 +4,7 @@ placeholder, and the image processor's settings.
 
     python tests/vllm/tiny_models.py FAMILY DIRECTORY
     # FAMILY: qwen3_vl, qwen2_vl, qwen2_5_vl, qwen3_5, glm4v, glm4v_moe, paddleocr_vl,
-    #         internvl
+    #         internvl, glm_ocr
 
 Head sizes are 64 in both towers (vLLM's CPU attention refuses 16); no video processor is written,
 so neither side needs torchvision. Pictures whose sides are multiples of `PATCH[family] * 2` (the
@@ -35,10 +35,11 @@ GLM_TOKENS = {"image_token_id": "<|image|>", "video_token_id": "<|video|>",
               "video_start_token_id": "<|begin_of_video|>", "video_end_token_id": "<|end_of_video|>"}
 PADDLE_TOKENS = {"image_token_id": "<|IMAGE_PLACEHOLDER|>", "video_token_id": "<|video_pad|>",
                  "vision_start_token_id": "<|IMAGE_START|>", "vision_end_token_id": "<|IMAGE_END|>"}
-TOKENS = {"glm4v": GLM_TOKENS, "glm4v_moe": GLM_TOKENS, "paddleocr_vl": PADDLE_TOKENS,
+TOKENS = {"glm4v": GLM_TOKENS, "glm4v_moe": GLM_TOKENS, "glm_ocr": GLM_TOKENS, "paddleocr_vl": PADDLE_TOKENS,
           "internvl": {"image_token_id": "<IMG_CONTEXT>"}}
 PLACEHOLDER = {"glm4v": "<|begin_of_image|><|image|><|end_of_image|>",
                "glm4v_moe": "<|begin_of_image|><|image|><|end_of_image|>",
+               "glm_ocr": "<|begin_of_image|><|image|><|end_of_image|>",
                "paddleocr_vl": "<|IMAGE_START|><|IMAGE_PLACEHOLDER|><|IMAGE_END|>",
                "internvl": "<IMG_CONTEXT>"}  # its processor writes <img>, the tile tokens and </img>
 # tokens a family's processor reads off the tokenizer
@@ -127,6 +128,13 @@ FAMILIES = {
         "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1,
         "use_qk_norm": False},  # vLLM reads it; GLM-4.5V's config.json has it
         _image_processor("Glm4vProcessor", 14, "Glm4vImageProcessor")),
+    # GLM-OCR: GLM-4.1V's tower without its learned position table, before GLM-4.1V's kind of text
+    # model; GLM-4.6V's processor (the release's preprocessor_config.json names it)
+    "glm_ocr": ("GlmOcrConfig", "GlmOcrForConditionalGeneration", {
+        "depth": 2, "hidden_size": 128, "intermediate_size": 256, "num_heads": 2, "out_hidden_size": 128,
+        "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3,
+    }, _text({"mrope_section": [4, 6, 6], "partial_rotary_factor": 0.5}),
+        _image_processor("Glm46VProcessor", 14, "Glm46VImageProcessor")),
     # PaddleOCR-VL: a SigLIP tower with 2-D rotary and a learned 16 x 16 position table, then its
     # projector (2 x 2 merge, to the text width); the text model is Ernie 4.5 with M-RoPE
     "paddleocr_vl": ("PaddleOCRVLConfig", "PaddleOCRVLForConditionalGeneration", {
