@@ -113,8 +113,7 @@ def _found(batch: Mapping[str, Any]) -> FamilyRecord:
 
 def _matched(output: ProcessorOutput, keys: Any) -> frozenset[str]:
     """The keys of `output`'s groups (images, videos) that a batch with `keys` holds."""
-    groups = [group for group in (output.image_keys, output.video_keys) if group and group[0] in keys]
-    return frozenset(key for group in groups for key in group)
+    return frozenset(key for group in output.held_groups(keys) for key in group)
 
 
 def _model_type_of(model: str | os.PathLike) -> str:

@@ -149,12 +149,15 @@ class ProcessorOutput:
     video_keys: tuple[str, ...] = ()
     split: str = "vitpool.models.processor_items:grid_items"
 
+    def held_groups(self, keys: Collection[str]) -> list[tuple[str, ...]]:
+        """Its images' keys and its videos' keys, each where a batch with `keys` holds its first."""
+        return [group for group in (self.image_keys, self.video_keys) if group and group[0] in keys]
+
     def missing(self, keys: Collection[str]) -> tuple[str, ...]:
-        """What a batch with these keys lacks to be this processor's: the rest of its images'
-        keys where it holds their first, the same for videos, and its images' keys where it
-        holds neither first key. Empty: the batch is this processor's."""
-        groups = [group for group in (self.image_keys, self.video_keys) if group and group[0] in keys]
-        return tuple(key for group in groups or [self.image_keys] for key in group if key not in keys)
+        """What a batch with these keys lacks to be this processor's: the rest of each held group
+        (`held_groups`), or its images' keys where it holds neither first key. Empty: the batch
+        is this processor's."""
+        return tuple(key for group in self.held_groups(keys) or [self.image_keys] for key in group if key not in keys)
 
 
 # Qwen's processors and those modelled on them: patch rows and a (t, h, w) grid row per item

@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import os
 import pkgutil
+from typing import Any
 
 from vitpool.errors import CheckpointError
 from vitpool.models.family import (  # noqa: F401 - where callers have found them
@@ -61,18 +62,19 @@ def tower_family(full_type: str | None, vision_type: str) -> Family | None:
     """The family of a tower of `vision_type` in a full checkpoint of `full_type` (None: a
     tower-only save): the checkpoint's own family's where it has a tower of that type, else
     whichever family has it (`find_family`)."""
-    record = record_of(full_type) if isinstance(full_type, str) else None
-    if record is not None and vision_type in record.towers:
-        return record.towers[vision_type]
-    return find_family(vision_type)
+    record = _own_record(full_type, vision_type)
+    return record.towers[vision_type] if record is not None else find_family(vision_type)
 
 
 def family_record(full_type: str | None, vision_type: str) -> FamilyRecord | None:
     """The record of the family `tower_family` gives."""
+    return _own_record(full_type, vision_type) or record_of(vision_type)
+
+
+def _own_record(full_type: Any, vision_type: str) -> FamilyRecord | None:
+    """The full checkpoint's own family, where it has a tower of `vision_type`."""
     record = record_of(full_type) if isinstance(full_type, str) else None
-    if record is not None and vision_type in record.towers:
-        return record
-    return record_of(vision_type)
+    return record if record is not None and vision_type in record.towers else None
 
 
 def record_of(model_type: str) -> FamilyRecord | None:
