@@ -310,7 +310,6 @@ BAD_BATCHES = [
     ({"pixel_attention_mask": _partial_mask()}, "marks padding inside a real frame"),
     # not the processor's [samples, frames, ...] pixel values; videos
     ({"pixel_values": torch.rand(4, 3, 4, 4)}, "[samples, frames"),
-    ({"pixel_values_videos": torch.rand(1, 2, 3, 4, 4)}, "images only"),
 ]
 
 
@@ -319,6 +318,11 @@ def test_the_cutter_names_what_does_not_add_up(changes, words):
     with pytest.raises(ValueError) as raised:
         cut_items(_batch(**changes))
     assert words in str(raised.value)
+
+
+def test_videos_are_refused_before_the_cutter():
+    with pytest.raises(ValueError, match="images only"):
+        vitpool.items_from(_batch(pixel_values_videos=torch.rand(1, 2, 3, 4, 4)), family="idefics3")
 
 
 def test_the_full_processors_output_without_rows_and_cols_is_refused(kind):

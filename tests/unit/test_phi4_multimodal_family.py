@@ -318,7 +318,6 @@ BAD_BATCHES = [
     (_changed(image_attention_mask=_mask_with((0, 0, 3, 3), 0.0)), "global crop"),
     (_changed(image_attention_mask=_mask_with((0, 1, 3, 3), 0.0)), "top-left rectangle"),
     (_changed(image_attention_mask=_mask_with((0, 1, 0), 0.0)), "top-left rectangle"),
-    (_changed(pixel_values_videos=torch.zeros(1, 2, *case.ROW_SHAPE)), "images only"),
 ]
 
 
@@ -327,6 +326,11 @@ def test_the_cutter_names_what_does_not_add_up(batch, words):
     with pytest.raises(ValueError) as raised:
         cut_items(batch)
     assert words in str(raised.value)
+
+
+def test_videos_are_refused_before_the_cutter():
+    with pytest.raises(ValueError, match="images only"):
+        vitpool.items_from(_changed(pixel_values_videos=torch.zeros(1, 2, *case.ROW_SHAPE)), family="phi4_multimodal")
 
 
 def test_items_from_the_real_image_processor(model, encoder):

@@ -1,7 +1,8 @@
 """Items as a family's Hugging Face processor returns them, before they are `Image`s and `Video`s
 (`vitpool.items_from` makes those): each family's record names its cutter
 (`vitpool.models.family.ProcessorOutput`), a function from the processor's batch to one
-`ProcessorItem` per image, then one per video. The grid families share `grid_items`.
+`ProcessorItem` per image, then one per video. The grid families share `grid_items`. A cutter
+of an image-only family never sees videos: `items_from` refuses them first.
 
 No torch here: a batch's values are torch tensors or NumPy arrays (`return_tensors="pt"` or
 "np"), cut by slicing, which both share.
@@ -103,16 +104,6 @@ def required(batch: Mapping[str, Any], key: str, hint: str) -> Any:
     if batch.get(key) is None:
         raise ValueError(f"the batch has no {key}" + (f": {hint}" if hint else ""))
     return batch[key]
-
-
-def refuse_videos(batch: Mapping[str, Any], family: str) -> None:
-    """A family that takes no videos refuses a batch holding some, rather than dropping them (its
-    prompt would then have placeholders no item fills)."""
-    if "pixel_values_videos" in batch:
-        raise ValueError(
-            f"the batch holds pixel_values_videos: vitpool takes {family} images only; pass the images' "
-            "output alone"
-        )
 
 
 def whole_numbers(value: Any, key: str) -> list[int]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from vitpool.models.processor_items import IMAGE, ProcessorItem, check_array, refuse_videos, required
+from vitpool.models.processor_items import IMAGE, ProcessorItem, check_array, required
 
 POSITIONS_KEY = "image_position_ids"
 PADDING_POSITION = -1
@@ -27,10 +27,9 @@ def items(batch: Mapping[str, Any]) -> list[ProcessorItem]:
     """One item per image, in the processor's order: its real patch rows and their grid.
 
     Raises:
-        ValueError: no `pixel_values` or `image_position_ids`, videos, shapes that do not pair up,
+        ValueError: no `pixel_values` or `image_position_ids`, shapes that do not pair up,
             or an image whose positions are not the processor's row-major grid followed by padding.
     """
-    refuse_videos(batch, "Gemma 4")
     pixels = required(batch, "pixel_values", "")
     positions = required(
         batch, POSITIONS_KEY,

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from vitpool.models.processor_items import IMAGE, ProcessorItem, check_array, refuse_videos, required
+from vitpool.models.processor_items import IMAGE, ProcessorItem, check_array, required
 
 GRID_KEYS = ("rows", "cols")
 GRID_HINT = (
@@ -33,12 +33,11 @@ def items(batch: Mapping[str, Any]) -> list[ProcessorItem]:
     many as its `rows` and `cols` say (rows * cols splits and a global image, or one frame).
 
     Raises:
-        ValueError: no `rows` / `cols`, videos, pixel values that are not [samples, frames, 3, S, S],
+        ValueError: no `rows` / `cols`, pixel values that are not [samples, frames, 3, S, S],
             counts that do not fit the samples, an image frame that is all zeros (padding, which
             the model would drop), a real frame the mask does not cover whole, or a sample holding
             real frames past its images'.
     """
-    refuse_videos(batch, "Idefics3 / SmolVLM")
     pixels = required(batch, "pixel_values", "")
     check_array(pixels, "pixel_values")
     if len(pixels.shape) != 5:

@@ -17,7 +17,6 @@ from vitpool.models.processor_items import (
     IMAGE,
     ProcessorItem,
     cut_by_counts,
-    refuse_videos,
     required,
     whole_numbers,
 )
@@ -29,10 +28,9 @@ def items(batch: Mapping[str, Any]) -> list[ProcessorItem]:
     """One item per image: its `num_patches` consecutive tiles of `pixel_values`.
 
     Raises:
-        ValueError: no `num_patches` (InternVLProcessor's output), videos, or counts that do not
+        ValueError: no `num_patches` (InternVLProcessor's output), or counts that do not
             add up to the tiles.
     """
-    refuse_videos(batch, "InternVL")
     pixels = required(batch, "pixel_values", "")
     counts = whole_numbers(
         required(batch, TILES_KEY,

@@ -43,7 +43,6 @@ from vitpool.models.processor_items import (
     ProcessorItem,
     check_array,
     int_rows,
-    refuse_videos,
     required,
     whole_numbers,
 )
@@ -68,11 +67,10 @@ def items(batch: Mapping[str, Any]) -> list[ProcessorItem]:
     `spatial_shapes` rows.
 
     Raises:
-        ValueError: videos; pixels that are not [entries, max_patches, C*P*P]; shapes or masks that
+        ValueError: pixels that are not [entries, max_patches, C*P*P]; shapes or masks that
             do not fit them; no way to tell each image's entries (see the module's opening); or
             counts, tokens and entries that do not add up.
     """
-    refuse_videos(batch, "LFM2-VL")
     pixels = required(batch, "pixel_values", "")
     check_array(pixels, "pixel_values")
     if len(pixels.shape) != 3:

@@ -51,15 +51,10 @@ def items(batch: Mapping[str, Any]) -> list[ProcessorItem]:
     its `target_sizes` rows.
 
     Raises:
-        ValueError: videos; a strip that is not [1, C, P, N*P]; no slice count per image (neither
+        ValueError: a strip that is not [1, C, P, N*P]; no slice count per image (neither
             `num_patches_per_image` nor `input_ids` with `mm_token_type_ids`); or slices, tokens and
             patches that do not add up.
     """
-    if "pixel_values_videos" in batch:
-        raise ValueError(
-            "the batch holds pixel_values_videos: vitpool takes MiniCPM-V images only; "
-            "pass the images' output alone"
-        )
     strip, target_sizes = required(batch, "pixel_values"), required(batch, "target_sizes")
     check_array(strip, "pixel_values")
     patch = patch_size_of(strip)

@@ -22,7 +22,6 @@ from vitpool.models.processor_items import (
     ProcessorItem,
     check_array,
     int_rows,
-    refuse_videos,
     required,
 )
 
@@ -35,11 +34,10 @@ def items(batch: Mapping[str, Any]) -> list[ProcessorItem]:
     `image_sizes` row says, with the canvas and the image's patches of `image_attention_mask`.
 
     Raises:
-        ValueError: a key missing, videos, arrays that are not the processor's shapes, image sizes
+        ValueError: a key missing, arrays that are not the processor's shapes, image sizes
             that are not whole crops or need more crops than the batch holds, or a mask that is not
             one top-left rectangle of each canvas (ones on the global crop).
     """
-    refuse_videos(batch, "Phi-4-multimodal")
     pixels, masks = required(batch, PIXELS, HINT), required(batch, MASKS, HINT)
     sizes = int_rows(required(batch, SIZES, HINT), SIZES)
     for key, value, rank in ((PIXELS, pixels, 5), (MASKS, masks, 4)):
