@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import importlib
 import json
 import logging
 import tempfile
@@ -33,6 +34,11 @@ from common import summarize, time_ms
 from vitpool import GraphEncoder, Image, Video
 
 CONFIGS = Path(__file__).with_name("flagship_vision_configs.json")
+# Families whose benchmark path is a module of its own, `family_paths/<family>.py`: its
+# VISION_MODEL_TYPE, PROJECTOR_FIELDS (what its tower-only config adds), workloads(vision_config)
+# and hugging_face(module, items) (Hugging Face's own path over a call's items, on `module`, a copy
+# of the encoder's tower module). Adding a family's benchmark touches only its file.
+FAMILY_PATHS = sorted(path.stem for path in Path(__file__).with_name("family_paths").glob("[a-z]*.py"))
 VISION_MODEL_TYPES = {
     "qwen2_vl": "qwen2_vl_vision",
     "qwen2_5_vl": "qwen2_5_vl_vision",
@@ -82,6 +88,16 @@ MANY_VIEWS = {"gemma3": 5, "idefics3": 10}
 GLOBAL_AND_CROPS = {"step3p7": 504, "deepseek_ocr2": 768}
 PATCH_ROWS = {"kimi_k25", "paddleocr_vl"}  # pixels are unflattened patches [rows, 3, P, P]
 IMAGES_ONLY = {"paddleocr_vl"}
+
+
+def family_path(family: str):
+    """The family's own benchmark module (`family_paths/<family>.py`), or None."""
+    return importlib.import_module(f"family_paths.{family}") if family in FAMILY_PATHS else None
+
+
+for _family in FAMILY_PATHS:
+    VISION_MODEL_TYPES[_family] = family_path(_family).VISION_MODEL_TYPE
+    PROJECTOR_FIELDS[_family] = family_path(_family).PROJECTOR_FIELDS
 
 
 def workloads(family: str, vision_config: dict) -> dict[str, list]:
@@ -145,6 +161,8 @@ def workloads(family: str, vision_config: dict) -> dict[str, list]:
 
 def hugging_face_eager(family: str, module: torch.nn.Module, items: list) -> torch.Tensor:
     """All of a call's items in one tower call, as the model's get_image_features runs them."""
+    if family_path(family) is not None:
+        return family_path(family).hugging_face(module, items)
     if family == "minicpmv4_6":  # MiniCPMV4_6Model.get_image_features: one strip of every slice
         strip = torch.cat([item.pixel_values for item in items], dim=-1).to("cuda", torch.bfloat16)
         sizes = torch.tensor([size for item in items for size in item.grid_thw], dtype=torch.int32, device="cuda")
