@@ -105,6 +105,8 @@ def workloads(family: str, vision_config: dict) -> dict[str, list]:
     for a tiled family one view, four one-view images, and one image of 7 views; for a family of
     a global view and crops one global view, four images of one, and one image of a global view
     and 6 crops."""
+    if family_path(family) is not None:
+        return family_path(family).workloads(vision_config)
     if family == "minicpmv4_6":  # the processor's strip [1, 3, P, N*P] and target_sizes, per image
         patch = vision_config["patch_size"]
 
@@ -212,6 +214,17 @@ def hugging_face_eager(family: str, module: torch.nn.Module, items: list) -> tor
     return module(pixels, grid_thw=grid).pooler_output
 
 
+def randomize_zero_parameters(module: torch.nn.Module) -> None:
+    """Random values, in place, for the parameters that start at zero when no weights are loaded
+    (Gemma 3's `mm_input_projection_weight`): else both paths give all-zero tokens and the
+    comparison says nothing. The graphs read the parameters' own memory, so they see the change; a
+    kernel that kept a copy would show as a large rel. error."""
+    with torch.no_grad():
+        for parameter in module.parameters():
+            if parameter.is_floating_point() and not parameter.any():
+                parameter.normal_(std=parameter.shape[-1] ** -0.5)
+
+
 def use_sdpa(module: torch.nn.Module) -> torch.nn.Module:
     for sub in module.modules():
         config = getattr(sub, "config", None)
@@ -234,6 +247,7 @@ def measure(
         encoder = GraphEncoder.from_pretrained(
             directory, device="cuda", dtype=torch.bfloat16, compiled_blocks=compiled_blocks
         )
+    randomize_zero_parameters(encoder.adapter.tower)
     torch.cuda.synchronize()
     weights = sum(p.numel() * p.element_size() for p in encoder.adapter.tower.parameters())
     # the encoder's memory once captured: weights, static buffers and the graphs' pool

@@ -51,6 +51,45 @@ def test_the_patch_embedding_as_a_gemm_matches_the_convolution(monkeypatch):
     assert relative_error(got, torch.nn.Conv3d.forward(conv, x)) <= 1e-2
 
 
+@pytest.mark.parametrize("views, side", [(1, 896), (3, 364)])
+def test_a_whole_images_patch_convolution_as_a_gemm_matches_and_leaves_the_rows_contiguous(views, side):
+    conv = torch.nn.Conv2d(3, 1152, kernel_size=14, stride=14, padding="valid").to("cuda", torch.bfloat16)
+    from vitpool.kernels.fused import install_fused_ops
+
+    install_fused_ops(torch.nn.Sequential(conv))
+    generator = torch.Generator(device="cuda").manual_seed(side)
+    x = torch.randn(views, 3, side, side, device="cuda", dtype=torch.bfloat16, generator=generator)
+    with torch.no_grad(), use_fused_ops(True):
+        got = conv(x)
+    want = torch.nn.Conv2d.forward(conv, x)
+    assert got.shape == want.shape and torch.isfinite(got).all()
+    assert relative_error(got, want) <= 1e-2
+    assert got.flatten(2).transpose(1, 2).is_contiguous()  # what the towers do next
+    odd = x[:, :, :-3, :-3]  # a grid of partial patches keeps the convolution (which floors)
+    with torch.no_grad(), use_fused_ops(True):
+        assert relative_error(conv(odd), torch.nn.Conv2d.forward(conv, odd)) == 0
+
+
+@pytest.mark.parametrize("shape", [(5184, 1024), (5184, 16, 64), (1, 7)])
+def test_the_fused_rms_norm_matches_hugging_face(shape):
+    from transformers.models.glm_ocr.modeling_glm_ocr import GlmOcrRMSNorm
+
+    from vitpool.kernels.fused import install_fused_ops, is_plain_rms_norm
+
+    norm = GlmOcrRMSNorm(shape[-1], eps=1e-5).to("cuda", torch.bfloat16)
+    assert is_plain_rms_norm(norm)
+    generator = torch.Generator(device="cuda").manual_seed(shape[0])
+    with torch.no_grad():
+        norm.weight.normal_(generator=generator)
+    install_fused_ops(torch.nn.Sequential(norm))
+    x = 3 * torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=generator)
+    with torch.no_grad(), use_fused_ops(True):
+        got = norm(x)
+    want = type(norm).forward.__vitpool_original__(norm, x)
+    assert got.dtype == want.dtype and torch.isfinite(got).all()
+    assert relative_error(got, want) <= 1e-2
+
+
 @pytest.mark.parametrize("rows", [1, 196, 3136])
 def test_the_gelu_epilogue_mlp_matches_hugging_face(monkeypatch, rows):
     encoder = GraphEncoder.from_pretrained(None, budgets=[16], device="cuda")

@@ -1,8 +1,9 @@
-"""The fused rotary, patch embedding and GELU-epilogue MLP are installed in every family's modeling code through the
+"""The fused rotary, patch embedding, GELU-epilogue MLP and RMSNorm are installed in every family's modeling code through the
 shared attention hook, and stay out of the way off the GPU (the kernels themselves: tests/gpu)."""
 
 from __future__ import annotations
 
+import pickle
 import sys
 
 import torch
@@ -13,6 +14,7 @@ from vitpool.kernels.fused import (
     ROTARY_FUNCTION,
     _is_patch_conv,
     gelu_mlp_layout,
+    install_fused_ops,
     use_fused_ops,
 )
 
@@ -90,3 +92,33 @@ def test_only_linear_tanh_gelu_linear_mlps_qualify():
     assert gelu_mlp_layout(_Mlp(ACT2FN["quick_gelu"])) is None
     assert gelu_mlp_layout(_Mlp(torch.nn.GELU(approximate="tanh"), bias=False)) is None
     assert gelu_mlp_layout(_Mlp(torch.nn.GELU(approximate="tanh"), extra=True)) is None  # may take part in forward
+
+
+def test_only_hugging_faces_plain_rms_norm_takes_the_fused_forward():
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.glm_ocr.modeling_glm_ocr import GlmOcrRMSNorm
+    from transformers.models.pixtral.modeling_pixtral import PixtralRMSNorm
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRMSNorm
+
+    from vitpool.kernels.fused import is_plain_rms_norm
+
+    for plain in (GlmOcrRMSNorm, PixtralRMSNorm, Qwen2_5_VLRMSNorm):
+        assert is_plain_rms_norm(plain(8)), plain
+    # Gemma's scales by 1 + weight and casts after the product: another forward, left as it is
+    assert not is_plain_rms_norm(Gemma3RMSNorm(8))
+    assert not is_plain_rms_norm(torch.nn.LayerNorm(8))
+
+
+def test_a_fused_rms_norm_keeps_its_cpu_result_and_still_pickles():
+    from transformers.models.glm_ocr.modeling_glm_ocr import GlmOcrRMSNorm
+
+    norm = GlmOcrRMSNorm(16)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(5, 16)
+    want = norm(x)
+    install_fused_ops(torch.nn.Sequential(norm))
+    assert getattr(type(norm).forward, "__vitpool_original__", None) is not None
+    with use_fused_ops(True):
+        assert torch.equal(norm(x), want)  # the fused kernel runs on CUDA half precision only
+    assert torch.equal(pickle.loads(pickle.dumps(norm))(x), want)

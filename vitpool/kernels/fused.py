@@ -31,6 +31,7 @@ import contextlib
 import contextvars
 import functools
 import importlib.util
+import inspect
 import logging
 import sys
 import types
@@ -65,8 +66,8 @@ def fused_ops_apply(x: torch.Tensor) -> bool:
 
 
 def install_fused_ops(tower: torch.nn.Module) -> None:
-    """Route `tower`'s rotary embedding, patch convolutions and tanh-GELU MLPs through the fused
-    versions (in effect only under `use_fused_ops(True)`). Installing again is harmless."""
+    """Route `tower`'s rotary embedding, patch convolutions, tanh-GELU MLPs and RMSNorms through the
+    fused versions (in effect only under `use_fused_ops(True)`). Installing again is harmless."""
     for module in tower.modules():
         modeling = sys.modules.get(type(module).__module__)
         if modeling is not None and callable(getattr(modeling, ROTARY_FUNCTION, None)):
@@ -77,6 +78,8 @@ def install_fused_ops(tower: torch.nn.Module) -> None:
         layout = gelu_mlp_layout(module)
         if layout is not None:
             _patch_gelu_mlp(module, layout)
+        if is_plain_rms_norm(module):
+            _patch_rms_norm(type(module))
 
 
 # ---- rotary -----------------------------------------------------------------------------------
@@ -201,11 +204,31 @@ def _padding(conv: torch.nn.Conv2d | torch.nn.Conv3d) -> tuple[int, ...]:
 
 
 def _patch_conv_forward(self: torch.nn.Conv2d | torch.nn.Conv3d, x: torch.Tensor) -> torch.Tensor:
-    """One patch per input (spatial size == kernel): a Linear over the flattened patch."""
-    if _FUSED.get() and x.is_cuda and x.dtype in _HALF_DTYPES and tuple(x.shape[2:]) == tuple(self.kernel_size):
-        out = F.linear(x.reshape(x.shape[0], -1), self.weight.reshape(self.out_channels, -1), self.bias)
-        return out.reshape(x.shape[0], self.out_channels, *([1] * len(self.kernel_size)))
+    """One patch per input (spatial size == kernel): a Linear over the flattened patch. A whole
+    image (a Conv2d over a grid of whole patches): a Linear over its patches, cut out as rows."""
+    if _FUSED.get() and x.is_cuda and x.dtype in _HALF_DTYPES:
+        if tuple(x.shape[2:]) == tuple(self.kernel_size):
+            out = F.linear(x.reshape(x.shape[0], -1), self.weight.reshape(self.out_channels, -1), self.bias)
+            return out.reshape(x.shape[0], self.out_channels, *([1] * len(self.kernel_size)))
+        if x.dim() == 4 and x.shape[2] % self.kernel_size[0] == 0 and x.shape[3] % self.kernel_size[1] == 0:
+            return _patch_grid_forward(self, x)
     return type(self).forward(self, x)
+
+
+def _patch_grid_forward(self: torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    """The patch convolution of whole images [batch, channels, H, W] as one GEMM over their
+    patches. The output [batch, out_channels, H/kh, W/kw] is returned channels-last: the
+    towers go on with `flatten(2).transpose(1, 2)`, which is then already contiguous [batch,
+    patches, width]. The convolution's own output made that a transposed view, and the residual
+    stream kept its layout through every layer: each LayerNorm copied it and each residual add
+    read it strided (SigLIP towers: a quarter of a 896² view's GPU time,
+    `benchmarks/studies/family_profile.py`)."""
+    batch, channels, height, width = x.shape
+    kh, kw = self.kernel_size
+    rows, cols = height // kh, width // kw
+    patches = x.reshape(batch, channels, rows, kh, cols, kw).permute(0, 2, 4, 1, 3, 5)
+    out = F.linear(patches.reshape(-1, channels * kh * kw), self.weight.reshape(self.out_channels, -1), self.bias)
+    return out.reshape(batch, rows, cols, self.out_channels).permute(0, 3, 1, 2)
 
 
 # ---- MLP with a tanh GELU -----------------------------------------------------------------------
@@ -278,6 +301,61 @@ def _gelu_mlp(self: torch.nn.Module, layout: tuple[str, str, str], x: torch.Tens
     rows = x.reshape(-1, x.shape[-1])
     hidden = torch._addmm_activation(first.bias, rows, first.weight.t(), use_gelu=True)
     return second(hidden.reshape(*x.shape[:-1], hidden.shape[-1]))
+
+
+# ---- RMSNorm -----------------------------------------------------------------------------------
+
+# The body of Hugging Face's plain RMSNorm forward (Llama's, copied into many towers: GLM-4.1V,
+# GLM-OCR, Qwen2.5-VL, ...), whitespace removed: norm in fp32, cast back, times the weight. Other
+# RMSNorms (Gemma's 1 + weight, a cast after the product) differ in the last line and keep theirs.
+_PLAIN_RMS_NORM_BODY = (
+    "input_dtype=hidden_states.dtype",
+    "hidden_states=hidden_states.to(torch.float32)",
+    "variance=hidden_states.pow(2).mean(-1,keepdim=True)",
+    "hidden_states=hidden_states*torch.rsqrt(variance+self.variance_epsilon)",
+    "returnself.weight*hidden_states.to(input_dtype)",
+)
+
+
+def is_plain_rms_norm(module: torch.nn.Module) -> bool:
+    """Whether `module` is Hugging Face's plain RMSNorm: a 1-D weight, `variance_epsilon`, no
+    children, and exactly that forward."""
+    weight = getattr(module, "weight", None)
+    return (
+        isinstance(weight, torch.nn.Parameter) and weight.dim() == 1
+        and isinstance(getattr(module, "variance_epsilon", None), float)
+        and not any(True for _ in module.children()) and _has_plain_rms_norm_forward(type(module))
+    )
+
+
+@functools.cache
+def _has_plain_rms_norm_forward(cls: type) -> bool:
+    forward = getattr(cls.forward, "__vitpool_original__", cls.forward)
+    try:
+        source = inspect.getsource(forward)
+    except (OSError, TypeError):
+        return False
+    lines = ["".join(line.split()) for line in source.splitlines()[1:]]
+    return tuple(line for line in lines if line and not line.startswith(("#", '"""'))) == _PLAIN_RMS_NORM_BODY
+
+
+def _patch_rms_norm(cls: type) -> None:
+    """Wrap the class's forward once: under the fused ops, torch's one-kernel RMSNorm (fp32 inside,
+    rounded once to the input's dtype, as Hugging Face's cast does), then the weight: two kernels
+    instead of seven (GLM-OCR runs four RMSNorms a layer, on q and k too)."""
+    original = cls.forward
+    if getattr(original, "__vitpool_original__", None) is not None:
+        return
+
+    @functools.wraps(original)
+    def forward(self, hidden_states):
+        if fused_ops_apply(hidden_states):
+            normed = F.rms_norm(hidden_states, hidden_states.shape[-1:], None, self.variance_epsilon)
+            return self.weight * normed
+        return original(self, hidden_states)
+
+    forward.__vitpool_original__ = original
+    cls.forward = forward
 
 
 # ---- padding for dense attention ----------------------------------------------------------------
