@@ -276,7 +276,9 @@ def measure(
             )
             graph = summarize(time_ms(lambda items=items: encoder.encode(items), runs, warmup))
             rows[name] = {
-                "patches": sum(item.pixel_values.shape[0] for item in items if family != "minicpmv4_6")
+                # rows of pixels (patches, tiles or crops; a family_paths/ family's items vary in form: its tokens)
+                "patches": got.shape[0] if family_path(family) is not None
+                else sum(item.pixel_values.shape[0] for item in items if family != "minicpmv4_6")
                 + sum(tensor.shape[0] for item in items for tensor in (item.inputs or {}).values()),
                 "hf_eager": eager, "vitpool": graph, "ratio": graph["median_ms"] / eager["median_ms"],
                 "rel_error": rel_error,
