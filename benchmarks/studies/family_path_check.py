@@ -18,7 +18,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # family_latency.py lives one folder up
 
 import torch
-from family_latency import CONFIGS, PROJECTOR_FIELDS, VISION_MODEL_TYPES, hugging_face_eager, use_sdpa, workloads
+from family_latency import (
+    CONFIGS, PROJECTOR_FIELDS, VISION_MODEL_TYPES, hugging_face_eager, randomize_zero_parameters, use_sdpa, workloads,
+)
 
 from vitpool import GraphEncoder
 
@@ -40,6 +42,7 @@ def main() -> None:
         (Path(directory) / "config.json").write_text(json.dumps(config))
         torch.manual_seed(0)
         encoder = GraphEncoder.from_pretrained(directory, device="cpu", dtype=torch.float32)
+    randomize_zero_parameters(encoder.adapter.tower)  # as family_latency.measure does
     reference = use_sdpa(copy.deepcopy(encoder.adapter.tower))
     only = set(args.workloads.split(",")) if args.workloads else None
     worst = 0.0

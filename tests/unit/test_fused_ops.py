@@ -94,19 +94,21 @@ def test_only_linear_tanh_gelu_linear_mlps_qualify():
     assert gelu_mlp_layout(_Mlp(torch.nn.GELU(approximate="tanh"), extra=True)) is None  # may take part in forward
 
 
-def test_only_hugging_faces_plain_rms_norm_takes_the_fused_forward():
+def test_only_hugging_faces_plain_and_gemma_4s_rms_norms_take_the_fused_forward():
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
     from transformers.models.glm_ocr.modeling_glm_ocr import GlmOcrRMSNorm
     from transformers.models.pixtral.modeling_pixtral import PixtralRMSNorm
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRMSNorm
 
-    from vitpool.kernels.fused import is_plain_rms_norm
+    from vitpool.kernels.fused import is_plain_rms_norm, rms_norm_kind
 
     for plain in (GlmOcrRMSNorm, PixtralRMSNorm, Qwen2_5_VLRMSNorm):
         assert is_plain_rms_norm(plain(8)), plain
-    # Gemma's scales by 1 + weight and casts after the product: another forward, left as it is
-    assert not is_plain_rms_norm(Gemma3RMSNorm(8))
-    assert not is_plain_rms_norm(torch.nn.LayerNorm(8))
+    # Gemma 3's scales by 1 + weight: another forward, left as it is; Gemma 4's is fused as "scaled"
+    assert not is_plain_rms_norm(Gemma3RMSNorm(8)) and rms_norm_kind(Gemma3RMSNorm(8)) is None
+    assert rms_norm_kind(Gemma4RMSNorm(8)) == rms_norm_kind(Gemma4RMSNorm(8, with_scale=False)) == "scaled"
+    assert rms_norm_kind(torch.nn.LayerNorm(8)) is None
 
 
 def test_a_fused_rms_norm_keeps_its_cpu_result_and_still_pickles():

@@ -46,7 +46,7 @@ def resolve_dtype(dtype: torch.dtype | None, device: torch.device) -> torch.dtyp
 # runs faster than packed FA2. The eager run beats the padded graph from 1120² up and loses below
 # 896², where launches dominate (benchmarks/HISTORY.md, "Large images: eager at their own rows with
 # dense attention, a ladder up to 1024 tokens (issue 14, first step)").
-GRAPH_MAX_TOKENS = 1024
+GRAPH_MAX_TOKENS = 1536
 # Below 256 tokens the GPU ladder steps by 32 tokens rather than doubling: 4 more graphs (27 in
 # all) buy less padding for small calls packed alone (benchmarks/RESULTS.md, "Figures the code's
 # design rests on"); 4 x 224² (196 tokens) fills 224 instead of 256.

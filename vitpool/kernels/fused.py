@@ -78,8 +78,9 @@ def install_fused_ops(tower: torch.nn.Module) -> None:
         layout = gelu_mlp_layout(module)
         if layout is not None:
             _patch_gelu_mlp(module, layout)
-        if is_plain_rms_norm(module):
-            _patch_rms_norm(type(module))
+        kind = rms_norm_kind(module)
+        if kind is not None:
+            _patch_rms_norm(type(module), kind)
 
 
 # ---- rotary -----------------------------------------------------------------------------------
@@ -205,12 +206,12 @@ def _padding(conv: torch.nn.Conv2d | torch.nn.Conv3d) -> tuple[int, ...]:
 
 def _patch_conv_forward(self: torch.nn.Conv2d | torch.nn.Conv3d, x: torch.Tensor) -> torch.Tensor:
     """One patch per input (spatial size == kernel): a Linear over the flattened patch. A whole
-    image (a Conv2d over a grid of whole patches): a Linear over its patches, cut out as rows."""
+    image (a Conv2d over a grid of patches): a Linear over its patches, cut out as rows."""
     if _FUSED.get() and x.is_cuda and x.dtype in _HALF_DTYPES:
         if tuple(x.shape[2:]) == tuple(self.kernel_size):
             out = F.linear(x.reshape(x.shape[0], -1), self.weight.reshape(self.out_channels, -1), self.bias)
             return out.reshape(x.shape[0], self.out_channels, *([1] * len(self.kernel_size)))
-        if x.dim() == 4 and x.shape[2] % self.kernel_size[0] == 0 and x.shape[3] % self.kernel_size[1] == 0:
+        if x.dim() == 4 and x.shape[2] >= self.kernel_size[0] and x.shape[3] >= self.kernel_size[1]:
             return _patch_grid_forward(self, x)
     return type(self).forward(self, x)
 
@@ -226,6 +227,8 @@ def _patch_grid_forward(self: torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
     batch, channels, height, width = x.shape
     kh, kw = self.kernel_size
     rows, cols = height // kh, width // kw
+    # the convolution drops the pixels past the last whole patch (384² over patches of 14: 27 a side)
+    x = x[:, :, : rows * kh, : cols * kw]
     patches = x.reshape(batch, channels, rows, kh, cols, kw).permute(0, 2, 4, 1, 3, 5)
     out = F.linear(patches.reshape(-1, channels * kh * kw), self.weight.reshape(self.out_channels, -1), self.bias)
     return out.reshape(batch, rows, cols, self.out_channels).permute(0, 3, 1, 2)
@@ -317,32 +320,79 @@ _PLAIN_RMS_NORM_BODY = (
 )
 
 
+# Gemma 4's RMSNorm: the norm, the (optional) weight and the product all in fp32, one cast at the end
+# (its `_norm`, then its forward): torch's rms_norm with the weight does the same in one kernel.
+_SCALED_RMS_NORM_BODIES = {
+    "_norm": (
+        "mean_squared=hidden_states.pow(2).mean(-1,keepdim=True)+self.eps",
+        "returnhidden_states*torch.pow(mean_squared,-0.5)",
+    ),
+    "forward": (
+        "normed_output=self._norm(hidden_states.float())",
+        "ifself.with_scale:",
+        "normed_output=normed_output*self.weight.float()",
+        "returnnormed_output.type_as(hidden_states)",
+    ),
+}
+
+
+def rms_norm_kind(module: torch.nn.Module) -> str | None:
+    """"plain" for Hugging Face's plain RMSNorm (a 1-D weight, `variance_epsilon`, exactly that
+    forward), "scaled" for Gemma 4's (`eps`, `with_scale`, its weight where it has one, exactly its
+    `_norm` and forward); None for anything else, which keeps its own forward."""
+    if any(True for _ in module.children()):
+        return None
+    weight = getattr(module, "weight", None)
+    if (
+        isinstance(weight, torch.nn.Parameter) and weight.dim() == 1
+        and isinstance(getattr(module, "variance_epsilon", None), float)
+        and _has_plain_rms_norm_forward(type(module))
+    ):
+        return "plain"
+    scale = getattr(module, "with_scale", None)
+    if (
+        isinstance(getattr(module, "eps", None), float) and isinstance(scale, bool)
+        and (not scale or (isinstance(weight, torch.nn.Parameter) and weight.dim() == 1))
+        and _has_scaled_rms_norm_forward(type(module))
+    ):
+        return "scaled"
+    return None
+
+
 def is_plain_rms_norm(module: torch.nn.Module) -> bool:
     """Whether `module` is Hugging Face's plain RMSNorm: a 1-D weight, `variance_epsilon`, no
     children, and exactly that forward."""
-    weight = getattr(module, "weight", None)
-    return (
-        isinstance(weight, torch.nn.Parameter) and weight.dim() == 1
-        and isinstance(getattr(module, "variance_epsilon", None), float)
-        and not any(True for _ in module.children()) and _has_plain_rms_norm_forward(type(module))
-    )
+    return rms_norm_kind(module) == "plain"
 
 
 @functools.cache
 def _has_plain_rms_norm_forward(cls: type) -> bool:
-    forward = getattr(cls.forward, "__vitpool_original__", cls.forward)
+    return _body(cls.forward) == _PLAIN_RMS_NORM_BODY
+
+
+@functools.cache
+def _has_scaled_rms_norm_forward(cls: type) -> bool:
+    return all(_body(getattr(cls, name, None)) == body for name, body in _SCALED_RMS_NORM_BODIES.items())
+
+
+def _body(function: Callable | None) -> tuple[str, ...] | None:
+    """A function's statements after its signature, whitespace, comments and docstring removed."""
+    function = getattr(function, "__vitpool_original__", function)
     try:
-        source = inspect.getsource(forward)
+        source = inspect.getsource(function)
     except (OSError, TypeError):
-        return False
-    lines = ["".join(line.split()) for line in source.splitlines()[1:]]
-    return tuple(line for line in lines if line and not line.startswith(("#", '"""'))) == _PLAIN_RMS_NORM_BODY
+        return None
+    lines = ["".join(line.split()) for line in source.splitlines()]
+    start = next((number for number, line in enumerate(lines) if line.endswith(":")), 0) + 1  # past the signature
+    return tuple(line for line in lines[start:] if line and not line.startswith(("#", '"""')))
 
 
-def _patch_rms_norm(cls: type) -> None:
+def _patch_rms_norm(cls: type, kind: str) -> None:
     """Wrap the class's forward once: under the fused ops, torch's one-kernel RMSNorm (fp32 inside,
-    rounded once to the input's dtype, as Hugging Face's cast does), then the weight: two kernels
-    instead of seven (GLM-OCR runs four RMSNorms a layer, on q and k too)."""
+    rounded once to the input's dtype). The plain one rounds before its weight, as Hugging Face's
+    cast does, then multiplies: two kernels instead of seven (GLM-OCR runs four RMSNorms a layer, on
+    q and k too). Gemma 4's takes its weight in fp32 before the one rounding: one kernel instead of
+    seven (seven RMSNorms a layer)."""
     original = cls.forward
     if getattr(original, "__vitpool_original__", None) is not None:
         return
@@ -350,8 +400,12 @@ def _patch_rms_norm(cls: type) -> None:
     @functools.wraps(original)
     def forward(self, hidden_states):
         if fused_ops_apply(hidden_states):
-            normed = F.rms_norm(hidden_states, hidden_states.shape[-1:], None, self.variance_epsilon)
-            return self.weight * normed
+            width = hidden_states.shape[-1:]
+            if kind == "plain":
+                return self.weight * F.rms_norm(hidden_states, width, None, self.variance_epsilon)
+            weight = self.weight if self.with_scale else None
+            if weight is None or weight.dtype == hidden_states.dtype:
+                return F.rms_norm(hidden_states, width, weight, self.eps)
         return original(self, hidden_states)
 
     forward.__vitpool_original__ = original
