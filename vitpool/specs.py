@@ -285,7 +285,7 @@ class EncoderOptions:
     Attributes:
         budgets: token budgets (output tokens per batch) to capture. None: the family's budget
             range where its adapter states one (`budget_range`), else derived from the device
-            (a ladder up to `GRAPH_MAX_TOKENS` = 1024 tokens on a GPU, larger batches run eager
+            (a ladder up to `GRAPH_MAX_TOKENS` = 1536 tokens on a GPU, larger batches run eager
             at their own rows; up to 1024 on a CPU).
         max_items_per_batch: most items in one batch (default min(32, smallest budget)).
         max_frames_per_batch: for families with one attention sequence per frame (or tile), most

@@ -40,15 +40,16 @@ def resolve_dtype(dtype: torch.dtype | None, device: torch.device) -> torch.dtyp
     return dtype
 
 
-# Above this many tokens (4096 patch rows for a 2x2 merge: one ~1024² image) a batch runs eager at
-# its own rows instead of padded into a graph: it is compute-bound, so launches cost little, it
-# pays no padding, and one image is one unpadded attention sequence, which dense cuDNN attention
-# runs faster than packed FA2. The eager run beats the padded graph from 1120² up and loses below
-# 896², where launches dominate (benchmarks/HISTORY.md, "Large images: eager at their own rows with
-# dense attention, a ladder up to 1024 tokens (issue 14, first step)").
+# Above this many tokens (6144 patch rows for a 2x2 merge: a ~1250² image) a batch runs eager at
+# its own rows instead of padded into a graph: there it is compute-bound, so launches cost little,
+# and it pays no padding. Issue 14 set 1024 (eager won from 1120² up, when graphs ran packed FA2);
+# since a graph of one image runs dense cuDNN attention (issue 42), the graph wins up to here: on an
+# H100, Qwen3-VL-8B at 1120² 26.4 ms in a graph vs 43.8 ms eager at its rows, and the wave-3 towers
+# at ~1024² (1058-1369 tokens) 0.46-0.91x HF eager in graphs vs 0.76-1.31x eager, the small ones
+# (LFM2-VL, 96M) bound by the eager path's launches (benchmarks/RESULTS.md, "Wave 3 families").
 GRAPH_MAX_TOKENS = 1536
 # Below 256 tokens the GPU ladder steps by 32 tokens rather than doubling: 4 more graphs (27 in
-# all) buy less padding for small calls packed alone (benchmarks/RESULTS.md, "Figures the code's
+# all to 1024 tokens, 33 to 1536) buy less padding for small calls packed alone (benchmarks/RESULTS.md, "Figures the code's
 # design rests on"); 4 x 224² (196 tokens) fills 224 instead of 256.
 SMALL_STEP_TOKENS = 32
 
