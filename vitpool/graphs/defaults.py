@@ -48,8 +48,8 @@ def resolve_dtype(dtype: torch.dtype | None, device: torch.device) -> torch.dtyp
 # at ~1024² (1058-1369 tokens) 0.46-0.91x HF eager in graphs vs 0.76-1.31x eager, the small ones
 # (LFM2-VL, 96M) bound by the eager path's launches (benchmarks/RESULTS.md, "Wave 3 families").
 GRAPH_MAX_TOKENS = 1536
-# Below 256 tokens the GPU ladder steps by 32 tokens rather than doubling: 4 more graphs (27 in
-# all to 1024 tokens, 33 to 1536) buy less padding for small calls packed alone (benchmarks/RESULTS.md, "Figures the code's
+# Below 256 tokens the GPU ladder steps by 32 tokens rather than doubling: 4 more graphs (33 in
+# all) buy less padding for small calls packed alone (benchmarks/RESULTS.md, "Figures the code's
 # design rests on"); 4 x 224² (196 tokens) fills 224 instead of 256.
 SMALL_STEP_TOKENS = 32
 

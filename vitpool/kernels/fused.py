@@ -12,7 +12,11 @@ counts: `benchmarks/RESULTS.md`, "Figures the code's design rests on"):
   the bf16 input and writes bf16.
 - patch embedding: a Conv3d / Conv2d whose kernel equals its stride, applied to one patch per row
   (every family's patch embedding), runs as a slow implicit fp32-accumulating convolution; it is
-  the same product as a Linear over the flattened patch, a small GEMM.
+  the same product as a Linear over the flattened patch, a small GEMM. Over a whole image (the
+  SigLIP towers) it is one GEMM over the image's patches, and its output comes back channels-last
+  so that the rows the tower goes on with are contiguous (see `_patch_grid_forward`).
+- RMSNorm: Hugging Face's plain one and Gemma 4's run seven kernels each (casts, square, mean,
+  rsqrt, products); torch's `rms_norm` computes the same in fp32 in one kernel.
 
 - MLP activation: a two-layer MLP with a tanh GELU between its Linears (Qwen3-VL, Qwen3.5,
   Kimi-K2.5, PaddleOCR-VL) runs its first Linear's bias and the GELU in cuBLASLt's GEMM epilogue
