@@ -19,7 +19,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # family_latency.p
 
 import torch
 from family_latency import (
-    CONFIGS, PROJECTOR_FIELDS, VISION_MODEL_TYPES, hugging_face_eager, randomize_zero_parameters, use_sdpa, workloads,
+    CONFIGS,
+    PROJECTOR_FIELDS,
+    VISION_MODEL_TYPES,
+    hugging_face_eager,
+    randomize_zero_parameters,
+    use_sdpa,
+    workloads,
 )
 
 from vitpool import GraphEncoder

@@ -9,7 +9,7 @@ from __future__ import annotations
 import runpy
 import sys
 
-import vitpool.graphs.defaults as defaults
+from vitpool.graphs import defaults
 
 if __name__ == "__main__":
     defaults.GRAPH_MAX_TOKENS = int(sys.argv[1])

@@ -101,12 +101,12 @@ def test_only_hugging_faces_plain_and_gemma_4s_rms_norms_take_the_fused_forward(
     from transformers.models.pixtral.modeling_pixtral import PixtralRMSNorm
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRMSNorm
 
-    from vitpool.kernels.fused import is_plain_rms_norm, rms_norm_kind
+    from vitpool.kernels.fused import rms_norm_kind
 
     for plain in (GlmOcrRMSNorm, PixtralRMSNorm, Qwen2_5_VLRMSNorm):
-        assert is_plain_rms_norm(plain(8)), plain
+        assert rms_norm_kind(plain(8)) == "plain", plain
     # Gemma 3's scales by 1 + weight: another forward, left as it is; Gemma 4's is fused as "scaled"
-    assert not is_plain_rms_norm(Gemma3RMSNorm(8)) and rms_norm_kind(Gemma3RMSNorm(8)) is None
+    assert rms_norm_kind(Gemma3RMSNorm(8)) is None
     assert rms_norm_kind(Gemma4RMSNorm(8)) == rms_norm_kind(Gemma4RMSNorm(8, with_scale=False)) == "scaled"
     assert rms_norm_kind(torch.nn.LayerNorm(8)) is None
 

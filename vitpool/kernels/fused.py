@@ -215,7 +215,10 @@ def _patch_conv_forward(self: torch.nn.Conv2d | torch.nn.Conv3d, x: torch.Tensor
         if tuple(x.shape[2:]) == tuple(self.kernel_size):
             out = F.linear(x.reshape(x.shape[0], -1), self.weight.reshape(self.out_channels, -1), self.bias)
             return out.reshape(x.shape[0], self.out_channels, *([1] * len(self.kernel_size)))
-        if x.dim() == 4 and x.shape[2] >= self.kernel_size[0] and x.shape[3] >= self.kernel_size[1]:
+        if (
+            isinstance(self, torch.nn.Conv2d) and x.dim() == 4
+            and x.shape[2] >= self.kernel_size[0] and x.shape[3] >= self.kernel_size[1]
+        ):
             return _patch_grid_forward(self, x)
     return type(self).forward(self, x)
 
@@ -361,12 +364,6 @@ def rms_norm_kind(module: torch.nn.Module) -> str | None:
     ):
         return "scaled"
     return None
-
-
-def is_plain_rms_norm(module: torch.nn.Module) -> bool:
-    """Whether `module` is Hugging Face's plain RMSNorm: a 1-D weight, `variance_epsilon`, no
-    children, and exactly that forward."""
-    return rms_norm_kind(module) == "plain"
 
 
 @functools.cache
