@@ -154,3 +154,15 @@ class GpuBusy:
             except ValueError:
                 continue
         self.busy = {index: statistics.mean(values) / 100 for index, values in samples.items()}
+
+
+def hugging_face_forwards(module: torch.nn.Module) -> None:
+    """Give every submodule of a copy of the encoder's tower its class's own forward again, for a
+    path that needs Hugging Face's code throughout: the adapter routed some modules through vitpool's
+    wrappers per instance (packed attention, which cannot take Hugging Face's padding mask; compiled
+    blocks; the fused patch convolution), and a deep copy keeps them. Once per module."""
+    if module.__dict__.get("_hugging_face_forwards"):
+        return
+    for sub in module.modules():
+        sub.__dict__.pop("forward", None)
+    module.__dict__["_hugging_face_forwards"] = True

@@ -14,6 +14,7 @@ import math
 from types import SimpleNamespace
 
 import torch
+from common import hugging_face_forwards
 
 from vitpool import Image
 
@@ -113,18 +114,6 @@ def padded_entries(items: list, pad_to: int) -> dict[str, torch.Tensor]:
         mask[entry, : h * w] = 1
         start += h * w
     return {"pixel_values": pixels, "spatial_shapes": torch.tensor(shapes), "pixel_attention_mask": mask}
-
-
-def hugging_face_forwards(module: torch.nn.Module) -> None:
-    """Give every submodule of the copy its class's own forward again: the adapter routed the
-    attention modules through vitpool's packed attention (which cannot take Hugging Face's padding
-    mask) and others through vitpool's wrappers, per instance, and a deep copy keeps them. Once per
-    module."""
-    if module.__dict__.get("_hugging_face_forwards"):
-        return
-    for sub in module.modules():
-        sub.__dict__.pop("forward", None)
-    module.__dict__["_hugging_face_forwards"] = True
 
 
 def hugging_face(module: torch.nn.Module, items: list) -> torch.Tensor:

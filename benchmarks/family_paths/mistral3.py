@@ -12,6 +12,7 @@ import math
 from types import SimpleNamespace
 
 import torch
+from common import hugging_face_forwards
 
 from vitpool import Image
 
@@ -50,17 +51,6 @@ def padded_batch(items: list) -> tuple[torch.Tensor, torch.Tensor]:
     for index, image in enumerate(images):
         batch[index, :, : image.shape[1], : image.shape[2]] = image
     return batch, sizes
-
-
-def hugging_face_forwards(module: torch.nn.Module) -> None:
-    """Give every submodule of the copy its class's own forward again: the adapter routed some
-    through vitpool's wrappers (compiled blocks, fused patch convolution), per instance, and a deep
-    copy keeps them. Once per module."""
-    if module.__dict__.get("_hugging_face_forwards"):
-        return
-    for sub in module.modules():
-        sub.__dict__.pop("forward", None)
-    module.__dict__["_hugging_face_forwards"] = True
 
 
 def hugging_face(module: torch.nn.Module, items: list) -> torch.Tensor:
