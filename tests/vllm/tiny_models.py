@@ -24,7 +24,13 @@ import torch
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                   "<|image_pad|>", "<|video_pad|>", "<|begin_of_image|>", "<|image|>", "<|end_of_image|>",
                   "<|begin_of_video|>", "<|video|>", "<|end_of_video|>", "<|IMAGE_START|>",
-                  "<|IMAGE_PLACEHOLDER|>", "<|IMAGE_END|>", "<img>", "</img>", "<IMG_CONTEXT>", "<video>"]
+                  "<|IMAGE_PLACEHOLDER|>", "<|IMAGE_END|>", "<img>", "</img>", "<IMG_CONTEXT>", "<video>",
+                  # the third wave's: Mistral 3's
+                  "[IMG]", "[IMG_BREAK]", "[IMG_END]", "<start_of_image>", "<image_soft_token>", "<end_of_image>",
+                  # LFM2-VL's
+                  "<image>", "<|image_start|>", "<|image_end|>", "<|img_thumbnail|>",
+                  # Idefics3's
+                  "<fake_token_around_image>", "<global-img>", "<end_of_utterance>"]
 VOCAB_SIZE = 320  # 256 bytes, the special tokens, room to spare
 
 # the config's token ids and the placeholder the chat template writes for an image, per family
@@ -36,17 +42,47 @@ GLM_TOKENS = {"image_token_id": "<|image|>", "video_token_id": "<|video|>",
 PADDLE_TOKENS = {"image_token_id": "<|IMAGE_PLACEHOLDER|>", "video_token_id": "<|video_pad|>",
                  "vision_start_token_id": "<|IMAGE_START|>", "vision_end_token_id": "<|IMAGE_END|>"}
 TOKENS = {"glm4v": GLM_TOKENS, "glm4v_moe": GLM_TOKENS, "glm_ocr": GLM_TOKENS, "paddleocr_vl": PADDLE_TOKENS,
-          "internvl": {"image_token_id": "<IMG_CONTEXT>"}}
+          "internvl": {"image_token_id": "<IMG_CONTEXT>"}, "mistral3": {"image_token_index": "[IMG]"},
+          "gemma3": {"image_token_index": "<image_soft_token>", "boi_token_index": "<start_of_image>",
+                     "eoi_token_index": "<end_of_image>"},
+          "lfm2_vl": {"image_token_id": "<image>"},
+          "llava_onevision": {"image_token_index": "<image>", "video_token_index": "<video>"},
+          "gemma4": {"image_token_id": "<|image|>", "boi_token_id": "<start_of_image>",
+                     "eoi_token_id": "<end_of_image>", "video_token_id": "<|video|>"},
+          "idefics3": {"image_token_id": "<image>"}}
 PLACEHOLDER = {"glm4v": "<|begin_of_image|><|image|><|end_of_image|>",
                "glm4v_moe": "<|begin_of_image|><|image|><|end_of_image|>",
                "glm_ocr": "<|begin_of_image|><|image|><|end_of_image|>",
                "paddleocr_vl": "<|IMAGE_START|><|IMAGE_PLACEHOLDER|><|IMAGE_END|>",
-               "internvl": "<IMG_CONTEXT>"}  # its processor writes <img>, the tile tokens and </img>
+               "internvl": "<IMG_CONTEXT>",  # its processor writes <img>, the tile tokens and </img>
+               "mistral3": "[IMG]",  # its processor writes the rows of [IMG], [IMG_BREAK] between, [IMG_END]
+               "gemma3": "<start_of_image>",  # its processor writes the soft tokens and <end_of_image> after it
+               "lfm2_vl": "<image>",  # its processor writes <|image_start|>, the tiles' and thumbnail's, <|image_end|>
+               "llava_onevision": "<image>",  # its processor writes the base tile's, the crops' and newlines' tokens
+               "gemma4": "<|image|>",  # its processor writes <start_of_image>, the soft tokens, <end_of_image>
+               "idefics3": "<image>"}  # its processor writes <fake_token_around_image><global-img>, the tokens
 # tokens a family's processor reads off the tokenizer
 TOKENIZER_TOKENS = {"paddleocr_vl": {"image_token": "<|IMAGE_PLACEHOLDER|>"},
                     "internvl": {"start_image_token": "<img>", "end_image_token": "</img>",
-                                 "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"}}
+                                 "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"},
+                    "gemma3": {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>",
+                               "eoi_token": "<end_of_image>"},
+                    "gemma4": {"boi_token": "<start_of_image>", "image_token": "<|image|>",
+                               "eoi_token": "<end_of_image>"}}
+# tokens a family's vLLM model looks up in the vocabulary (added after the special tokens, this
+# family's only): Gemma 3's joins the newlines around an image's tokens into one token
+ADDED_TOKENS = {"gemma3": ["\n", "\n\n", "\n\n\n", "\n\n\n\n"]}
+# weights renamed to a release's layout where vLLM reads only that: transformers 5 saves SigLIP's
+# (and SigLIP2's) tower without its inner `vision_model.` level, which the releases have
+RELEASE_KEYS = {"gemma3": ("vision_tower.", "vision_tower.vision_model."),
+                "llava_onevision": ("vision_tower.", "vision_tower.vision_model."),
+                "lfm2_vl": ("model.vision_tower.", "model.vision_tower.vision_model.")}
 TILE = 112  # InternVL's tile: 8 x 8 patches, 16 tokens after its pixel shuffle
+GEMMA_SIZE = 64  # Gemma 3's pictures: 4 x 4 patches, 4 tokens
+LFM2_TILE = 128  # LFM2-VL's tiles: 8 x 8 patches, 16 tokens
+IDEFICS_SPLIT = 64  # Idefics3's splits: 4 x 4 patches, 4 tokens
+ONEVISION_TILE = 64  # LLaVA-OneVision's tiles: 4 x 4 patches, 16 tokens; grids of up to 2 x 2 crops
+ONEVISION_PINPOINTS = [[ONEVISION_TILE * r, ONEVISION_TILE * c] for r in (1, 2) for c in (1, 2)]
 
 
 def chat_template(placeholder: str) -> str:
@@ -153,12 +189,106 @@ FAMILIES = {
         "crop_to_patches": True, "min_patches": 1, "max_patches": 4, "size": {"height": TILE, "width": TILE},
         "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
     }),
+    # the third wave
+    # Mistral 3: the Pixtral tower (2-D rotary) and the patch merger (2 x 2) and projector; Mistral
+    # text. Its processor pads to merged tokens (the tower's patch times the merge): 32 pixels
+    "mistral3": ("Mistral3Config", "Mistral3ForConditionalGeneration", {
+        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "head_dim": 64, "image_size": 512, "patch_size": 16, "hidden_act": "silu",
+    }, {**_text({}), "model_type": "mistral"}, {
+        "image_processor_type": "PixtralImageProcessor", "processor_class": "PixtralProcessor",
+        "patch_size": 16, "size": {"longest_edge": 512}, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+    }),
+    # Gemma 3: SigLIP on GEMMA_SIZE pixels (4 x 4 patches), the projector's 2 x 2 average pooling to
+    # 4 tokens; Gemma 3 text (both layers sliding-window). Its processor resizes every picture to
+    # GEMMA_SIZE (no pan and scan): pictures of that size are left as they are
+    "gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration", {
+        "model_type": "siglip_vision_model", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "image_size": GEMMA_SIZE, "patch_size": 16,
+    }, {**_text({}), "model_type": "gemma3_text", "query_pre_attn_scalar": 64, "sliding_window": 512,
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}}, {
+        "image_processor_type": "Gemma3ImageProcessor", "processor_class": "Gemma3Processor",
+        "size": {"height": GEMMA_SIZE, "width": GEMMA_SIZE}, "do_pan_and_scan": False, "resample": 2,
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+    }),
+    # LFM2-VL: SigLIP2 NaFlex (an 8 x 8 position table, resized to each entry's patches), the pixel
+    # unshuffle (2 x 2) and projector; LFM2 text, one short-convolution layer and one attention layer
+    # (vLLM's LFM2 is a hybrid model). A picture of at most 16 tokens (32 pixels each) is one entry,
+    # not resized; a larger one is cut into tiles of LFM2_TILE pixels, and a thumbnail of at most 16
+    # tokens (resized) follows them
+    "lfm2_vl": ("Lfm2VlConfig", "Lfm2VlForConditionalGeneration", {
+        "model_type": "siglip2_vision_model", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "patch_size": 16, "num_patches": 64, "vision_use_head": False,
+    }, {**_text({}), "model_type": "lfm2", "layer_types": ["conv", "full_attention"], "norm_eps": 1e-5,
+        "conv_dim": 128, "block_dim": 128}, {  # vLLM reads conv_dim and block_dim (the releases have them)
+        "image_processor_type": "Lfm2VlImageProcessor", "processor_class": "Lfm2VlProcessor",
+        "downsample_factor": 2, "encoder_patch_size": 16, "tile_size": LFM2_TILE, "min_tiles": 2, "max_tiles": 4,
+        "use_thumbnail": True, "min_image_tokens": 1, "max_image_tokens": 16, "max_pixels_tolerance": 1.0,
+        "do_image_splitting": True, "resample": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+    }),
+    # LLaVA-OneVision: SigLIP on a base tile and the crops of its anyres grid, the projector, the
+    # crops' rows each ended by image_newline; Qwen2 text. The processor resizes the picture to its
+    # base tile and to its grid: pictures of one tile are left as they are
+    "llava_onevision": ("LlavaOnevisionConfig", "LlavaOnevisionForConditionalGeneration", {
+        "model_type": "siglip_vision_model", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "image_size": ONEVISION_TILE, "patch_size": 16, "vision_use_head": False,
+    }, {**_text({}), "model_type": "qwen2"}, {
+        "image_processor_type": "LlavaOnevisionImageProcessor", "processor_class": "LlavaOnevisionProcessor",
+        "size": {"height": ONEVISION_TILE, "width": ONEVISION_TILE}, "image_grid_pinpoints": ONEVISION_PINPOINTS,
+        "do_pad": True, "resample": 3, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+    }),
+    # Gemma 4: its tower (2-D positions, 3 x 3 pooling to soft tokens) and embed_vision; Gemma 4 text
+    # (a sliding-window layer and a full one, no per-layer inputs). Its processor scales a picture to
+    # fill 70 soft tokens (the least it allows) in multiples of 12 pixels: pictures of about 70
+    # tokens (7 x 10, 8 x 8) are left as they are
+    "gemma4": ("Gemma4Config", "Gemma4ForConditionalGeneration", {
+        "model_type": "gemma4_vision", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 64, "patch_size": 4,
+        "pooling_kernel_size": 3, "position_embedding_size": 64,
+    }, {**_text({}), "model_type": "gemma4_text", "global_head_dim": 64, "hidden_size_per_layer_input": 0,
+        "vocab_size_per_layer_input": VOCAB_SIZE, "layer_types": ["sliding_attention", "full_attention"],
+        "sliding_window": 512,
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                               "rope_theta": 1000000.0}}}, {
+        "image_processor_type": "Gemma4ImageProcessor", "processor_class": "Gemma4Processor",
+        "patch_size": 4, "max_soft_tokens": 70, "pooling_kernel_size": 3,
+    }),
+    # Idefics3: SigLIP on splits of IDEFICS_SPLIT pixels (4 x 4 patches), the connector's pixel
+    # shuffle (2) and projection; Llama text. Its processor resizes a picture to its longest edge
+    # (IDEFICS_SPLIT here, so one split a picture: no global image beside the splits) and pictures
+    # of that size are left as they are
+    "idefics3": ("Idefics3Config", "Idefics3ForConditionalGeneration", {
+        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
+        "image_size": IDEFICS_SPLIT, "patch_size": 16,
+    }, {**_text({}), "model_type": "llama"}, {
+        "image_processor_type": "Idefics3ImageProcessor", "processor_class": "Idefics3Processor",
+        "size": {"longest_edge": IDEFICS_SPLIT}, "max_image_size": {"longest_edge": IDEFICS_SPLIT},
+        "do_image_splitting": True, "resample": 1, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+    }),
 }
-EXTRA = {"internvl": {"image_seq_length": 16, "downsample_ratio": 0.5}}  # the configs' other settings
+EXTRA = {"internvl": {"image_seq_length": 16, "downsample_ratio": 0.5},  # the configs' other settings
+         "mistral3": {"spatial_merge_size": 2}, "gemma3": {"mm_tokens_per_image": 4},
+         "lfm2_vl": {"projector_hidden_size": 64, "downsample_factor": 2},
+         "gemma4": {"audio_config": None}, "idefics3": {"scale_factor": 2},
+         "llava_onevision": {"image_grid_pinpoints": ONEVISION_PINPOINTS, "vision_aspect_ratio": "anyres_max_9",
+                             "vision_feature_select_strategy": "full", "vision_feature_layer": -1}}
+# processor_config.json: the processor's own settings beside the image processor's
+PROCESSOR = {"internvl": {"processor_class": "InternVLProcessor", "image_seq_length": 16},  # tokens per tile
+             "mistral3": {"processor_class": "PixtralProcessor", "patch_size": 16, "spatial_merge_size": 2},
+             "gemma3": {"processor_class": "Gemma3Processor", "image_seq_length": 4},
+             "lfm2_vl": {"processor_class": "Lfm2VlProcessor"},
+             "llava_onevision": {"processor_class": "LlavaOnevisionProcessor", "num_image_tokens": 16,
+                                 "vision_feature_select_strategy": "full"},
+             "gemma4": {"processor_class": "Gemma4Processor", "image_seq_length": 70},
+             "idefics3": {"processor_class": "Idefics3Processor", "image_seq_len": 4}}
 PATCH = {family: spec[4]["patch_size"] for family, spec in FAMILIES.items() if "patch_size" in spec[4]}
+PATCH["lfm2_vl"] = FAMILIES["lfm2_vl"][4]["encoder_patch_size"]
 
 
-def write_tokenizer(directory: Path, template: str, named: dict[str, str] | None = None) -> dict[str, int]:
+def write_tokenizer(directory: Path, template: str, named: dict[str, str] | None = None,
+                    added: list[str] | None = None) -> dict[str, int]:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -168,11 +298,21 @@ def write_tokenizer(directory: Path, template: str, named: dict[str, str] | None
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens(SPECIAL_TOKENS)
+    if added:
+        tokenizer.add_tokens(added)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>",
                                    pad_token="<|endoftext|>", extra_special_tokens=named)
     fast.chat_template = template
     fast.save_pretrained(directory)
     return {token: fast.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
+
+
+def release_keys(weights: Path, prefix: str, release: str) -> None:
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(weights)
+    save_file({release + key.removeprefix(prefix) if key.startswith(prefix) else key: tensor
+               for key, tensor in state.items()}, weights, metadata={"format": "pt"})
 
 
 def build(family: str, directory: Path, seed: int = 0) -> Path:
@@ -181,7 +321,7 @@ def build(family: str, directory: Path, seed: int = 0) -> Path:
     config_class, model_class, vision, text, image_processor = FAMILIES[family]
     directory.mkdir(parents=True, exist_ok=True)
     template = chat_template(PLACEHOLDER.get(family, "<|vision_start|><|image_pad|><|vision_end|>"))
-    ids = write_tokenizer(directory, template, TOKENIZER_TOKENS.get(family))
+    ids = write_tokenizer(directory, template, TOKENIZER_TOKENS.get(family), ADDED_TOKENS.get(family))
     tokens = {"eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"]}
     special = TOKENS.get(family, QWEN_TOKENS)
     if family != "qwen3_vl":  # the others' text configs hold them (Qwen2-VL's a bos out of this vocabulary)
@@ -196,10 +336,11 @@ def build(family: str, directory: Path, seed: int = 0) -> Path:
         for parameter in model.parameters():
             parameter.normal_(0.0, 0.2)
     model.save_pretrained(directory)
+    if family in RELEASE_KEYS:
+        release_keys(directory / "model.safetensors", *RELEASE_KEYS[family])
     (directory / "preprocessor_config.json").write_text(json.dumps(image_processor, indent=2))
-    if family == "internvl":  # its processor's tokens per tile (transformers' default is 256)
-        (directory / "processor_config.json").write_text(json.dumps(
-            {"processor_class": "InternVLProcessor", "image_seq_length": 16}, indent=2))
+    if family in PROCESSOR:
+        (directory / "processor_config.json").write_text(json.dumps(PROCESSOR[family], indent=2))
     return directory
 
 

@@ -64,7 +64,9 @@ def image_features(model: torch.nn.Module, item: Any) -> torch.Tensor:
     """What the model hands its LLM for one image: [tiles * tokens per tile, text width]."""
     with torch.no_grad():
         # the tower get_image_features runs (its signature differs between transformers releases)
-        features = model.vision_model(pixel_values=torch.as_tensor(item.pixel_values)).last_hidden_state
+        # the model's dtype: torchvision's Llama 4 processor gives bfloat16 pixels
+        pixels = torch.as_tensor(item.pixel_values).to(model.vision_model.dtype)
+        features = model.vision_model(pixel_values=pixels).last_hidden_state
         return model.multi_modal_projector(features.reshape(-1, features.shape[-1]))
 
 

