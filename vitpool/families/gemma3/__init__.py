@@ -27,7 +27,7 @@ RECORD = FamilyRecord(
     # vLLM's Gemma3ForConditionalGeneration.embed_multimodal: per image, the projector's output for
     # its views (the whole image, then the pan-and-scan crops) flattened to rows
     vllm_layout="tokens",
-    vllm_checked=False,
+    vllm_checked=True,  # tests/vllm/test_vllm_wave3.py
     transformers_parts=None,
     image_features="vitpool.families.gemma3.features:Gemma3Features",
     processor_output=ProcessorOutput(

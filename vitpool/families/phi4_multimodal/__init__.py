@@ -22,8 +22,10 @@ RECORD = FamilyRecord(
         ),
     },
     model_types=("phi4_multimodal",),
-    # vLLM's Phi4MultimodalForCausalLM.embed_multimodal: per image, Phi4MMImageEmbedding's output (its
-    # crops' and global crop's tokens with the separators, projected), flattened to rows
+    # what vLLM's Phi-4 models keep per image: Phi4MMImageEmbedding's output (its crops' and global
+    # crop's tokens with the separators, projected), flattened to rows. vLLM 0.12 dropped
+    # transformers' Phi4MultimodalForCausalLM (its registry's _PREVIOUSLY_SUPPORTED_MODELS); it serves
+    # only the remote-code Phi4MMForCausalLM (model_type phi4mm), which this record does not load
     vllm_layout="tokens",
     vllm_checked=False,
     transformers_parts=None,
