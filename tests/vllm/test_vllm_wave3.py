@@ -10,7 +10,8 @@ resized, the gateway's items come from a stand-in in torch for vLLM's torchvisio
 resizing is torch's `interpolate` on the bytes (what torchvision calls), checked against it for the
 sizes here: LFM2-VL's (its processor is torchvision's only; the thumbnails) and LLaVA-OneVision's
 (the base tile of a picture of several crops).
-Idefics3 has no layout in vitpool, so no gateway: its tokens are published by hand (last test).
+Idefics3: pictures of one split only (with more, the global image beside them is resized, where PIL
+and torchvision differ).
 
 Not here: Phi-4-multimodal (vLLM 0.12 dropped transformers' `Phi4MultimodalForCausalLM`; vLLM
 serves only the remote-code `Phi4MMForCausalLM` format) and MiniCPM-V 4.7 (its text model is
@@ -39,7 +40,9 @@ SIZES = [(2, 3), (4, 2), (3, 4), (2, 2)]
 
 # family: the PIL image processor the gateway runs, or None for a stand-in (STAND_INS below)
 PROCESSORS = {"mistral3": "PixtralImageProcessorPil", "gemma3": "Gemma3ImageProcessorPil", "lfm2_vl": None,
-              "llava_onevision": None, "gemma4": "Gemma4ImageProcessorPil"}
+              "llava_onevision": None, "gemma4": "Gemma4ImageProcessorPil", "idefics3": "Idefics3ImageProcessorPil"}
+# what the processor needs to be told for items_from to cut its output (Idefics3's splits)
+PROCESSOR_OPTIONS = {"idefics3": {"return_row_col_info": True}}
 # family: its picture unit in pixels, its pictures' sizes in units, and a picture with the number of
 # tokens it gives (for the entry of zeros). Gemma 3 resizes every picture to its tower's size
 # (GEMMA_SIZE): pictures of that size, 4 tokens each (PIL's and torchvision's resizing differ)
@@ -54,7 +57,10 @@ SHAPES = {"mistral3": (2 * PATCH["mistral3"], SIZES, (2, 3), 2 * 3),
           "llava_onevision": (ONEVISION_TILE, [(1, 1), (1, 2), (2, 2), (2, 1)], (1, 2), 16 + 4 * (8 + 1)),
           # Gemma 4 scales a picture to fill its 70 soft tokens (3 x 3 patches of 4 pixels, 12 pixels
           # each): pictures it leaves as they are, 70 or 64 tokens
-          "gemma4": (12, [(7, 10), (8, 8), (10, 7), (5, 14)], (7, 10), 70)}
+          "gemma4": (12, [(7, 10), (8, 8), (10, 7), (5, 14)], (7, 10), 70),
+          # Idefics3: pictures of one split (the processor's longest edge), which it leaves as they
+          # are: no global image beside the splits, whose resizing PIL and torchvision do differently
+          "idefics3": (IDEFICS_SPLIT, [(1, 1)], (1, 1), 4)}
 
 
 def make_item(name: str, model):
@@ -67,7 +73,8 @@ def make_item(name: str, model):
         processor = STAND_INS[name](model)
         return lambda image: vitpool.items_from(processor(image), family=name)[0]
     processor = getattr(transformers, PROCESSORS[name]).from_pretrained(model)
-    return lambda image: vitpool.items_from(processor(images=image, return_tensors="pt"), family=name)[0]
+    options = PROCESSOR_OPTIONS.get(name, {})
+    return lambda image: vitpool.items_from(processor(images=image, return_tensors="pt", **options), family=name)[0]
 
 
 def resize(pixels, height, width, mode):
@@ -210,56 +217,3 @@ def test_answers_through_the_gateway_equal_vllms_own_tower(family):
     key = f"zeros-{name}"
     gateway.gateway.publisher.publish(key, torch.zeros(single_tokens, 128))  # tokens, the text width
     assert largest_difference(answer(server.url, chat([single], uuids=[key]), model), own) > 1000 * TOLERANCE
-
-
-# Idefics3 has no vLLM layout in vitpool (the gateway refuses it): its tokens published by hand under
-# each picture's uuid, as the gateway would with the "tokens" layout, against vLLM's own tower.
-# Pictures of one split (the processor's longest edge), which it leaves as they are
-@pytest.fixture(scope="module")
-def idefics3(ray_address, tmp_path_factory):  # noqa: F811 - the fixture imported above
-    from transformers import Idefics3ImageProcessorPil
-
-    from vitpool import EncoderPool
-    from vitpool.integrations.vllm.publisher import FilePublisher
-
-    model = build_tiny_model("idefics3", tmp_path_factory.mktemp("tiny-idefics3"))
-    root = tmp_path_factory.mktemp("ec-files-idefics3")
-    server = files_server(model, root, tmp_path_factory.mktemp("vllm-logs") / "idefics3.log")
-    pool = None
-    try:
-        pool = EncoderPool.launch(model=str(model), name="vllm-idefics3", num_actors=1, device="cpu",
-                                  budgets=[16, 64])
-        server.wait_ready()
-        yield model, server, pool, FilePublisher(root), Idefics3ImageProcessorPil.from_pretrained(model)
-    finally:
-        server.stop()
-        if pool is not None:
-            pool.shutdown()
-
-
-def test_idefics3_tokens_published_by_hand_equal_vllms_own_tower(idefics3):
-    import io
-
-    from PIL import Image as PILImage
-
-    import vitpool
-
-    model, server, pool, publisher, processor = idefics3
-    pictures = [[picture(10 * index + k, (1, 1), IDEFICS_SPLIT) for k in range(count)]
-                for index, count in enumerate(IMAGES)]
-    for index, images in enumerate(pictures):
-        items = [vitpool.items_from(processor(images=PILImage.open(io.BytesIO(data)).convert("RGB"),
-                                              return_tensors="pt", return_row_col_info=True),
-                                    family="idefics3")[0] for data in images]
-        keys = [f"idefics3-{index}-{k}" for k in range(len(images))]
-        for key, embedding in zip(keys, pool.encode(items)):
-            assert embedding.tokens.shape == (4, 128) and not embedding.deepstack
-            publisher.publish(key, embedding.tokens)
-        want = answer(server.url, chat(images), model)  # no uuid: vLLM's own tower
-        assert_same_answer(answer(server.url, chat(images, uuids=keys), model), want)
-
-    single = picture(99, (1, 1), IDEFICS_SPLIT)
-    own = answer(server.url, chat([single]), model)
-    publisher.publish("zeros-idefics3", torch.zeros(4, 128))
-    zeros = answer(server.url, chat([single], uuids=["zeros-idefics3"]), model)
-    assert largest_difference(zeros, own) > 1000 * TOLERANCE
