@@ -1,8 +1,10 @@
-"""Building a tower together with the projector its model puts after it (Kimi-K2.5, PaddleOCR-VL,
-InternVL, Llama 4: the families whose vitpool module runs the projector in the graph)."""
+"""Building a tower together with the projector its model puts after it (the families whose
+vitpool module runs the projector in the graph), and checking that a tower-only config carries what
+that projector reads."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -18,3 +20,11 @@ def tower_and_projector(
     if dtype is None:
         return tower_class(vision_config), projector_class(full_config)
     return tower_class._from_config(vision_config, dtype=dtype), projector_class(full_config).to(dtype)
+
+
+def require_fields(config: Any, fields: Iterable[str], subject: str, instead: str) -> None:
+    """Raise ValueError, "<subject> needs [the missing ones] <instead>", where `config` lacks any of
+    `fields` (a tower-only vision config must carry what its family's projector reads)."""
+    missing = [name for name in fields if getattr(config, name, None) is None]
+    if missing:
+        raise ValueError(f"{subject} needs {missing} {instead}")

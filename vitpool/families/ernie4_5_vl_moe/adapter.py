@@ -38,7 +38,7 @@ from vitpool.families.ernie4_5_vl_moe import CHECKPOINT_PREFIXES
 from vitpool.families.ernie4_5_vl_moe.rules import TemporalMergeRules
 from vitpool.models.compat import check_tower_parts
 from vitpool.models.patch_adapter import renamed_key
-from vitpool.models.projected import tower_and_projector
+from vitpool.models.projected import require_fields, tower_and_projector
 from vitpool.models.protocol import TensorSpec, zero_metadata
 from vitpool.models.spatial_merge import Grid, SpatialMergeAdapter, frame_cu_seqlens, grids_of
 from vitpool.packing import Budget
@@ -66,12 +66,11 @@ def resampler_config(config: Any) -> Any:
     `Ernie4_5_VLMoeConfig` or from a vision config carrying RESAMPLER_FIELDS (a tower-only save)."""
     if getattr(config, "text_config", None) is not None:
         return config
-    missing = [name for name in RESAMPLER_FIELDS if getattr(config, name, None) is None]
-    if missing:
-        raise ValueError(
-            f"an ERNIE-4.5-VL vision config needs {missing} to build its resampler; give the full model's "
-            "config (Ernie4_5_VLMoeConfig) or a tower-only save that carries them (`tower_only_config`)"
-        )
+    require_fields(
+        config, RESAMPLER_FIELDS, "an ERNIE-4.5-VL vision config",
+        "to build its resampler; give the full model's "
+        "config (Ernie4_5_VLMoeConfig) or a tower-only save that carries them (`tower_only_config`)",
+    )
     return SimpleNamespace(
         vision_config=config,
         text_config=SimpleNamespace(hidden_size=config.text_hidden_size, rms_norm_eps=config.text_rms_norm_eps),

@@ -26,7 +26,7 @@ import torch
 
 from vitpool.errors import CheckpointError
 from vitpool.models.compat import check_tower_parts
-from vitpool.models.projected import tower_and_projector
+from vitpool.models.projected import require_fields, tower_and_projector
 from vitpool.models.tile_rules import TileRules
 from vitpool.models.tiled import TiledAdapter, install_kernels
 
@@ -62,13 +62,12 @@ def projector_config(config: Any) -> Any:
     """
     if getattr(config, "text_config", None) is not None:
         return config
-    missing = [name for name in PROJECTOR_FIELDS if getattr(config, name, None) is None]
-    if missing:
-        raise ValueError(
-            f"a Gemma 3 vision config needs {missing} to build its multi_modal_projector; give the full "
-            "model's config (Gemma3Config) or a tower-only save that carries them (a plain SigLIP tower "
-            "has no projector for vitpool to run)"
-        )
+    require_fields(
+        config, PROJECTOR_FIELDS, "a Gemma 3 vision config",
+        "to build its multi_modal_projector; give the full "
+        "model's config (Gemma3Config) or a tower-only save that carries them (a plain SigLIP tower "
+        "has no projector for vitpool to run)",
+    )
     return SimpleNamespace(
         vision_config=config,
         text_config=SimpleNamespace(hidden_size=config.text_hidden_size),

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from vitpool.models.compat import check_tower_parts
+from vitpool.models.projected import require_fields
 from vitpool.models.tile_rules import TileRules
 from vitpool.models.tiled import TiledAdapter, install_kernels
 
@@ -83,12 +84,11 @@ def connector_config(config: Any) -> Any:
     config carrying CONNECTOR_FIELDS (a tower-only save)."""
     if getattr(config, "text_config", None) is not None:
         return config
-    missing = [name for name in CONNECTOR_FIELDS if getattr(config, name, None) is None]
-    if missing:
-        raise ValueError(
-            f"an Idefics3 / SmolVLM vision config needs {missing} to build its connector; give the full "
-            "model's config (Idefics3Config, SmolVLMConfig) or a tower-only save that carries them"
-        )
+    require_fields(
+        config, CONNECTOR_FIELDS, "an Idefics3 / SmolVLM vision config",
+        "to build its connector; give the full "
+        "model's config (Idefics3Config, SmolVLMConfig) or a tower-only save that carries them",
+    )
     return SimpleNamespace(
         vision_config=config,
         text_config=SimpleNamespace(hidden_size=config.text_hidden_size),

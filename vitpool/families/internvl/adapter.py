@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from vitpool.models.compat import check_tower_parts
-from vitpool.models.projected import tower_and_projector
+from vitpool.models.projected import require_fields, tower_and_projector
 from vitpool.models.tile_rules import TileRules
 from vitpool.models.tiled import TiledAdapter, install_kernels
 
@@ -67,12 +67,11 @@ def projector_config(config: Any) -> Any:
     `InternVLConfig` or from a vision config carrying PROJECTOR_FIELDS (a tower-only save)."""
     if getattr(config, "text_config", None) is not None:
         return config
-    missing = [name for name in PROJECTOR_FIELDS if getattr(config, name, None) is None]
-    if missing:
-        raise ValueError(
-            f"an InternVL vision config needs {missing} to build its projector; give the full model's "
-            "config (InternVLConfig) or a tower-only save that carries them"
-        )
+    require_fields(
+        config, PROJECTOR_FIELDS, "an InternVL vision config",
+        "to build its projector; give the full model's "
+        "config (InternVLConfig) or a tower-only save that carries them",
+    )
     return SimpleNamespace(
         vision_config=config,
         text_config=SimpleNamespace(hidden_size=config.text_hidden_size),

@@ -40,7 +40,7 @@ from vitpool.families.kimi_k25.rules import CLIP, EXTRA_ROWS, KimiK25Rules
 from vitpool.models.compat import check_tower_parts
 from vitpool.models.patch_adapter import PatchRowAdapter, renamed_key
 from vitpool.models.patch_rules import Grid
-from vitpool.models.projected import tower_and_projector
+from vitpool.models.projected import require_fields, tower_and_projector
 from vitpool.models.protocol import TensorSpec
 from vitpool.packing import Budget
 from vitpool.specs import ItemSpec
@@ -65,12 +65,11 @@ def projector_config(config: Any) -> Any:
     config carrying PROJECTOR_FIELDS (a tower-only save)."""
     if getattr(config, "text_config", None) is not None:
         return config
-    missing = [name for name in PROJECTOR_FIELDS if getattr(config, name, None) is None]
-    if missing:
-        raise ValueError(
-            f"a Kimi-K2.5 vision config needs {missing} to build its mm_projector; "
-            "give the full model's config (Kimi_K25Config) or a tower-only save that carries them"
-        )
+    require_fields(
+        config, PROJECTOR_FIELDS, "a Kimi-K2.5 vision config",
+        "to build its mm_projector; "
+        "give the full model's config (Kimi_K25Config) or a tower-only save that carries them",
+    )
     return SimpleNamespace(
         vision_config=config,
         text_config=SimpleNamespace(hidden_size=config.text_hidden_size),

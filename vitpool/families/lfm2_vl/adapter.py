@@ -51,7 +51,7 @@ from vitpool.families.lfm2_vl.rules import Lfm2VlRules, Shape, parse_spatial_sha
 from vitpool.kernels.attention import install_packed_attention, packed_attention
 from vitpool.models.compat import check_tower_parts
 from vitpool.models.patch_adapter import renamed_key
-from vitpool.models.projected import tower_and_projector
+from vitpool.models.projected import require_fields, tower_and_projector
 from vitpool.models.protocol import TensorSpec, zero_metadata
 from vitpool.packing import Budget
 from vitpool.specs import IMAGE, ItemSpec
@@ -97,13 +97,12 @@ def projector_config(config: Any) -> Any:
     `tower_only_config`."""
     if getattr(config, "text_config", None) is not None:
         config = tower_only_config(config)
-    missing = [name for name in (TEXT_HIDDEN_SIZE, *PROJECTOR_FIELDS) if getattr(config, name, None) is None]
-    if missing:
-        raise ValueError(
-            f"LFM2-VL's projector needs {missing} besides the SigLIP2 vision config: give the full model's "
-            "config (Lfm2VlConfig) or a tower-only save written with tower_only_config; "
-            f"got a {type(config).__name__} (model_type {getattr(config, 'model_type', None)!r})"
-        )
+    require_fields(
+        config, (TEXT_HIDDEN_SIZE, *PROJECTOR_FIELDS), "LFM2-VL's projector",
+        "besides the SigLIP2 vision config: give the full model's "
+        "config (Lfm2VlConfig) or a tower-only save written with tower_only_config; "
+        f"got a {type(config).__name__} (model_type {getattr(config, 'model_type', None)!r})",
+    )
     return SimpleNamespace(
         vision_config=config,
         text_config=SimpleNamespace(hidden_size=int(getattr(config, TEXT_HIDDEN_SIZE))),

@@ -40,7 +40,7 @@ from vitpool.errors import CheckpointError, ConfigError
 from vitpool.families.llava_onevision.rules import LlavaOnevisionRules, max_num_patches_of
 from vitpool.families.llava_onevision.taps import NEWLINE, TAPS, item_taps
 from vitpool.models.compat import check_tower_parts
-from vitpool.models.projected import tower_and_projector
+from vitpool.models.projected import require_fields, tower_and_projector
 from vitpool.models.protocol import BudgetRange, TensorSpec, zero_metadata
 from vitpool.models.tiled import install_kernels
 from vitpool.packing import SEQUENCES, Budget
@@ -103,12 +103,11 @@ def projector_config(config: Any) -> Any:
     """
     if getattr(config, "text_config", None) is not None:
         return config
-    missing = [name for name in PROJECTOR_FIELDS if getattr(config, name, None) is None]
-    if missing:
-        raise ValueError(
-            f"a LLaVA-OneVision vision config needs {missing} to build its projector and pack its features; give "
-            "the full model's config (LlavaOnevisionConfig) or a tower-only save written from tower_only_config"
-        )
+    require_fields(
+        config, PROJECTOR_FIELDS, "a LLaVA-OneVision vision config",
+        "to build its projector and pack its features; give "
+        "the full model's config (LlavaOnevisionConfig) or a tower-only save written from tower_only_config",
+    )
     return SimpleNamespace(
         vision_config=config,
         text_config=SimpleNamespace(hidden_size=config.text_hidden_size),

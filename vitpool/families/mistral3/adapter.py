@@ -49,7 +49,7 @@ from vitpool.kernels.attention import install_packed_attention
 from vitpool.models.compat import check_tower_parts
 from vitpool.models.patch_adapter import renamed_key
 from vitpool.models.patch_rules import Grid, sample_grids
-from vitpool.models.projected import tower_and_projector
+from vitpool.models.projected import require_fields, tower_and_projector
 from vitpool.models.protocol import TensorSpec, zero_metadata
 from vitpool.models.spatial_merge import item_cu_seqlens, item_grids
 from vitpool.packing import Budget
@@ -122,13 +122,12 @@ def projector_config(config: Any) -> Any:
     """What `Mistral3MultiModalProjector` reads (`vision_config`, `text_config.hidden_size` and
     `rms_norm_eps`, `spatial_merge_size`, `projector_hidden_act`, `multimodal_projector_bias`,
     `vision_feature_layer`), from a vision config carrying PROJECTOR_FIELDS (`tower_only_config`)."""
-    missing = [name for name in PROJECTOR_FIELDS if getattr(config, name, None) is None]
-    if missing:
-        raise ValueError(
-            f"Mistral 3's projector needs {missing} besides the Pixtral vision config: give the full model's "
-            "config (Mistral3Config) or a tower-only save written with tower_only_config; "
-            f"got a {type(config).__name__} (model_type {getattr(config, 'model_type', None)!r})"
-        )
+    require_fields(
+        config, PROJECTOR_FIELDS, "Mistral 3's projector",
+        "besides the Pixtral vision config: give the full model's "
+        "config (Mistral3Config) or a tower-only save written with tower_only_config; "
+        f"got a {type(config).__name__} (model_type {getattr(config, 'model_type', None)!r})",
+    )
     return SimpleNamespace(
         vision_config=config,
         text_config=SimpleNamespace(hidden_size=config.text_hidden_size, rms_norm_eps=config.text_rms_norm_eps),
