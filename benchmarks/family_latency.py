@@ -214,6 +214,21 @@ def hugging_face_eager(family: str, module: torch.nn.Module, items: list) -> tor
     return module(pixels, grid_thw=grid).pooler_output
 
 
+def flagship_encoder(
+    family: str, vision_config: dict, device: str = "cuda", dtype: torch.dtype = torch.bfloat16, **options: object
+) -> GraphEncoder:
+    """vitpool's encoder of `family` from `vision_config` (a flagship's, or a cut-down copy) and what
+    its tower-only config adds (PROJECTOR_FIELDS), with random weights (seed 0) and the parameters
+    that start at zero given random values (`randomize_zero_parameters`)."""
+    config = {**vision_config, **PROJECTOR_FIELDS.get(family, {}), "model_type": VISION_MODEL_TYPES[family]}
+    with tempfile.TemporaryDirectory() as directory:
+        (Path(directory) / "config.json").write_text(json.dumps(config))
+        torch.manual_seed(0)
+        encoder = GraphEncoder.from_pretrained(directory, device=device, dtype=dtype, **options)
+    randomize_zero_parameters(encoder.adapter.tower)
+    return encoder
+
+
 def randomize_zero_parameters(module: torch.nn.Module) -> None:
     """Random values, in place, for the parameters that start at zero when no weights are loaded
     (Gemma 3's `mm_input_projection_weight`): else both paths give all-zero tokens and the
@@ -237,17 +252,10 @@ def measure(
     family: str, vision_config: dict, runs: int, warmup: int, compiled: bool = False, compiled_blocks: bool = False,
     only: set[str] | None = None, baseline_attention: str | None = None, fp8: bool = False,
 ) -> dict:
-    config = {**vision_config, **PROJECTOR_FIELDS.get(family, {}), "model_type": VISION_MODEL_TYPES[family]}
     gc.collect()  # the previous family's encoder and reference, held by reference cycles
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    with tempfile.TemporaryDirectory() as directory:
-        (Path(directory) / "config.json").write_text(json.dumps(config))
-        torch.manual_seed(0)
-        encoder = GraphEncoder.from_pretrained(
-            directory, device="cuda", dtype=torch.bfloat16, compiled_blocks=compiled_blocks
-        )
-    randomize_zero_parameters(encoder.adapter.tower)
+    encoder = flagship_encoder(family, vision_config, compiled_blocks=compiled_blocks)
     torch.cuda.synchronize()
     weights = sum(p.numel() * p.element_size() for p in encoder.adapter.tower.parameters())
     # the encoder's memory once captured: weights, static buffers and the graphs' pool

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 
@@ -19,10 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # family_latency.p
 
 import torch
 from common import summarize, time_ms
-from family_latency import CONFIGS, PROJECTOR_FIELDS, VISION_MODEL_TYPES, workloads
+from family_latency import CONFIGS, VISION_MODEL_TYPES, flagship_encoder, workloads
 from torch.profiler import ProfilerActivity, profile
-
-from vitpool import GraphEncoder
 
 
 def main() -> None:
@@ -32,10 +29,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=20)
     args = parser.parse_args()
     vision = json.loads(CONFIGS.read_text())[args.family]["vision_config"]
-    config = {**vision, **PROJECTOR_FIELDS.get(args.family, {}), "model_type": VISION_MODEL_TYPES[args.family]}
-    with tempfile.TemporaryDirectory() as directory:
-        (Path(directory) / "config.json").write_text(json.dumps(config))
-        encoder = GraphEncoder.from_pretrained(directory, device="cuda", dtype=torch.bfloat16)
+    encoder = flagship_encoder(args.family, vision)
     items = workloads(args.family, vision)[args.workload]
     before = encoder.stats()
     encoder.encode(items)

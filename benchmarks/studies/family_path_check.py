@@ -12,23 +12,12 @@ import argparse
 import copy
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # family_latency.py lives one folder up
 
 import torch
-from family_latency import (
-    CONFIGS,
-    PROJECTOR_FIELDS,
-    VISION_MODEL_TYPES,
-    hugging_face_eager,
-    randomize_zero_parameters,
-    use_sdpa,
-    workloads,
-)
-
-from vitpool import GraphEncoder
+from family_latency import CONFIGS, flagship_encoder, hugging_face_eager, use_sdpa, workloads
 
 LAYER_KEYS = ("num_hidden_layers", "depth", "num_layers")
 
@@ -43,12 +32,7 @@ def main() -> None:
     entry = json.loads((args.config or CONFIGS).read_text())
     vision = entry["vision_config"] if args.config else entry[args.family]["vision_config"]
     short = {key: (args.layers if key in LAYER_KEYS else value) for key, value in vision.items()}
-    config = {**short, **PROJECTOR_FIELDS.get(args.family, {}), "model_type": VISION_MODEL_TYPES[args.family]}
-    with tempfile.TemporaryDirectory() as directory:
-        (Path(directory) / "config.json").write_text(json.dumps(config))
-        torch.manual_seed(0)
-        encoder = GraphEncoder.from_pretrained(directory, device="cpu", dtype=torch.float32)
-    randomize_zero_parameters(encoder.adapter.tower)  # as family_latency.measure does
+    encoder = flagship_encoder(args.family, short, device="cpu", dtype=torch.float32)  # as measure builds it
     reference = use_sdpa(copy.deepcopy(encoder.adapter.tower))
     only = set(args.workloads.split(",")) if args.workloads else None
     worst = 0.0

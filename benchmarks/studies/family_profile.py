@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 
@@ -19,11 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py etc. l
 
 import torch
 from common import summarize, time_ms
-from family_latency import CONFIGS, PROJECTOR_FIELDS, VISION_MODEL_TYPES, workloads
+from family_latency import CONFIGS, VISION_MODEL_TYPES, flagship_encoder, workloads
 from kernel_breakdown import kernel_class
 from torch.profiler import ProfilerActivity, profile
-
-from vitpool import GraphEncoder
 
 
 def main() -> None:
@@ -34,12 +31,7 @@ def main() -> None:
     parser.add_argument("--compiled-blocks", action="store_true")
     args = parser.parse_args()
     vision = json.loads(CONFIGS.read_text())[args.family]["vision_config"]
-    config = {**vision, **PROJECTOR_FIELDS.get(args.family, {}), "model_type": VISION_MODEL_TYPES[args.family]}
-    with tempfile.TemporaryDirectory() as directory:
-        (Path(directory) / "config.json").write_text(json.dumps(config))
-        encoder = GraphEncoder.from_pretrained(
-            directory, device="cuda", dtype=torch.bfloat16, compiled_blocks=args.compiled_blocks
-        )
+    encoder = flagship_encoder(args.family, vision, compiled_blocks=args.compiled_blocks)
     loads = workloads(args.family, vision)
     name = args.workload or next(iter(loads))
     items = loads[name]
