@@ -9,13 +9,14 @@ merger sits, the position table, the LLM's width), so the two cases do not test 
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 from family_cases.common import randomize
+from family_cases.minicpmv4_6 import TINY_TEXT as TINY_TEXT_4_6
+from family_cases.minicpmv4_6 import encoder_module, strip_of  # 4.6's encoder module runs 4.7's parts
 
 from vitpool import GraphEncoder, Image, Video
 from vitpool.families.minicpmv4_7.adapter import missing_transformers_model
@@ -31,13 +32,7 @@ TINY_VISION = {
     "hidden_size": 48, "intermediate_size": 80, "num_hidden_layers": 4, "num_attention_heads": 3,
     "image_size": 6 * PATCH, "patch_size": PATCH,  # a 6 x 6 position table
 }
-TINY_TEXT = {
-    "model_type": "qwen3_5_text", "vocab_size": 64, "hidden_size": TEXT_HIDDEN, "intermediate_size": 64,
-    "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
-    "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_num_key_heads": 2,
-    "linear_num_value_heads": 2,
-    "layer_types": ["full_attention"],
-}
+TINY_TEXT = {**TINY_TEXT_4_6, "hidden_size": TEXT_HIDDEN}  # 4.6's one-layer Qwen3.5 text model, another width
 # the window merger after block 2 of 4: blocks run at full and at merged resolution
 INSERT_LAYER_ID = 2
 
@@ -60,18 +55,6 @@ def tiny_model(seed: int = 0) -> torch.nn.Module:
     randomize(model.merger, seed + 1)
     model.config.vision_config._attn_implementation = "sdpa"
     return model.eval().requires_grad_(False)
-
-
-def encoder_module(model: torch.nn.Module) -> torch.nn.Module:
-    """vitpool's encoder module (4.6's) over copies of the model's tower and Merger."""
-    from vitpool.families.minicpmv4_6.adapter import MiniCPMV4_6Encoder
-
-    return MiniCPMV4_6Encoder(copy.deepcopy(model.vision_tower), copy.deepcopy(model.merger))
-
-
-def strip_of(rows: torch.Tensor) -> torch.Tensor:
-    """Patch rows [N, C, P, P] back to the processor's strip [1, C, P, N*P]."""
-    return rows.permute(1, 2, 0, 3).reshape(1, rows.shape[1], rows.shape[2], -1)
 
 
 def image_features(model: torch.nn.Module, item: Any) -> torch.Tensor:
