@@ -253,7 +253,7 @@ def _ints(values: Any) -> tuple[int, ...]:
 
 
 # What an encoder's `attention` option takes (see `EncoderOptions`): "auto" picks per batch.
-ATTENTION_CHOICES = ("auto", "fa2", "fa4")
+ATTENTION_CHOICES = ("auto", "cudnn", "fa2", "fa4")
 # What an encoder's `precision` option takes: "fp8" runs the blocks' GEMMs in FP8 on a GPU.
 PRECISION_CHOICES = ("bf16", "fp8")
 # What an encoder's `dtype` option takes, by name (`vitpool.dtypes` turns a name into torch's).
@@ -299,10 +299,13 @@ class EncoderOptions:
             a torch dtype). None: bfloat16 on a GPU, float32 on a CPU.
         attention: the attention kernel on a GPU (`vitpool.kernels.attention`). "auto" (default):
             FlashAttention-4 where the optional `flash-attn-4` package is installed and the GPU
-            is Hopper or newer, for graphs and eager batches whose sequences are long;
-            FlashAttention-2 (`varlen_attn`) for the rest. "fa2": FlashAttention-2 always
-            (debugging, GPUs where FA4 does not help). "fa4": FlashAttention-4 always
-            (ConfigError where it cannot run).
+            is Hopper or newer, for graphs and eager batches whose sequences are long; cuDNN's
+            fused attention over the packed sequences (the cuDNN frontend, installed with
+            vitpool on Linux) for the rest on Hopper or newer; FlashAttention-2 (`varlen_attn`)
+            where neither runs. "cudnn": packed cuDNN always (ConfigError where it cannot run).
+            "fa2": FlashAttention-2 always (debugging, the path before packed cuDNN). "fa4":
+            FlashAttention-4 always (ConfigError where it cannot run). A tower whose head size
+            cuDNN cannot take (not a multiple of 8, or over 128) runs FA2 instead.
         fused_ops: on a GPU, run every family's rotary embedding as one Triton kernel per tensor,
             its patch embedding as a GEMM, and the first bias and tanh GELU of its two-layer MLPs
             in the GEMM's epilogue (`vitpool.kernels.fused`). False: Hugging Face's own code

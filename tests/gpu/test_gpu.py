@@ -99,7 +99,9 @@ def test_an_eager_batch_picks_its_attention_from_its_boundaries(monkeypatch, gpu
     original = attention.eager_backend
     monkeypatch.setattr(attention, "eager_backend", lambda *args: decisions.append(original(*args)) or decisions[-1])
     device = gpu_encoder.device
-    long_image = "fa4" if attention.fa4_available(device) else "cudnn" if attention.cudnn_available(device) else "fa2"
+    packed = attention.cudnn_packed_available(device)
+    dense = "cudnn" if attention.cudnn_available(device) else "fa2"
+    long_image = "fa4" if attention.fa4_available(device) else attention.CUDNN_PACKED if packed else dense
     items = [image(96, 96, torch.Generator().manual_seed(5))]  # 9216 rows: one long sequence, eager
     assert 96 * 96 >= attention.FA4_MIN_ROWS_PER_SEQUENCE
     assert_close_to_reference(gpu_reference, items, gpu_encoder.encode(items))
@@ -107,19 +109,22 @@ def test_an_eager_batch_picks_its_attention_from_its_boundaries(monkeypatch, gpu
     decisions.clear()
     clip = [video(4, 24, 24, torch.Generator().manual_seed(6))]  # 4 frames of 576 rows: eager
     assert_close_to_reference(gpu_reference, clip, gpu_encoder.encode(clip))
-    assert decisions and set(decisions) == {"fa2"}
+    assert decisions and set(decisions) == {attention.CUDNN_PACKED if packed else "fa2"}
     decisions.clear()
     gpu_encoder.encode([image(10, 10)])
     assert decisions == []
 
 
-def test_one_image_filling_a_budget_replays_its_dense_graph(gpu_encoder, gpu_reference):
-    """A budget of 1024 rows has a second graph with cuDNN attention over all its rows, replayed for
-    a batch of one image that fills most of it; two images in that budget replay the packed one."""
+def test_one_image_filling_a_budget_replays_its_dense_graph(monkeypatch, gpu_reference):
+    """Where packed cuDNN does not run (FA2 graphs), a budget of 1024 rows has a second graph with
+    cuDNN attention over all its rows, replayed for a batch of one image that fills most of it; two
+    images in that budget replay the packed one. (With packed cuDNN there is no second graph.)"""
     from vitpool.kernels import attention
 
-    if not attention.cudnn_available(gpu_encoder.device):
+    if not attention.cudnn_available(torch.device("cuda", torch.cuda.current_device())):
         pytest.skip("no cuDNN attention on this GPU")
+    monkeypatch.setattr(attention, "cudnn_packed_available", lambda device: False)
+    gpu_encoder = GraphEncoder.from_pretrained(None, budgets=BUDGETS, device="cuda", dtype=torch.bfloat16)
     assert [tokens for tokens, _ in gpu_encoder.stats().dense_graphs] == [256]
     one = [image(30, 32, torch.Generator().manual_seed(12))]  # 960 of the budget's 1024 rows
     before = gpu_encoder.stats()

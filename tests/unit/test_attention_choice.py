@@ -11,23 +11,29 @@ import torch
 from vitpool.kernels import attention
 from vitpool.kernels.attention import (
     CUDNN_MIN_ROWS_PER_SEQUENCE,
+    CUDNN_PACKED,
     DENSE_BUCKET_ROWS,
     FA4_MIN_ROWS_PER_SEQUENCE,
     dense_attention,
     eager_backend,
+    forced_backend,
     graph_backend,
     leading_sequence_attention,
+    wants_dense_graph,
 )
+from vitpool.kernels.cudnn_packed import bucketed_shape, cudnn_packed_available, cudnn_packed_takes
 
 CUDA = torch.device("cuda", 0)
 
 
 @pytest.fixture
 def fa4(monkeypatch):
-    """Pretend FlashAttention-4 can run (or not) on the GPU."""
+    """Pretend FlashAttention-4 can run (or not) on the GPU, and packed cuDNN not (unless
+    `packed=True`)."""
 
-    def set_available(available: bool) -> None:
+    def set_available(available: bool, packed: bool = False) -> None:
         monkeypatch.setattr(attention, "fa4_available", lambda device: available)
+        monkeypatch.setattr(attention, "cudnn_packed_available", lambda device: packed)
 
     return set_available
 
@@ -71,6 +77,93 @@ def test_a_graph_takes_fa4_where_its_sequences_may_be_long(fa4, choice, availabl
 )
 def test_an_eager_batch_picks_from_its_boundaries(boundaries, rows, fa4_here, cudnn_here, expected):
     assert eager_backend(boundaries, rows, fa4_here, cudnn_here) == expected
+
+
+@pytest.mark.parametrize(
+    "choice, fa4_here, packed_here, rows, sequences, expected",
+    [
+        ("auto", False, True, 4096, 64, CUDNN_PACKED),  # the default install on Hopper: every graph
+        ("auto", False, True, 256, 1, CUDNN_PACKED),
+        ("auto", True, True, 4096, 4, "fa4"),  # FA4 installed: still its long sequences
+        ("auto", True, True, 4096, 32, CUDNN_PACKED),  # ... and packed cuDNN for the short ones
+        ("auto", False, False, 4096, 64, "fa2"),  # neither runs: the fallback
+        ("cudnn", False, False, 4096, 64, CUDNN_PACKED),  # forced (the encoder refuses it where it cannot run)
+        ("fa2", True, True, 4096, 4, "fa2"),
+    ],
+)
+def test_a_graph_takes_packed_cudnn_where_it_runs(fa4, choice, fa4_here, packed_here, rows, sequences, expected):
+    fa4(fa4_here, packed=packed_here)
+    assert graph_backend(choice, CUDA, rows, sequences) == expected
+
+
+@pytest.mark.parametrize(
+    "boundaries, rows, fa4_here, expected",
+    [
+        ((0, 576, 1152, 1728, 2304), 2304, False, CUDNN_PACKED),  # a clip's short frames
+        ((0, 100), 100, False, CUDNN_PACKED),
+        ((0, 2000, 6000), 6000, False, CUDNN_PACKED),  # a short and a long sequence: one call
+        ((0, 9216, 9216), 9216, True, "fa4"),  # FA4 installed keeps its long sequences
+        ((0, 3136), 3200, False, "fa2"),  # rows not all covered: boundaries not understood
+    ],
+)
+def test_an_eager_batch_takes_packed_cudnn_where_it_runs(boundaries, rows, fa4_here, expected):
+    assert eager_backend(boundaries, rows, fa4_here, True, cudnn_packed=True) == expected
+
+
+def test_no_dense_graph_where_the_graphs_run_packed_cudnn(fa4, monkeypatch):
+    monkeypatch.setattr(attention, "cudnn_available", lambda device: True)
+    fa4(False, packed=True)
+    assert not wants_dense_graph("auto", CUDA, 4096, 64)
+    fa4(False, packed=False)  # the FA2 fallback keeps its dense graph for one large image
+    assert wants_dense_graph("auto", CUDA, 4096, 64)
+
+
+@pytest.mark.parametrize(
+    "sequences, longest, expected",
+    [(1, 1, (1, 512)), (3, 600, (4, 1024)), (4, 1024, (4, 1024)), (5, 9604, (8, 16384)), (0, 0, (1, 512))],
+)
+def test_an_eager_batch_plan_is_rounded_up_to_few_shapes(sequences, longest, expected):
+    assert bucketed_shape(sequences, longest) == expected
+    plan_sequences, plan_length = bucketed_shape(sequences, longest)
+    assert plan_sequences >= sequences and plan_length >= longest
+
+
+def test_an_encoder_choice_forces_its_kernel_on_eager_batches():
+    assert forced_backend("auto") is None
+    assert forced_backend("cudnn") == CUDNN_PACKED
+    assert forced_backend("fa2") == "fa2" and forced_backend("fa4") == "fa4"
+
+
+def test_packed_cudnn_is_never_available_off_the_gpu():
+    assert cudnn_packed_available(torch.device("cpu")) is False
+
+
+@pytest.mark.parametrize(
+    "head_dim, dtype, takes",
+    [(72, torch.bfloat16, True), (128, torch.float16, True), (80, torch.bfloat16, True),
+     (100, torch.bfloat16, False), (136, torch.bfloat16, False), (72, torch.float32, False)],
+)
+def test_packed_cudnn_takes_head_sizes_multiple_of_8_up_to_128_in_half_precision(head_dim, dtype, takes):
+    assert cudnn_packed_takes(head_dim, dtype) is takes
+
+
+def test_a_cpu_encoder_takes_the_cudnn_choice_and_encodes_as_auto():
+    """On a CPU every choice runs the block-diagonal SDPA: "cudnn" is accepted there (a pool's
+    settings travel to GPU and CPU actors alike) and gives the same tokens."""
+    from vitpool import GraphEncoder, Image
+
+    item = Image(torch.randn(64, 1536, generator=torch.Generator().manual_seed(1)), (1, 8, 8))
+    auto = GraphEncoder.from_pretrained(None, budgets=[64], device="cpu").encode([item])[0]
+    forced = GraphEncoder.from_pretrained(None, budgets=[64], device="cpu", attention="cudnn").encode([item])[0]
+    assert torch.equal(auto.tokens, forced.tokens)
+
+
+def test_an_unknown_attention_choice_names_the_choices():
+    from vitpool.errors import ConfigError
+    from vitpool.specs import EncoderOptions
+
+    with pytest.raises(ConfigError, match="cudnn"):
+        EncoderOptions(attention="cudnn-packed")
 
 
 @pytest.mark.parametrize("lengths", [[300], [DENSE_BUCKET_ROWS], [1, 513, 40], [700, 0, 129]])

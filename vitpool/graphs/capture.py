@@ -130,20 +130,23 @@ def _capture(
     dense: bool = False,
 ) -> SegmentedGraph:
     runner.fill_random(budget, rng, generator)
-    # warm-up on a side stream: lazy initialisation (cuBLAS handles, kernels) stays out of the graph
-    side_stream = torch.cuda.Stream(runner.device)
-    side_stream.wait_stream(torch.cuda.current_stream(runner.device))
-    with torch.cuda.stream(side_stream):
+    # warm-up on a side stream: lazy initialisation (cuBLAS handles, kernels, cuDNN plans) stays
+    # out of the graph. The capture runs on the same stream, so that a kernel which binds its
+    # library handle to the stream (cuDNN's packed attention) binds it here, outside the capture,
+    # where cudnnSetStream may run (inside, it failed: cudaErrorStreamCaptureInvalidated).
+    stream = torch.cuda.Stream(runner.device)
+    stream.wait_stream(torch.cuda.current_stream(runner.device))
+    with torch.cuda.stream(stream):
         _forward_into_outputs(runner, budget, dense)
-    torch.cuda.current_stream(runner.device).wait_stream(side_stream)
+    torch.cuda.current_stream(runner.device).wait_stream(stream)
     cuts = runner.cut_points(budget)
     with _workspace_in_graph_pool():
         if not cuts:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
                 _forward_into_outputs(runner, budget, dense)
             return SegmentedGraph([graph])
-        with segmented_capture(cuts, pool, runner.device) as graphs:
+        with segmented_capture(cuts, pool, runner.device, stream) as graphs:
             _forward_into_outputs(runner, budget, dense)
         return SegmentedGraph(graphs)
 

@@ -27,6 +27,7 @@ from vitpool.items import PreparedItem
 from vitpool.kernels.attention import (
     DENSE_MIN_FILL,
     LEADING_SEQUENCE,
+    forced_backend,
     graph_backend,
     host_boundaries,
     is_boundary,
@@ -174,11 +175,9 @@ class BatchRunner:
         metadata = {name: tensor.to(self.device) for name, tensor in on_host.items()}
         finite = finite_rows(pixels)
         _zero_nonfinite(pixels)
-        # not captured: with "auto" the attention hook picks its kernel from the batch's
-        # boundaries on the host (backend None)
-        auto = self.attention == "auto"
-        boundaries = host_boundaries(on_host, metadata) if auto else contextlib.nullcontext()
-        with boundaries, self.kernels(None if auto else self.attention):
+        # not captured: the batch's boundaries on the host, from which the attention hook picks its
+        # kernel under "auto" (backend None) and sizes packed cuDNN's plan
+        with host_boundaries(on_host, metadata), self.kernels(forced_backend(self.attention)):
             return self.adapter.forward(pixels, metadata), finite
 
     def fill(self, budget: Budget, specs: Sequence[ItemSpec], pixel_list: Sequence[torch.Tensor]) -> int:

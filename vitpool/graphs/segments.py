@@ -79,11 +79,11 @@ def cut_points(tower: torch.nn.Module, blocks_per_segment: int = BLOCKS_PER_SEGM
 
 @contextlib.contextmanager
 def segmented_capture(
-    cut_before: list[torch.nn.Module], pool: tuple, device: torch.device
+    cut_before: list[torch.nn.Module], pool: tuple, device: torch.device, stream: torch.cuda.Stream | None = None
 ) -> Iterator[list[torch.cuda.CUDAGraph]]:
     """Capture the work queued inside into graphs (the yielded list fills in), a new one begun
     wherever one of `cut_before` is about to run. As `torch.cuda.graph`: the device synchronised
-    first, captured on a side stream, into `pool`."""
+    first, captured on a side stream (`stream`, or a new one), into `pool`."""
     graphs = [torch.cuda.CUDAGraph()]
 
     def cut(_module: torch.nn.Module, _args: Any) -> None:
@@ -92,7 +92,7 @@ def segmented_capture(
         graphs[-1].capture_begin(pool=pool)
 
     torch.cuda.synchronize(device)
-    stream = torch.cuda.Stream(device)
+    stream = torch.cuda.Stream(device) if stream is None else stream
     handles = [block.register_forward_pre_hook(cut) for block in cut_before]
     try:
         with torch.cuda.stream(stream):

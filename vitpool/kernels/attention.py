@@ -5,27 +5,30 @@ The name contains "flash" so that the towers take their packed-sequence path: th
 On a CPU (fp32) it runs SDPA with a block-diagonal mask built from `cu_seqlens`. On CUDA in half
 precision it runs one of these kernels (all free of host synchronisation, so all capturable):
 
+- CUDNN_PACKED: cuDNN's fused attention over the packed sequences, through the cuDNN frontend
+  (`vitpool.kernels.cudnn_packed`; Hopper and newer, head sizes multiples of 8 up to 128). It is
+  Hopper's flash kernel for many sequences in one call: the default wherever it runs, in every
+  budget's graph and in eager batches. User choice "cudnn";
 - "fa2": PyTorch's own FlashAttention-2, `varlen_attn` (always there: the fallback);
-- "cudnn": SDPA's cuDNN kernel (Hopper's flash kernel, what Hugging Face eager runs), dense. At
-  the towers' head size 72 it beats FA2 on one long sequence, but it has no packed form that can
-  be captured, a padding mask takes its gain away, and it builds a plan for every new shape, too
-  slow for a call's path. So it runs where one dense call serves a whole sequence: in an
-  eager batch, whose boundaries are known on the host, one call per long sequence, padded to a
-  multiple of `DENSE_BUCKET_ROWS` rows so that the plans stay few (`dense_attention`); and in a
-  budget's second graph, for a batch of one sequence and its padding (`LEADING_SEQUENCE`,
-  `leading_sequence_attention`). Padding keys are masked by one extra head dimension, not by a
-  mask tensor;
+- "cudnn": SDPA's cuDNN kernel, dense, for the GPUs and installs without the packed form. It has
+  no packed form that can be captured, a padding mask takes its gain away, and it builds a plan
+  for every new shape, too slow for a call's path. So it runs where one dense call serves a
+  whole sequence: in an eager batch, whose boundaries are known on the host, one call per long
+  sequence, padded to a multiple of `DENSE_BUCKET_ROWS` rows so that the plans stay few
+  (`dense_attention`); and in a budget's second graph, for a batch of one sequence and its
+  padding (`LEADING_SEQUENCE`, `leading_sequence_attention`). Padding keys are masked by one
+  extra head dimension, not by a mask tensor;
 - "fa4": FlashAttention-4 (the optional `flash-attn-4` package, CuTe DSL; Hopper and newer). At
   the towers' head size 72 it is much faster than FA2 on long sequences but slower on many short
   ones.
 
 The encoder picks per graph (`use_attention` around capture: FA4 for graphs whose sequences
-may be long, FA2 for the rest, and cuDNN for the second graph `wants_dense_graph` asks for) and,
-for an eager run at the items' own size, lets the hook pick from the batch's boundaries, which it
-declares on the host with `host_boundaries` (`benchmarks/studies/attention_backends.py` and
-`dense_attention.py` measure them; figures: `benchmarks/HISTORY.md`, "FlashAttention-4 and fused ops
-(issue 14, second step)" and "Attention where compute dominates: cuDNN on the default install
-(issue 42, first step)").
+may be long where it is installed, packed cuDNN for the rest, FA2 where neither runs, and dense
+cuDNN for the second graph `wants_dense_graph` asks for only on that FA2 fallback) and, for an
+eager run at the items' own size, lets the hook pick from the batch's boundaries, which it
+declares on the host with `host_boundaries` (`benchmarks/studies/packed_attention.py`,
+`attention_backends.py` and `dense_attention.py` measure them; figures: `benchmarks/RESULTS.md`,
+"Packed cuDNN attention (issue 52)", and `benchmarks/HISTORY.md`).
 """
 
 from __future__ import annotations
@@ -45,6 +48,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 
 from vitpool.kernels.compiled import install_compiled_blocks
+from vitpool.kernels.cudnn_packed import (
+    bucketed_shape,
+    cudnn_packed_available,
+    cudnn_packed_takes,
+    packed_cudnn_attention,
+)
 from vitpool.kernels.fused import install_fused_ops, pad_for_dense_attention
 from vitpool.kernels.scoped import scoped_value
 
@@ -83,6 +92,7 @@ DENSE_BUCKET_ROWS = 256
 DENSE_GRAPH_MIN_ROWS = 1024
 DENSE_MIN_FILL = 0.8
 LEADING_SEQUENCE = "leading_sequence"  # the backend of such a graph
+CUDNN_PACKED = "cudnn_packed"  # cuDNN's fused attention over the packed sequences (user choice "cudnn")
 # While recording (capture): the memory of the boundaries each leading-sequence call read
 _LEADING_SEQUENCE_READS: contextvars.ContextVar[list[tuple[int, int]] | None] = contextvars.ContextVar(
     "vitpool_leading_sequence_reads", default=None
@@ -144,35 +154,47 @@ def cudnn_available(device: torch.device) -> bool:
 
 
 def graph_backend(choice: str, device: torch.device, num_rows: int, max_sequences: int) -> str:
-    """The kernel a graph of `num_rows` rows and at most `max_sequences` sequences is captured with."""
+    """The kernel a graph of `num_rows` rows and at most `max_sequences` sequences is captured with
+    (a tower whose head size packed cuDNN cannot take runs FA2 under CUDNN_PACKED)."""
     if choice == "fa4":
         return "fa4"
+    if choice == "cudnn":
+        return CUDNN_PACKED
     if choice == "auto" and fa4_available(device) and num_rows >= FA4_MIN_ROWS_PER_GRAPH_SEQUENCE * max_sequences:
         return "fa4"
+    if choice == "auto" and cudnn_packed_available(device):
+        return CUDNN_PACKED
     return "fa2"
 
 
-def eager_backend(boundaries: tuple[int, ...], num_rows: int, fa4: bool, cudnn: bool) -> str:
-    """The kernel for a batch run at its own rows whose `cu_seqlens` are `boundaries`, where FA4
-    and cuDNN can run or not."""
+def eager_backend(
+    boundaries: tuple[int, ...], num_rows: int, fa4: bool, cudnn: bool, cudnn_packed: bool = False
+) -> str:
+    """The kernel for a batch run at its own rows whose `cu_seqlens` are `boundaries`, where FA4,
+    dense cuDNN and packed cuDNN can run or not."""
     lengths = [end - start for start, end in itertools.pairwise(boundaries) if end > start]
     if not lengths or boundaries[0] != 0 or boundaries[-1] != num_rows:
         return "fa2"
     if fa4 and sum(lengths) >= FA4_MIN_ROWS_PER_SEQUENCE * len(lengths):
         return "fa4"
+    if cudnn_packed:
+        return CUDNN_PACKED
     if cudnn and len(lengths) <= CUDNN_MAX_SEQUENCES and min(lengths) >= CUDNN_MIN_ROWS_PER_SEQUENCE:
         return "cudnn"
     return "fa2"
 
 
 def use_attention(backend: str | None) -> contextlib.AbstractContextManager[None]:
-    """Run the towers' attention with `backend` ("fa2", "fa4", LEADING_SEQUENCE; None: the hook
-    decides). Under LEADING_SEQUENCE a tower whose head size cuDNN cannot take runs FA2."""
+    """Run the towers' attention with `backend` ("fa2", "fa4", CUDNN_PACKED, LEADING_SEQUENCE; None:
+    the hook decides). Under CUDNN_PACKED and LEADING_SEQUENCE a tower whose head size cuDNN cannot
+    take runs FA2."""
     return scoped_value(_BACKEND, backend)
 
 
 def wants_dense_graph(choice: str, device: torch.device, num_rows: int, max_sequences: int) -> bool:
-    """Whether a graph of `num_rows` rows gets a second capture for one leading sequence."""
+    """Whether a graph of `num_rows` rows gets a second capture for one leading sequence: only where
+    the graph runs FA2 (packed cuDNN already runs Hopper's kernel on the one sequence, and its
+    padding costs only the padding's own attention, not rows² as a dense graph's does)."""
     return (
         choice == "auto"
         and num_rows >= DENSE_GRAPH_MIN_ROWS
@@ -227,18 +249,25 @@ def host_boundaries(
 def _backend_for(
     query: torch.Tensor, cu_seq_lens_q: torch.Tensor, cu_seq_lens_k: torch.Tensor
 ) -> tuple[str, tuple[int, ...] | None]:
-    """The kernel, and the boundaries on the host where the batch declared them."""
-    backend = _BACKEND.get()
-    if backend is not None:
-        return backend, None
+    """The kernel, and the boundaries on the host where the batch declared them (an eager batch)."""
     known = _KNOWN_BOUNDARIES.get()
     key = boundary_key(cu_seq_lens_q)
-    if not known or key not in known or boundary_key(cu_seq_lens_k) != key:
+    boundaries = known.get(key) if known and boundary_key(cu_seq_lens_k) == key else None
+    backend = _BACKEND.get()
+    if backend is not None:
+        return backend, boundaries
+    if boundaries is None:
         return "fa2", None
-    boundaries = known[key]
     device = query.device
-    cudnn = cudnn_takes(query.shape[-1]) and cudnn_available(device)
-    return eager_backend(boundaries, query.shape[0], fa4_available(device), cudnn), boundaries
+    packed = cudnn_packed_takes(query.shape[-1], query.dtype) and cudnn_packed_available(device)
+    cudnn = not packed and cudnn_takes(query.shape[-1]) and cudnn_available(device)
+    return eager_backend(boundaries, query.shape[0], fa4_available(device), cudnn, packed), boundaries
+
+
+def forced_backend(choice: str) -> str | None:
+    """The backend an encoder's `attention` choice imposes on an eager batch (None: "auto", the
+    hook picks from the batch's boundaries)."""
+    return None if choice == "auto" else CUDNN_PACKED if choice == "cudnn" else choice
 
 
 def boundary_key(tensor: torch.Tensor) -> tuple[int, int]:
@@ -289,6 +318,16 @@ def flash_varlen(
 ) -> torch.Tensor:
     """Packed attention over [rows, heads, head_dim] with the kernel `_backend_for` picks."""
     backend, boundaries = _backend_for(q, cu_seq_lens_q, cu_seq_lens_k)
+    same_keys = boundary_key(cu_seq_lens_k) == boundary_key(cu_seq_lens_q) and max_length_k == max_length_q
+    if backend == CUDNN_PACKED and same_keys and cudnn_packed_takes(q.shape[-1], q.dtype):
+        if boundaries is None:  # a graph: the plan of its own shape, built at capture
+            out = packed_cudnn_attention(q, k, v, cu_seq_lens_q, max_length_q, scaling)
+        else:  # an eager batch: its plan's shape rounded up, so that varied batches share few plans
+            longest = max((end - start for start, end in itertools.pairwise(boundaries)), default=1)
+            sequences, max_length = bucketed_shape(len(boundaries) - 1, max(longest, 1))
+            out = packed_cudnn_attention(q, k, v, cu_seq_lens_q, max_length, scaling, sequences)
+        if out is not None:  # (None: no plan for this shape that captures: FA2 below)
+            return out
     if backend == "cudnn" and boundaries is not None:
         return dense_attention(q, k, v, boundaries, scaling)
     if backend == LEADING_SEQUENCE and cudnn_takes(q.shape[-1]):
