@@ -174,3 +174,20 @@ def test_an_eager_batch_on_packed_cudnn_matches_the_tower(cudnn_encoder, referen
     before = cudnn_encoder.stats()
     assert_matches(reference_tower, items, cudnn_encoder.encode(items))
     assert cudnn_encoder.stats().eager_items > before.eager_items
+
+
+def test_the_boundaries_derived_inputs_are_shared_within_one_forward_and_fresh_in_the_next(device):
+    """Every layer of one forward reads the same boundaries: their lengths and offsets are derived
+    once. The next forward, with other boundaries in the same buffer, derives them again."""
+    from vitpool.kernels import cudnn_packed
+
+    q, k, v = (torch.randn((512, 16, 72), device=device, dtype=torch.bfloat16) for _ in range(3))
+    cu_seqlens = torch.tensor([0, 100, 512, 512], device=device, dtype=torch.int32)
+    for boundaries in ([0, 100, 512, 512], [0, 300, 400, 512]):
+        cu_seqlens.copy_(torch.tensor(boundaries, device=device, dtype=torch.int32))
+        with cudnn_packed.one_forward():
+            first = cudnn_packed.packed_cudnn_attention(q, k, v, cu_seqlens, 512, None)
+            second = cudnn_packed.packed_cudnn_attention(q, k, v, cu_seqlens, 512, None)
+            assert len(cudnn_packed._DERIVED.get()) == 1
+        assert torch.equal(first, second)
+        assert relative_error(first, per_sequence_reference(q, k, v, boundaries)) <= TOLERANCE

@@ -52,6 +52,7 @@ from vitpool.kernels.cudnn_packed import (
     bucketed_shape,
     cudnn_packed_available,
     cudnn_packed_takes,
+    one_forward,
     packed_cudnn_attention,
 )
 from vitpool.kernels.fused import install_fused_ops, pad_for_dense_attention
@@ -187,8 +188,15 @@ def eager_backend(
 def use_attention(backend: str | None) -> contextlib.AbstractContextManager[None]:
     """Run the towers' attention with `backend` ("fa2", "fa4", CUDNN_PACKED, LEADING_SEQUENCE; None:
     the hook decides). Under CUDNN_PACKED and LEADING_SEQUENCE a tower whose head size cuDNN cannot
-    take runs FA2."""
-    return scoped_value(_BACKEND, backend)
+    take runs FA2. One forward of a tower each: the inputs packed cuDNN derives from the boundaries
+    are shared by its layers (`cudnn_packed.one_forward`)."""
+    return _one_forward_with(backend)
+
+
+@contextlib.contextmanager
+def _one_forward_with(backend: str | None) -> Iterator[None]:
+    with scoped_value(_BACKEND, backend), one_forward():
+        yield
 
 
 def wants_dense_graph(choice: str, device: torch.device, num_rows: int, max_sequences: int) -> bool:

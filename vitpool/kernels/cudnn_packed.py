@@ -19,10 +19,13 @@ import without one (a CPU-only torch), so everything here is imported lazily and
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +45,12 @@ MAX_EAGER_PLANS = 64
 # after an error inside the capture). Plans of the towers' shapes need a few KB. Larger: not used.
 MAX_WORKSPACE_BYTES = 1 << 20
 _DTYPES = (torch.float16, torch.bfloat16)
+# Within one forward (`one_forward`): what a plan reads besides q, k and v (the boundaries widened
+# to the plan's count, the lengths, the ragged offsets), derived from `cu_seqlens` once and reused
+# by every layer; inside a graph, computed once per replay. Recomputed per layer, these eight small
+# kernels a layer cost a 224² image about 0.45 ms (27 layers; H200). Each entry holds its
+# `cu_seqlens` tensor, so that its memory cannot be handed to other boundaries during the forward.
+_DERIVED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("vitpool_cudnn_derived", default=None)
 
 
 @dataclass(frozen=True)
@@ -218,6 +227,37 @@ def cudnn_packed_available(device: torch.device) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def one_forward() -> Iterator[None]:
+    """Inside, the tensors derived from each `cu_seqlens` are computed once and shared by every
+    call (the layers of one forward, whose boundaries do not change in between)."""
+    token = _DERIVED.set({})
+    try:
+        yield
+    finally:
+        _DERIVED.reset(token)
+
+
+def _derived(
+    cu_seqlens: torch.Tensor, sequences: int, row_strides: tuple[int, ...]
+) -> tuple[torch.Tensor, ...]:
+    """(lengths, then one ragged offset tensor per row stride) for the plan's sequence count."""
+    cache = _DERIVED.get()
+    key = (cu_seqlens.data_ptr(), cu_seqlens.numel(), sequences, row_strides)
+    if cache is not None and key in cache:
+        return cache[key][1]
+    count = cu_seqlens.numel() - 1
+    wide = cu_seqlens.to(torch.int64)
+    if sequences > count:
+        wide = torch.cat((wide, wide[-1:].expand(sequences - count)))
+    lengths = (wide[1:] - wide[:-1]).to(torch.int32)
+    offsets = {stride: wide * stride for stride in dict.fromkeys(row_strides)}
+    derived = (lengths, *(offsets[stride] for stride in row_strides))
+    if cache is not None:
+        cache[key] = (cu_seqlens, derived)
+    return derived
+
+
 def cudnn_packed_takes(head_dim: int, dtype: torch.dtype) -> bool:
     """Whether the kernel takes this head size and dtype."""
     return dtype in _DTYPES and head_dim % 8 == 0 and head_dim <= MAX_HEAD_DIM
@@ -259,9 +299,6 @@ def packed_cudnn_attention(
         raise ValueError(f"{sequences} plan sequences for {count} in cu_seqlens")
     if any(t.stride(-1) != 1 for t in (q, k, v)):
         raise ValueError("packed cuDNN attention needs each head's values contiguous")
-    cu_seqlens = cu_seqlens.to(torch.int64)
-    if sequences > count:
-        cu_seqlens = torch.cat((cu_seqlens, cu_seqlens[-1:].expand(sequences - count)))
     scale = head_dim**-0.5 if scaling is None else float(scaling)
     device = q.device.index if q.device.index is not None else torch.cuda.current_device()
     key = _PlanKey(
@@ -279,7 +316,9 @@ def packed_cudnn_attention(
     if plan.workspace_size > MAX_WORKSPACE_BYTES:
         return None
     out = torch.empty((rows, heads, head_dim), device=q.device, dtype=q.dtype)
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int32)
+    lengths, q_offsets, k_offsets, v_offsets, o_offsets = _derived(
+        cu_seqlens, sequences, (q.stride(0), k.stride(0), v.stride(0), heads * head_dim)
+    )
     workspace = torch.empty((max(plan.workspace_size, 1),), device=q.device, dtype=torch.uint8)
     pack = {
         plan.q: q,
@@ -287,10 +326,10 @@ def packed_cudnn_attention(
         plan.v: v,
         plan.out: out,
         plan.lengths: lengths,
-        plan.q_offsets: cu_seqlens * q.stride(0),
-        plan.k_offsets: cu_seqlens * k.stride(0),
-        plan.v_offsets: cu_seqlens * v.stride(0),
-        plan.o_offsets: cu_seqlens * (heads * head_dim),
+        plan.q_offsets: q_offsets,
+        plan.k_offsets: k_offsets,
+        plan.v_offsets: v_offsets,
+        plan.o_offsets: o_offsets,
     }
     with _PLANS.lock:
         # the handle runs on the stream current now: the capturing stream during a capture
