@@ -13,6 +13,7 @@ metadata buffer (ones it derived itself, which the runner cannot check on the ho
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import random
@@ -24,6 +25,7 @@ import torch
 
 from vitpool.graphs.segments import SegmentedGraph, segmented_capture
 from vitpool.kernels.attention import boundary_key, is_boundary, recording_leading_sequence_reads
+from vitpool.kernels.cudnn_packed import bind_stream
 from vitpool.packing import Budget
 
 if TYPE_CHECKING:
@@ -131,14 +133,17 @@ def _capture(
 ) -> SegmentedGraph:
     runner.fill_random(budget, rng, generator)
     # warm-up on a side stream: lazy initialisation (cuBLAS handles, kernels, cuDNN plans) stays
-    # out of the graph. The capture runs on the same stream, so that a kernel which binds its
-    # library handle to the stream (cuDNN's packed attention) binds it here, outside the capture,
-    # where cudnnSetStream may run (inside, it failed: cudaErrorStreamCaptureInvalidated).
-    stream = torch.cuda.Stream(runner.device)
-    stream.wait_stream(torch.cuda.current_stream(runner.device))
-    with torch.cuda.stream(stream):
+    # out of the graph
+    side_stream = torch.cuda.Stream(runner.device)
+    side_stream.wait_stream(torch.cuda.current_stream(runner.device))
+    with torch.cuda.stream(side_stream):
         _forward_into_outputs(runner, budget, dense)
-    torch.cuda.current_stream(runner.device).wait_stream(stream)
+    torch.cuda.current_stream(runner.device).wait_stream(side_stream)
+    # Every capture runs on one stream per device, to which cuDNN's handle is bound here, outside
+    # the capture: cudnnSetStream inside a capture failed (cudaErrorStreamCaptureInvalidated).
+    # (Warmed up on the capture stream itself, the graphs' startup memory grew 1.5 -> 5.7 GiB.)
+    stream = _capture_stream(runner.device)
+    bind_stream(runner.device, stream)
     cuts = runner.cut_points(budget)
     with _workspace_in_graph_pool():
         if not cuts:
@@ -149,6 +154,12 @@ def _capture(
         with segmented_capture(cuts, pool, runner.device, stream) as graphs:
             _forward_into_outputs(runner, budget, dense)
         return SegmentedGraph(graphs)
+
+
+@functools.lru_cache(maxsize=None)
+def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream every capture on `device` runs on (as torch.cuda.graph's own shared one)."""
+    return torch.cuda.Stream(device)
 
 
 @contextlib.contextmanager

@@ -338,6 +338,17 @@ def packed_cudnn_attention(
     return out
 
 
+def bind_stream(device: torch.device, stream: torch.cuda.Stream) -> None:
+    """Bind the device's cuDNN handle to `stream` now, where a capture on it is about to begin
+    (binding inside a capture failed); a later call on that stream finds it bound. Nothing where
+    the kernel was never used on the device."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _PLANS.lock:
+        handle = _PLANS._handles.get(index)
+        if handle is not None:
+            _frontend().set_stream(handle=handle, stream=stream.cuda_stream)
+
+
 def plans_built() -> int:
     """How many plans this process has built (startup cost; eager shapes that were new)."""
     return _PLANS.built
