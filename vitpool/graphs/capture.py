@@ -156,7 +156,7 @@ def _capture(
         return SegmentedGraph(graphs)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _capture_stream(device: torch.device) -> torch.cuda.Stream:
     """The stream every capture on `device` runs on (as torch.cuda.graph's own shared one)."""
     return torch.cuda.Stream(device)

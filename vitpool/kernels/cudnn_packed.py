@@ -331,9 +331,16 @@ def packed_cudnn_attention(
         plan.v_offsets: v_offsets,
         plan.o_offsets: o_offsets,
     }
+    stream = torch.cuda.current_stream(q.device).cuda_stream
     with _PLANS.lock:
+        if getattr(handle, "stream", None) != stream and torch.cuda.is_current_stream_capturing():
+            # binding the handle inside a capture failed (`bind_stream` binds it before): decline
+            logger.warning(
+                "cuDNN packed attention: the handle is not bound to the capturing stream; FA2 instead"
+            )
+            return None
         # the handle runs on the stream current now: the capturing stream during a capture
-        cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(q.device).cuda_stream)
+        cudnn.set_stream(handle=handle, stream=stream)
         plan.graph.execute(pack, workspace, handle=handle)
     return out
 
@@ -345,8 +352,12 @@ def bind_stream(device: torch.device, stream: torch.cuda.Stream) -> None:
     index = device.index if device.index is not None else torch.cuda.current_device()
     with _PLANS.lock:
         handle = _PLANS._handles.get(index)
-        if handle is not None:
+        if handle is None:
+            return
+        try:
             _frontend().set_stream(handle=handle, stream=stream.cuda_stream)
+        except RuntimeError as error:  # the capture's calls then decline to FA2
+            logger.warning("cuDNN packed attention: could not bind the capture stream: %s", error)
 
 
 def plans_built() -> int:
