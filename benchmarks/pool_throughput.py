@@ -349,7 +349,7 @@ def main() -> None:
     parser.add_argument("--calls-per-caller", type=int, default=24, help="distinct prepared calls per caller")
     parser.add_argument("--spin", type=float, default=None, help="the pool's channel_spin_s (default: the pool's)")
     parser.add_argument("--max-tokens-per-run", type=int, default=None, help="the pool's max_tokens_per_run")
-    parser.add_argument("--attention", default="auto", help="the pool's attention kernel: auto, fa2, fa4")
+    parser.add_argument("--attention", default="auto", help="the pool's attention kernel: auto, cudnn, fa2, fa4")
     parser.add_argument("--fused-ops", default="on", choices=("on", "off"), help="fused rotary, patch GEMM, MLP GELU")
     parser.add_argument("--compiled-blocks", default="off", choices=("on", "off"), help="torch.compile'd blocks")
     parser.add_argument("--overlap-runs", default="on", choices=("on", "off"), help="actors overlap runs with host work")

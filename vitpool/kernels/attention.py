@@ -27,8 +27,8 @@ may be long where it is installed, packed cuDNN for the rest, FA2 where neither 
 cuDNN for the second graph `wants_dense_graph` asks for only on that FA2 fallback) and, for an
 eager run at the items' own size, lets the hook pick from the batch's boundaries, which it
 declares on the host with `host_boundaries` (`benchmarks/studies/packed_attention.py`,
-`attention_backends.py` and `dense_attention.py` measure them; figures: `benchmarks/RESULTS.md`,
-"Packed cuDNN attention (issue 52)", and `benchmarks/HISTORY.md`).
+`attention_backends.py` and `dense_attention.py` measure them; figures: `benchmarks/HISTORY.md`,
+"Packed cuDNN attention by default (issue 52, first step)" and the sections it follows).
 """
 
 from __future__ import annotations
