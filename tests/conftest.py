@@ -106,6 +106,19 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(actual - expected) / torch.linalg.vector_norm(expected))
 
 
+def assert_close_to_reference(reference, items, embeddings, tolerance: float = 1e-2) -> None:
+    """GPU encodes (bf16) against Hugging Face's forward on each item: tokens and deepstack
+    features finite and within `tolerance` relative error."""
+    for item, embedding in zip(items, embeddings, strict=True):
+        tokens, deepstack = reference_outputs(reference, item)
+        assert embedding.tokens.dtype == torch.bfloat16 and embedding.tokens.is_cuda
+        assert torch.isfinite(embedding.tokens).all()
+        assert relative_error(embedding.tokens, tokens) <= tolerance
+        for got, expected in zip(embedding.deepstack, deepstack, strict=True):
+            assert torch.isfinite(got).all()
+            assert relative_error(got, expected) <= tolerance
+
+
 # Ray clusters the tests start, and only those (pytest_configure keeps them apart from any other
 # cluster on the machine); pools on a local Ray cluster (test_pool.py, test_faults.py, ...)
 

@@ -17,12 +17,15 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
+import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # common.py lives one folder up
+
 import torch
 import torch.nn.functional as F
+from common import gpu_ms, summarize
 from torch.nn.attention.varlen import varlen_attn
 
 from vitpool.kernels.cudnn_packed import packed_cudnn_attention, plans_built
@@ -77,19 +80,9 @@ def reference(q, k, v, lengths) -> torch.Tensor:
 
 
 def timed(fn, runs: int) -> tuple[float, float]:
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(runs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end))
-    samples.sort()
-    return statistics.median(samples), samples[min(len(samples) - 1, int(0.99 * len(samples)))]
+    """Median and p99 ms of `runs` CUDA-event timings after 10 warm-up calls."""
+    summary = summarize(gpu_ms(fn, runs, warmup=10))
+    return summary["median_ms"], summary["p99_ms"]
 
 
 def relative_error(got: torch.Tensor, expected: torch.Tensor, rows: int) -> float:
@@ -131,7 +124,8 @@ def main() -> None:
                     fn(q, k, v)
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, stream=side):  # the warm-up's stream: cuDNN's handle is bound to it
+                # on the warm-up's stream, to which cuDNN's handle is bound
+                with torch.cuda.graph(graph, stream=side):
                     captured = fn(q, k, v)
                 q2, k2, v2 = (torch.randn_like(t) for t in (q, k, v))
                 q.copy_(q2), k.copy_(k2), v.copy_(v2)

@@ -10,7 +10,7 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import image, reference_outputs, relative_error, video
+from conftest import assert_close_to_reference, image, relative_error, video
 
 from vitpool import GraphEncoder
 
@@ -119,15 +119,6 @@ def reference_tower(cudnn_encoder):
     return tower
 
 
-def assert_matches(reference, items, embeddings):
-    for item, embedding in zip(items, embeddings, strict=True):
-        tokens, deepstack = reference_outputs(reference, item)
-        assert torch.isfinite(embedding.tokens).all()
-        assert relative_error(embedding.tokens, tokens) <= TOLERANCE
-        for got, expected in zip(embedding.deepstack, deepstack, strict=True):
-            assert torch.isfinite(got).all() and relative_error(got, expected) <= TOLERANCE
-
-
 def test_an_encoder_on_packed_cudnn_builds_its_plans_at_startup(device):
     """Every budget's graph is captured with packed cuDNN: its plans are built while the encoder
     starts (one per budget and attention shape), and a replay builds none."""
@@ -151,7 +142,7 @@ def test_graph_on_packed_cudnn_matches_the_tower_per_budget(cudnn_encoder, refer
     embeddings = cudnn_encoder.encode(items)
     after = cudnn_encoder.stats()
     assert after.replays_per_budget.get(budget, 0) == before.replays_per_budget.get(budget, 0) + 1
-    assert_matches(reference_tower, items, embeddings)
+    assert_close_to_reference(reference_tower, items, embeddings)
 
 
 def test_packed_cudnn_big_then_small_equals_fresh_and_video(cudnn_encoder, reference_tower):
@@ -162,7 +153,7 @@ def test_packed_cudnn_big_then_small_equals_fresh_and_video(cudnn_encoder, refer
     cudnn_encoder.encode([image(30, 30), video(2, 8, 8)])
     assert torch.equal(cudnn_encoder.encode(small)[0].tokens, fresh.tokens)
     clip = [video(4, 8, 8, torch.Generator().manual_seed(7)), image(6, 10, torch.Generator().manual_seed(8))]
-    assert_matches(reference_tower, clip, cudnn_encoder.encode(clip))
+    assert_close_to_reference(reference_tower, clip, cudnn_encoder.encode(clip))
 
 
 def test_an_eager_batch_on_packed_cudnn_matches_the_tower(cudnn_encoder, reference_tower):
@@ -172,7 +163,7 @@ def test_an_eager_batch_on_packed_cudnn_matches_the_tower(cudnn_encoder, referen
         video(4, 24, 24, torch.Generator().manual_seed(22)),
     ]
     before = cudnn_encoder.stats()
-    assert_matches(reference_tower, items, cudnn_encoder.encode(items))
+    assert_close_to_reference(reference_tower, items, cudnn_encoder.encode(items))
     assert cudnn_encoder.stats().eager_items > before.eager_items
 
 

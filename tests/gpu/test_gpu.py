@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from conftest import image, reference_outputs, relative_error, video
+from conftest import assert_close_to_reference, image, relative_error, video
 
 from vitpool import GraphEncoder
 from vitpool.graphs import capture as capture_module
@@ -27,17 +27,6 @@ def gpu_reference(gpu_encoder):
     tower = copy.deepcopy(gpu_encoder.adapter.tower)
     tower.config._attn_implementation = "sdpa"
     return tower
-
-
-def assert_close_to_reference(reference, items, embeddings):
-    for item, embedding in zip(items, embeddings):
-        tokens, deepstack = reference_outputs(reference, item)
-        assert embedding.tokens.dtype == torch.bfloat16 and embedding.tokens.is_cuda
-        assert torch.isfinite(embedding.tokens).all()
-        assert relative_error(embedding.tokens, tokens) <= TOLERANCE
-        for got, expected in zip(embedding.deepstack, deepstack):
-            assert torch.isfinite(got).all()
-            assert relative_error(got, expected) <= TOLERANCE
 
 
 def test_every_budget_is_captured(gpu_encoder):

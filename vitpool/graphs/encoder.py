@@ -68,8 +68,8 @@ from vitpool.items import (
     prepare_item,
 )
 from vitpool.kernels.attention import fa4_available
-from vitpool.kernels.cudnn_packed import cudnn_packed_available
 from vitpool.kernels.compiled import set_compile_cache_dir
+from vitpool.kernels.cudnn_packed import cudnn_packed_available
 from vitpool.kernels.fp8 import fp8_supported, install_fp8_linears
 from vitpool.models import VisionAdapter, load_adapter
 from vitpool.models.path_rules import PathRules, rules_of_part
@@ -532,24 +532,27 @@ class GraphEncoder:
         return resolved.type == "cpu"
 
 
+# attention choice -> whether it runs on a device, and what it needs where it does not
+_DEVICE_ATTENTION = {
+    "cudnn": (
+        cudnn_packed_available,
+        (
+            "the nvidia-cudnn-frontend package (installed with vitpool on Linux) and a GPU of compute "
+            "capability 9.0 or newer"
+        ),
+    ),
+    "fa4": (fa4_available, "the flash-attn-4 package and a GPU of compute capability 9.0 or newer"),
+}
+
+
 def _check_attention(attention: str, device: torch.device, dtype: torch.dtype) -> str:
     """What `EncoderOptions` cannot check without the device: whether FA4 or packed cuDNN runs here."""
-    if attention == "cudnn" and device.type == "cuda":
+    if attention in _DEVICE_ATTENTION and device.type == "cuda":
+        available, needs = _DEVICE_ATTENTION[attention]
         if dtype not in (torch.float16, torch.bfloat16):
-            raise ConfigError(f"attention 'cudnn' runs in bfloat16 or float16, not {dtype}")
-        if not cudnn_packed_available(device):
-            raise ConfigError(
-                "attention 'cudnn' needs the nvidia-cudnn-frontend package (installed with vitpool on Linux) "
-                "and a GPU of compute capability 9.0 or newer; use 'auto' to take it where it can run"
-            )
-    if attention == "fa4" and device.type == "cuda":
-        if dtype not in (torch.float16, torch.bfloat16):
-            raise ConfigError(f"attention 'fa4' runs in bfloat16 or float16, not {dtype}")
-        if not fa4_available(device):
-            raise ConfigError(
-                "attention 'fa4' needs the flash-attn-4 package and a GPU of compute capability 9.0 or "
-                "newer; use 'auto' to take it where it can run"
-            )
+            raise ConfigError(f"attention {attention!r} runs in bfloat16 or float16, not {dtype}")
+        if not available(device):
+            raise ConfigError(f"attention {attention!r} needs {needs}; use 'auto' to take it where it can run")
     return attention
 
 

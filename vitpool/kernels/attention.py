@@ -185,16 +185,12 @@ def eager_backend(
     return "fa2"
 
 
-def use_attention(backend: str | None) -> contextlib.AbstractContextManager[None]:
+@contextlib.contextmanager
+def use_attention(backend: str | None) -> Iterator[None]:
     """Run the towers' attention with `backend` ("fa2", "fa4", CUDNN_PACKED, LEADING_SEQUENCE; None:
     the hook decides). Under CUDNN_PACKED and LEADING_SEQUENCE a tower whose head size cuDNN cannot
     take runs FA2. One forward of a tower each: the inputs packed cuDNN derives from the boundaries
     are shared by its layers (`cudnn_packed.one_forward`)."""
-    return _one_forward_with(backend)
-
-
-@contextlib.contextmanager
-def _one_forward_with(backend: str | None) -> Iterator[None]:
     with scoped_value(_BACKEND, backend), one_forward():
         yield
 

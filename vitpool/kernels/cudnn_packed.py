@@ -282,10 +282,11 @@ def packed_cudnn_attention(
     sequences: int | None = None,
 ) -> torch.Tensor | None:
     """Attention within each sequence of `cu_seqlens` (1-D int32, on the device) over [rows,
-    heads, head_dim] tensors; returns a fresh [rows, heads, head_dim] tensor, or None where the
-    plan cuDNN picks for this shape needs more than `MAX_WORKSPACE_BYTES` of workspace (the caller
-    runs another kernel; the same answer for the shape every time, so a graph's capture and its
-    check agree).
+    heads, head_dim] tensors; returns a fresh [rows, heads, head_dim] tensor, or None (the caller
+    runs another kernel) where the plan cuDNN picks for this shape needs more than
+    `MAX_WORKSPACE_BYTES` of workspace (the same answer for the shape every time, so a graph's
+    capture and its check agree), or inside a capture whose stream the handle was not bound to
+    before it began (`bind_stream`).
 
     `max_length` bounds every sequence's length; `sequences` (at least len(cu_seqlens) - 1, the
     default) is the plan's sequence count: the boundaries are extended by empty sequences up to it.
@@ -299,9 +300,8 @@ def packed_cudnn_attention(
     if any(t.stride(-1) != 1 for t in (q, k, v)):
         raise ValueError("packed cuDNN attention needs each head's values contiguous")
     scale = head_dim**-0.5 if scaling is None else float(scaling)
-    device = q.device.index if q.device.index is not None else torch.cuda.current_device()
     key = _PlanKey(
-        device,
+        _device_index(q.device),
         q.dtype,
         sequences,
         int(max_length),
@@ -348,15 +348,18 @@ def bind_stream(device: torch.device, stream: torch.cuda.Stream) -> None:
     """Bind the device's cuDNN handle to `stream` now, where a capture on it is about to begin
     (binding inside a capture failed); a later call on that stream finds it bound. Nothing where
     the kernel was never used on the device."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
     with _PLANS.lock:
-        handle = _PLANS._handles.get(index)
+        handle = _PLANS._handles.get(_device_index(device))
         if handle is None:
             return
         try:
             _frontend().set_stream(handle=handle, stream=stream.cuda_stream)
         except RuntimeError as error:  # the capture's calls then decline to FA2
             logger.warning("cuDNN packed attention: could not bind the capture stream: %s", error)
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def plans_built() -> int:
