@@ -33,12 +33,14 @@ def main() -> None:
     parser.add_argument("--items", type=int, default=1)
     parser.add_argument("--runs", type=int, default=100)
     parser.add_argument("--compiled-blocks", default="off", choices=("on", "off"))
+    parser.add_argument("--attention", default="auto", help="the encoder's attention: auto, cudnn, fa2, fa4")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as directory:
         (Path(directory) / "config.json").write_text(json.dumps(QWEN3_VL_8B_VISION))
         encoder = GraphEncoder.from_pretrained(
-            directory, device="cuda", dtype=torch.bfloat16, compiled_blocks=args.compiled_blocks == "on"
+            directory, device="cuda", dtype=torch.bfloat16, compiled_blocks=args.compiled_blocks == "on",
+            attention=args.attention,
         )
     items = [image(args.side) for _ in range(args.items)]
     call = summarize(time_ms(lambda: encoder.encode(items), args.runs, 20))
@@ -55,10 +57,12 @@ def main() -> None:
     ops = [(e.key, e.self_cpu_time_total / args.runs, e.count / args.runs) for e in rows]
     phases = _phases(encoder, items, budget, args.runs)
     result = {"gpu": torch.cuda.get_device_name(), "side": args.side, "items": args.items, "budget": budget.num_tokens,
+              "attention": args.attention,
               "call": call, "replay": replay, "host_ops_us_per_call": ops, "phases_ms": phases}
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
-    print(f"GPU: {result['gpu']}; {args.items}x{args.side}², budget {budget.num_tokens} tokens, {args.runs} runs")
+    print(f"GPU: {result['gpu']}; {args.items}x{args.side}², budget {budget.num_tokens} tokens, "
+          f"attention {args.attention}, {args.runs} runs")
     print(f"encode: {call['median_ms']:.3f} ms median ({call['p99_ms']:.3f} p99); "
           f"graph replay alone: {replay['median_ms']:.3f} ms ({replay['p99_ms']:.3f})")
     print("| host op | self CPU µs per call | calls per call |\n|---|---|---|")

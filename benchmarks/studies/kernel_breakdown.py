@@ -3,6 +3,7 @@ attention, GEMM, convolution, norm, elementwise, copy / gather, other. One squar
 the rows of a budget, the forward run as vitpool captures it, under the profiler.
 
     python benchmarks/studies/kernel_breakdown.py [--rows 196,3136] [--attention fa2,fa4] [--fused off,on,compiled]
+        [--precision bf16,fp8]
 
 Prints one table per (rows, attention kernel, fused work): ms per class, its share, kernel launches,
 and the replay time of the same forward captured as a CUDA graph (GPU time plus the gaps between
@@ -27,6 +28,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from vitpool.kernels.attention import fa4_available, use_attention
 from vitpool.kernels.compiled import use_compiled_blocks
+from vitpool.kernels.cudnn_packed import bind_stream
+from vitpool.kernels.fp8 import install_fp8_linears, use_fp8
 from vitpool.kernels.fused import use_fused_ops
 from vitpool.models import load_adapter
 
@@ -48,10 +51,13 @@ def kernel_class(name: str) -> str:
     return "other"
 
 
-def breakdown(adapter, rows: int, backend: str, fused_work: str) -> dict:
+def breakdown(adapter, rows: int, backend: str, fused_work: str, precision: str = "bf16") -> dict:
     pixels, metadata = padded_image_batch(adapter, rows)
     fused, compiled = fused_work in ("on", "compiled"), fused_work == "compiled"
-    with torch.no_grad(), use_attention(backend), use_fused_ops(fused), use_compiled_blocks(compiled):
+    with (
+        torch.no_grad(), use_attention(backend), use_fused_ops(fused), use_compiled_blocks(compiled),
+        use_fp8(precision == "fp8"),
+    ):
         for _ in range(3):
             adapter.forward(pixels, metadata)
         torch.cuda.synchronize()
@@ -70,7 +76,7 @@ def breakdown(adapter, rows: int, backend: str, fused_work: str) -> dict:
         top[event.name] += event.device_time / 1000
     total = sum(ms for ms, _ in per_class.values())
     return {
-        "rows": rows, "attention": backend, "fused": fused_work, "total_ms": total, "replay_ms": replay_ms, "kernels": sum(n for _, n in per_class.values()),
+        "rows": rows, "attention": backend, "fused": fused_work, "precision": precision, "total_ms": total, "replay_ms": replay_ms, "kernels": sum(n for _, n in per_class.values()),
         "classes": {label: {"ms": ms, "share": ms / total, "kernels": n} for label, (ms, n) in per_class.items()},
         "top_kernels": sorted(top.items(), key=lambda kv: -kv[1])[:8],
     }
@@ -84,7 +90,8 @@ def _replay_ms(forward, runs: int = 50) -> float:
         forward()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    bind_stream(torch.device("cuda"), stream)  # packed cuDNN's handle on the capturing stream, as vitpool captures
+    with torch.cuda.graph(graph, stream=stream):
         forward()
     return summarize(gpu_ms(graph.replay, runs))["median_ms"]
 
@@ -95,21 +102,25 @@ def main() -> None:
     parser.add_argument("--attention", default="fa2,fa4")
     parser.add_argument("--fused", default="off,on,compiled",
                         help="off, on (rotary, patch GEMM, MLP GELU), compiled (plus compiled blocks)")
+    parser.add_argument("--precision", default="bf16", help="comma-separated: bf16, fp8 (the FP8 GEMMs)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as directory:
         (Path(directory) / "config.json").write_text(json.dumps(QWEN3_VL_8B_VISION))
         adapter = load_adapter(directory, torch.device("cuda"), torch.bfloat16)
     backends = [b for b in args.attention.split(",") if b != "fa4" or fa4_available(torch.device("cuda"))]
+    if "fp8" in args.precision:
+        install_fp8_linears(adapter.tower)
     results = [
-        breakdown(adapter, int(rows), backend, fused)
+        breakdown(adapter, int(rows), backend, fused, precision)
         for rows in args.rows.split(",") for backend in backends for fused in args.fused.split(",")
+        for precision in args.precision.split(",")
     ]
     if args.out:
         args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "results": results}, indent=2))
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}; one static forward, Qwen3-VL-8B tower")
     for result in results:
-        print(f"\n{result['rows']} rows, attention {result['attention']}, fused {result['fused']}: "
+        print(f"\n{result['rows']} rows, attention {result['attention']}, fused {result['fused']}, {result['precision']}: "
               f"{result['total_ms']:.2f} ms GPU time, "
               f"{result['kernels']} kernels, graph replay {result['replay_ms']:.2f} ms")
         print("| class | ms | share | kernels |\n|---|---|---|---|")

@@ -105,6 +105,37 @@ def test_a_shape_whose_plan_needs_a_large_workspace_is_declined_and_the_hook_run
     print(f"1 x 4096 rows, 4 heads: workspace {plan.workspace_size} bytes, declined {got is None}")
 
 
+def test_a_plan_that_loses_its_race_declines_from_then_on_and_one_that_wins_runs(device):
+    """The race against the caller's other kernel, on a plan's first call: a rival that costs nothing
+    wins and the shape declines (None) on every later call, raced or not; a rival slower than cuDNN
+    loses and the plan runs, its output the per-sequence attention."""
+    from vitpool.kernels import cudnn_packed
+
+    q, k, v = (torch.randn((600, 8, 64), device=device, dtype=torch.bfloat16) for _ in range(3))
+    cu_seqlens = torch.tensor([0, 100, 600], device=device, dtype=torch.int32)
+    raced = []
+
+    def instant():
+        raced.append("instant")
+        return q
+
+    # sequence counts no other test uses: plans of their own, never raced before
+    assert cudnn_packed.packed_cudnn_attention(q, k, v, cu_seqlens, 600, None, sequences=11, rival=instant) is None
+    assert raced  # it ran in the race
+    raced.clear()
+    assert cudnn_packed.packed_cudnn_attention(q, k, v, cu_seqlens, 600, None, sequences=11, rival=instant) is None
+    assert cudnn_packed.packed_cudnn_attention(q, k, v, cu_seqlens, 600, None, sequences=11) is None
+    assert raced == []  # the verdict is kept: no second race
+    big = torch.randn((4096, 4096), device=device, dtype=torch.bfloat16)
+
+    def slow():
+        return big @ big
+
+    got = cudnn_packed.packed_cudnn_attention(q, k, v, cu_seqlens, 600, None, sequences=13, rival=slow)
+    assert got is not None and torch.isfinite(got).all()
+    assert relative_error(got, per_sequence_reference(q, k, v, [0, 100, 600])) <= TOLERANCE
+
+
 @pytest.fixture(scope="module")
 def cudnn_encoder(device) -> GraphEncoder:
     return GraphEncoder.from_pretrained(

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from conftest import assert_close_to_reference, image, relative_error, video
+from conftest import assert_close_to_reference, assert_same_item, image, relative_error, video
 
 from vitpool import GraphEncoder
 from vitpool.graphs import capture as capture_module
@@ -236,7 +236,7 @@ def test_batches_queued_back_to_back_keep_their_own_pixels(gpu_encoder):
     assert gpu_encoder.stats().replays_per_budget
     for item, got in zip(items, together):
         alone = gpu_encoder.encode([item])[0]
-        assert torch.equal(got.tokens, alone.tokens)
+        assert_same_item(got.tokens, alone.tokens)
 
 
 def test_non_finite_pixels_fail_their_item_alone_inside_a_graph(gpu_encoder):
@@ -253,7 +253,7 @@ def test_non_finite_pixels_fail_their_item_alone_inside_a_graph(gpu_encoder):
     assert [type(o).__name__ for o in outcomes] == ["Embedding", "InvalidItemError", "Embedding", "InvalidItemError"]
     assert outcomes[1].index == 1 and outcomes[3].index == 3 and "NaN or infinity" in outcomes[1].reason
     for got, item in zip((outcomes[0], outcomes[2]), good):
-        assert torch.isfinite(got.tokens).all() and torch.equal(got.tokens, gpu_encoder.encode([item])[0].tokens)
+        assert_same_item(got.tokens, gpu_encoder.encode([item])[0].tokens)
 
 
 def test_small_host_items_are_staged_together_when_their_batch_is_large(gpu_encoder, gpu_reference):
@@ -273,7 +273,7 @@ def test_small_host_items_are_staged_together_when_their_batch_is_large(gpu_enco
     alone = [gpu_encoder.encode([item])[0] for item in items]
     assert staging._copied is before  # not staged
     for got, want in zip(together, alone):
-        assert torch.equal(got.tokens, want.tokens)
+        assert_same_item(got.tokens, want.tokens)
     assert_close_to_reference(gpu_reference, items, together)
 
 
@@ -290,7 +290,7 @@ def test_large_host_pixels_pass_through_pinned_memory_unchanged(gpu_encoder, gpu
     staged = gpu_encoder._runner("").staging._rows
     assert staged and all(rows.is_pinned() for rows in staged.values())
     for item, got in zip(items, together):
-        assert torch.equal(got.tokens, gpu_encoder.encode([item])[0].tokens)
+        assert_same_item(got.tokens, gpu_encoder.encode([item])[0].tokens)
     assert_close_to_reference(gpu_reference, items, together)
 
 

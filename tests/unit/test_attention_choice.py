@@ -12,6 +12,7 @@ from vitpool.kernels import attention
 from vitpool.kernels.attention import (
     CUDNN_MIN_ROWS_PER_SEQUENCE,
     CUDNN_PACKED,
+    CUDNN_PACKED_ONLY,
     DENSE_BUCKET_ROWS,
     FA4_MIN_ROWS_PER_SEQUENCE,
     dense_attention,
@@ -87,7 +88,7 @@ def test_an_eager_batch_picks_from_its_boundaries(boundaries, rows, fa4_here, cu
         ("auto", True, True, 4096, 4, "fa4"),  # FA4 installed: still its long sequences
         ("auto", True, True, 4096, 32, CUDNN_PACKED),  # ... and packed cuDNN for the short ones
         ("auto", False, False, 4096, 64, "fa2"),  # neither runs: the fallback
-        ("cudnn", False, False, 4096, 64, CUDNN_PACKED),  # forced (the encoder refuses it where it cannot run)
+        ("cudnn", False, False, 4096, 64, CUDNN_PACKED_ONLY),  # forced (the encoder refuses it where it cannot run)
         ("fa2", True, True, 4096, 4, "fa2"),
     ],
 )
@@ -130,7 +131,7 @@ def test_an_eager_batch_plan_is_rounded_up_to_few_shapes(sequences, longest, exp
 
 def test_an_encoder_choice_forces_its_kernel_on_eager_batches():
     assert forced_backend("auto") is None
-    assert forced_backend("cudnn") == CUDNN_PACKED
+    assert forced_backend("cudnn") == CUDNN_PACKED_ONLY
     assert forced_backend("fa2") == "fa2" and forced_backend("fa4") == "fa4"
 
 

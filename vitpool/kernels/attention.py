@@ -8,7 +8,9 @@ precision it runs one of these kernels (all free of host synchronisation, so all
 - CUDNN_PACKED: cuDNN's fused attention over the packed sequences, through the cuDNN frontend
   (`vitpool.kernels.cudnn_packed`; Hopper and newer, head sizes multiples of 8 up to 128). It is
   Hopper's flash kernel for many sequences in one call: the default wherever it runs, in every
-  budget's graph and in eager batches. User choice "cudnn";
+  budget's graph and in eager batches, except for shapes where FA2 wins the race each shape's
+  plan runs against it once (small graphs sized for many sequences). User choice "cudnn"
+  (CUDNN_PACKED_ONLY: no race);
 - "fa2": PyTorch's own FlashAttention-2, `varlen_attn` (always there: the fallback);
 - "cudnn": SDPA's cuDNN kernel, dense, for the GPUs and installs without the packed form. It has
   no packed form that can be captured, a padding mask takes its gain away, and it builds a plan
@@ -93,7 +95,8 @@ DENSE_BUCKET_ROWS = 256
 DENSE_GRAPH_MIN_ROWS = 1024
 DENSE_MIN_FILL = 0.8
 LEADING_SEQUENCE = "leading_sequence"  # the backend of such a graph
-CUDNN_PACKED = "cudnn_packed"  # cuDNN's fused attention over the packed sequences (user choice "cudnn")
+CUDNN_PACKED = "cudnn_packed"  # cuDNN's fused attention over the packed sequences, where it wins its race with FA2
+CUDNN_PACKED_ONLY = "cudnn_packed_only"  # the same without the race: the user's choice "cudnn"
 # While recording (capture): the memory of the boundaries each leading-sequence call read
 _LEADING_SEQUENCE_READS: contextvars.ContextVar[list[tuple[int, int]] | None] = contextvars.ContextVar(
     "vitpool_leading_sequence_reads", default=None
@@ -160,7 +163,7 @@ def graph_backend(choice: str, device: torch.device, num_rows: int, max_sequence
     if choice == "fa4":
         return "fa4"
     if choice == "cudnn":
-        return CUDNN_PACKED
+        return CUDNN_PACKED_ONLY
     if choice == "auto" and fa4_available(device) and num_rows >= FA4_MIN_ROWS_PER_GRAPH_SEQUENCE * max_sequences:
         return "fa4"
     if choice == "auto" and cudnn_packed_available(device):
@@ -187,7 +190,7 @@ def eager_backend(
 
 @contextlib.contextmanager
 def use_attention(backend: str | None) -> Iterator[None]:
-    """Run the towers' attention with `backend` ("fa2", "fa4", CUDNN_PACKED, LEADING_SEQUENCE; None:
+    """Run the towers' attention with `backend` ("fa2", "fa4", CUDNN_PACKED(_ONLY), LEADING_SEQUENCE; None:
     the hook decides). Under CUDNN_PACKED and LEADING_SEQUENCE a tower whose head size cuDNN cannot
     take runs FA2. One forward of a tower each: the inputs packed cuDNN derives from the boundaries
     are shared by its layers (`cudnn_packed.one_forward`)."""
@@ -271,7 +274,7 @@ def _backend_for(
 def forced_backend(choice: str) -> str | None:
     """The backend an encoder's `attention` choice imposes on an eager batch (None: "auto", the
     hook picks from the batch's boundaries)."""
-    return None if choice == "auto" else CUDNN_PACKED if choice == "cudnn" else choice
+    return None if choice == "auto" else CUDNN_PACKED_ONLY if choice == "cudnn" else choice
 
 
 def boundary_key(tensor: torch.Tensor) -> tuple[int, int]:
@@ -323,14 +326,21 @@ def flash_varlen(
     """Packed attention over [rows, heads, head_dim] with the kernel `_backend_for` picks."""
     backend, boundaries = _backend_for(q, cu_seq_lens_q, cu_seq_lens_k)
     same_keys = boundary_key(cu_seq_lens_k) == boundary_key(cu_seq_lens_q) and max_length_k == max_length_q
-    if backend == CUDNN_PACKED and same_keys and cudnn_packed_takes(q.shape[-1], q.dtype):
+    if backend in (CUDNN_PACKED, CUDNN_PACKED_ONLY) and same_keys and cudnn_packed_takes(q.shape[-1], q.dtype):
+        from torch.nn.attention.varlen import varlen_attn
+
+        def race_fa2() -> torch.Tensor:
+            return varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, scale=scaling)
+
+        fa2 = race_fa2 if backend == CUDNN_PACKED else None  # the rival a shape's plan is raced against once
+
         if boundaries is None:  # a graph: the plan of its own shape, built at capture
-            out = packed_cudnn_attention(q, k, v, cu_seq_lens_q, max_length_q, scaling)
+            out = packed_cudnn_attention(q, k, v, cu_seq_lens_q, max_length_q, scaling, rival=fa2)
         else:  # an eager batch: its plan's shape rounded up, so that varied batches share few plans
             longest = max((end - start for start, end in itertools.pairwise(boundaries)), default=1)
             sequences, max_length = bucketed_shape(len(boundaries) - 1, max(longest, 1))
-            out = packed_cudnn_attention(q, k, v, cu_seq_lens_q, max_length, scaling, sequences)
-        if out is not None:  # (None: no plan for this shape that captures: FA2 below)
+            out = packed_cudnn_attention(q, k, v, cu_seq_lens_q, max_length, scaling, sequences, rival=fa2)
+        if out is not None:  # (None: no plan for this shape that captures, or FA2 won its race: FA2 below)
             return out
     if backend == "cudnn" and boundaries is not None:
         return dense_attention(q, k, v, boundaries, scaling)

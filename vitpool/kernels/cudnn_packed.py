@@ -9,6 +9,12 @@ host must know is the graph's shape: the number of sequences and a bound on thei
 is built for each such shape once (the first call; for a budget's graph, its capture at startup)
 and kept; eager batches round both up (`bucketed_shape`) so that their plans stay few.
 
+Where a caller names the kernel it would run instead (`rival`), the first call of a plan outside a
+capture times both on that call's own inputs, and a plan slower than its rival declines from then
+on: a small graph sized for many sequences (a 224² image in a budget of 64 slots) spends more on
+cuDNN's empty slots than FA2 does. The verdict is per shape and kept, so a graph's capture and its
+check, and every eager batch of the shape, agree.
+
 Empty sequences (repeated `cu_seqlens` entries: a budget's unused sequence slots) are allowed;
 every row inside [cu_seqlens[0], cu_seqlens[-1]) is written.
 
@@ -24,7 +30,7 @@ import contextvars
 import functools
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +48,8 @@ MIN_LENGTH_BUCKET = 512
 # the keys and needs a workspace of megabytes; its capture failed on an H200 (a cudaMemsetAsync
 # after an error inside the capture). Plans of the towers' shapes need a few KB. Larger: not used.
 MAX_WORKSPACE_BYTES = 1 << 20
+# The race between a plan and its rival: calls of each, after one of each to warm up
+RACE_CALLS = 5
 _DTYPES = (torch.float16, torch.bfloat16)
 # Within one forward (`one_forward`): what a plan reads besides q, k and v (the boundaries widened
 # to the plan's count, the lengths, the ragged offsets), derived from `cu_seqlens` once and reused
@@ -125,6 +133,7 @@ class _Plan:
         graph.build_plans()
         self.graph = graph
         self.workspace_size = graph.get_workspace_size()
+        self.faster: bool | None = None  # than the rival it was raced against (None: not raced)
 
 
 class _Plans:
@@ -280,6 +289,7 @@ def packed_cudnn_attention(
     max_length: int,
     scaling: float | None,
     sequences: int | None = None,
+    rival: Callable[[], torch.Tensor] | None = None,
 ) -> torch.Tensor | None:
     """Attention within each sequence of `cu_seqlens` (1-D int32, on the device) over [rows,
     heads, head_dim] tensors; returns a fresh [rows, heads, head_dim] tensor, or None (the caller
@@ -291,6 +301,8 @@ def packed_cudnn_attention(
     `max_length` bounds every sequence's length; `sequences` (at least len(cu_seqlens) - 1, the
     default) is the plan's sequence count: the boundaries are extended by empty sequences up to it.
     Both are fixed for a plan, so a caller with varied batches rounds them up (`bucketed_shape`).
+    `rival` runs the caller's other kernel on the same inputs: the plan's first call outside a
+    capture races it (`RACE_CALLS` each), and a plan that lost returns None from then on.
     """
     rows, heads, head_dim = q.shape
     count = cu_seqlens.numel() - 1
@@ -312,36 +324,56 @@ def packed_cudnn_attention(
     )
     cudnn = _frontend()
     plan, handle = _PLANS.get(cudnn, key)
-    if plan.workspace_size > MAX_WORKSPACE_BYTES:
+    if plan.workspace_size > MAX_WORKSPACE_BYTES or plan.faster is False:
         return None
-    out = torch.empty((rows, heads, head_dim), device=q.device, dtype=q.dtype)
     lengths, q_offsets, k_offsets, v_offsets, o_offsets = _derived(
         cu_seqlens, sequences, (q.stride(0), k.stride(0), v.stride(0), heads * head_dim)
     )
-    workspace = torch.empty((max(plan.workspace_size, 1),), device=q.device, dtype=torch.uint8)
-    pack = {
-        plan.q: q,
-        plan.k: k,
-        plan.v: v,
-        plan.out: out,
-        plan.lengths: lengths,
-        plan.q_offsets: q_offsets,
-        plan.k_offsets: k_offsets,
-        plan.v_offsets: v_offsets,
-        plan.o_offsets: o_offsets,
-    }
-    stream = torch.cuda.current_stream(q.device).cuda_stream
-    with _PLANS.lock:
-        if getattr(handle, "stream", None) != stream and torch.cuda.is_current_stream_capturing():
-            # binding the handle inside a capture failed (`bind_stream` binds it before): decline
-            logger.warning(
-                "cuDNN packed attention: the handle is not bound to the capturing stream; FA2 instead"
+    offsets = {plan.lengths: lengths, plan.q_offsets: q_offsets, plan.k_offsets: k_offsets,
+               plan.v_offsets: v_offsets, plan.o_offsets: o_offsets}
+
+    def run() -> torch.Tensor | None:
+        out = torch.empty((rows, heads, head_dim), device=q.device, dtype=q.dtype)
+        workspace = torch.empty((max(plan.workspace_size, 1),), device=q.device, dtype=torch.uint8)
+        pack = {plan.q: q, plan.k: k, plan.v: v, plan.out: out, **offsets}
+        stream = torch.cuda.current_stream(q.device).cuda_stream
+        with _PLANS.lock:
+            if getattr(handle, "stream", None) != stream and torch.cuda.is_current_stream_capturing():
+                # binding the handle inside a capture failed (`bind_stream` binds it before): decline
+                logger.warning(
+                    "cuDNN packed attention: the handle is not bound to the capturing stream; FA2 instead"
+                )
+                return None
+            # the handle runs on the stream current now: the capturing stream during a capture
+            cudnn.set_stream(handle=handle, stream=stream)
+            plan.graph.execute(pack, workspace, handle=handle)
+        return out
+
+    if plan.faster is None and rival is not None and not torch.cuda.is_current_stream_capturing():
+        plan.faster = _race(run, rival)
+        if not plan.faster:
+            logger.info(
+                "cuDNN packed attention: the other kernel is faster for %d sequences of at most %d rows over %d "
+                "heads; it runs there", key.sequences, key.max_length, key.heads,
             )
             return None
-        # the handle runs on the stream current now: the capturing stream during a capture
-        cudnn.set_stream(handle=handle, stream=stream)
-        plan.graph.execute(pack, workspace, handle=handle)
-    return out
+    return run()
+
+
+def _race(ours: Callable[[], object], rival: Callable[[], object]) -> bool:
+    """Whether `ours` takes less GPU time than `rival` over `RACE_CALLS` calls each (one of each
+    first, to warm up)."""
+    ours(), rival()
+    elapsed = []
+    for function in (ours, rival):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(RACE_CALLS):
+            function()
+        end.record()
+        end.synchronize()
+        elapsed.append(start.elapsed_time(end))
+    return elapsed[0] <= elapsed[1]
 
 
 def bind_stream(device: torch.device, stream: torch.cuda.Stream) -> None:

@@ -44,7 +44,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from vitpool.kernels.fp8 import fp8_active
+from vitpool.kernels.fp8 import fp8_active, fp8_gelu_mlp
 from vitpool.kernels.scoped import scoped_value
 
 logger = logging.getLogger(__name__)
@@ -302,8 +302,8 @@ def _gelu_mlp(self: torch.nn.Module, layout: tuple[str, str, str], x: torch.Tens
     """second(GELU(first(x))) with the first bias and the GELU in the GEMM's epilogue; None where
     the input is not CUDA half precision in the weights' dtype."""
     first, second = getattr(self, layout[0]), getattr(self, layout[2])
-    if fp8_active(first, x):  # FP8 has no GELU epilogue: Hugging Face's forward runs the FP8 Linears
-        return None
+    if fp8_active(first, x):  # FP8 has no GELU epilogue: the GELU writes the second GEMM's FP8 rows
+        return fp8_gelu_mlp(first, second, x)
     if not (x.is_cuda and x.dtype in _HALF_DTYPES and first.weight.dtype == x.dtype):
         return None
     if torch.is_grad_enabled() and (x.requires_grad or first.weight.requires_grad):
