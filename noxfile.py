@@ -38,8 +38,12 @@ def declared_bounds() -> dict[str, str]:
 def run_suite(session: nox.Session, version: str, pytest_args: list[str]) -> None:
     session.install(TORCH)
     session.install("-e", ".[test]", f"transformers=={version}")
-    session.run("python", "-c", "import transformers, torch; print('transformers', transformers.__version__, "
-                "'torch', torch.__version__)")
+    session.run(
+        "python",
+        "-c",
+        "import transformers, torch; print('transformers', transformers.__version__, "
+        "'torch', torch.__version__)",
+    )
     session.run("python", "-m", "pytest", "-q", *(pytest_args or []))
 
 

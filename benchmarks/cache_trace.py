@@ -84,8 +84,12 @@ def run_trace(pool: EncoderPool, calls: list[list[list]]) -> dict:
     num_items = sum(len(items) for mine in calls for items in mine)
     latencies = [(end - begin) * 1e3 for begin, end, _ in timed]
     return {
-        "items_per_s": num_items / elapsed, "items": num_items, "latency": summarize(latencies),
-        "latency_by_kind": {kind: summarize(values) for kind, values in calls_by_kind(timed).items() if values},
+        "items_per_s": num_items / elapsed,
+        "items": num_items,
+        "latency": summarize(latencies),
+        "latency_by_kind": {
+            kind: summarize(values) for kind, values in calls_by_kind(timed).items() if values
+        },
     }
 
 
@@ -98,7 +102,11 @@ def calls_by_kind(timed: list[tuple[float, float, list]]) -> dict[str, list[floa
     for begin, end, items in sorted(timed, key=lambda call: call[0]):
         for item in items:
             first_call.setdefault(id(item), (begin, end))
-    kinds: dict[str, list[float]] = {"repeat of one in flight": [], "fresh": [], "repeats of finished calls": []}
+    kinds: dict[str, list[float]] = {
+        "repeat of one in flight": [],
+        "fresh": [],
+        "repeats of finished calls": [],
+    }
     for begin, end, items in timed:
         firsts = [first_call[id(item)] for item in items]
         if any(first[0] < begin < first[1] for first in firsts):
@@ -125,7 +133,9 @@ def key_cost(encoder: GraphEncoder, runs: int) -> dict:
     prepared = prepare_item(0, item, encoder.adapter.item_rules)
     identity = model_identity(None, "bfloat16")
     return {
-        "key_1x224": summarize(time_ms(lambda: item_key(identity, prepared.parts), runs, 20, synchronize=False)),
+        "key_1x224": summarize(
+            time_ms(lambda: item_key(identity, prepared.parts), runs, 20, synchronize=False)
+        ),
         "encode_1x224_in_process": summarize(time_ms(lambda: encoder.encode([item]), runs, 20)),
     }
 
@@ -153,12 +163,19 @@ def main() -> None:
     calls = trace(args.clients, args.calls, args.repeat, seed=0)
     settings = {
         "cache off": {"embedding_cache_bytes": 0},
-        "cache on, shared only": {"embedding_cache_bytes": args.cache_bytes, "embedding_cache_local_bytes": 0},
+        "cache on, shared only": {
+            "embedding_cache_bytes": args.cache_bytes,
+            "embedding_cache_local_bytes": 0,
+        },
         "cache on, with a tier": {"embedding_cache_bytes": args.cache_bytes},
     }
     for number, (label, setting) in enumerate(settings.items()):
         pool = EncoderPool.launch(
-            model=str(directory), num_actors=1, dtype="bfloat16", name=f"cache-{number}", **setting,
+            model=str(directory),
+            num_actors=1,
+            dtype="bfloat16",
+            name=f"cache-{number}",
+            **setting,
         )
         try:
             pool.encode([image(224), image(448)])  # warm-up

@@ -53,12 +53,21 @@ import torch
 from common import image, save_random_tower, summarize
 
 from vitpool import EncoderPool, GraphEncoder
-from vitpool.transport import channel_client, segments
+from vitpool.transport import channel_client, shared_memory
 
 WORKLOADS = {"1x224": lambda: [image(224)], "4x224": lambda: [image(224) for _ in range(4)]}
 PHASES = (
-    "caller_checks_and_packing", "caller_pixel_copy", "request_wake", "actor_receive", "actor_checks",
-    "actor_combine", "actor_plan_prep", "launch", "collect", "actor_after_encode", "reply_wake",
+    "caller_checks_and_packing",
+    "caller_pixel_copy",
+    "request_wake",
+    "actor_receive",
+    "actor_checks",
+    "actor_combine",
+    "actor_plan_prep",
+    "launch",
+    "collect",
+    "actor_after_encode",
+    "reply_wake",
     "caller_after_reply",
 )
 ACTOR_RUN = ("actor_checks", "actor_combine", "actor_plan_prep", "launch", "collect")  # = the older "encode"
@@ -77,6 +86,7 @@ def install_actor_probes(actor) -> bool:
         def timed(*args, **kwargs):
             stamps[name] = time.perf_counter()
             return function(*args, **kwargs)
+
         return timed
 
     class StampedCombiner:  # the actor's combiner, stamped when a batch enters it
@@ -115,7 +125,15 @@ def install_actor_probes(actor) -> bool:
         runner.launch = timed_launch
 
     def timed_send(connection, message):
-        names = ("received", "run_start", "combine_start", "plans_start", "launch_start", "launch_end", "run_end")
+        names = (
+            "received",
+            "run_start",
+            "combine_start",
+            "plans_start",
+            "launch_start",
+            "launch_end",
+            "run_end",
+        )
         probe = [stamps.get(name, float("nan")) for name in names] + [time.perf_counter()]
         send(connection, dict(message, probe=probe))
 
@@ -153,7 +171,15 @@ class CallerProbes:
 
     def phases(self, start: float, end: float) -> dict[str, float]:
         *actor_marks, replied_at = self.last.probe
-        marks = [start, self.last.send_start, self.last.sent, *actor_marks, replied_at, self.last.received, end]
+        marks = [
+            start,
+            self.last.send_start,
+            self.last.sent,
+            *actor_marks,
+            replied_at,
+            self.last.received,
+            end,
+        ]
         return {name: (b - a) * 1e3 for name, a, b in zip(PHASES, marks, marks[1:])}
 
 
@@ -161,7 +187,7 @@ def count_segments() -> tuple[collections.Counter, collections.Counter]:
     """Counts, in this process, of segments created (by size) and of batches whose outputs found
     no free output segment (copied out instead)."""
     created, copied = collections.Counter(), collections.Counter()
-    init, take = segments.OwnedSegment.__init__, segments.OutputSegments.take
+    init, take = shared_memory.OwnedSegment.__init__, shared_memory.OutputSegments.take
 
     def counted_init(self, size):
         created[size] += 1
@@ -172,7 +198,7 @@ def count_segments() -> tuple[collections.Counter, collections.Counter]:
         copied["copied" if chosen is None else "viewed"] += 1
         return chosen
 
-    segments.OwnedSegment.__init__, segments.OutputSegments.take = counted_init, counted_take
+    shared_memory.OwnedSegment.__init__, shared_memory.OutputSegments.take = counted_init, counted_take
     return created, copied
 
 
@@ -215,11 +241,15 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--block", type=int, default=20)
-    parser.add_argument("--spin", type=float, default=None, help="the pool's channel_spin_s (default: the pool's)")
+    parser.add_argument(
+        "--spin", type=float, default=None, help="the pool's channel_spin_s (default: the pool's)"
+    )
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument(
-        "--model", choices=("qwen3-vl-8b", "tiny"), default=None,
+        "--model",
+        choices=("qwen3-vl-8b", "tiny"),
+        default=None,
         help="the real-size Qwen3-VL-8B tower with random weights (default on a GPU) or vitpool's "
         "shipped tiny model (default on the CPU)",
     )
@@ -245,16 +275,23 @@ def main() -> None:
     segment_counts, output_counts = count_segments()
 
     results = {
-        "gpu": gpu, "model": model, "torch": torch.__version__, "ray": ray.__version__, "runs": args.runs,
+        "gpu": gpu,
+        "model": model,
+        "torch": torch.__version__,
+        "ray": ray.__version__,
+        "runs": args.runs,
         "block": args.block,
-        "spin_s": args.spin, "actor_device": pool.stats().actors[0].device,
+        "spin_s": args.spin,
+        "actor_device": pool.stats().actors[0].device,
         "workloads": {},
     }
     for name, build in WORKLOADS.items():
         baseline, totals, phases = measure(encoder, pool, probes, build(), args)
         row = {"in_process": summarize(baseline), "pool": summarize(totals)}
         row["phases_median_ms"] = {phase: statistics.median(values) for phase, values in phases.items()}
-        row["phases_p90_ms"] = {phase: statistics.quantiles(values, n=10)[-1] for phase, values in phases.items()}
+        row["phases_p90_ms"] = {
+            phase: statistics.quantiles(values, n=10)[-1] for phase, values in phases.items()
+        }
         row["segments_created"], row["outputs_copied"] = dict(segment_counts), dict(output_counts)
         segment_counts.clear()
         output_counts.clear()
@@ -270,8 +307,10 @@ def main() -> None:
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))
     spin_s = "default" if args.spin is None else args.spin
-    print(f"\nGPU: {gpu}; model {model}; actor on {results['actor_device']}; channel_spin_s={spin_s}; "
-          f"median of {args.runs} runs in blocks of {args.block}")
+    print(
+        f"\nGPU: {gpu}; model {model}; actor on {results['actor_device']}; channel_spin_s={spin_s}; "
+        f"median of {args.runs} runs in blocks of {args.block}"
+    )
     print("| workload | in-process | pool | added | ratio | " + " | ".join(PHASES) + " | actor run |")
     print("|---" * (6 + len(PHASES)) + "|")
     for name, row in results["workloads"].items():
@@ -283,7 +322,9 @@ def main() -> None:
         )
     for name, row in results["workloads"].items():
         p90 = ", ".join(f"{phase} {value:.3f}" for phase, value in row["phases_p90_ms"].items())
-        print(f"{name} p90: {p90}; segments created {row['segments_created']}, outputs {row['outputs_copied']}")
+        print(
+            f"{name} p90: {p90}; segments created {row['segments_created']}, outputs {row['outputs_copied']}"
+        )
 
 
 if __name__ == "__main__":

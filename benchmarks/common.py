@@ -42,8 +42,6 @@ def video(frames: int, pixels_side: int) -> Video:
     return Video(torch.randn(t * side * side, ROW_WIDTH), (t, side, side))
 
 
-
-
 def write_config(directory: str | Path) -> Path:
     """A config-only checkpoint directory: vitpool builds the tower with random weights."""
     path = Path(directory)
@@ -94,7 +92,9 @@ def padded_image_batch(adapter, rows: int) -> tuple[torch.Tensor, dict[str, torc
     from vitpool.packing import SEQUENCES, Budget
 
     side = 2 * int(rows**0.5 / 2)  # the rest of the rows are padding
-    spec = adapter.item_rules.item_spec("image", (side * side, *adapter.row_shape), "bfloat16", (1, side, side))
+    spec = adapter.item_rules.item_spec(
+        "image", (side * side, *adapter.row_shape), "bfloat16", (1, side, side)
+    )
     budget = Budget(rows // 4, ((SEQUENCES, 4),), 4)
     metadata = {k: v.cuda() for k, v in adapter.build_metadata([spec], rows, budget).items()}
     pixels = torch.randn(rows, *adapter.row_shape, device="cuda", dtype=torch.bfloat16)
@@ -124,8 +124,6 @@ def summarize(samples: list[float]) -> dict:
     }
 
 
-
-
 class GpuBusy:
     """The share of time the GPUs ran a kernel while the block ran, as nvidia-smi samples it
     (`utilization.gpu`, every 100 ms): `busy` is the mean per GPU index, {} without nvidia-smi."""
@@ -135,9 +133,17 @@ class GpuBusy:
         import subprocess
 
         self.busy: dict[int, float] = {}
-        command = ["nvidia-smi", "--query-gpu=index,utilization.gpu", "--format=csv,noheader,nounits", "-lms", "100"]
+        command = [
+            "nvidia-smi",
+            "--query-gpu=index,utilization.gpu",
+            "--format=csv,noheader,nounits",
+            "-lms",
+            "100",
+        ]
         self._process = (
-            subprocess.Popen(command, stdout=subprocess.PIPE, text=True) if shutil.which("nvidia-smi") else None
+            subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+            if shutil.which("nvidia-smi")
+            else None
         )
         return self
 

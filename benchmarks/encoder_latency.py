@@ -48,19 +48,38 @@ def main() -> None:
     parser.add_argument("--budgets", type=str, default=None, help="comma-separated token budgets")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--attention", default="auto", help="the encoder's attention kernel: auto, fa2, fa4")
-    parser.add_argument("--fused-ops", default="on", choices=("on", "off"), help="fused rotary, patch GEMM, MLP GELU")
-    parser.add_argument("--compiled-blocks", default="off", choices=("on", "off"), help="torch.compile'd blocks")
-    parser.add_argument("--pinned-staging", default="on", choices=("on", "off"),
-                        help="off: large host pixels copy straight from pageable memory (the code before it)")
-    parser.add_argument("--family", default="qwen3_vl",
-                        help="qwen3_vl (this script's workloads) or a family of family_latency.py")
+    parser.add_argument(
+        "--fused-ops", default="on", choices=("on", "off"), help="fused rotary, patch GEMM, MLP GELU"
+    )
+    parser.add_argument(
+        "--compiled-blocks", default="off", choices=("on", "off"), help="torch.compile'd blocks"
+    )
+    parser.add_argument(
+        "--pinned-staging",
+        default="on",
+        choices=("on", "off"),
+        help="off: large host pixels copy straight from pageable memory (the code before it)",
+    )
+    parser.add_argument(
+        "--family",
+        default="qwen3_vl",
+        help="qwen3_vl (this script's workloads) or a family of family_latency.py",
+    )
     args = parser.parse_args()
     if args.family != "qwen3_vl":
         import sys
 
         import family_latency
 
-        sys.argv = [sys.argv[0], "--families", args.family, "--runs", str(args.runs), "--warmup", str(args.warmup)]
+        sys.argv = [
+            sys.argv[0],
+            "--families",
+            args.family,
+            "--runs",
+            str(args.runs),
+            "--warmup",
+            str(args.warmup),
+        ]
         if args.out:
             sys.argv += ["--out", str(args.out)]
         family_latency.main()
@@ -78,8 +97,13 @@ def main() -> None:
         budgets = [int(b) for b in args.budgets.split(",")] if args.budgets else None
         start = time.perf_counter()
         encoder = GraphEncoder.from_pretrained(
-            directory, budgets=budgets, device="cuda", dtype=torch.bfloat16, attention=args.attention,
-            fused_ops=args.fused_ops == "on", compiled_blocks=args.compiled_blocks == "on",
+            directory,
+            budgets=budgets,
+            device="cuda",
+            dtype=torch.bfloat16,
+            attention=args.attention,
+            fused_ops=args.fused_ops == "on",
+            compiled_blocks=args.compiled_blocks == "on",
         )
         build_s = time.perf_counter() - start
     stats = encoder.stats()
@@ -100,7 +124,8 @@ def main() -> None:
         "build_s": build_s,
         "disabled_budgets": stats.disabled_budgets,
         "memory_reserved_after_capture_gib": memory_after_capture_gib,
-        "weights_gib": sum(p.numel() * p.element_size() for p in encoder.adapter.tower.parameters()) / 1024**3,
+        "weights_gib": sum(p.numel() * p.element_size() for p in encoder.adapter.tower.parameters())
+        / 1024**3,
         "workloads": {},
     }
     with torch.no_grad():
@@ -110,8 +135,13 @@ def main() -> None:
             graph_out = encoder.encode(items)
             eager_out = hugging_face_eager(reference, items)
             got = torch.cat([e.tokens for e in graph_out]).float()
-            rel_error = float(torch.linalg.vector_norm(got - eager_out[0].float()) / torch.linalg.vector_norm(eager_out[0].float()))
-            eager = summarize(time_ms(lambda items=items: hugging_face_eager(reference, items), args.runs, args.warmup))
+            rel_error = float(
+                torch.linalg.vector_norm(got - eager_out[0].float())
+                / torch.linalg.vector_norm(eager_out[0].float())
+            )
+            eager = summarize(
+                time_ms(lambda items=items: hugging_face_eager(reference, items), args.runs, args.warmup)
+            )
             graph = summarize(time_ms(lambda items=items: encoder.encode(items), args.runs, args.warmup))
             results["workloads"][name] = {
                 "patches": sum(it.pixel_values.shape[0] for it in items),
@@ -127,16 +157,20 @@ def main() -> None:
 
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))
-    print(f"\nGPU: {gpu}, torch {torch.__version__}; {args.runs} runs after {args.warmup} warm-up; attention "
-          f"{args.attention}, fused ops {args.fused_ops}, compiled blocks {args.compiled_blocks}, "
-          f"pinned staging {args.pinned_staging}")
+    print(
+        f"\nGPU: {gpu}, torch {torch.__version__}; {args.runs} runs after {args.warmup} warm-up; attention "
+        f"{args.attention}, fused ops {args.fused_ops}, compiled blocks {args.compiled_blocks}, "
+        f"pinned staging {args.pinned_staging}"
+    )
     print(
         f"{len(encoder.budgets)} budgets {results['budgets'][0]}..{results['budgets'][-1]} tokens, "
         f"built in {build_s:.1f} s (captured and checked in {stats.capture_seconds:.2f} s), "
         f"{memory_after_capture_gib:.2f} GiB reserved after capture "
         f"({results['weights_gib']:.2f} GiB of it weights), disabled: {stats.disabled_budgets}"
     )
-    print("| workload | patches | HF eager median (p99) ms | vitpool median (p99) ms | ratio | rel. err vs HF |")
+    print(
+        "| workload | patches | HF eager median (p99) ms | vitpool median (p99) ms | ratio | rel. err vs HF |"
+    )
     print("|---|---|---|---|---|---|")
     for name, row in results["workloads"].items():
         print(

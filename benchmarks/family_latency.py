@@ -63,15 +63,21 @@ PROJECTOR_FIELDS = {
     "paddleocr_vl": {"text_hidden_size": 1024},
     # InternVL3.5-8B: Qwen3-8B's width; the releases' projector and feature selection
     "internvl": {
-        "text_hidden_size": 4096, "downsample_ratio": 0.5, "projector_hidden_act": "gelu",
-        "vision_feature_layer": -1, "vision_feature_select_strategy": "default",
+        "text_hidden_size": 4096,
+        "downsample_ratio": 0.5,
+        "projector_hidden_act": "gelu",
+        "vision_feature_layer": -1,
+        "vision_feature_select_strategy": "default",
     },
     "llama4": {"text_hidden_size": 5120},  # Llama 4 Scout's LLM width
     "step3p7": {"text_hidden_size": 4096, "projector_bias": False},  # Step-3.7-Flash
     "deepseek_ocr2": {"text_hidden_size": 1280},  # DeepSeek-OCR-2's LLM width
     # MiniCPM-V 4.6: its LLM's width and the release's merge settings (not in the hub's vision config)
     "minicpmv4_6": {
-        "text_hidden_size": 1024, "downsample_mode": "16x", "merge_kernel_size": [2, 2], "merger_times": 1,
+        "text_hidden_size": 1024,
+        "downsample_mode": "16x",
+        "merge_kernel_size": [2, 2],
+        "merger_times": 1,
         "insert_layer_id": 6,
     },
     "gemma3": {"text_hidden_size": 5376, "mm_tokens_per_image": 256},  # Gemma 3 27B's LLM width
@@ -115,8 +121,11 @@ def workloads(family: str, vision_config: dict) -> dict[str, list]:
             return Image(torch.randn(1, 3, patch, rows * patch), [list(size) for size in sizes])
 
         one = MINICPM_SLICES["1 slice"]
-        return {"1 slice": [image(one)], "4x1 slice": [image(one) for _ in range(4)],
-                "7 slices": [image(MINICPM_SLICES["7 slices"])]}
+        return {
+            "1 slice": [image(one)],
+            "4x1 slice": [image(one) for _ in range(4)],
+            "7 slices": [image(MINICPM_SLICES["7 slices"])],
+        }
     if family in GLOBAL_AND_CROPS:
         size = vision_config.get("image_size") or vision_config["sam_config"]["image_size"]
         crop = GLOBAL_AND_CROPS[family]
@@ -134,7 +143,11 @@ def workloads(family: str, vision_config: dict) -> dict[str, list]:
             return Image(torch.randn(count, 3, size, size))
 
         many = MANY_VIEWS.get(family, 7)
-        return {"1 view": [tiles(1)], "4x1 view": [tiles(1) for _ in range(4)], f"{many} views": [tiles(many)]}
+        return {
+            "1 view": [tiles(1)],
+            "4x1 view": [tiles(1) for _ in range(4)],
+            f"{many} views": [tiles(many)],
+        }
     patch = vision_config["patch_size"]
     merge = vision_config.get("spatial_merge_size") or vision_config["merge_kernel_size"][0]
     row_shape = (3, patch, patch) if family in PATCH_ROWS else (3 * 2 * patch * patch,)
@@ -167,7 +180,9 @@ def hugging_face_eager(family: str, module: torch.nn.Module, items: list) -> tor
         return family_path(family).hugging_face(module, items)
     if family == "minicpmv4_6":  # MiniCPMV4_6Model.get_image_features: one strip of every slice
         strip = torch.cat([item.pixel_values for item in items], dim=-1).to("cuda", torch.bfloat16)
-        sizes = torch.tensor([size for item in items for size in item.grid_thw], dtype=torch.int32, device="cuda")
+        sizes = torch.tensor(
+            [size for item in items for size in item.grid_thw], dtype=torch.int32, device="cuda"
+        )
         hidden = module.vision_tower(strip, target_sizes=sizes, use_vit_merger=True).last_hidden_state
         return torch.cat(module.merger(hidden, sizes // 2))
     pixels = torch.cat([item.pixel_values for item in items]).to("cuda", torch.bfloat16)
@@ -194,7 +209,9 @@ def hugging_face_eager(family: str, module: torch.nn.Module, items: list) -> tor
         return tokens.reshape(-1, tokens.shape[-1])
     if family in ("gemma3", "idefics3"):  # get_image_features: the tower, then the projector per view
         if family == "gemma3":
-            features = module.multi_modal_projector(module.vision_tower(pixel_values=pixels).last_hidden_state)
+            features = module.multi_modal_projector(
+                module.vision_tower(pixel_values=pixels).last_hidden_state
+            )
         else:  # every split whole: the processor's splits have no padding (patch_attention_mask all ones)
             features = module.connector(module.vision_model(pixel_values=pixels).last_hidden_state)
         return features.reshape(-1, features.shape[-1])
@@ -204,7 +221,9 @@ def hugging_face_eager(family: str, module: torch.nn.Module, items: list) -> tor
     rows = []
     for item in items:
         t, h, w = item.grid_thw
-        rows.extend([[1, h, w]] * t if family in ("glm4v", "glm_ocr") else [[t, h, w]])  # GLM: one row per frame
+        rows.extend(
+            [[1, h, w]] * t if family in ("glm4v", "glm_ocr") else [[t, h, w]]
+        )  # GLM: one row per frame
     grid = torch.tensor(rows, device="cuda")
     if family == "kimi_k25":
         return module.mm_projector(module.vision_tower(pixels, grid_thw=grid).pooler_output).squeeze(1)
@@ -215,7 +234,11 @@ def hugging_face_eager(family: str, module: torch.nn.Module, items: list) -> tor
 
 
 def flagship_encoder(
-    family: str, vision_config: dict, device: str = "cuda", dtype: torch.dtype = torch.bfloat16, **options: object
+    family: str,
+    vision_config: dict,
+    device: str = "cuda",
+    dtype: torch.dtype = torch.bfloat16,
+    **options: object,
 ) -> GraphEncoder:
     """vitpool's encoder of `family` from `vision_config` (a flagship's, or a cut-down copy) and what
     its tower-only config adds (PROJECTOR_FIELDS), with random weights (seed 0) and the parameters
@@ -249,8 +272,15 @@ def use_sdpa(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def measure(
-    family: str, vision_config: dict, runs: int, warmup: int, compiled: bool = False, compiled_blocks: bool = False,
-    only: set[str] | None = None, baseline_attention: str | None = None, fp8: bool = False,
+    family: str,
+    vision_config: dict,
+    runs: int,
+    warmup: int,
+    compiled: bool = False,
+    compiled_blocks: bool = False,
+    only: set[str] | None = None,
+    baseline_attention: str | None = None,
+    fp8: bool = False,
 ) -> dict:
     gc.collect()  # the previous family's encoder and reference, held by reference cycles
     torch.cuda.synchronize()
@@ -259,12 +289,18 @@ def measure(
     torch.cuda.synchronize()
     weights = sum(p.numel() * p.element_size() for p in encoder.adapter.tower.parameters())
     # the encoder's memory once captured: weights, static buffers and the graphs' pool
-    memory = {"weights_gib": weights / 2**30, "after_capture_gib": (torch.cuda.memory_allocated() - before) / 2**30}
+    memory = {
+        "weights_gib": weights / 2**30,
+        "after_capture_gib": (torch.cuda.memory_allocated() - before) / 2**30,
+    }
     stats = encoder.stats()
     baseline = None
     if baseline_attention is not None:
         baseline = GraphEncoder(
-            encoder.adapter, device="cuda", dtype=torch.bfloat16, compiled_blocks=compiled_blocks,
+            encoder.adapter,
+            device="cuda",
+            dtype=torch.bfloat16,
+            compiled_blocks=compiled_blocks,
             attention=baseline_attention,
         )
     fp8_encoder = None
@@ -285,10 +321,13 @@ def measure(
             graph = summarize(time_ms(lambda items=items: encoder.encode(items), runs, warmup))
             rows[name] = {
                 # rows of pixels (patches, tiles or crops; a family_paths/ family's items vary in form: its tokens)
-                "patches": got.shape[0] if family_path(family) is not None
+                "patches": got.shape[0]
+                if family_path(family) is not None
                 else sum(item.pixel_values.shape[0] for item in items if family != "minicpmv4_6")
                 + sum(tensor.shape[0] for item in items for tensor in (item.inputs or {}).values()),
-                "hf_eager": eager, "vitpool": graph, "ratio": graph["median_ms"] / eager["median_ms"],
+                "hf_eager": eager,
+                "vitpool": graph,
+                "ratio": graph["median_ms"] / eager["median_ms"],
                 "rel_error": rel_error,
             }
             if fp8_encoder is not None:
@@ -298,7 +337,9 @@ def measure(
                 rows[name]["fp8_speedup"] = graph["median_ms"] / rows[name]["fp8"]["median_ms"]
                 rows[name]["fp8_accuracy"] = fp8_accuracy(low, got)
             if baseline is not None:
-                rows[name]["baseline"] = summarize(time_ms(lambda items=items: baseline.encode(items), runs, warmup))
+                rows[name]["baseline"] = summarize(
+                    time_ms(lambda items=items: baseline.encode(items), runs, warmup)
+                )
                 rows[name]["baseline_ratio"] = rows[name]["baseline"]["median_ms"] / eager["median_ms"]
             if compiled:
                 torch._dynamo.reset()
@@ -311,9 +352,13 @@ def measure(
                 except Exception as error:  # noqa: BLE001 - a tower torch.compile cannot take is a result
                     rows[name]["hf_compile_error"] = f"{type(error).__name__}: {str(error)[:300]}"
     result = {
-        "family": family, "params_m": sum(p.numel() for p in encoder.adapter.tower.parameters()) / 1e6,
-        "capture_s": stats.capture_seconds, "budgets": len(encoder.budgets), "memory": memory,
-        "disabled_budgets": stats.disabled_budgets, "workloads": rows,
+        "family": family,
+        "params_m": sum(p.numel() for p in encoder.adapter.tower.parameters()) / 1e6,
+        "capture_s": stats.capture_seconds,
+        "budgets": len(encoder.budgets),
+        "memory": memory,
+        "disabled_budgets": stats.disabled_budgets,
+        "workloads": rows,
     }
     return result
 
@@ -323,7 +368,8 @@ def fp8_accuracy(low: torch.Tensor, high: torch.Tensor) -> dict:
     width = high.shape[-1]
     cosine = torch.nn.functional.cosine_similarity(low.reshape(-1, width), high.reshape(-1, width), dim=-1)
     return {
-        "cosine_min": float(cosine.min()), "cosine_median": float(cosine.median()),
+        "cosine_min": float(cosine.min()),
+        "cosine_median": float(cosine.median()),
         "rel_error": float(torch.linalg.vector_norm(low - high) / torch.linalg.vector_norm(high)),
     }
 
@@ -334,11 +380,19 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--compiled", action="store_true", help="also time HF under torch.compile (reduce-overhead)")
+    parser.add_argument(
+        "--compiled", action="store_true", help="also time HF under torch.compile (reduce-overhead)"
+    )
     parser.add_argument("--compiled-blocks", action="store_true", help="vitpool with compiled_blocks=True")
-    parser.add_argument("--workloads", default=None, help='comma-separated workload names (e.g. "1 view"); default all')
-    parser.add_argument("--baseline-attention", default=None, help="also time an encoder with this attention (fa2)")
-    parser.add_argument("--fp8", action="store_true", help="also time precision='fp8' and compare it with bf16")
+    parser.add_argument(
+        "--workloads", default=None, help='comma-separated workload names (e.g. "1 view"); default all'
+    )
+    parser.add_argument(
+        "--baseline-attention", default=None, help="also time an encoder with this attention (fa2)"
+    )
+    parser.add_argument(
+        "--fp8", action="store_true", help="also time precision='fp8' and compare it with bf16"
+    )
     args = parser.parse_args()
     unknown = sorted(set(args.families.split(",")) - set(VISION_MODEL_TYPES))
     if unknown:
@@ -347,7 +401,10 @@ def main() -> None:
     configs = json.loads(CONFIGS.read_text())
     gpu = torch.cuda.get_device_name()
     results = {
-        "gpu": gpu, "torch": torch.__version__, "runs": args.runs, "compiled_blocks": args.compiled_blocks,
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "runs": args.runs,
+        "compiled_blocks": args.compiled_blocks,
         "families": [],
     }
     failed = {}
@@ -355,9 +412,15 @@ def main() -> None:
         try:
             results["families"].append(
                 measure(
-                    family, configs[family]["vision_config"], args.runs, args.warmup, args.compiled,
-                    args.compiled_blocks, set(args.workloads.split(",")) if args.workloads else None,
-                    args.baseline_attention, args.fp8,
+                    family,
+                    configs[family]["vision_config"],
+                    args.runs,
+                    args.warmup,
+                    args.compiled,
+                    args.compiled_blocks,
+                    set(args.workloads.split(",")) if args.workloads else None,
+                    args.baseline_attention,
+                    args.fp8,
                 )
             )
         except Exception as error:  # noqa: BLE001 - one family's failure is its result; the others still run
@@ -367,28 +430,58 @@ def main() -> None:
         torch.cuda.empty_cache()  # the family's encoder and reference are gone: give their memory back
         if args.out:
             args.out.write_text(json.dumps(results, indent=2))
-    print(f"\nGPU: {gpu}; median (p99) ms of {args.runs} runs after {args.warmup} warm-up; ratio = vitpool / HF eager")
+    print(
+        f"\nGPU: {gpu}; median (p99) ms of {args.runs} runs after {args.warmup} warm-up; ratio = vitpool / HF eager"
+    )
     for result in results["families"]:
         memory = result["memory"]
-        print(f"{result['family']}: capture and check {result['capture_s']:.1f} s for {result['budgets']} budgets; "
-              f"GPU memory after capture {memory['after_capture_gib']:.2f} GiB (weights {memory['weights_gib']:.2f})")
-    print("| family (vision params) | capture s (budgets) | workload | patches | HF eager | vitpool | ratio | rel. err |")
+        print(
+            f"{result['family']}: capture and check {result['capture_s']:.1f} s for {result['budgets']} budgets; "
+            f"GPU memory after capture {memory['after_capture_gib']:.2f} GiB (weights {memory['weights_gib']:.2f})"
+        )
+    print(
+        "| family (vision params) | capture s (budgets) | workload | patches | HF eager | vitpool | ratio | rel. err |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for result in results["families"]:
         for number, (name, row) in enumerate(result["workloads"].items()):
-            head = (f"{result['family']} ({result['params_m']:.0f}M) | {result['capture_s']:.1f} ({result['budgets']}, "
-                    f"{len(result['disabled_budgets'])} disabled)") if number == 0 else " | "
-            print(f"| {head} | {name} | {row['patches']} | {row['hf_eager']['median_ms']:.2f} "
-                  f"({row['hf_eager']['p99_ms']:.2f}) | {row['vitpool']['median_ms']:.2f} ({row['vitpool']['p99_ms']:.2f}) "
-                  f"| {row['ratio']:.2f} | {row['rel_error']:.1e} |"
-                  + (f" HF compiled {row['hf_compiled']['median_ms']:.2f} ({row['hf_compiled']['p99_ms']:.2f}), "
-                     f"ratio {row['ratio_compiled']:.2f} |" if "hf_compiled" in row else "")
-                  + (f" HF compile failed: {row['hf_compile_error'][:120]} |" if "hf_compile_error" in row else "")
-                  + (f" {args.baseline_attention}: {row['baseline']['median_ms']:.2f} ({row['baseline']['p99_ms']:.2f}), "
-                     f"ratio {row['baseline_ratio']:.2f} |" if "baseline" in row else "")
-                  + (f" fp8: {row['fp8']['median_ms']:.2f} ({row['fp8']['p99_ms']:.2f}), {row['fp8_speedup']:.2f}x bf16, "
-                     f"cosine min {row['fp8_accuracy']['cosine_min']:.4f} median {row['fp8_accuracy']['cosine_median']:.4f}, "
-                     f"rel. err {row['fp8_accuracy']['rel_error']:.1e} |" if "fp8" in row else ""))
+            head = (
+                (
+                    f"{result['family']} ({result['params_m']:.0f}M) | {result['capture_s']:.1f} ({result['budgets']}, "
+                    f"{len(result['disabled_budgets'])} disabled)"
+                )
+                if number == 0
+                else " | "
+            )
+            print(
+                f"| {head} | {name} | {row['patches']} | {row['hf_eager']['median_ms']:.2f} "
+                f"({row['hf_eager']['p99_ms']:.2f}) | {row['vitpool']['median_ms']:.2f} ({row['vitpool']['p99_ms']:.2f}) "
+                f"| {row['ratio']:.2f} | {row['rel_error']:.1e} |"
+                + (
+                    f" HF compiled {row['hf_compiled']['median_ms']:.2f} ({row['hf_compiled']['p99_ms']:.2f}), "
+                    f"ratio {row['ratio_compiled']:.2f} |"
+                    if "hf_compiled" in row
+                    else ""
+                )
+                + (
+                    f" HF compile failed: {row['hf_compile_error'][:120]} |"
+                    if "hf_compile_error" in row
+                    else ""
+                )
+                + (
+                    f" {args.baseline_attention}: {row['baseline']['median_ms']:.2f} ({row['baseline']['p99_ms']:.2f}), "
+                    f"ratio {row['baseline_ratio']:.2f} |"
+                    if "baseline" in row
+                    else ""
+                )
+                + (
+                    f" fp8: {row['fp8']['median_ms']:.2f} ({row['fp8']['p99_ms']:.2f}), {row['fp8_speedup']:.2f}x bf16, "
+                    f"cosine min {row['fp8_accuracy']['cosine_min']:.4f} median {row['fp8_accuracy']['cosine_median']:.4f}, "
+                    f"rel. err {row['fp8_accuracy']['rel_error']:.1e} |"
+                    if "fp8" in row
+                    else ""
+                )
+            )
     for family, error in failed.items():
         print(f"{family}: failed: {error}")
 

@@ -61,7 +61,9 @@ def pngs(count: int, seed: int, side: int = SIDE) -> list[bytes]:
             PILImage.fromarray(pixels).save(buffer, format="PNG", compress_level=1)
         else:
             ramp = np.linspace(0, 1, side)
-            base = np.stack([np.outer(ramp, ramp), np.outer(ramp[::-1], ramp), np.outer(ramp, ramp[::-1])], -1)
+            base = np.stack(
+                [np.outer(ramp, ramp), np.outer(ramp[::-1], ramp), np.outer(ramp, ramp[::-1])], -1
+            )
             pixels = np.clip(base * rng.uniform(120, 255, 3) + rng.normal(0, 6, (side, side, 3)), 0, 255)
             PILImage.fromarray(pixels.astype(np.uint8)).save(buffer, format="JPEG", quality=90)
         out.append(buffer.getvalue())
@@ -77,10 +79,14 @@ PROCESSOR = None
 
 
 def chat_body(images: list[bytes]) -> bytes:
-    parts = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(d).decode()}}
-             for d in images]
+    parts = [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(d).decode()}}
+        for d in images
+    ]
     parts.append({"type": "text", "text": "describe"})
-    return json.dumps({"model": "m", "messages": [{"role": "user", "content": parts}], "max_tokens": 1}).encode()
+    return json.dumps(
+        {"model": "m", "messages": [{"role": "user", "content": parts}], "max_tokens": 1}
+    ).encode()
 
 
 def serve(app, port_holder: list[int]) -> asyncio.AbstractEventLoop:
@@ -136,9 +142,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--tiny", action="store_true", help="the shipped tiny tower (a CPU smoke run)")
     parser.add_argument("--format", choices=("png", "jpeg"), default="png")
-    parser.add_argument("--max-bytes", type=float, default=32 << 30,
-                        help="the publisher's bound: past it entries are evicted and their memory reused "
-                             "(default 32 GiB: a run never reaches it, so every entry takes fresh memory)")
+    parser.add_argument(
+        "--max-bytes",
+        type=float,
+        default=32 << 30,
+        help="the publisher's bound: past it entries are evicted and their memory reused "
+        "(default 32 GiB: a run never reaches it, so every entry takes fresh memory)",
+    )
     args = parser.parse_args()
     FORMAT = args.format
     logging.basicConfig(level=logging.WARNING)
@@ -155,18 +165,31 @@ def main() -> None:
     else:
         directory = save_random_tower(tempfile.mkdtemp(prefix="vitpool-gateway-"))
     on_gpu = torch.cuda.is_available()
-    pool = EncoderPool.launch(model=str(directory), num_actors=1, dtype="bfloat16" if on_gpu else "float32",
-                              device="cuda" if on_gpu else "cpu")
+    pool = EncoderPool.launch(
+        model=str(directory),
+        num_actors=1,
+        dtype="bfloat16" if on_gpu else "float32",
+        device="cuda" if on_gpu else "cpu",
+    )
     max_bytes = int(args.max_bytes)
-    publisher = (StorePublisher(pool.name, max_bytes=max_bytes, min_age_s=0.0) if args.publish == "store"
-                 else FilePublisher(tempfile.mkdtemp(prefix="ec-", dir="/dev/shm"), max_bytes=max_bytes, min_age_s=0.0))
+    publisher = (
+        StorePublisher(pool.name, max_bytes=max_bytes, min_age_s=0.0)
+        if args.publish == "store"
+        else FilePublisher(tempfile.mkdtemp(prefix="ec-", dir="/dev/shm"), max_bytes=max_bytes, min_age_s=0.0)
+    )
     scratch = [publisher.root] if args.publish == "files" else []
     if not args.tiny:
         scratch.append(Path(directory))
     upstream_port: list[int] = []
     serve(stand_in_vllm(), upstream_port)
-    gateway = Gateway(pool, publisher, directory, f"http://127.0.0.1:{upstream_port[0]}", dtype=torch.bfloat16,
-                      make_item=make_item)
+    gateway = Gateway(
+        pool,
+        publisher,
+        directory,
+        f"http://127.0.0.1:{upstream_port[0]}",
+        dtype=torch.bfloat16,
+        make_item=make_item,
+    )
     gateway_port: list[int] = []
     serve(gateway.app(), gateway_port)
     url = f"http://127.0.0.1:{gateway_port[0]}/v1/chat/completions"
@@ -176,9 +199,13 @@ def main() -> None:
     total = args.runs + args.warmup
     requests = [pngs(args.images, seed) for seed in range(total)]
     bodies = [chat_body(images) for images in requests]
-    item_sets = [[make_item(PILImage.open(io.BytesIO(d)).convert("RGB")) for d in images] for images in requests]
-    print(f"{gpu}: {args.images} x {SIDE}² per request, publish={args.publish}, {args.format}, body {len(bodies[0]) / 1e6:.1f} MB",
-          flush=True)
+    item_sets = [
+        [make_item(PILImage.open(io.BytesIO(d)).convert("RGB")) for d in images] for images in requests
+    ]
+    print(
+        f"{gpu}: {args.images} x {SIDE}² per request, publish={args.publish}, {args.format}, body {len(bodies[0]) / 1e6:.1f} MB",
+        flush=True,
+    )
 
     gateway_ms, encode_ms, process_ms, copy_ms = [], [], [], []
     phases = {name: [] for name in ("receive", "process", "encode", "publish", "forward")}
@@ -222,18 +249,33 @@ def main() -> None:
         stats_after = pool.stats()
         batches = sum(a.batches for a in stats_after.actors) - sum(a.batches for a in stats_before.actors)
         items = sum(a.items for a in stats_after.actors) - sum(a.items for a in stats_before.actors)
-        rounds.append({"requests": 16, "images": sum(counts), "batches": batches, "items": items,
-                       "items_per_batch": items / max(batches, 1), "wall_ms": elapsed})
+        rounds.append(
+            {
+                "requests": 16,
+                "images": sum(counts),
+                "batches": batches,
+                "items": items,
+                "items_per_batch": items / max(batches, 1),
+                "wall_ms": elapsed,
+            }
+        )
 
     result = {
-        "gpu": gpu, "images_per_request": args.images, "side": SIDE, "publish": args.publish, "format": args.format,
-        "max_bytes": max_bytes, "runs": args.runs,
-        "gateway_ms": summarize(gateway_ms), "pool_encode_ms": summarize(encode_ms),
+        "gpu": gpu,
+        "images_per_request": args.images,
+        "side": SIDE,
+        "publish": args.publish,
+        "format": args.format,
+        "max_bytes": max_bytes,
+        "runs": args.runs,
+        "gateway_ms": summarize(gateway_ms),
+        "pool_encode_ms": summarize(encode_ms),
         "process_in_process_ms": summarize(process_ms),
         "one_copy_of_the_embeddings_ms": summarize(copy_ms),
         "gateway_phases_ms": {name: summarize(values) for name, values in phases.items()},
         "publish_and_forward_over_encode": statistics.median(
-            [(p + f) / e for p, f, e in zip(phases["publish"], phases["forward"], encode_ms)]),
+            [(p + f) / e for p, f, e in zip(phases["publish"], phases["forward"], encode_ms)]
+        ),
         "concurrent_rounds": rounds,
         "gateway_stats": json.loads(json.dumps(vars(gateway.stats), default=vars)),
     }

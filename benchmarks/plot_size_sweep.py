@@ -26,7 +26,9 @@ def main() -> None:
     parser.add_argument("--before", type=Path, default=HERE / "results" / "size_sweep_before.json")
     parser.add_argument("--after", type=Path, default=HERE / "results" / "size_sweep_after.json")
     parser.add_argument("--compiled", type=Path, default=HERE / "results" / "size_sweep_compiled_after.json")
-    parser.add_argument("--default-install", type=Path, default=HERE / "results" / "size_sweep_issue42_h100.json")
+    parser.add_argument(
+        "--default-install", type=Path, default=HERE / "results" / "size_sweep_issue42_h100.json"
+    )
     parser.add_argument("--fa4", type=Path, default=HERE / "results" / "size_sweep_fa4_issue42_h100.json")
     parser.add_argument("--fp8", type=Path, default=HERE / "results" / "size_sweep_fp8_issue42_h100.json")
     parser.add_argument("--out", type=Path, default=HERE / "size_sweep.png")

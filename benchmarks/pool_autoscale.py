@@ -133,7 +133,11 @@ def default_phases(max_actors: int, interval_s: float, device: str) -> list[Phas
     settle = SETTLE_S[device]
     up = steps * ((UP_READINGS + 1) * interval_s + ACTOR_START_S[device]) + settle
     down = steps * (DOWN_READINGS + 1) * interval_s + settle
-    return [Phase("low", LOW_S[device]), Phase("high", math.ceil(up / 5) * 5), Phase("low", math.ceil(down / 5) * 5)]
+    return [
+        Phase("low", LOW_S[device]),
+        Phase("high", math.ceil(up / 5) * 5),
+        Phase("low", math.ceil(down / 5) * 5),
+    ]
 
 
 def phase_labels(phases: list[Phase] | tuple[Phase, ...]) -> list[str]:
@@ -184,6 +188,7 @@ def caller_main(plan: CallerPlan, start_at: Any, go: Any, ready: Any, results: A
             begin, end = start + phase_start, start + phase_end
             time.sleep(max(0.0, begin - time.monotonic()))
             if phase.kind == "high":  # closed loop: every thread back to back until the end
+
                 def loop(offset: int, end: float = end) -> None:
                     number = offset
                     while time.monotonic() < end:
@@ -200,10 +205,15 @@ def caller_main(plan: CallerPlan, start_at: Any, go: Any, ready: Any, results: A
                     number += 1
                     arrival += rng.expovariate(plan.low_rate)
             time.sleep(max(0.0, end - time.monotonic()))  # idle, or the rest of a low phase
-    results.put({
-        "number": plan.number, "records": records, "errors": errors[:5], "error_count": len(errors),
-        "largest_error": largest_error[0],
-    })
+    results.put(
+        {
+            "number": plan.number,
+            "records": records,
+            "errors": errors[:5],
+            "error_count": len(errors),
+            "largest_error": largest_error[0],
+        }
+    )
     pool.close()
 
 
@@ -215,7 +225,9 @@ def _outcome(got: list[torch.Tensor], want: list[torch.Tensor], largest_error: l
         return WRONG
     if all(torch.equal(g, w) for g, w in zip(got, want)):
         return OK
-    error = max(float((g.float() - w.float()).norm() / w.float().norm().clamp_min(1e-30)) for g, w in zip(got, want))
+    error = max(
+        float((g.float() - w.float()).norm() / w.float().norm().clamp_min(1e-30)) for g, w in zip(got, want)
+    )
     largest_error[0] = max(largest_error[0], error)
     return INEXACT if error <= TOLERANCE.get(want[0].dtype, 1e-2) else WRONG
 
@@ -239,8 +251,14 @@ class RayHead:
 
     def __init__(self, num_gpus: int, num_cpus: int | None, log_path: Path) -> None:
         command = [
-            "ray", "start", "--head", "--block", f"--port={_free_port()}", f"--num-gpus={num_gpus}",
-            "--include-dashboard=false", "--disable-usage-stats",
+            "ray",
+            "start",
+            "--head",
+            "--block",
+            f"--port={_free_port()}",
+            f"--num-gpus={num_gpus}",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
         ] + ([f"--num-cpus={num_cpus}"] if num_cpus is not None else [])
         print("$ " + " ".join(command) + f"  (output: {log_path})", flush=True)
         self._log_path = log_path
@@ -280,13 +298,26 @@ def _free_port() -> int:
 
 def serve_command(args: argparse.Namespace, model_dir: str | None) -> list[str]:
     command = [
-        sys.executable, "-m", "vitpool", "serve", "--name", POOL_NAME, "--num-actors", "1",
-        "--autoscale", f"1,{args.max_actors}", "--device", args.device,
-        "--dtype", "bfloat16" if args.device == "cuda" else "float32",
+        sys.executable,
+        "-m",
+        "vitpool",
+        "serve",
+        "--name",
+        POOL_NAME,
+        "--num-actors",
+        "1",
+        "--autoscale",
+        f"1,{args.max_actors}",
+        "--device",
+        args.device,
+        "--dtype",
+        "bfloat16" if args.device == "cuda" else "float32",
     ]
     if model_dir is not None:
         command += ["--model", model_dir]
-    if args.device == "cpu":  # one fake GPU each, so that the cluster's GPUs bound the pool as on a GPU machine
+    if (
+        args.device == "cpu"
+    ):  # one fake GPU each, so that the cluster's GPUs bound the pool as on a GPU machine
         command += ["--gpus-per-actor", "1"]
     return command
 
@@ -368,11 +399,14 @@ def actor_events(samples: list[Sample], start: float) -> dict[int, dict[str, flo
 
 def percentile_ms(values: list[float], fraction: float) -> float | None:
     ordered = sorted(values)
-    return 1e3 * ordered[min(len(ordered) - 1, max(0, round(fraction * len(ordered)) - 1))] if ordered else None
+    return (
+        1e3 * ordered[min(len(ordered) - 1, max(0, round(fraction * len(ordered)) - 1))] if ordered else None
+    )
 
 
-def phase_rows(phases: list[Phase], records: list[tuple[float, float, int]], samples: list[Sample],
-               start: float) -> list[dict]:
+def phase_rows(
+    phases: list[Phase], records: list[tuple[float, float, int]], samples: list[Sample], start: float
+) -> list[dict]:
     """Per phase: items/s (every caller's returned results over the phase's length), latency,
     calls, failed, wrong, and the seconds and items/s at each actor count within it."""
     done = sorted(records)
@@ -380,7 +414,7 @@ def phase_rows(phases: list[Phase], records: list[tuple[float, float, int]], sam
     returned_times = [r[0] for r in done if r[2] != FAILED]
     rows = []
     for label, phase, (begin, end) in zip(phase_labels(phases), phases, phase_bounds(phases)):
-        inside = done[bisect.bisect_left(times, begin):bisect.bisect_left(times, end)]
+        inside = done[bisect.bisect_left(times, begin) : bisect.bisect_left(times, end)]
         latencies = [r[1] for r in inside if r[2] != FAILED]
         by_count: dict[int, dict[str, float]] = {}
         for sample, following in zip(samples, samples[1:] + [None]):
@@ -395,34 +429,47 @@ def phase_rows(phases: list[Phase], records: list[tuple[float, float, int]], sam
             slot["items_per_s"] = slot["items"] / slot["seconds"]
         in_phase = [s for s in samples if begin <= s.t - start < end]
         busy = [statistics.mean(s.busy.values()) for s in in_phase if s.busy]
-        rows.append({
-            "phase": label, "kind": phase.kind, "seconds": phase.seconds,
-            "items_per_s": len(latencies) / phase.seconds, "calls": len(inside),
-            "p50_ms": percentile_ms(latencies, 0.50), "p99_ms": percentile_ms(latencies, 0.99),
-            "failed": sum(r[2] == FAILED for r in inside), "wrong": sum(r[2] in (INEXACT, WRONG) for r in inside),
-            "beyond_tolerance": sum(r[2] == WRONG for r in inside),
-            "actors_min": min((len(s.active) for s in in_phase), default=None),
-            "actors_max": max((len(s.active) for s in in_phase), default=None),
-            "actors_at_end": len(in_phase[-1].active) if in_phase else None,
-            "mean_busy": statistics.mean(busy) if busy else None,
-            "by_actor_count": {str(count): slot for count, slot in sorted(by_count.items())},
-        })
+        rows.append(
+            {
+                "phase": label,
+                "kind": phase.kind,
+                "seconds": phase.seconds,
+                "items_per_s": len(latencies) / phase.seconds,
+                "calls": len(inside),
+                "p50_ms": percentile_ms(latencies, 0.50),
+                "p99_ms": percentile_ms(latencies, 0.99),
+                "failed": sum(r[2] == FAILED for r in inside),
+                "wrong": sum(r[2] in (INEXACT, WRONG) for r in inside),
+                "beyond_tolerance": sum(r[2] == WRONG for r in inside),
+                "actors_min": min((len(s.active) for s in in_phase), default=None),
+                "actors_max": max((len(s.active) for s in in_phase), default=None),
+                "actors_at_end": len(in_phase[-1].active) if in_phase else None,
+                "mean_busy": statistics.mean(busy) if busy else None,
+                "by_actor_count": {str(count): slot for count, slot in sorted(by_count.items())},
+            }
+        )
     return rows
 
 
-def timeline(records: list[tuple[float, float, int]], samples: list[Sample], start: float,
-             total_s: float) -> list[dict]:
+def timeline(
+    records: list[tuple[float, float, int]], samples: list[Sample], start: float, total_s: float
+) -> list[dict]:
     """One row per second of the schedule: calls returned, failed, actors active and held, busy."""
-    rows = [{"t": second, "returned": 0, "failed": 0, "active": None, "held": None, "busy": None}
-            for second in range(math.ceil(total_s) + 1)]
+    rows = [
+        {"t": second, "returned": 0, "failed": 0, "active": None, "held": None, "busy": None}
+        for second in range(math.ceil(total_s) + 1)
+    ]
     for t, _, outcome in records:
         if 0 <= t < len(rows):
             rows[int(t)]["failed" if outcome == FAILED else "returned"] += 1
     for sample in samples:
         second = int(sample.t - start)
         if 0 <= second < len(rows):
-            rows[second].update(active=len(sample.active), held=len(sample.held),
-                                busy={str(k): round(v, 3) for k, v in sample.busy.items()})
+            rows[second].update(
+                active=len(sample.active),
+                held=len(sample.held),
+                busy={str(k): round(v, 3) for k, v in sample.busy.items()},
+            )
     return rows
 
 
@@ -435,39 +482,51 @@ def _at(value: float | str | None) -> str:
 
 
 def print_report(results: dict) -> None:
-    print(f"\n{results['device_name']} x{results['gpus']}, Ray {results['ray']}; pool autoscaling 1-"
-          f"{results['max_actors']} (a reading every {results['autoscale_interval_s']:g} s: up after {UP_READINGS} "
-          f"at >= {UP_BUSY:.0%} busy, down after {DOWN_READINGS} at <= {DOWN_BUSY:.0%}); {results['callers']} caller "
-          f"processes, 1x224² a call; low: {results['low_rate']:g} calls/s in all, high: {results['threads']} "
-          f"threads per caller back to back")
-    print(f"scale-ups {results['scale_ups']}, scale-downs {results['scale_downs']} (pool.stats(): "
-          f"{results['pool_stats']['autoscale_ups']} up, {results['pool_stats']['autoscale_downs']} down, actor "
-          f"failures {results['pool_stats']['actor_failures']}); calls {results['calls']}, failed {results['failed']}, "
-          f"wrong (not bit-equal) {results['wrong']}, beyond tolerance {results['beyond_tolerance']}, largest "
-          f"relative error {results['largest_relative_error']:.2g}")
+    print(
+        f"\n{results['device_name']} x{results['gpus']}, Ray {results['ray']}; pool autoscaling 1-"
+        f"{results['max_actors']} (a reading every {results['autoscale_interval_s']:g} s: up after {UP_READINGS} "
+        f"at >= {UP_BUSY:.0%} busy, down after {DOWN_READINGS} at <= {DOWN_BUSY:.0%}); {results['callers']} caller "
+        f"processes, 1x224² a call; low: {results['low_rate']:g} calls/s in all, high: {results['threads']} "
+        f"threads per caller back to back"
+    )
+    print(
+        f"scale-ups {results['scale_ups']}, scale-downs {results['scale_downs']} (pool.stats(): "
+        f"{results['pool_stats']['autoscale_ups']} up, {results['pool_stats']['autoscale_downs']} down, actor "
+        f"failures {results['pool_stats']['actor_failures']}); calls {results['calls']}, failed {results['failed']}, "
+        f"wrong (not bit-equal) {results['wrong']}, beyond tolerance {results['beyond_tolerance']}, largest "
+        f"relative error {results['largest_relative_error']:.2g}"
+    )
     for error in results["errors"]:
         print(f"  error: {error}")
-    print(f"\nActors, seconds from the schedule's start, as read every {results['arguments']['poll_s']:g} s "
-          f"(`vitpool serve` took {results['serve_seconds']:.1f} s)")
+    print(
+        f"\nActors, seconds from the schedule's start, as read every {results['arguments']['poll_s']:g} s "
+        f"(`vitpool serve` took {results['serve_seconds']:.1f} s)"
+    )
     print("| actor | started | joined (takes work) | retiring | gone |")
     print("|---|---|---|---|---|")
     for index, times in results["actor_events"].items():
-        print(f"| {index} | {_at(times['started'])} | {_at(times['joined'])} | {_at(times['retiring'])} "
-              f"| {_at(times['gone'])} |")
+        print(
+            f"| {index} | {_at(times['started'])} | {_at(times['joined'])} | {_at(times['retiring'])} "
+            f"| {_at(times['gone'])} |"
+        )
     print("\nItems/s within each phase by the number of actors taking work")
     print("| phase | actors | seconds | items/s |")
     print("|---|---|---|---|")
     for row in results["phases"]:
         for count, slot in row["by_actor_count"].items():
             print(f"| {row['phase']} | {count} | {slot['seconds']:.1f} | {slot['items_per_s']:.1f} |")
-    print("\n| phase | seconds | actors (min-max, at end) | mean busy | items/s | p50 / p99 ms | calls | failed "
-          "| wrong (beyond tol.) |")
+    print(
+        "\n| phase | seconds | actors (min-max, at end) | mean busy | items/s | p50 / p99 ms | calls | failed "
+        "| wrong (beyond tol.) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for row in results["phases"]:
         busy = "-" if row["mean_busy"] is None else f"{row['mean_busy']:.0%}"
-        print(f"| {row['phase']} | {row['seconds']:g} | {row['actors_min']}-{row['actors_max']}, {row['actors_at_end']} "
-              f"| {busy} | {row['items_per_s']:.1f} | {_ms(row['p50_ms'])} / {_ms(row['p99_ms'])} | {row['calls']} "
-              f"| {row['failed']} | {row['wrong']} ({row['beyond_tolerance']}) |")
+        print(
+            f"| {row['phase']} | {row['seconds']:g} | {row['actors_min']}-{row['actors_max']}, {row['actors_at_end']} "
+            f"| {busy} | {row['items_per_s']:.1f} | {_ms(row['p50_ms'])} / {_ms(row['p99_ms'])} | {row['calls']} "
+            f"| {row['failed']} | {row['wrong']} ({row['beyond_tolerance']}) |"
+        )
 
 
 # main
@@ -484,7 +543,9 @@ def collect(queue: Any, processes: list[Any], timeout_s: float) -> list[Any]:
         except queues.Empty:
             dead = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
             if dead or time.monotonic() > deadline:
-                raise SystemExit(f"caller processes failed (exit codes {dead}) or timed out; see their output above")
+                raise SystemExit(
+                    f"caller processes failed (exit codes {dead}) or timed out; see their output above"
+                )
     return messages
 
 
@@ -493,11 +554,20 @@ def run(args: argparse.Namespace, phases: list[Phase], pool: EncoderPool) -> dic
     context = mp.get_context("spawn")
     start_at, go, ready, results = context.Value("d", 0.0), context.Event(), context.Queue(), context.Queue()
     plans = [
-        CallerPlan(number, POOL_NAME, tuple(phases), args.images, args.threads, args.low_rate / args.callers,
-                   args.call_timeout_s or None)
+        CallerPlan(
+            number,
+            POOL_NAME,
+            tuple(phases),
+            args.images,
+            args.threads,
+            args.low_rate / args.callers,
+            args.call_timeout_s or None,
+        )
         for number in range(args.callers)
     ]
-    processes = [context.Process(target=caller_main, args=(plan, start_at, go, ready, results)) for plan in plans]
+    processes = [
+        context.Process(target=caller_main, args=(plan, start_at, go, ready, results)) for plan in plans
+    ]
     start_box: list[float] = []
 
     def changed(sample: Sample) -> None:
@@ -516,7 +586,9 @@ def run(args: argparse.Namespace, phases: list[Phase], pool: EncoderPool) -> dic
         labels = phase_labels(phases)
         for label, phase, (begin, _) in zip(labels, phases, phase_bounds(phases)):
             time.sleep(max(0.0, start + begin - time.monotonic()))
-            print(f"[{time.monotonic() - start:7.1f} s] phase {label} ({phase.seconds:g} s) begins", flush=True)
+            print(
+                f"[{time.monotonic() - start:7.1f} s] phase {label} ({phase.seconds:g} s) begins", flush=True
+            )
         outcomes = collect(results, processes, sum(p.seconds for p in phases) + 900.0)
     finally:
         for process in processes:
@@ -532,13 +604,19 @@ def run(args: argparse.Namespace, phases: list[Phase], pool: EncoderPool) -> dic
         "phases": phase_rows(phases, records, monitor.samples, start),
         "actor_events": {str(index): times for index, times in sorted(events.items())},
         # joins and leaves the monitor saw after the schedule started, beyond the first actor
-        "scale_ups": sum(1 for index, t in events.items()
-                         if t["joined"] is not None and (first is None or index not in first.active)),
+        "scale_ups": sum(
+            1
+            for index, t in events.items()
+            if t["joined"] is not None and (first is None or index not in first.active)
+        ),
         "scale_downs": sum(1 for t in events.values() if t["retiring"] is not None),
         "pool_stats": {
-            "autoscale_ups": stats.autoscale_ups, "autoscale_downs": stats.autoscale_downs,
-            "actor_failures": stats.actor_failures, "actor_restarts": stats.actor_restarts,
-            "pool_items": stats.pool_items, "departed_actors": stats.departed_actors,
+            "autoscale_ups": stats.autoscale_ups,
+            "autoscale_downs": stats.autoscale_downs,
+            "actor_failures": stats.actor_failures,
+            "actor_restarts": stats.actor_restarts,
+            "pool_items": stats.pool_items,
+            "departed_actors": stats.departed_actors,
             "standby_takeovers": stats.standby_takeovers,
         },
         "calls": len(records),
@@ -547,28 +625,48 @@ def run(args: argparse.Namespace, phases: list[Phase], pool: EncoderPool) -> dic
         "beyond_tolerance": sum(r[2] == WRONG for r in records),
         "errors": [error for outcome in outcomes for error in outcome["errors"]][:5],
         "largest_relative_error": max(outcome["largest_error"] for outcome in outcomes),
-        "per_caller": [{"number": o["number"], "calls": len(o["records"]), "errors": o["error_count"]}
-                       for o in outcomes],
+        "per_caller": [
+            {"number": o["number"], "calls": len(o["records"]), "errors": o["error_count"]} for o in outcomes
+        ],
         "timeline": timeline(records, monitor.samples, start, sum(p.seconds for p in phases)),
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
-                        help="cpu: the shipped tiny model on CPU actors, with --fake-gpus fake GPUs in Ray")
-    parser.add_argument("--fake-gpus", type=int, default=2, help="with --device cpu: GPUs Ray pretends to have")
-    parser.add_argument("--max-actors", type=int, default=None, help="the autoscaler's N (default: one per GPU)")
+    parser.add_argument(
+        "--device",
+        default="cuda",
+        choices=("cuda", "cpu"),
+        help="cpu: the shipped tiny model on CPU actors, with --fake-gpus fake GPUs in Ray",
+    )
+    parser.add_argument(
+        "--fake-gpus", type=int, default=2, help="with --device cpu: GPUs Ray pretends to have"
+    )
+    parser.add_argument(
+        "--max-actors", type=int, default=None, help="the autoscaler's N (default: one per GPU)"
+    )
     parser.add_argument("--callers", type=int, default=None, help="caller processes (default: 2 per GPU)")
-    parser.add_argument("--threads", type=int, default=4, help="threads per caller (all busy in a high phase)")
-    parser.add_argument("--low-rate", type=float, default=None,
-                        help="calls/s of a low phase, all callers together (default: 20 on cuda, 10 on cpu)")
+    parser.add_argument(
+        "--threads", type=int, default=4, help="threads per caller (all busy in a high phase)"
+    )
+    parser.add_argument(
+        "--low-rate",
+        type=float,
+        default=None,
+        help="calls/s of a low phase, all callers together (default: 20 on cuda, 10 on cpu)",
+    )
     parser.add_argument("--images", type=int, default=4, help="distinct 224² images per caller")
-    parser.add_argument("--phases", default=None,
-                        help="KIND:SECONDS,... with KIND low, high or idle (default: low, high, low, "
-                        "long enough for the autoscaler's policy to go 1 -> N -> 1)")
+    parser.add_argument(
+        "--phases",
+        default=None,
+        help="KIND:SECONDS,... with KIND low, high or idle (default: low, high, low, "
+        "long enough for the autoscaler's policy to go 1 -> N -> 1)",
+    )
     parser.add_argument("--poll-s", type=float, default=1.0, help="how often the pool's membership is read")
-    parser.add_argument("--call-timeout-s", type=float, default=300.0, help="a call that takes longer fails (0: none)")
+    parser.add_argument(
+        "--call-timeout-s", type=float, default=300.0, help="a call that takes longer fails (0: none)"
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     # inherited by ray start, serve, stop and the callers; without token authentication, a client
@@ -581,15 +679,25 @@ def main() -> None:
             raise SystemExit("no GPU here: run with --device cpu")
         gpus, device_name = torch.cuda.device_count(), torch.cuda.get_device_name()
     else:
-        gpus, device_name = args.fake_gpus, f"CPU ({os.cpu_count()} cores), {args.fake_gpus} fake GPUs, tiny model"
+        gpus, device_name = (
+            args.fake_gpus,
+            f"CPU ({os.cpu_count()} cores), {args.fake_gpus} fake GPUs, tiny model",
+        )
     args.max_actors = args.max_actors or gpus
     args.callers = args.callers or 2 * gpus
     args.low_rate = args.low_rate or LOW_RATE[args.device]
     interval_s = PoolSettings().autoscale_interval_s  # `vitpool serve` has no flag for it
-    phases = parse_phases(args.phases) if args.phases else default_phases(args.max_actors, interval_s, args.device)
-    print("schedule: " + ", ".join(f"{label} {p.seconds:g} s" for label, p in zip(phase_labels(phases), phases)),
-          flush=True)
-    model_dir = str(save_random_tower(tempfile.mkdtemp(prefix="vitpool-bench-"))) if args.device == "cuda" else None
+    phases = (
+        parse_phases(args.phases) if args.phases else default_phases(args.max_actors, interval_s, args.device)
+    )
+    print(
+        "schedule: "
+        + ", ".join(f"{label} {p.seconds:g} s" for label, p in zip(phase_labels(phases), phases)),
+        flush=True,
+    )
+    model_dir = (
+        str(save_random_tower(tempfile.mkdtemp(prefix="vitpool-bench-"))) if args.device == "cuda" else None
+    )
 
     cpus = max(os.cpu_count() or 1, args.max_actors + 1) if args.device == "cpu" else None
     head = RayHead(gpus, cpus, Path(tempfile.mkdtemp(prefix="vitpool-bench-")) / "ray_start.log")
@@ -605,12 +713,21 @@ def main() -> None:
             raise SystemExit(f"the pool reads every {pool.settings.autoscale_interval_s} s, not {interval_s}")
         measured = run(args, phases, pool)
         results = {
-            "device_name": device_name, "device": args.device, "gpus": gpus, "ray": ray.__version__,
-            "torch": torch.__version__, "arguments": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-            "max_actors": args.max_actors, "callers": args.callers, "threads": args.threads,
-            "low_rate": args.low_rate, "schedule": [asdict(p) for p in phases],
-            "autoscale_interval_s": pool.settings.autoscale_interval_s, "serve_command": command,
-            "serve_seconds": serve_s, **measured,
+            "device_name": device_name,
+            "device": args.device,
+            "gpus": gpus,
+            "ray": ray.__version__,
+            "torch": torch.__version__,
+            "arguments": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "max_actors": args.max_actors,
+            "callers": args.callers,
+            "threads": args.threads,
+            "low_rate": args.low_rate,
+            "schedule": [asdict(p) for p in phases],
+            "autoscale_interval_s": pool.settings.autoscale_interval_s,
+            "serve_command": command,
+            "serve_seconds": serve_s,
+            **measured,
         }
     finally:
         if pool is not None:

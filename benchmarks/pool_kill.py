@@ -46,7 +46,10 @@ def main() -> None:
     encoder = GraphEncoder.from_pretrained(directory, device="cuda", dtype=torch.bfloat16)
     gpus = torch.cuda.device_count()
     pool = EncoderPool.launch(
-        model=directory, num_actors=2, dtype="bfloat16", actor_options={"num_gpus": min(1.0, gpus / 2)},
+        model=directory,
+        num_actors=2,
+        dtype="bfloat16",
+        actor_options={"num_gpus": min(1.0, gpus / 2)},
         warm_standby=args.standby == "on",
     )
     if args.standby == "on":  # the kill is measured against a standby that has done its imports
@@ -107,24 +110,40 @@ def main() -> None:
         "after": [t for s, t in records if s >= end_of_during],
     }
     results = {
-        "gpu": gpu, "gpus": gpus, "ray": ray.__version__, "threads": args.threads,
-        "killed_at_s": killed_at, "replacement_ready_s": recovered_at,
+        "gpu": gpu,
+        "gpus": gpus,
+        "ray": ray.__version__,
+        "threads": args.threads,
+        "killed_at_s": killed_at,
+        "replacement_ready_s": recovered_at,
         "recovery_s": None if recovered_at is None else recovered_at - killed_at,
         "batches_in_flight_on_victim_from_this_process": in_flight,
-        "calls": len(records), "calls_failed": len(errors), "results_wrong": wrong[0],
-        "items_sent_again": stats.requeued_items, "actor_restarts": stats.actor_restarts,
-        "standby": args.standby, "standby_takeovers": stats.standby_takeovers,
-        "phases": {name: {"calls": len(v), **summarize([x * 1e3 for x in v])} if v else {"calls": 0}
-                   for name, v in phases.items()},
+        "calls": len(records),
+        "calls_failed": len(errors),
+        "results_wrong": wrong[0],
+        "items_sent_again": stats.requeued_items,
+        "actor_restarts": stats.actor_restarts,
+        "standby": args.standby,
+        "standby_takeovers": stats.standby_takeovers,
+        "phases": {
+            name: {"calls": len(v), **summarize([x * 1e3 for x in v])} if v else {"calls": 0}
+            for name, v in phases.items()
+        },
         "errors": errors[:5],
     }
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))
-    print(f"\nGPU: {gpu} x{gpus}; 2 actors, warm standby {args.standby}; {args.threads} threads calling 1x224² back to back for {args.seconds:.0f} s")
-    print(f"killed actor {victim} at {killed_at:.1f} s with {in_flight} batches in flight from this process; "
-          f"replacement ready at {recovered_at if recovered_at is None else round(recovered_at, 1)} s")
-    print(f"calls {len(records)}, failed {len(errors)}, wrong results {wrong[0]}, item sends repeated "
-          f"{stats.requeued_items}, restarts {stats.actor_restarts} ({stats.standby_takeovers} by a warm standby)")
+    print(
+        f"\nGPU: {gpu} x{gpus}; 2 actors, warm standby {args.standby}; {args.threads} threads calling 1x224² back to back for {args.seconds:.0f} s"
+    )
+    print(
+        f"killed actor {victim} at {killed_at:.1f} s with {in_flight} batches in flight from this process; "
+        f"replacement ready at {recovered_at if recovered_at is None else round(recovered_at, 1)} s"
+    )
+    print(
+        f"calls {len(records)}, failed {len(errors)}, wrong results {wrong[0]}, item sends repeated "
+        f"{stats.requeued_items}, restarts {stats.actor_restarts} ({stats.standby_takeovers} by a warm standby)"
+    )
     print("| phase | calls | median ms | p99 ms |")
     print("|---|---|---|---|")
     for name, row in results["phases"].items():

@@ -45,7 +45,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument(
-        "--block", type=int, default=1,
+        "--block",
+        type=int,
+        default=1,
         help="consecutive runs per path before the next path (1: alternate run by run). Every switch "
         "between paths also switches the GPU between processes' contexts",
     )
@@ -58,12 +60,20 @@ def main() -> None:
     share = {"num_gpus": 0.3}
     pool = EncoderPool.launch(model=str(directory), num_actors=1, dtype="bfloat16", actor_options=share)
     pool_ray = EncoderPool.launch(
-        model=str(directory), num_actors=1, dtype="bfloat16", actor_options=share,
-        name="vitpool-ray", same_node_channel=False,
+        model=str(directory),
+        num_actors=1,
+        dtype="bfloat16",
+        actor_options=share,
+        name="vitpool-ray",
+        same_node_channel=False,
     )
     pool_sleeping = EncoderPool.launch(
-        model=str(directory), num_actors=1, dtype="bfloat16", actor_options=share,
-        name="vitpool-sleeping", channel_spin_s=0.0,
+        model=str(directory),
+        num_actors=1,
+        dtype="bfloat16",
+        actor_options=share,
+        name="vitpool-sleeping",
+        channel_spin_s=0.0,
     )
     paths = {
         "in_process": lambda items: encoder.encode(items),
@@ -73,7 +83,11 @@ def main() -> None:
         "pool_no_polling": lambda items: pool_sleeping.encode(items),
     }
     results = {
-        "gpu": gpu, "torch": torch.__version__, "ray": ray.__version__, "runs": args.runs, "block": args.block,
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "ray": ray.__version__,
+        "runs": args.runs,
+        "block": args.block,
         "workloads": {},
     }
     for name, build in WORKLOADS.items():
@@ -100,11 +114,15 @@ def main() -> None:
             for p, l in zip(pool_ray.encode(items), local)
         )
         row["ratio_pool_vs_in_process"] = row["pool"]["median_ms"] / row["in_process"]["median_ms"]
-        row["ratio_pool_vs_in_process_to_host"] = row["pool"]["median_ms"] / row["in_process_to_host"]["median_ms"]
+        row["ratio_pool_vs_in_process_to_host"] = (
+            row["pool"]["median_ms"] / row["in_process_to_host"]["median_ms"]
+        )
         row["max_abs_diff_pool_vs_in_process"] = max_error
         results["workloads"][name] = row
     actor = ray.get_actor("vitpool-encoder-0", namespace="vitpool")
-    results["empty_actor_call"] = summarize([once_ms(lambda: ray.get(actor.info.remote())) for _ in range(args.runs)])
+    results["empty_actor_call"] = summarize(
+        [once_ms(lambda: ray.get(actor.info.remote())) for _ in range(args.runs)]
+    )
     stats = pool.stats()
     results["pool_stats"] = stats.summary()
     results["pool_through_ray_stats"] = pool_ray.stats().summary()

@@ -68,7 +68,11 @@ def random_call(rng: random.Random) -> list[tuple[bool, tuple[int, int, int], np
         ]
     generator = np.random.default_rng(rng.randrange(1 << 30))
     return [
-        (is_video, grid, generator.standard_normal((grid[0] * grid[1] * grid[2], ROW_WIDTH), dtype=np.float32))
+        (
+            is_video,
+            grid,
+            generator.standard_normal((grid[0] * grid[1] * grid[2], ROW_WIDTH), dtype=np.float32),
+        )
         for is_video, grid in shapes
     ]
 
@@ -83,7 +87,10 @@ class Caller:
         self.pool = EncoderPool.connect(POOL_NAME)
         rng = random.Random(seed)
         self.calls = [
-            [(Video if is_video else Image)(torch.from_numpy(pixels), grid) for is_video, grid, pixels in random_call(rng)]
+            [
+                (Video if is_video else Image)(torch.from_numpy(pixels), grid)
+                for is_video, grid, pixels in random_call(rng)
+            ]
             for _ in range(num_calls)
         ]
         self.rng = rng
@@ -154,7 +161,10 @@ class Caller:
                 number += 1
                 next_arrival += self.rng.expovariate(calls_per_second)
         return {
-            "items": items[0], "latencies": latencies, "indices": indices, "seconds": time.monotonic() - start,
+            "items": items[0],
+            "latencies": latencies,
+            "indices": indices,
+            "seconds": time.monotonic() - start,
             "calls": number,
         }
 
@@ -165,7 +175,9 @@ def size_class(tokens: int) -> str:
 
 def percentile_ms(values: list[float], fraction: float) -> float:
     ordered = sorted(values)
-    return 1e3 * ordered[min(len(ordered) - 1, max(0, round(fraction * len(ordered)) - 1))] if ordered else 0.0
+    return (
+        1e3 * ordered[min(len(ordered) - 1, max(0, round(fraction * len(ordered)) - 1))] if ordered else 0.0
+    )
 
 
 def class_rows(tokens: list[list[int]], alone: list[list[float]], loaded: list[dict]) -> dict:
@@ -186,9 +198,12 @@ def class_rows(tokens: list[list[int]], alone: list[list[float]], loaded: list[d
         base_ms = percentile_ms(unloaded[name], 0.5)
         slowdowns = [1e3 * latency / base_ms for latency in latencies[name]] if base_ms else []
         rows[name] = {
-            "calls": len(latencies[name]), "p50_ms": percentile_ms(latencies[name], 0.5),
-            "p99_ms": percentile_ms(latencies[name], 0.99), "unloaded_calls": len(unloaded[name]),
-            "unloaded_p50_ms": base_ms, "slowdown_p50": percentile_ms(slowdowns, 0.5) / 1e3,
+            "calls": len(latencies[name]),
+            "p50_ms": percentile_ms(latencies[name], 0.5),
+            "p99_ms": percentile_ms(latencies[name], 0.99),
+            "unloaded_calls": len(unloaded[name]),
+            "unloaded_p50_ms": base_ms,
+            "slowdown_p50": percentile_ms(slowdowns, 0.5) / 1e3,
             "slowdown_p99": percentile_ms(slowdowns, 0.99) / 1e3,
             "own_slowdown_p50": percentile_ms(own[name], 0.5) / 1e3,
             "own_slowdown_p99": percentile_ms(own[name], 0.99) / 1e3,
@@ -245,20 +260,35 @@ def measure_setting(label: str, overrides: dict, args, sizes: list[int], setting
     device_settings = {"device": "cpu", "dtype": "float32"} if args.device == "cpu" else {"dtype": "bfloat16"}
     options = {"actor_options": {"num_gpus": 0, "num_cpus": 1}} if args.device == "cpu" else {}
     pool = EncoderPool.launch(
-        model=args.model_dir, num_actors=sizes[0], name=POOL_NAME, **device_settings, **options, **settings, **overrides
+        model=args.model_dir,
+        num_actors=sizes[0],
+        name=POOL_NAME,
+        **device_settings,
+        **options,
+        **settings,
+        **overrides,
     )
     caller_cpus = 0 if args.device == "cpu" else 1  # a CPU machine's cores go to the actors
-    callers = [Caller.options(num_cpus=caller_cpus).remote(seed, args.calls_per_caller) for seed in range(args.callers)]
+    callers = [
+        Caller.options(num_cpus=caller_cpus).remote(seed, args.calls_per_caller)
+        for seed in range(args.callers)
+    ]
     items_per_call = statistics.mean(ray.get([c.mean_items_per_call.remote() for c in callers]))
     tokens = ray.get([c.call_tokens.remote() for c in callers])
     alone = [ray.get(c.unloaded.remote()) for c in callers]  # one caller at a time: alone in the pool
     unloaded = [x for seconds in alone for x in seconds]
     result = {
-        "overrides": overrides, "items_per_call": items_per_call, "sizes": {},
-        "unloaded_p50_ms": percentile_ms(unloaded, 0.5), "unloaded_p99_ms": percentile_ms(unloaded, 0.99),
+        "overrides": overrides,
+        "items_per_call": items_per_call,
+        "sizes": {},
+        "unloaded_p50_ms": percentile_ms(unloaded, 0.5),
+        "unloaded_p99_ms": percentile_ms(unloaded, 0.99),
     }
-    print(f"[{label}] unloaded: {len(unloaded)} calls, p50 {result['unloaded_p50_ms']:.1f} ms, p99 "
-          f"{result['unloaded_p99_ms']:.1f} ms (the mix's own spread)", flush=True)
+    print(
+        f"[{label}] unloaded: {len(unloaded)} calls, p50 {result['unloaded_p50_ms']:.1f} ms, p99 "
+        f"{result['unloaded_p99_ms']:.1f} ms (the mix's own spread)",
+        flush=True,
+    )
     for size in sizes:
         if size != pool.num_actors:
             pool.scale(size)
@@ -269,7 +299,8 @@ def measure_setting(label: str, overrides: dict, args, sizes: list[int], setting
         window = max(o["seconds"] for o in saturated)
         # each actor's share of the window with a batch running (the GPU's share is nvidia-smi's)
         actor_busy = sorted(
-            (actor.busy_seconds - busy_before.get(actor.actor_index, 0.0)) / window for actor in pool.stats().actors
+            (actor.busy_seconds - busy_before.get(actor.actor_index, 0.0)) / window
+            for actor in pool.stats().actors
         )
         rate = sum(o["items"] for o in saturated) / max(o["seconds"] for o in saturated)
         closed_latencies = [x for o in saturated for x in o["latencies"]]
@@ -284,7 +315,9 @@ def measure_setting(label: str, overrides: dict, args, sizes: list[int], setting
             "caller_cpu_share": sorted(o["cpu_share"] for o in saturated),
             "basis_items_per_s": basis[size],
             "loads": {
-                f"{fraction:g}": open_loop_row(callers, fraction * basis[size], items_per_call, args, tokens, alone)
+                f"{fraction:g}": open_loop_row(
+                    callers, fraction * basis[size], items_per_call, args, tokens, alone
+                )
                 for fraction in args.loads
             },
         }
@@ -305,11 +338,15 @@ def measure_setting(label: str, overrides: dict, args, sizes: list[int], setting
 
 
 def print_tables(results: dict) -> None:
-    print(f"\nGPU: {results['gpu']} x{results['gpus']}, Ray {ray.__version__}; {results['callers']} caller processes x "
-          f"{results['threads_per_caller']} threads, {results['seconds']:.0f} s per measurement")
+    print(
+        f"\nGPU: {results['gpu']} x{results['gpus']}, Ray {ray.__version__}; {results['callers']} caller processes x "
+        f"{results['threads_per_caller']} threads, {results['seconds']:.0f} s per measurement"
+    )
     first: dict[int, float] = {}  # saturated items/s of the first setting, per pool size
-    print("| setting | actors | saturated items/s | vs first | per actor vs 1 | p50 / p99 ms (saturated) "
-          "| unloaded p50 / p99 ms |")
+    print(
+        "| setting | actors | saturated items/s | vs first | per actor vs 1 | p50 / p99 ms (saturated) "
+        "| unloaded p50 / p99 ms |"
+    )
     print("|---|---|---|---|---|---|---|")
     for label, setting in results["settings"].items():
         for size, row in setting["sizes"].items():
@@ -319,11 +356,15 @@ def print_tables(results: dict) -> None:
                 f"| {row['scaling_vs_one']:.2f} | {row['saturated_p50_ms']:.1f} / {row['saturated_p99_ms']:.1f} "
                 f"| {setting['unloaded_p50_ms']:.1f} / {setting['unloaded_p99_ms']:.1f} |"
             )
-    print("\nOpen loops (load: a fraction of the basis's saturated items/s), per call size (output tokens): calls, "
-          "p50 / p99 ms, and slowdown p50 / p99 = latency over the class's unloaded p50 (ms), own = each call over "
-          "its own unloaded latency; last column: the same over all calls")
-    print("| setting | actors | load: items/s (offered) | p50 / p99 ms | small <= 256 | medium <= 1024 | large "
-          "| all calls: slowdown p50 / p99 |")
+    print(
+        "\nOpen loops (load: a fraction of the basis's saturated items/s), per call size (output tokens): calls, "
+        "p50 / p99 ms, and slowdown p50 / p99 = latency over the class's unloaded p50 (ms), own = each call over "
+        "its own unloaded latency; last column: the same over all calls"
+    )
+    print(
+        "| setting | actors | load: items/s (offered) | p50 / p99 ms | small <= 256 | medium <= 1024 | large "
+        "| all calls: slowdown p50 / p99 |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for label, setting in results["settings"].items():
         for size, row in setting["sizes"].items():
@@ -334,9 +375,12 @@ def print_tables(results: dict) -> None:
                     f" / x{c['own_slowdown_p99']:.2f}"
                     for c in loaded["by_size"].values()
                 ]
-                print(f"| {label} | {size} | {load}: {loaded['items_per_s']:.1f} ({loaded['offered_items_per_s']:.1f}) "
-                      f"| {loaded['p50_ms']:.1f} / {loaded['p99_ms']:.1f} | " + " | ".join(cells)
-                      + f" | {loaded['slowdown_p50']:.2f} / {loaded['slowdown_p99']:.2f} |")
+                print(
+                    f"| {label} | {size} | {load}: {loaded['items_per_s']:.1f} ({loaded['offered_items_per_s']:.1f}) "
+                    f"| {loaded['p50_ms']:.1f} / {loaded['p99_ms']:.1f} | "
+                    + " | ".join(cells)
+                    + f" | {loaded['slowdown_p50']:.2f} / {loaded['slowdown_p99']:.2f} |"
+                )
 
 
 def main() -> None:
@@ -347,33 +391,57 @@ def main() -> None:
     parser.add_argument("--callers", type=int, default=8, help="caller processes")
     parser.add_argument("--threads", type=int, default=8, help="threads per caller process")
     parser.add_argument("--calls-per-caller", type=int, default=24, help="distinct prepared calls per caller")
-    parser.add_argument("--spin", type=float, default=None, help="the pool's channel_spin_s (default: the pool's)")
-    parser.add_argument("--max-tokens-per-run", type=int, default=None, help="the pool's max_tokens_per_run")
-    parser.add_argument("--attention", default="auto", help="the pool's attention kernel: auto, cudnn, fa2, fa4")
-    parser.add_argument("--fused-ops", default="on", choices=("on", "off"), help="fused rotary, patch GEMM, MLP GELU")
-    parser.add_argument("--compiled-blocks", default="off", choices=("on", "off"), help="torch.compile'd blocks")
-    parser.add_argument("--overlap-runs", default="on", choices=("on", "off"), help="actors overlap runs with host work")
-    parser.add_argument("--budgets", default=None, help="comma-separated token budgets (default: the device's)")
-    parser.add_argument("--precision", default="bf16",
-                        help="comma-separated precisions (bf16, fp8), each measured on its own pool in turn")
     parser.add_argument(
-        "--small-first", default=None,
+        "--spin", type=float, default=None, help="the pool's channel_spin_s (default: the pool's)"
+    )
+    parser.add_argument("--max-tokens-per-run", type=int, default=None, help="the pool's max_tokens_per_run")
+    parser.add_argument(
+        "--attention", default="auto", help="the pool's attention kernel: auto, cudnn, fa2, fa4"
+    )
+    parser.add_argument(
+        "--fused-ops", default="on", choices=("on", "off"), help="fused rotary, patch GEMM, MLP GELU"
+    )
+    parser.add_argument(
+        "--compiled-blocks", default="off", choices=("on", "off"), help="torch.compile'd blocks"
+    )
+    parser.add_argument(
+        "--overlap-runs", default="on", choices=("on", "off"), help="actors overlap runs with host work"
+    )
+    parser.add_argument(
+        "--budgets", default=None, help="comma-separated token budgets (default: the device's)"
+    )
+    parser.add_argument(
+        "--precision",
+        default="bf16",
+        help="comma-separated precisions (bf16, fp8), each measured on its own pool in turn",
+    )
+    parser.add_argument(
+        "--small-first",
+        default=None,
         help="comma-separated small_first_tokens settings, each measured on its own pool in turn ('off' or a "
         "token count; N-nostream without the urgent lane, N-stream with it (small batches interrupt large runs), "
         "N the pool's default; e.g. off,256-nostream,256-stream); default: the pool's default only",
     )
     parser.add_argument(
-        "--loads", default="0.7", type=lambda text: [float(x) for x in text.split(",") if x],
+        "--loads",
+        default="0.7",
+        type=lambda text: [float(x) for x in text.split(",") if x],
         help="comma-separated open-loop loads, fractions of the basis's saturated items/s, each measured in turn "
         "('': none, saturated only)",
     )
     parser.add_argument(
-        "--load-basis", default="first", choices=("first", "own"),
+        "--load-basis",
+        default="first",
+        choices=("first", "own"),
         help="the open loops' loads are fractions of the first setting's saturated rate (same offered load) or "
         "of each one's own",
     )
-    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
-                        help="cpu: a smoke run with the shipped tiny model on a CPU actor")
+    parser.add_argument(
+        "--device",
+        default="cuda",
+        choices=("cuda", "cpu"),
+        help="cpu: a smoke run with the shipped tiny model on a CPU actor",
+    )
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -393,11 +461,22 @@ def main() -> None:
     if args.budgets:
         settings["budgets"] = tuple(int(b) for b in args.budgets.split(","))
     results = {
-        "gpu": gpu, "gpus": num_gpus, "ray": ray.__version__, "callers": args.callers,
-        "threads_per_caller": args.threads, "seconds": args.seconds, "channel_spin_s": args.spin,
-        "max_tokens_per_run": args.max_tokens_per_run, "attention": args.attention, "fused_ops": args.fused_ops,
-        "compiled_blocks": args.compiled_blocks, "budgets": args.budgets, "overlap_runs": args.overlap_runs,
-        "load_basis": args.load_basis, "loads": args.loads, "settings": {},
+        "gpu": gpu,
+        "gpus": num_gpus,
+        "ray": ray.__version__,
+        "callers": args.callers,
+        "threads_per_caller": args.threads,
+        "seconds": args.seconds,
+        "channel_spin_s": args.spin,
+        "max_tokens_per_run": args.max_tokens_per_run,
+        "attention": args.attention,
+        "fused_ops": args.fused_ops,
+        "compiled_blocks": args.compiled_blocks,
+        "budgets": args.budgets,
+        "overlap_runs": args.overlap_runs,
+        "load_basis": args.load_basis,
+        "loads": args.loads,
+        "settings": {},
     }
     basis: dict[int, float] = {}
     values = args.small_first.split(",") if args.small_first else [None]

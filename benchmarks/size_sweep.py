@@ -57,7 +57,11 @@ def main() -> None:
     # the same adapter and weights, one tiny budget: every image of the sweep runs eager, exact
     exact = GraphEncoder(graph.adapter, budgets=[16], device="cuda", dtype=torch.bfloat16)
     before = GraphEncoder(graph.adapter, device="cuda", dtype=torch.bfloat16, attention="fa2")
-    fp8 = GraphEncoder(graph.adapter, device="cuda", dtype=torch.bfloat16, precision="fp8") if args.fp8 else None
+    fp8 = (
+        GraphEncoder(graph.adapter, device="cuda", dtype=torch.bfloat16, precision="fp8")
+        if args.fp8
+        else None
+    )
     peak_tflops = _bf16_peak_tflops()
     tower = copy.deepcopy(graph.adapter.tower)
     tower.config._attn_implementation = "sdpa"
@@ -93,17 +97,31 @@ def main() -> None:
                 row[name] = summarize(time_ms(run, args.runs, args.warmup))
             for name in ("graph", "fa2", "exact", *(["fp8"] if fp8 is not None else [])):
                 got = torch.cat([e.tokens for e in paths[name]()]).float()
-                row[f"{name}_rel_error"] = float(torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want))
+                row[f"{name}_rel_error"] = float(
+                    torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want)
+                )
             rows.append(row)
             if args.out:
-                args.out.write_text(json.dumps(
-                    {"gpu": gpu, "torch": torch.__version__, "bf16_peak_tflops": peak_tflops, "rows": rows}, indent=2
-                ))
-    print(f"\nGPU: {gpu}, torch {torch.__version__}; median (p99) ms of {args.runs} runs after {args.warmup} "
-          f"warm-up; ratios over HF eager; floor at the measured bf16 peak {peak_tflops:.0f} TFLOP/s")
+                args.out.write_text(
+                    json.dumps(
+                        {
+                            "gpu": gpu,
+                            "torch": torch.__version__,
+                            "bf16_peak_tflops": peak_tflops,
+                            "rows": rows,
+                        },
+                        indent=2,
+                    )
+                )
+    print(
+        f"\nGPU: {gpu}, torch {torch.__version__}; median (p99) ms of {args.runs} runs after {args.warmup} "
+        f"warm-up; ratios over HF eager; floor at the measured bf16 peak {peak_tflops:.0f} TFLOP/s"
+    )
     head = "| side | patches | HF eager | " + ("HF compiled | " if compiled is not None else "")
-    print(head + "vitpool (defaults) | fa2 (before) | exact | vitpool / eager | fa2 / eager | floor ms | "
-          "vitpool / floor | rel. err vitpool, fa2, exact |")
+    print(
+        head + "vitpool (defaults) | fa2 (before) | exact | vitpool / eager | fa2 / eager | floor ms | "
+        "vitpool / floor | rel. err vitpool, fa2, exact |"
+    )
     print("|---" * (11 + (compiled is not None)) + "|")
     fp8_lines = []
     for row in rows:
@@ -111,17 +129,27 @@ def main() -> None:
         if compiled is not None:
             cells.append(_cell(row["hf_compiled"]))
         eager = row["hf_eager"]["median_ms"]
-        cells += [_cell(row["graph"]), _cell(row["fa2"]), _cell(row["exact"]),
-                  f"**{row['graph']['median_ms'] / eager:.2f}**", f"{row['fa2']['median_ms'] / eager:.2f}",
-                  f"{row['floor_ms']:.1f}", f"{row['graph']['median_ms'] / row['floor_ms']:.2f}",
-                  f"{row['graph_rel_error']:.1e}, {row['fa2_rel_error']:.1e}, {row['exact_rel_error']:.1e}"]
+        cells += [
+            _cell(row["graph"]),
+            _cell(row["fa2"]),
+            _cell(row["exact"]),
+            f"**{row['graph']['median_ms'] / eager:.2f}**",
+            f"{row['fa2']['median_ms'] / eager:.2f}",
+            f"{row['floor_ms']:.1f}",
+            f"{row['graph']['median_ms'] / row['floor_ms']:.2f}",
+            f"{row['graph_rel_error']:.1e}, {row['fa2_rel_error']:.1e}, {row['exact_rel_error']:.1e}",
+        ]
         print("| " + " | ".join(cells) + " |")
         if fp8 is not None:
-            fp8_lines.append(f"| {row['side']}² | {_cell(row['graph'])} | {_cell(row['fp8'])} | "
-                             f"{row['graph']['median_ms'] / row['fp8']['median_ms']:.2f} | "
-                             f"{row['fp8']['median_ms'] / eager:.2f} | {row['fp8_rel_error']:.1e} |")
+            fp8_lines.append(
+                f"| {row['side']}² | {_cell(row['graph'])} | {_cell(row['fp8'])} | "
+                f"{row['graph']['median_ms'] / row['fp8']['median_ms']:.2f} | "
+                f"{row['fp8']['median_ms'] / eager:.2f} | {row['fp8_rel_error']:.1e} |"
+            )
     if fp8_lines:
-        print("\n| side | vitpool bf16 | vitpool fp8 | fp8 speed-up | fp8 / eager | fp8 rel. err vs HF bf16 |")
+        print(
+            "\n| side | vitpool bf16 | vitpool fp8 | fp8 speed-up | fp8 / eager | fp8 rel. err vs HF bf16 |"
+        )
         print("|---|---|---|---|---|---|")
         print("\n".join(fp8_lines))
 

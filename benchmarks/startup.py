@@ -40,11 +40,19 @@ def child(tower: str, cache: str, compiled_blocks: bool) -> None:
     torch.cuda.synchronize()
     build_s = time.perf_counter() - start
     stats = encoder.stats()
-    print(json.dumps({
-        "build_s": build_s, "capture_s": stats.capture_seconds, "graphs": len(stats.captured_budgets),
-        "disabled": len(stats.disabled_budgets), "reserved_gib": torch.cuda.memory_reserved() / 1024**3,
-        "fa4_cache": os.environ.get("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"),
-    }), flush=True)
+    print(
+        json.dumps(
+            {
+                "build_s": build_s,
+                "capture_s": stats.capture_seconds,
+                "graphs": len(stats.captured_budgets),
+                "disabled": len(stats.disabled_budgets),
+                "reserved_gib": torch.cuda.memory_reserved() / 1024**3,
+                "fa4_cache": os.environ.get("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"),
+            }
+        ),
+        flush=True,
+    )
 
 
 def one_start(tower: Path, cache: Path, compiled_blocks: bool, fa4_cache: bool) -> dict:
@@ -79,8 +87,12 @@ def main() -> None:
 
     tower = save_random_tower(tempfile.mkdtemp(prefix="vitpool-startup-tower-"))
     compiled_blocks = args.compiled_blocks == "on"
-    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "compiled_blocks": args.compiled_blocks, "settings": {}}
+    results = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "compiled_blocks": args.compiled_blocks,
+        "settings": {},
+    }
     for label, fa4_cache in (("FA4 disk cache on", True), ("defaults (FA4 kernels in memory)", False)):
         cache = Path(tempfile.mkdtemp(prefix="vitpool-startup-cache-"))
         starts = []
@@ -92,14 +104,18 @@ def main() -> None:
         results["settings"][label] = starts
     if args.out is not None:
         args.out.write_text(json.dumps(results, indent=2))
-    print(f"\nGPU: {results['gpu']}, torch {results['torch']}; compiled blocks {args.compiled_blocks}; "
-          "each start a fresh process")
+    print(
+        f"\nGPU: {results['gpu']}, torch {results['torch']}; compiled blocks {args.compiled_blocks}; "
+        "each start a fresh process"
+    )
     print("| setting | start | process s | build s | capture + check s | graphs | reserved GiB |")
     print("|---|---|---|---|---|---|---|")
     for label, starts in results["settings"].items():
         for row in starts:
-            print(f"| {label} | {row['start']} | {row['process_s']:.1f} | {row['build_s']:.1f} "
-                  f"| {row['capture_s']:.1f} | {row['graphs']} | {row['reserved_gib']:.2f} |")
+            print(
+                f"| {label} | {row['start']} | {row['process_s']:.1f} | {row['build_s']:.1f} "
+                f"| {row['capture_s']:.1f} | {row['graphs']} | {row['reserved_gib']:.2f} |"
+            )
 
 
 if __name__ == "__main__":

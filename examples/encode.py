@@ -18,7 +18,9 @@ from vitpool import GraphEncoder, Image, Video
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--checkpoint", default=None, help="local Hugging Face directory (default: shipped model)")
+    parser.add_argument(
+        "--checkpoint", default=None, help="local Hugging Face directory (default: shipped model)"
+    )
     parser.add_argument("--device", default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")

@@ -33,7 +33,9 @@ def items_for(caller: int) -> list:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--checkpoint", default=None, help="local Hugging Face directory (default: shipped model)")
+    parser.add_argument(
+        "--checkpoint", default=None, help="local Hugging Face directory (default: shipped model)"
+    )
     parser.add_argument("--actors", type=int, default=None, help="default: one per GPU, or one CPU actor")
     parser.add_argument("--threads", type=int, default=4)
     args = parser.parse_args()

@@ -57,10 +57,19 @@ class Rank:
         config = Qwen3VLConfig(
             vision_config=vision,
             text_config={
-                "hidden_size": vision["out_hidden_size"], "intermediate_size": 256, "num_hidden_layers": 3,
-                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 151936,
-                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [6, 5, 5],
-                                    "mrope_interleaved": True},
+                "hidden_size": vision["out_hidden_size"],
+                "intermediate_size": 256,
+                "num_hidden_layers": 3,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "head_dim": 32,
+                "vocab_size": 151936,
+                "rope_parameters": {
+                    "rope_type": "default",
+                    "rope_theta": 10000.0,
+                    "mrope_section": [6, 5, 5],
+                    "mrope_interleaved": True,
+                },
             },
         )
         torch.manual_seed(0)  # the same weights in every rank
@@ -83,23 +92,31 @@ class Rank:
         config = self.config
         ids = [1, 2, 3]
         for t, h, w in grids:
-            ids += [config.vision_start_token_id] + [config.image_token_id] * (t * h * w // 4) + [config.vision_end_token_id]
+            ids += (
+                [config.vision_start_token_id]
+                + [config.image_token_id] * (t * h * w // 4)
+                + [config.vision_end_token_id]
+            )
         ids += [4, 5]
         input_ids = torch.tensor([ids], device=self.device)
         rows = sum(t * h * w for t, h, w in grids)
         replace_vision_tower(self.model, Delivered(self.embeddings))
         with torch.no_grad():
             output = self.model.generate(
-                input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                input_ids=input_ids,
+                attention_mask=torch.ones_like(input_ids),
                 pixel_values=torch.zeros(rows, ROW_WIDTH, device=self.device),  # the tower ignores them
                 image_grid_thw=torch.tensor(grids, device=self.device),
-                max_new_tokens=max_new_tokens, do_sample=False,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
             )
-        return output[0, len(ids):].tolist()
+        return output[0, len(ids) :].tolist()
 
     def fetch(self, outputs: list, layout: DeliveryLayout) -> int:
         """Take a delivered encode onto this rank's device (where the LLM needs it)."""
-        embeddings = [e.tokens.to(self.device, non_blocking=True) for e in received_embeddings(outputs, layout)]
+        embeddings = [
+            e.tokens.to(self.device, non_blocking=True) for e in received_embeddings(outputs, layout)
+        ]
         if self.device == "cuda":
             torch.cuda.synchronize()
         return len(embeddings)
@@ -119,8 +136,10 @@ class Delivered:
 def images(count: int, side: int, seed: int) -> list[Image]:
     generator = torch.Generator().manual_seed(seed)
     patches = side // 16
-    return [Image(torch.randn(patches * patches, ROW_WIDTH, generator=generator), (1, patches, patches))
-            for _ in range(count)]
+    return [
+        Image(torch.randn(patches * patches, ROW_WIDTH, generator=generator), (1, patches, patches))
+        for _ in range(count)
+    ]
 
 
 def timed(function, runs: int) -> dict:
@@ -132,23 +151,34 @@ def timed(function, runs: int) -> dict:
         function()
         samples.append((time.perf_counter() - start) * 1e3)
     samples.sort()
-    return {"median_ms": statistics.median(samples), "p99_ms": samples[min(len(samples) - 1, round(0.99 * (len(samples) - 1)))]}
+    return {
+        "median_ms": statistics.median(samples),
+        "p99_ms": samples[min(len(samples) - 1, round(0.99 * (len(samples) - 1)))],
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default=None, help="vision checkpoint directory (default: the shipped tiny model)")
+    parser.add_argument(
+        "--model", default=None, help="vision checkpoint directory (default: the shipped tiny model)"
+    )
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument(
-        "--transport", default="auto", choices=["auto", "object_store", "rdt"],
+        "--transport",
+        default="auto",
+        choices=["auto", "object_store", "rdt"],
         help="auto: Ray Direct Transport (NCCL on GPUs, gloo on CPUs) where it works, else the object store",
     )
     parser.add_argument(
-        "--encoder", default="colocated", choices=["colocated", "own-gpu"],
+        "--encoder",
+        default="colocated",
+        choices=["colocated", "own-gpu"],
         help="an encoder actor on a quarter of each rank's GPU, or one encoder actor on a GPU of its own",
     )
-    parser.add_argument("--benchmark", type=int, default=0, help="time the delivery of 8 x 448² this many times")
+    parser.add_argument(
+        "--benchmark", type=int, default=0, help="time the delivery of 8 x 448² this many times"
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -157,7 +187,9 @@ def main() -> None:
     if args.device == "cpu":
         # A cluster of this process's own, beside any other on the machine (`ray start`, RAY_ADDRESS):
         # Ray fakes its GPUs (and enough CPUs) so that the same placement works everywhere.
-        ray.init(address="local", include_dashboard=False, num_gpus=num_gpus, num_cpus=max(4, os.cpu_count() or 1))
+        ray.init(
+            address="local", include_dashboard=False, num_gpus=num_gpus, num_cpus=max(4, os.cpu_count() or 1)
+        )
     else:
         ray.init(include_dashboard=False)  # the running cluster (`ray start`, RAY_ADDRESS), else a local one
         if ray.cluster_resources().get("GPU", 0) < num_gpus:
@@ -170,8 +202,11 @@ def main() -> None:
     ranks = [
         # enable_tensor_transport and a second thread: what Ray Direct Transport needs of a receiver
         Rank.options(
-            num_gpus=0.75, num_cpus=1, scheduling_strategy=PlacementGroupSchedulingStrategy(group, r),
-            enable_tensor_transport=True, max_concurrency=2,
+            num_gpus=0.75,
+            num_cpus=1,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, r),
+            enable_tensor_transport=True,
+            max_concurrency=2,
         ).remote(r, args.model, args.device)
         for r in range(TP_RANKS)
     ]
@@ -179,7 +214,8 @@ def main() -> None:
     if args.transport != "object_store":
         settings["rank_transport"] = "nccl" if args.device == "cuda" else "gloo"
     placement = (
-        {"num_actors": 1, "actor_options": {"num_gpus": 1}} if own_gpu
+        {"num_actors": 1, "actor_options": {"num_gpus": 1}}
+        if own_gpu
         else {"placement_group": group, "actor_options": {"num_gpus": 0.25}}
     )
     pool = EncoderPool.launch(model=args.model, name="tp-llm-encoder", **placement, **settings)
@@ -210,8 +246,12 @@ def main() -> None:
             gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
             print(f"\n{gpu}; encoder {args.encoder}; 8 x 448² images, {args.benchmark} runs, median (p99) ms")
             print("| path | median | p99 |\n|---|---|---|")
-            print(f"| delivered to both ranks' {args.device} ({delivery.transport}) | {delivered['median_ms']:.2f} | {delivered['p99_ms']:.2f} |")
-            print(f"| encode, fetched by the caller | {to_caller['median_ms']:.2f} | {to_caller['p99_ms']:.2f} |")
+            print(
+                f"| delivered to both ranks' {args.device} ({delivery.transport}) | {delivered['median_ms']:.2f} | {delivered['p99_ms']:.2f} |"
+            )
+            print(
+                f"| encode, fetched by the caller | {to_caller['median_ms']:.2f} | {to_caller['p99_ms']:.2f} |"
+            )
     finally:
         pool.shutdown()
         for rank in ranks:

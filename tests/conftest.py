@@ -180,14 +180,29 @@ def ray_head(ray_temp_root: Path, *options: str, timeout_s: float = 180) -> Iter
     log = ray_temp_root / "head.log"
     with log.open("wb") as output:
         head = subprocess.Popen(
-            [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", f"--port={port}", *options,
-             "--disable-usage-stats", "--include-dashboard=false", "--block"],
-            env=ray_env(ray_temp_root), stdout=output, stderr=subprocess.STDOUT, start_new_session=True,
+            [
+                sys.executable,
+                "-m",
+                "ray.scripts.scripts",
+                "start",
+                "--head",
+                f"--port={port}",
+                *options,
+                "--disable-usage-stats",
+                "--include-dashboard=false",
+                "--block",
+            ],
+            env=ray_env(ray_temp_root),
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
     try:
         deadline = time.monotonic() + timeout_s
         while not (address_file.exists() and address_file.read_text().strip().endswith(f":{port}")):
-            assert head.poll() is None, f"ray start --head exited with {head.returncode}:\n{log.read_text()[-3000:]}"
+            assert head.poll() is None, (
+                f"ray start --head exited with {head.returncode}:\n{log.read_text()[-3000:]}"
+            )
             assert time.monotonic() < deadline, f"ray start --head did not come up in {timeout_s:.0f} s"
             time.sleep(0.5)
         yield port
@@ -253,7 +268,9 @@ class CheckedStream:
         self.completed = 0
         self._join_timeout_s = join_timeout_s
         self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._run, args=(items, reference_encoder)) for items in calls]
+        self._threads = [
+            threading.Thread(target=self._run, args=(items, reference_encoder)) for items in calls
+        ]
 
     def _run(self, items, reference_encoder) -> None:
         expected = reference_encoder.encode(items)
@@ -313,7 +330,9 @@ def plan_batch(items, rules, budgets):
             needs[name] = needs.get(name, 0) + amount
     num_tokens = sum(item.spec.num_tokens for item in prepared)
     budget = smallest_fitting(budgets, len(prepared), num_tokens, tuple(sorted(needs.items())))
-    return BatchPlan(budget, tuple(item.spec for item in prepared)), [to_array(item.pixels) for item in prepared]
+    return BatchPlan(budget, tuple(item.spec for item in prepared)), [
+        to_array(item.pixels) for item in prepared
+    ]
 
 
 def assert_answers_close(got: list, wanted: list, max_relative_error: float) -> None:
@@ -325,7 +344,10 @@ def assert_answers_close(got: list, wanted: list, max_relative_error: float) -> 
         assert receipt.status == OK and receipt.item_errors == {}
         for value, expected in zip(values, want, strict=True):
             for got_tensor, want_tensor in zip(value.outputs, expected.outputs, strict=True):
-                assert torch.isfinite(got_tensor).all() and relative_error(got_tensor, want_tensor) <= max_relative_error
+                assert (
+                    torch.isfinite(got_tensor).all()
+                    and relative_error(got_tensor, want_tensor) <= max_relative_error
+                )
 
 
 def send_concurrently(actor, batches: list[list], timeout_s: float = 60.0) -> list:

@@ -67,7 +67,9 @@ def mixed_items(family: str, seed: int = 0) -> list:
     return [*items, Image(pixels(4), (1, 2, 2))]
 
 
-def reference_tokens(family: str, module: torch.nn.Module, item, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def reference_tokens(
+    family: str, module: torch.nn.Module, item, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
     """Hugging Face's own modules (SDPA) on one item alone, as the model's get_*_features calls them."""
     t, h, w = item.grid_thw
     pixels = torch.as_tensor(item.pixel_values).to(device, dtype)

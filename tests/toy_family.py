@@ -80,7 +80,9 @@ class ToyTilesTower(torch.nn.Module):
         super().__init__()
         self.config = config
         hidden = config.hidden_size
-        self.patch_embed = torch.nn.Conv2d(config.channels, hidden, config.patch_size, stride=config.patch_size)
+        self.patch_embed = torch.nn.Conv2d(
+            config.channels, hidden, config.patch_size, stride=config.patch_size
+        )
         self.position = torch.nn.Parameter(torch.empty(config.num_patches, hidden))
         self.norm = torch.nn.LayerNorm(hidden)
         self.qkv = torch.nn.Linear(hidden, 3 * hidden)
@@ -127,7 +129,9 @@ class ToyTilesAdapter(TiledAdapter):
         self.tower = tower
         head_dim = config.hidden_size // config.num_heads
         self.item_rules = TileRules(
-            config.channels, config.tile_size, config.tokens_per_tile,
+            config.channels,
+            config.tile_size,
+            config.tokens_per_tile,
             ((config.out_hidden_size,), (config.num_heads, head_dim)),
         )
         self.tokens_per_tile = config.tokens_per_tile

@@ -46,7 +46,9 @@ logger = logging.getLogger("vitpool.cli")
 # The library's errors about actor options name Python keywords (`actor_options={'num_cpus': ...}`,
 # `device='cpu'`), which a command-line user cannot pass: `serve` adds the flag that sets each.
 SERVE_FLAGS_FOR_ACTOR_OPTIONS = {
-    "num_cpus": "--cpus-per-actor", "num_gpus": "--gpus-per-actor", "device='cpu'": "--device cpu",
+    "num_cpus": "--cpus-per-actor",
+    "num_gpus": "--gpus-per-actor",
+    "device='cpu'": "--device cpu",
 }
 LIST_TIMEOUT_S = 10.0  # how long `list` waits for each pool's controller to answer
 PROGRESS_HANDLER = "vitpool-cli-progress"
@@ -71,12 +73,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 def serve(args: argparse.Namespace) -> int:
     settings = serve_settings(args)
     if "small_first_stream" in vars(args):
-        logger.warning("--small-first-stream is deprecated: use --urgent-tokens N (on: N is --small-first-tokens, 256)")
+        logger.warning(
+            "--small-first-stream is deprecated: use --urgent-tokens N (on: N is --small-first-tokens, 256)"
+        )
         settings["small_first_stream"] = args.small_first_stream  # PoolSettings takes it, for one release
     start = time.monotonic()
     pool = EncoderPool.launch(
-        num_actors=args.num_actors, name=args.name, address=args.address, actor_options=actor_options(args),
-        detached=True, **settings,
+        num_actors=args.num_actors,
+        name=args.name,
+        address=args.address,
+        actor_options=actor_options(args),
+        detached=True,
+        **settings,
     )
     num_actors = pool.num_actors
     pool.close()  # the pool is detached: it keeps running
@@ -92,7 +100,9 @@ def serve_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The pool settings `serve`'s flags set, by field name: those given (a flag left out is None,
     and the pool's own default stands; "none" sets None)."""
     given = {field.name: getattr(args, field.name, None) for field in dataclasses.fields(PoolSettings)}
-    return {name: None if value is NONE_GIVEN else value for name, value in given.items() if value is not None}
+    return {
+        name: None if value is NONE_GIVEN else value for name, value in given.items() if value is not None
+    }
 
 
 def actor_options(args: argparse.Namespace) -> dict[str, float] | None:
@@ -270,7 +280,9 @@ def version() -> str:
 
 
 def _describe(item: Image) -> str:
-    return f"grid {tuple(item.grid_thw)}" if item.grid_thw is not None else f"{item.pixel_values.shape[0]} tile"
+    return (
+        f"grid {tuple(item.grid_thw)}" if item.grid_thw is not None else f"{item.pixel_values.shape[0]} tile"
+    )
 
 
 def _one_line(error: BaseException) -> str:
@@ -317,14 +329,34 @@ def _parser() -> argparse.ArgumentParser:
         return sub
 
     sub = command("serve", serve, "start a detached pool and return once its actors are ready")
-    sub.add_argument("--num-actors", type=int, default=None, help="default: one per GPU of the cluster; one on a cluster without GPUs")
-    sub.add_argument("--gpus-per-actor", type=non_negative_share, default=None, metavar="N",
-                     help="GPUs each actor holds, e.g. 0.5 to share a GPU (default 1 on a cluster with GPUs)")
-    sub.add_argument("--cpus-per-actor", type=non_negative_share, default=None, metavar="N",
-                     help="CPUs each actor holds in Ray's accounting, e.g. 0.5 to run more CPU actors than "
-                     "the cluster has CPUs (default 1)")
-    sub.add_argument("--small-first-stream", type=on_off, default=argparse.SUPPRESS, metavar="{on,off}",
-                     help="deprecated: use --urgent-tokens N (on: N is --small-first-tokens, 256)")
+    sub.add_argument(
+        "--num-actors",
+        type=int,
+        default=None,
+        help="default: one per GPU of the cluster; one on a cluster without GPUs",
+    )
+    sub.add_argument(
+        "--gpus-per-actor",
+        type=non_negative_share,
+        default=None,
+        metavar="N",
+        help="GPUs each actor holds, e.g. 0.5 to share a GPU (default 1 on a cluster with GPUs)",
+    )
+    sub.add_argument(
+        "--cpus-per-actor",
+        type=non_negative_share,
+        default=None,
+        metavar="N",
+        help="CPUs each actor holds in Ray's accounting, e.g. 0.5 to run more CPU actors than "
+        "the cluster has CPUs (default 1)",
+    )
+    sub.add_argument(
+        "--small-first-stream",
+        type=on_off,
+        default=argparse.SUPPRESS,
+        metavar="{on,off}",
+        help="deprecated: use --urgent-tokens N (on: N is --small-first-tokens, 256)",
+    )
     add_setting_flags(sub)
     command("list", list_pools, "the pools in the Ray cluster: name, model, actors", names_a_pool=False)
     command("status", status, "the pool's actors and counters")
@@ -332,11 +364,21 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_argument("num_actors", type=int, help="encoder actors taking work once it returns")
     command("stop", stop, "stop the pool")
     sub = command("bench", bench, "a short latency and throughput check against the running pool")
-    sub.add_argument("--calls", type=int, default=50,
-                     help="one-item calls timed one by one for p50 / p99 (default 50)")
+    sub.add_argument(
+        "--calls", type=int, default=50, help="one-item calls timed one by one for p50 / p99 (default 50)"
+    )
     sub.add_argument("--warmup", type=int, default=5, help="untimed calls first (default 5)")
-    sub.add_argument("--threads", type=int, default=4,
-                     help="threads calling at once for items/s, each again as its call returns (default 4)")
-    sub.add_argument("--seconds", type=float, default=5.0, metavar="S",
-                     help="how long the threads call for items/s (default 5)")
+    sub.add_argument(
+        "--threads",
+        type=int,
+        default=4,
+        help="threads calling at once for items/s, each again as its call returns (default 4)",
+    )
+    sub.add_argument(
+        "--seconds",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="how long the threads call for items/s (default 5)",
+    )
     return parser

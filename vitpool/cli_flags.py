@@ -91,8 +91,11 @@ def on_off(text: str) -> bool:
 # the default. A flag left out is None in the parsed arguments, and the pool's own default stands.
 # What the types cannot say:
 SETTING_CHOICES: dict[str, tuple[str, ...]] = {
-    "device": POOL_DEVICES, "dtype": DTYPE_CHOICES, "attention": ATTENTION_CHOICES,
-    "precision": PRECISION_CHOICES, "rank_transport": RANK_TRANSPORTS,
+    "device": POOL_DEVICES,
+    "dtype": DTYPE_CHOICES,
+    "attention": ATTENTION_CHOICES,
+    "precision": PRECISION_CHOICES,
+    "rank_transport": RANK_TRANSPORTS,
 }
 SETTING_PARSERS: dict[str, tuple[Callable[[str], Any], str]] = {  # values of several parts: (parser, metavar)
     "budgets": (budget_list, "B,B,..."),
@@ -138,7 +141,9 @@ def setting_help(field: dataclasses.Field, entries: Sequence[str], optional: boo
     says)."""
     sentences = [SENTENCE_END.split(entry) for entry in entries]
     text = " ".join(each[0].rstrip(".") + "." for each in sentences)
-    text = text[:1] + re.sub(r"\. ([a-z])", lambda match: ". " + match[1].upper(), text[1:])  # entries start lowercase
+    text = text[:1] + re.sub(
+        r"\. ([a-z])", lambda match: ". " + match[1].upper(), text[1:]
+    )  # entries start lowercase
     said = [s.partition(": ")[2] for each in sentences for s in each if re.match(r"(None|Empty)\b.*?: ", s)]
     unset = said[0].rstrip(".") if said else ""
     if field.default in (None, ()):
@@ -172,8 +177,11 @@ def add_setting_flags(parser: argparse.ArgumentParser) -> None:
         parts = [part for part in typing.get_args(hint) if part is not type(None)]
         optional = typing.get_origin(hint) in (types.UnionType, typing.Union) and len(parts) == 1
         kind = parts[0] if optional else hint
-        flag: dict[str, Any] = {"dest": field.name, "default": None,
-                                "help": setting_help(field, docs.get(field.name, []), optional)}
+        flag: dict[str, Any] = {
+            "dest": field.name,
+            "default": None,
+            "help": setting_help(field, docs.get(field.name, []), optional),
+        }
         if field.name in SETTING_PARSERS:
             flag["type"], flag["metavar"] = SETTING_PARSERS[field.name]
         elif field.name in SETTING_CHOICES:
@@ -181,11 +189,15 @@ def add_setting_flags(parser: argparse.ArgumentParser) -> None:
         elif kind is bool:
             flag["type"], flag["metavar"] = on_off, "{on,off}"
         elif kind in (int, float, str):
-            unit = next((metavar for suffix, metavar in METAVARS.items() if field.name.endswith(suffix)), None)
+            unit = next(
+                (metavar for suffix, metavar in METAVARS.items() if field.name.endswith(suffix)), None
+            )
             flag["metavar"] = unit or {int: "N", float: "X", str: field.name.upper()}[kind]
             flag["type"] = _or_none(kind) if optional and field.default is not None else kind
         else:
-            raise TypeError(f"PoolSettings.{field.name} ({hint}): no flag parses it; add it to SETTING_PARSERS")
+            raise TypeError(
+                f"PoolSettings.{field.name} ({hint}): no flag parses it; add it to SETTING_PARSERS"
+            )
         groups[field.name in encoder_fields].add_argument(setting_flag(field.name), **flag)
 
 

@@ -121,11 +121,16 @@ def _item_v2(entry: Any, where: str, version: int = 2) -> Item:
     inputs = None
     if "inputs" in entry:
         if version < INPUTS_VERSION:
-            raise ValueError(f"{where}: 'inputs' need version {INPUTS_VERSION}; this message is version {version}")
+            raise ValueError(
+                f"{where}: 'inputs' need version {INPUTS_VERSION}; this message is version {version}"
+            )
         named = _field(entry, "inputs", dict, where)
         if not all(isinstance(name, str) for name in named):
             raise ValueError(f"{where}: 'inputs' must map names (strings) to tensors")
-        inputs = {name: _unpack_tensor(_field(named, name, dict, where), f"{where} input {name!r}") for name in named}
+        inputs = {
+            name: _unpack_tensor(_field(named, name, dict, where), f"{where} input {name!r}")
+            for name in named
+        }
     return _ITEM_TYPES[modality](pixels, grid, inputs)
 
 
@@ -237,6 +242,10 @@ def _unpack_tensor(entry: dict, where: str) -> torch.Tensor:
     wire_dtype = WIRE_DTYPES[dtype_name][1]
     expected = int(np.prod(shape, dtype=object)) * wire_dtype.itemsize
     if len(data) != expected:
-        raise ValueError(f"{where}: {len(data)} bytes of data for shape {shape} of {dtype_name} ({expected} expected)")
-    array = np.frombuffer(data, dtype=wire_dtype.newbyteorder("<")).astype(wire_dtype, copy=True).reshape(shape)
+        raise ValueError(
+            f"{where}: {len(data)} bytes of data for shape {shape} of {dtype_name} ({expected} expected)"
+        )
+    array = (
+        np.frombuffer(data, dtype=wire_dtype.newbyteorder("<")).astype(wire_dtype, copy=True).reshape(shape)
+    )
     return from_array(array, dtype_name)  # a fresh, writable array: no further copy

@@ -79,7 +79,9 @@ def _named(name: str) -> FamilyRecord:
     if record is None:
         raise ValueError(f"no family {name!r}; the families are {sorted(r.name for r in RECORDS)}")
     if record.processor_output is None:
-        raise ValueError(f"{record.name}'s processor output has no cutter yet; build its items by hand (README)")
+        raise ValueError(
+            f"{record.name}'s processor output has no cutter yet; build its items by hand (README)"
+        )
     return record
 
 

@@ -184,7 +184,9 @@ def prepare_item(index: int, item: Any, rules: ItemRules) -> Prepared:
 
 def _prepare_parts(index: int, item: Image | Video, modality: str, rules: PathRules) -> PreparedParts:
     if item.inputs is not None and not isinstance(item.inputs, Mapping):
-        raise InvalidItemError(index, f"inputs must map input names to pixels; got {type(item.inputs).__name__}")
+        raise InvalidItemError(
+            index, f"inputs must map input names to pixels; got {type(item.inputs).__name__}"
+        )
     if rules.primary in (item.inputs or {}):
         raise InvalidItemError(index, f"pass {rules.primary} as the item's pixel_values, not in inputs")
     unknown = sorted(str(name) for name in (item.inputs or {}) if name not in rules.input_names)
@@ -203,7 +205,9 @@ def _prepare_parts(index: int, item: Image | Video, modality: str, rules: PathRu
 def _pixels(index: int, pixel_values: Any, name: str = "pixel_values") -> torch.Tensor:
     if isinstance(pixel_values, np.ndarray):
         if pixel_values.dtype.type not in _NUMPY_FLOATS:
-            raise InvalidItemError(index, f"{name} have dtype {pixel_values.dtype}; expected a floating-point dtype")
+            raise InvalidItemError(
+                index, f"{name} have dtype {pixel_values.dtype}; expected a floating-point dtype"
+            )
         pixel_values = torch.from_numpy(pixel_values)  # of a dtype that travels: checked once, above
     elif not isinstance(pixel_values, torch.Tensor):
         raise InvalidItemError(

@@ -63,8 +63,14 @@ class ItemSpec:
 
 def spec_to_wire(spec: ItemSpec) -> list:
     """The spec as msgpack-able plain values."""
-    wire = [spec.modality, list(spec.pixel_shape), spec.pixel_dtype, list(spec.layout), spec.num_tokens,
-            [[name, amount] for name, amount in spec.needs]]
+    wire = [
+        spec.modality,
+        list(spec.pixel_shape),
+        spec.pixel_dtype,
+        list(spec.layout),
+        spec.num_tokens,
+        [[name, amount] for name, amount in spec.needs],
+    ]
     return [*wire, spec.path] if spec.path else wire
 
 
@@ -75,8 +81,13 @@ def spec_from_wire(value: Any) -> ItemSpec:
         if len(path) > 1 or (path and not isinstance(path[0], str)):
             raise ValueError(f"a path is one string; got {path!r}")
         spec = ItemSpec(
-            str(modality), _ints(shape), str(dtype), _ints(layout), _int(num_tokens),
-            tuple((str(name), _int(amount)) for name, amount in needs), path[0] if path else "",
+            str(modality),
+            _ints(shape),
+            str(dtype),
+            _ints(layout),
+            _int(num_tokens),
+            tuple((str(name), _int(amount)) for name, amount in needs),
+            path[0] if path else "",
         )
     except (TypeError, ValueError) as error:
         raise ValueError(f"not an item spec: {value!r} ({error})") from None
@@ -107,8 +118,13 @@ def plan_to_wire(plan: BatchPlan) -> dict:
     budget = plan.budget
     return {
         # the path only where there is one: a plan of one path reads as before paths existed
-        "budget": None if budget is None else [
-            budget.num_tokens, [list(p) for p in budget.limits], budget.max_items, *([budget.path] if budget.path else [])
+        "budget": None
+        if budget is None
+        else [
+            budget.num_tokens,
+            [list(p) for p in budget.limits],
+            budget.max_items,
+            *([budget.path] if budget.path else []),
         ],
         "specs": [spec_to_wire(spec) for spec in plan.specs],
         **({"cache_keys": list(plan.cache_keys)} if plan.cache_keys else {}),
@@ -126,13 +142,17 @@ def plan_from_wire(value: Any) -> BatchPlan:
             path = rest[0] if len(rest) == 1 else "" if not rest else None
             if not isinstance(path, str):
                 raise ValueError(f"expected one path string after the item bound; got {rest!r}")
-            budget = Budget(_int(num_tokens), tuple((str(n), _int(a)) for n, a in limits), _int(max_items), path)
+            budget = Budget(
+                _int(num_tokens), tuple((str(n), _int(a)) for n, a in limits), _int(max_items), path
+            )
         except (TypeError, ValueError) as error:
             raise ValueError(f"not a budget: {budget!r} ({error})") from None
     specs = tuple(spec_from_wire(spec) for spec in value["specs"])
     keys = value.get("cache_keys", [])
-    if not isinstance(keys, list) or (keys and len(keys) != len(specs)) or any(
-        key is not None and not isinstance(key, bytes) for key in keys
+    if (
+        not isinstance(keys, list)
+        or (keys and len(keys) != len(specs))
+        or any(key is not None and not isinstance(key, bytes) for key in keys)
     ):
         raise ValueError(f"cache keys must be one bytes or None per item ({len(specs)}); got {keys!r}")
     return BatchPlan(budget, specs, tuple(keys))
@@ -170,7 +190,9 @@ class ItemRules(Protocol):
     output_row_shapes: tuple[tuple[int, ...], ...]
     capacities: tuple[str, ...]
 
-    def item_spec(self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, layout: Any) -> ItemSpec:
+    def item_spec(
+        self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, layout: Any
+    ) -> ItemSpec:
         """The spec of an item with these pixels and this layout (what the processor emitted
         besides the pixels, e.g. `grid_thw`). Raises ValueError naming what is wrong.
 
@@ -180,8 +202,12 @@ class ItemRules(Protocol):
         """
         ...
 
-    def budgets(self, token_budgets: Sequence[int], max_items_per_batch: int | None,
-                capacity_limits: Mapping[str, int]) -> list[Budget]:
+    def budgets(
+        self,
+        token_budgets: Sequence[int],
+        max_items_per_batch: int | None,
+        capacity_limits: Mapping[str, int],
+    ) -> list[Budget]:
         """The captured batch shapes for these token budgets, each with a limit per capacity the
         family declares: the user's from `capacity_limits` (checked by `check_capacity_limits`),
         else the family's default. Raises ValueError naming a bad setting."""
@@ -207,7 +233,9 @@ def check_capacity_limits(limits: Mapping[str, int], capacities: Sequence[str]) 
     for name, value in limits.items():
         if name not in capacities:
             setting = "max_frames_per_batch" if name == SEQUENCES else f"capacity_limits[{name!r}]"
-            raise ValueError(f"{setting}: this model bounds no {name!r} per batch; its capacities are {tuple(capacities)}")
+            raise ValueError(
+                f"{setting}: this model bounds no {name!r} per batch; its capacities are {tuple(capacities)}"
+            )
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"capacity_limits[{name!r}] must be a positive integer; got {value!r}")
 
@@ -371,7 +399,9 @@ class EncoderOptions:
         except (TypeError, ValueError) as error:
             raise ConfigError(str(error)) from None
         if self.max_frames_per_batch is not None and not _is_positive_int(self.max_frames_per_batch):
-            raise ConfigError(f"max_frames_per_batch must be a positive integer; got {self.max_frames_per_batch!r}")
+            raise ConfigError(
+                f"max_frames_per_batch must be a positive integer; got {self.max_frames_per_batch!r}"
+            )
         object.__setattr__(self, "capacity_limits", _limit_pairs(self.capacity_limits))
         if self.device is not None and not isinstance(self.device, str):
             raise ConfigError(f"device {self.device!r}: use 'cuda', 'cuda:N', 'cpu' or None")

@@ -37,7 +37,9 @@ def workloads(vision_config: dict) -> dict[str, list]:
         return Video(torch.randn(frames * s * s, row_width), (frames, s, s))
 
     return {
-        "1x224": [image(224)], "4x224": [image(224) for _ in range(4)], "1x1024": [image(1024)],
+        "1x224": [image(224)],
+        "4x224": [image(224) for _ in range(4)],
+        "1x1024": [image(1024)],
         "video 8x224": [video(8, 224)],
     }
 

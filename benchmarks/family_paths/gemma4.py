@@ -80,7 +80,8 @@ def hugging_face(module: torch.nn.Module, items: list) -> torch.Tensor:
         start += h * w
     model = SimpleNamespace(  # what get_image_features reads of the model
         config=SimpleNamespace(vision_config=module.config, return_dict=True),
-        vision_tower=module.vision_tower, embed_vision=module.embed_vision,
+        vision_tower=module.vision_tower,
+        embed_vision=module.embed_vision,
     )
     output = Gemma4Model.get_image_features(model, pixel_values, positions.to(device))
     return torch.cat(output.pooler_output)

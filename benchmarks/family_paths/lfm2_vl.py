@@ -18,20 +18,31 @@ from common import hugging_face_forwards
 
 from vitpool import Image
 
-VISION_MODEL_TYPE = "siglip2_vision_model"  # the family record's tower type: LFM2-VL's vision config is SigLIP2's
+VISION_MODEL_TYPE = (
+    "siglip2_vision_model"  # the family record's tower type: LFM2-VL's vision config is SigLIP2's
+)
 # LFM2-VL-450M (the flagship json's checkpoint and "extra"): LFM2-350M's width, the projector's 2 x 2
 # pixel unshuffle and GELU MLP of 2560 with biases; its LayerNorm is transformers' Lfm2VlConfig
 # default (projector_use_layernorm=True; the remote-code release had no such field, its projector a
 # LayerNorm; LFM2.5-VL-450M's config says true).
 PROJECTOR_FIELDS = {
-    "text_hidden_size": 1024, "downsample_factor": 2, "projector_hidden_size": 2560, "projector_hidden_act": "gelu",
-    "projector_bias": True, "projector_use_layernorm": True,
+    "text_hidden_size": 1024,
+    "downsample_factor": 2,
+    "projector_hidden_size": 2560,
+    "projector_hidden_act": "gelu",
+    "projector_bias": True,
+    "projector_use_layernorm": True,
 }
 # Lfm2VlImageProcessor's defaults (the flagship json's "extra" holds the same): 512² tiles, 2 to 10 of
 # them with a thumbnail, a whole image between 64 and 256 tokens, split when over 2x the latter.
 PROCESSOR = {
-    "tile_size": 512, "min_tiles": 2, "max_tiles": 10, "min_image_tokens": 64, "max_image_tokens": 256,
-    "max_pixels_tolerance": 2.0, "use_thumbnail": True,
+    "tile_size": 512,
+    "min_tiles": 2,
+    "max_tiles": 10,
+    "min_image_tokens": 64,
+    "max_image_tokens": 256,
+    "max_pixels_tolerance": 2.0,
+    "use_thumbnail": True,
 }
 # Hugging Face's batch pads every entry to the processor's max_num_patches (do_pad=True), not to the
 # call's largest entry; False pads to the largest (Hugging Face's least work, not what it receives).
@@ -68,7 +79,13 @@ def tile_grid(height: int, width: int) -> tuple[int, int]:
     covers over half of it)."""
     low, high, tile = PROCESSOR["min_tiles"], PROCESSOR["max_tiles"], PROCESSOR["tile_size"]
     ratios = sorted(
-        {(w, h) for n in range(low, high + 1) for w in range(1, n + 1) for h in range(1, n + 1) if low <= w * h <= high},
+        {
+            (w, h)
+            for n in range(low, high + 1)
+            for w in range(1, n + 1)
+            for h in range(1, n + 1)
+            if low <= w * h <= high
+        },
         key=lambda ratio: ratio[0] * ratio[1],
     )
     best, best_diff = (1, 1), float("inf")
@@ -103,7 +120,9 @@ def max_num_patches(patch: int, factor: int) -> int:
 def padded_entries(items: list, pad_to: int) -> dict[str, torch.Tensor]:
     """Every entry of the items, in order, as the processor lays out a batch: [entries, pad, C*P*P]
     zero-padded, `spatial_shapes` [entries, 2], `pixel_attention_mask` [entries, pad] (int32)."""
-    shapes = [(int(h), int(w)) for item in items for h, w in torch.as_tensor(item.grid_thw).reshape(-1, 2).tolist()]
+    shapes = [
+        (int(h), int(w)) for item in items for h, w in torch.as_tensor(item.grid_thw).reshape(-1, 2).tolist()
+    ]
     rows = torch.cat([torch.as_tensor(item.pixel_values) for item in items])
     pad_to = max(pad_to, max(h * w for h, w in shapes))
     pixels = rows.new_zeros(len(shapes), pad_to, rows.shape[-1])
@@ -135,7 +154,8 @@ def hugging_face(module: torch.nn.Module, items: list) -> torch.Tensor:
     # the model's method on its own modules: what it reads of the model besides them is its config's
     # downsample_factor (and return_dict, through its decorator)
     model = SimpleNamespace(
-        vision_tower=module.vision_tower, multi_modal_projector=projector,
+        vision_tower=module.vision_tower,
+        multi_modal_projector=projector,
         config=SimpleNamespace(downsample_factor=factor, return_dict=True),
     )
     features = Lfm2VlModel.get_image_features(model, **batch)

@@ -26,8 +26,12 @@ TILE = 384
 # holds the width, the feature layer and strategy and the aspect ratio): the 6 x 6 anyres grid of
 # 384-pixel pinpoints, (height, width), rows outer, as the default lists them
 PROJECTOR_FIELDS = {
-    "text_hidden_size": 3584, "projector_hidden_act": "gelu", "multimodal_projector_bias": True,
-    "vision_feature_layer": -1, "vision_feature_select_strategy": "full", "vision_aspect_ratio": "anyres_max_9",
+    "text_hidden_size": 3584,
+    "projector_hidden_act": "gelu",
+    "multimodal_projector_bias": True,
+    "vision_feature_layer": -1,
+    "vision_feature_select_strategy": "full",
+    "vision_aspect_ratio": "anyres_max_9",
     "image_grid_pinpoints": [[TILE * rows, TILE * cols] for rows in range(1, 7) for cols in range(1, 7)],
 }
 # a ~1024² image: 1152² (3 x 3 crops) is the pinpoint that keeps all of it and wastes least
@@ -73,7 +77,9 @@ def _selected(module: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
     return selected
 
 
-def _images(module: torch.nn.Module, items: list, device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]:
+def _images(
+    module: torch.nn.Module, items: list, device: torch.device, dtype: torch.dtype
+) -> list[torch.Tensor]:
     """`LlavaOnevisionModel.get_image_features` on the processor's batch: pixel_values [images,
     tiles, 3, S, S] (zero tiles after each image's own), image_sizes, and the tiles per image the
     model reads off batch_num_images (an image of one tile is one of a multi-image sample: its base
@@ -95,28 +101,40 @@ def _images(module: torch.nn.Module, items: list, device: torch.device, dtype: t
     image_sizes = torch.tensor([list(item.grid_thw) for item in items], device=device)
     pinpoints = model.config.image_grid_pinpoints
     image_num_patches = [
-        image_size_to_num_patches(image_size=size, grid_pinpoints=pinpoints, patch_size=module.config.image_size)
-        if count > 1 else 1
+        image_size_to_num_patches(
+            image_size=size, grid_pinpoints=pinpoints, patch_size=module.config.image_size
+        )
+        if count > 1
+        else 1
         for size, count in zip(image_sizes, counts)
     ]
-    pixel_values = torch.cat([pix_val[:num_patch] for pix_val, num_patch in zip(batch, image_num_patches)], dim=0)
+    pixel_values = torch.cat(
+        [pix_val[:num_patch] for pix_val, num_patch in zip(batch, image_num_patches)], dim=0
+    )
     image_features = module.multi_modal_projector(_selected(module, pixel_values))
     image_features = torch.split(image_features, image_num_patches, dim=0)
     packed, _ = LlavaOnevisionModel.pack_image_features(
-        model, image_features, image_sizes, image_newline=module.image_newline,
+        model,
+        image_features,
+        image_sizes,
+        image_newline=module.image_newline,
         vision_aspect_ratio=module.vision_aspect_ratio,
     )
     return list(packed)
 
 
-def _videos(module: torch.nn.Module, items: list, device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]:
+def _videos(
+    module: torch.nn.Module, items: list, device: torch.device, dtype: torch.dtype
+) -> list[torch.Tensor]:
     """`LlavaOnevisionModel.get_video_features` on pixel_values_videos [videos, frames, 3, S, S]
     (the video processor samples as many frames from every video)."""
     from transformers.models.llava_onevision.modeling_llava_onevision import LlavaOnevisionModel
 
     videos = torch.stack([torch.as_tensor(item.pixel_values) for item in items]).to(device, dtype)
     batch_size, frames, channels, height, width = videos.shape
-    features = module.multi_modal_projector(_selected(module, videos.view(batch_size * frames, channels, height, width)))
+    features = module.multi_modal_projector(
+        _selected(module, videos.view(batch_size * frames, channels, height, width))
+    )
     features = LlavaOnevisionModel.apply_pooling(_model(module), features)
     features = features.reshape(batch_size, frames * features.shape[1], -1)
     newline = module.image_newline[None, None, :].repeat(batch_size, 1, 1).to(features.device)
@@ -131,7 +149,11 @@ def hugging_face(module: torch.nn.Module, items: list) -> torch.Tensor:
     videos = [index for index, item in enumerate(items) if isinstance(item, Video)]
     tokens: dict[int, torch.Tensor] = {}
     if images:
-        tokens.update(zip(images, _images(module, [items[i] for i in images], parameter.device, parameter.dtype)))
+        tokens.update(
+            zip(images, _images(module, [items[i] for i in images], parameter.device, parameter.dtype))
+        )
     if videos:
-        tokens.update(zip(videos, _videos(module, [items[i] for i in videos], parameter.device, parameter.dtype)))
+        tokens.update(
+            zip(videos, _videos(module, [items[i] for i in videos], parameter.device, parameter.dtype))
+        )
     return torch.cat([tokens[index] for index in range(len(items))])

@@ -15,7 +15,10 @@ VISION_MODEL_TYPE = "minicpmv4_7_vision"
 # MiniCPM-V-4.7-1B: its LLM's width (qwen3_5_text, hidden 1024, as Qwen3.5-0.8B) and MiniCPMV4_7Config's
 # merge settings (class defaults, as 4.6's release; not in a hub vision config)
 PROJECTOR_FIELDS = {
-    "text_hidden_size": 1024, "downsample_mode": "16x", "merge_kernel_size": [2, 2], "merger_times": 1,
+    "text_hidden_size": 1024,
+    "downsample_mode": "16x",
+    "merge_kernel_size": [2, 2],
+    "merger_times": 1,
     "insert_layer_id": 6,
 }
 # slices (h, w in patches) of one image as the processor (4.6's) cuts them: a 448² overview alone,
@@ -32,8 +35,11 @@ def workloads(vision_config: dict) -> dict[str, list]:
         rows = sum(h * w for h, w in sizes)
         return Image(torch.randn(1, 3, patch, rows * patch), [list(size) for size in sizes])
 
-    return {"1 slice": [image(SLICES["1 slice"])], "4x1 slice": [image(SLICES["1 slice"]) for _ in range(4)],
-            "7 slices": [image(SLICES["7 slices"])]}
+    return {
+        "1 slice": [image(SLICES["1 slice"])],
+        "4x1 slice": [image(SLICES["1 slice"]) for _ in range(4)],
+        "7 slices": [image(SLICES["7 slices"])],
+    }
 
 
 def hugging_face(module: torch.nn.Module, items: list) -> torch.Tensor:

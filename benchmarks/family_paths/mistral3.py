@@ -21,8 +21,12 @@ VISION_MODEL_TYPE = "pixtral"  # the family record's tower type: a tower-only sa
 # RMSNorm eps (the projector's norm reads the text config's), the patch merger's 2 x 2, the
 # projector's GELU without biases, the last layer's features.
 PROJECTOR_FIELDS = {
-    "text_hidden_size": 5120, "text_rms_norm_eps": 1e-5, "spatial_merge_size": 2, "projector_hidden_act": "gelu",
-    "multimodal_projector_bias": False, "vision_feature_layer": -1,
+    "text_hidden_size": 5120,
+    "text_rms_norm_eps": 1e-5,
+    "spatial_merge_size": 2,
+    "projector_hidden_act": "gelu",
+    "multimodal_projector_bias": False,
+    "vision_feature_layer": -1,
 }
 
 
@@ -70,14 +74,14 @@ def hugging_face(module: torch.nn.Module, items: list) -> torch.Tensor:
     # vision_feature_layer and spatial_merge_size (and return_dict, through its decorators)
     layer = getattr(module.config, "vision_feature_layer", PROJECTOR_FIELDS["vision_feature_layer"])
     model = SimpleNamespace(
-        vision_tower=module.vision_tower, multi_modal_projector=module.multi_modal_projector,
+        vision_tower=module.vision_tower,
+        multi_modal_projector=module.multi_modal_projector,
         config=SimpleNamespace(
             vision_feature_layer=layer,
-            spatial_merge_size=module.multi_modal_projector.patch_merger.spatial_merge_size, return_dict=True,
+            spatial_merge_size=module.multi_modal_projector.patch_merger.spatial_merge_size,
+            return_dict=True,
         ),
     )
-    features = Mistral3Model.get_image_features(
-        model, pixels, sizes, vision_feature_layer=layer
-    )
+    features = Mistral3Model.get_image_features(model, pixels, sizes, vision_feature_layer=layer)
     features = getattr(features, "pooler_output", features)  # transformers 4 returned the tuple itself
     return torch.cat(list(features))

@@ -71,13 +71,17 @@ def hugging_face(module: torch.nn.Module, items: list) -> torch.Tensor:
         canvas = torch.zeros(rows * patches, cols * patches)
         canvas[:valid_rows, :valid_cols] = 1
         masks[index, 1 : 1 + rows * cols] = (
-            canvas.reshape(rows, patches, cols, patches).transpose(1, 2).reshape(rows * cols, patches, patches)
+            canvas.reshape(rows, patches, cols, patches)
+            .transpose(1, 2)
+            .reshape(rows * cols, patches, patches)
         )
     tokens = sum(_num_tokens(layout, crop, patches) for layout in layouts)
     input_ids = torch.full((1, tokens), int(vision.image_token_id), device=device)
     embeds = torch.zeros(1, tokens, module.img_projection_down.out_features, device=device, dtype=dtype)
     written = module(
-        input_ids, embeds, image_pixel_values=pixels.to(device, dtype),
+        input_ids,
+        embeds,
+        image_pixel_values=pixels.to(device, dtype),
         image_sizes=torch.tensor([layout[:2] for layout in layouts], device=device),
         image_attention_mask=masks.to(device),
     )

@@ -54,7 +54,8 @@ def planned_calls(encoder, seed: int, count: int, pinned: bool) -> list[tuple[Ba
     calls = []
     for _ in range(count):
         items = [
-            (Video if is_video else Image)(torch.from_numpy(pixels), grid) for is_video, grid, pixels in random_call(rng)
+            (Video if is_video else Image)(torch.from_numpy(pixels), grid)
+            for is_video, grid, pixels in random_call(rng)
         ]
         prepared = prepare_items(items, encoder.adapter.item_rules)
         needs: dict[str, int] = {}
@@ -115,8 +116,12 @@ class HostTimes:
         def median_ms(values: list[float]) -> float | None:
             return statistics.median(values) * 1e3 if values else None
 
-        return {"runs": len(self.start), "start_ms": median_ms(self.start), "wait_ms": median_ms(self.wait),
-                "after_ms": median_ms(self.after)}
+        return {
+            "runs": len(self.start),
+            "start_ms": median_ms(self.start),
+            "wait_ms": median_ms(self.wait),
+            "after_ms": median_ms(self.after),
+        }
 
 
 def union_length(intervals: list[tuple[float, float]]) -> tuple[float, list[tuple[float, float]]]:
@@ -166,10 +171,14 @@ def gpu_timeline(trace_path: Path) -> dict:
 
 
 def measure(args, directory: Path, overlap_runs: bool, pinned: bool, out: Path | None) -> dict:
-    actor = EncoderActor(0, ActorSpec(
-        EncoderSpec(model=str(directory), dtype="bfloat16", device="cuda", attention=args.attention),
-        serve_channel=False, overlap_runs=overlap_runs,
-    ))
+    actor = EncoderActor(
+        0,
+        ActorSpec(
+            EncoderSpec(model=str(directory), dtype="bfloat16", device="cuda", attention=args.attention),
+            serve_channel=False,
+            overlap_runs=overlap_runs,
+        ),
+    )
     encoder = actor.encoder
     calls = [planned_calls(encoder, seed, args.calls_per_thread, pinned) for seed in range(args.threads)]
     times = HostTimes(encoder)
@@ -186,7 +195,8 @@ def measure(args, directory: Path, overlap_runs: bool, pinned: bool, out: Path |
             with torch.cuda.stream(copies):  # as the channel writes outputs to the caller's segment
                 hosts = [
                     torch.empty(o.shape, dtype=o.dtype, pin_memory=True).copy_(o, non_blocking=True)
-                    for value in values for o in value.outputs
+                    for value in values
+                    for o in value.outputs
                 ]
             copies.synchronize()
             del hosts
@@ -238,17 +248,27 @@ def main() -> None:
     parser.add_argument("--profile-seconds", type=float, default=1.0)
     parser.add_argument("--attention", default="auto")
     parser.add_argument("--overlap-runs", default="on,off", help="comma-separated: on, off")
-    parser.add_argument("--pixels", default="pinned", help="comma-separated: pinned (the channel), pageable (Ray)")
-    parser.add_argument("--switch-interval-ms", type=float, default=None,
-                        help="sys.setswitchinterval for this process (default: Python's 5 ms)")
+    parser.add_argument(
+        "--pixels", default="pinned", help="comma-separated: pinned (the channel), pageable (Ray)"
+    )
+    parser.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        default=None,
+        help="sys.setswitchinterval for this process (default: Python's 5 ms)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="folder for results.json and gzipped traces")
     args = parser.parse_args()
     if args.switch_interval_ms is not None:
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     directory = save_random_tower(tempfile.mkdtemp(prefix="vitpool-bench-"))
-    results = {"gpu": torch.cuda.get_device_name(), "threads": args.threads, "runs": [],
-               "switch_interval_ms": sys.getswitchinterval() * 1e3}
+    results = {
+        "gpu": torch.cuda.get_device_name(),
+        "threads": args.threads,
+        "runs": [],
+        "switch_interval_ms": sys.getswitchinterval() * 1e3,
+    }
     for overlap in args.overlap_runs.split(","):
         for pixels in args.pixels.split(","):
             row = measure(args, directory, overlap == "on", pixels == "pinned", args.out)
@@ -259,15 +279,19 @@ def main() -> None:
     if args.out is not None:
         (args.out / "results.json").write_text(json.dumps(results, indent=2))
     print(f"\nGPU: {results['gpu']}; {args.threads} threads; host ms per run are medians")
-    print("| setting | items/s | kernel | copy only | idle | gaps >= 200 us (share) | start / wait / after ms |")
+    print(
+        "| setting | items/s | kernel | copy only | idle | gaps >= 200 us (share) | start / wait / after ms |"
+    )
     print("|---|---|---|---|---|---|---|")
     for row in results["runs"]:
         gaps = row.get("idle_gaps_between_kernels", {})
         long_share = sum(v["share_of_wall"] for k, v in gaps.items() if k.startswith(("200", "1000")))
         host = row["host_per_run"]
-        print(f"| {row['setting']} | {row['items_per_s']:.1f} | {row.get('kernel_share', 0):.2f} "
-              f"| {row.get('copy_only_share', 0):.2f} | {row.get('idle_share', 0):.2f} | {long_share:.2f} "
-              f"| {host['start_ms']:.2f} / {host['wait_ms']:.2f} / {host['after_ms']:.2f} |")
+        print(
+            f"| {row['setting']} | {row['items_per_s']:.1f} | {row.get('kernel_share', 0):.2f} "
+            f"| {row.get('copy_only_share', 0):.2f} | {row.get('idle_share', 0):.2f} | {long_share:.2f} "
+            f"| {host['start_ms']:.2f} / {host['wait_ms']:.2f} / {host['after_ms']:.2f} |"
+        )
 
 
 if __name__ == "__main__":

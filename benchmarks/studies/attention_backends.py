@@ -39,7 +39,9 @@ def flash_attention_4(q, k, v, cu, max_len):
     """FlashAttention-4 (`flash-attn-4`, CuTe DSL; FA3-style kernels on Hopper), when installed."""
     from flash_attn.cute import flash_attn_varlen_func
 
-    out = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len, max_seqlen_k=max_len)
+    out = flash_attn_varlen_func(
+        q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len, max_seqlen_k=max_len
+    )
     return out[0] if isinstance(out, tuple) else out
 
 
@@ -52,7 +54,9 @@ def varlen(q, k, v, cu, max_len):
 def nested_sdpa(backend: SDPBackend) -> Callable:
     def run(q, k, v, cu, max_len):
         def jagged(t):
-            return torch.nested.nested_tensor_from_jagged(t, cu, min_seqlen=1, max_seqlen=max_len).transpose(1, 2)
+            return torch.nested.nested_tensor_from_jagged(t, cu, min_seqlen=1, max_seqlen=max_len).transpose(
+                1, 2
+            )
 
         with sdpa_kernel(backend):
             out = F.scaled_dot_product_attention(jagged(q), jagged(k), jagged(v))
@@ -98,7 +102,7 @@ def dense_sdpa(backend: SDPBackend) -> Callable:
 def reference(q, k, v, lengths):
     outs, start = [], 0
     for n in lengths:
-        part = [t[start:start + n].transpose(0, 1)[None].float() for t in (q, k, v)]
+        part = [t[start : start + n].transpose(0, 1)[None].float() for t in (q, k, v)]
         with sdpa_kernel(SDPBackend.MATH):
             outs.append(F.scaled_dot_product_attention(*part)[0].transpose(0, 1))
         start += n
@@ -145,12 +149,22 @@ def main() -> None:
         "dense flash": dense_sdpa(SDPBackend.FLASH_ATTENTION),
     }
     gpu = torch.cuda.get_device_name()
-    results = {"gpu": gpu, "torch": torch.__version__, "heads": args.heads, "head_dim": args.head_dim, "rows": []}
+    results = {
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "heads": args.heads,
+        "head_dim": args.head_dim,
+        "rows": [],
+    }
     generator = torch.Generator(device="cuda").manual_seed(0)
     for shape, lengths in SHAPES.items():
         rows = sum(lengths)
-        q, k, v = (torch.randn(rows, args.heads, args.head_dim, device="cuda", dtype=torch.bfloat16,
-                               generator=generator) for _ in range(3))
+        q, k, v = (
+            torch.randn(
+                rows, args.heads, args.head_dim, device="cuda", dtype=torch.bfloat16, generator=generator
+            )
+            for _ in range(3)
+        )
         cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
         want = reference(q, k, v, lengths)
         for name, fn in backends.items():
@@ -168,15 +182,19 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as file:
             json.dump(results, file, indent=2)
-    print(f"\n{gpu}, torch {torch.__version__}, heads {args.heads}, head_dim {args.head_dim}, bf16, "
-          f"CUDA-graph replays, median (p99) µs of {args.runs}")
+    print(
+        f"\n{gpu}, torch {torch.__version__}, heads {args.heads}, head_dim {args.head_dim}, bf16, "
+        f"CUDA-graph replays, median (p99) µs of {args.runs}"
+    )
     print("| shape | backend | µs | rel. err |\n|---|---|---|---|")
     for row in results["rows"]:
         if "error" in row:
             print(f"| {row['shape']} | {row['backend']} | — | {row['error']} |")
         else:
-            print(f"| {row['shape']} | {row['backend']} | {1000 * row['median_ms']:.0f} ({1000 * row['p99_ms']:.0f}) "
-                  f"| {row['rel_error']:.1e} |")
+            print(
+                f"| {row['shape']} | {row['backend']} | {1000 * row['median_ms']:.0f} ({1000 * row['p99_ms']:.0f}) "
+                f"| {row['rel_error']:.1e} |"
+            )
 
 
 if __name__ == "__main__":

@@ -40,12 +40,19 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     directory = save_random_tower(tempfile.mkdtemp(prefix="vitpool-bench-"))
     pool = EncoderPool.launch(
-        model=str(directory), num_actors=1, dtype="bfloat16", name="cache-miss-phases",
-        embedding_cache_bytes=4 << 30, embedding_cache_local_bytes=0,
+        model=str(directory),
+        num_actors=1,
+        dtype="bfloat16",
+        name="cache-miss-phases",
+        embedding_cache_bytes=4 << 30,
+        embedding_cache_local_bytes=0,
     )
     cache = pool._cache
     samples: dict[str, list[float]] = {
-        "miss": [], "lookup alone": [], "encode, no cache": [], "encode, right after a miss": [],
+        "miss": [],
+        "lookup alone": [],
+        "encode, no cache": [],
+        "encode, right after a miss": [],
     }
 
     def miss() -> None:
@@ -61,7 +68,9 @@ def main() -> None:
         pool.encode([image(224), image(448)])  # warm-up
         for turn in range(args.warmup + args.runs):
             for label, call in (
-                ("miss", miss), ("lookup alone", lookup_alone), ("encode, no cache", encode_no_cache),
+                ("miss", miss),
+                ("lookup alone", lookup_alone),
+                ("encode, no cache", encode_no_cache),
                 (None, miss),  # untimed: its actor publishes right after its reply ...
                 ("encode, right after a miss", encode_no_cache),  # ... where this call meets it
             ):
@@ -70,7 +79,8 @@ def main() -> None:
                 if turn >= args.warmup and label is not None:
                     samples[label].append((time.perf_counter() - start) * 1e3)
         results = {
-            "gpu": torch.cuda.get_device_name(), "args": {k: str(v) for k, v in vars(args).items()},
+            "gpu": torch.cuda.get_device_name(),
+            "args": {k: str(v) for k, v in vars(args).items()},
             **{label: summarize(values) for label, values in samples.items()},
             "stats": pool.stats().summary(),
         }

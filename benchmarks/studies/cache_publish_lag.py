@@ -60,7 +60,9 @@ def install_publish_probes(actor) -> bool:
             parts["insert"] += time.perf_counter() - start
 
     # the cache actor's handle as the publisher uses it, its insert timed
-    timed_cache = types.SimpleNamespace(insert=types.SimpleNamespace(remote=timed_insert), abandon=cache.abandon)
+    timed_cache = types.SimpleNamespace(
+        insert=types.SimpleNamespace(remote=timed_insert), abandon=cache.abandon
+    )
     publisher._on_host, publisher._cache = timed_on_host, timed_cache
 
     def timed_send(entries, submitted: float) -> None:
@@ -68,7 +70,9 @@ def install_publish_probes(actor) -> bool:
         parts["to_host"] = parts["insert"] = 0.0
         send(entries)
         work = time.perf_counter() - started
-        publisher.lag_samples.append((started - submitted, work, len(entries), parts["to_host"], parts["insert"]))
+        publisher.lag_samples.append(
+            (started - submitted, work, len(entries), parts["to_host"], parts["insert"])
+        )
 
     def publish(keys, values) -> None:
         entries = [(key, value) for key, value in zip(keys, values) if key is not None]
@@ -93,7 +97,10 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     directory = save_random_tower(tempfile.mkdtemp(prefix="vitpool-bench-"))
     pool = EncoderPool.launch(
-        model=str(directory), num_actors=1, dtype="bfloat16", embedding_cache_bytes=4 << 30,
+        model=str(directory),
+        num_actors=1,
+        dtype="bfloat16",
+        embedding_cache_bytes=4 << 30,
         embedding_cache_local_bytes=0,
     )
     waits: list[float] = []

@@ -42,8 +42,11 @@ WORKLOADS = {"1x224": lambda: [image(224)], "4x224": lambda: [image(224) for _ i
 
 
 def actor_spec(directory: str, serve_channel: bool = True) -> ActorSpec:
-    return ActorSpec(EncoderSpec(model=directory, dtype="bfloat16", device="cuda"), num_threads=4,
-                     serve_channel=serve_channel)
+    return ActorSpec(
+        EncoderSpec(model=directory, dtype="bfloat16", device="cuda"),
+        num_threads=4,
+        serve_channel=serve_channel,
+    )
 
 
 def serve_echo(connection, layout: OutputLayout) -> None:
@@ -51,7 +54,9 @@ def serve_echo(connection, layout: OutputLayout) -> None:
         return torch.from_numpy(np.zeros(shape, dtype=np.int16)).view(torch.bfloat16)
 
     def run_batch(plan, pixels, output_device):
-        values = [Embedding.from_outputs([zeros(s) for s in layout.shapes(spec.num_tokens)]) for spec in plan.specs]
+        values = [
+            Embedding.from_outputs([zeros(s) for s in layout.shapes(spec.num_tokens)]) for spec in plan.specs
+        ]
         return values, BatchReceipt(OK)
 
     server = ChannelServer(run_batch, "echo", None, 0.0, layout)
@@ -108,10 +113,15 @@ def main() -> None:
         children.append((child, parent_end))
         info: ChannelInfo = parent_end.recv()
         clients[name] = ChannelClient(info)
-    pool = EncoderPool.launch(model=directory, num_actors=1, dtype="bfloat16", actor_options={"num_gpus": 0.5})
+    pool = EncoderPool.launch(
+        model=directory, num_actors=1, dtype="bfloat16", actor_options={"num_gpus": 0.5}
+    )
 
     results = {
-        "gpu": gpu, "torch": torch.__version__, "runs": args.runs, "torch_threads": torch.get_num_threads(),
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "runs": args.runs,
+        "torch_threads": torch.get_num_threads(),
         "workloads": {},
     }
     for workload, build in WORKLOADS.items():

@@ -67,7 +67,9 @@ def main() -> None:
     cudnn_exact(warm, warm, warm, 256)
     rows = []
     for n in (int(x) for x in args.lengths.split(",")):
-        q, k, v = (torch.randn(n, args.heads, args.head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        q, k, v = (
+            torch.randn(n, args.heads, args.head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3)
+        )
         with sdpa_kernel([SDPBackend.MATH]):
             want = F.scaled_dot_product_attention(*(t.float().transpose(0, 1)[None] for t in (q, k, v)))
         want = want[0].transpose(0, 1)
@@ -76,15 +78,21 @@ def main() -> None:
             row[f"{name}_first_ms"] = first_call_ms(kernel, q, k, v, n)
             got = kernel(q, k, v, n).float()
             row[f"{name}_rel_error"] = float((got - want).norm() / want.norm())
-            row[name] = summarize([1e3 * t for t in gpu_ms(lambda kernel=kernel: kernel(q, k, v, n), args.runs)])
+            row[name] = summarize(
+                [1e3 * t for t in gpu_ms(lambda kernel=kernel: kernel(q, k, v, n), args.runs)]
+            )
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.out:
         args.out.write_text(json.dumps({"gpu": gpu, "torch": torch.__version__, "rows": rows}, indent=2))
-    print(f"\nGPU: {gpu}, torch {torch.__version__}; {args.heads} heads of {args.head_dim}; median (p99) µs "
-          f"of {args.runs} eager calls; first call at the length in ms")
-    print("| rows | FA2 | cuDNN exact | vitpool dense (bucketed) | dense / FA2 | first call FA2 / cuDNN exact / dense | "
-          "rel. err FA2 / dense |")
+    print(
+        f"\nGPU: {gpu}, torch {torch.__version__}; {args.heads} heads of {args.head_dim}; median (p99) µs "
+        f"of {args.runs} eager calls; first call at the length in ms"
+    )
+    print(
+        "| rows | FA2 | cuDNN exact | vitpool dense (bucketed) | dense / FA2 | first call FA2 / cuDNN exact / dense | "
+        "rel. err FA2 / dense |"
+    )
     print("|---" * 7 + "|")
     for row in rows:
         cells = [str(row["rows"])] + [

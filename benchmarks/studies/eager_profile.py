@@ -70,10 +70,12 @@ def main() -> None:
     print(f"\nGPU: {torch.cuda.get_device_name()}; median (p99) ms of {args.runs} calls")
     for row in results:
         host, on_device, one = row["host_pixels"], row["device_pixels"], row["host_pixels_one_thread"]
-        print(f"{row['side']}²: host pixels {host['median_ms']:.2f} ({host['p99_ms']:.2f}), copied by one thread "
-              f"{one['median_ms']:.2f} ({one['p99_ms']:.2f}), pixels on the GPU "
-              f"{on_device['median_ms']:.2f} ({on_device['p99_ms']:.2f}); GPU time {row['gpu_ms']:.2f}: "
-              + ", ".join(f"{name} {ms:.2f}" for name, ms in row["gpu_ms_by_class"].items()))
+        print(
+            f"{row['side']}²: host pixels {host['median_ms']:.2f} ({host['p99_ms']:.2f}), copied by one thread "
+            f"{one['median_ms']:.2f} ({one['p99_ms']:.2f}), pixels on the GPU "
+            f"{on_device['median_ms']:.2f} ({on_device['p99_ms']:.2f}); GPU time {row['gpu_ms']:.2f}: "
+            + ", ".join(f"{name} {ms:.2f}" for name, ms in row["gpu_ms_by_class"].items())
+        )
 
 
 if __name__ == "__main__":

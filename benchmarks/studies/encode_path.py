@@ -36,10 +36,20 @@ def main() -> None:
     after = encoder.stats()
     taken = {
         name: getattr(after, name) - getattr(before, name)
-        for name in ("graph_items", "dense_items", "eager_items", "eager_batches", "batch_rows", "padding_rows")
+        for name in (
+            "graph_items",
+            "dense_items",
+            "eager_items",
+            "eager_batches",
+            "batch_rows",
+            "padding_rows",
+        )
     }
-    budgets = {b: n - before.replays_per_budget.get(b, 0) for b, n in after.replays_per_budget.items()
-               if n != before.replays_per_budget.get(b, 0)}
+    budgets = {
+        b: n - before.replays_per_budget.get(b, 0)
+        for b, n in after.replays_per_budget.items()
+        if n != before.replays_per_budget.get(b, 0)
+    }
     host = summarize(time_ms(lambda: encoder.encode(items), args.runs, 5))
     runs = 3
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -50,9 +60,13 @@ def main() -> None:
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             kernels[event.name] += event.device_time_total / 1000 / runs
-    print(f"GPU: {torch.cuda.get_device_name()}; {args.family}, {args.workload}: {taken}, budgets run {budgets}; "
-          f"dense graphs {after.dense_graphs}")
-    print(f"  host {host['median_ms']:.2f} (p99 {host['p99_ms']:.2f}) ms; kernels {sum(kernels.values()):.2f} ms an encode")
+    print(
+        f"GPU: {torch.cuda.get_device_name()}; {args.family}, {args.workload}: {taken}, budgets run {budgets}; "
+        f"dense graphs {after.dense_graphs}"
+    )
+    print(
+        f"  host {host['median_ms']:.2f} (p99 {host['p99_ms']:.2f}) ms; kernels {sum(kernels.values()):.2f} ms an encode"
+    )
     for name, ms in sorted(kernels.items(), key=lambda pair: -pair[1])[:6]:
         print(f"  {ms:8.2f}  {name[:100]}")
 

@@ -39,7 +39,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as directory:
         (Path(directory) / "config.json").write_text(json.dumps(QWEN3_VL_8B_VISION))
         encoder = GraphEncoder.from_pretrained(
-            directory, device="cuda", dtype=torch.bfloat16, compiled_blocks=args.compiled_blocks == "on",
+            directory,
+            device="cuda",
+            dtype=torch.bfloat16,
+            compiled_blocks=args.compiled_blocks == "on",
             attention=args.attention,
         )
     items = [image(args.side) for _ in range(args.items)]
@@ -56,15 +59,27 @@ def main() -> None:
     rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:20]
     ops = [(e.key, e.self_cpu_time_total / args.runs, e.count / args.runs) for e in rows]
     phases = _phases(encoder, items, budget, args.runs)
-    result = {"gpu": torch.cuda.get_device_name(), "side": args.side, "items": args.items, "budget": budget.num_tokens,
-              "attention": args.attention,
-              "call": call, "replay": replay, "host_ops_us_per_call": ops, "phases_ms": phases}
+    result = {
+        "gpu": torch.cuda.get_device_name(),
+        "side": args.side,
+        "items": args.items,
+        "budget": budget.num_tokens,
+        "attention": args.attention,
+        "call": call,
+        "replay": replay,
+        "host_ops_us_per_call": ops,
+        "phases_ms": phases,
+    }
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))
-    print(f"GPU: {result['gpu']}; {args.items}x{args.side}², budget {budget.num_tokens} tokens, "
-          f"attention {args.attention}, {args.runs} runs")
-    print(f"encode: {call['median_ms']:.3f} ms median ({call['p99_ms']:.3f} p99); "
-          f"graph replay alone: {replay['median_ms']:.3f} ms ({replay['p99_ms']:.3f})")
+    print(
+        f"GPU: {result['gpu']}; {args.items}x{args.side}², budget {budget.num_tokens} tokens, "
+        f"attention {args.attention}, {args.runs} runs"
+    )
+    print(
+        f"encode: {call['median_ms']:.3f} ms median ({call['p99_ms']:.3f} p99); "
+        f"graph replay alone: {replay['median_ms']:.3f} ms ({replay['p99_ms']:.3f})"
+    )
     print("| host op | self CPU µs per call | calls per call |\n|---|---|---|")
     for name, micros, count in ops:
         print(f"| {name[:70]} | {micros:.1f} | {count:.1f} |")
@@ -109,10 +124,14 @@ def _phases(encoder, items, budget, runs: int) -> dict:
         "fill: metadata copies": timed(copy_metadata, False),
         "fill buffers": timed(lambda: encoder._runner("").fill(budget, specs, pixels), False),
         "fill buffers + wait": timed(lambda: encoder._runner("").fill(budget, specs, pixels), True),
-        "metadata on the host": timed(lambda: encoder.adapter.build_metadata(specs, encoder._runner("").rows(budget), budget), False),
+        "metadata on the host": timed(
+            lambda: encoder.adapter.build_metadata(specs, encoder._runner("").rows(budget), budget), False
+        ),
         "replay launch": timed(graph.replay, False),
         "replay + wait": timed(graph.replay, True),
-        "clone outputs + wait": timed(lambda: encoder._runner("").buffers.output_copies(budget.num_tokens, False), True),
+        "clone outputs + wait": timed(
+            lambda: encoder._runner("").buffers.output_copies(budget.num_tokens, False), True
+        ),
     }
 
 

@@ -27,7 +27,9 @@ def main() -> None:
     parser.add_argument("--family", required=True)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--workloads", default=None)
-    parser.add_argument("--config", type=Path, default=None, help="a JSON file with vision_config (default: the flagship's)")
+    parser.add_argument(
+        "--config", type=Path, default=None, help="a JSON file with vision_config (default: the flagship's)"
+    )
     args = parser.parse_args()
     entry = json.loads((args.config or CONFIGS).read_text())
     vision = entry["vision_config"] if args.config else entry[args.family]["vision_config"]
@@ -46,7 +48,9 @@ def main() -> None:
                 raise SystemExit(f"{name}: vitpool {tuple(got.shape)} vs Hugging Face {tuple(want.shape)}")
             error = float(torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want))
             worst = max(worst, error)
-            print(f"{args.family} {name}: tokens {tuple(got.shape)}, rel. error {error:.2e}, finite {bool(torch.isfinite(got).all())}")
+            print(
+                f"{args.family} {name}: tokens {tuple(got.shape)}, rel. error {error:.2e}, finite {bool(torch.isfinite(got).all())}"
+            )
     print(f"worst {worst:.2e}")
     if worst > 1e-4:
         raise SystemExit(1)

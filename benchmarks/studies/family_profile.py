@@ -26,7 +26,9 @@ from torch.profiler import ProfilerActivity, profile
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--family", required=True, choices=sorted(VISION_MODEL_TYPES))
-    parser.add_argument("--workload", default=None, help="a workload name of family_latency.py (default: the first)")
+    parser.add_argument(
+        "--workload", default=None, help="a workload name of family_latency.py (default: the first)"
+    )
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--compiled-blocks", action="store_true")
     args = parser.parse_args()
@@ -59,8 +61,10 @@ def main() -> None:
     for kernel, times in kernels.items():
         classes[kernel_class(kernel)] += sum(times)
     total = sum(classes.values())
-    print(f"\nGPU: {torch.cuda.get_device_name()}; {args.family}, {name}: eager static forward {total:.2f} ms of "
-          f"kernels; encode through the graphs median {replay['median_ms']:.2f} (p99 {replay['p99_ms']:.2f}) ms")
+    print(
+        f"\nGPU: {torch.cuda.get_device_name()}; {args.family}, {name}: eager static forward {total:.2f} ms of "
+        f"kernels; encode through the graphs median {replay['median_ms']:.2f} (p99 {replay['p99_ms']:.2f}) ms"
+    )
     for kind, ms in sorted(classes.items(), key=lambda pair: -pair[1]):
         print(f"  {kind:14s} {ms:8.2f} ms  {100 * ms / total:5.1f}%")
     print(f"  top {args.top} kernels (ms, launches):")

@@ -33,7 +33,10 @@ from common import summarize
 BLOCKS = 27
 HIDDEN, INTERMEDIATE = 1152, 4304
 LAYERS = {
-    "qkv": (HIDDEN, 3 * HIDDEN), "proj": (HIDDEN, HIDDEN), "fc1": (HIDDEN, INTERMEDIATE), "fc2": (INTERMEDIATE, HIDDEN),
+    "qkv": (HIDDEN, 3 * HIDDEN),
+    "proj": (HIDDEN, HIDDEN),
+    "fc1": (HIDDEN, INTERMEDIATE),
+    "fc2": (INTERMEDIATE, HIDDEN),
 }
 
 
@@ -76,7 +79,9 @@ def main() -> None:
     for rows in (int(r) for r in args.rows.split(",")):
         for layer, (fan_in, fan_out) in LAYERS.items():
             inputs = torch.randn(rows, fan_in, device=device, dtype=dtype)
-            weights = [torch.randn(fan_out, fan_in, device=device, dtype=dtype) / fan_in**0.5 for _ in range(BLOCKS)]
+            weights = [
+                torch.randn(fan_out, fan_in, device=device, dtype=dtype) / fan_in**0.5 for _ in range(BLOCKS)
+            ]
             biases = [torch.randn(fan_out, device=device, dtype=dtype) for _ in range(BLOCKS)]
             ways = {"linear": lambda x, w, b: F.linear(x, w, b)}
             if layer == "fc1":
@@ -86,8 +91,12 @@ def main() -> None:
                 ways.update(_fp8_ways(inputs, weights))
             if rows in triton_rows:
                 ways["triton"] = _triton_linear()
-            row = {"rows": rows, "layer": layer, "weight_mb": fan_in * fan_out * 2 / 1e6,
-                   "tflop": 2 * rows * fan_in * fan_out / 1e12}
+            row = {
+                "rows": rows,
+                "layer": layer,
+                "weight_mb": fan_in * fan_out * 2 / 1e6,
+                "tflop": 2 * rows * fan_in * fan_out / 1e12,
+            }
             for name, step in ways.items():
                 try:
                     row[name] = per_gemm_ms(step, inputs, weights, biases, args.runs)
@@ -101,7 +110,9 @@ def main() -> None:
             print(_line(row), flush=True)
     if args.out:
         args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "results": results}, indent=2))
-    print(f"GPU: {torch.cuda.get_device_name()}; per GEMM, median µs over {args.runs} replays of {BLOCKS} GEMMs")
+    print(
+        f"GPU: {torch.cuda.get_device_name()}; per GEMM, median µs over {args.runs} replays of {BLOCKS} GEMMs"
+    )
 
 
 def _fp8_ways(inputs: torch.Tensor, weights: list[torch.Tensor]) -> dict:
@@ -110,7 +121,10 @@ def _fp8_ways(inputs: torch.Tensor, weights: list[torch.Tensor]) -> dict:
     copies = {}
     for weight in weights:  # per output channel, as install_fp8_linears makes them
         scale = weight.abs().amax(dim=1, keepdim=True).float() / FP8_MAX
-        copies[weight.data_ptr()] = ((weight.float() / scale).to(FP8_DTYPE), scale.reshape(1, -1).contiguous())
+        copies[weight.data_ptr()] = (
+            (weight.float() / scale).to(FP8_DTYPE),
+            scale.reshape(1, -1).contiguous(),
+        )
     quantized, row_scale = quantize_rows(inputs)
     one = torch.ones((), device=inputs.device)
 
@@ -119,10 +133,14 @@ def _fp8_ways(inputs: torch.Tensor, weights: list[torch.Tensor]) -> dict:
 
     def fp8_mm(x, w, b):
         weight, scale = copies[w.data_ptr()]
-        return torch._scaled_mm(quantized, weight.t(), scale_a=row_scale, scale_b=scale, bias=b, out_dtype=x.dtype)
+        return torch._scaled_mm(
+            quantized, weight.t(), scale_a=row_scale, scale_b=scale, bias=b, out_dtype=x.dtype
+        )
 
     def fp8_tensor(x, w, b):
-        return torch._scaled_mm(quantized, copies[w.data_ptr()][0].t(), scale_a=one, scale_b=one, out_dtype=x.dtype)
+        return torch._scaled_mm(
+            quantized, copies[w.data_ptr()][0].t(), scale_a=one, scale_b=one, out_dtype=x.dtype
+        )
 
     return {"fp8": fp8, "fp8_mm": fp8_mm, "fp8_tensor": fp8_tensor}
 

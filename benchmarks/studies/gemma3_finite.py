@@ -20,8 +20,11 @@ from vitpool import GraphEncoder, Image  # noqa: E402
 
 
 def main() -> None:
-    config = {**json.loads(CONFIGS.read_text())["gemma3"]["vision_config"], **PROJECTOR_FIELDS["gemma3"],
-              "model_type": VISION_MODEL_TYPES["gemma3"]}
+    config = {
+        **json.loads(CONFIGS.read_text())["gemma3"]["vision_config"],
+        **PROJECTOR_FIELDS["gemma3"],
+        "model_type": VISION_MODEL_TYPES["gemma3"],
+    }
     with tempfile.TemporaryDirectory() as directory:
         (Path(directory) / "config.json").write_text(json.dumps(config))
         torch.manual_seed(0)
@@ -32,11 +35,19 @@ def main() -> None:
     items = [Image(torch.randn(1, 3, 896, 896))]
     with torch.no_grad():
         ours = encoder.encode(items)[0].tokens.float()
-        hidden = module.vision_tower(pixel_values=items[0].pixel_values.to("cuda", torch.bfloat16)).last_hidden_state
+        hidden = module.vision_tower(
+            pixel_values=items[0].pixel_values.to("cuda", torch.bfloat16)
+        ).last_hidden_state
         theirs = hugging_face_eager("gemma3", use_sdpa(module), items).float()
-    for name, tensor in (("vitpool", ours), ("tower hidden (HF)", hidden.float()), ("HF get_image_features", theirs)):
-        print(f"{name}: finite {bool(torch.isfinite(tensor).all())}, largest |x| {float(tensor.abs().nan_to_num(0).max()):.3e}, "
-              f"nan {int(torch.isnan(tensor).sum())} of {tensor.numel()}")
+    for name, tensor in (
+        ("vitpool", ours),
+        ("tower hidden (HF)", hidden.float()),
+        ("HF get_image_features", theirs),
+    ):
+        print(
+            f"{name}: finite {bool(torch.isfinite(tensor).all())}, largest |x| {float(tensor.abs().nan_to_num(0).max()):.3e}, "
+            f"nan {int(torch.isnan(tensor).sum())} of {tensor.numel()}"
+        )
     print("attention implementation:", getattr(module.vision_tower.config, "_attn_implementation", None))
 
 

@@ -70,7 +70,9 @@ def main() -> None:
         results[f"copy {name} into segment"] = timed_us(lambda s=source, t=target: np.copyto(t, s), args.runs)
         results[f"copy {name} out to fresh memory"] = timed_us(lambda t=target: t.copy(), args.runs)
         reused = np.empty_like(source)
-        results[f"copy {name} out to reused memory"] = timed_us(lambda t=target, r=reused: np.copyto(r, t), args.runs)
+        results[f"copy {name} out to reused memory"] = timed_us(
+            lambda t=target, r=reused: np.copyto(r, t), args.runs
+        )
         del target
 
     address = f"\0vitpool-host-costs-{os.getpid()}"

@@ -40,7 +40,10 @@ CLASSES = [
     ("gemm", re.compile(r"gemm|sm90_xmma|cutlass|nvjet|matmul|wgmma", re.IGNORECASE)),
     ("norm", re.compile(r"layer_norm|layernorm|rms_norm|rmsnorm", re.IGNORECASE)),
     ("copy / gather", re.compile(r"copy|cat|index|gather|scatter|memcpy|memset|fill", re.IGNORECASE)),
-    ("elementwise", re.compile(r"elementwise|vectorized|unrolled|reduce|triton|pointwise|rotary", re.IGNORECASE)),
+    (
+        "elementwise",
+        re.compile(r"elementwise|vectorized|unrolled|reduce|triton|pointwise|rotary", re.IGNORECASE),
+    ),
 ]
 
 
@@ -55,7 +58,10 @@ def breakdown(adapter, rows: int, backend: str, fused_work: str, precision: str 
     pixels, metadata = padded_image_batch(adapter, rows)
     fused, compiled = fused_work in ("on", "compiled"), fused_work == "compiled"
     with (
-        torch.no_grad(), use_attention(backend), use_fused_ops(fused), use_compiled_blocks(compiled),
+        torch.no_grad(),
+        use_attention(backend),
+        use_fused_ops(fused),
+        use_compiled_blocks(compiled),
         use_fp8(precision == "fp8"),
     ):
         for _ in range(3):
@@ -76,8 +82,16 @@ def breakdown(adapter, rows: int, backend: str, fused_work: str, precision: str 
         top[event.name] += event.device_time / 1000
     total = sum(ms for ms, _ in per_class.values())
     return {
-        "rows": rows, "attention": backend, "fused": fused_work, "precision": precision, "total_ms": total, "replay_ms": replay_ms, "kernels": sum(n for _, n in per_class.values()),
-        "classes": {label: {"ms": ms, "share": ms / total, "kernels": n} for label, (ms, n) in per_class.items()},
+        "rows": rows,
+        "attention": backend,
+        "fused": fused_work,
+        "precision": precision,
+        "total_ms": total,
+        "replay_ms": replay_ms,
+        "kernels": sum(n for _, n in per_class.values()),
+        "classes": {
+            label: {"ms": ms, "share": ms / total, "kernels": n} for label, (ms, n) in per_class.items()
+        },
         "top_kernels": sorted(top.items(), key=lambda kv: -kv[1])[:8],
     }
 
@@ -90,7 +104,9 @@ def _replay_ms(forward, runs: int = 50) -> float:
         forward()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    bind_stream(torch.device("cuda"), stream)  # packed cuDNN's handle on the capturing stream, as vitpool captures
+    bind_stream(
+        torch.device("cuda"), stream
+    )  # packed cuDNN's handle on the capturing stream, as vitpool captures
     with torch.cuda.graph(graph, stream=stream):
         forward()
     return summarize(gpu_ms(graph.replay, runs))["median_ms"]
@@ -100,8 +116,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", default="196,3136")
     parser.add_argument("--attention", default="fa2,fa4")
-    parser.add_argument("--fused", default="off,on,compiled",
-                        help="off, on (rotary, patch GEMM, MLP GELU), compiled (plus compiled blocks)")
+    parser.add_argument(
+        "--fused",
+        default="off,on,compiled",
+        help="off, on (rotary, patch GEMM, MLP GELU), compiled (plus compiled blocks)",
+    )
     parser.add_argument("--precision", default="bf16", help="comma-separated: bf16, fp8 (the FP8 GEMMs)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -113,16 +132,22 @@ def main() -> None:
         install_fp8_linears(adapter.tower)
     results = [
         breakdown(adapter, int(rows), backend, fused, precision)
-        for rows in args.rows.split(",") for backend in backends for fused in args.fused.split(",")
+        for rows in args.rows.split(",")
+        for backend in backends
+        for fused in args.fused.split(",")
         for precision in args.precision.split(",")
     ]
     if args.out:
         args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "results": results}, indent=2))
-    print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}; one static forward, Qwen3-VL-8B tower")
+    print(
+        f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}; one static forward, Qwen3-VL-8B tower"
+    )
     for result in results:
-        print(f"\n{result['rows']} rows, attention {result['attention']}, fused {result['fused']}, {result['precision']}: "
-              f"{result['total_ms']:.2f} ms GPU time, "
-              f"{result['kernels']} kernels, graph replay {result['replay_ms']:.2f} ms")
+        print(
+            f"\n{result['rows']} rows, attention {result['attention']}, fused {result['fused']}, {result['precision']}: "
+            f"{result['total_ms']:.2f} ms GPU time, "
+            f"{result['kernels']} kernels, graph replay {result['replay_ms']:.2f} ms"
+        )
         print("| class | ms | share | kernels |\n|---|---|---|---|")
         for label, row in sorted(result["classes"].items(), key=lambda kv: -kv[1]["ms"]):
             print(f"| {label} | {row['ms']:.3f} | {100 * row['share']:.0f}% | {row['kernels']} |")

@@ -30,7 +30,9 @@ def random_call_costs(rng: random.Random) -> list[ItemCost]:
         side = rng.choice(VIDEO_SIDES) // PATCH
         return [ItemCost(4 * side * side // 4, ((SEQUENCES, 4),))]  # 4 temporal patches, one sequence each
     return [
-        ItemCost(rng.choice(IMAGE_SIDES) // PATCH * (rng.choice(IMAGE_SIDES) // PATCH) // 4, ((SEQUENCES, 1),))
+        ItemCost(
+            rng.choice(IMAGE_SIDES) // PATCH * (rng.choice(IMAGE_SIDES) // PATCH) // 4, ((SEQUENCES, 1),)
+        )
         for _ in range(rng.choice((1, 1, 2)))
     ]
 
@@ -54,7 +56,7 @@ def padding(calls: list[list[ItemCost]], tokens: list[int], queue: int) -> tuple
     budgets = make_budgets(tokens, None, None)
     used = padded = 0
     for start in range(0, len(calls), queue):
-        items = [item for call in calls[start:start + queue] for item in call]
+        items = [item for call in calls[start : start + queue] for item in call]
         for batch in pack(items, budgets):
             if batch.budget is None:
                 continue

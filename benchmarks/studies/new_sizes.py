@@ -45,7 +45,9 @@ def main() -> None:
     print(f"GPU: {torch.cuda.get_device_name()}; eager at the image's own rows; first call / second call, ms")
     settings = args.attention.split(",")
     print("| side | " + " | ".join(settings) + " |\n|---" * (len(settings) + 1) + "|")
-    encoders = {name: GraphEncoder(base.adapter, budgets=[16], device="cuda", attention=name) for name in settings}
+    encoders = {
+        name: GraphEncoder(base.adapter, budgets=[16], device="cuda", attention=name) for name in settings
+    }
     once_ms(encoders[settings[0]], [image(512)])  # warm the common kernels
     for side in (int(s) for s in args.sides.split(",")):
         cells = []

@@ -1,6 +1,6 @@
 """Top CUDA kernels of one static forward of the Qwen3-VL-8B tower at a given row count.
 
-    python benchmarks/studies/profile_tower.py [--rows 3328]
+python benchmarks/studies/profile_tower.py [--rows 3328]
 """
 
 from __future__ import annotations

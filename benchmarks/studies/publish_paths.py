@@ -61,8 +61,13 @@ def main() -> None:
     def refs(items):
         return pool.encode_refs(items)
 
-    ways = {"encode": encode, "encode + put each": put_each, "encode + put threads": put_threads,
-            "encode + put one": put_one, "encode_refs": refs}
+    ways = {
+        "encode": encode,
+        "encode + put each": put_each,
+        "encode + put threads": put_threads,
+        "encode + put one": put_one,
+        "encode_refs": refs,
+    }
     samples: dict[str, list[float]] = {name: [] for name in ways}
     for run in range(args.warmup + args.runs):
         for name, way in ways.items():
@@ -73,8 +78,13 @@ def main() -> None:
             del kept
             if run >= args.warmup:
                 samples[name].append(elapsed)
-    result = {"gpu": gpu, "images": args.images, "side": 448, "runs": args.runs,
-              "ms": {name: summarize(values) for name, values in samples.items()}}
+    result = {
+        "gpu": gpu,
+        "images": args.images,
+        "side": 448,
+        "runs": args.runs,
+        "ms": {name: summarize(values) for name, values in samples.items()},
+    }
     print(json.dumps(result, indent=1))
     for name, values in result["ms"].items():
         print(f"{gpu}: {name:24s} median {values['median_ms']:7.2f} ms  p99 {values['p99_ms']:7.2f}")

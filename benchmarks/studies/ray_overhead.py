@@ -1,6 +1,6 @@
 """What one Ray hop costs on this machine, piece by piece: the floor under the pool's latency.
 
-    python benchmarks/studies/ray_overhead.py [--runs 200]
+python benchmarks/studies/ray_overhead.py [--runs 200]
 """
 
 from __future__ import annotations

@@ -52,8 +52,10 @@ def main() -> None:
         for _ in range(receivers)
     ]
     create_collective_group([sender, *targets], backend=backend)
-    case = (f"RDT over {backend}, {receivers} receivers with {receiver_threads} threads, "
-            f"{'threaded' if threaded else 'plain'} sender")
+    case = (
+        f"RDT over {backend}, {receivers} receivers with {receiver_threads} threads, "
+        f"{'threaded' if threaded else 'plain'} sender"
+    )
     try:
         reference = sender.make.remote(10)
         totals = ray.get([target.take.remote(reference) for target in targets], timeout=60)

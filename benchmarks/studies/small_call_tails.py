@@ -71,7 +71,8 @@ def random_call(rng: random.Random) -> list[int]:
         side = rng.choice(VIDEO_SIDES) // PIXELS_PER_TOKEN_SIDE
         return [4 * side * side]
     return [
-        (rng.choice(IMAGE_SIDES) // PIXELS_PER_TOKEN_SIDE) * (rng.choice(IMAGE_SIDES) // PIXELS_PER_TOKEN_SIDE)
+        (rng.choice(IMAGE_SIDES) // PIXELS_PER_TOKEN_SIDE)
+        * (rng.choice(IMAGE_SIDES) // PIXELS_PER_TOKEN_SIDE)
         for _ in range(rng.choice((1, 1, 2)))
     ]
 
@@ -285,7 +286,12 @@ POLICIES = (
     Policy("small first, small runs alone, overlap", "small", small_alone=True),
     Policy("small first, small runs alone, overlap, 4 segments", "small", segments=4, small_alone=True),
     Policy("small first, small runs alone, overlap, 8 segments", "small", segments=8, small_alone=True),
-    Policy("small first, small runs alone, overlap, 27 segments (one a block)", "small", segments=27, small_alone=True),
+    Policy(
+        "small first, small runs alone, overlap, 27 segments (one a block)",
+        "small",
+        segments=27,
+        small_alone=True,
+    ),
     Policy("small first, small runs alone, overlap, 64 segments", "small", segments=64, small_alone=True),
 )
 
@@ -304,17 +310,29 @@ def main() -> None:
     # Floors where every call of a class takes its p50 (M/D/1). Medium calls behind small ones only
     # see the load of both. Ahead of small ones, a small call arriving waits for the medium work
     # there (Poisson arrivals see the time average), whose p99 is the medium calls' own wait.
-    medium_behind_small = fixed_service_p99(args.load * (shares["small"] + shares["medium"]), 400_000, args.seed)
+    medium_behind_small = fixed_service_p99(
+        args.load * (shares["small"] + shares["medium"]), 400_000, args.seed
+    )
     medium_alone = fixed_service_p99(args.load * shares["medium"], 400_000, args.seed)
     small_behind_medium = 1 + (medium_alone - 1) * base["medium"] / base["small"]
-    print(f"floors (every call of a class its p50, M/D/1): all calls {fixed_service_p99(args.load, 400_000, args.seed):.2f}x "
-          f"p99 at load {args.load:.0%}; medium calls behind small ones only: p99 {medium_behind_small:.2f}x; "
-          f"medium ahead of small: small p99 {small_behind_medium:.2f}x")
-    print("floors of all calls (M/D/c) on 2 and 4 actors: " + ", ".join(
-        f"{servers}: {fixed_service_p99(args.load, 400_000, args.seed, servers):.2f}x" for servers in (2, 4)))
+    print(
+        f"floors (every call of a class its p50, M/D/1): all calls {fixed_service_p99(args.load, 400_000, args.seed):.2f}x "
+        f"p99 at load {args.load:.0%}; medium calls behind small ones only: p99 {medium_behind_small:.2f}x; "
+        f"medium ahead of small: small p99 {small_behind_medium:.2f}x"
+    )
+    print(
+        "floors of all calls (M/D/c) on 2 and 4 actors: "
+        + ", ".join(
+            f"{servers}: {fixed_service_p99(args.load, 400_000, args.seed, servers):.2f}x"
+            for servers in (2, 4)
+        )
+    )
     print(f"| policy (load {args.load:.0%}) | small p50 / p99 slowdown | medium | large |")
     print("|---|---|---|---|")
-    cells = [f"{percentile(floor[k], 0.5) / base[k]:.2f}x / {percentile(floor[k], 0.99) / base[k]:.2f}x" for k in base]
+    cells = [
+        f"{percentile(floor[k], 0.5) / base[k]:.2f}x / {percentile(floor[k], 0.99) / base[k]:.2f}x"
+        for k in base
+    ]
     print("| no load (the mix's own spread) | " + " | ".join(cells) + " |")
     for policy in POLICIES:
         latencies = simulate(policy, args.load, args.seconds, args.seed)

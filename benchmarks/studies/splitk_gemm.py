@@ -34,8 +34,19 @@ def _kernel():
 
     @triton.jit
     def splitk_linear(
-        a_ptr, w_ptr, bias_ptr, out_ptr, partial_ptr, counter_ptr, M, N, K,
-        GELU: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        a_ptr,
+        w_ptr,
+        bias_ptr,
+        out_ptr,
+        partial_ptr,
+        counter_ptr,
+        M,
+        N,
+        K,
+        GELU: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
         SPLIT_K: tl.constexpr,
     ):
         tile = tl.program_id(0)
@@ -48,8 +59,12 @@ def _kernel():
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for step in range(steps):
             rk = k_first + step * BLOCK_K + tl.arange(0, BLOCK_K)
-            a = tl.load(a_ptr + rm[:, None] * K + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
-            w = tl.load(w_ptr + rn[None, :] * K + rk[:, None], mask=(rn[None, :] < N) & (rk[:, None] < K), other=0.0)
+            a = tl.load(
+                a_ptr + rm[:, None] * K + rk[None, :], mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0
+            )
+            w = tl.load(
+                w_ptr + rn[None, :] * K + rk[:, None], mask=(rn[None, :] < N) & (rk[:, None] < K), other=0.0
+            )
             acc = tl.dot(a, w, acc)
         mask = (rm[:, None] < M) & (rn[None, :] < N)
         offsets = rm[:, None] * N + rn[None, :]
@@ -60,7 +75,9 @@ def _kernel():
             if arrived == SPLIT_K - 1:
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 for other in range(SPLIT_K):
-                    acc += tl.load(partial_ptr + other * M * N + offsets, mask=mask, other=0.0, cache_modifier=".cg")
+                    acc += tl.load(
+                        partial_ptr + other * M * N + offsets, mask=mask, other=0.0, cache_modifier=".cg"
+                    )
                 acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
                 if GELU:
                     inner = 0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)
@@ -86,7 +103,9 @@ def make_linear(config: dict, rows: int, fan_out: int, gelu: bool, device: str):
 
     def linear(x, w, b):
         out = torch.empty(rows, fan_out, device=device, dtype=x.dtype)
-        kernel[(tiles, split_k)](x, w, b, out, partial, counters, rows, fan_out, x.shape[1], GELU=gelu, **config)
+        kernel[(tiles, split_k)](
+            x, w, b, out, partial, counters, rows, fan_out, x.shape[1], GELU=gelu, **config
+        )
         return out
 
     return linear
@@ -105,14 +124,21 @@ def main() -> None:
         for layer, (fan_in, fan_out) in LAYERS.items():
             gelu = layer == "fc1"
             inputs = torch.randn(rows, fan_in, device=device, dtype=dtype)
-            weights = [torch.randn(fan_out, fan_in, device=device, dtype=dtype) / fan_in**0.5 for _ in range(BLOCKS)]
+            weights = [
+                torch.randn(fan_out, fan_in, device=device, dtype=dtype) / fan_in**0.5 for _ in range(BLOCKS)
+            ]
             biases = [torch.randn(fan_out, device=device, dtype=dtype) for _ in range(BLOCKS)]
             if gelu:
+
                 def reference(x, w, b):
                     return torch._addmm_activation(b, x, w.t(), use_gelu=True)
             else:
                 reference = F.linear
-            row = {"rows": rows, "layer": layer, "cublas": per_gemm_ms(reference, inputs, weights, biases, args.runs)}
+            row = {
+                "rows": rows,
+                "layer": layer,
+                "cublas": per_gemm_ms(reference, inputs, weights, biases, args.runs),
+            }
             exact = F.linear(inputs.float(), weights[0].float(), biases[0].float())
             if gelu:
                 exact = F.gelu(exact, approximate="tanh")

@@ -43,11 +43,18 @@ def main() -> None:
         return f"{statistics.median(kept):.2f} (max {kept[-1]:.2f})"
 
     work = {
-        "1x224": [image(224)], "4x224": [image(224) for _ in range(4)],
-        "1x896": [image(896)], "8x448": [image(448) for _ in range(8)],
+        "1x224": [image(224)],
+        "4x224": [image(224) for _ in range(4)],
+        "1x896": [image(896)],
+        "8x448": [image(448) for _ in range(8)],
     }
-    results = {"tree": os.environ.get("TREE", "."), "alone": {name: timed(items) for name, items in work.items()}}
-    pool = EncoderPool.launch(model=directory, num_actors=1, dtype="bfloat16", actor_options={"num_gpus": 0.5})
+    results = {
+        "tree": os.environ.get("TREE", "."),
+        "alone": {name: timed(items) for name, items in work.items()},
+    }
+    pool = EncoderPool.launch(
+        model=directory, num_actors=1, dtype="bfloat16", actor_options={"num_gpus": 0.5}
+    )
     pool.encode(work["4x224"])
     results["beside an idle pool"] = {name: timed(items) for name, items in work.items()}
     pool.shutdown()

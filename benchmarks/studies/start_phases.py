@@ -27,11 +27,14 @@ def child(tower: str) -> None:
         marks[name] = round(time.perf_counter() - began, 3)
 
     import torch
+
     mark("import torch")
     import transformers  # noqa: F401
+
     mark("import transformers")
     import vitpool.graphs  # noqa: F401
     from vitpool.models import loading  # noqa: F401
+
     mark("import vitpool engine")
     try:
         import flash_attn.cute  # noqa: F401 - FlashAttention-4, where installed
@@ -42,8 +45,10 @@ def child(tower: str) -> None:
     torch.zeros(1, device="cuda")
     mark("CUDA context")
     import logging
+
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(relativeCreated)d %(message)s")
     from vitpool import GraphEncoder
+
     encoder = GraphEncoder.from_pretrained(tower, device="cuda", dtype=torch.bfloat16)
     torch.cuda.synchronize()
     mark("built")
@@ -66,14 +71,19 @@ def main() -> None:
     rows = []
     for _ in range(args.starts):
         start = time.perf_counter()
-        done = subprocess.run([sys.executable, __file__, CHILD_FLAG, str(tower)], capture_output=True, text=True, check=False)
+        done = subprocess.run(
+            [sys.executable, __file__, CHILD_FLAG, str(tower)], capture_output=True, text=True, check=False
+        )
         wall = time.perf_counter() - start
         if done.returncode != 0:
             raise RuntimeError(done.stderr[-3000:])
         row = {"process_s": round(wall, 3), **json.loads(done.stdout.strip().splitlines()[-1])}
         rows.append(row)
         print(json.dumps(row), flush=True)
-        print("\n".join(line for line in done.stderr.splitlines() if "budget" in line or "load" in line), flush=True)
+        print(
+            "\n".join(line for line in done.stderr.splitlines() if "budget" in line or "load" in line),
+            flush=True,
+        )
     if args.out is not None:
         args.out.write_text(json.dumps(rows, indent=2))
 

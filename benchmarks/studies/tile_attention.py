@@ -58,7 +58,9 @@ def main() -> None:
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "shapes": {}}
     print(f"GPU: {results['gpu']}, torch {results['torch']}; median (p99) µs of {args.runs} graph replays")
     for name, (views, heads, rows, dim) in SHAPES.items():
-        q, k, v = (torch.randn(views, heads, rows, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        q, k, v = (
+            torch.randn(views, heads, rows, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3)
+        )
         with sdpa_kernel([SDPBackend.MATH]):
             want = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
         flops = 4 * views * heads * rows * rows * dim
@@ -74,7 +76,8 @@ def main() -> None:
         results["shapes"][name] = row
         cells = [
             f"{label} {r['median_ms'] * 1e3:.0f} ({r['p99_ms'] * 1e3:.0f}) {r['tflops']:.0f} TF/s {r['rel_error']:.0e}"
-            if "error" not in r else f"{label} failed: {r['error'][:60]}"
+            if "error" not in r
+            else f"{label} failed: {r['error'][:60]}"
             for label, r in row.items()
         ]
         print(f"{name}: " + " | ".join(cells))

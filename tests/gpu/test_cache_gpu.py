@@ -29,12 +29,19 @@ def test_a_gpu_actors_published_embeddings_are_hits_for_another_handle():
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
     try:
         pool = EncoderPool.launch(
-            budgets=BUDGETS, dtype="bfloat16", num_actors=1, actor_options={"num_gpus": 0.5},
-            embedding_cache_bytes=64 << 20, warm_standby=False, metrics_interval_s=None,
+            budgets=BUDGETS,
+            dtype="bfloat16",
+            num_actors=1,
+            actor_options={"num_gpus": 0.5},
+            embedding_cache_bytes=64 << 20,
+            warm_standby=False,
+            metrics_interval_s=None,
         )
         try:
             first = pool.encode(items, timeout_s=60)
-            assert pool.stats(timeout_s=30).channel_batches > 0  # the outputs left the GPU through the channel
+            assert (
+                pool.stats(timeout_s=30).channel_batches > 0
+            )  # the outputs left the GPU through the channel
             for got, expected in zip(first, wanted):
                 for tensor, reference in zip(got.outputs, expected.outputs):
                     assert torch.isfinite(tensor).all()

@@ -60,7 +60,8 @@ def test_every_budget_is_captured_and_items_match_get_image_features(family):
     assert len(stats.captured_budgets) == len(encoder.budgets) and stats.disabled_budgets == []
     for item, embedding in zip(items, encoder.encode(items), strict=True):
         on_gpu = Image(
-            item.pixel_values.cuda(), item.grid_thw,
+            item.pixel_values.cuda(),
+            item.grid_thw,
             None if item.inputs is None else {name: t.cuda() for name, t in item.inputs.items()},
         )
         want = case.image_features(model, on_gpu)

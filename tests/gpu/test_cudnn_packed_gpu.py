@@ -120,10 +120,16 @@ def test_a_plan_that_loses_its_race_declines_from_then_on_and_one_that_wins_runs
         return q
 
     # sequence counts no other test uses: plans of their own, never raced before
-    assert cudnn_packed.packed_cudnn_attention(q, k, v, cu_seqlens, 600, None, sequences=11, rival=instant) is None
+    assert (
+        cudnn_packed.packed_cudnn_attention(q, k, v, cu_seqlens, 600, None, sequences=11, rival=instant)
+        is None
+    )
     assert raced  # it ran in the race
     raced.clear()
-    assert cudnn_packed.packed_cudnn_attention(q, k, v, cu_seqlens, 600, None, sequences=11, rival=instant) is None
+    assert (
+        cudnn_packed.packed_cudnn_attention(q, k, v, cu_seqlens, 600, None, sequences=11, rival=instant)
+        is None
+    )
     assert cudnn_packed.packed_cudnn_attention(q, k, v, cu_seqlens, 600, None, sequences=11) is None
     assert raced == []  # the verdict is kept: no second race
     big = torch.randn((4096, 4096), device=device, dtype=torch.bfloat16)

@@ -24,7 +24,9 @@ TOLERANCE = 1.5e-2
 def test_every_budget_is_captured_and_encodes_match_the_tower(tmp_path, family):
     encoder = GraphEncoder.from_pretrained(save_tiny_tower(family, tmp_path), budgets=BUDGETS, device="cuda")
     stats = encoder.stats()
-    assert sorted({tokens for tokens, _ in stats.captured_budgets}) == BUDGETS and stats.disabled_budgets == []
+    assert (
+        sorted({tokens for tokens, _ in stats.captured_budgets}) == BUDGETS and stats.disabled_budgets == []
+    )
     module = use_sdpa(copy.deepcopy(encoder.adapter.tower))
     items = mixed_items(family, seed=1)
     for item, embedding in zip(items, encoder.encode(items), strict=True):
@@ -47,11 +49,17 @@ def test_one_image_filling_its_budget_matches_the_tower(tmp_path, family):
 
     encoder = GraphEncoder.from_pretrained(save_tiny_tower(family, tmp_path), budgets=BUDGETS, device="cuda")
     dense = [tokens for tokens, _ in encoder.stats().dense_graphs]
-    if family == "qwen2_5_vl" or not cudnn_available(encoder.device) or cudnn_packed_available(encoder.device):
+    if (
+        family == "qwen2_5_vl"
+        or not cudnn_available(encoder.device)
+        or cudnn_packed_available(encoder.device)
+    ):
         assert dense == []  # (packed cuDNN graphs need no second, dense one)
     else:  # one set of boundaries, read by the attention hook as the metadata holds it
         assert 256 in dense  # (and Kimi-K2.5's clip path's budget of 1024 rows)
-    item = Image(torch.randn(30 * 32, *row_shape(family), generator=torch.Generator().manual_seed(5)), (1, 30, 32))
+    item = Image(
+        torch.randn(30 * 32, *row_shape(family), generator=torch.Generator().manual_seed(5)), (1, 30, 32)
+    )
     [embedding] = encoder.encode([item])
     module = use_sdpa(copy.deepcopy(encoder.adapter.tower))
     want = reference_tokens(family, module, item, encoder.device, encoder.dtype)

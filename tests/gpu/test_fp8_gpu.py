@@ -28,8 +28,10 @@ from vitpool.kernels.fp8 import (
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() or not fp8_supported(torch.device("cuda")),
-                       reason="needs FP8 tensor cores"),
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or not fp8_supported(torch.device("cuda")),
+        reason="needs FP8 tensor cores",
+    ),
 ]
 BUDGETS = [16, 64, 256]
 # FP8 (e4m3: 3 mantissa bits) in every block's GEMMs of a tiny random tower, against the bf16 tower
@@ -48,7 +50,9 @@ def test_the_triton_row_quantization_matches_torch(rows, width):
     assert (quantized.float() == want.float()).float().mean() >= 0.999
 
 
-def _assert_same_fp8_rows(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> None:
+def _assert_same_fp8_rows(
+    got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]
+) -> None:
     """FP8 rows and scales of one computation done two ways: scales equal to float rounding, the
     FP8 values at most one e4m3 step apart and nearly all identical."""
     (quantized, scale), (want_quantized, want_scale) = got, want
@@ -101,8 +105,9 @@ def test_a_linear_after_a_layer_norm_takes_the_rows_the_norm_wrote_unless_they_c
         plain = norm(x)
     assert torch.equal(plain, torch.nn.functional.layer_norm(x, (1152,), norm.weight, norm.bias, norm.eps))
     rows, row_scale = quantize_rows(normed)
-    unfused = torch._scaled_mm(rows, weight.t(), scale_a=row_scale, scale_b=weight_scale, bias=linear.bias,
-                               out_dtype=torch.bfloat16)
+    unfused = torch._scaled_mm(
+        rows, weight.t(), scale_a=row_scale, scale_b=weight_scale, bias=linear.bias, out_dtype=torch.bfloat16
+    )
     assert torch.isfinite(got).all() and relative_error(got, unfused) <= 1e-2
     assert relative_error(got, torch.nn.functional.linear(plain, linear.weight, linear.bias)) <= 0.05
     with use_fp8(True):
@@ -115,7 +120,10 @@ def test_a_linear_after_a_layer_norm_takes_the_rows_the_norm_wrote_unless_they_c
 @torch.no_grad()
 def test_the_fp8_gelu_mlp_is_near_the_bf16_one_and_declines_where_a_linear_is_not_fp8():
     mlps = torch.nn.ModuleList(
-        [torch.nn.ModuleDict({"fc1": torch.nn.Linear(1152, 4304), "fc2": torch.nn.Linear(4304, 1152)}) for _ in range(2)]
+        [
+            torch.nn.ModuleDict({"fc1": torch.nn.Linear(1152, 4304), "fc2": torch.nn.Linear(4304, 1152)})
+            for _ in range(2)
+        ]
     ).to("cuda", torch.bfloat16)
     install_fp8_linears(mlps)
     first, second = mlps[0]["fc1"], mlps[0]["fc2"]
@@ -144,7 +152,10 @@ def test_the_fp8_linear_is_near_the_bf16_one():
     finally:
         torch._scaled_mm = scaled_mm
     assert calls and got.dtype == torch.bfloat16 and got.shape == (3, 600, 4304)
-    assert torch.isfinite(got).all() and relative_error(got, torch.nn.functional.linear(x, blocks[0].weight, blocks[0].bias)) <= 0.05
+    assert (
+        torch.isfinite(got).all()
+        and relative_error(got, torch.nn.functional.linear(x, blocks[0].weight, blocks[0].bias)) <= 0.05
+    )
     with use_fp8(False):
         assert torch.equal(blocks[0](x), torch.nn.functional.linear(x, blocks[0].weight, blocks[0].bias))
     weight, weight_scale, _ = blocks[0].__dict__["_vitpool_fp8_weight"]
@@ -161,7 +172,9 @@ def test_every_familys_fp8_encoder_is_checked_at_capture_and_near_bf16(tmp_path,
     )
     stats = encoder.stats()
     # a graph whose replay differed from the eager FP8 forward would be disabled
-    assert sorted({tokens for tokens, _ in stats.captured_budgets}) == BUDGETS and stats.disabled_budgets == []
+    assert (
+        sorted({tokens for tokens, _ in stats.captured_budgets}) == BUDGETS and stats.disabled_budgets == []
+    )
     assert calls  # the FP8 GEMMs ran at capture
     module = use_sdpa(copy.deepcopy(encoder.adapter.tower))
     items = mixed_items(family, seed=1)

@@ -105,9 +105,13 @@ def test_the_gelu_epilogue_mlp_matches_hugging_face(monkeypatch, rows):
     mlp = next(m for m in encoder.adapter.tower.modules() if gelu_mlp_layout(m) is not None)
     epilogues = []
     addmm_activation = torch._addmm_activation
-    monkeypatch.setattr(torch, "_addmm_activation", lambda *a, **k: epilogues.append(1) or addmm_activation(*a, **k))
+    monkeypatch.setattr(
+        torch, "_addmm_activation", lambda *a, **k: epilogues.append(1) or addmm_activation(*a, **k)
+    )
     generator = torch.Generator(device="cuda").manual_seed(rows)
-    x = torch.randn(rows, mlp.linear_fc1.in_features, device="cuda", dtype=torch.bfloat16, generator=generator)
+    x = torch.randn(
+        rows, mlp.linear_fc1.in_features, device="cuda", dtype=torch.bfloat16, generator=generator
+    )
     with torch.no_grad(), use_fused_ops(True):
         got = mlp(x)
     assert epilogues  # the epilogue path ran
@@ -125,7 +129,9 @@ def test_every_family_runs_the_fused_rotary(monkeypatch, tmp_path):
     original = fused.fused_rotary
     monkeypatch.setattr(fused, "fused_rotary", lambda *args: calls.append(1) or original(*args))
     addmm_activation = torch._addmm_activation
-    monkeypatch.setattr(torch, "_addmm_activation", lambda *a, **k: epilogues.append(1) or addmm_activation(*a, **k))
+    monkeypatch.setattr(
+        torch, "_addmm_activation", lambda *a, **k: epilogues.append(1) or addmm_activation(*a, **k)
+    )
     with_tanh_gelu_mlps = set()
     for family in sorted(FAMILY_CASES):
         calls.clear()

@@ -86,7 +86,9 @@ def test_an_eager_batch_picks_its_attention_from_its_boundaries(monkeypatch, gpu
 
     decisions = []
     original = attention.eager_backend
-    monkeypatch.setattr(attention, "eager_backend", lambda *args: decisions.append(original(*args)) or decisions[-1])
+    monkeypatch.setattr(
+        attention, "eager_backend", lambda *args: decisions.append(original(*args)) or decisions[-1]
+    )
     device = gpu_encoder.device
     packed = attention.cudnn_packed_available(device)
     dense = "cudnn" if attention.cudnn_available(device) else "fa2"
@@ -209,7 +211,9 @@ def test_planned_batches_to_the_host_equal_encode(gpu_encoder):
 def test_a_tiled_family_is_captured_and_matches_its_tower(tmp_path):
     import toy_family
 
-    encoder = GraphEncoder.from_pretrained(toy_family.write_checkpoint(tmp_path), budgets=[8, 16, 32], device="cuda")
+    encoder = GraphEncoder.from_pretrained(
+        toy_family.write_checkpoint(tmp_path), budgets=[8, 16, 32], device="cuda"
+    )
     stats = encoder.stats()
     assert sorted(t for t, _ in stats.captured_budgets) == [8, 16, 32] and stats.disabled_budgets == []
     generator = torch.Generator().manual_seed(0)
@@ -250,7 +254,12 @@ def test_non_finite_pixels_fail_their_item_alone_inside_a_graph(gpu_encoder):
     replays = sum(gpu_encoder.stats().replays_per_budget.values())
     outcomes = gpu_encoder.encode_each([good[0], bad[0], good[1], bad[1]])
     assert sum(gpu_encoder.stats().replays_per_budget.values()) == replays + 1  # one graph batch
-    assert [type(o).__name__ for o in outcomes] == ["Embedding", "InvalidItemError", "Embedding", "InvalidItemError"]
+    assert [type(o).__name__ for o in outcomes] == [
+        "Embedding",
+        "InvalidItemError",
+        "Embedding",
+        "InvalidItemError",
+    ]
     assert outcomes[1].index == 1 and outcomes[3].index == 3 and "NaN or infinity" in outcomes[1].reason
     for got, item in zip((outcomes[0], outcomes[2]), good):
         assert_same_item(got.tokens, gpu_encoder.encode([item])[0].tokens)

@@ -32,8 +32,12 @@ def test_plans_started_back_to_back_and_collected_late_keep_their_own_outputs(gp
     metadata in the buffers), others in between, one too large for every budget (eager)."""
     generator = torch.Generator().manual_seed(5)
     batches = [
-        [image(8, 8, generator)], [image(8, 8, generator)], [image(6, 10, generator), video(2, 4, 4, generator)],
-        [image(8, 8, generator)], [image(40, 36, generator)], [image(4, 4, generator), image(4, 4, generator)],
+        [image(8, 8, generator)],
+        [image(8, 8, generator)],
+        [image(6, 10, generator), video(2, 4, 4, generator)],
+        [image(8, 8, generator)],
+        [image(40, 36, generator)],
+        [image(4, 4, generator), image(4, 4, generator)],
     ]
     groups = [planned(gpu_encoder, items) for items in batches]
     in_flight = [gpu_encoder.start_plans([group], output_device) for group in groups]
@@ -47,10 +51,18 @@ def test_plans_started_back_to_back_and_collected_late_keep_their_own_outputs(gp
 
 
 def test_concurrent_batches_through_an_overlapping_actor_equal_the_encoder():
-    actor = EncoderActor(0, ActorSpec(EncoderSpec(budgets=tuple(BUDGETS), dtype="bfloat16", device="cuda"),
-                                      serve_channel=False, overlap_runs=True))
+    actor = EncoderActor(
+        0,
+        ActorSpec(
+            EncoderSpec(budgets=tuple(BUDGETS), dtype="bfloat16", device="cuda"),
+            serve_channel=False,
+            overlap_runs=True,
+        ),
+    )
     generator = torch.Generator().manual_seed(9)
-    batches = [[image(2 * (1 + n % 4), 2 * (2 + n % 3), generator), image(4, 6, generator)] for n in range(24)]
+    batches = [
+        [image(2 * (1 + n % 4), 2 * (2 + n % 3), generator), image(4, 6, generator)] for n in range(24)
+    ]
     wanted = [actor.encoder.encode(items, output_device="cpu") for items in batches]
     got = send_concurrently(actor, batches, timeout_s=120)
     # a combined run replays a larger budget, whose GEMMs may round differently
@@ -69,7 +81,9 @@ def test_a_runs_nonfinite_items_are_its_own_when_the_next_run_is_queued_first(gp
     eager = [image(40, 36, generator), image(4, 4, generator)]  # larger than every budget
     eager[0].pixel_values[0, 0] = float("inf")
     clean = [image(8, 8, generator), image(8, 8, generator)]
-    flights = [gpu_encoder.start_plans([planned(gpu_encoder, items)], "cpu") for items in (first, eager, clean)]
+    flights = [
+        gpu_encoder.start_plans([planned(gpu_encoder, items)], "cpu") for items in (first, eager, clean)
+    ]
     [got_first], [got_eager], [got_clean] = (flight.result() for flight in flights)
     assert isinstance(got_first[1], InvalidItemError) and got_first[1].index == 1
     assert isinstance(got_eager[0], InvalidItemError) and got_eager[0].index == 0

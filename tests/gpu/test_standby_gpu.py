@@ -29,8 +29,12 @@ def test_a_standby_takes_over_the_dead_actors_gpu_and_answers_right():
     ray.init(address="local", include_dashboard=False, log_to_driver=False)
     try:
         pool = EncoderPool.launch(
-            budgets=BUDGETS, dtype="bfloat16", num_actors=2, actor_options={"num_gpus": 0.5},
-            max_actor_restarts=1, metrics_interval_s=None,
+            budgets=BUDGETS,
+            dtype="bfloat16",
+            num_actors=2,
+            actor_options={"num_gpus": 0.5},
+            max_actor_restarts=1,
+            metrics_interval_s=None,
         )
         try:
             while not (standbys := ray.get(pool._controller.standbys.remote(), timeout=30)):
@@ -65,8 +69,13 @@ def test_a_standby_takes_over_the_dead_actors_gpu_and_answers_right():
                 for call, want in zip(calls, wanted, strict=True):
                     (got,) = pool.encode(call, timeout_s=60)
                     for got_tensor, want_tensor in zip(got.outputs, want[0].outputs, strict=True):
-                        assert torch.isfinite(got_tensor).all() and relative_error(got_tensor, want_tensor) <= 1e-2
-            assert next(a for a in pool.stats(timeout_s=30).actors if a.actor_index == new.actor_index).items > 0
+                        assert (
+                            torch.isfinite(got_tensor).all()
+                            and relative_error(got_tensor, want_tensor) <= 1e-2
+                        )
+            assert (
+                next(a for a in pool.stats(timeout_s=30).actors if a.actor_index == new.actor_index).items > 0
+            )
         finally:
             pool.shutdown()
     finally:

@@ -20,7 +20,9 @@ BUDGETS = [64, 128, 256]
 
 @pytest.fixture(scope="module")
 def urgent_encoder() -> GraphEncoder:
-    return GraphEncoder.from_pretrained(None, budgets=BUDGETS, device="cuda", dtype=torch.bfloat16, urgent_tokens=100)
+    return GraphEncoder.from_pretrained(
+        None, budgets=BUDGETS, device="cuda", dtype=torch.bfloat16, urgent_tokens=100
+    )
 
 
 def planned(encoder: GraphEncoder, items: list) -> tuple:
@@ -44,14 +46,18 @@ def test_the_urgent_lane_holds_the_budgets_up_to_the_first_of_at_least_its_token
     assert segments == {64: 1, 128: 1, 256: 2}  # the tiny tower's 4 blocks, cut before the third
 
 
-def test_small_batches_interrupt_queued_segmented_runs_and_every_result_equals_its_batch_alone(urgent_encoder):
+def test_small_batches_interrupt_queued_segmented_runs_and_every_result_equals_its_batch_alone(
+    urgent_encoder,
+):
     """Fresh random items: many segmented (256-token) runs queued, then small urgent batches; some
     small batch goes between two segments of a run (counted), and every batch, interrupted or
     interrupting, equals the same batch run alone."""
     generator = torch.Generator().manual_seed(23)
     interrupts_before = urgent_encoder.stats().urgent_interrupts
     for _attempt in range(10):
-        large_groups = [planned(urgent_encoder, [image(24, 24, generator), image(16, 16, generator)]) for _ in range(12)]
+        large_groups = [
+            planned(urgent_encoder, [image(24, 24, generator), image(16, 16, generator)]) for _ in range(12)
+        ]
         small_groups = [planned(urgent_encoder, [image(8, 8 + 2 * n, generator)]) for n in range(4)]
         large_flights = [urgent_encoder.start_plans([group], "cpu") for group in large_groups]
         small_flights = [urgent_encoder.start_plans([group], "cpu", urgent=True) for group in small_groups]
@@ -73,7 +79,10 @@ def test_urgent_batches_queued_beside_large_runs_equal_the_main_lane(urgent_enco
         64: [image(8, 8, generator), video(2, 4, 4, generator)],  # 16 + 8 tokens
         128: [image(16, 12, generator), image(8, 8, generator), image(6, 10, generator)],  # 48 + 16 + 15
     }
-    large = [[image(24, 24, generator), image(12, 16, generator)], [image(40, 36, generator)]]  # 256 budget; eager
+    large = [
+        [image(24, 24, generator), image(12, 16, generator)],
+        [image(40, 36, generator)],
+    ]  # 256 budget; eager
     for tokens, items in small_batches.items():
         small = planned(urgent_encoder, items)
         assert small[0].budget.num_tokens == tokens
@@ -101,10 +110,15 @@ def test_an_urgent_batch_outside_the_lanes_budgets_runs_in_the_main_lane(urgent_
 
 
 def test_an_actor_sends_small_batches_to_the_urgent_lane_and_answers_every_batch_right():
-    actor = EncoderActor(0, ActorSpec(
-        EncoderSpec(budgets=tuple(BUDGETS), dtype="bfloat16", device="cuda", urgent_tokens=64),
-        serve_channel=False, overlap_runs=True, small_first_tokens=64,
-    ))
+    actor = EncoderActor(
+        0,
+        ActorSpec(
+            EncoderSpec(budgets=tuple(BUDGETS), dtype="bfloat16", device="cuda", urgent_tokens=64),
+            serve_channel=False,
+            overlap_runs=True,
+            small_first_tokens=64,
+        ),
+    )
     generator = torch.Generator().manual_seed(19)
     batches = []
     for n in range(24):  # small (<= 64 tokens) and large batches, interleaved

@@ -30,7 +30,20 @@ TOLERANCE = 3e-2
 # bf16 against HF fp32 on the same sampled items, max 3.75e-2, median 1.85e-2 (CPU); vitpool's
 # graphs on an H100 gave 3.2e-2
 TOLERANCES = {"mistral3": 4e-2}
-WAVE_3 = ["ernie4_5_vl_moe", "gemma3", "glm_ocr", "hunyuan_vl", "idefics3", "minicpmv4_7", "mistral3", "phi4_multimodal", "qwen3_omni_moe", "lfm2_vl", "llava_onevision", "gemma4"]
+WAVE_3 = [
+    "ernie4_5_vl_moe",
+    "gemma3",
+    "glm_ocr",
+    "hunyuan_vl",
+    "idefics3",
+    "minicpmv4_7",
+    "mistral3",
+    "phi4_multimodal",
+    "qwen3_omni_moe",
+    "lfm2_vl",
+    "llava_onevision",
+    "gemma4",
+]
 
 
 def check_family(family: str, device: str, dtype: torch.dtype, tolerance: float) -> list[float]:
@@ -50,10 +63,14 @@ def check_family(family: str, device: str, dtype: torch.dtype, tolerance: float)
     errors = []
     for number, budget in enumerate(encoder.budgets):
         path_adapter = getattr(encoder.adapter, "paths", {}).get(budget.path, encoder.adapter)
-        specs = path_adapter.sample_specs(path_adapter.max_rows(budget.num_tokens), budget, random.Random(number))
+        specs = path_adapter.sample_specs(
+            path_adapter.max_rows(budget.num_tokens), budget, random.Random(number)
+        )
         specs = [dataclasses.replace(spec, path=budget.path) for spec in specs]
         generator = torch.Generator().manual_seed(number)
-        items = [fields["item_for"](spec, torch.randn(spec.pixel_shape, generator=generator)) for spec in specs]
+        items = [
+            fields["item_for"](spec, torch.randn(spec.pixel_shape, generator=generator)) for spec in specs
+        ]
         for item, embedding in zip(items, encoder.encode(items), strict=True):
             with torch.no_grad():
                 wanted = reference(item)

@@ -24,10 +24,17 @@ def wait_for_actors(pool: EncoderPool, count: int, timeout_s: float) -> bool:
     return False
 
 
-def test_a_burst_grows_the_pool_to_its_maximum_and_quiet_shrinks_it_to_its_minimum(ray_cluster, reference_encoder):
+def test_a_burst_grows_the_pool_to_its_maximum_and_quiet_shrinks_it_to_its_minimum(
+    ray_cluster, reference_encoder
+):
     pool = EncoderPool.launch(
-        budgets=BUDGETS, name="autoscaled", device="cpu", actor_options={"num_gpus": 0},
-        autoscale=(1, 2), autoscale_interval_s=0.2, startup_timeout_s=120,
+        budgets=BUDGETS,
+        name="autoscaled",
+        device="cpu",
+        actor_options={"num_gpus": 0},
+        autoscale=(1, 2),
+        autoscale_interval_s=0.2,
+        startup_timeout_s=120,
     )
     calls = [mixed_items(seed) for seed in range(6)]
     wanted = [reference_encoder.encode(items) for items in calls]

@@ -43,7 +43,10 @@ def colocated(ray_cluster):
         for bundle in range(2)
     ]
     pool = EncoderPool.launch(
-        budgets=BUDGETS, name="vitpool-colocated", device="cpu", placement_group=group,
+        budgets=BUDGETS,
+        name="vitpool-colocated",
+        device="cpu",
+        placement_group=group,
         actor_options={"num_gpus": 0.25},
     )
     yield group, workers, pool
@@ -101,8 +104,17 @@ def test_colocation_settings_are_checked(colocated):
     with pytest.raises(ConfigError, match="share of each bundle's GPU"):
         EncoderPool.launch(name="vitpool-bad-colocation", device="cpu", placement_group=group)
     with pytest.raises(ConfigError, match="bundles to"):
-        EncoderPool.launch(name="vitpool-bad-colocation", device="cpu", placement_group=group,
-                           num_actors=3, actor_options={"num_gpus": 0.1})
+        EncoderPool.launch(
+            name="vitpool-bad-colocation",
+            device="cpu",
+            placement_group=group,
+            num_actors=3,
+            actor_options={"num_gpus": 0.1},
+        )
     with pytest.raises(ConfigError, match="has 1 GPU"):
-        EncoderPool.launch(name="vitpool-bad-colocation", device="cpu", placement_group=group,
-                           actor_options={"num_gpus": 1.5})
+        EncoderPool.launch(
+            name="vitpool-bad-colocation",
+            device="cpu",
+            placement_group=group,
+            actor_options={"num_gpus": 1.5},
+        )

@@ -25,8 +25,13 @@ CAPACITY = 2 << 20  # holds the largest of `mixed_items` (0.55 MB) and a few doz
 @pytest.fixture(scope="module")
 def pool(ray_cluster):
     pool = EncoderPool.launch(
-        budgets=BUDGETS, name="vitpool-cache", device="cpu", num_actors=1, startup_timeout_s=120,
-        embedding_cache_bytes=CAPACITY, max_actor_restarts=2,
+        budgets=BUDGETS,
+        name="vitpool-cache",
+        device="cpu",
+        num_actors=1,
+        startup_timeout_s=120,
+        embedding_cache_bytes=CAPACITY,
+        max_actor_restarts=2,
     )
     yield pool
     pool.shutdown()
@@ -69,7 +74,11 @@ def test_a_repeat_is_served_equal_without_an_encode(pool, reference_encoder):
     assert_same(again, first)
     assert encoded_items(pool) == before
     after = pool.stats().cache
-    assert (after.local_hits, after.hits, after.misses) == (cache.local_hits + len(items), cache.hits, cache.misses)
+    assert (after.local_hits, after.hits, after.misses) == (
+        cache.local_hits + len(items),
+        cache.hits,
+        cache.misses,
+    )
     again[0].tokens.add_(1.0)  # a caller's results are its own: the entry does not change
     assert_same(pool.encode(items[:1]), first[:1])
 
@@ -80,7 +89,9 @@ def test_another_handle_and_every_call_style_hit(pool, reference_encoder):
     published_by_caller = distinct(108, 2)  # encode_refs results: this caller publishes the references
     inserts = pool.stats().cache.inserts
     refs = pool.encode_refs(published_by_caller)
-    inserted(pool, inserts + len(published_by_caller), "the references were never published")  # on this caller's thread
+    inserted(
+        pool, inserts + len(published_by_caller), "the references were never published"
+    )  # on this caller's thread
     before, hits = encoded_items(pool), pool.stats().cache.hits
     other = EncoderPool.connect("vitpool-cache")
     try:
@@ -143,7 +154,9 @@ def test_concurrent_and_repeated_duplicates_are_encoded_once(pool, reference_enc
 def test_losing_an_encoder_actor_or_the_cache_costs_no_result(pool, reference_encoder):
     items = distinct(105, 2)
     expected = pool.encode(items)
-    ((victim_pid, victim),) = [(info.pid, pool._membership.actors[i]) for i, info in pool._membership.infos.items()]
+    ((victim_pid, victim),) = [
+        (info.pid, pool._membership.actors[i]) for i, info in pool._membership.infos.items()
+    ]
     ray.kill(victim, no_restart=True)
     local_hits = pool.stats().cache.local_hits
     assert_same(pool.encode(items), expected)  # this handle's tier holds them, though their owner is gone
@@ -177,8 +190,12 @@ def test_an_entry_whose_encoder_actor_exited_misses_cleanly(pool, reference_enco
     other = _OtherCaller.remote()
     assert ray.get(other.encode.remote(items)) == 2
     inserted(pool, inserts + 2, "the encoder actor's entries never arrived")
-    ((victim_pid, victim),) = [(info.pid, pool._membership.actors[i]) for i, info in pool._membership.infos.items()]
-    ray.kill(victim, no_restart=True)  # the entries' objects die with their owner, the actor that published them
+    ((victim_pid, victim),) = [
+        (info.pid, pool._membership.actors[i]) for i, info in pool._membership.infos.items()
+    ]
+    ray.kill(
+        victim, no_restart=True
+    )  # the entries' objects die with their owner, the actor that published them
     deadline = time.monotonic() + 120
     while not [info for info in pool._membership.infos.values() if info.pid != victim_pid]:
         assert time.monotonic() < deadline, "no replacement encoder actor"

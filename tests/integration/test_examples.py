@@ -32,12 +32,19 @@ def run_example(name: str, *args: str, env: dict | None = None) -> list[str]:
     for attempt in (1, 2):
         result = subprocess.run(
             [sys.executable, str(ROOT / "examples" / name), *args],
-            capture_output=True, text=True, timeout=300, env=env, check=False,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+            check=False,
         )
         if result.returncode == 0:
             return result.stdout.strip().splitlines()
         if attempt == 1:
-            warnings.warn(f"{name} exited with {result.returncode}; running it again:\n{result.stderr[-4000:]}", stacklevel=2)
+            warnings.warn(
+                f"{name} exited with {result.returncode}; running it again:\n{result.stderr[-4000:]}",
+                stacklevel=2,
+            )
     raise AssertionError(f"{name} exited with {result.returncode} twice:\n{result.stderr[-4000:]}")
 
 

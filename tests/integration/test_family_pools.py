@@ -33,7 +33,9 @@ def test_a_pool_of_the_family_equals_its_encoder(ray_cluster, tmp_path, family):
     else:
         model, items = str(save_tiny_tower(family, tmp_path)), mixed_items(family)
     reference = GraphEncoder.from_pretrained(model, budgets=BUDGETS, device="cpu", dtype=torch.float32)
-    pool = EncoderPool.launch(model=model, budgets=BUDGETS, name=f"family-{family}", num_actors=1, device="cpu")
+    pool = EncoderPool.launch(
+        model=model, budgets=BUDGETS, name=f"family-{family}", num_actors=1, device="cpu"
+    )
     try:
         expected = reference.encode(items)
         if family == SHIPPED_QWEN3_VL:
@@ -63,7 +65,9 @@ def test_a_pool_of_a_tiled_family_equals_its_encoder(ray_cluster, tmp_path, fami
     generator = torch.Generator().manual_seed(0)
     items = [Image(torch.randn(count, *case.ROW_SHAPE, generator=generator)) for count in (1, 3, 2, 5)]
     reference = GraphEncoder.from_pretrained(tmp_path, budgets=budgets, device="cpu", dtype=torch.float32)
-    pool = EncoderPool.launch(model=str(tmp_path), budgets=budgets, name=f"family-{family}", num_actors=1, device="cpu")
+    pool = EncoderPool.launch(
+        model=str(tmp_path), budgets=budgets, name=f"family-{family}", num_actors=1, device="cpu"
+    )
     try:
         assert_same_outputs(pool.encode(items), reference.encode(items))
         with pytest.raises(InvalidItemError, match="item 1: .*must be tiles"):
@@ -110,14 +114,19 @@ def test_a_pool_of_a_family_of_several_inputs_joins_each_items_parts(ray_cluster
 
     items = [item(count) for count in crop_counts]
     reference = GraphEncoder.from_pretrained(tmp_path, budgets=budgets, device="cpu", dtype=torch.float32)
-    pool = EncoderPool.launch(model=str(tmp_path), budgets=budgets, name=f"family-{family}", num_actors=1, device="cpu")
+    pool = EncoderPool.launch(
+        model=str(tmp_path), budgets=budgets, name=f"family-{family}", num_actors=1, device="cpu"
+    )
     try:
         expected = reference.encode(items)
         assert_same_outputs(pool.encode(items), expected)
         assert_same_outputs(ray.get(pool.encode_refs(items)), expected)
         assert_same_outputs(asyncio.run(pool.encode_async(items)), expected)
         crops = case.LOCAL_ROW_SHAPE
-        bad = Image(items[0].pixel_values, inputs={"pixel_values_local": torch.randn(2, crops[0], crops[1], crops[2] + 2)})
+        bad = Image(
+            items[0].pixel_values,
+            inputs={"pixel_values_local": torch.randn(2, crops[0], crops[1], crops[2] + 2)},
+        )
         outcomes = pool.encode([items[0], bad], return_exceptions=True)
         assert isinstance(outcomes[1], InvalidItemError) and outcomes[1].index == 1
         assert_same_outputs(outcomes[:1], expected[:1])
@@ -146,9 +155,15 @@ def test_a_pool_of_minicpmv4_6_equals_its_encoder(ray_cluster, tmp_path):
         rows = torch.randn(sum(h * w for h, w in sizes), *case.ROW_SHAPE, generator=generator)
         return Image(case.strip_of(rows), sizes)  # as the processor emits it
 
-    items = [image([[4, 4]]), image([[8, 4], [4, 8], [4, 4]]), image([[8, 8], [8, 12], [12, 12]])]  # 19 tokens: eager
+    items = [
+        image([[4, 4]]),
+        image([[8, 4], [4, 8], [4, 4]]),
+        image([[8, 8], [8, 12], [12, 12]]),
+    ]  # 19 tokens: eager
     reference = GraphEncoder.from_pretrained(tmp_path, budgets=budgets, device="cpu", dtype=torch.float32)
-    pool = EncoderPool.launch(model=str(tmp_path), budgets=budgets, name="family-minicpmv4_6", num_actors=1, device="cpu")
+    pool = EncoderPool.launch(
+        model=str(tmp_path), budgets=budgets, name="family-minicpmv4_6", num_actors=1, device="cpu"
+    )
     try:
         assert_same_outputs(pool.encode(items), reference.encode(items))
         with pytest.raises(InvalidItemError, match="item 1: .*multiples of 4"):

@@ -62,17 +62,31 @@ def test_a_killed_actor_loses_nothing_and_is_replaced(ray_cluster, reference_enc
             in_flight = pool._dispatcher.in_flight().get(victim, 0)
             os.kill(pid, signal.SIGKILL)
             killed_at, completed_at_kill = time.monotonic(), stream.completed
-            wait_for(lambda: stream.completed >= completed_at_kill + 20 or stream.failures, 120, "calls after the kill", pool)
-            wait_for(lambda: pool.num_actors == 2 and victim not in actor_pids(pool), 180, "the replacement", pool)
+            wait_for(
+                lambda: stream.completed >= completed_at_kill + 20 or stream.failures,
+                120,
+                "calls after the kill",
+                pool,
+            )
+            wait_for(
+                lambda: pool.num_actors == 2 and victim not in actor_pids(pool), 180, "the replacement", pool
+            )
             recovered_s = time.monotonic() - killed_at
-            wait_for(lambda: stream.completed >= completed_at_kill + 40 or stream.failures, 120, "calls on the new actor", pool)
+            wait_for(
+                lambda: stream.completed >= completed_at_kill + 40 or stream.failures,
+                120,
+                "calls on the new actor",
+                pool,
+            )
         stats = pool.stats()
         assert stream.failures == [], stats.summary()
         assert stats.failed_calls == 0, stats.summary()
         assert stats.actor_failures == 1 and stats.actor_restarts == 1, stats.summary()
         assert victim not in actor_pids(pool) and len(actor_pids(pool)) == 2
-        print(f"\nkilled actor {victim} with {in_flight} batches in flight from this process; "
-              f"{stats.requeued_items} items sent again, 0 lost; replaced and taking work {recovered_s:.1f} s later")
+        print(
+            f"\nkilled actor {victim} with {in_flight} batches in flight from this process; "
+            f"{stats.requeued_items} items sent again, 0 lost; replaced and taking work {recovered_s:.1f} s later"
+        )
     finally:
         pool.shutdown()
 
@@ -125,7 +139,9 @@ def test_bad_inputs_name_their_item_and_spare_a_concurrent_caller(ray_cluster, r
                 assert raised.value.index == 1 and raised.value.reason, kind
                 assert "item 1" in str(raised.value), kind
             completed = stream.completed
-            wait_for(lambda: stream.completed > completed + 5 or stream.failures, 120, "the good caller", pool)
+            wait_for(
+                lambda: stream.completed > completed + 5 or stream.failures, 120, "the good caller", pool
+            )
         assert stream.failures == []
         stats = pool.stats()
         assert stats.rejected_items == len(BAD_INPUTS)
@@ -137,8 +153,13 @@ def test_bad_inputs_name_their_item_and_spare_a_concurrent_caller(ray_cluster, r
 def test_an_overloaded_pool_stays_within_its_bounds(ray_cluster, reference_encoder):
     items = [image(16, 16, torch.Generator().manual_seed(s)) for s in range(2)]
     bound_bytes = 6 * items[0].pixel_values.nbytes
-    pool = launch("vitpool-overload", max_queued_items=6, max_queued_bytes=bound_bytes,
-                  max_batches_in_flight_per_actor=1, batch_window_s=0.01)
+    pool = launch(
+        "vitpool-overload",
+        max_queued_items=6,
+        max_queued_bytes=bound_bytes,
+        max_batches_in_flight_per_actor=1,
+        batch_window_s=0.01,
+    )
     try:
         expected = reference_encoder.encode(items)
         answered, failures = [0], []
@@ -162,7 +183,9 @@ def test_an_overloaded_pool_stays_within_its_bounds(ray_cluster, reference_encod
                 rss_peak[0] = max(rss_peak[0], resident_bytes())
                 time.sleep(0.05)
 
-        threads = [threading.Thread(target=caller) for _ in range(16)] + [threading.Thread(target=watch_memory)]
+        threads = [threading.Thread(target=caller) for _ in range(16)] + [
+            threading.Thread(target=watch_memory)
+        ]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -175,9 +198,11 @@ def test_an_overloaded_pool_stays_within_its_bounds(ray_cluster, reference_encod
         assert 6 >= stats.peak_queued_items >= 4  # it filled up, and no further
         assert stats.peak_queued_bytes <= bound_bytes
         assert stats.queue_depth == 0 and stats.queued_bytes == 0
-        print(f"\noverload: {answered[0]} calls answered; peak queue {stats.peak_queued_items} items, "
-              f"{stats.peak_queued_bytes} bytes (bounds 6, {bound_bytes}); caller's resident memory "
-              f"peaked {growth / 2**20:.1f} MiB above its start")
+        print(
+            f"\noverload: {answered[0]} calls answered; peak queue {stats.peak_queued_items} items, "
+            f"{stats.peak_queued_bytes} bytes (bounds 6, {bound_bytes}); caller's resident memory "
+            f"peaked {growth / 2**20:.1f} MiB above its start"
+        )
         with pytest.raises(ValueError, match="can never fit"):
             pool.encode([image(16, 16) for _ in range(7)])
     finally:

@@ -57,8 +57,14 @@ print(json.dumps(found))
 
 
 def test_metrics_count_the_calls_items_tokens_and_actors_of_a_pool():
-    done = subprocess.run([sys.executable, "-c", METERED, str(free_port())], env=ray_env(), capture_output=True,
-                          text=True, timeout=240, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", METERED, str(free_port())],
+        env=ray_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(done.stdout.strip().splitlines()[-1])
     assert found["ray_vitpool_calls_total"] == 8
@@ -72,5 +78,7 @@ def test_metrics_count_the_calls_items_tokens_and_actors_of_a_pool():
     assert found["ray_vitpool_actors"] == 1
     assert found['ray_vitpool_actor_items_total{actor="0"}'] == 15
     assert 0.0 <= found['ray_vitpool_actor_busy_fraction{actor="0"}'] <= 1.0
-    assert 'ray_vitpool_actor_graph_hit_rate{actor="0"}' not in found  # a CPU actor captures no graph: no series, not 0.0
+    assert (
+        'ray_vitpool_actor_graph_hit_rate{actor="0"}' not in found
+    )  # a CPU actor captures no graph: no series, not 0.0
     assert 0.0 <= found['ray_vitpool_actor_padding_waste{actor="0"}'] < 1.0

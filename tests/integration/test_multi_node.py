@@ -151,9 +151,14 @@ def cluster():
 def pool(cluster):
     """Two actors, each asking for a whole (fake) GPU, so each lands on a node of its own."""
     pool = EncoderPool.launch(
-        budgets=BUDGETS, name=POOL_NAME, device="cpu", num_actors=NUM_ACTORS,
-        actor_options={"num_gpus": 1}, actor_threads=1,  # 2 cores: one thread per actor
-        startup_timeout_s=120, max_actor_restarts=3,
+        budgets=BUDGETS,
+        name=POOL_NAME,
+        device="cpu",
+        num_actors=NUM_ACTORS,
+        actor_options={"num_gpus": 1},
+        actor_threads=1,  # 2 cores: one thread per actor
+        startup_timeout_s=120,
+        max_actor_restarts=3,
     )
     yield pool
     pool.shutdown()
@@ -197,7 +202,12 @@ def stream_items(seed: int) -> list:
     nothing when that node goes. (Results that do wait there are lost with it; see
     test_results_waiting_on_a_lost_node_are_encoded_again.)"""
     generator = torch.Generator().manual_seed(seed)
-    items = [image(8, 8, generator), video(2, 4, 6, generator), image(12, 12, generator), image(2, 2, generator)]
+    items = [
+        image(8, 8, generator),
+        video(2, 4, 6, generator),
+        image(12, 12, generator),
+        image(2, 2, generator),
+    ]
     return items[: 2 + seed % 3]
 
 
@@ -322,7 +332,9 @@ def test_actors_on_separate_nodes_give_the_in_process_results(cluster, pool, ref
     assert_same(ray.get(pool.encode_refs(items, timeout_s=120)), reference_encoder.encode(items))
 
 
-def test_callers_on_several_nodes_take_the_channel_only_to_their_own_nodes_actor(cluster, pool, reference_encoder):
+def test_callers_on_several_nodes_take_the_channel_only_to_their_own_nodes_actor(
+    cluster, pool, reference_encoder
+):
     infos = membership(pool).infos
     near, far = sorted(infos)  # the caller "near" shares a node with actor `near`
     spare_node = free_gpu_node(cluster, infos)
@@ -382,8 +394,13 @@ def test_the_controller_runs_on_the_head_node(cluster, pool):
         if any(node != cluster.head_node_id for node in placements.values()):
             break
         probe = EncoderPool.launch(
-            budgets=[16], name=f"vitpool-placement-{attempt}", device="cpu", num_actors=1,
-            actor_options={"num_gpus": 0}, actor_threads=1, startup_timeout_s=120,
+            budgets=[16],
+            name=f"vitpool-placement-{attempt}",
+            device="cpu",
+            num_actors=1,
+            actor_options={"num_gpus": 0},
+            actor_threads=1,
+            startup_timeout_s=120,
         )
         try:
             placements[probe.name] = controller_node(probe)
@@ -410,26 +427,43 @@ def test_losing_a_node_mid_stream_loses_no_call_and_the_pool_recovers(cluster, p
             [(items, reference_encoder.encode(items)) for items in (stream_items(50), stream_items(51))]
         )
         with CheckedStream(pool, reference_encoder, [stream_items(seed) for seed in range(3)], 150) as stream:
+
             def both_streams_run() -> bool:
                 return stream.completed >= 6 and ray.get(spare_caller.progress.remote())[0] >= 3
 
             wait_for(both_streams_run, 120, "both streams to run", pool)
             completed_at_loss, lost_at = stream.completed, time.monotonic()
             cluster.remove_node(victim_node)
-            wait_for(lambda: stream.completed >= completed_at_loss + 10 or stream.failures, 120,
-                     "calls after the node was lost", pool)
-            wait_for(lambda: pool.num_actors == NUM_ACTORS and victim not in membership(pool).actors, 120,
-                     "a replacement actor", pool)
+            wait_for(
+                lambda: stream.completed >= completed_at_loss + 10 or stream.failures,
+                120,
+                "calls after the node was lost",
+                pool,
+            )
+            wait_for(
+                lambda: pool.num_actors == NUM_ACTORS and victim not in membership(pool).actors,
+                120,
+                "a replacement actor",
+                pool,
+            )
             recovered_s = time.monotonic() - lost_at
             (replacement,) = set(membership(pool).actors) - set(infos)
             assert membership(pool).infos[replacement].node_id == spare_node
             # the replacement takes work, and the caller on its node reaches it through the channel
             wait_for(lambda: actor_items(pool).get(replacement, 0) > 0, 120, "work on the replacement", pool)
-            wait_for(lambda: view_of(spare_caller).channel_batches > 0, 120,
-                     "the spare node's caller to use the channel to the replacement", pool)
+            wait_for(
+                lambda: view_of(spare_caller).channel_batches > 0,
+                120,
+                "the spare node's caller to use the channel to the replacement",
+                pool,
+            )
             completed_after_recovery = stream.completed
-            wait_for(lambda: stream.completed >= completed_after_recovery + 10 or stream.failures, 120,
-                     "calls after the recovery", pool)
+            wait_for(
+                lambda: stream.completed >= completed_after_recovery + 10 or stream.failures,
+                120,
+                "calls after the recovery",
+                pool,
+            )
         spare_completed_total, spare_failures = ray.get(spare_caller.stop_stream.remote(), timeout=180)
         spare_view = view_of(spare_caller)
     finally:
@@ -443,9 +477,11 @@ def test_losing_a_node_mid_stream_loses_no_call_and_the_pool_recovers(cluster, p
     assert spare_view.through_channel[replacement] is True and not any(
         local for index, local in spare_view.through_channel.items() if index != replacement
     )
-    print(f"\nlost the node of actor {victim} mid-stream: {stream.completed} + {spare_completed_total} calls "
-          f"checked, none failed, {stats.requeued_items} items sent again; actor {replacement} took over on "
-          f"the spare node {recovered_s:.1f} s later")
+    print(
+        f"\nlost the node of actor {victim} mid-stream: {stream.completed} + {spare_completed_total} calls "
+        f"checked, none failed, {stats.requeued_items} items sent again; actor {replacement} took over on "
+        f"the spare node {recovered_s:.1f} s later"
+    )
 
 
 def test_results_waiting_on_a_lost_node_are_encoded_again(cluster, pool, reference_encoder, monkeypatch):
@@ -468,7 +504,9 @@ def test_results_waiting_on_a_lost_node_are_encoded_again(cluster, pool, referen
             locations = ray.experimental.get_object_locations(list(refs.values()))
             holders = {node for where in locations.values() for node in where["node_ids"]}
             # not the controller's node: that would end the pool (test_the_controller_runs_on_the_head_node)
-            victim = next(node for node in sorted(holders) if node != holds_controller and node in cluster.gpu_nodes)
+            victim = next(
+                node for node in sorted(holders) if node != holds_controller and node in cluster.gpu_nodes
+            )
             cluster.remove_node(victim)
             lost.append(victim)
         return refs

@@ -29,6 +29,7 @@ def wait_until(condition, timeout_s: float, interval_s: float = 0.05) -> bool:
         time.sleep(interval_s)
     return True
 
+
 pytestmark = pytest.mark.ray
 
 
@@ -145,8 +146,14 @@ def test_a_caller_process_loads_no_engine(pool):
     """connect + encode in a fresh process: the item rules arrive pickled, and nothing of the
     engine (transformers, modeling code, graphs) is imported."""
     address = ray.get_runtime_context().gcs_address
-    done = subprocess.run([sys.executable, "-c", ENGINE_FREE_CALLER, address, POOL_NAME], env=ray_env(),
-                          capture_output=True, text=True, timeout=120, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", ENGINE_FREE_CALLER, address, POOL_NAME],
+        env=ray_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "engine modules: []" in done.stdout, done.stdout
 
@@ -186,7 +193,9 @@ class OtherCaller:
 def test_connect_by_name_from_another_actor(pool, reference_encoder):
     items = [image(8, 8, torch.Generator().manual_seed(s)) for s in range(3)]
     caller = OtherCaller.remote()
-    tokens = ray.get(caller.encode.remote(POOL_NAME, [i.pixel_values.numpy() for i in items], [i.grid_thw for i in items]))
+    tokens = ray.get(
+        caller.encode.remote(POOL_NAME, [i.pixel_values.numpy() for i in items], [i.grid_thw for i in items])
+    )
     ray.kill(caller)
     for got, want in zip(tokens, reference_encoder.encode(items)):
         torch.testing.assert_close(torch.from_numpy(got.copy()), want.tokens, rtol=1e-5, atol=1e-5)
@@ -307,7 +316,9 @@ def test_shutdown_of_a_pool_on_a_running_cluster_leaves_the_cluster(ray_cluster)
     assert ray.is_initialized()
 
     def gone() -> bool:
-        return not any(a["name"].startswith("short-lived") for a in ray.util.list_named_actors(all_namespaces=True))
+        return not any(
+            a["name"].startswith("short-lived") for a in ray.util.list_named_actors(all_namespaces=True)
+        )
 
     assert wait_until(gone, timeout_s=30)
 
@@ -325,7 +336,13 @@ print("stopped")
 
 
 def test_a_pool_that_started_ray_stops_it():
-    done = subprocess.run([sys.executable, "-c", SELF_STARTED], env=ray_env(), capture_output=True, text=True,
-                          timeout=240, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", SELF_STARTED],
+        env=ray_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "stopped" in done.stdout

@@ -24,7 +24,9 @@ class Rank:
     def take(self, outputs: list, layout) -> dict:
         embeddings = received_embeddings(outputs, layout)
         first = outputs[0]
-        address = first.data_ptr() if isinstance(first, torch.Tensor) else first.__array_interface__["data"][0]
+        address = (
+            first.data_ptr() if isinstance(first, torch.Tensor) else first.__array_interface__["data"][0]
+        )
         return {
             "kinds": sorted({type(o).__name__ for o in outputs}),
             "writeable": [bool(o.flags.writeable) for o in outputs if isinstance(o, np.ndarray)],
@@ -38,14 +40,15 @@ class Rank:
 @pytest.fixture(scope="module")
 def gloo_pool(ray_cluster):
     pool = EncoderPool.launch(
-        budgets=BUDGETS, name="vitpool-delivery", device="cpu", num_actors=1, rank_transport="gloo",
+        budgets=BUDGETS,
+        name="vitpool-delivery",
+        device="cpu",
+        num_actors=1,
+        rank_transport="gloo",
         actor_options={"num_gpus": 0, "num_cpus": 1},
     )
     # RDT receivers need enable_tensor_transport and a second thread (see rank_delivery.py).
-    ranks = [
-        Rank.options(enable_tensor_transport=True, max_concurrency=2).remote()
-        for _ in range(2)
-    ]
+    ranks = [Rank.options(enable_tensor_transport=True, max_concurrency=2).remote() for _ in range(2)]
     yield pool, ranks
     pool.shutdown()
     for rank in ranks:
@@ -99,7 +102,10 @@ def test_rdt_falls_back_to_the_object_store_where_it_cannot_work(gloo_pool, refe
     _, ranks = gloo_pool
     # rank_transport="nccl" on a machine without CUDA: the actor runs on its CPU, where NCCL cannot work
     pool = EncoderPool.launch(
-        budgets=BUDGETS, name="vitpool-no-cuda", num_actors=1, rank_transport="nccl",
+        budgets=BUDGETS,
+        name="vitpool-no-cuda",
+        num_actors=1,
+        rank_transport="nccl",
         actor_options={"num_gpus": 0, "num_cpus": 1},
     )
     try:

@@ -21,7 +21,12 @@ RAY_ENV = ray_env()  # a fresh local cluster: no address, and no cluster started
 def test_readme_snippet_encodes_a_pil_image_in_a_pool():
     result = subprocess.run(
         [sys.executable, "-c", readme_snippet()],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, env=RAY_ENV, check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=RAY_ENV,
+        check=False,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1] == "(300, 128) 2"
@@ -33,7 +38,14 @@ def test_the_readme_first_encode_runs_as_written():
     block = text.split("<!-- first encode -->", 1)[1].lstrip("\n")
     assert block.startswith("```python\n")
     code = block.removeprefix("```python\n").split("\n```", 1)[0]
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                            env=RAY_ENV, check=False)
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=RAY_ENV,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1] == "(64, 128)"

@@ -36,13 +36,25 @@ def ray_head_port():
 
 
 def run_python(code: str, *args: str, timeout_s: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code, *args], env=ENV, capture_output=True, text=True,
-                          timeout=timeout_s, check=False)
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
 
 
 def vitpool(*args: str, timeout_s: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "vitpool", *args], env=ENV, capture_output=True, text=True,
-                          timeout=timeout_s, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "vitpool", *args],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
 
 
 def segments() -> set[str]:
@@ -137,31 +149,74 @@ def test_a_detached_pool_outlives_its_launcher_and_another_process_stops_it(ray_
 def test_the_command_line_serves_scales_benches_and_stops_a_pool(ray_head_port):
     assert shutil.which("vitpool") is not None  # the console script, besides `python -m vitpool`
     name = "svc-cli"
-    served = vitpool("serve", "--device", "cpu", "--num-actors", "1", "--budgets", "16,64", "--name", name,
-                     "--autoscale-interval", "3", "--warm-standby", "on", "--embedding-cache-bytes", "4096",
-                     "--embedding-cache-local-bytes", "1024", "--small-first-stream", "on")
+    served = vitpool(
+        "serve",
+        "--device",
+        "cpu",
+        "--num-actors",
+        "1",
+        "--budgets",
+        "16,64",
+        "--name",
+        name,
+        "--autoscale-interval",
+        "3",
+        "--warm-standby",
+        "on",
+        "--embedding-cache-bytes",
+        "4096",
+        "--embedding-cache-local-bytes",
+        "1024",
+        "--small-first-stream",
+        "on",
+    )
     assert served.returncode == 0, served.stderr[-3000:]
     assert f"pool {name!r} serving with 1 encoder actor" in served.stdout
     assert "encoder actor 0 ready" in served.stderr  # progress is shown without configuring logging
-    settings = run_python(f"from vitpool import EncoderPool\ns = EncoderPool.connect({name!r}).settings\n"
-                          "print(s.autoscale_interval_s, s.warm_standby, s.embedding_cache_bytes,"
-                          " s.local_cache_bytes, s.small_first_stream)")
+    settings = run_python(
+        f"from vitpool import EncoderPool\ns = EncoderPool.connect({name!r}).settings\n"
+        "print(s.autoscale_interval_s, s.warm_standby, s.embedding_cache_bytes,"
+        " s.local_cache_bytes, s.small_first_stream)"
+    )
     assert settings.stdout.split() == ["3.0", "True", "4096", "1024", "True"], settings.stderr[-2000:]
 
     status = vitpool("status", "--name", name)
     assert status.returncode == 0, status.stderr[-3000:]
     lines = status.stdout.splitlines()
-    assert lines[0].startswith(f"pool {name!r}: 1 encoder actor taking work; since launch 0 items in 0 batches")
+    assert lines[0].startswith(
+        f"pool {name!r}: 1 encoder actor taking work; since launch 0 items in 0 batches"
+    )
     assert not any(line.startswith("this process:") for line in lines)  # the command made no call
-    header = next(i for i, line in enumerate(lines) if line.startswith("| actor | device | batches | items |"))
+    header = next(
+        i for i, line in enumerate(lines) if line.startswith("| actor | device | batches | items |")
+    )
     assert lines[header + 2].startswith("| 0 | cpu") and "- (CPU)" in lines[header + 2]
 
     scaled = vitpool("scale", "2", "--name", name)
     assert scaled.returncode == 0, scaled.stderr[-3000:]
     assert "1 -> 2 encoder actors" in scaled.stdout
 
-    bench = subprocess.run(["vitpool", "bench", "--name", name, "--calls", "5", "--warmup", "1", "--threads", "2",
-                            "--seconds", "1"], env=ENV, capture_output=True, text=True, timeout=240, check=False)
+    bench = subprocess.run(
+        [
+            "vitpool",
+            "bench",
+            "--name",
+            name,
+            "--calls",
+            "5",
+            "--warmup",
+            "1",
+            "--threads",
+            "2",
+            "--seconds",
+            "1",
+        ],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
     assert bench.returncode == 0, bench.stderr[-3000:]
     row = bench.stdout.splitlines()[-1].split("|")
     assert row[1].strip() == name and row[2].strip() == "2" and float(row[5]) > 0
@@ -179,7 +234,10 @@ def test_the_command_line_serves_scales_benches_and_stops_a_pool(ray_head_port):
         (("serve", "--device", "cpu", "--num-actors", "1", "--name", name), "already running"),
         (("status", "--name", "nobody"), "no pool named 'nobody'"),
         (("scale", "0", "--name", name), "num_actors must be a positive integer"),
-        (("serve", "--device", "cpu", "--autoscale-interval", "0", "--name", "other"), "autoscale_interval_s must be positive"),
+        (
+            ("serve", "--device", "cpu", "--autoscale-interval", "0", "--name", "other"),
+            "autoscale_interval_s must be positive",
+        ),
     ]:
         failed = vitpool(*args, "--quiet")
         assert failed.returncode == 1, (args, failed.stdout, failed.stderr[-2000:])
@@ -188,8 +246,10 @@ def test_the_command_line_serves_scales_benches_and_stops_a_pool(ray_head_port):
         assert "Traceback" not in failed.stderr
 
     # a vLLM gateway's embedding store of this pool (detached): stopping the pool stops it too
-    store_code = ("import ray, sys\nfrom vitpool.integrations.vllm.store import find_store, open_store\n"
-                  "ray.init(address='auto', log_to_driver=False)\n")
+    store_code = (
+        "import ray, sys\nfrom vitpool.integrations.vllm.store import find_store, open_store\n"
+        "ray.init(address='auto', log_to_driver=False)\n"
+    )
     opened = run_python(store_code + f"ray.get(open_store({name!r}).stats.remote())")
     assert opened.returncode == 0, opened.stderr[-3000:]
     stopped = vitpool("stop", "--name", name)
@@ -197,9 +257,11 @@ def test_the_command_line_serves_scales_benches_and_stops_a_pool(ray_head_port):
     assert f"pool {name!r} and its vLLM embedding store stopped" in stopped.stdout
     after = vitpool("status", "--name", name, "--quiet")
     assert after.returncode == 1 and f"no pool named {name!r}" in after.stderr
-    gone = run_python(store_code + "import time\ndeadline = time.monotonic() + 30\n"
-                      f"while find_store({name!r}) is not None and time.monotonic() < deadline: time.sleep(0.2)\n"
-                      f"sys.exit(find_store({name!r}) is not None)")
+    gone = run_python(
+        store_code + "import time\ndeadline = time.monotonic() + 30\n"
+        f"while find_store({name!r}) is not None and time.monotonic() < deadline: time.sleep(0.2)\n"
+        f"sys.exit(find_store({name!r}) is not None)"
+    )
     assert gone.returncode == 0, gone.stderr[-3000:]
 
 
@@ -214,12 +276,21 @@ pool.shutdown()
 
 
 def test_stop_refuses_a_pool_that_is_not_detached(ray_head_port):
-    owner = subprocess.Popen([sys.executable, "-c", HELD_OPEN, "svc-owned"], env=ENV, stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    owner = subprocess.Popen(
+        [sys.executable, "-c", HELD_OPEN, "svc-owned"],
+        env=ENV,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert owner.stdout.readline().strip() == "ready", owner.stderr.read()[-3000:]
         refused = vitpool("stop", "--name", "svc-owned", "--quiet")
-        assert refused.returncode == 1 and "is not detached: it stops with the process that launched it" in refused.stderr
+        assert (
+            refused.returncode == 1
+            and "is not detached: it stops with the process that launched it" in refused.stderr
+        )
         still = vitpool("status", "--name", "svc-owned", "--quiet")
         assert still.returncode == 0 and "1 encoder actor taking work" in still.stdout
     finally:
@@ -244,8 +315,14 @@ print("ray initialised:", ray.is_initialized())
 
 def test_without_a_cluster_connect_and_a_detached_launch_say_so_and_start_nothing(tmp_path):
     # an empty temp directory of Ray's: as on a machine where no `ray start` cluster runs
-    done = subprocess.run([sys.executable, "-c", WITHOUT_A_CLUSTER], env=ray_env(tmp_path), capture_output=True,
-                          text=True, timeout=240, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", WITHOUT_A_CLUSTER],
+        env=ray_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "connect: no pool named 'anything': no Ray cluster runs on this machine" in done.stdout
     assert "launch: a detached pool outlives this process" in done.stdout

@@ -21,8 +21,14 @@ pytestmark = pytest.mark.ray
 
 def launch(name: str, **settings) -> EncoderPool:
     return EncoderPool.launch(
-        budgets=BUDGETS, name=name, device="cpu", startup_timeout_s=120, warm_standby=True,
-        max_actor_restarts=2, metrics_interval_s=None, **settings,
+        budgets=BUDGETS,
+        name=name,
+        device="cpu",
+        startup_timeout_s=120,
+        warm_standby=True,
+        max_actor_restarts=2,
+        metrics_interval_s=None,
+        **settings,
     )
 
 
@@ -49,12 +55,23 @@ def test_a_killed_actor_is_replaced_by_its_nodes_standby_and_nothing_is_lost(ray
             wait_for(lambda: stream.completed >= 10, 120, "the stream to run", pool)
             os.kill(pid, signal.SIGKILL)
             completed_at_kill = stream.completed
-            wait_for(lambda: pool.num_actors == 2 and victim not in actor_pids(pool), 120, "the take-over", pool)
-            wait_for(lambda: stream.completed >= completed_at_kill + 40 or stream.failures, 120, "calls after", pool)
+            wait_for(
+                lambda: pool.num_actors == 2 and victim not in actor_pids(pool), 120, "the take-over", pool
+            )
+            wait_for(
+                lambda: stream.completed >= completed_at_kill + 40 or stream.failures,
+                120,
+                "calls after",
+                pool,
+            )
             # the new actor counts in the pool as soon as it is ready, and reaches this process's
             # dispatcher a moment later (on a loaded machine, after 40 calls): it must take work then
-            wait_for(lambda: new_actor_items(pool, standby_pid) > 0 or stream.failures, 120,
-                     "the new actor to take work", pool)
+            wait_for(
+                lambda: new_actor_items(pool, standby_pid) > 0 or stream.failures,
+                120,
+                "the new actor to take work",
+                pool,
+            )
         stats = pool.stats()
         assert stream.failures == [] and stats.failed_calls == 0, stats.summary()
         assert stats.actor_restarts == 1 and stats.standby_takeovers == 1, stats.summary()
@@ -67,7 +84,11 @@ def test_a_killed_actor_is_replaced_by_its_nodes_standby_and_nothing_is_lost(ray
         assert next_standby_pid not in (standby_pid, pid)
     finally:
         pool.shutdown()
-    wait_for(lambda: not process_alive(standby_pid) and not process_alive(next_standby_pid), 30, "processes to stop")
+    wait_for(
+        lambda: not process_alive(standby_pid) and not process_alive(next_standby_pid),
+        30,
+        "processes to stop",
+    )
 
 
 def test_a_standby_that_cannot_take_over_gives_way_to_a_fresh_actor(ray_cluster, reference_encoder):
@@ -79,7 +100,9 @@ def test_a_standby_that_cannot_take_over_gives_way_to_a_fresh_actor(ray_cluster,
         with checked_stream(pool, reference_encoder) as stream:
             wait_for(lambda: stream.completed >= 5, 120, "the stream to run", pool)
             os.kill(pid, signal.SIGKILL)
-            wait_for(lambda: pool.num_actors == 2 and victim not in actor_pids(pool), 120, "the fresh actor", pool)
+            wait_for(
+                lambda: pool.num_actors == 2 and victim not in actor_pids(pool), 120, "the fresh actor", pool
+            )
             completed = stream.completed
             wait_for(lambda: stream.completed >= completed + 20 or stream.failures, 120, "calls after", pool)
         stats = pool.stats()
@@ -93,8 +116,14 @@ def test_a_standby_that_cannot_take_over_gives_way_to_a_fresh_actor(ray_cluster,
 
 
 def test_standbys_are_off_by_default_on_cpu_actors(ray_cluster):
-    pool = EncoderPool.launch(budgets=BUDGETS, name="vitpool-no-standby", device="cpu", num_actors=1,
-                              startup_timeout_s=120, metrics_interval_s=None)
+    pool = EncoderPool.launch(
+        budgets=BUDGETS,
+        name="vitpool-no-standby",
+        device="cpu",
+        num_actors=1,
+        startup_timeout_s=120,
+        metrics_interval_s=None,
+    )
     try:
         assert ray.get(pool._controller.standbys.remote()) == {}
     finally:
@@ -117,7 +146,9 @@ def test_the_autoscaler_turns_a_ready_standby_into_a_new_actor(ray_cluster, refe
         pool.shutdown()
 
 
-def test_an_actor_dead_before_the_callers_first_call_is_replaced_by_the_standby(ray_cluster, reference_encoder):
+def test_an_actor_dead_before_the_callers_first_call_is_replaced_by_the_standby(
+    ray_cluster, reference_encoder
+):
     pool = launch("vitpool-standby-first", num_actors=2, actor_options={"num_gpus": 0.5})
     try:
         _, standby_pid = ready_standby(pool)
@@ -141,12 +172,21 @@ def test_an_actor_dead_before_the_callers_first_call_is_replaced_by_the_standby(
 def test_the_controller_replaces_a_dead_actor_that_no_caller_sends_to(ray_cluster):
     """A caller reports an actor dead when a batch to it fails; one that no caller chooses is
     found by the controller's own check."""
-    pool = EncoderPool.launch(budgets=BUDGETS, name="vitpool-unused-dead", device="cpu", num_actors=2,
-                              startup_timeout_s=120, metrics_interval_s=None, warm_standby=False)
+    pool = EncoderPool.launch(
+        budgets=BUDGETS,
+        name="vitpool-unused-dead",
+        device="cpu",
+        num_actors=2,
+        startup_timeout_s=120,
+        metrics_interval_s=None,
+        warm_standby=False,
+    )
     try:
         victim, pid = min(actor_pids(pool).items())
         os.kill(pid, signal.SIGKILL)  # and no call at all
-        wait_for(lambda: pool.num_actors == 2 and victim not in actor_pids(pool), 120, "the replacement", pool)
+        wait_for(
+            lambda: pool.num_actors == 2 and victim not in actor_pids(pool), 120, "the replacement", pool
+        )
         stats = pool.stats()
         assert stats.actor_failures == 1 and stats.actor_restarts == 1 and stats.calls == 0, stats.summary()
     finally:

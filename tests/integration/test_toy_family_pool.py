@@ -33,8 +33,14 @@ def toy_pool(toy_checkpoint):
     os.environ["RAY_AUTH_MODE"] = "disabled"
     python_path = os.pathsep.join(filter(None, [str(TESTS_DIRECTORY), os.environ.get("PYTHONPATH")]))
     # address="local": this module's own cluster, never one started elsewhere on the machine
-    ray.init(address="local", num_gpus=2, num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"VITPOOL_FAMILY_MODULES": "toy_family", "PYTHONPATH": python_path}})
+    ray.init(
+        address="local",
+        num_gpus=2,
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"VITPOOL_FAMILY_MODULES": "toy_family", "PYTHONPATH": python_path}},
+    )
     try:
         pool = EncoderPool.launch(model=str(toy_checkpoint), budgets=BUDGETS, name="toy", device="cpu")
         yield pool
@@ -50,7 +56,9 @@ def tiles(count: int, seed: int) -> Image:
 
 
 def test_a_tiled_family_runs_through_a_cpu_pool(toy_pool, toy_checkpoint):
-    reference = GraphEncoder.from_pretrained(toy_checkpoint, budgets=BUDGETS, device="cpu", dtype=torch.float32)
+    reference = GraphEncoder.from_pretrained(
+        toy_checkpoint, budgets=BUDGETS, device="cpu", dtype=torch.float32
+    )
     items = [tiles(n, seed=n) for n in (1, 3, 2, 9, 1)]  # 9 tiles: larger than every budget, runs eager
     results = toy_pool.encode(items)
     expected = reference.encode(items)
@@ -75,4 +83,6 @@ def test_bad_tiles_name_their_item(toy_pool):
     nan_tiles.pixel_values[1, 0, 0, 0] = float("nan")
     with pytest.raises(InvalidItemError, match="item 0: pixel_values contain NaN"):
         toy_pool.encode([nan_tiles, tiles(1, 2)])
-    assert toy_pool.encode([tiles(2, 3)])[0].tokens.shape[0] == 2 * toy_family.ToyTilesConfig().tokens_per_tile
+    assert (
+        toy_pool.encode([tiles(2, 3)])[0].tokens.shape[0] == 2 * toy_family.ToyTilesConfig().tokens_per_tile
+    )

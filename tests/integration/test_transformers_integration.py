@@ -37,11 +37,20 @@ def model():
     config = Qwen3VLConfig(
         vision_config=vision_config,
         text_config={
-            "hidden_size": vision_config["out_hidden_size"], "intermediate_size": 256, "num_hidden_layers": 3,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [6, 5, 5],
-                                "mrope_interleaved": True},
-            "vocab_size": 151936, "max_position_embeddings": 4096,
+            "hidden_size": vision_config["out_hidden_size"],
+            "intermediate_size": 256,
+            "num_hidden_layers": 3,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000.0,
+                "mrope_section": [6, 5, 5],
+                "mrope_interleaved": True,
+            },
+            "vocab_size": 151936,
+            "max_position_embeddings": 4096,
         },
     )
     torch.manual_seed(0)
@@ -55,14 +64,26 @@ def request(config, images=(), videos=()):
     inputs = {}
     if images:
         for t, h, w in images:
-            ids += [config.vision_start_token_id] + [config.image_token_id] * (t * h * w // 4) + [config.vision_end_token_id]
-        inputs["pixel_values"] = torch.cat([torch.randn(t * h * w, ROW_WIDTH, generator=generator) for t, h, w in images])
+            ids += (
+                [config.vision_start_token_id]
+                + [config.image_token_id] * (t * h * w // 4)
+                + [config.vision_end_token_id]
+            )
+        inputs["pixel_values"] = torch.cat(
+            [torch.randn(t * h * w, ROW_WIDTH, generator=generator) for t, h, w in images]
+        )
         inputs["image_grid_thw"] = torch.tensor(images)
     if videos:
         for t, h, w in videos:
             for _ in range(t):  # one group of placeholders per temporal patch, as Qwen3-VL's processor writes
-                ids += [config.vision_start_token_id] + [config.video_token_id] * (h * w // 4) + [config.vision_end_token_id]
-        inputs["pixel_values_videos"] = torch.cat([torch.randn(t * h * w, ROW_WIDTH, generator=generator) for t, h, w in videos])
+                ids += (
+                    [config.vision_start_token_id]
+                    + [config.video_token_id] * (h * w // 4)
+                    + [config.vision_end_token_id]
+                )
+        inputs["pixel_values_videos"] = torch.cat(
+            [torch.randn(t * h * w, ROW_WIDTH, generator=generator) for t, h, w in videos]
+        )
         inputs["video_grid_thw"] = torch.tensor(videos)
     ids += [4, 5]
     inputs["input_ids"] = torch.tensor([ids])
@@ -73,7 +94,7 @@ def request(config, images=(), videos=()):
 def generate(model, inputs) -> list[int]:
     with torch.no_grad():
         output = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
-    return output[0, inputs["input_ids"].shape[1]:].tolist()
+    return output[0, inputs["input_ids"].shape[1] :].tolist()
 
 
 REQUESTS = {
@@ -121,9 +142,9 @@ def test_the_stand_in_returns_what_the_tower_returns(model):
     tower = model.model.visual
     with torch.no_grad():
         want = tower(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"])
-        got = PooledVisionTower(graph_encoder_for(model, budgets=[64]), 2, torch.float32, torch.device("cpu"))(
-            inputs["pixel_values"], inputs["image_grid_thw"]
-        )
+        got = PooledVisionTower(
+            graph_encoder_for(model, budgets=[64]), 2, torch.float32, torch.device("cpu")
+        )(inputs["pixel_values"], inputs["image_grid_thw"])
     torch.testing.assert_close(got.pooler_output, want.pooler_output, rtol=1e-4, atol=1e-5)
     assert len(got.deepstack_features) == len(want.deepstack_features) == 2
     for g, w in zip(got.deepstack_features, want.deepstack_features):
@@ -138,8 +159,9 @@ def test_the_stand_in_returns_what_the_tower_returns(model):
 def test_a_pool_tower_generates_the_same_tokens(model, ray_cluster):
     directory = tempfile.mkdtemp(prefix="vitpool-tower-")
     model.model.visual.save_pretrained(directory)
-    pool = EncoderPool.launch(model=directory, budgets=[16, 64], name="vitpool-transformers", device="cpu",
-                              dtype="float32")
+    pool = EncoderPool.launch(
+        model=directory, budgets=[16, 64], name="vitpool-transformers", device="cpu", dtype="float32"
+    )
     try:
         for name, spec in REQUESTS.items():
             inputs = request(model.config, **spec)
@@ -170,7 +192,9 @@ def test_every_family_generates_the_same_tokens_through_a_graph_encoder(family):
         assert with_tower(model, encoder, inputs) == expected, name
         assert not any(isinstance(module, PooledVisionTower) for module in model.modules())  # restored
         # the model's output does depend on the embeddings (a tiny MoE's greedy tokens may not)
-        assert not torch.allclose(last_logits(model, Nudged(encoder), inputs), last_logits(model, encoder, inputs)), name
+        assert not torch.allclose(
+            last_logits(model, Nudged(encoder), inputs), last_logits(model, encoder, inputs)
+        ), name
 
 
 def last_logits(model, encoder, inputs) -> torch.Tensor:
@@ -192,20 +216,29 @@ def llama4_inputs_embeds(model, inputs) -> torch.Tensor:
     ids = inputs["input_ids"]
     embeds = model.get_input_embeddings()(ids)
     # transformers 5.17 requires the strategy ("default", as the forward passes it); 5.24 has none
-    takes_strategy = "vision_feature_select_strategy" in inspect.signature(model.get_image_features).parameters
+    takes_strategy = (
+        "vision_feature_select_strategy" in inspect.signature(model.get_image_features).parameters
+    )
     strategy = {"vision_feature_select_strategy": "default"} if takes_strategy else {}
-    features = model.get_image_features(pixel_values=inputs["pixel_values"], return_dict=True, **strategy).last_hidden_state
+    features = model.get_image_features(
+        pixel_values=inputs["pixel_values"], return_dict=True, **strategy
+    ).last_hidden_state
     flat = model.multi_modal_projector(features.view(-1, features.size(-1)))
-    return embeds.masked_scatter(model.get_placeholder_mask(ids, inputs_embeds=embeds, image_features=flat), flat)
+    return embeds.masked_scatter(
+        model.get_placeholder_mask(ids, inputs_embeds=embeds, image_features=flat), flat
+    )
 
 
 def generate_any(model, inputs) -> list[int]:
     if type(model).__name__ != "Llama4ForConditionalGeneration":
         return generate(model, inputs)
     with torch.no_grad():
-        output = model.language_model.generate(inputs_embeds=llama4_inputs_embeds(model, inputs),
-                                               attention_mask=inputs["attention_mask"],
-                                               max_new_tokens=NEW_TOKENS, do_sample=False)
+        output = model.language_model.generate(
+            inputs_embeds=llama4_inputs_embeds(model, inputs),
+            attention_mask=inputs["attention_mask"],
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+        )
     return output[0].tolist()  # given embeddings alone, generate returns the new tokens alone
 
 
@@ -276,8 +309,9 @@ def test_a_replaced_family_refuses_what_vitpool_does_not_run():
     original = replace_vision_tower(model, graph_encoder_for(model, budgets=list(minicpm.budgets)))
     try:
         with pytest.raises(ConfigError, match="16x"):
-            model.model.get_image_features(inputs["pixel_values"], inputs["target_sizes"],
-                                           downsample_mode="4x")
+            model.model.get_image_features(
+                inputs["pixel_values"], inputs["target_sizes"], downsample_mode="4x"
+            )
     finally:
         restore_vision_tower(model, original)
 
@@ -289,8 +323,14 @@ def test_a_pool_answers_a_family_of_views_and_crops(ray_cluster, tmp_path):
     model = vlm.build()
     model.save_pretrained(tmp_path, safe_serialization=True)
     inputs = vlm.request(model.config)
-    pool = EncoderPool.launch(model=str(tmp_path), budgets=list(vlm.budgets), num_actors=1,
-                              name="vitpool-transformers-step3p7", device="cpu", dtype="float32")
+    pool = EncoderPool.launch(
+        model=str(tmp_path),
+        budgets=list(vlm.budgets),
+        num_actors=1,
+        name="vitpool-transformers-step3p7",
+        device="cpu",
+        dtype="float32",
+    )
     try:
         assert with_features(model, pool, inputs) == generate_any(model, inputs)
         assert_restored(model)

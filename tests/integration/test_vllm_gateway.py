@@ -39,12 +39,17 @@ def png(seed: int, height: int = 64, width: int = 96) -> bytes:
 
 
 def chat(*images: bytes, stream: bool = False, uuids: dict[int, str] | None = None) -> dict:
-    parts = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(d).decode()}}
-             for d in images]
+    parts = [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(d).decode()}}
+        for d in images
+    ]
     for index, uuid in (uuids or {}).items():
         parts[index]["uuid"] = uuid
-    return {"model": "m", "stream": stream, "messages": [{"role": "user", "content": [*parts, {"type": "text",
-                                                                                                "text": "hi"}]}]}
+    return {
+        "model": "m",
+        "stream": stream,
+        "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "hi"}]}],
+    }
 
 
 def make_item(image) -> Image:
@@ -106,7 +111,9 @@ def run(coroutine):
     return asyncio.run(coroutine)
 
 
-def test_images_are_encoded_published_and_forwarded_with_their_uuid(pool, shipped, tmp_path, reference_encoder):
+def test_images_are_encoded_published_and_forwarded_with_their_uuid(
+    pool, shipped, tmp_path, reference_encoder
+):
     publisher = FilePublisher(tmp_path)
     gateway = Gateway(pool, publisher, shipped, "http://unused", dtype=torch.float32, make_item=make_item)
     pictures = [png(1), png(2, 32, 64)]
@@ -128,21 +135,24 @@ def test_images_are_encoded_published_and_forwarded_with_their_uuid(pool, shippe
         assert part["uuid"] == image_key(gateway.prefix, picture)
         [expected] = reference_encoder.encode([make_item(PILImage.open(io.BytesIO(picture)).convert("RGB"))])
         published = read_entry(publisher.path(part["uuid"]))
-        torch.testing.assert_close(published, vllm_embedding(expected, "qwen3_vl", torch.float32),
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            published, vllm_embedding(expected, "qwen3_vl", torch.float32), rtol=1e-5, atol=1e-5
+        )
     assert gateway.stats.encoded == 2 and gateway.stats.fallbacks == 0
 
 
 def test_a_repeated_image_is_encoded_once_even_across_concurrent_requests(pool, shipped, tmp_path):
-    gateway = Gateway(pool, FilePublisher(tmp_path), shipped, "http://unused", dtype=torch.float32,
-                      make_item=make_item)
+    gateway = Gateway(
+        pool, FilePublisher(tmp_path), shipped, "http://unused", dtype=torch.float32, make_item=make_item
+    )
     same, other = png(3), png(4)
     received: list[dict] = []
 
     async def scenario():
         upstream, client = await serve(gateway, received)
-        responses = await asyncio.gather(*(client.post("/v1/chat/completions", json=chat(same, other, same))
-                                           for _ in range(4)))
+        responses = await asyncio.gather(
+            *(client.post("/v1/chat/completions", json=chat(same, other, same)) for _ in range(4))
+        )
         assert all(response.status == 200 for response in responses)
         again = await client.post("/v1/chat/completions", json=chat(same))
         assert again.status == 200
@@ -170,8 +180,10 @@ def test_a_stream_is_relayed_chunk_by_chunk_and_other_paths_pass_through(pool, s
         return text, models, stats
 
     text, models, stats = run(scenario())
-    assert [line for line in text.split("\n\n") if line] == [*(f'data: {{"chunk": {i}}}' for i in range(3)),
-                                                             "data: [DONE]"]
+    assert [line for line in text.split("\n\n") if line] == [
+        *(f'data: {{"chunk": {i}}}' for i in range(3)),
+        "data: [DONE]",
+    ]
     assert models == {"data": [{"id": "m"}]}
     assert stats["gateway"]["encoded"] == 1 and stats["publisher"]["entries"] == 1
 
@@ -187,7 +199,9 @@ def test_when_the_pool_is_down_requests_still_go_through_counted(shipped, tmp_pa
 
     async def scenario():
         upstream, client = await serve(gateway, received)
-        response = await client.post("/v1/chat/completions", json=chat(png(6), png(7), uuids={1: "client-given"}))
+        response = await client.post(
+            "/v1/chat/completions", json=chat(png(6), png(7), uuids={1: "client-given"})
+        )
         assert response.status == 200
         await client.close()
         await upstream.close()
@@ -195,7 +209,10 @@ def test_when_the_pool_is_down_requests_still_go_through_counted(shipped, tmp_pa
     run(scenario())
     parts = received[0]["messages"][0]["content"]
     # a client's uuid is replaced by the content's key: a claimed name could poison other requests
-    assert [part["uuid"] for part in parts[:2]] == [image_key(gateway.prefix, png(6)), image_key(gateway.prefix, png(7))]
+    assert [part["uuid"] for part in parts[:2]] == [
+        image_key(gateway.prefix, png(6)),
+        image_key(gateway.prefix, png(7)),
+    ]
     assert gateway.stats.fallbacks == 2 and gateway.stats.encoded == 0
     assert not list(tmp_path.iterdir())
 
@@ -246,15 +263,37 @@ def test_a_publisher_that_cannot_answer_leaves_the_images_to_vllm(pool, shipped,
 def test_images_it_cannot_or_may_not_download_and_malformed_bodies_pass_to_vllm(shipped, tmp_path):
     """An unreachable image URL, a host not allowed, an image_url that is a bare string and messages
     that are not a list all go to vLLM as they came (vLLM answers them), not a 500."""
-    gateway = Gateway(DownPool(), FilePublisher(tmp_path), shipped, "http://unused", make_item=make_item,
-                      allowed_media_domains=["127.0.0.1"], download_timeout_s=5.0)
+    gateway = Gateway(
+        DownPool(),
+        FilePublisher(tmp_path),
+        shipped,
+        "http://unused",
+        make_item=make_item,
+        allowed_media_domains=["127.0.0.1"],
+        download_timeout_s=5.0,
+    )
     received: list[dict] = []
     bodies = [
-        {"model": "m", "messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/a.png"}},  # nothing listens
-            {"type": "image_url", "image_url": {"url": "http://example.invalid/b.png"}},  # not allowed
-            {"type": "image_url", "image_url": "http://127.0.0.1:9/c.png"},  # not an object
-            {"type": "text", "text": "hi"}]}]},
+        {
+            "model": "m",
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "image_url",
+                            "image_url": {"url": "http://127.0.0.1:9/a.png"},
+                        },  # nothing listens
+                        {
+                            "type": "image_url",
+                            "image_url": {"url": "http://example.invalid/b.png"},
+                        },  # not allowed
+                        {"type": "image_url", "image_url": "http://127.0.0.1:9/c.png"},  # not an object
+                        {"type": "text", "text": "hi"},
+                    ],
+                }
+            ],
+        },
         {"model": "m", "messages": 5},
     ]
 
@@ -348,13 +387,21 @@ def test_entries_outlive_the_process_that_published_them(ray_cluster):
     import sys
 
     address = ray.get_runtime_context().gcs_address
-    published = subprocess.run([sys.executable, "-c", PUBLISH_AND_EXIT, address, "outlive-test"],
-                               check=False, capture_output=True, text=True, timeout=180, env=os.environ.copy())
+    published = subprocess.run(
+        [sys.executable, "-c", PUBLISH_AND_EXIT, address, "outlive-test"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=os.environ.copy(),
+    )
     assert published.returncode == 0, published.stderr[-3000:]
     reader = StoreReader("outlive-test")
     assert reader.contains("tensor") and reader.contains("embedding")
     tensor, embedding = reader.get_many(["tensor", "embedding"])
-    assert torch.equal(tensor, torch.full((4, 8), 7.0)) and torch.equal(embedding.tokens, torch.full((3, 8), 5.0))
+    assert torch.equal(tensor, torch.full((4, 8), 7.0)) and torch.equal(
+        embedding.tokens, torch.full((3, 8), 5.0)
+    )
     assert StorePublisher("outlive-test").scope == published.stdout.split()[-1]
     stats = ray.get(find_store("outlive-test").stats.remote())
     assert stats.loaded == 2 and stats.dropped == 0
@@ -381,8 +428,9 @@ class ScopeChangingPublisher:
 
 
 def test_a_request_during_a_store_change_is_published_under_the_new_stores_keys(pool, shipped):
-    gateway = Gateway(pool, ScopeChangingPublisher(), shipped, "http://unused", dtype=torch.float32,
-                      make_item=make_item)
+    gateway = Gateway(
+        pool, ScopeChangingPublisher(), shipped, "http://unused", dtype=torch.float32, make_item=make_item
+    )
     received: list[dict] = []
 
     async def scenario():
@@ -403,8 +451,14 @@ def test_the_store_takes_pool_results_as_they_are_and_readers_lay_them_out(pool,
     reader gets the Embedding, and the layout made from it equals the one made from the reference."""
     from PIL import Image as PILImage
 
-    gateway = Gateway(pool, StorePublisher("by-reference"), shipped, "http://unused", dtype=torch.float32,
-                      make_item=make_item)
+    gateway = Gateway(
+        pool,
+        StorePublisher("by-reference"),
+        shipped,
+        "http://unused",
+        dtype=torch.float32,
+        make_item=make_item,
+    )
     pictures = [png(20), png(21, 32, 32)]
     received: list[dict] = []
 
@@ -421,9 +475,16 @@ def test_the_store_takes_pool_results_as_they_are_and_readers_lay_them_out(pool,
     for value, picture in zip(values, pictures):
         assert not isinstance(value, torch.Tensor)  # an Embedding, laid out by the reader
         [expected] = reference_encoder.encode([make_item(PILImage.open(io.BytesIO(picture)).convert("RGB"))])
-        torch.testing.assert_close(vllm_embedding(value, "qwen3_vl", torch.float32),
-                                   vllm_embedding(expected, "qwen3_vl", torch.float32), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            vllm_embedding(value, "qwen3_vl", torch.float32),
+            vllm_embedding(expected, "qwen3_vl", torch.float32),
+            rtol=1e-5,
+            atol=1e-5,
+        )
     stats = gateway.publisher.stats()
-    assert stats.entries == 2 and stats.bytes == sum(
-        sum(t.nbytes for t in v.outputs) for v in values) and gateway.stats.encoded == 2
+    assert (
+        stats.entries == 2
+        and stats.bytes == sum(sum(t.nbytes for t in v.outputs) for v in values)
+        and gateway.stats.encoded == 2
+    )
     ray.kill(find_store("by-reference"))

@@ -37,10 +37,26 @@ from family_cases import (
 from family_cases.common import randomize
 
 # special tokens inside every tiny vocabulary (128 tokens)
-QWEN_TOKENS = {"vision_start_token_id": 120, "vision_end_token_id": 121, "image_token_id": 122, "video_token_id": 123}
-KIMI_TOKENS = {"vision_start_token_id": 120, "vision_end_token_id": 121, "image_token_id": 122, "video_token_id": 123}
-GLM_TOKENS = {"image_start_token_id": 120, "image_end_token_id": 121, "image_token_id": 122, "video_token_id": 123,
-              "video_start_token_id": 124, "video_end_token_id": 125}
+QWEN_TOKENS = {
+    "vision_start_token_id": 120,
+    "vision_end_token_id": 121,
+    "image_token_id": 122,
+    "video_token_id": 123,
+}
+KIMI_TOKENS = {
+    "vision_start_token_id": 120,
+    "vision_end_token_id": 121,
+    "image_token_id": 122,
+    "video_token_id": 123,
+}
+GLM_TOKENS = {
+    "image_start_token_id": 120,
+    "image_end_token_id": 121,
+    "image_token_id": 122,
+    "video_token_id": 123,
+    "video_start_token_id": 124,
+    "video_end_token_id": 125,
+}
 TEXT = 0
 IMAGE = 1
 VIDEO = 2
@@ -86,7 +102,9 @@ def _text(config: dict, partial_rotary_factor: float = 1.0) -> dict:
     unit tests never run the text model)."""
     half = int(config["hidden_size"] // config["num_attention_heads"] * partial_rotary_factor) // 2
     sections = [half - 2 * (half // 3), half // 3, half // 3]
-    rope = dict(config.get("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0}), mrope_section=sections)
+    rope = dict(
+        config.get("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0}), mrope_section=sections
+    )
     if partial_rotary_factor != 1.0:
         rope["partial_rotary_factor"] = partial_rotary_factor
     return dict(config, rope_parameters=rope)
@@ -95,15 +113,20 @@ def _text(config: dict, partial_rotary_factor: float = 1.0) -> dict:
 def _qwen2_vl() -> torch.nn.Module:
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
-    config = Qwen2VLConfig(vision_config=qwen2_vl.TINY_VISION_CONFIG, text_config=_text(qwen2_vl.TINY_TEXT_CONFIG), **QWEN_TOKENS)
+    config = Qwen2VLConfig(
+        vision_config=qwen2_vl.TINY_VISION_CONFIG, text_config=_text(qwen2_vl.TINY_TEXT_CONFIG), **QWEN_TOKENS
+    )
     return Qwen2VLForConditionalGeneration(config)
 
 
 def _qwen2_5_vl() -> torch.nn.Module:
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    config = Qwen2_5_VLConfig(vision_config=qwen2_5_vl.TINY_VISION_CONFIG, text_config=_text(qwen2_5_vl.TINY_TEXT_CONFIG),
-                              **QWEN_TOKENS)
+    config = Qwen2_5_VLConfig(
+        vision_config=qwen2_5_vl.TINY_VISION_CONFIG,
+        text_config=_text(qwen2_5_vl.TINY_TEXT_CONFIG),
+        **QWEN_TOKENS,
+    )
     return Qwen2_5_VLForConditionalGeneration(config)
 
 
@@ -117,40 +140,56 @@ def _qwen3_5() -> torch.nn.Module:
 def _qwen3_5_moe() -> torch.nn.Module:
     from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
 
-    config = Qwen3_5MoeConfig(vision_config=qwen3_5.TINY_VISION, text_config=qwen3_5.TINY_MOE_TEXT, **QWEN_TOKENS)
+    config = Qwen3_5MoeConfig(
+        vision_config=qwen3_5.TINY_VISION, text_config=qwen3_5.TINY_MOE_TEXT, **QWEN_TOKENS
+    )
     return Qwen3_5MoeForConditionalGeneration(config)
 
 
 def _glm4v() -> torch.nn.Module:
     from transformers import Glm4vConfig, Glm4vForConditionalGeneration
 
-    return Glm4vForConditionalGeneration(Glm4vConfig(vision_config=glm4v.TINY_VISION, text_config=_text(glm4v.TINY_TEXT),
-                                                     **GLM_TOKENS))
+    return Glm4vForConditionalGeneration(
+        Glm4vConfig(vision_config=glm4v.TINY_VISION, text_config=_text(glm4v.TINY_TEXT), **GLM_TOKENS)
+    )
 
 
 def _glm46v() -> torch.nn.Module:
     from transformers import Glm46VConfig, Glm46VForConditionalGeneration
 
-    config = Glm46VConfig(vision_config=dict(glm4v.TINY_VISION, model_type="glm4v_vision"),
-                          text_config=dict(_text(glm4v.TINY_TEXT), model_type="glm4v_text"), **GLM_TOKENS)
+    config = Glm46VConfig(
+        vision_config=dict(glm4v.TINY_VISION, model_type="glm4v_vision"),
+        text_config=dict(_text(glm4v.TINY_TEXT), model_type="glm4v_text"),
+        **GLM_TOKENS,
+    )
     return Glm46VForConditionalGeneration(config)
 
 
 def _glm4v_moe() -> torch.nn.Module:
     from transformers import Glm4vMoeConfig, Glm4vMoeForConditionalGeneration
 
-    text = dict(_text(glm4v.TINY_TEXT, partial_rotary_factor=0.5), n_routed_experts=2, num_experts_per_tok=1, n_shared_experts=1, moe_intermediate_size=16,
-                first_k_dense_replace=1, n_group=1, topk_group=1)
-    return Glm4vMoeForConditionalGeneration(Glm4vMoeConfig(vision_config=glm4v.TINY_VISION, text_config=text,
-                                                           **GLM_TOKENS))
+    text = dict(
+        _text(glm4v.TINY_TEXT, partial_rotary_factor=0.5),
+        n_routed_experts=2,
+        num_experts_per_tok=1,
+        n_shared_experts=1,
+        moe_intermediate_size=16,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+    )
+    return Glm4vMoeForConditionalGeneration(
+        Glm4vMoeConfig(vision_config=glm4v.TINY_VISION, text_config=text, **GLM_TOKENS)
+    )
 
 
 def _paddleocr_vl() -> torch.nn.Module:
     from transformers import PaddleOCRVLConfig, PaddleOCRVLForConditionalGeneration
 
     torch.manual_seed(0)
-    config = PaddleOCRVLConfig(vision_config=dict(paddleocr_vl.TINY_VISION), text_config=_text(paddleocr_vl.TINY_TEXT),
-                               **QWEN_TOKENS)
+    config = PaddleOCRVLConfig(
+        vision_config=dict(paddleocr_vl.TINY_VISION), text_config=_text(paddleocr_vl.TINY_TEXT), **QWEN_TOKENS
+    )
     model = PaddleOCRVLForConditionalGeneration(config).eval()
     paddleocr_vl.randomize(model.model.visual, 1)
     paddleocr_vl.randomize(model.model.projector, 2)
@@ -166,13 +205,26 @@ TINY_VLMS: dict[str, TinyVLM] = {
     "qwen2_5_vl": TinyVLM(_seeded(_qwen2_5_vl), (qwen2_5_vl.ROW_WIDTH,), video_per_frame=False),
     "qwen3_5": TinyVLM(_seeded(_qwen3_5), (qwen3_5.ROW_WIDTH,), video_per_frame=True),
     "qwen3_5_moe": TinyVLM(_seeded(_qwen3_5_moe), (qwen3_5.ROW_WIDTH,), video_per_frame=True),
-    "glm4v": TinyVLM(_seeded(_glm4v), (glm4v.ROW_WIDTH,), video_per_frame=True, glm=True, requests=GLM_REQUESTS),
-    "glm46v": TinyVLM(_seeded(_glm46v), (glm4v.ROW_WIDTH,), video_per_frame=True, glm=True, requests=GLM_REQUESTS),
-    "glm4v_moe": TinyVLM(_seeded(_glm4v_moe), (glm4v.ROW_WIDTH,), video_per_frame=True, glm=True,
-                         requests=GLM_REQUESTS),
-    "kimi_k25": TinyVLM(_kimi_k25, kimi_k25.ROW_SHAPE, video_per_frame=False, tokens_per_item=lambda t, h, w: h * w // 4,
-                        requests=("images",), mrope=False),
-    "paddleocr_vl": TinyVLM(_paddleocr_vl, paddleocr_vl.ROW_SHAPE, video_per_frame=False, requests=("images",)),
+    "glm4v": TinyVLM(
+        _seeded(_glm4v), (glm4v.ROW_WIDTH,), video_per_frame=True, glm=True, requests=GLM_REQUESTS
+    ),
+    "glm46v": TinyVLM(
+        _seeded(_glm46v), (glm4v.ROW_WIDTH,), video_per_frame=True, glm=True, requests=GLM_REQUESTS
+    ),
+    "glm4v_moe": TinyVLM(
+        _seeded(_glm4v_moe), (glm4v.ROW_WIDTH,), video_per_frame=True, glm=True, requests=GLM_REQUESTS
+    ),
+    "kimi_k25": TinyVLM(
+        _kimi_k25,
+        kimi_k25.ROW_SHAPE,
+        video_per_frame=False,
+        tokens_per_item=lambda t, h, w: h * w // 4,
+        requests=("images",),
+        mrope=False,
+    ),
+    "paddleocr_vl": TinyVLM(
+        _paddleocr_vl, paddleocr_vl.ROW_SHAPE, video_per_frame=False, requests=("images",)
+    ),
 }
 
 
@@ -199,8 +251,9 @@ def request(vlm: TinyVLM, config: Any, images=(), videos=()) -> dict[str, torch.
         for t, h, w in images:
             start, token, end = image_group
             group(start, token, vlm.tokens_per_item(t, h, w), end, IMAGE)
-        inputs["pixel_values"] = torch.cat([torch.randn(t * h * w, *vlm.row_shape, generator=generator)
-                                            for t, h, w in images])
+        inputs["pixel_values"] = torch.cat(
+            [torch.randn(t * h * w, *vlm.row_shape, generator=generator) for t, h, w in images]
+        )
         inputs["image_grid_thw"] = torch.tensor(images)
     if videos:
         for t, h, w in videos:
@@ -210,8 +263,9 @@ def request(vlm: TinyVLM, config: Any, images=(), videos=()) -> dict[str, torch.
                 if vlm.video_per_frame:
                     ids.append(9)  # a timestamp's text between frames
                     types.append(TEXT)
-        inputs["pixel_values_videos"] = torch.cat([torch.randn(t * h * w, *vlm.row_shape, generator=generator)
-                                                   for t, h, w in videos])
+        inputs["pixel_values_videos"] = torch.cat(
+            [torch.randn(t * h * w, *vlm.row_shape, generator=generator) for t, h, w in videos]
+        )
         inputs["video_grid_thw"] = torch.tensor(videos)
     ids += [4, 5]
     types += [TEXT, TEXT]
@@ -270,8 +324,12 @@ def _views_and_crops_request(case: Any, crops_per_image: tuple[int, ...]):
         views = torch.randn(len(crops_per_image), *case.GLOBAL_ROW_SHAPE, generator=generator)
         crops = torch.randn(sum(crops_per_image), *case.LOCAL_ROW_SHAPE, generator=generator)
         tokens = [case.TOKENS_PER_GLOBAL + case.TOKENS_PER_CROP * count for count in crops_per_image]
-        return {**_prompt(config, tokens), "pixel_values": views, "pixel_values_local": crops,
-                "num_local_patches": torch.tensor(crops_per_image)}
+        return {
+            **_prompt(config, tokens),
+            "pixel_values": views,
+            "pixel_values_local": crops,
+            "num_local_patches": torch.tensor(crops_per_image),
+        }
 
     return request
 
@@ -282,8 +340,11 @@ def _step3p7() -> torch.nn.Module:
     # the unit tests never run the text model: it needs its key-value heads and (transformers 5.24
     # builds a sliding-window mask whether or not a layer uses one) a window
     text = dict(step3p7.TINY_TEXT, num_key_value_heads=2, sliding_window=64)
-    config = Step3p7Config(vision_config=dict(step3p7.TINY_VISION, local_image_size=step3p7.LOCAL_SIZE),
-                           text_config=text, image_token_id=122)
+    config = Step3p7Config(
+        vision_config=dict(step3p7.TINY_VISION, local_image_size=step3p7.LOCAL_SIZE),
+        text_config=text,
+        image_token_id=122,
+    )
     torch.manual_seed(0)
     model = Step3p7ForConditionalGeneration(config)
     randomize(model.model.vision_model, 0)
@@ -325,21 +386,31 @@ def _minicpmv4_6_request(config: Any) -> dict[str, torch.Tensor]:
     num_patches = sum(h * w for h, w in MINICPM_SLICES)
     rows = torch.randn(num_patches, *minicpmv4_6.ROW_SHAPE, generator=generator)
     tokens = [h * w // 16 for h, w in MINICPM_SLICES]
-    return {**_prompt(config, [tokens[0] + tokens[1], tokens[2]]), "pixel_values": minicpmv4_6.strip_of(rows),
-            "target_sizes": torch.tensor(MINICPM_SLICES, dtype=torch.int32)}
+    return {
+        **_prompt(config, [tokens[0] + tokens[1], tokens[2]]),
+        "pixel_values": minicpmv4_6.strip_of(rows),
+        "target_sizes": torch.tensor(MINICPM_SLICES, dtype=torch.int32),
+    }
 
 
 TINY_FEATURE_VLMS: dict[str, TinyFeatureVLM] = {
     # 1 and 3 tiles of 4 tokens
-    "internvl": TinyFeatureVLM(_internvl,
-                               _tiles_request(internvl.TOKENS_PER_TILE, internvl.ROW_SHAPE, (1, 3)), (4, 8)),
+    "internvl": TinyFeatureVLM(
+        _internvl, _tiles_request(internvl.TOKENS_PER_TILE, internvl.ROW_SHAPE, (1, 3)), (4, 8)
+    ),
     # 2 and 1 tiles of 16 tokens
-    "llama4": TinyFeatureVLM(lambda: _with_image_token(llama4.hf_model(), 122),
-                             _tiles_request(llama4.TOKENS_PER_TILE, llama4.ROW_SHAPE, (2, 1)), (16, 32)),
+    "llama4": TinyFeatureVLM(
+        lambda: _with_image_token(llama4.hf_model(), 122),
+        _tiles_request(llama4.TOKENS_PER_TILE, llama4.ROW_SHAPE, (2, 1)),
+        (16, 32),
+    ),
     # a view and 2 crops, a view alone
     "step3p7": TinyFeatureVLM(_step3p7, _views_and_crops_request(step3p7, (2, 0)), (4, 8)),
-    "deepseek_ocr2": TinyFeatureVLM(_deepseek_ocr2, _views_and_crops_request(deepseek_ocr2, (2, 0)),
-                                    (deepseek_ocr2.TOKENS_PER_GLOBAL, 2 * deepseek_ocr2.TOKENS_PER_GLOBAL)),
+    "deepseek_ocr2": TinyFeatureVLM(
+        _deepseek_ocr2,
+        _views_and_crops_request(deepseek_ocr2, (2, 0)),
+        (deepseek_ocr2.TOKENS_PER_GLOBAL, 2 * deepseek_ocr2.TOKENS_PER_GLOBAL),
+    ),
     # 3 slices of 1, 2 and 2 tokens
     "minicpmv4_6": TinyFeatureVLM(_minicpmv4_6, _minicpmv4_6_request, (8, 16)),
 }

@@ -101,7 +101,9 @@ def qwen3_vl_reference(encoder: GraphEncoder) -> Callable[[Any], list[torch.Tens
 
 
 QWEN3_VL = FamilyCase(
-    make_encoder=lambda budgets: GraphEncoder.from_pretrained(None, budgets=budgets, device="cpu", dtype=torch.float32),
+    make_encoder=lambda budgets: GraphEncoder.from_pretrained(
+        None, budgets=budgets, device="cpu", dtype=torch.float32
+    ),
     reference=qwen3_vl_reference,
     item_for=item_for,
     bad_items=(
@@ -120,7 +122,9 @@ def toy_reference(encoder: GraphEncoder) -> Callable[[Any], list[torch.Tensor]]:
 TOY_TILES = FamilyCase(
     make_encoder=lambda budgets: GraphEncoder(
         toy_family.ToyTilesAdapter(toy_family.ToyTilesTower(toy_family.ToyTilesConfig())),
-        budgets=budgets, device="cpu", dtype=torch.float32,
+        budgets=budgets,
+        device="cpu",
+        dtype=torch.float32,
     ),
     reference=toy_reference,
     item_for=lambda spec, pixels: Image(pixels),
@@ -183,7 +187,9 @@ def adapter_of(encoder: GraphEncoder, path: str):
     return getattr(encoder.adapter, "paths", {}).get(path, encoder.adapter)
 
 
-def sampled(case: FamilyCase, encoder: GraphEncoder, budget, seed: int) -> tuple[list[ItemSpec], list[torch.Tensor]]:
+def sampled(
+    case: FamilyCase, encoder: GraphEncoder, budget, seed: int
+) -> tuple[list[ItemSpec], list[torch.Tensor]]:
     """Random valid items for `budget` from its path's adapter, with random pixels."""
     adapter = adapter_of(encoder, budget.path)
     specs = adapter.sample_specs(adapter.max_rows(budget.num_tokens), budget, random.Random(seed))
@@ -260,7 +266,9 @@ def test_sampled_items_are_valid_and_fit_their_budget(case, encoder):
         for spec, item_pixels in zip(specs, pixels):
             assert prepared_spec(case, spec, item_pixels, rules) == spec
         assert fits(budget, *totals(specs))
-        assert sum(spec.num_rows for spec in specs) <= adapter_of(encoder, budget.path).max_rows(budget.num_tokens)
+        assert sum(spec.num_rows for spec in specs) <= adapter_of(encoder, budget.path).max_rows(
+            budget.num_tokens
+        )
 
 
 def test_a_bad_item_is_named_and_the_encoder_keeps_working(case, encoder):
@@ -276,8 +284,13 @@ def test_a_bad_item_is_named_and_the_encoder_keeps_working(case, encoder):
 
 def test_a_capacity_limit_the_family_lacks_or_not_positive_is_refused(case, encoder):
     def encoder_with(capacity_limits: dict[str, int]) -> GraphEncoder:
-        return GraphEncoder(encoder.adapter, budgets=list(case.budgets), device="cpu", dtype=torch.float32,
-                            capacity_limits=capacity_limits)
+        return GraphEncoder(
+            encoder.adapter,
+            budgets=list(case.budgets),
+            device="cpu",
+            dtype=torch.float32,
+            capacity_limits=capacity_limits,
+        )
 
     with pytest.raises(ValueError, match="bounds no 'no_such_capacity'"):
         encoder_with({"no_such_capacity": 4})
@@ -334,7 +347,11 @@ def test_item_rules_pickle_and_give_equal_specs(case, encoder):
     assert unpickled == rules
     specs, pixels = sampled(case, encoder, encoder.budgets[-1], seed=41)
     for spec, item_pixels in zip(specs, pixels):
-        assert prepared_spec(case, spec, item_pixels, unpickled) == prepared_spec(case, spec, item_pixels, rules) == spec
+        assert (
+            prepared_spec(case, spec, item_pixels, unpickled)
+            == prepared_spec(case, spec, item_pixels, rules)
+            == spec
+        )
     assert sorted(unpickled.budgets(list(case.budgets), None, {})) == encoder.budgets
 
 
@@ -355,5 +372,7 @@ def test_item_rules_import_without_transformers(encoder):
         f"import sys; sys.path.insert(0, {str(TESTS_DIRECTORY)!r}); import {module}; "
         "assert 'transformers' not in sys.modules, sorted(m for m in sys.modules if 'transformers' in m)"
     )
-    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120, check=False)
+    result = subprocess.run(
+        [sys.executable, "-c", check], capture_output=True, text=True, timeout=120, check=False
+    )
     assert result.returncode == 0, result.stderr

@@ -88,11 +88,20 @@ def test_an_eager_batch_picks_from_its_boundaries(boundaries, rows, fa4_here, cu
         ("auto", True, True, 4096, 4, "fa4"),  # FA4 installed: still its long sequences
         ("auto", True, True, 4096, 32, CUDNN_PACKED),  # ... and packed cuDNN for the short ones
         ("auto", False, False, 4096, 64, "fa2"),  # neither runs: the fallback
-        ("cudnn", False, False, 4096, 64, CUDNN_PACKED_ONLY),  # forced (the encoder refuses it where it cannot run)
+        (
+            "cudnn",
+            False,
+            False,
+            4096,
+            64,
+            CUDNN_PACKED_ONLY,
+        ),  # forced (the encoder refuses it where it cannot run)
         ("fa2", True, True, 4096, 4, "fa2"),
     ],
 )
-def test_a_graph_takes_packed_cudnn_where_it_runs(fa4, choice, fa4_here, packed_here, rows, sequences, expected):
+def test_a_graph_takes_packed_cudnn_where_it_runs(
+    fa4, choice, fa4_here, packed_here, rows, sequences, expected
+):
     fa4(fa4_here, packed=packed_here)
     assert graph_backend(choice, CUDA, rows, sequences) == expected
 
@@ -141,8 +150,14 @@ def test_packed_cudnn_is_never_available_off_the_gpu():
 
 @pytest.mark.parametrize(
     "head_dim, dtype, takes",
-    [(72, torch.bfloat16, True), (128, torch.float16, True), (80, torch.bfloat16, True),
-     (100, torch.bfloat16, False), (136, torch.bfloat16, False), (72, torch.float32, False)],
+    [
+        (72, torch.bfloat16, True),
+        (128, torch.float16, True),
+        (80, torch.bfloat16, True),
+        (100, torch.bfloat16, False),
+        (136, torch.bfloat16, False),
+        (72, torch.float32, False),
+    ],
 )
 def test_packed_cudnn_takes_head_sizes_multiple_of_8_up_to_128_in_half_precision(head_dim, dtype, takes):
     assert cudnn_packed_takes(head_dim, dtype) is takes
@@ -155,7 +170,9 @@ def test_a_cpu_encoder_takes_the_cudnn_choice_and_encodes_as_auto():
 
     item = Image(torch.randn(64, 1536, generator=torch.Generator().manual_seed(1)), (1, 8, 8))
     auto = GraphEncoder.from_pretrained(None, budgets=[64], device="cpu").encode([item])[0]
-    forced = GraphEncoder.from_pretrained(None, budgets=[64], device="cpu", attention="cudnn").encode([item])[0]
+    forced = GraphEncoder.from_pretrained(None, budgets=[64], device="cpu", attention="cudnn").encode([item])[
+        0
+    ]
     assert torch.equal(auto.tokens, forced.tokens)
 
 
@@ -240,7 +257,10 @@ def test_a_batch_is_one_leading_sequence_only_when_one_item_of_one_sequence(item
 
     encoder, runner = _tiny_runner()
     rules, row_shape = encoder.adapter.item_rules, encoder.adapter.row_shape
-    specs = [rules.item_spec(kind, (grid[0] * grid[1] * grid[2], *row_shape), "float32", grid) for kind, grid in items]
+    specs = [
+        rules.item_spec(kind, (grid[0] * grid[1] * grid[2], *row_shape), "float32", grid)
+        for kind, grid in items
+    ]
     budget = encoder.budgets[-1]
     rows = runner.rows(budget)
     metadata = encoder.adapter.build_metadata(specs, rows, budget)

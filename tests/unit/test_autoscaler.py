@@ -12,7 +12,9 @@ from vitpool.pool.autoscaler import DOWN_READINGS, UP_READINGS, AutoscalePolicy,
 from vitpool.pool.settings import PoolSettings
 
 
-def readings(policy: AutoscalePolicy, busy: float, count: int, num_actors: int, starting: int = 0) -> list[int]:
+def readings(
+    policy: AutoscalePolicy, busy: float, count: int, num_actors: int, starting: int = 0
+) -> list[int]:
     return [policy.decide([busy] * num_actors, num_actors, starting) for _ in range(count)]
 
 
@@ -24,7 +26,11 @@ def test_sustained_load_adds_one_actor_after_the_readings_and_counts_again():
 
 def test_a_dip_resets_the_count():
     policy = AutoscalePolicy(1, 4)
-    steps = readings(policy, 0.9, UP_READINGS - 1, 1) + readings(policy, 0.5, 1, 1) + readings(policy, 0.9, UP_READINGS - 1, 1)
+    steps = (
+        readings(policy, 0.9, UP_READINGS - 1, 1)
+        + readings(policy, 0.5, 1, 1)
+        + readings(policy, 0.9, UP_READINGS - 1, 1)
+    )
     assert steps == [0] * (2 * UP_READINGS - 1)
 
 
@@ -57,12 +63,16 @@ def test_bounds_are_checked():
 
 def test_the_autoscaler_decides_on_each_actors_busy_fraction_since_its_last_reading(monkeypatch):
     scaled_to = []
-    autoscaler = Autoscaler(AutoscalePolicy(1, 2), starting=lambda: 0, scale=scaled_to.append, actor_resources={"CPU": 1})
+    autoscaler = Autoscaler(
+        AutoscalePolicy(1, 2), starting=lambda: 0, scale=scaled_to.append, actor_resources={"CPU": 1}
+    )
     monkeypatch.setattr(autoscaler, "_request", lambda num_actors: None)  # no Ray autoscaler here
     monkeypatch.setattr("ray.available_resources", lambda: {"CPU": 4.0})
 
     def reading(second: int, busy_seconds: float) -> ActorReading:
-        return ActorReading((0,), {0: ActorStats(0, "cpu", busy_seconds=busy_seconds, uptime_seconds=float(second))})
+        return ActorReading(
+            (0,), {0: ActorStats(0, "cpu", busy_seconds=busy_seconds, uptime_seconds=float(second))}
+        )
 
     # the first reading spans the actor's start (idle for 10 s): not counted; then 90% busy
     autoscaler.take(reading(10, 0.0))

@@ -5,8 +5,13 @@ from __future__ import annotations
 import subprocess
 import sys
 
-ENGINE_MODULES = ("transformers", "vitpool.graphs", "vitpool.models.loading", "vitpool.families.qwen3_vl.adapter",
-                  "vitpool.actors.encoder_actor")
+ENGINE_MODULES = (
+    "transformers",
+    "vitpool.graphs",
+    "vitpool.models.loading",
+    "vitpool.families.qwen3_vl.adapter",
+    "vitpool.actors.encoder_actor",
+)
 
 
 def engine_modules_loaded_by(code: str) -> list[str]:

@@ -88,8 +88,9 @@ def server(request):
     server.close()
 
 
-def item(shape: tuple[int, ...], num_tokens: int, dtype: str = "float32", seed: int = 0,
-         modality: str = "image") -> tuple[ItemSpec, np.ndarray]:
+def item(
+    shape: tuple[int, ...], num_tokens: int, dtype: str = "float32", seed: int = 0, modality: str = "image"
+) -> tuple[ItemSpec, np.ndarray]:
     generator = torch.Generator().manual_seed(seed)
     pixels = torch.randn(shape, generator=generator).to(WIRE_DTYPES[dtype][0])
     return ItemSpec(modality, tuple(shape), dtype, (), num_tokens), to_array(pixels)
@@ -111,7 +112,10 @@ def submit(client: ChannelClient, plan_and_pixels, timeout_s: float = 30.0):
 
 
 def expected(layout: OutputLayout, plan: BatchPlan, pixels: list[np.ndarray]) -> list[list[torch.Tensor]]:
-    return [fake_outputs(spec, from_array(array, spec.pixel_dtype), layout) for spec, array in zip(plan.specs, pixels)]
+    return [
+        fake_outputs(spec, from_array(array, spec.pixel_dtype), layout)
+        for spec, array in zip(plan.specs, pixels)
+    ]
 
 
 def assert_results(reply, layout: OutputLayout, plan: BatchPlan, pixels: list[np.ndarray]) -> None:
@@ -170,8 +174,12 @@ def test_the_output_layout_is_aligned_and_packed():
     layout = OutputLayout(MIXED, "float32")
     offsets, nbytes = item_output_offsets(layout, 3)
     sizes = [3 * 48 * 4, 3 * 15 * 4, 3 * 7 * 4, 3 * 8 * 4]
-    assert offsets == (0, segments.aligned(sizes[0]), segments.aligned(sizes[0]) + segments.aligned(sizes[1]),
-                       segments.aligned(sizes[0]) + segments.aligned(sizes[1]) + segments.aligned(sizes[2]))
+    assert offsets == (
+        0,
+        segments.aligned(sizes[0]),
+        segments.aligned(sizes[0]) + segments.aligned(sizes[1]),
+        segments.aligned(sizes[0]) + segments.aligned(sizes[1]) + segments.aligned(sizes[2]),
+    )
     assert nbytes == sum(segments.aligned(size) for size in sizes)
     assert item_output_offsets(layout, 0) == ((0, 0, 0, 0), 0)
 
@@ -240,7 +248,9 @@ def test_pixels_unlike_their_specs_are_refused_before_sending(server):
         assert isinstance(reply, TypeError) and "its spec says" in str(reply)
         reply = submit(client, (BatchPlan(None, (spec,)), [pixels.astype(np.float64)]))
         assert isinstance(reply, TypeError)
-        assert_results(submit(client, batch(rows(16))), server.encoder.layout, *batch(rows(16)))  # still usable
+        assert_results(
+            submit(client, batch(rows(16))), server.encoder.layout, *batch(rows(16))
+        )  # still usable
     finally:
         client.close()
 
@@ -401,16 +411,40 @@ def framed(message) -> bytes:
 @pytest.mark.parametrize(
     "payload",
     [
-        framed({"segment": "/etc/passwd", "size": 16, "plan": {"budget": None, "specs": []}, "pixels": [], "outputs": []}),
+        framed(
+            {
+                "segment": "/etc/passwd",
+                "size": 16,
+                "plan": {"budget": None, "specs": []},
+                "pixels": [],
+                "outputs": [],
+            }
+        ),
         framed({"segment": "/dev/shm/../etc/passwd", "size": 16, "pixels": [], "outputs": []}),
-        framed({"segment": "/dev/shm/../etc/passwd", "size": 16, "pixels": [], "outputs": [],
-                "output_segment": "/etc/passwd", "output_size": 16}),
+        framed(
+            {
+                "segment": "/dev/shm/../etc/passwd",
+                "size": 16,
+                "pixels": [],
+                "outputs": [],
+                "output_segment": "/etc/passwd",
+                "output_size": 16,
+            }
+        ),
         framed([1, 2, 3]),
         struct.pack("<I", 1 << 30) + b"x",
         struct.pack("<I", 8) + b"\xc1" * 8,
         b"\x05\x00",
     ],
-    ids=["outside-shm", "dot-dot", "output-outside-shm", "not-a-map", "huge-length", "bad-msgpack", "truncated"],
+    ids=[
+        "outside-shm",
+        "dot-dot",
+        "output-outside-shm",
+        "not-a-map",
+        "huge-length",
+        "bad-msgpack",
+        "truncated",
+    ],
 )
 def test_hostile_bytes_close_only_their_connection(server, payload):
     assert raw_exchange(server.address, payload) == b""  # dropped without an answer
@@ -423,8 +457,12 @@ def test_hostile_bytes_close_only_their_connection(server, payload):
 
 def request(segment: OwnedSegment, spec: ItemSpec, pixel_offset, output_offset, **extra) -> bytes:
     message = {
-        "segment": segment.path, "size": segment.size, "plan": plan_to_wire(BatchPlan(None, (spec,))),
-        "pixels": [pixel_offset], "outputs": [output_offset], **extra,
+        "segment": segment.path,
+        "size": segment.size,
+        "plan": plan_to_wire(BatchPlan(None, (spec,))),
+        "pixels": [pixel_offset],
+        "outputs": [output_offset],
+        **extra,
     }
     return framed(message)
 
@@ -439,8 +477,16 @@ def error_of(address: str, payload: bytes) -> str:
     "plan, pixel_offsets, words",
     [
         ({"budget": None, "specs": [["image", [2, 2], "float32", [], 1, []]]}, [1 << 20], "do not fit"),
-        ({"budget": None, "specs": [["image", [2, 2], "float32", [], 1, []]]}, [0, 0], "one pixels offset per item"),
-        ({"budget": None, "specs": [["image", [2, 2], "float32", [], 1, []]]}, ["0"], "one pixels offset per item"),
+        (
+            {"budget": None, "specs": [["image", [2, 2], "float32", [], 1, []]]},
+            [0, 0],
+            "one pixels offset per item",
+        ),
+        (
+            {"budget": None, "specs": [["image", [2, 2], "float32", [], 1, []]]},
+            ["0"],
+            "one pixels offset per item",
+        ),
         ({"budget": None, "specs": [["image", [2, 2], "int8", [], 1, []]]}, [0], "unknown dtype"),
         ({"budget": None, "specs": [["audio", [2, 2], "float32", [], 1, []]]}, [0], "not an item spec"),
         ("not a plan", [0], "not a batch plan"),
@@ -450,7 +496,13 @@ def error_of(address: str, payload: bytes) -> str:
 def test_malformed_requests_fail_the_batch_not_the_actor(server, plan, pixel_offsets, words):
     segment = OwnedSegment(1 << 20)
     try:
-        message = {"segment": segment.path, "size": segment.size, "plan": plan, "pixels": pixel_offsets, "outputs": [0]}
+        message = {
+            "segment": segment.path,
+            "size": segment.size,
+            "plan": plan,
+            "pixels": pixel_offsets,
+            "outputs": [0],
+        }
         assert words in error_of(server.address, framed(message))
     finally:
         segment.close()
@@ -461,7 +513,9 @@ def test_outputs_past_the_output_segment_fail_the_batch_not_the_actor(server):
     try:
         spec, array = rows(64, dtype=server.encoder.layout.dtype)
         np.copyto(segments.array_at(pixels.buffer, spec.pixel_dtype, 0, spec.pixel_shape), array)
-        payload = request(pixels, spec, 0, outputs.size - 8, output_segment=outputs.path, output_size=outputs.size)
+        payload = request(
+            pixels, spec, 0, outputs.size - 8, output_segment=outputs.path, output_size=outputs.size
+        )
         assert "do not fit" in error_of(server.address, payload)
     finally:
         pixels.close()

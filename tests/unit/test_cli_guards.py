@@ -97,7 +97,9 @@ def test_good_budgets_reach_the_launch_as_integers(monkeypatch, capsys):
 
 def test_pool_settings_refuse_an_absurd_budget_too():
     # the library's own guard, for callers of EncoderPool.launch that never pass through the CLI
-    with pytest.raises(ConfigError, match=rf"budgets: 5000000 tokens is above .*\({MAX_BUDGET_TOKENS} tokens"):
+    with pytest.raises(
+        ConfigError, match=rf"budgets: 5000000 tokens is above .*\({MAX_BUDGET_TOKENS} tokens"
+    ):
         PoolSettings(budgets=[3, 5_000_000])
     assert PoolSettings(budgets=[16, MAX_BUDGET_TOKENS]).budgets == (16, MAX_BUDGET_TOKENS)
 
@@ -109,7 +111,9 @@ LAUNCH_KEYWORDS = {"num_actors", "name", "address", "actor_options", "detached"}
 
 def serve_flags() -> dict[str, argparse.Action]:
     """`serve`'s flags by their destination."""
-    commands = next(action for action in cli._parser()._actions if isinstance(action, argparse._SubParsersAction))
+    commands = next(
+        action for action in cli._parser()._actions if isinstance(action, argparse._SubParsersAction)
+    )
     return {action.dest: action for action in commands.choices["serve"]._actions}
 
 
@@ -117,7 +121,9 @@ def test_every_pool_setting_has_a_serve_flag_or_a_reason_not_to():
     flags = serve_flags()
     fields = {field.name for field in dataclasses.fields(PoolSettings)}
     assert sorted(fields - set(flags) - set(cli_flags.NOT_SERVE_FLAGS)) == []
-    assert set(cli_flags.NOT_SERVE_FLAGS) <= fields and all(cli_flags.NOT_SERVE_FLAGS.values())  # no stale entry, each says why
+    assert set(cli_flags.NOT_SERVE_FLAGS) <= fields and all(
+        cli_flags.NOT_SERVE_FLAGS.values()
+    )  # no stale entry, each says why
     assert not set(cli_flags.NOT_SERVE_FLAGS) & set(flags)
     for exception_table in (cli_flags.SETTING_CHOICES, cli_flags.SETTING_PARSERS):
         assert set(exception_table) <= fields
@@ -130,8 +136,10 @@ def test_every_pool_setting_has_a_serve_flag_or_a_reason_not_to():
         (["--budgets", "16,64"], {"budgets": [16, 64]}),
         (["--autoscale-interval", "3"], {"autoscale_interval_s": 3.0}),  # seconds: the flag drops `_s`
         (["--warm-standby", "on"], {"warm_standby": True}),
-        (["--embedding-cache-bytes", "4096", "--embedding-cache-local-bytes", "1024"],
-         {"embedding_cache_bytes": 4096, "embedding_cache_local_bytes": 1024}),
+        (
+            ["--embedding-cache-bytes", "4096", "--embedding-cache-local-bytes", "1024"],
+            {"embedding_cache_bytes": 4096, "embedding_cache_local_bytes": 1024},
+        ),
         (["--precision", "fp8", "--dtype", "bfloat16"], {"precision": "fp8", "dtype": "bfloat16"}),
         (["--device", "cpu"], {"device": "cpu"}),
         (["--autoscale", "1,4"], {"autoscale": (1, 4)}),
@@ -139,9 +147,15 @@ def test_every_pool_setting_has_a_serve_flag_or_a_reason_not_to():
         (["--urgent-tokens", "256"], {"urgent_tokens": 256}),
         (["--overlap-runs", "off", "--fused-ops", "off"], {"overlap_runs": False, "fused_ops": False}),
         (["--small-first-tokens", "none"], {"small_first_tokens": None}),  # None where it is not the default
-        (["--metrics-interval", "none", "--batch-window", "0"], {"metrics_interval_s": None, "batch_window_s": 0.0}),
+        (
+            ["--metrics-interval", "none", "--batch-window", "0"],
+            {"metrics_interval_s": None, "batch_window_s": 0.0},
+        ),
         (["--capacity-limits", "sequences=8"], {"capacity_limits": {"sequences": 8}}),
-        (["--model", "/models/m", "--max-queued-items", "64"], {"model": "/models/m", "max_queued_items": 64}),
+        (
+            ["--model", "/models/m", "--max-queued-items", "64"],
+            {"model": "/models/m", "max_queued_items": 64},
+        ),
         ([], {}),  # a flag left out leaves the pool's default
     ],
 )
@@ -237,8 +251,10 @@ def test_four_cpu_actors_on_two_cpus_are_told_the_flag_that_fits_them(monkeypatc
     ("message", "wanted"),
     [
         # the no-GPU refusal: both of the flags that do what it asks
-        ("leave num_gpus out of actor_options (or set it to 0) and launch with device='cpu'",
-         "(vitpool serve: --gpus-per-actor, --device cpu)"),
+        (
+            "leave num_gpus out of actor_options (or set it to 0) and launch with device='cpu'",
+            "(vitpool serve: --gpus-per-actor, --device cpu)",
+        ),
         # no actor_options named: nothing added (this one is about the precision, not a flag to set)
         ("precision 'fp8' needs GPU actors (FP8 tensor cores), not device='cpu'", ""),
         # the flag already named by the library: not said twice
@@ -307,7 +323,8 @@ def fake_cluster(monkeypatch, named: dict[tuple[str, str], object]) -> None:
     monkeypatch.setattr(cluster, "running_local_cluster", lambda: "127.0.0.1:6379")
     monkeypatch.setattr(cli, "join_ray", lambda address: True)
     monkeypatch.setattr(
-        ray.util, "list_named_actors",
+        ray.util,
+        "list_named_actors",
         lambda all_namespaces=False: [{"namespace": namespace, "name": name} for namespace, name in named],
     )
     monkeypatch.setattr(ray, "get_actor", lambda name, namespace=None: named[(namespace, name)])
@@ -321,16 +338,21 @@ def fake_cluster(monkeypatch, named: dict[tuple[str, str], object]) -> None:
 
 
 def test_list_shows_each_pool_with_its_model_and_actors(monkeypatch, capsys):
-    served = Membership(3, {0: object(), 1: object()}, {}, PoolSettings(model="/models/qwen3-vl-8b", detached=True))
+    served = Membership(
+        3, {0: object(), 1: object()}, {}, PoolSettings(model="/models/qwen3-vl-8b", detached=True)
+    )
     owned = Membership(1, {0: object()}, {}, PoolSettings())
-    fake_cluster(monkeypatch, {
-        (NAMESPACE, "svc"): FakeController(served),
-        (NAMESPACE, "svc-encoder-0"): FakeEncoderActor(),  # the pools' actors are not pools
-        (NAMESPACE, "svc-standby-0"): FakeEncoderActor(),
-        (NAMESPACE, "mine"): FakeController(owned),
-        (NAMESPACE, "gone"): FakeController(ray.exceptions.GetTimeoutError("no answer")),
-        ("other-app", "svc2"): FakeController(served),  # another namespace: not vitpool's
-    })
+    fake_cluster(
+        monkeypatch,
+        {
+            (NAMESPACE, "svc"): FakeController(served),
+            (NAMESPACE, "svc-encoder-0"): FakeEncoderActor(),  # the pools' actors are not pools
+            (NAMESPACE, "svc-standby-0"): FakeEncoderActor(),
+            (NAMESPACE, "mine"): FakeController(owned),
+            (NAMESPACE, "gone"): FakeController(ray.exceptions.GetTimeoutError("no answer")),
+            ("other-app", "svc2"): FakeController(served),  # another namespace: not vitpool's
+        },
+    )
     assert cli.main(["list", "--quiet"]) == 0
     assert capsys.readouterr().out.splitlines() == [
         "| pool | model | actors | detached |",

@@ -45,7 +45,9 @@ def test_another_users_address_file_is_not_followed(monkeypatch, caplog):
 
     monkeypatch.setattr(utils, "read_ray_address", lambda: "127.0.0.1:6379")
     monkeypatch.setattr(services, "find_gcs_addresses", lambda: ["127.0.0.1:6379"])
-    monkeypatch.setattr(cluster.os, "stat", lambda path: types.SimpleNamespace(st_uid=cluster.os.getuid() + 1))
+    monkeypatch.setattr(
+        cluster.os, "stat", lambda path: types.SimpleNamespace(st_uid=cluster.os.getuid() + 1)
+    )
     with caplog.at_level(logging.WARNING, logger="vitpool.pool.cluster"):
         assert cluster.running_local_cluster() is None
     assert "another user" in caplog.text and "RAY_ADDRESS" in caplog.text

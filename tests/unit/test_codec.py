@@ -78,21 +78,29 @@ def test_tensors_of_more_than_five_dimensions_are_not_encoded():
 
 
 def v1_request(items) -> bytes:
-    return msgpack.packb({"format": "vitpool", "version": 1, "kind": "request", "items": items}, use_bin_type=True)
+    return msgpack.packb(
+        {"format": "vitpool", "version": 1, "kind": "request", "items": items}, use_bin_type=True
+    )
 
 
 def tensor_entry(tensor: torch.Tensor) -> dict:
     """A TENSOR map as every version writes it."""
     array = to_array(tensor)
-    return {"dtype": wire_dtype_name(tensor.dtype), "shape": list(array.shape), "data": array.astype(array.dtype.newbyteorder("<")).tobytes()}
+    return {
+        "dtype": wire_dtype_name(tensor.dtype),
+        "shape": list(array.shape),
+        "data": array.astype(array.dtype.newbyteorder("<")).tobytes(),
+    }
 
 
 def test_version_1_requests_decode_into_the_same_items():
     pixels = [torch.randn(16, 12), torch.randn(8, 12).bfloat16()]
-    data = v1_request([
-        {"type": "image", "grid_thw": [1, 4, 4], "pixels": tensor_entry(pixels[0])},
-        {"type": "video", "grid_thw": [2, 2, 2], "pixels": tensor_entry(pixels[1])},
-    ])
+    data = v1_request(
+        [
+            {"type": "image", "grid_thw": [1, 4, 4], "pixels": tensor_entry(pixels[0])},
+            {"type": "video", "grid_thw": [2, 2, 2], "pixels": tensor_entry(pixels[1])},
+        ]
+    )
     decoded = decode_request(data)
     assert [type(i) for i in decoded] == [Image, Video]
     assert [i.grid_thw for i in decoded] == [(1, 4, 4), (2, 2, 2)]
@@ -102,13 +110,22 @@ def test_version_1_requests_decode_into_the_same_items():
 
 def test_version_1_results_decode_into_the_same_embeddings():
     tokens, deepstack = torch.randn(3, 8).bfloat16(), [torch.randn(3, 8).bfloat16() for _ in range(2)]
-    data = msgpack.packb({
-        "format": "vitpool", "version": 1, "kind": "results",
-        "embeddings": [{"tokens": tensor_entry(tokens), "deepstack": [tensor_entry(d) for d in deepstack]}],
-    }, use_bin_type=True)
+    data = msgpack.packb(
+        {
+            "format": "vitpool",
+            "version": 1,
+            "kind": "results",
+            "embeddings": [
+                {"tokens": tensor_entry(tokens), "deepstack": [tensor_entry(d) for d in deepstack]}
+            ],
+        },
+        use_bin_type=True,
+    )
     (decoded,) = decode_results(data)
     assert torch.equal(decoded.tokens, tokens)
-    assert len(decoded.deepstack) == 2 and all(torch.equal(g, w) for g, w in zip(decoded.deepstack, deepstack))
+    assert len(decoded.deepstack) == 2 and all(
+        torch.equal(g, w) for g, w in zip(decoded.deepstack, deepstack)
+    )
 
 
 def test_an_empty_list_round_trips():
@@ -120,7 +137,12 @@ PIXELS = {"dtype": "float32", "shape": [1, 2], "data": b"\0" * 8}
 
 
 def message(**changes):
-    base = {"format": "vitpool", "version": 2, "kind": "request", "items": [{"modality": "image", "grid": [1, 1, 1], "pixels": PIXELS}]}
+    base = {
+        "format": "vitpool",
+        "version": 2,
+        "kind": "request",
+        "items": [{"modality": "image", "grid": [1, 1, 1], "pixels": PIXELS}],
+    }
     base.update(changes)
     return msgpack.packb(base, use_bin_type=True)
 
@@ -138,7 +160,9 @@ def v1_item_message(**changes):
 
 
 def results_message(*embeddings, version=2):
-    return msgpack.packb({"format": "vitpool", "version": version, "kind": "results", "embeddings": list(embeddings)})
+    return msgpack.packb(
+        {"format": "vitpool", "version": version, "kind": "results", "embeddings": list(embeddings)}
+    )
 
 
 @pytest.mark.parametrize(
@@ -164,9 +188,15 @@ def results_message(*embeddings, version=2):
         (item_message(pixels={"dtype": "int8", "shape": [1], "data": b"\0"}), "dtype 'int8'"),
         (item_message(pixels={"dtype": "float32", "shape": [1, -2], "data": b""}), "non-negative"),
         (item_message(pixels={"dtype": "float32", "shape": [], "data": b""}), "1 to 5 non-negative"),
-        (item_message(pixels={"dtype": "float32", "shape": [1] * 6, "data": b"\0" * 4}), "1 to 5 non-negative"),
+        (
+            item_message(pixels={"dtype": "float32", "shape": [1] * 6, "data": b"\0" * 4}),
+            "1 to 5 non-negative",
+        ),
         (item_message(pixels={"dtype": "float32", "shape": [1, 2], "data": b"\0" * 7}), "7 bytes of data"),
-        (item_message(pixels={"dtype": "float32", "shape": [1 << 40, 1 << 40], "data": b""}), "bytes of data"),
+        (
+            item_message(pixels={"dtype": "float32", "shape": [1 << 40, 1 << 40], "data": b""}),
+            "bytes of data",
+        ),
         (item_message(pixels={"dtype": "float32", "shape": [2], "data": "text"}), "'data' must be a bytes"),
         (v1_item_message(type="audio"), "type 'audio'"),
         (v1_item_message(grid_thw=[1, 2]), "three integers"),
@@ -190,7 +220,10 @@ def test_malformed_requests_raise_value_error_saying_what(data, words):
         (results_message({"outputs": [7]}), "embedding 0 output 0 is not a map"),
         (results_message({"tokens": PIXELS, "deepstack": []}), "missing 'outputs'"),  # version 1 under 2
         (results_message({"outputs": [PIXELS]}, version=1), "missing 'tokens'"),
-        (results_message({"tokens": PIXELS, "deepstack": [1]}, version=1), "embedding 0 deepstack 0 is not a map"),
+        (
+            results_message({"tokens": PIXELS, "deepstack": [1]}, version=1),
+            "embedding 0 deepstack 0 is not a map",
+        ),
     ],
 )
 def test_malformed_results_raise_value_error_saying_what(data, words):
@@ -220,9 +253,13 @@ def test_fuzz_random_bytes(data):
     only_value_errors(decode_results, data)
 
 
-VALID_REQUEST = encode_request([
-    Image(torch.randn(4, 3), (1, 2, 2)), Video(torch.randn(2, 3).bfloat16(), (2, 1, 1)), Image(torch.randn(1, 3, 2, 2)),
-])
+VALID_REQUEST = encode_request(
+    [
+        Image(torch.randn(4, 3), (1, 2, 2)),
+        Video(torch.randn(2, 3).bfloat16(), (2, 1, 1)),
+        Image(torch.randn(1, 3, 2, 2)),
+    ]
+)
 VALID_RESULTS = encode_results([Embedding(torch.randn(2, 3).bfloat16(), [torch.randn(2, 3, 2).bfloat16()])])
 
 
@@ -244,20 +281,41 @@ def test_fuzz_mutated_valid_messages(data):
 
 
 @FUZZ
-@given(st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=8) | st.binary(max_size=16),
-    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
-    max_leaves=20,
-))
+@given(
+    st.recursive(
+        st.none()
+        | st.booleans()
+        | st.integers(-(2**63), 2**64 - 1)
+        | st.floats()
+        | st.text(max_size=8)
+        | st.binary(max_size=16),
+        lambda children: (
+            st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
+        ),
+        max_leaves=20,
+    )
+)
 def test_fuzz_well_formed_msgpack_of_any_shape(value):
     envelopes = [value]
     for version in (1, 2):
-        envelopes += [{"format": "vitpool", "version": version, "kind": "request", "items": value},
-                      {"format": "vitpool", "version": version, "kind": "results", "embeddings": value}]
+        envelopes += [
+            {"format": "vitpool", "version": version, "kind": "request", "items": value},
+            {"format": "vitpool", "version": version, "kind": "results", "embeddings": value},
+        ]
     # any value in each field of an otherwise valid item or embedding
     envelopes += [
-        {"format": "vitpool", "version": 2, "kind": "request", "items": [{"modality": "image", "grid": value, "pixels": PIXELS}]},
-        {"format": "vitpool", "version": 2, "kind": "request", "items": [{"modality": "video", "grid": None, "pixels": value}]},
+        {
+            "format": "vitpool",
+            "version": 2,
+            "kind": "request",
+            "items": [{"modality": "image", "grid": value, "pixels": PIXELS}],
+        },
+        {
+            "format": "vitpool",
+            "version": 2,
+            "kind": "request",
+            "items": [{"modality": "video", "grid": None, "pixels": value}],
+        },
         {"format": "vitpool", "version": 2, "kind": "results", "embeddings": [{"outputs": [PIXELS, value]}]},
     ]
     for envelope in envelopes:
@@ -270,12 +328,18 @@ def test_an_item_of_several_inputs_travels_as_version_3_and_version_2_refuses_th
     """Step-3.7's and DeepSeek-OCR-2's crops (`Image.inputs`) travel beside the global view; such a
     request is version 3, so a reader of version 2 refuses it rather than drop the crops."""
     crops = torch.randn(2, 3, 4, 4)
-    data = encode_request([Image(torch.randn(1, 3, 8, 8), None, {"pixel_values_local": crops}), Image(torch.randn(2, 3))])
+    data = encode_request(
+        [Image(torch.randn(1, 3, 8, 8), None, {"pixel_values_local": crops}), Image(torch.randn(2, 3))]
+    )
     assert msgpack.unpackb(data)["version"] == 3
     first, second = decode_request(data)
     assert torch.equal(first.inputs["pixel_values_local"], crops) and second.inputs is None
     assert msgpack.unpackb(encode_request([Image(torch.randn(2, 3))]))["version"] == 2  # as before
-    entry = {"modality": "image", "grid": None, "pixels": msgpack.unpackb(data)["items"][0]["pixels"],
-             "inputs": msgpack.unpackb(data)["items"][0]["inputs"]}
+    entry = {
+        "modality": "image",
+        "grid": None,
+        "pixels": msgpack.unpackb(data)["items"][0]["pixels"],
+        "inputs": msgpack.unpackb(data)["items"][0]["inputs"],
+    }
     with pytest.raises(ValueError, match="'inputs' need version 3; this message is version 2"):
         decode_request(message(items=[entry]))

@@ -18,7 +18,9 @@ from vitpool.transport.link import OK, RETIRED
 
 
 def cpu_actor(**settings) -> EncoderActor:
-    spec = ActorSpec(EncoderSpec(budgets=tuple(BUDGETS), dtype="float32", device="cpu"), serve_channel=False, **settings)
+    spec = ActorSpec(
+        EncoderSpec(budgets=tuple(BUDGETS), dtype="float32", device="cpu"), serve_channel=False, **settings
+    )
     return EncoderActor(0, spec)
 
 
@@ -41,7 +43,9 @@ class BlockingRun:
         return [10 * item for item in items]
 
 
-def run_while_blocked(combiner: BatchCombiner, run: BlockingRun, batches: list[tuple[list[int], int, object]]) -> list:
+def run_while_blocked(
+    combiner: BatchCombiner, run: BlockingRun, batches: list[tuple[list[int], int, object]]
+) -> list:
     """Start batch 0, queue the rest in order behind it, release; each batch's outcome or error."""
     outcomes: list = [None] * len(batches)
 
@@ -71,7 +75,9 @@ def run_while_blocked(combiner: BatchCombiner, run: BlockingRun, batches: list[t
 
 def test_an_idle_combiner_runs_a_batch_at_once_in_the_callers_thread():
     seen_threads = []
-    combiner = BatchCombiner(finished(lambda items, key: seen_threads.append(threading.get_ident()) or [i + 1 for i in items]), 100)
+    combiner = BatchCombiner(
+        finished(lambda items, key: seen_threads.append(threading.get_ident()) or [i + 1 for i in items]), 100
+    )
     assert combiner([1, 2, 3], 3) == [2, 3, 4]
     assert seen_threads == [threading.get_ident()]
     assert combiner.counters.runs == 1 and combiner.counters.combined_batches == 0
@@ -91,7 +97,14 @@ def test_a_run_takes_waiting_batches_only_up_to_the_token_limit_and_never_skips_
     run = BlockingRun()
     combiner = BatchCombiner(finished(run), max_tokens=20)
     # 10 + 10 fit; 15 does not fit beside them and starts the next run; 30 is over the limit alone.
-    batches = [([0], 1, None), ([1], 10, None), ([2], 10, None), ([3], 15, None), ([4], 30, None), ([5], 1, None)]
+    batches = [
+        ([0], 1, None),
+        ([1], 10, None),
+        ([2], 10, None),
+        ([3], 15, None),
+        ([4], 30, None),
+        ([5], 1, None),
+    ]
     outcomes = run_while_blocked(combiner, run, batches)
     assert outcomes == [[0], [10], [20], [30], [40], [50]]
     assert [items for items, _ in run.runs] == [[0], [1, 2], [3], [4], [5]]
@@ -122,9 +135,7 @@ def test_concurrent_actor_batches_equal_the_encoders_own_results(overlap_runs):
     thread gets exactly its own items' embeddings, whether runs overlap or not."""
     actor = cpu_actor(overlap_runs=overlap_runs)
     generator = torch.Generator().manual_seed(7)
-    batches = [
-        [image(2 * h, 2 * w, generator) for h, w in ((1, 1 + n % 3), (2, 1))] for n in range(16)
-    ]
+    batches = [[image(2 * h, 2 * w, generator) for h, w in ((1, 1 + n % 3), (2, 1))] for n in range(16)]
     wanted = [actor.encoder.encode(batch) for batch in batches]
     got = send_concurrently(actor, batches)
     for (values, receipt), want in zip(got, wanted, strict=True):
@@ -185,7 +196,9 @@ def test_a_planned_batch_through_ray_s_method_equals_the_encoder(actor, referenc
     *values, receipt = actor.encode_batch(plan, *pixels)
     assert receipt.status == OK and receipt.item_errors == {}
     assert_same(values, reference_encoder.encode(items[:2]))
-    oversized, oversized_pixels = plan_batch(items[2:], actor.encoder.adapter.item_rules, actor.encoder.budgets)
+    oversized, oversized_pixels = plan_batch(
+        items[2:], actor.encoder.adapter.item_rules, actor.encoder.budgets
+    )
     assert oversized.budget is None
     *values, receipt = actor.encode_batch(oversized, *oversized_pixels)
     assert_same(values, reference_encoder.encode(items[2:]))
@@ -210,7 +223,10 @@ BROKEN_PLANS = {
     "one array missing": (lambda plan, pixels: (plan, []), "a batch plan of 1 item came with 0 pixel arrays"),
     # 16 rows that claim a 2x2 grid and one token: the next item's rows would be read as this one's
     "a spec that lies about its grid": (
-        lambda plan, pixels: (BatchPlan(plan.budget, (replace(plan.specs[0], layout=(1, 2, 2), num_tokens=1),)), pixels),
+        lambda plan, pixels: (
+            BatchPlan(plan.budget, (replace(plan.specs[0], layout=(1, 2, 2), num_tokens=1),)),
+            pixels,
+        ),
         "not what the model's rules make of it",
     ),
     "a layout of the wrong length": (
@@ -239,10 +255,14 @@ def test_concatenated_outputs_for_ranks(actor, reference_encoder):
     want = reference_encoder.encode(items)
     assert len(arrays) == len(actor.info().output_layout.row_shapes) == 3
     for k, array in enumerate(arrays):
-        torch.testing.assert_close(torch.from_numpy(array), torch.cat([w.outputs[k] for w in want]), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            torch.from_numpy(array), torch.cat([w.outputs[k] for w in want]), rtol=1e-5, atol=1e-5
+        )
     bad = image(2, 2)
     bad.pixel_values[0, 0] = float("inf")
-    bad_plan, bad_pixels = plan_batch([image(2, 2), bad], actor.encoder.adapter.item_rules, actor.encoder.budgets)
+    bad_plan, bad_pixels = plan_batch(
+        [image(2, 2), bad], actor.encoder.adapter.item_rules, actor.encoder.budgets
+    )
     with pytest.raises(InvalidItemError, match="item 1"):
         actor.concatenated_outputs(list(bad_plan.specs), bad_pixels, output_device="cpu")
 
@@ -337,14 +357,21 @@ def test_the_next_run_starts_before_the_last_is_collected():
     outcomes = run_while_blocked(combiner, start, [([0], 1, None), ([1], 1, None), ([2], 1, None)])
     assert outcomes == [[0], [10], [20]]
     assert start.events == [
-        ("start", [0]), ("start", [1]), ("collect", [0]), ("start", [2]), ("collect", [1]), ("collect", [2]),
+        ("start", [0]),
+        ("start", [1]),
+        ("collect", [0]),
+        ("start", [2]),
+        ("collect", [1]),
+        ("collect", [2]),
     ]
 
 
 def test_a_run_that_fails_when_collected_fails_only_its_own_batches():
     start = StartedRuns()
     combiner = BatchCombiner(start, max_tokens=2)
-    outcomes = run_while_blocked(combiner, start, [([0], 1, None), ([-1], 1, None), ([3], 1, None), ([4], 2, None)])
+    outcomes = run_while_blocked(
+        combiner, start, [([0], 1, None), ([-1], 1, None), ([3], 1, None), ([4], 2, None)]
+    )
     assert outcomes[0] == [0] and outcomes[3] == [40]
     assert isinstance(outcomes[1], RuntimeError) and isinstance(outcomes[2], RuntimeError)
     assert combiner([7], 1) == [70] and combiner._in_flight is None  # still usable, nothing left behind

@@ -85,6 +85,7 @@ def test_a_block_class_that_does_not_compile_runs_eager_and_says_so(fresh_compil
     def failing_compile(function, **kwargs):
         def compiled_function(*args, **kwargs):
             raise RuntimeError("no backend for this op\nsecond line")
+
         return compiled_function
 
     monkeypatch.setattr(compiled.torch, "compile", failing_compile)

@@ -27,8 +27,10 @@ def model():
 
 def encoder_module(model) -> deepseek_ocr2.DeepseekOcr2Encoder:
     return deepseek_ocr2.DeepseekOcr2Encoder(
-        copy.deepcopy(model.model.vision_tower), copy.deepcopy(model.model.multi_modal_projector),
-        model.model.view_separator, case.LOCAL_SIZE,
+        copy.deepcopy(model.model.vision_tower),
+        copy.deepcopy(model.model.multi_modal_projector),
+        model.model.view_separator,
+        case.LOCAL_SIZE,
     )
 
 

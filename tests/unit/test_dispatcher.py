@@ -70,17 +70,26 @@ class DeadLink(FakeLink):
 
 def queued(call: Call, sizes: list[int]) -> list[QueuedItem]:
     return [
-        QueuedItem(call, i, ItemSpec("image", (4 * tokens, 8), "float32", (1, 2, 2 * tokens), tokens,
-                                     (("sequences", 1),)),
-                   np.zeros((4 * tokens, 8), np.float32), 4 * tokens * 8 * 4)
+        QueuedItem(
+            call,
+            i,
+            ItemSpec("image", (4 * tokens, 8), "float32", (1, 2, 2 * tokens), tokens, (("sequences", 1),)),
+            np.zeros((4 * tokens, 8), np.float32),
+            4 * tokens * 8 * 4,
+        )
         for i, tokens in enumerate(sizes)
     ]
 
 
 def dispatcher(links: dict[int, FakeLink], failed: list[int], **settings) -> Dispatcher:
     budgets = make_budgets(BUDGETS, None, None)
-    result = Dispatcher(budgets, PoolSettings(**settings), on_actor_failed=failed.append, make_link=links.__getitem__,
-                        ties_in_own_order=False)  # the tests name which actor goes first
+    result = Dispatcher(
+        budgets,
+        PoolSettings(**settings),
+        on_actor_failed=failed.append,
+        make_link=links.__getitem__,
+        ties_in_own_order=False,
+    )  # the tests name which actor goes first
     result.set_actors(list(links), budgets)
     return result
 
@@ -129,8 +138,15 @@ def test_a_call_that_failed_before_its_callback_was_added_goes_to_another_actor(
 def test_a_full_queue_makes_callers_wait_then_time_out():
     channels = {0: FakeLink(delay_s=None)}  # takes batches and never answers
     # one lane: these 4-token calls would be small and go in the small lane's slots
-    subject = dispatcher(channels, [], max_queued_items=4, max_batches_in_flight_per_actor=1,
-                         batch_timeout_s=60, batch_window_s=0.0, small_first_tokens=None)
+    subject = dispatcher(
+        channels,
+        [],
+        max_queued_items=4,
+        max_batches_in_flight_per_actor=1,
+        batch_timeout_s=60,
+        batch_window_s=0.0,
+        small_first_tokens=None,
+    )
     try:
         first = Call(1)
         subject.submit(first, queued(first, [4]))  # in flight

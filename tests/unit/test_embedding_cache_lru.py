@@ -113,5 +113,7 @@ def test_a_publishers_stats_follow_the_bound_and_keep_its_own_counts(clock):
     snapshot = entries.snapshot()
     assert snapshot == PublisherStats(entries=2, bytes=80, published=2, evicted=1, refused=1, loaded=1)
     entries.remove("b")
-    assert snapshot.bytes == 80 and entries.stats.bytes == 50 and entries.stats.entries == 1  # a copy, then live
+    assert (
+        snapshot.bytes == 80 and entries.stats.bytes == 50 and entries.stats.entries == 1
+    )  # a copy, then live
     assert not entries.remove("b") and entries.snapshot().evicted == 1

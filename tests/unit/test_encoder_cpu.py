@@ -67,7 +67,9 @@ def test_every_budget_matches_on_fresh_random_items(tiny_adapter, reference_towe
 def test_many_items_split_into_batches_in_input_order(tiny_adapter, reference_tower):
     encoder = make_encoder(tiny_adapter, BUDGETS, max_items_per_batch=4, max_frames_per_batch=6)
     generator = torch.Generator().manual_seed(2)
-    items = [image(2 * (1 + i % 4), 2 * (1 + i % 3), generator) for i in range(11)] + [video(3, 4, 4, generator)]
+    items = [image(2 * (1 + i % 4), 2 * (1 + i % 3), generator) for i in range(11)] + [
+        video(3, 4, 4, generator)
+    ]
     embeddings = encoder.encode(items)
     assert_matches_reference(reference_tower, items, embeddings)
     stats = encoder.stats()
@@ -163,7 +165,12 @@ def planned(encoder, items):
 def test_planned_batches_run_as_planned_when_they_do_not_fit_together(tiny_adapter, reference_tower):
     encoder = make_encoder(tiny_adapter, [16, 64])
     generator = torch.Generator().manual_seed(5)
-    batches = [[image(16, 16, generator)], [image(8, 8, generator)], [image(24, 24, generator)], [image(2, 2, generator)]]
+    batches = [
+        [image(16, 16, generator)],
+        [image(8, 8, generator)],
+        [image(24, 24, generator)],
+        [image(2, 2, generator)],
+    ]
     groups = [planned(encoder, items) for items in batches]
     assert [plan.budget.num_tokens if plan.budget else None for plan, _ in groups] == [64, 16, None, 16]
     outcomes = encoder.run_plans(groups, output_device=None)
@@ -246,7 +253,12 @@ def test_return_exceptions_gives_each_item_its_own_outcome(tiny_adapter):
     with pytest.raises(InvalidItemError, match="item 1: pixel_values contain NaN"):
         encoder.encode(items[:3])
     outcomes = encoder.encode(items, return_exceptions=True)
-    assert [type(o).__name__ for o in outcomes] == ["Embedding", "InvalidItemError", "Embedding", "InvalidItemError"]
+    assert [type(o).__name__ for o in outcomes] == [
+        "Embedding",
+        "InvalidItemError",
+        "Embedding",
+        "InvalidItemError",
+    ]
     assert outcomes[1].index == 1 and "NaN" in outcomes[1].reason
     assert outcomes[3].index == 3
     alone = encoder.encode([good, other])

@@ -125,13 +125,17 @@ def test_a_full_save_loads_the_tower_and_resampler_alone(request, hf_model, save
         assert any(key.startswith("model.vision_model.") for key in weight_map)
         assert any(key.startswith("model.resampler_model.spatial_linear.0.") for key in weight_map)
         # shards of the language model only are not opened
-        vision_shards = {shard for key, shard in weight_map.items() if "vision_model" in key or "resampler" in key}
+        vision_shards = {
+            shard for key, shard in weight_map.items() if "vision_model" in key or "resampler" in key
+        }
         assert vision_shards < set(weight_map.values())
     else:
         assert not index.exists() and (path / "model.safetensors").exists()
     loaded = load(path)
-    for got, want in ((loaded.adapter.tower.vision_tower, hf_model.model.vision_tower),
-                      (loaded.adapter.tower.resampler_model, hf_model.model.resampler_model)):
+    for got, want in (
+        (loaded.adapter.tower.vision_tower, hf_model.model.vision_tower),
+        (loaded.adapter.tower.resampler_model, hf_model.model.resampler_model),
+    ):
         got_state, want_state = got.state_dict(), want.state_dict()
         assert got_state.keys() == want_state.keys()
         for key, value in want_state.items():
@@ -143,7 +147,9 @@ def test_a_full_save_loads_the_tower_and_resampler_alone(request, hf_model, save
 def test_a_save_in_transformers_names_loads(hf_model, tmp_path):
     """Keys as the loaded model names its tensors (`model.vision_tower.`, `spatial_linear.fc1`)."""
     hf_model.config.save_pretrained(tmp_path)
-    state = {key: value.contiguous() for key, value in hf_model.state_dict().items() if "language_model" not in key}
+    state = {
+        key: value.contiguous() for key, value in hf_model.state_dict().items() if "language_model" not in key
+    }
     assert any(key.startswith("model.resampler_model.spatial_linear.fc1.") for key in state)
     save_file(state, str(tmp_path / "model.safetensors"))
     items = [image(4, 6, seed=3)]
@@ -154,7 +160,9 @@ def test_a_tower_only_save_loads_and_gives_the_full_saves_tokens(hf_model, encod
     module = Ernie4_5_VLMoeEncoder(hf_model.model.vision_tower, hf_model.model.resampler_model)
     tower_only_config(hf_model.config).save_pretrained(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["model_type"] == ernie_case.TOWER_TYPE
-    save_file({k: v.contiguous() for k, v in module.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    save_file(
+        {k: v.contiguous() for k, v in module.state_dict().items()}, str(tmp_path / "model.safetensors")
+    )
     tower_only = load(tmp_path)
     items = [image(4, 4, 11), video(4, 2, 4, 12)]
     got = tower_only.encode(items)
@@ -184,13 +192,18 @@ def test_items_padded_to_a_larger_budget_match(hf_model, sharded_save):
     """A 64-token budget, items of 4 and 4 + 6 tokens (and a video): most rows are padding, a
     sequence of their own, and most output slots pair padding tokens."""
     padded = load(sharded_save, budgets=(64,))
-    for items in ([image(4, 4, seed=20)], [image(4, 4, seed=20), image(4, 6, seed=21)],
-                  [video(2, 4, 4, seed=22), image(2, 2, seed=23)]):
+    for items in (
+        [image(4, 4, seed=20)],
+        [image(4, 4, seed=20), image(4, 6, seed=21)],
+        [video(2, 4, 4, seed=22), image(2, 2, seed=23)],
+    ):
         before = padded.stats()
         embeddings = padded.encode(items)
         after = padded.stats()
         assert after.replays_per_budget.get(64, 0) == before.replays_per_budget.get(64, 0) + 1
-        assert after.padding_rows - before.padding_rows == 64 * 4 - sum(i.pixel_values.shape[0] for i in items)
+        assert after.padding_rows - before.padding_rows == 64 * 4 - sum(
+            i.pixel_values.shape[0] for i in items
+        )
         assert_like_hf(hf_model, items, embeddings)
 
 
@@ -220,7 +233,9 @@ def test_a_video_needs_a_budget_of_its_rows_not_its_tokens(hf_model, encoder):
         before = replays(encoder)
         assert_like_hf(hf_model, [item], encoder.encode([item]))
         after = replays(encoder)
-        assert {n: after.get(n, 0) - before.get(n, 0) for n in BUDGETS} == {n: int(n == budget) for n in BUDGETS}
+        assert {n: after.get(n, 0) - before.get(n, 0) for n in BUDGETS} == {
+            n: int(n == budget) for n in BUDGETS
+        }
 
 
 def test_the_processors_batch_cut_by_the_record_matches_the_models_batch(hf_model, encoder):
@@ -232,7 +247,9 @@ def test_the_processors_batch_cut_by_the_record_matches_the_models_batch(hf_mode
     )
 
     processor = Ernie4_5_VLMoeImageProcessorPil(
-        patch_size=ernie_case.PATCH, merge_size=2, size={"shortest_edge": 16, "longest_edge": 2 * 24 * 24},
+        patch_size=ernie_case.PATCH,
+        merge_size=2,
+        size={"shortest_edge": 16, "longest_edge": 2 * 24 * 24},
     )
     pictures = [
         pil.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8))

@@ -23,6 +23,8 @@ MODEL_TYPE = "deepseek_ocr2_vision"
 # Operators that build a tensor from host values or read one back (the tower's own forward makes
 # `get_rel_pos`'s indices and its mask's block ids with the first two): a captured graph cannot.
 HOST_OPERATORS = {"arange", "full", "lift_fresh", "lift_fresh_copy", "_local_scalar_dense", "nonzero"}
+
+
 @pytest.fixture(scope="module")
 def model():
     return case.hf_model(seed=3)

@@ -33,7 +33,6 @@ TOLERANCE = 1e-5
 BUDGETS = [16, 32, 64]
 
 
-
 def pixels(rows: int, seed: int) -> torch.Tensor:
     return torch.randn(rows, *ROW_SHAPE, generator=torch.Generator().manual_seed(seed))
 
@@ -58,8 +57,12 @@ def hf_model():
 
 
 def encoder_of(hf_model, clip_frames: int | None = None) -> GraphEncoder:
-    module = KimiK25Encoder(copy.deepcopy(hf_model.model.vision_tower), copy.deepcopy(hf_model.model.mm_projector))
-    return GraphEncoder(KimiK25Adapter(module, clip_frames), budgets=BUDGETS, device="cpu", dtype=torch.float32)
+    module = KimiK25Encoder(
+        copy.deepcopy(hf_model.model.vision_tower), copy.deepcopy(hf_model.model.mm_projector)
+    )
+    return GraphEncoder(
+        KimiK25Adapter(module, clip_frames), budgets=BUDGETS, device="cpu", dtype=torch.float32
+    )
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +107,12 @@ def test_clips_have_a_path_of_their_own_over_the_one_tower(encoder):
     assert clip_budgets == [Budget(16, ((EXTRA_ROWS, 3 * 4 * 16),), 16, CLIP)]
     assert all(budget.limit(EXTRA_ROWS) == 0 for budget in encoder.budgets if budget.path == "")
     rules = adapter.item_rules
-    routes = ((image(4, 4, 1), ""), (video(1, 4, 4, 2), ""), (video(2, 4, 4, 3), CLIP), (video(4, 2, 2, 4), CLIP))
+    routes = (
+        (image(4, 4, 1), ""),
+        (video(1, 4, 4, 2), ""),
+        (video(2, 4, 4, 3), CLIP),
+        (video(4, 2, 2, 4), CLIP),
+    )
     for item, path in routes:
         spec = prepare_item(0, item, rules).spec  # as a caller's process sizes it
         assert spec.path == path
@@ -116,14 +124,23 @@ def test_clips_have_a_path_of_their_own_over_the_one_tower(encoder):
 
 def test_images_and_clips_of_one_to_four_frames_in_one_call_match(hf_model, encoder):
     items = [
-        video(2, 4, 4, 7), image(4, 6, 8), video(3, 2, 4, 9), video(4, 4, 2, 10), video(1, 4, 4, 11),
-        image(8, 8, 12), video(4, 4, 4, 13), image(2, 2, 14),
+        video(2, 4, 4, 7),
+        image(4, 6, 8),
+        video(3, 2, 4, 9),
+        video(4, 4, 2, 10),
+        video(1, 4, 4, 11),
+        image(8, 8, 12),
+        video(4, 4, 4, 13),
+        image(2, 2, 14),
     ]
     before = encoder.stats()
     for item, embedding in zip(items, encoder.encode(items), strict=True):
         h, w = item.grid_thw[1:]
         assert embedding.tokens.shape == (h * w // 4, 48)
-        assert relative_error(embedding.tokens, reference_tokens(tower_and_projector(hf_model), item)) <= TOLERANCE
+        assert (
+            relative_error(embedding.tokens, reference_tokens(tower_and_projector(hf_model), item))
+            <= TOLERANCE
+        )
     after = encoder.stats()
     assert after.eager_batches == before.eager_batches  # every clip ran in a clip budget, none alone
 
@@ -140,7 +157,9 @@ def test_four_frame_clips_replay_the_clip_budgets(hf_model, encoder):
     replays = {n: after.replays_per_budget.get(n, 0) - before.replays_per_budget.get(n, 0) for n in BUDGETS}
     assert replays == {16: 1, 32: 0, 64: 1}
     module = tower_and_projector(hf_model)
-    for item, embedding in zip([clips[0], stills[0], clips[1], stills[1], clips[2], stills[2]], got, strict=True):
+    for item, embedding in zip(
+        [clips[0], stills[0], clips[1], stills[1], clips[2], stills[2]], got, strict=True
+    ):
         assert relative_error(embedding.tokens, reference_tokens(module, item)) <= TOLERANCE
 
 
@@ -177,7 +196,9 @@ def test_a_clip_larger_than_the_clip_budgets_runs_eager_alone(hf_model, encoder)
     before = encoder.stats().eager_batches
     [embedding] = encoder.encode([clip])
     assert encoder.stats().eager_batches == before + 1
-    assert relative_error(embedding.tokens, reference_tokens(tower_and_projector(hf_model), clip)) <= TOLERANCE
+    assert (
+        relative_error(embedding.tokens, reference_tokens(tower_and_projector(hf_model), clip)) <= TOLERANCE
+    )
 
 
 def test_clip_frames_outside_the_time_table_are_refused(hf_model):
@@ -192,7 +213,9 @@ def test_clip_frames_outside_the_time_table_are_refused(hf_model):
 def test_a_single_frame_video_matches_get_video_features(hf_model, encoder):
     item = video(1, 4, 6, 11)
     with torch.no_grad():
-        [expected] = hf_model.model.get_video_features(item.pixel_values, torch.tensor([item.grid_thw])).pooler_output
+        [expected] = hf_model.model.get_video_features(
+            item.pixel_values, torch.tensor([item.grid_thw])
+        ).pooler_output
     assert relative_error(encoder.encode([item])[0].tokens, expected) <= TOLERANCE
 
 
@@ -212,7 +235,9 @@ def test_loads_a_tower_only_save(hf_model, tmp_path: Path):
     module = KimiK25Encoder(hf_model.model.vision_tower, hf_model.model.mm_projector)
     tower_only_config(hf_model.config).save_pretrained(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "kimi_k25_vision"
-    save_file({k: v.contiguous() for k, v in module.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    save_file(
+        {k: v.contiguous() for k, v in module.state_dict().items()}, str(tmp_path / "model.safetensors")
+    )
     assert find_family("kimi_k25_vision") is not None
     loaded = GraphEncoder.from_pretrained(tmp_path, budgets=BUDGETS, device="cpu", dtype=torch.float32)
     item = image(4, 6, 14)
@@ -227,11 +252,15 @@ def test_full_checkpoint_weights_convert_to_the_encoder(hf_model, tmp_path: Path
     for file in sorted(tmp_path.glob("*.safetensors")):
         checkpoint.update(load_file(str(file)))
     assert any(key.startswith("vision_tower.encoder.blocks.") for key in checkpoint)
-    module = KimiK25Encoder(copy.deepcopy(hf_model.model.vision_tower), copy.deepcopy(hf_model.model.mm_projector))
+    module = KimiK25Encoder(
+        copy.deepcopy(hf_model.model.vision_tower), copy.deepcopy(hf_model.model.mm_projector)
+    )
     with torch.no_grad():
         for parameter in module.parameters():
             parameter.zero_()
-    module.load_state_dict(encoder_state(checkpoint, hf_model.config.vision_config.num_attention_heads), strict=True)
+    module.load_state_dict(
+        encoder_state(checkpoint, hf_model.config.vision_config.num_attention_heads), strict=True
+    )
     encoder = GraphEncoder(KimiK25Adapter(module.eval()), budgets=BUDGETS, device="cpu", dtype=torch.float32)
     item = image(6, 4, 15)
     assert relative_error(encoder.encode([item])[0].tokens, image_features(hf_model, item)) <= TOLERANCE
@@ -265,10 +294,14 @@ def test_loads_a_full_model_in_transformers_layout(hf_model, tmp_path: Path):
 
 
 def test_a_full_model_with_a_missing_or_unexpected_key_is_refused(hf_model, tmp_path: Path):
-    missing = full_save_in_transformers_layout(hf_model, tmp_path / "missing", drop="model.mm_projector.out_proj.bias")
+    missing = full_save_in_transformers_layout(
+        hf_model, tmp_path / "missing", drop="model.mm_projector.out_proj.bias"
+    )
     with pytest.raises(CheckpointError, match=r"missing keys \['mm_projector.out_proj.bias'\]"):
         GraphEncoder.from_pretrained(missing, budgets=BUDGETS, device="cpu", dtype=torch.float32)
-    extra = full_save_in_transformers_layout(hf_model, tmp_path / "extra", add="model.vision_tower.layers.9.extra")
+    extra = full_save_in_transformers_layout(
+        hf_model, tmp_path / "extra", add="model.vision_tower.layers.9.extra"
+    )
     with pytest.raises(CheckpointError, match=r"unexpected keys \['vision_tower.layers.9.extra'\]"):
         GraphEncoder.from_pretrained(extra, budgets=BUDGETS, device="cpu", dtype=torch.float32)
 

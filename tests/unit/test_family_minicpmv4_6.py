@@ -208,4 +208,3 @@ def test_convert_checkpoint_maps_both_layouts(hf_model):
     full = {f"model.{key}": value for key, value in own.items()}
     assert convert_checkpoint(full).keys() == own.keys()
     assert "model.language_model.x" in convert_checkpoint({"model.language_model.x": torch.zeros(1)})
-

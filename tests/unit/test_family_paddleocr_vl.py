@@ -32,7 +32,6 @@ TOLERANCE = 1e-5
 BUDGETS = [16, 32, 64]
 
 
-
 def pixels(rows: int, seed: int) -> torch.Tensor:
     return torch.randn(rows, *ROW_SHAPE, generator=torch.Generator().manual_seed(seed))
 
@@ -58,7 +57,9 @@ def encoder_module(hf_model) -> PaddleOCREncoder:
 
 @pytest.fixture(scope="module")
 def encoder(hf_model) -> GraphEncoder:
-    return GraphEncoder(PaddleOCRVLAdapter(encoder_module(hf_model)), budgets=BUDGETS, device="cpu", dtype=torch.float32)
+    return GraphEncoder(
+        PaddleOCRVLAdapter(encoder_module(hf_model)), budgets=BUDGETS, device="cpu", dtype=torch.float32
+    )
 
 
 def image_features(hf_model, item: Image) -> torch.Tensor:
@@ -90,8 +91,10 @@ def test_every_budget_matches_get_image_features(hf_model, encoder):
     items = [image(4, 6, 9), image(2, 4, 10)]  # 8 tokens, 32 rows
     for budget in encoder.budgets:
         item_pixels = [torch.as_tensor(item.pixel_values) for item in items]
-        specs = tuple(encoder.adapter.item_rules.item_spec("image", tuple(p.shape), "float32", item.grid_thw)
-                      for item, p in zip(items, item_pixels))
+        specs = tuple(
+            encoder.adapter.item_rules.item_spec("image", tuple(p.shape), "float32", item.grid_thw)
+            for item, p in zip(items, item_pixels)
+        )
         [outcomes] = encoder.run_plans([(BatchPlan(budget, specs), item_pixels)], "cpu")
         for item, embedding in zip(items, outcomes, strict=True):
             assert relative_error(embedding.tokens, image_features(hf_model, item)) <= TOLERANCE, budget
@@ -154,7 +157,9 @@ def test_convert_checkpoint_layouts(hf_model):
     own = encoder_module(hf_model).state_dict()
     assert convert_checkpoint(dict(own), None).keys() == own.keys()
     transformers_layout = {
-        key: value for key, value in hf_model.state_dict().items() if key.startswith(("model.visual.", "model.projector."))
+        key: value
+        for key, value in hf_model.state_dict().items()
+        if key.startswith(("model.visual.", "model.projector."))
     }
     assert convert_checkpoint(transformers_layout, None).keys() == own.keys()
     release = {

@@ -24,7 +24,9 @@ from vitpool.kernels.fp8 import (
 
 
 def test_rows_are_quantized_to_the_fp8_range_with_one_scale_each():
-    rows = torch.randn(37, 64, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 3, 37)[:, None]
+    rows = (
+        torch.randn(37, 64, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 3, 37)[:, None]
+    )
     rows[5] = 0.0  # an all-zero row still gets a finite scale
     quantized, scale = quantize_rows(rows)
     assert quantized.dtype == FP8_DTYPE and quantized.shape == rows.shape and scale.shape == (37, 1)
@@ -42,7 +44,9 @@ def test_the_scaled_product_is_the_product_of_the_dequantized_operands():
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(2, 9, 64, generator=generator)
     linear = torch.nn.Linear(64, 48)
-    install_fp8_linears(torch.nn.ModuleList([torch.nn.Sequential(linear), torch.nn.Sequential(torch.nn.Linear(64, 48))]))
+    install_fp8_linears(
+        torch.nn.ModuleList([torch.nn.Sequential(linear), torch.nn.Sequential(torch.nn.Linear(64, 48))])
+    )
     weight, weight_scale, _ = linear.__dict__[FP8_WEIGHT]
     got = fp8_linear(x, weight, weight_scale, linear.bias.detach())
     assert got.shape == (2, 9, 48)
@@ -56,19 +60,26 @@ def test_the_scaled_product_is_the_product_of_the_dequantized_operands():
 
 def test_only_the_blocks_aligned_linears_are_prepared_and_nothing_changes_outside_fp8():
     blocks = torch.nn.ModuleList(
-        [torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 24)) for _ in range(3)]
+        [
+            torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 24))
+            for _ in range(3)
+        ]
     )
     tower = torch.nn.Module()
     tower.blocks, tower.head = blocks, torch.nn.Linear(32, 32)
     state = {name: value.clone() for name, value in tower.state_dict().items()}
-    assert install_fp8_linears(tower) == 3  # the 64 -> 24 Linears are not multiples of 16; the head is outside
+    assert (
+        install_fp8_linears(tower) == 3
+    )  # the 64 -> 24 Linears are not multiples of 16; the head is outside
     assert FP8_WEIGHT not in tower.head.__dict__ and FP8_WEIGHT not in blocks[0][2].__dict__
     assert tower.state_dict().keys() == state.keys()  # the FP8 copies are neither parameters nor buffers
     tower.to(torch.float64)
     assert blocks[1][0].__dict__[FP8_WEIGHT][0].dtype == FP8_DTYPE  # a cast leaves them alone
     x = torch.randn(5, 32, dtype=torch.float64)
     with use_fp8(True):  # CPU tensors: the plain Linear, bit for bit
-        assert torch.equal(blocks[0](x), blocks[0][2](F.gelu(F.linear(x, blocks[0][0].weight, blocks[0][0].bias))))
+        assert torch.equal(
+            blocks[0](x), blocks[0][2](F.gelu(F.linear(x, blocks[0][0].weight, blocks[0][0].bias)))
+        )
 
 
 def test_installing_again_refreshes_the_copy_of_a_changed_weight():

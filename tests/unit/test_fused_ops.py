@@ -91,7 +91,9 @@ def test_only_linear_tanh_gelu_linear_mlps_qualify():
     assert gelu_mlp_layout(_Mlp(torch.nn.GELU())) is None  # erf GELU: not cuBLASLt's epilogue
     assert gelu_mlp_layout(_Mlp(ACT2FN["quick_gelu"])) is None
     assert gelu_mlp_layout(_Mlp(torch.nn.GELU(approximate="tanh"), bias=False)) is None
-    assert gelu_mlp_layout(_Mlp(torch.nn.GELU(approximate="tanh"), extra=True)) is None  # may take part in forward
+    assert (
+        gelu_mlp_layout(_Mlp(torch.nn.GELU(approximate="tanh"), extra=True)) is None
+    )  # may take part in forward
 
 
 def test_only_hugging_faces_plain_and_gemma_4s_rms_norms_take_the_fused_forward():

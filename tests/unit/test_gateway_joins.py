@@ -23,7 +23,10 @@ class TokenGcs(gcs_service_pb2_grpc.NodeInfoGcsServiceServicer):
 
     def GetClusterId(self, request, context):
         if dict(context.invocation_metadata()).get("authorization") != "Bearer right":
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "InvalidAuthToken: Authentication token is missing or incorrect")
+            context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "InvalidAuthToken: Authentication token is missing or incorrect",
+            )
         return gcs_service_pb2.GetClusterIdReply()
 
 
@@ -90,6 +93,16 @@ def test_a_pool_the_gateway_launches_runs_in_the_llms_dtype(tmp_path, monkeypatc
 
     monkeypatch.setattr(EncoderPool, "launch", classmethod(launch))
     with pytest.raises(SystemExit, match="stop here"):
-        main(["--model", str(tmp_path), "--upstream", "http://127.0.0.1:1", "--launch-actors", "2",
-              "--dtype", "float32"])
+        main(
+            [
+                "--model",
+                str(tmp_path),
+                "--upstream",
+                "http://127.0.0.1:1",
+                "--launch-actors",
+                "2",
+                "--dtype",
+                "float32",
+            ]
+        )
     assert launched["dtype"] == "float32" and launched["num_actors"] == 2

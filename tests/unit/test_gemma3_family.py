@@ -92,10 +92,16 @@ def test_loads_a_full_model_save(model, tmp_path, max_shard_size):
 def test_loads_the_releases_layout(model, tmp_path):
     """google/gemma-3-*'s safetensors keep SigLIP one level down (`vision_tower.vision_model.*`)
     and the LLM under `language_model.model.*`."""
-    state = {f"vision_tower.vision_model.{key}": value.contiguous()
-             for key, value in model.model.vision_tower.state_dict().items()}
-    state.update({f"multi_modal_projector.{key}": value.contiguous()
-                  for key, value in model.model.multi_modal_projector.state_dict().items()})
+    state = {
+        f"vision_tower.vision_model.{key}": value.contiguous()
+        for key, value in model.model.vision_tower.state_dict().items()
+    }
+    state.update(
+        {
+            f"multi_modal_projector.{key}": value.contiguous()
+            for key, value in model.model.multi_modal_projector.state_dict().items()
+        }
+    )
     state["language_model.model.embed_tokens.weight"] = torch.zeros(4, 4)
     save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     model.config.save_pretrained(tmp_path)
@@ -121,8 +127,9 @@ def test_a_siglip_tower_of_another_model_is_refused(tmp_path):
     """PaliGemma's vision config is SigLIP's too, but its projector is not Gemma 3's."""
     from transformers import PaliGemmaConfig
 
-    PaliGemmaConfig(vision_config=dict(case.TINY_VISION), text_config={"model_type": "gemma", **case.TINY_TEXT}
-                    ).save_pretrained(tmp_path)
+    PaliGemmaConfig(
+        vision_config=dict(case.TINY_VISION), text_config={"model_type": "gemma", **case.TINY_TEXT}
+    ).save_pretrained(tmp_path)
     with pytest.raises(CheckpointError, match="'paligemma' checkpoint with a SigLIP vision tower"):
         GraphEncoder.from_pretrained(tmp_path, budgets=BUDGETS, device="cpu")
 
@@ -158,8 +165,11 @@ def image_processor():
     from transformers import Gemma3ImageProcessorPil
 
     return Gemma3ImageProcessorPil(
-        size={"height": case.VIEW, "width": case.VIEW}, do_pan_and_scan=True, pan_and_scan_min_crop_size=8,
-        pan_and_scan_max_num_crops=4, pan_and_scan_min_ratio_to_activate=1.2,
+        size={"height": case.VIEW, "width": case.VIEW},
+        do_pan_and_scan=True,
+        pan_and_scan_min_crop_size=8,
+        pan_and_scan_max_num_crops=4,
+        pan_and_scan_min_ratio_to_activate=1.2,
     )
 
 
@@ -194,7 +204,10 @@ def test_items_from_the_processors_pan_and_scan_output_encode_as_hugging_face(mo
 
 def test_a_batch_the_cutter_cannot_account_for_is_named():
     pixels = torch.randn(4, *case.ROW_SHAPE)
-    processor_output = {"pixel_values": pixels, "input_ids": torch.zeros(1, 3)}  # Gemma3Processor's: no num_crops
+    processor_output = {
+        "pixel_values": pixels,
+        "input_ids": torch.zeros(1, 3),
+    }  # Gemma3Processor's: no num_crops
     with pytest.raises(ValueError, match="num_crops"):
         vitpool.items_from(processor_output, family="gemma3")
     with pytest.raises(ValueError, match="Gemma3Processor drops it; cut the image processor's output"):

@@ -86,8 +86,10 @@ def test_images_of_different_sizes_in_one_call(model, encoder):
 
 def test_every_budget_matches_get_image_features(model, encoder):
     items = [item(6, 6, 12), item(3, 9, 13)]  # 7 tokens, 63 rows
-    specs = tuple(encoder.adapter.item_rules.item_spec("image", tuple(i.pixel_values.shape), "float32", i.grid_thw)
-                  for i in items)
+    specs = tuple(
+        encoder.adapter.item_rules.item_spec("image", tuple(i.pixel_values.shape), "float32", i.grid_thw)
+        for i in items
+    )
     wanted = image_features(model, items)
     for budget in encoder.budgets:
         [outcomes] = encoder.run_plans([(BatchPlan(budget, specs), [i.pixel_values for i in items])], "cpu")
@@ -164,7 +166,11 @@ def test_the_pool_index_pools_as_hugging_faces_pooler(model, encoder):
 
 @pytest.mark.parametrize(
     "settings",
-    [{"standardize": False, "use_clipped_linears": False}, {"standardize": False}, {"use_clipped_linears": False}],
+    [
+        {"standardize": False, "use_clipped_linears": False},
+        {"standardize": False},
+        {"use_clipped_linears": False},
+    ],
     ids=["plain", "clipped (E2B, E4B)", "standardized (26B, 31B)"],
 )
 def test_the_releases_settings_match(settings):
@@ -256,7 +262,9 @@ def test_loads_a_sharded_full_model_save_opening_only_the_vision_shards(model, t
 
     opened = []
     real_open = loading.safe_open
-    monkeypatch.setattr(loading, "safe_open", lambda path, **kw: opened.append(Path(path).name) or real_open(path, **kw))
+    monkeypatch.setattr(
+        loading, "safe_open", lambda path, **kw: opened.append(Path(path).name) or real_open(path, **kw)
+    )
     assert_loaded(model, load(tmp_path), 22)
     assert set(opened) == vision_shards
 
@@ -288,7 +296,9 @@ def test_a_missing_or_unexpected_key_is_named(model, tmp_path: Path):
     del state["model.embed_vision.embedding_projection.weight"]
     state["model.vision_tower.extra.weight"] = torch.zeros(2)
     save_file(state, str(tmp_path / "model.safetensors"))
-    with pytest.raises(CheckpointError, match=r"embed_vision\.embedding_projection\.weight.*vision_tower\.extra"):
+    with pytest.raises(
+        CheckpointError, match=r"embed_vision\.embedding_projection\.weight.*vision_tower\.extra"
+    ):
         load(tmp_path)
 
 
@@ -351,11 +361,15 @@ def test_items_from_cuts_each_image_to_its_patches_and_encodes_as_the_model(mode
         assert h * w // POOL**2 == alone["num_soft_tokens_per_image"][0], position
         assert max(h, w) <= MAX_SIDE
     with torch.no_grad():
-        wanted = model.model.get_image_features(batch["pixel_values"], batch["image_position_ids"]).pooler_output
+        wanted = model.model.get_image_features(
+            batch["pixel_values"], batch["image_position_ids"]
+        ).pooler_output
     embeddings = encoder.encode(items)
     assert len({e.tokens.shape[0] for e in embeddings}) > 1  # images of several sizes
     for position, (embedding, want) in enumerate(zip(embeddings, wanted, strict=True)):
-        assert embedding.tokens.shape == want.shape and relative_error(embedding.tokens, want) <= TOLERANCE, position
+        assert embedding.tokens.shape == want.shape and relative_error(embedding.tokens, want) <= TOLERANCE, (
+            position
+        )
 
 
 def test_items_from_numpy_output_and_a_named_family(encoder):
@@ -365,7 +379,9 @@ def test_items_from_numpy_output_and_a_named_family(encoder):
     as_arrays = vitpool.items_from(dict(processor(images=pictures, return_tensors="np")), family="gemma4")
     for array_item, tensor_item in zip(as_arrays, as_tensors, strict=True):
         assert isinstance(array_item.pixel_values, np.ndarray)
-        assert torch.equal(torch.from_numpy(np.ascontiguousarray(array_item.pixel_values)), tensor_item.pixel_values)
+        assert torch.equal(
+            torch.from_numpy(np.ascontiguousarray(array_item.pixel_values)), tensor_item.pixel_values
+        )
     for from_arrays, from_tensors in zip(encoder.encode(as_arrays), encoder.encode(as_tensors), strict=True):
         assert torch.equal(from_arrays.tokens, from_tensors.tokens)
 
@@ -388,7 +404,9 @@ def test_items_from_refuses_what_does_not_add_up():
     with pytest.raises(ValueError, match="image 1 holds padding rows only"):
         vitpool.items_from({"pixel_values": pixels, "image_position_ids": empty})
     with pytest.raises(ValueError, match="images only"):
-        vitpool.items_from({"pixel_values": pixels, "image_position_ids": positions, "pixel_values_videos": pixels})
+        vitpool.items_from(
+            {"pixel_values": pixels, "image_position_ids": positions, "pixel_values_videos": pixels}
+        )
     cut = vitpool.items_from({"pixel_values": pixels, "image_position_ids": positions})
     assert [tuple(i.grid_thw) for i in cut] == [(1, 6, 9), (1, 3, 3)]
     assert torch.equal(cut[0].pixel_values, one.pixel_values)

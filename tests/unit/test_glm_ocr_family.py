@@ -189,8 +189,10 @@ def test_the_processors_batch_cut_by_items_from_matches_the_models_batch(hf_mode
 
     config = hf_model.config.vision_config
     processor = Glm46VImageProcessorPil(
-        patch_size=config.patch_size, temporal_patch_size=config.temporal_patch_size,
-        merge_size=config.spatial_merge_size, size={"shortest_edge": 16, "longest_edge": 2 * 64 * 64},
+        patch_size=config.patch_size,
+        temporal_patch_size=config.temporal_patch_size,
+        merge_size=config.spatial_merge_size,
+        size={"shortest_edge": 16, "longest_edge": 2 * 64 * 64},
     )
     pictures = [
         pil.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8))

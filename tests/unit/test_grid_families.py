@@ -66,25 +66,61 @@ GLM_KEY = "embeddings.position_embedding.weight"
 # keyed by the full save's `model_type`
 RELEASES = {
     # Qwen2-VL: the published layout, the tower under `visual.` beside `model.layers.`
-    "qwen2_vl": Release(qwen2_vl_case.full_model, Qwen2VLAdapter, *QWEN2_VL,
-                        "visual.", "qwen2_vl_vision", "merger.ln_q.weight"),
+    "qwen2_vl": Release(
+        qwen2_vl_case.full_model,
+        Qwen2VLAdapter,
+        *QWEN2_VL,
+        "visual.",
+        "qwen2_vl_vision",
+        "merger.ln_q.weight",
+    ),
     # Qwen2.5-VL: the same layout, window attention in the tower
-    "qwen2_5_vl": Release(qwen2_5_vl_case.full_model, Qwen2_5_VLAdapter, *QWEN2_5_VL,
-                          "visual.", "qwen2_5_vl_vision", "merger.ln_q.weight"),
+    "qwen2_5_vl": Release(
+        qwen2_5_vl_case.full_model,
+        Qwen2_5_VLAdapter,
+        *QWEN2_5_VL,
+        "visual.",
+        "qwen2_5_vl_vision",
+        "merger.ln_q.weight",
+    ),
     # Qwen3.5, a dense LLM: transformers 5's layout, `model.visual.` beside `model.language_model.`
-    "qwen3_5": Release(qwen3_5_case.full_model, Qwen3_5Adapter, *QWEN3_5,
-                       "model.visual.", "qwen3_5_vision", "merger.linear_fc2.bias"),
+    "qwen3_5": Release(
+        qwen3_5_case.full_model,
+        Qwen3_5Adapter,
+        *QWEN3_5,
+        "model.visual.",
+        "qwen3_5_vision",
+        "merger.linear_fc2.bias",
+    ),
     # Qwen3.5, an MoE LLM: a tower class of its own
-    "qwen3_5_moe": Release(lambda: qwen3_5_case.full_model(moe=True), Qwen3_5Adapter, *QWEN3_5,
-                           "model.visual.", "qwen3_5_moe_vision", "merger.linear_fc2.bias"),
+    "qwen3_5_moe": Release(
+        lambda: qwen3_5_case.full_model(moe=True),
+        Qwen3_5Adapter,
+        *QWEN3_5,
+        "model.visual.",
+        "qwen3_5_moe_vision",
+        "merger.linear_fc2.bias",
+    ),
     # GLM-4.1V: a learned position table, interpolated to each grid
     "glm4v": Release(glm4v_case.full_model, Glm4vAdapter, *GLM4V, "model.visual.", "glm4v_vision", GLM_KEY),
     # GLM-4.5V: a `glm4v_moe_vision` tower
-    "glm4v_moe": Release(lambda: glm4v_case.full_model("glm4v_moe"), Glm4vAdapter, *GLM4V,
-                         "model.visual.", "glm4v_moe_vision", GLM_KEY),
+    "glm4v_moe": Release(
+        lambda: glm4v_case.full_model("glm4v_moe"),
+        Glm4vAdapter,
+        *GLM4V,
+        "model.visual.",
+        "glm4v_moe_vision",
+        GLM_KEY,
+    ),
     # GLM-4.6V: its own model type, nesting a `glm4v_vision` tower
-    "glm46v": Release(lambda: glm4v_case.full_model("glm46v"), Glm4vAdapter, *GLM4V,
-                      "model.visual.", "glm4v_vision", GLM_KEY),
+    "glm46v": Release(
+        lambda: glm4v_case.full_model("glm46v"),
+        Glm4vAdapter,
+        *GLM4V,
+        "model.visual.",
+        "glm4v_vision",
+        GLM_KEY,
+    ),
 }
 
 
@@ -202,8 +238,12 @@ def test_an_image_larger_than_every_budget_runs_eager(release, hf_model, encoder
 
 def test_videos_and_images_together_match_get_video_features(release, hf_model, encoder):
     # GLM's get_video_features runs a clip as one (1, h, w) grid per temporal patch: the adapter must too
-    items = [video(release, 3, 4, 6, 7), image(release, 4, 6, 8), video(release, 2, 2, 2, 9),
-             video(release, 2, 2, 6, 10)]
+    items = [
+        video(release, 3, 4, 6, 7),
+        image(release, 4, 6, 8),
+        video(release, 2, 2, 2, 9),
+        video(release, 2, 2, 6, 10),
+    ]
     assert_like_hf(hf_model, items, encoder.encode(items))
 
 

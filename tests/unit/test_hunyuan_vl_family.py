@@ -83,9 +83,13 @@ def test_images_of_different_sizes_in_one_call(model, encoder):
 def test_every_budget_matches_get_image_features(model, encoder):
     items = [item(4, 4, 9), item(2, 4, 10)]  # 8 + 5 tokens, 24 rows
     rules = encoder.adapter.item_rules
-    specs = tuple(rules.item_spec("image", tuple(one.pixel_values.shape), "float32", one.grid_thw) for one in items)
+    specs = tuple(
+        rules.item_spec("image", tuple(one.pixel_values.shape), "float32", one.grid_thw) for one in items
+    )
     for budget in encoder.budgets:
-        [outcomes] = encoder.run_plans([(BatchPlan(budget, specs), [one.pixel_values for one in items])], "cpu")
+        [outcomes] = encoder.run_plans(
+            [(BatchPlan(budget, specs), [one.pixel_values for one in items])], "cpu"
+        )
         for one, embedding in zip(items, outcomes, strict=True):
             assert relative_error(embedding.tokens, image_features(model, one)) <= TOLERANCE, budget
 
@@ -121,7 +125,9 @@ def test_metadata_of_two_grids_and_their_padding(encoder):
     # the merger's conv: block (bh, bw) reads rows (bh*2 + i) * w + bw*2 + j, (i, j) its kernel positions
     features = torch.randn(24, 5)
     blocks = features[metadata["merge_index"][:6]].transpose(1, 2).reshape(6, 5, MERGE, MERGE)
-    unfolded = features.T.reshape(5, 4, 6).unfold(1, MERGE, MERGE).unfold(2, MERGE, MERGE)  # [5, bh, bw, i, j]
+    unfolded = (
+        features.T.reshape(5, 4, 6).unfold(1, MERGE, MERGE).unfold(2, MERGE, MERGE)
+    )  # [5, bh, bw, i, j]
     assert torch.equal(blocks, unfolded.permute(1, 2, 0, 3, 4).reshape(6, 5, MERGE, MERGE))
     # the second image (2 x 4 patches) from row 24
     assert metadata["merge_index"][6:8].tolist() == [[24, 25, 28, 29], [26, 27, 30, 31]]
@@ -129,12 +135,28 @@ def test_metadata_of_two_grids_and_their_padding(encoder):
     # tokens: begin, a row of blocks and its newline per row of blocks, end; then the second image
     newline, begin, end = num_rows // 4, num_rows // 4 + 1, num_rows // 4 + 2
     assert metadata["token_index"][:15].tolist() == [
-        begin, 0, 1, 2, newline, 3, 4, 5, newline, end, begin, 6, 7, newline, end,
+        begin,
+        0,
+        1,
+        2,
+        newline,
+        3,
+        4,
+        5,
+        newline,
+        end,
+        begin,
+        6,
+        7,
+        newline,
+        end,
     ]
     assert metadata["token_index"][15:].abs().sum() == 0
     # table taps: the padding rows read row 0 with weight 0
     assert metadata["interp_weights"][:32].sum(1).allclose(torch.ones(32))
-    assert metadata["interp_weights"][32:].abs().sum() == 0 and metadata["interp_indices"][32:].abs().sum() == 0
+    assert (
+        metadata["interp_weights"][32:].abs().sum() == 0 and metadata["interp_indices"][32:].abs().sum() == 0
+    )
     with pytest.raises(ValueError, match="the buffers hold"):
         adapter.build_metadata([first] * 4, num_rows, budget)  # 40 tokens
 
@@ -214,7 +236,9 @@ def test_loads_a_sharded_full_model_save_opening_only_the_vision_shards(model, t
 
     opened = []
     real_open = loading.safe_open
-    monkeypatch.setattr(loading, "safe_open", lambda path, **kw: opened.append(Path(path).name) or real_open(path, **kw))
+    monkeypatch.setattr(
+        loading, "safe_open", lambda path, **kw: opened.append(Path(path).name) or real_open(path, **kw)
+    )
     assert_loaded(model, load(tmp_path), 22)
     assert set(opened) == vision_shards
 
@@ -254,7 +278,9 @@ def processor():
     pytest.importorskip("PIL.Image")
     from transformers import HunYuanVLImageProcessorPil
 
-    return HunYuanVLImageProcessorPil(patch_size=PATCH, merge_size=MERGE, min_pixels=8 * 8, max_pixels=24 * 24)
+    return HunYuanVLImageProcessorPil(
+        patch_size=PATCH, merge_size=MERGE, min_pixels=8 * 8, max_pixels=24 * 24
+    )
 
 
 def random_pictures(sizes: list[tuple[int, int]], seed: int = 0) -> list:
@@ -283,7 +309,9 @@ def test_items_from_gives_each_images_processor_output_and_encodes_as_the_model(
     with torch.no_grad():
         wanted = model.model.get_image_features(batch["pixel_values"], batch["image_grid_thw"]).pooler_output
     for position, (embedding, want) in enumerate(zip(encoder.encode(items), wanted, strict=True)):
-        assert embedding.tokens.shape == want.shape and relative_error(embedding.tokens, want) <= TOLERANCE, position
+        assert embedding.tokens.shape == want.shape and relative_error(embedding.tokens, want) <= TOLERANCE, (
+            position
+        )
 
 
 def test_items_from_refuses_what_does_not_add_up():
@@ -291,7 +319,8 @@ def test_items_from_refuses_what_does_not_add_up():
         vitpool.items_from({"pixel_values": torch.zeros(16, ROW_WIDTH)}, family="hunyuan_vl")
     with pytest.raises(ValueError, match="accounts? for 24"):
         vitpool.items_from(
-            {"pixel_values": torch.zeros(16, ROW_WIDTH), "image_grid_thw": torch.tensor([[1, 4, 6]])}, family="hunyuan_vl"
+            {"pixel_values": torch.zeros(16, ROW_WIDTH), "image_grid_thw": torch.tensor([[1, 4, 6]])},
+            family="hunyuan_vl",
         )
 
 
@@ -316,7 +345,12 @@ def test_the_drop_in_answers_get_image_features_and_the_models_forward():
         input_ids += [image_token] * span + [3]
     input_ids = torch.tensor([input_ids])
     token_types = (input_ids == image_token).int()  # the processor's mm_token_type_ids
-    inputs = {"input_ids": input_ids, "pixel_values": pixels, "image_grid_thw": grids, "mm_token_type_ids": token_types}
+    inputs = {
+        "input_ids": input_ids,
+        "pixel_values": pixels,
+        "image_grid_thw": grids,
+        "mm_token_type_ids": token_types,
+    }
     with torch.no_grad():
         wanted = model.model.get_image_features(pixels, grids).pooler_output
         wanted_logits = model(**inputs).logits

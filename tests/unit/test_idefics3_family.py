@@ -121,7 +121,9 @@ def test_a_full_splits_position_ids_are_the_models(image_size, patch_size):
         embeddings.patch_embedding.weight.zero_()
         embeddings.patch_embedding.bias.zero_()
         embeddings.position_embedding.weight.copy_(torch.arange(side * side, dtype=torch.float32)[:, None])
-        read = embeddings(torch.zeros(1, 3, image_size, image_size), torch.ones(1, side, side, dtype=torch.bool))
+        read = embeddings(
+            torch.zeros(1, 3, image_size, image_size), torch.ones(1, side, side, dtype=torch.bool)
+        )
     assert torch.equal(idefics3_adapter.split_position_ids(side), read[0, :, 0].long())
 
 
@@ -133,7 +135,9 @@ def test_loads_a_full_model_save(kind, model, tmp_path, max_shard_size):
         weight_map = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
         assert len(set(weight_map.values())) > 2  # the vision weights span several shards
     encoder = GraphEncoder.from_pretrained(tmp_path, budgets=BUDGETS, device="cpu", dtype=torch.float32)
-    assert type(encoder.adapter.tower.vision_model) is type(model.model.vision_model)  # SmolVLM's classes for SmolVLM
+    assert type(encoder.adapter.tower.vision_model) is type(
+        model.model.vision_model
+    )  # SmolVLM's classes for SmolVLM
     items = [splits(kind, 2, 40), splits(kind, 1, 41)]
     assert_matches(model, items, encoder.encode(items))
 
@@ -216,18 +220,24 @@ def test_every_real_frame_the_processor_emits_is_a_full_split(kind, splitting):
     pytest.importorskip("PIL")
     processor = image_processor(kind, do_image_splitting=splitting)
     images = random_images(((20, 12), (6, 30), (9, 9), (3, 41), (17, 16)), seed=1)
-    out = processor(images=[images[:1], images[1:3], images[3:]], return_tensors="pt", return_row_col_info=True)
+    out = processor(
+        images=[images[:1], images[1:3], images[3:]], return_tensors="pt", return_row_col_info=True
+    )
     pixels, masks = out["pixel_values"], out["pixel_attention_mask"]
     assert tuple(pixels.shape[-2:]) == case.row_shape(kind)[-2:]
     for sample, (rows, cols) in enumerate(zip(out["rows"], out["cols"], strict=True)):
         real = sum(r * c + 1 if r else 1 for r, c in zip(rows, cols))
         assert bool(masks[sample, :real].all()) and not bool(masks[sample, real:].any())
-        assert not bool(pixels[sample, real:].any()) and all(bool(frame.any()) for frame in pixels[sample, :real])
+        assert not bool(pixels[sample, real:].any()) and all(
+            bool(frame.any()) for frame in pixels[sample, :real]
+        )
     assert out["pixel_values"].shape[1] > 1 if splitting else max(map(len, out["rows"])) == 2
 
 
 @pytest.mark.parametrize("nested", [False, True], ids=["one_sample", "two_samples"])
-def test_items_from_the_processor_are_the_images_alone_and_encode_as_hugging_face(kind, model, encoder, nested):
+def test_items_from_the_processor_are_the_images_alone_and_encode_as_hugging_face(
+    kind, model, encoder, nested
+):
     pytest.importorskip("PIL")
     processor = image_processor(kind)
     images = random_images(SIZES, seed=2)
@@ -268,7 +278,12 @@ def _batch(**changes):
     masks = torch.zeros(2, 4, side, side, dtype=torch.int64)
     masks[0] = 1
     masks[1, 0] = 1
-    batch = {"pixel_values": pixels, "pixel_attention_mask": masks, "rows": [[2, 0], [0]], "cols": [[1, 0], [0]]}
+    batch = {
+        "pixel_values": pixels,
+        "pixel_attention_mask": masks,
+        "rows": [[2, 0], [0]],
+        "cols": [[1, 0], [0]],
+    }
     batch.update(changes)
     return {key: value for key, value in batch.items() if value is not None}
 

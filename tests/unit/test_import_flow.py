@@ -166,7 +166,9 @@ def arrows_of(module: str, tree: ast.Module, is_package: bool) -> list[Arrow]:
             arrows += [Arrow(module, resolve(package, alias.name), node.lineno, lazy) for alias in node.names]
     exports, line = lazy_exports_call(tree)
     arrows += [Arrow(module, target, line, lazy=True) for target in exports.values()]
-    arrows = [arrow for arrow in arrows if arrow.imported == "vitpool" or arrow.imported.startswith("vitpool.")]
+    arrows = [
+        arrow for arrow in arrows if arrow.imported == "vitpool" or arrow.imported.startswith("vitpool.")
+    ]
     return list(dict.fromkeys(arrows))  # one per line and module imported
 
 
@@ -218,7 +220,9 @@ def test_gateway_and_dynamo_import_no_engine(module: str):
         for arrow in arrows_of(module, parse(path), path.name == "__init__.py")
         if arrow.imported.startswith(forbidden)
     ]
-    assert loaded == [], f"{module} loads the engine (parse dtypes with vitpool.dtypes):\n" + "\n".join(loaded)
+    assert loaded == [], f"{module} loads the engine (parse dtypes with vitpool.dtypes):\n" + "\n".join(
+        loaded
+    )
 
 
 # What the checker sees, on snippets: (module, is a package, its source, the arrows: (imported, lazy)).

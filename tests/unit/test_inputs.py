@@ -26,7 +26,10 @@ def inf_pixels():
 BAD_ITEMS = {
     "feature size": (Image(torch.randn(16, 1000), (1, 4, 4)), "1000 features per row"),
     "rows != t*h*w": (Image(torch.randn(20, ROW_WIDTH), (1, 4, 4)), "needs t*h*w = 16"),
-    "grid not divisible by merge": (Image(torch.randn(15, ROW_WIDTH), (1, 3, 5)), "multiples of the spatial merge size"),
+    "grid not divisible by merge": (
+        Image(torch.randn(15, ROW_WIDTH), (1, 3, 5)),
+        "multiples of the spatial merge size",
+    ),
     "zero size": (Image(torch.randn(0, ROW_WIDTH), (1, 0, 4)), "zero or negative"),
     "no pixel rows": (Image(torch.randn(0, ROW_WIDTH), (1, 4, 4)), "needs t*h*w = 16"),
     "negative size": (Video(torch.randn(16, ROW_WIDTH), (-1, 4, 4)), "zero or negative"),
@@ -90,10 +93,12 @@ def test_capacity_limits_bound_the_familys_own_capacities(tiny_adapter):
     attention-sequence bound under its long-standing name."""
     from vitpool import GraphEncoder
 
-    by_name = GraphEncoder(tiny_adapter, budgets=[64, 512], device="cpu", max_items_per_batch=6,
-                           capacity_limits={"sequences": 6})
-    by_frames = GraphEncoder(tiny_adapter, budgets=[64, 512], device="cpu", max_items_per_batch=6,
-                             max_frames_per_batch=6)
+    by_name = GraphEncoder(
+        tiny_adapter, budgets=[64, 512], device="cpu", max_items_per_batch=6, capacity_limits={"sequences": 6}
+    )
+    by_frames = GraphEncoder(
+        tiny_adapter, budgets=[64, 512], device="cpu", max_items_per_batch=6, max_frames_per_batch=6
+    )
     assert {b.limit("sequences") for b in by_name.budgets} == {4, 6}  # the few-sequence variant, and 6
     assert {b.limit("sequences") for b in by_frames.budgets} == {4, 6}
 

@@ -142,8 +142,17 @@ def test_the_release_config_reads_as_transformers_converter_reads_it(model):
     raw = case.release_config_json(model)
     config = release_config(raw)
     vision = model.config.vision_config
-    for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "norm_type",
-                 "use_qk_norm", "attention_bias", "image_size", "patch_size"):
+    for name in (
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "intermediate_size",
+        "norm_type",
+        "use_qk_norm",
+        "attention_bias",
+        "image_size",
+        "patch_size",
+    ):
         assert getattr(config, name) == getattr(vision, name), name
     assert config.model_type == "internvl_vision"
     assert config.text_hidden_size == case.TINY_TEXT["hidden_size"]

@@ -44,7 +44,9 @@ def test_take_is_oldest_first_within_the_room_and_drops_finished_calls():
         taken = subject.take(token_room=8, item_room=10)  # the finished call's items leave on the way
         assert [(item.call, item.spec.num_tokens) for item in taken] == [(live, 4), (live, 4)]
         assert len(subject) == 1 and subject.nbytes == 100
-        assert [item.spec.num_tokens for item in subject.take(token_room=1, item_room=10)] == [4]  # the first goes
+        assert [item.spec.num_tokens for item in subject.take(token_room=1, item_room=10)] == [
+            4
+        ]  # the first goes
 
 
 def test_room_is_signalled_when_items_leave():

@@ -47,17 +47,42 @@ def image_processor(class_name: str, patch: int, **kwargs) -> Callable[[], objec
 CASES = {
     case.family: case
     for case in (
-        GridCase("qwen2_vl", qwen2_vl_case.CASE_FIELDS, image_processor("Qwen2VLImageProcessorPil", 14, temporal_patch_size=2),
-                 ((80, 112), (144, 64), (64, 64))),
-        GridCase("qwen2_5_vl", qwen2_5_vl_case.CASE_FIELDS,
-                 image_processor("Qwen2VLImageProcessorPil", 14, temporal_patch_size=2), ((80, 112), (144, 64), (64, 64))),
-        GridCase("qwen3_5", qwen3_5_case.CASE_FIELDS,
-                 image_processor("Qwen2VLImageProcessorPil", 4, temporal_patch_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3),
-                 ((20, 28), (36, 16), (16, 16))),
-        GridCase("glm4v", glm4v_case.CASE_FIELDS, image_processor("Glm4vImageProcessorPil", 2, temporal_patch_size=2),
-                 ((20, 28), (36, 16), (16, 16))),
-        GridCase("paddleocr_vl", paddleocr_vl_case.CASE_FIELDS, image_processor("PaddleOCRVLImageProcessorPil", 2),
-                 ((20, 28), (36, 16), (16, 16))),
+        GridCase(
+            "qwen2_vl",
+            qwen2_vl_case.CASE_FIELDS,
+            image_processor("Qwen2VLImageProcessorPil", 14, temporal_patch_size=2),
+            ((80, 112), (144, 64), (64, 64)),
+        ),
+        GridCase(
+            "qwen2_5_vl",
+            qwen2_5_vl_case.CASE_FIELDS,
+            image_processor("Qwen2VLImageProcessorPil", 14, temporal_patch_size=2),
+            ((80, 112), (144, 64), (64, 64)),
+        ),
+        GridCase(
+            "qwen3_5",
+            qwen3_5_case.CASE_FIELDS,
+            image_processor(
+                "Qwen2VLImageProcessorPil",
+                4,
+                temporal_patch_size=2,
+                image_mean=[0.5] * 3,
+                image_std=[0.5] * 3,
+            ),
+            ((20, 28), (36, 16), (16, 16)),
+        ),
+        GridCase(
+            "glm4v",
+            glm4v_case.CASE_FIELDS,
+            image_processor("Glm4vImageProcessorPil", 2, temporal_patch_size=2),
+            ((20, 28), (36, 16), (16, 16)),
+        ),
+        GridCase(
+            "paddleocr_vl",
+            paddleocr_vl_case.CASE_FIELDS,
+            image_processor("PaddleOCRVLImageProcessorPil", 2),
+            ((20, 28), (36, 16), (16, 16)),
+        ),
     )
 }
 
@@ -101,8 +126,10 @@ def test_numpy_output_and_a_dict_cut_the_same_as_tensors():
 def test_images_then_videos_each_cut_by_their_own_grid():
     image_rows, video_rows = torch.randn(4 + 8, 24), torch.randn(2 * 4 + 4, 24)
     batch = {
-        "pixel_values": image_rows, "image_grid_thw": torch.tensor([[1, 2, 2], [1, 2, 4]]),
-        "pixel_values_videos": video_rows, "video_grid_thw": torch.tensor([[2, 2, 2], [1, 2, 2]]),
+        "pixel_values": image_rows,
+        "image_grid_thw": torch.tensor([[1, 2, 2], [1, 2, 4]]),
+        "pixel_values_videos": video_rows,
+        "video_grid_thw": torch.tensor([[2, 2, 2], [1, 2, 2]]),
         "input_ids": torch.zeros(1, 5, dtype=torch.long),  # a key the family does not use: ignored
     }
     items = vitpool.items_from(batch)
@@ -123,11 +150,23 @@ def test_what_does_not_add_up_is_named():
     with pytest.raises(ValueError, match=r"image_grid_thw row 1 is \[1, 0, 2\]"):
         vitpool.items_from({"pixel_values": rows, "image_grid_thw": torch.tensor([[1, 2, 2], [1, 0, 2]])})
     with pytest.raises(ValueError, match="has video_grid_thw but no pixel_values_videos"):
-        vitpool.items_from({"pixel_values": rows[:4], "image_grid_thw": torch.tensor([[1, 2, 2]]),
-                            "video_grid_thw": torch.tensor([[1, 2, 2]])})
+        vitpool.items_from(
+            {
+                "pixel_values": rows[:4],
+                "image_grid_thw": torch.tensor([[1, 2, 2]]),
+                "video_grid_thw": torch.tensor([[1, 2, 2]]),
+            }
+        )
     with pytest.raises(ValueError, match="paddleocr_vl takes images only"):
-        vitpool.items_from({"pixel_values_videos": rows[:4], "video_grid_thw": torch.tensor([[1, 2, 2]]),
-                            "pixel_values": rows[:4], "image_grid_thw": torch.tensor([[1, 2, 2]])}, family="paddleocr_vl")
+        vitpool.items_from(
+            {
+                "pixel_values_videos": rows[:4],
+                "video_grid_thw": torch.tensor([[1, 2, 2]]),
+                "pixel_values": rows[:4],
+                "image_grid_thw": torch.tensor([[1, 2, 2]]),
+            },
+            family="paddleocr_vl",
+        )
     with pytest.raises(ValueError, match="are no family's processor output"):
         vitpool.items_from({"input_ids": torch.zeros(1, 3)})
     with pytest.raises(ValueError, match="no family 'qwen9'"):

@@ -98,8 +98,12 @@ CASES = {
     for case in (
         Case(  # 8-pixel tiles; up to 4 crops and a thumbnail an image
             "internvl",
-            transformers_class("GotOcr2ImageProcessorPil", size={"height": 8, "width": 8},
-                               crop_to_patches=True, max_patches=4),
+            transformers_class(
+                "GotOcr2ImageProcessorPil",
+                size={"height": 8, "width": 8},
+                crop_to_patches=True,
+                max_patches=4,
+            ),
             sizes=((8, 24), (8, 8), (20, 14)),
             item_alone=lambda out: Image(out["pixel_values"]),
             encoder_and_reference=tiled_encoder(internvl_case, (4, 8, 16)),
@@ -139,8 +143,13 @@ CASES = {
         ),
         Case(  # 2-pixel patches, at most 8 x 8 of them
             "kimi_k25",
-            transformers_class("Kimi_K25ImageProcessor", patch_size=2, merge_size=2,
-                               size={"max_height": 16, "max_width": 16}, max_patches=64),
+            transformers_class(
+                "Kimi_K25ImageProcessor",
+                patch_size=2,
+                merge_size=2,
+                size={"max_height": 16, "max_width": 16},
+                max_patches=64,
+            ),
             sizes=((10, 16), (16, 8), (12, 12)),
             item_alone=lambda out: Image(out["pixel_values"], out["image_grid_thw"][0]),
             encoder_and_reference=tiled_encoder(kimi_k25_case, (16, 32, 64)),
@@ -226,8 +235,9 @@ def test_kimi_k25_videos_are_one_item_per_chunk_of_frames():
     pytest.importorskip("torchvision", reason="Kimi-K2.5's video processor exists only for torchvision")
     from transformers import Kimi_K25VideoProcessor
 
-    processor = Kimi_K25VideoProcessor(patch_size=2, merge_size=2, size={"max_height": 16, "max_width": 16},
-                                       max_patches=64)
+    processor = Kimi_K25VideoProcessor(
+        patch_size=2, merge_size=2, size={"max_height": 16, "max_width": 16}, max_patches=64
+    )
     generator = torch.Generator().manual_seed(0)
     frames = torch.randint(0, 256, (6, 3, 12, 16), dtype=torch.uint8, generator=generator)
     out = processor([frames], return_tensors="pt", do_sample_frames=False)
@@ -289,22 +299,31 @@ def laid_out_batch(family: str) -> dict[str, Any]:
     of unlike tile / slice counts."""
     generator = torch.Generator().manual_seed(0)
     if family == "internvl":
-        return {"pixel_values": torch.randn(3 + 1 + 5, 3, 8, 8, generator=generator),
-                "num_patches": torch.tensor([3, 1, 5])}
+        return {
+            "pixel_values": torch.randn(3 + 1 + 5, 3, 8, 8, generator=generator),
+            "num_patches": torch.tensor([3, 1, 5]),
+        }
     if family == "llama4":
         # canvases of 1 x 2, 1 x 1 and 2 x 2 tiles: a global tile beside the tiles of each but the 1 x 1
         canvases = torch.tensor([[1, 2], [1, 1], [2, 2]])
-        return {"pixel_values": torch.randn(3 + 1 + 5, 3, 16, 16, generator=generator),
-                "aspect_ratios": canvases}
+        return {
+            "pixel_values": torch.randn(3 + 1 + 5, 3, 16, 16, generator=generator),
+            "aspect_ratios": canvases,
+        }
     if family == "minicpmv4_6":
         sizes = [[4, 8], [4, 4], [4, 4], [8, 4], [4, 4], [8, 8]]
         patches = sum(h * w for h, w in sizes)
-        return {"pixel_values": torch.randn(1, 3, 14, patches * 14, generator=generator),
-                "target_sizes": torch.tensor(sizes, dtype=torch.int32), "num_patches_per_image": [1, 3, 2]}
+        return {
+            "pixel_values": torch.randn(1, 3, 14, patches * 14, generator=generator),
+            "target_sizes": torch.tensor(sizes, dtype=torch.int32),
+            "num_patches_per_image": [1, 3, 2],
+        }
     # Step-3.7's and DeepSeek-OCR-2's: a view per image, crops of the images that have some
-    return {"pixel_values": torch.randn(3, 3, 56, 56, generator=generator),
-            "num_local_patches": torch.tensor([2, 0, 3]),
-            "pixel_values_local": torch.randn(5, 3, 28, 28, generator=generator)}
+    return {
+        "pixel_values": torch.randn(3, 3, 56, 56, generator=generator),
+        "num_local_patches": torch.tensor([2, 0, 3]),
+        "pixel_values_local": torch.randn(5, 3, 28, 28, generator=generator),
+    }
 
 
 def batch_counts(family: str, batch: dict[str, Any]) -> list[int]:
@@ -356,25 +375,49 @@ def test_minicpm_slices_are_cut_by_each_images_slice_count():
 
 # the family, what replaces (None: drops) a key of its laid-out batch, the error it gives
 WHAT_DOES_NOT_ADD_UP = [
-    ("internvl", {"num_patches": torch.tensor([3, 1, 4])},
-     r"pixel_values has 9 rows; num_patches \[3, 1, 4\] accounts for 8"),
-    ("internvl", {"num_patches": torch.tensor([3.5, 1, 4.5])},
-     "must be one non-negative whole number per image"),
+    (
+        "internvl",
+        {"num_patches": torch.tensor([3, 1, 4])},
+        r"pixel_values has 9 rows; num_patches \[3, 1, 4\] accounts for 8",
+    ),
+    (
+        "internvl",
+        {"num_patches": torch.tensor([3.5, 1, 4.5])},
+        "must be one non-negative whole number per image",
+    ),
     ("internvl", {"pixel_values_videos": torch.zeros(1, 2, 3, 8, 8)}, "internvl takes images only"),
-    ("llama4", {"aspect_ratios": torch.tensor([[1, 2], [1, 1], [2, 1]])},
-     "pixel_values has 9 rows; .* accounts for 7"),
+    (
+        "llama4",
+        {"aspect_ratios": torch.tensor([[1, 2], [1, 1], [2, 1]])},
+        "pixel_values has 9 rows; .* accounts for 7",
+    ),
     ("llama4", {"aspect_ratios": torch.tensor([[1, 2], [0, 1], [2, 2]])}, r"aspect_ratios row 1 is \[0, 1\]"),
-    ("minicpmv4_6", {"num_patches_per_image": [1, 3, 3]},
-     r"num_patches_per_image \[1, 3, 3\] accounts for 7 slices; target_sizes has 6 rows"),
-    ("minicpmv4_6", {"pixel_values": torch.zeros(1, 3, 14, 30 * 14)},
-     "pixel_values holds 30 patches of 14 x 14; the 6 target_sizes rows account for 176"),
-    ("minicpmv4_6", {"pixel_values": torch.zeros(176, 3, 14, 14)},
-     r"the processor's strip is \[1, C, P, N\*P\]"),
+    (
+        "minicpmv4_6",
+        {"num_patches_per_image": [1, 3, 3]},
+        r"num_patches_per_image \[1, 3, 3\] accounts for 7 slices; target_sizes has 6 rows",
+    ),
+    (
+        "minicpmv4_6",
+        {"pixel_values": torch.zeros(1, 3, 14, 30 * 14)},
+        "pixel_values holds 30 patches of 14 x 14; the 6 target_sizes rows account for 176",
+    ),
+    (
+        "minicpmv4_6",
+        {"pixel_values": torch.zeros(176, 3, 14, 14)},
+        r"the processor's strip is \[1, C, P, N\*P\]",
+    ),
     ("minicpmv4_6", {"pixel_values_videos": torch.zeros(1, 3, 14, 14)}, "minicpmv4_6 takes images only"),
-    ("step3p7", {"num_local_patches": torch.tensor([2, 3])},
-     "pixel_values holds 3 global views but num_local_patches"),
-    ("step3p7", {"num_local_patches": torch.tensor([2, 0, 2])},
-     r"pixel_values_local has 5 rows; num_local_patches \[2, 0, 2\]"),
+    (
+        "step3p7",
+        {"num_local_patches": torch.tensor([2, 3])},
+        "pixel_values holds 3 global views but num_local_patches",
+    ),
+    (
+        "step3p7",
+        {"num_local_patches": torch.tensor([2, 0, 2])},
+        r"pixel_values_local has 5 rows; num_local_patches \[2, 0, 2\]",
+    ),
     ("deepseek_ocr2", {"pixel_values_local": None}, "counts 5 crops but the batch has no pixel_values_local"),
     ("deepseek_ocr2", {"pixel_values": [torch.zeros(3, 56, 56)] * 3}, "return_tensors='pt'"),
 ]

@@ -104,7 +104,9 @@ def test_each_entry_is_its_own_sequence(model, encoder):
     [joined] = encoder.encode([whole])
     separately = torch.cat([embedding.tokens for embedding in encoder.encode(parts)])
     assert relative_error(joined.tokens, separately) <= TOLERANCE
-    other_thumbnail = Image(torch.cat([rows[:128], torch.randn(48, case.ROW_WIDTH)]), [[8, 8], [8, 8], [6, 8]])
+    other_thumbnail = Image(
+        torch.cat([rows[:128], torch.randn(48, case.ROW_WIDTH)]), [[8, 8], [8, 8], [6, 8]]
+    )
     [changed] = encoder.encode([other_thumbnail])
     assert relative_error(changed.tokens[:32], joined.tokens[:32]) <= TOLERANCE
     assert relative_error(changed.tokens[32:], joined.tokens[32:]) > 0.1
@@ -225,7 +227,8 @@ def test_loads_a_sharded_full_model_save_opening_only_the_vision_shards(model, t
     model.save_pretrained(tmp_path, max_shard_size="50KB")
     weight_map = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
     vision_shards = {
-        shard for key, shard in weight_map.items()
+        shard
+        for key, shard in weight_map.items()
         if key.startswith(("model.vision_tower.", "model.multi_modal_projector."))
     }
     assert len(set(weight_map.values())) > len(vision_shards) > 1
@@ -233,7 +236,9 @@ def test_loads_a_sharded_full_model_save_opening_only_the_vision_shards(model, t
 
     opened = []
     real_open = loading.safe_open
-    monkeypatch.setattr(loading, "safe_open", lambda path, **kw: opened.append(Path(path).name) or real_open(path, **kw))
+    monkeypatch.setattr(
+        loading, "safe_open", lambda path, **kw: opened.append(Path(path).name) or real_open(path, **kw)
+    )
     assert_loaded(model, load(tmp_path), 22)
     assert set(opened) == vision_shards
 
@@ -349,8 +354,11 @@ def test_items_from_refuses_what_does_not_add_up():
     with pytest.raises(ValueError, match="Lfm2VlProcessor drops image_rows and image_cols"):
         vitpool.items_from(batch)
     grids = {"image_rows": [1, 1], "image_cols": [1, 3]}
-    with pytest.raises(ValueError, match=r"give 4 tiles \(5 with a thumbnail after each split image\); "
-                                         r"spatial_shapes has 6"):
+    with pytest.raises(
+        ValueError,
+        match=r"give 4 tiles \(5 with a thumbnail after each split image\); "
+        r"spatial_shapes has 6",
+    ):
         vitpool.items_from({**batch, **grids})
     with pytest.raises(ValueError, match="one grid of at least 1 x 1 per image"):
         vitpool.items_from({**batch, "image_rows": [1, 2], "image_cols": [1]})
@@ -428,7 +436,9 @@ def test_items_from_refuses_a_prompt_that_does_not_fit():
     other_closer[len(whole) - 2] = 9
     with pytest.raises(ValueError, match="do not follow the processor's markers"):
         vitpool.items_from(with_prompts(batch, [other_closer]))
-    no_types = {key: value for key, value in with_prompts(batch, [whole]).items() if key != "mm_token_type_ids"}
+    no_types = {
+        key: value for key, value in with_prompts(batch, [whole]).items() if key != "mm_token_type_ids"
+    }
     with pytest.raises(ValueError, match="no mm_token_type_ids to read it from"):
         vitpool.items_from(no_types)
 
@@ -445,8 +455,13 @@ def image_processor(**settings):
 
     # the tiny model's patch and factor; tiles of 8 x 8 patches, at most 16 tokens unsplit
     return Lfm2VlImageProcessor(
-        encoder_patch_size=case.PATCH, downsample_factor=F, tile_size=16, min_image_tokens=4, max_image_tokens=16,
-        max_tiles=4, **settings,
+        encoder_patch_size=case.PATCH,
+        downsample_factor=F,
+        tile_size=16,
+        min_image_tokens=4,
+        max_image_tokens=16,
+        max_tiles=4,
+        **settings,
     )
 
 
@@ -492,8 +507,9 @@ def test_items_from_the_image_processor_with_its_grids(model, encoder, use_thumb
     assert_each_as_alone(cut, processor, images)
     for got, want in zip(encoder.encode(cut), grouped_features(model, batch, cut), strict=True):
         assert got.tokens.shape == want.shape and relative_error(got.tokens, want) <= TOLERANCE
-    as_arrays = vitpool.items_from(dict(processor(images, return_tensors="np", return_row_col_info=True)),
-                                   family="lfm2_vl")
+    as_arrays = vitpool.items_from(
+        dict(processor(images, return_tensors="np", return_row_col_info=True)), family="lfm2_vl"
+    )
     for from_arrays, from_tensors in zip(encoder.encode(as_arrays), encoder.encode(cut), strict=True):
         assert torch.equal(from_arrays.tokens, from_tensors.tokens)
     with pytest.raises(ValueError, match="return_row_col_info=True"):
@@ -507,15 +523,20 @@ def tiny_tokenizer():
     from transformers import PreTrainedTokenizerFast
 
     special = {
-        "image_token": "<image>", "image_start_token": "<|image_start|>", "image_end_token": "<|image_end|>",
+        "image_token": "<image>",
+        "image_start_token": "<|image_start|>",
+        "image_end_token": "<|image_end|>",
         "image_thumbnail_token": "<|img_thumbnail|>",
     }
     vocab = {"<unk>": 0, "<pad>": 1, **{chr(c): c - 30 for c in range(32, 127)}, "\n": 97}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>",
-                                        extra_special_tokens=special)
-    tokenizer.add_tokens([f"<|img_row_{r}_col_{c}|>" for r in range(1, 5) for c in range(1, 5)], special_tokens=True)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>", extra_special_tokens=special
+    )
+    tokenizer.add_tokens(
+        [f"<|img_row_{r}_col_{c}|>" for r in range(1, 5) for c in range(1, 5)], special_tokens=True
+    )
     return tokenizer
 
 
@@ -529,7 +550,9 @@ def test_items_from_the_full_processor_reads_its_prompt(model, encoder):
     images = pictures(1)
     texts = ["a<image>b<image>c", "<image><image>d"]
     nested = [images[:2], images[2:]]
-    out = processor(images=nested, text=texts, return_tensors="pt", padding=True, return_mm_token_type_ids=True)
+    out = processor(
+        images=nested, text=texts, return_tensors="pt", padding=True, return_mm_token_type_ids=True
+    )
     assert "image_rows" not in out
     cut = vitpool.items_from(out)  # the keys alone name the family
     assert [len(one.grid_thw) for one in cut] == [1, 5, 1, 4]
@@ -539,8 +562,14 @@ def test_items_from_the_full_processor_reads_its_prompt(model, encoder):
     without_types = processor(images=nested, text=texts, return_tensors="pt", padding=True)
     with pytest.raises(ValueError, match="return_mm_token_type_ids=True"):
         vitpool.items_from(without_types)
-    plain = processor(images=nested, text=texts, return_tensors="pt", padding=True, return_mm_token_type_ids=True,
-                      use_image_special_tokens=False)
+    plain = processor(
+        images=nested,
+        text=texts,
+        return_tensors="pt",
+        padding=True,
+        return_mm_token_type_ids=True,
+        use_image_special_tokens=False,
+    )
     with pytest.raises(ValueError, match="use_image_special_tokens=False"):
         vitpool.items_from(plain)
 
@@ -574,4 +603,3 @@ def test_the_drop_in_answers_get_image_features_and_the_models_forward():
     restore_vision_tower(model, original)
     with torch.no_grad():
         assert torch.equal(model.model.get_image_features(**batch).pooler_output[0], wanted[0])
-

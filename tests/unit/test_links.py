@@ -134,8 +134,16 @@ def test_a_ray_call_passes_the_plan_and_pixels_and_gives_the_value_refs():
         ("not a receipt", BatchFailed, "not a receipt"),
         (BatchReceipt("unheard of"), BatchFailed, "unheard of"),
     ],
-    ids=["retired", "actor-error", "actor-died", "actor-unavailable", "error", "task-error", "not-a-receipt",
-         "unknown-status"],
+    ids=[
+        "retired",
+        "actor-error",
+        "actor-died",
+        "actor-unavailable",
+        "error",
+        "task-error",
+        "not-a-receipt",
+        "unknown-status",
+    ],
 )
 def test_each_ray_outcome(answer, kind, words):
     handle, outcomes = FakeHandle(), Outcomes()
@@ -184,7 +192,9 @@ def run_batch(plan: BatchPlan, pixels: list[np.ndarray], output_device: str | No
             errors[position] = "NaN pixels"
             continue
         first = float(array.reshape(-1)[0])
-        values.append(Embedding.from_outputs([torch.full(shape, first) for shape in LAYOUT.shapes(spec.num_tokens)]))
+        values.append(
+            Embedding.from_outputs([torch.full(shape, first) for shape in LAYOUT.shapes(spec.num_tokens)])
+        )
     return values, BatchReceipt(OK, errors)
 
 
@@ -339,7 +349,9 @@ def test_a_broken_channel_sends_this_and_later_batches_through_ray(caplog, how, 
         assert link.exchange(plan, pixels, outcomes) is None
         link.send(plan, pixels, Outcomes())  # later batches go straight to Ray
         assert len(handle.calls) == 2
-        warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "through Ray" in r.getMessage()]
+        warnings = [
+            r for r in caplog.records if r.levelno == logging.WARNING and "through Ray" in r.getMessage()
+        ]
         assert len(warnings) == 1 and "encoder actor 5" in warnings[0].getMessage()
     finally:
         link.close()

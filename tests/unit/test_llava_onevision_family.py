@@ -96,7 +96,8 @@ def test_a_padded_hugging_face_batch_gives_each_images_tokens(model, encoder):
         pixel_values[index, : len(item.pixel_values)] = item.pixel_values
     with torch.no_grad():
         want = model.model.get_image_features(
-            pixel_values=pixel_values, image_sizes=torch.tensor([item.grid_thw for item in images]),
+            pixel_values=pixel_values,
+            image_sizes=torch.tensor([item.grid_thw for item in images]),
             batch_num_images=torch.tensor([1, 2]),
         ).pooler_output
     for got, wanted in zip(encoder.encode(images), want, strict=True):
@@ -166,7 +167,9 @@ def flagship_rules() -> LlavaOnevisionRules:
 def random_sizes(count: int, seed: int) -> list[tuple[int, int]]:
     """Image sizes from a few pixels to 3000, of every aspect ratio (log-uniform sides)."""
     rng = random.Random(seed)
-    return [tuple(max(1, int(math.exp(rng.uniform(0, math.log(3000))))) for _ in range(2)) for _ in range(count)]
+    return [
+        tuple(max(1, int(math.exp(rng.uniform(0, math.log(3000))))) for _ in range(2)) for _ in range(count)
+    ]
 
 
 def test_token_counts_are_the_processors_placeholders_at_the_flagships_sizes():
@@ -176,17 +179,26 @@ def test_token_counts_are_the_processors_placeholders_at_the_flagships_sizes():
 
     processor = SimpleNamespace(
         image_processor=SimpleNamespace(image_grid_pinpoints=[list(pin) for pin in FLAGSHIP_PINPOINTS]),
-        num_image_tokens=729, vision_aspect_ratio="anyres_max_9",
+        num_image_tokens=729,
+        vision_aspect_ratio="anyres_max_9",
     )
-    processor._get_unpadded_features = functools.partial(LlavaOnevisionProcessor._get_unpadded_features, processor)
+    processor._get_unpadded_features = functools.partial(
+        LlavaOnevisionProcessor._get_unpadded_features, processor
+    )
     rules = flagship_rules()
     sizes = [*random_sizes(400, 0), (384, 384), (1080, 1920), (2160, 3840), (20, 2000), (3000, 3000)]
     counts = {size: rules.image_tokens(rules.packed_grid(*size).num_crops + 1, size) for size in sizes}
-    want = {size: LlavaOnevisionProcessor._get_number_of_features(processor, *size, 384, 384) for size in sizes}
+    want = {
+        size: LlavaOnevisionProcessor._get_number_of_features(processor, *size, 384, 384) for size in sizes
+    }
     assert counts == want
     assert any(rules.packed_grid(*size).is_pooled for size in sizes)
-    assert any(not rules.packed_grid(*size).is_pooled and rules.packed_grid(*size).num_crops > 1 for size in sizes)
-    assert rules.tokens_per_tile == 753 and rules.max_item_tiles == 37  # a 6 x 1 grid: (729 + 162 * 28) / 7, up
+    assert any(
+        not rules.packed_grid(*size).is_pooled and rules.packed_grid(*size).num_crops > 1 for size in sizes
+    )
+    assert (
+        rules.tokens_per_tile == 753 and rules.max_item_tiles == 37
+    )  # a 6 x 1 grid: (729 + 162 * 28) / 7, up
 
 
 def test_the_gather_is_hugging_faces_packing_at_the_flagships_sizes():
@@ -195,10 +207,12 @@ def test_the_gather_is_hugging_faces_packing_at_the_flagships_sizes():
     from transformers.models.llava_onevision.modeling_llava_onevision import LlavaOnevisionModel
 
     rules = flagship_rules()
-    hf = SimpleNamespace(config=SimpleNamespace(
-        vision_config=SimpleNamespace(image_size=384, patch_size=14),
-        image_grid_pinpoints=[list(pin) for pin in FLAGSHIP_PINPOINTS],
-    ))
+    hf = SimpleNamespace(
+        config=SimpleNamespace(
+            vision_config=SimpleNamespace(image_size=384, patch_size=14),
+            image_grid_pinpoints=[list(pin) for pin in FLAGSHIP_PINPOINTS],
+        )
+    )
     generator = torch.Generator().manual_seed(0)
     newline = torch.randn(4, generator=generator)
     for size in [*random_sizes(12, 1), (1080, 1920), (20, 2000)]:
@@ -271,8 +285,10 @@ def test_loads_the_releases_layout(model, tmp_path):
     `multi_modal_projector.*`, `image_newline` and the language model's tensors, which stay unread."""
     state = {
         f"{prefix}{key}": value
-        for prefix, module in (("vision_tower.vision_model.", model.model.vision_tower),
-                               ("multi_modal_projector.", model.model.multi_modal_projector))
+        for prefix, module in (
+            ("vision_tower.vision_model.", model.model.vision_tower),
+            ("multi_modal_projector.", model.model.multi_modal_projector),
+        )
         for key, value in module.state_dict().items()
     }
     state["image_newline"] = model.model.image_newline.detach()
@@ -335,8 +351,10 @@ def image_processor():
 
     # the releases' settings (SigLIP's mean and std) at the tiny tower's tile and pinpoints
     return LlavaOnevisionImageProcessorPil(
-        size={"height": case.TILE, "width": case.TILE}, image_grid_pinpoints=case.PINPOINTS,
-        image_mean=[0.5] * 3, image_std=[0.5] * 3,
+        size={"height": case.TILE, "width": case.TILE},
+        image_grid_pinpoints=case.PINPOINTS,
+        image_mean=[0.5] * 3,
+        image_std=[0.5] * 3,
     )
 
 
@@ -398,7 +416,8 @@ def _batch(**changes):
     pixels[0] = torch.rand(3, *case.ROW_SHAPE) + 0.1
     pixels[1:, 0] = torch.rand(2, *case.ROW_SHAPE) + 0.1
     batch = {
-        "pixel_values": pixels, "image_sizes": torch.tensor([[5, 14], [9, 9], [3, 30]]),
+        "pixel_values": pixels,
+        "image_sizes": torch.tensor([[5, 14], [9, 9], [3, 30]]),
         "batch_num_images": torch.tensor([1, 2]),
     }
     batch.update(changes)
@@ -409,7 +428,11 @@ def test_the_cutter_cuts_each_image_before_its_padding_and_each_video():
     videos = torch.rand(2, 2, *case.ROW_SHAPE) + 0.1
     cut = cut_items(_batch(pixel_values_videos=videos))
     assert [(item.modality, len(item.pixel_values), item.grid) for item in cut] == [
-        ("image", 3, (5, 14)), ("image", 1, (9, 9)), ("image", 1, (3, 30)), ("video", 2, None), ("video", 2, None)
+        ("image", 3, (5, 14)),
+        ("image", 1, (9, 9)),
+        ("image", 1, (3, 30)),
+        ("video", 2, None),
+        ("video", 2, None),
     ]
     assert torch.equal(cut[4].pixel_values, videos[1])
     items = vitpool.items_from(_batch(pixel_values_videos=videos), family="llava_onevision")
@@ -469,7 +492,8 @@ def test_the_stand_in_answers_get_image_features_as_the_model(model, encoder):
         padded[index, : len(item.pixel_values)] = item.pixel_values
     stacked = torch.cat([item.pixel_values for item in images])
     arguments = {
-        "image_sizes": torch.tensor([item.grid_thw for item in images]), "batch_num_images": torch.tensor([1, 2])
+        "image_sizes": torch.tensor([item.grid_thw for item in images]),
+        "batch_num_images": torch.tensor([1, 2]),
     }
     with torch.no_grad():
         want = model.model.get_image_features(pixel_values=padded, **arguments).pooler_output

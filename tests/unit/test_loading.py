@@ -42,8 +42,13 @@ def full_checkpoint(tmp_path_factory) -> Path:
     config = Qwen3VLConfig(
         vision_config=TINY_CONFIG,
         text_config=dict(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-            num_key_value_heads=1, head_dim=16, vocab_size=128,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            vocab_size=128,
             rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
         ),
     )
@@ -133,7 +138,10 @@ def test_config_only_gives_random_weights(tmp_path, item, shipped_tokens):
 
 # (config.json, words the CheckpointError must contain)
 UNSUPPORTED = {
-    "unknown to transformers": ({"model_type": "not_a_vision_model"}, "'not_a_vision_model' is not supported"),
+    "unknown to transformers": (
+        {"model_type": "not_a_vision_model"},
+        "'not_a_vision_model' is not supported",
+    ),
     "a family vitpool lacks": ("llava", "vision model type 'clip_vision_model' is not supported"),
 }
 

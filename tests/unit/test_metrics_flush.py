@@ -53,8 +53,13 @@ SHORT_LIVED_CALLER = textwrap.dedent("""
 
 def run_caller(mode: str) -> tuple[list[str], float]:
     start = time.monotonic()
-    done = subprocess.run([sys.executable, "-c", SHORT_LIVED_CALLER, mode], capture_output=True, text=True,
-                          timeout=60, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", SHORT_LIVED_CALLER, mode],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     elapsed = time.monotonic() - start
     assert done.returncode == 0 and done.stderr.strip() == "", done.stderr[-3000:]
     return done.stdout.splitlines(), elapsed
@@ -98,13 +103,16 @@ class FakeGauge:
 def test_graph_hit_rate_is_exported_only_for_actors_that_run_graphs(monkeypatch):
     made: dict[str, FakeGauge] = {}  # by metric name
     for kind in ("Gauge", "Counter"):
-        monkeypatch.setattr(ray.util.metrics, kind, lambda name, **options: made.setdefault(name, FakeGauge()))
+        monkeypatch.setattr(
+            ray.util.metrics, kind, lambda name, **options: made.setdefault(name, FakeGauge())
+        )
     stats = {
         # a CPU actor runs its static forward without capture: `status` shows "- (CPU)"
         0: ActorStats(0, "cpu", batches=3, items=9, eager_items=9, padding_waste=0.25, uptime_seconds=10.0),
         # a GPU actor with 3 of 4 items in graphs
-        1: ActorStats(1, "cuda:0 (NVIDIA H100)", batches=2, items=4, graph_items=3, eager_items=1,
-                      uptime_seconds=10.0),
+        1: ActorStats(
+            1, "cuda:0 (NVIDIA H100)", batches=2, items=4, graph_items=3, eager_items=1, uptime_seconds=10.0
+        ),
         # a GPU actor that has encoded nothing yet: no rate to speak of
         2: ActorStats(2, "cuda:1 (NVIDIA H100)", uptime_seconds=10.0),
     }

@@ -83,11 +83,14 @@ def test_the_vision_modules_are_4_6s_under_new_names():
 
     from vitpool.families.minicpmv4_7.adapter import build_encoder
 
-    config_4_6 = MiniCPMV4_6Config(vision_config=dict(TINY_VISION), text_config=dict(TINY_TEXT),
-                                   insert_layer_id=INSERT_LAYER_ID)
+    config_4_6 = MiniCPMV4_6Config(
+        vision_config=dict(TINY_VISION), text_config=dict(TINY_TEXT), insert_layer_id=INSERT_LAYER_ID
+    )
     model_4_6 = MiniCPMV4_6Model(config_4_6)
-    expected = {**{f"vision_tower.{k}": v.shape for k, v in model_4_6.vision_tower.state_dict().items()},
-                **{f"merger.{k}": v.shape for k, v in model_4_6.merger.state_dict().items()}}
+    expected = {
+        **{f"vision_tower.{k}": v.shape for k, v in model_4_6.vision_tower.state_dict().items()},
+        **{f"merger.{k}": v.shape for k, v in model_4_6.merger.state_dict().items()},
+    }
     built = build_encoder(full_config())
     assert type(built.vision_tower).__name__ == "MiniCPMV4_7VisionModel"
     assert {k: v.shape for k, v in built.state_dict().items()} == expected
@@ -207,8 +210,11 @@ def test_loads_a_sharded_full_model_save(hf_model, tmp_path: Path):
     save_full(hf_model, tmp_path, max_shard_size="40KB")
     shards = sorted(tmp_path.glob("model-*.safetensors"))
     assert len(shards) > 2 and (tmp_path / "model.safetensors.index.json").is_file()
-    holding_vision = [shard for shard in shards if any(
-        key.startswith(("model.vision_tower.", "model.merger.")) for key in load_file(str(shard)))]
+    holding_vision = [
+        shard
+        for shard in shards
+        if any(key.startswith(("model.vision_tower.", "model.merger.")) for key in load_file(str(shard)))
+    ]
     assert len(holding_vision) > 1  # the vision weights themselves are split across shards
     assert_loaded(hf_model, load(tmp_path), 14)
 
@@ -256,15 +262,21 @@ def tiny_tokenizer():
     from transformers import PreTrainedTokenizerFast
 
     special = {
-        "image_token": PLACEHOLDER, "video_token": "<|video_pad|>", "image_start_token": "<image>",
-        "image_end_token": "</image>", "slice_start_token": "<slice>", "slice_end_token": "</slice>",
-        "image_id_start_token": "<image_id>", "image_id_end_token": "</image_id>",
+        "image_token": PLACEHOLDER,
+        "video_token": "<|video_pad|>",
+        "image_start_token": "<image>",
+        "image_end_token": "</image>",
+        "slice_start_token": "<slice>",
+        "slice_end_token": "</slice>",
+        "image_id_start_token": "<image_id>",
+        "image_id_end_token": "</image_id>",
     }
     vocab = {"<unk>": 0, "<pad>": 1, **{chr(c): c - 30 for c in range(32, 127)}, "\n": 97}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>",
-                                   extra_special_tokens=special)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>", extra_special_tokens=special
+    )
 
 
 def real_processor(processor_class, monkeypatch):
@@ -319,8 +331,9 @@ def test_the_full_processors_batch_is_cut_by_its_prompt(hf_model, encoder, proce
     assert ours.shape == (tokens_of(out["target_sizes"]), TEXT_HIDDEN)
     assert relative_error(ours, expected) <= TOLERANCE
     # as NumPy arrays, the same items
-    as_arrays = vitpool.items_from(dict(processor(images=images, text=PROMPTS, return_tensors="np")),
-                                   family="minicpmv4_7")
+    as_arrays = vitpool.items_from(
+        dict(processor(images=images, text=PROMPTS, return_tensors="np")), family="minicpmv4_7"
+    )
     for item, array_item in zip(items, as_arrays, strict=True):
         assert np.array_equal(np.asarray(array_item.pixel_values), torch.as_tensor(item.pixel_values).numpy())
 
@@ -356,22 +369,31 @@ def test_a_batch_that_cannot_be_cut_says_what_is_missing(processor):
     with pytest.raises(ValueError, match=f"slice 0's run of image tokens is 2 long.*\\(4, 12\\).*{how}"):
         vitpool.items_from(short)
     with pytest.raises(ValueError, match=f"holds 4 runs of image tokens.*target_sizes 7 rows.*{how}"):
-        vitpool.items_from({**out, "input_ids": out["input_ids"][:1],
-                            "mm_token_type_ids": out["mm_token_type_ids"][:1]})
+        vitpool.items_from(
+            {**out, "input_ids": out["input_ids"][:1], "mm_token_type_ids": out["mm_token_type_ids"][:1]}
+        )
     # counts and rows that do not add up; videos
     image_output = dict(processor.image_processor(images, return_tensors="pt"))
     miscounted = r"num_patches_per_image \[3, 1, 2\] accounts for 6 slices; target_sizes has 7"
     with pytest.raises(ValueError, match=miscounted):
         vitpool.items_from({**image_output, "num_patches_per_image": [3, 1, 2]}, family="minicpmv4_7")
     with pytest.raises(ValueError, match="the 6 target_sizes rows account for"):
-        vitpool.items_from({**image_output, "target_sizes": image_output["target_sizes"][:6],
-                            "num_patches_per_image": [3, 1, 2]}, family="minicpmv4_7")  # the strip is longer
+        vitpool.items_from(
+            {
+                **image_output,
+                "target_sizes": image_output["target_sizes"][:6],
+                "num_patches_per_image": [3, 1, 2],
+            },
+            family="minicpmv4_7",
+        )  # the strip is longer
     with pytest.raises(ValueError, match="the 7 target_sizes rows account for"):
-        vitpool.items_from({**image_output, "pixel_values": image_output["pixel_values"][..., :-PATCH]},
-                           family="minicpmv4_7")
+        vitpool.items_from(
+            {**image_output, "pixel_values": image_output["pixel_values"][..., :-PATCH]}, family="minicpmv4_7"
+        )
     with pytest.raises(ValueError, match="images only"):  # refused by items_from, or else by the cutter
-        vitpool.items_from({**image_output, "pixel_values_videos": image_output["pixel_values"]},
-                           family="minicpmv4_7")
+        vitpool.items_from(
+            {**image_output, "pixel_values_videos": image_output["pixel_values"]}, family="minicpmv4_7"
+        )
 
 
 def test_minicpm_v_4_6s_processor_output_is_cut_the_same_way(monkeypatch):
@@ -383,7 +405,9 @@ def test_minicpm_v_4_6s_processor_output_is_cut_the_same_way(monkeypatch):
     images = pictures()
     asked = processor(images=images, text=PROMPTS, return_tensors="pt", return_mm_token_type_ids=True)
     items = vitpool.items_from(asked, family="minicpmv4_7")
-    assert [len(item.grid_thw) for item in items] == processor.image_processor(images)["num_patches_per_image"]
+    assert [len(item.grid_thw) for item in items] == processor.image_processor(images)[
+        "num_patches_per_image"
+    ]
     with pytest.raises(ValueError, match="no num_patches_per_image .*no mm_token_type_ids"):
         vitpool.items_from(processor(images=images, text=PROMPTS, return_tensors="pt"), family="minicpmv4_7")
 

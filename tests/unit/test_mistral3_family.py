@@ -107,7 +107,9 @@ def test_every_budget_matches_get_image_features(model, encoder):
     items = [item(8, 16, 12), item(4, 8, 13)]  # 10 tokens, 40 rows
     rules = encoder.adapter.item_rules
     rows = [rules.pixel_rows(one.pixel_values) for one in items]
-    specs = tuple(rules.item_spec("image", tuple(r.shape), "float32", one.grid_thw) for one, r in zip(items, rows))
+    specs = tuple(
+        rules.item_spec("image", tuple(r.shape), "float32", one.grid_thw) for one, r in zip(items, rows)
+    )
     for budget in encoder.budgets:
         [outcomes] = encoder.run_plans([(BatchPlan(budget, specs), rows)], "cpu")
         for one, embedding in zip(items, outcomes, strict=True):
@@ -127,7 +129,9 @@ def test_padding_rows_do_not_change_real_rows(encoder):
         batch = torch.randn(num_rows, *ROW_SHAPE) * 100
         batch[:24] = rows
         with torch.no_grad():
-            alone[budget.num_tokens] = adapter.forward(batch, adapter.build_metadata([spec], num_rows, budget))[0][:6]
+            alone[budget.num_tokens] = adapter.forward(
+                batch, adapter.build_metadata([spec], num_rows, budget)
+            )[0][:6]
     crowded = encoder.encode([item(16, 12, 15), one, item(4, 4, 16)])[1].tokens
     first = alone[encoder.budgets[0].num_tokens]
     assert relative_error(alone[encoder.budgets[-1].num_tokens], first) <= TOLERANCE
@@ -142,7 +146,10 @@ def test_metadata_of_a_grid_and_its_padding(encoder):
     assert metadata["cu_seqlens"].tolist() == [0, 24, 48, 64, 64, 64]
     # (row, column) row-major, each image from (0, 0); padding rows at (0, 0)
     assert metadata["position_ids"][:7].tolist() == [[0, 0], [0, 1], [0, 2], [0, 3], [0, 4], [0, 5], [1, 0]]
-    assert metadata["position_ids"][24:26].tolist() == [[0, 0], [0, 1]] and metadata["position_ids"][48:].abs().sum() == 0
+    assert (
+        metadata["position_ids"][24:26].tolist() == [[0, 0], [0, 1]]
+        and metadata["position_ids"][48:].abs().sum() == 0
+    )
     # the merger's unfold: blocks row-major, a block's patches row-major; the second image from row 24
     features = torch.randn(24, 5)
     unfolded = torch.nn.functional.unfold(features.T.reshape(1, 5, 4, 6), kernel_size=MERGE, stride=MERGE)
@@ -207,13 +214,19 @@ def test_loads_a_full_model_save(model, tmp_path: Path):
 def test_loads_a_sharded_full_model_save_opening_only_the_vision_shards(model, tmp_path: Path, monkeypatch):
     model.save_pretrained(tmp_path, max_shard_size="50KB")
     weight_map = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
-    vision_shards = {shard for key, shard in weight_map.items() if key.startswith(("vision_tower.", "multi_modal_projector."))}
+    vision_shards = {
+        shard
+        for key, shard in weight_map.items()
+        if key.startswith(("vision_tower.", "multi_modal_projector."))
+    }
     assert len(set(weight_map.values())) > len(vision_shards) > 1
     from vitpool.models import loading
 
     opened = []
     real_open = loading.safe_open
-    monkeypatch.setattr(loading, "safe_open", lambda path, **kw: opened.append(Path(path).name) or real_open(path, **kw))
+    monkeypatch.setattr(
+        loading, "safe_open", lambda path, **kw: opened.append(Path(path).name) or real_open(path, **kw)
+    )
     assert_loaded(model, load(tmp_path), 22)
     assert set(opened) == vision_shards
 
@@ -230,7 +243,11 @@ def test_loads_the_models_state_dict_layout(model, tmp_path: Path):
 def test_loads_a_tower_only_save(model, tmp_path: Path):
     tower_only_config(model.config).save_pretrained(tmp_path)
     raw = json.loads((tmp_path / "config.json").read_text())
-    assert raw["model_type"] == "pixtral" and raw["text_hidden_size"] == TEXT_WIDTH and raw["spatial_merge_size"] == 2
+    assert (
+        raw["model_type"] == "pixtral"
+        and raw["text_hidden_size"] == TEXT_WIDTH
+        and raw["spatial_merge_size"] == 2
+    )
     save_file(encoder_module(model).state_dict(), str(tmp_path / "model.safetensors"))
     assert_loaded(model, load(tmp_path), 26)
 
@@ -243,7 +260,9 @@ def test_a_missing_or_unexpected_key_is_named(model, tmp_path: Path):
     del state["multi_modal_projector.patch_merger.merging_layer.weight"]
     state["multi_modal_projector.extra.weight"] = torch.zeros(2)
     save_file(state, str(tmp_path / "model.safetensors"))
-    with pytest.raises(CheckpointError, match=r"patch_merger\.merging_layer\.weight.*multi_modal_projector\.extra"):
+    with pytest.raises(
+        CheckpointError, match=r"patch_merger\.merging_layer\.weight.*multi_modal_projector\.extra"
+    ):
         load(tmp_path)
 
 
@@ -252,9 +271,9 @@ def test_a_pixtral_tower_without_mistral3s_projector_is_refused(tmp_path: Path):
     as is a Pixtral tower saved without the projector's settings."""
     from transformers import LlavaConfig, PixtralVisionConfig
 
-    LlavaConfig(vision_config={"model_type": "pixtral", **TINY_VISION}, text_config=dict(TINY_TEXT)).save_pretrained(
-        tmp_path / "llava"
-    )
+    LlavaConfig(
+        vision_config={"model_type": "pixtral", **TINY_VISION}, text_config=dict(TINY_TEXT)
+    ).save_pretrained(tmp_path / "llava")
     with pytest.raises(ValueError, match="'llava' checkpoint has another projector"):
         load(tmp_path / "llava")
     PixtralVisionConfig(**TINY_VISION).save_pretrained(tmp_path / "tower")
@@ -273,7 +292,9 @@ def test_patch_rows_with_a_grid_are_the_same_item(encoder):
     one = item(8, 12, 31)
     rows = encoder.adapter.item_rules.pixel_rows(one.pixel_values)
     assert rows.shape == (24, *ROW_SHAPE)
-    as_rows, as_image, as_batch = encoder.encode([Image(rows, (1, 4, 6)), one, Image(one.pixel_values[None], (8, 12))])
+    as_rows, as_image, as_batch = encoder.encode(
+        [Image(rows, (1, 4, 6)), one, Image(one.pixel_values[None], (8, 12))]
+    )
     assert torch.equal(as_rows.tokens, as_image.tokens) and torch.equal(as_batch.tokens, as_image.tokens)
 
 
@@ -285,8 +306,9 @@ def pixtral_processor():
     from transformers import PixtralImageProcessorPil
 
     # what PixtralProcessor asks of it: patches of patch_size * spatial_merge_size pixels
-    return PixtralImageProcessorPil(patch_size={"height": PATCH * MERGE, "width": PATCH * MERGE},
-                                    size={"longest_edge": 24})
+    return PixtralImageProcessorPil(
+        patch_size={"height": PATCH * MERGE, "width": PATCH * MERGE}, size={"longest_edge": 24}
+    )
 
 
 def random_pictures(sizes: list[tuple[int, int]], seed: int = 0) -> list:
@@ -313,7 +335,9 @@ def test_items_from_cuts_each_image_to_its_size_and_encodes_as_the_model(model, 
     with torch.no_grad():
         wanted = model.model.get_image_features(batch["pixel_values"], batch["image_sizes"]).pooler_output
     for position, (embedding, want) in enumerate(zip(encoder.encode(items), wanted, strict=True)):
-        assert embedding.tokens.shape == want.shape and relative_error(embedding.tokens, want) <= TOLERANCE, position
+        assert embedding.tokens.shape == want.shape and relative_error(embedding.tokens, want) <= TOLERANCE, (
+            position
+        )
     assert [embedding.tokens.shape[0] for embedding in encoder.encode(items)][2] == 1  # the 3 x 3 picture
 
 
@@ -324,7 +348,9 @@ def test_items_from_numpy_output_and_a_named_family(encoder):
     as_arrays = vitpool.items_from(dict(processor(images=pictures, return_tensors="np")), family="mistral3")
     for array_item, tensor_item in zip(as_arrays, as_tensors, strict=True):
         assert isinstance(array_item.pixel_values, np.ndarray)
-        assert torch.equal(torch.from_numpy(np.ascontiguousarray(array_item.pixel_values)), tensor_item.pixel_values)
+        assert torch.equal(
+            torch.from_numpy(np.ascontiguousarray(array_item.pixel_values)), tensor_item.pixel_values
+        )
     for from_arrays, from_tensors in zip(encoder.encode(as_arrays), encoder.encode(as_tensors), strict=True):
         assert torch.equal(from_arrays.tokens, from_tensors.tokens)
 

@@ -20,7 +20,12 @@ budgets_strategy = st.lists(st.integers(1, 512), min_size=1, max_size=8, unique=
 
 
 @settings(max_examples=300, deadline=None)
-@given(items=items_strategy, token_budgets=budgets_strategy, max_items=st.integers(1, 8), extra_frames=st.integers(0, 16))
+@given(
+    items=items_strategy,
+    token_budgets=budgets_strategy,
+    max_items=st.integers(1, 8),
+    extra_frames=st.integers(0, 16),
+)
 def test_pack_properties(items, token_budgets, max_items, extra_frames):
     max_items = min(max_items, min(token_budgets))
     budgets = make_budgets(token_budgets, max_items, max_items + extra_frames)

@@ -43,7 +43,10 @@ def test_an_item_is_its_parts_in_join_order():
     ("item", "words"),
     [
         (Image(None, inputs={LOCAL: torch.randn(2, 3, 4, 4)}), "has no ['pixel_values']"),
-        (Image(torch.randn(1, 3, 8, 8), inputs={"crops": torch.randn(2, 3, 4, 4)}), "unknown inputs ['crops']"),
+        (
+            Image(torch.randn(1, 3, 8, 8), inputs={"crops": torch.randn(2, 3, 4, 4)}),
+            "unknown inputs ['crops']",
+        ),
         (Image(torch.randn(2, 3, 8, 8)), "at most 1"),  # two global views: two images
         (Image(torch.randn(1, 3, 8, 8), inputs={LOCAL: torch.randn(2, 3, 4, 5)}), "pixel_values_local: "),
         (Image(torch.randn(1, 3, 8, 8), inputs=[torch.randn(2, 3, 4, 4)]), "inputs must map"),
@@ -57,13 +60,22 @@ def test_a_bad_part_is_refused_naming_the_item(item, words):
 
 def test_an_item_of_one_input_refuses_inputs():
     with pytest.raises(InvalidItemError, match="takes pixel_values alone"):
-        prepare_item(0, Image(torch.randn(2, 3, 4, 4), inputs={LOCAL: torch.randn(1, 3, 4, 4)}), TileRules(3, 4, 1, ((8,),)))
+        prepare_item(
+            0,
+            Image(torch.randn(2, 3, 4, 4), inputs={LOCAL: torch.randn(1, 3, 4, 4)}),
+            TileRules(3, 4, 1, ((8,),)),
+        )
 
 
 def test_rules_pickle_and_give_each_path_its_budgets():
     assert pickle.loads(pickle.dumps(RULES)) == RULES
     budgets = RULES.budgets([4, 8], None, {})
-    assert sorted((b.path, b.num_tokens) for b in budgets) == [(GLOBAL, 4), (GLOBAL, 8), (LOCAL, 4), (LOCAL, 8)]
+    assert sorted((b.path, b.num_tokens) for b in budgets) == [
+        (GLOBAL, 4),
+        (GLOBAL, 8),
+        (LOCAL, 4),
+        (LOCAL, 8),
+    ]
     assert rules_of_part(RULES, LOCAL) is RULES.paths[0][1]
     with pytest.raises(ValueError, match="none of them"):
         rules_of_part(RULES, "other")
@@ -84,7 +96,11 @@ def test_packing_never_mixes_paths():
 
 
 def test_a_plan_keeps_its_path_on_the_wire():
-    spec = prepare_item(0, Image(torch.randn(1, 3, 8, 8), inputs={LOCAL: torch.randn(2, 3, 4, 4)}), RULES).parts[0].spec
+    spec = (
+        prepare_item(0, Image(torch.randn(1, 3, 8, 8), inputs={LOCAL: torch.randn(2, 3, 4, 4)}), RULES)
+        .parts[0]
+        .spec
+    )
     plan = BatchPlan(Budget(4, (), 4, LOCAL), (spec,))
     assert plan_from_wire(plan_to_wire(plan)) == plan
 
@@ -117,7 +133,9 @@ def step_item(crops: int, seed: int) -> Image:
     global_view = torch.randn(1, *step3p7_case.GLOBAL_ROW_SHAPE, generator=generator)
     if not crops:
         return Image(global_view)
-    return Image(global_view, inputs={LOCAL: torch.randn(crops, *step3p7_case.LOCAL_ROW_SHAPE, generator=generator)})
+    return Image(
+        global_view, inputs={LOCAL: torch.randn(crops, *step3p7_case.LOCAL_ROW_SHAPE, generator=generator)}
+    )
 
 
 def assert_matches(model, items, embeddings) -> None:
@@ -210,5 +228,7 @@ def test_step3p7_every_item_refused_still_answers(model):
     """An encoder of several paths given only bad items (return_exceptions) answers each with its
     error and launches nothing."""
     encoder = step3p7_case.encoder_of(model, [4, 8])
-    outcomes = encoder.encode([Image(torch.randn(2, 3)), Image(torch.randn(1, 3, 9, 9))], return_exceptions=True)
+    outcomes = encoder.encode(
+        [Image(torch.randn(2, 3)), Image(torch.randn(1, 3, 9, 9))], return_exceptions=True
+    )
     assert [type(outcome) for outcome in outcomes] == [InvalidItemError, InvalidItemError]

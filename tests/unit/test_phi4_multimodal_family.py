@@ -42,8 +42,13 @@ def encoder(model):
 def image(layout: tuple[int, ...], seed: int, side: int = SIDE) -> Image:
     """An image's crops (global first) of random pixels for a canvas (height, width[, rows, cols])."""
     rows, cols = case.canvas_crops(layout[0], layout[1], side)
-    pixels = torch.randn(1 + rows * cols, 3, side * case.PATCH, side * case.PATCH,
-                         generator=torch.Generator().manual_seed(seed))
+    pixels = torch.randn(
+        1 + rows * cols,
+        3,
+        side * case.PATCH,
+        side * case.PATCH,
+        generator=torch.Generator().manual_seed(seed),
+    )
     return Image(pixels, layout)
 
 
@@ -75,8 +80,13 @@ def test_one_image_gives_what_image_embed_writes(model, encoder, layout, why):
 def test_images_of_several_crop_counts_in_one_call(model, encoder):
     """One vitpool call, one HF call (its padded batch form) and each image alone agree; the 13-crop
     image is over every budget (10 crops at most) and runs eager."""
-    layouts = [(CROP, CROP), (2 * CROP, 3 * CROP, 25, 42), (CROP, 2 * CROP, 14, 17), (3 * CROP, 4 * CROP),
-               (2 * CROP, 2 * CROP, 27, 28)]
+    layouts = [
+        (CROP, CROP),
+        (2 * CROP, 3 * CROP, 25, 42),
+        (CROP, 2 * CROP, 14, 17),
+        (3 * CROP, 4 * CROP),
+        (2 * CROP, 2 * CROP, 27, 28),
+    ]
     items = [image(layout, seed=10 + number) for number, layout in enumerate(layouts)]
     before = encoder.stats().eager_batches
     embeddings = encoder.encode(items)
@@ -92,8 +102,10 @@ def test_padding_crops_of_a_larger_budget_change_nothing(model):
     encoder = case.encoder_of(model, [512])
     small, large = image((CROP, 2 * CROP, 14, 20), 30), image((2 * CROP, 3 * CROP, 23, 42), 31)
     first = encoder.encode([small])
-    assert_matches(encoder.encode([large]) + encoder.encode([small]),
-                   [case.image_features(model, large), case.image_features(model, small)])
+    assert_matches(
+        encoder.encode([large]) + encoder.encode([small]),
+        [case.image_features(model, large), case.image_features(model, small)],
+    )
     assert torch.equal(encoder.encode([small])[0].tokens, first[0].tokens)
     assert encoder.stats().replays_per_budget[512] == 4
 
@@ -122,8 +134,11 @@ def test_an_odd_patch_side_is_reflection_padded_before_pooling():
     assert model.model.embed_tokens_extend.image_embed.img_processor_padding is not None
     encoder = case.encoder_of(model, case.BUDGETS)
     side, crop = 13, 26
-    items = [image((crop, crop), 50, side), image((crop, 2 * crop, 13, 20), 51, side),
-             image((2 * crop, crop, 14, 13), 52, side)]
+    items = [
+        image((crop, crop), 50, side),
+        image((crop, 2 * crop, 13, 20), 51, side),
+        image((2 * crop, crop, 14, 13), 52, side),
+    ]
     assert_matches(encoder.encode(items), case.image_embed_rows(model, items))
 
 
@@ -169,8 +184,16 @@ def release_num_img_tokens(layout: tuple[int, int, int, int]) -> int:
     return 256 + 1 + int(down.sum()) + int(down[:, 0].sum()) + 16
 
 
-@pytest.mark.parametrize("layout", [(448, 448, 32, 32), (448, 896, 32, 51), (1344, 896, 70, 64),
-                                    (896, 2688, 33, 192), (2688, 2688, 192, 192)])
+@pytest.mark.parametrize(
+    "layout",
+    [
+        (448, 448, 32, 32),
+        (448, 896, 32, 51),
+        (1344, 896, 70, 64),
+        (896, 2688, 33, 192),
+        (2688, 2688, 192, 192),
+    ],
+)
 def test_the_token_count_is_the_image_processors(layout):
     rules = Phi4MultimodalRules(3, 448, 14, 3072)
     assert rules.num_tokens(rules.parse_layout(layout)) == release_num_img_tokens(layout)
@@ -207,7 +230,9 @@ def test_loads_a_full_model_save(model, tmp_path, max_shard_size):
         prefix = phi4_adapter.CHECKPOINT_PREFIX
         vision_shards = {shard for key, shard in weight_map.items() if key.startswith(prefix)}
         assert len(vision_shards) > 2 and len(set(weight_map.values())) > len(vision_shards)
-    loaded = GraphEncoder.from_pretrained(tmp_path, budgets=list(case.BUDGETS), device="cpu", dtype=torch.float32)
+    loaded = GraphEncoder.from_pretrained(
+        tmp_path, budgets=list(case.BUDGETS), device="cpu", dtype=torch.float32
+    )
     items = [image((CROP, 2 * CROP, 14, 23), 70), image((CROP, CROP), 71)]
     assert_matches(loaded.encode(items), case.image_embed_rows(model, items))
 
@@ -216,7 +241,9 @@ def test_loads_a_tower_only_save_and_refuses_missing_weights(model, encoder, tmp
     phi4_adapter.tower_only_config(model.config).save_pretrained(tmp_path)
     state = {key: value.contiguous() for key, value in encoder.adapter.tower.state_dict().items()}
     save_file(state, str(tmp_path / "model.safetensors"))
-    loaded = GraphEncoder.from_pretrained(tmp_path, budgets=list(case.BUDGETS), device="cpu", dtype=torch.float32)
+    loaded = GraphEncoder.from_pretrained(
+        tmp_path, budgets=list(case.BUDGETS), device="cpu", dtype=torch.float32
+    )
     items = [image((2 * CROP, CROP, 20, 14), 72)]
     assert_matches(loaded.encode(items), [case.image_features(model, items[0])])
     del state["sub_img_feature_extensor"]
@@ -243,7 +270,10 @@ def test_a_malformed_item_is_named_and_the_others_still_encode(model, encoder):
     good = image((CROP, 2 * CROP, 14, 20), 80)
     bad_items = (
         (Image(torch.randn(2, *case.ROW_SHAPE)), "needs its canvas"),
-        (Image(torch.randn(2, *case.ROW_SHAPE), (CROP, CROP, 14)), "(height, width) or (height, width, valid"),
+        (
+            Image(torch.randn(2, *case.ROW_SHAPE), (CROP, CROP, 14)),
+            "(height, width) or (height, width, valid",
+        ),
         # one crop short of its canvas
         (Image(torch.randn(6, *case.ROW_SHAPE), (2 * CROP, 3 * CROP)), "needs [7, 3"),
         (Image(torch.randn(7, *case.ROW_SHAPE), (2 * CROP, 3 * CROP, 14, 42)), "valid_rows 14"),
@@ -271,19 +301,29 @@ def processor_batch(items: list[Image]) -> dict[str, torch.Tensor]:
         pixels[index, : len(item.pixel_values)] = item.pixel_values
         masks[index, : len(item.pixel_values)] = case.crop_masks(layout)
     sizes = torch.tensor([layout[:2] for layout in layouts])
-    return {"image_pixel_values": pixels, "image_sizes": sizes, "image_attention_mask": masks,
-            "num_img_tokens": [case.num_tokens(layout) for layout in layouts]}
+    return {
+        "image_pixel_values": pixels,
+        "image_sizes": sizes,
+        "image_attention_mask": masks,
+        "num_img_tokens": [case.num_tokens(layout) for layout in layouts],
+    }
 
 
 def test_items_from_a_processor_batch_are_each_image_and_encode_as_image_embed(model, encoder):
-    items = [image((2 * CROP, CROP, 20, 14), 90), image((CROP, CROP), 91), image((CROP, 3 * CROP, 14, 33), 92)]
+    items = [
+        image((2 * CROP, CROP, 20, 14), 90),
+        image((CROP, CROP), 91),
+        image((CROP, 3 * CROP, 14, 33), 92),
+    ]
     batch = processor_batch(items)
     cut = vitpool.items_from(batch)  # the keys alone tell the family
     assert [tuple(item.grid_thw) for item in cut] == [case.full_layout(item.grid_thw) for item in items]
     for got, want in zip(cut, items, strict=True):
         assert torch.equal(got.pixel_values, want.pixel_values)
     assert_matches(encoder.encode(cut), case.image_embed_rows(model, items))
-    as_numpy = {key: value.numpy() if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
+    as_numpy = {
+        key: value.numpy() if isinstance(value, torch.Tensor) else value for key, value in batch.items()
+    }
     numpy_cut = vitpool.items_from(as_numpy)
     assert [tuple(item.grid_thw) for item in numpy_cut] == [tuple(item.grid_thw) for item in cut]
 
@@ -330,7 +370,9 @@ def test_the_cutter_names_what_does_not_add_up(batch, words):
 
 def test_videos_are_refused_before_the_cutter():
     with pytest.raises(ValueError, match="images only"):
-        vitpool.items_from(_changed(pixel_values_videos=torch.zeros(1, 2, *case.ROW_SHAPE)), family="phi4_multimodal")
+        vitpool.items_from(
+            _changed(pixel_values_videos=torch.zeros(1, 2, *case.ROW_SHAPE)), family="phi4_multimodal"
+        )
 
 
 def test_items_from_the_real_image_processor(model, encoder):
@@ -378,8 +420,12 @@ def test_the_stand_in_answers_the_models_forward_through_vitpool(model, encoder)
     ids = [3]
     for tokens in batch["num_img_tokens"]:
         ids += [case.IMAGE_TOKEN] * tokens + [4]
-    inputs = {"input_ids": torch.tensor([ids]), "image_pixel_values": batch["image_pixel_values"],
-              "image_sizes": batch["image_sizes"], "image_attention_mask": batch["image_attention_mask"]}
+    inputs = {
+        "input_ids": torch.tensor([ids]),
+        "image_pixel_values": batch["image_pixel_values"],
+        "image_sizes": batch["image_sizes"],
+        "image_attention_mask": batch["image_attention_mask"],
+    }
     extend = model.model.embed_tokens_extend
     original = extend.image_embed
     with torch.no_grad():

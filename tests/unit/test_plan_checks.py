@@ -58,7 +58,10 @@ def short_rows(plan: BatchPlan, pixels: list, position: int) -> tuple[BatchPlan,
 # (how item 2 of a batch of three is broken, words of the batch's ValueError)
 BROKEN_ITEMS = {
     "a spec that lies about its grid": (lambda plan, pixels: (lying_spec(plan, 2), pixels), "its spec"),
-    "pixels of another dtype": (lambda plan, pixels: wrong_dtype(plan, pixels, 2), "do not travel as float32"),
+    "pixels of another dtype": (
+        lambda plan, pixels: wrong_dtype(plan, pixels, 2),
+        "do not travel as float32",
+    ),
     "pixels shorter than the spec": (lambda plan, pixels: short_rows(plan, pixels, 2), "its spec says"),
 }
 
@@ -74,8 +77,9 @@ def test_a_batch_through_the_actor_is_checked_once(actor, counted_checks):
 @pytest.mark.parametrize("name", sorted(BROKEN_ITEMS))
 def test_a_broken_item_reaching_the_actor_fails_its_batch_naming_it(actor, name):
     breaks, words = BROKEN_ITEMS[name]
-    plan, pixels = plan_batch([image(4, 4), image(2, 6), image(4, 4)], actor.encoder.adapter.item_rules,
-                              actor.encoder.budgets)
+    plan, pixels = plan_batch(
+        [image(4, 4), image(2, 6), image(4, 4)], actor.encoder.adapter.item_rules, actor.encoder.budgets
+    )
     runs_before = actor.stats().runs
     with pytest.raises(ValueError, match=f"item 2 of the batch: .*{words}"):
         actor.run_batch(*breaks(plan, pixels))
@@ -128,7 +132,8 @@ def test_halves_of_a_checked_plan_hold(tiny_adapter):
 def test_nonfinite_positions_finds_the_bad_items_only():
     rows = [4, 8, 4]
     members = [
-        PreparedItem(ItemSpec("image", (n, 1), "float32", (1, 2, n // 2), n // 4), torch.zeros(n, 1)) for n in rows
+        PreparedItem(ItemSpec("image", (n, 1), "float32", (1, 2, n // 2), n // 4), torch.zeros(n, 1))
+        for n in rows
     ]
     flags = torch.ones(sum(rows), dtype=torch.bool)
     assert nonfinite_positions(members, flags) == []

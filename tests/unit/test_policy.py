@@ -10,8 +10,14 @@ from vitpool.specs import ItemSpec
 
 
 def spec(tokens: int, frames: int = 1) -> ItemSpec:
-    return ItemSpec("image" if frames == 1 else "video", (4 * tokens, 8), "float32", (frames, 2, 2 * tokens // frames),
-                    tokens, (("sequences", frames),))
+    return ItemSpec(
+        "image" if frames == 1 else "video",
+        (4 * tokens, 8),
+        "float32",
+        (frames, 2, 2 * tokens // frames),
+        tokens,
+        (("sequences", frames),),
+    )
 
 
 @pytest.fixture
@@ -23,11 +29,23 @@ def policy() -> DispatchPolicy:
     "loads, expected",
     [
         # the least outstanding cost wins
-        ({0: ActorLoad(in_flight=1, outstanding_cost=300.0), 1: ActorLoad(in_flight=1, outstanding_cost=100.0)}, 1),
+        (
+            {
+                0: ActorLoad(in_flight=1, outstanding_cost=300.0),
+                1: ActorLoad(in_flight=1, outstanding_cost=100.0),
+            },
+            1,
+        ),
         # a tie goes to the lowest index
         ({2: ActorLoad(), 1: ActorLoad(), 3: ActorLoad()}, 1),
         # an actor with no free slot is skipped, however idle it looks by cost
-        ({0: ActorLoad(in_flight=2, outstanding_cost=0.0), 1: ActorLoad(in_flight=1, outstanding_cost=900.0)}, 1),
+        (
+            {
+                0: ActorLoad(in_flight=2, outstanding_cost=0.0),
+                1: ActorLoad(in_flight=1, outstanding_cost=900.0),
+            },
+            1,
+        ),
         # an actor that is leaving takes nothing
         ({0: ActorLoad(accepting=False), 1: ActorLoad(in_flight=1, outstanding_cost=50.0)}, 1),
         # no room anywhere

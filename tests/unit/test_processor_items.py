@@ -47,7 +47,9 @@ class Processor:
     def build(self) -> Any:
         if self.needs_torchvision:
             pytest.importorskip("torchvision", reason=f"{self.name} exists only for the torchvision backend")
-        return getattr(importlib.import_module(f"transformers.models.{self.module}"), self.name)(**self.kwargs)
+        return getattr(importlib.import_module(f"transformers.models.{self.module}"), self.name)(
+            **self.kwargs
+        )
 
 
 @dataclass(frozen=True)
@@ -65,8 +67,12 @@ class Case:
 def qwen(vision_module: str, vision_class: str, image_kwargs: dict, video: str, video_module: str) -> dict:
     return {
         "vision_config": (vision_module, vision_class),
-        "image_processor": Processor("qwen2_vl.image_processing_pil_qwen2_vl", "Qwen2VLImageProcessorPil", image_kwargs),
-        "video_processor": Processor(video_module, video, {"do_sample_frames": False}, needs_torchvision=True),
+        "image_processor": Processor(
+            "qwen2_vl.image_processing_pil_qwen2_vl", "Qwen2VLImageProcessorPil", image_kwargs
+        ),
+        "video_processor": Processor(
+            video_module, video, {"do_sample_frames": False}, needs_torchvision=True
+        ),
     }
 
 
@@ -78,7 +84,9 @@ def spatial_merge_rules(processor: Any, config: Any) -> SpatialMergeRules:
 def windowed_rules(processor: Any, config: Any) -> WindowedMergeRules:
     window_tokens = config.window_size // processor.merge_size // processor.patch_size
     row_width = 3 * processor.temporal_patch_size * processor.patch_size**2
-    return WindowedMergeRules(row_width, processor.merge_size, ((OUTPUT_WIDTH,),), window_tokens=window_tokens)
+    return WindowedMergeRules(
+        row_width, processor.merge_size, ((OUTPUT_WIDTH,),), window_tokens=window_tokens
+    )
 
 
 def kimi_rules(processor: Any, config: Any) -> KimiK25Rules:
@@ -89,8 +97,10 @@ def kimi_rules(processor: Any, config: Any) -> KimiK25Rules:
 def paddleocr_rules(processor: Any, config: Any) -> Any:
     rules = pytest.importorskip("vitpool.families.paddleocr_vl.rules")
     return rules.PaddleOCRVLRules(
-        channels=3 * processor.temporal_patch_size, patch_size=processor.patch_size,
-        merge_size=processor.merge_size, output_width=OUTPUT_WIDTH,
+        channels=3 * processor.temporal_patch_size,
+        patch_size=processor.patch_size,
+        merge_size=processor.merge_size,
+        output_width=OUTPUT_WIDTH,
     )
 
 
@@ -101,15 +111,18 @@ QWEN2_VIDEO = ("Qwen2VLVideoProcessor", "qwen2_vl.video_processing_qwen2_vl")
 CASES = [
     Case("qwen3_vl", rules=spatial_merge_rules, **qwen(*QWEN3_VL, QWEN3_SETTINGS, *QWEN3_VIDEO)),
     Case(
-        "qwen3_5", rules=spatial_merge_rules,
+        "qwen3_5",
+        rules=spatial_merge_rules,
         **qwen("qwen3_5.configuration_qwen3_5", "Qwen3_5VisionConfig", QWEN3_SETTINGS, *QWEN3_VIDEO),
     ),
     Case(
-        "qwen2_5_vl", rules=windowed_rules,
+        "qwen2_5_vl",
+        rules=windowed_rules,
         **qwen("qwen2_5_vl.configuration_qwen2_5_vl", "Qwen2_5_VLVisionConfig", {}, *QWEN2_VIDEO),
     ),
     Case(
-        "qwen2_vl", rules=spatial_merge_rules,
+        "qwen2_vl",
+        rules=spatial_merge_rules,
         **qwen("qwen2_vl.configuration_qwen2_vl", "Qwen2VLVisionConfig", {}, *QWEN2_VIDEO),
     ),
     Case(
@@ -117,7 +130,10 @@ CASES = [
         vision_config=("glm4v.configuration_glm4v", "Glm4vVisionConfig"),
         image_processor=Processor("glm4v.image_processing_pil_glm4v", "Glm4vImageProcessorPil"),
         video_processor=Processor(
-            "glm4v.video_processing_glm4v", "Glm4vVideoProcessor", {"do_sample_frames": False}, needs_torchvision=True
+            "glm4v.video_processing_glm4v",
+            "Glm4vVideoProcessor",
+            {"do_sample_frames": False},
+            needs_torchvision=True,
         ),
         rules=spatial_merge_rules,
     ),
@@ -126,7 +142,9 @@ CASES = [
         vision_config=("glm4v.configuration_glm4v", "Glm4vVisionConfig"),
         image_processor=Processor("glm46v.image_processing_pil_glm46v", "Glm46VImageProcessorPil"),
         video_processor=Processor(
-            "glm46v.video_processing_glm46v", "Glm46VVideoProcessor", {"do_sample_frames": False},
+            "glm46v.video_processing_glm46v",
+            "Glm46VVideoProcessor",
+            {"do_sample_frames": False},
             needs_torchvision=True,
         ),
         rules=spatial_merge_rules,
@@ -134,9 +152,13 @@ CASES = [
     Case(
         "kimi_k25",
         vision_config=("kimi_k25.configuration_kimi_k25", "Kimi_K25VisionConfig"),
-        image_processor=Processor("kimi_k25.image_processing_kimi_k25", "Kimi_K25ImageProcessor", needs_torchvision=True),
+        image_processor=Processor(
+            "kimi_k25.image_processing_kimi_k25", "Kimi_K25ImageProcessor", needs_torchvision=True
+        ),
         video_processor=Processor(
-            "kimi_k25.video_processing_kimi_k25", "Kimi_K25VideoProcessor", {"do_sample_frames": False},
+            "kimi_k25.video_processing_kimi_k25",
+            "Kimi_K25VideoProcessor",
+            {"do_sample_frames": False},
             needs_torchvision=True,
         ),
         rules=kimi_rules,
@@ -145,7 +167,9 @@ CASES = [
     Case(
         "paddleocr_vl",
         vision_config=("paddleocr_vl.configuration_paddleocr_vl", "PaddleOCRVisionConfig"),
-        image_processor=Processor("paddleocr_vl.image_processing_pil_paddleocr_vl", "PaddleOCRVLImageProcessorPil"),
+        image_processor=Processor(
+            "paddleocr_vl.image_processing_pil_paddleocr_vl", "PaddleOCRVLImageProcessorPil"
+        ),
         video_processor=None,  # images only: its processor has no video path
         rules=paddleocr_rules,
     ),
@@ -216,8 +240,13 @@ def test_image_processor_outputs_are_items(case):
 
     # one image: the whole output is the item, as the README's snippet builds it
     single = processor(images=images[0], return_tensors="pt")
-    check_items(case, [Image(single["pixel_values"], single["image_grid_thw"][0])], IMAGE, processor,
-                single["pixel_values"])
+    check_items(
+        case,
+        [Image(single["pixel_values"], single["image_grid_thw"][0])],
+        IMAGE,
+        processor,
+        single["pixel_values"],
+    )
     # a batch: one item per row of image_grid_thw
     items = items_of(Image, out["pixel_values"], grid_thw)
     check_items(case, items, IMAGE, processor, out["pixel_values"])
@@ -283,7 +312,9 @@ class InProcessPool:
     @classmethod
     def launch(cls, model: Any = None, **kwargs: Any) -> contextlib.AbstractContextManager[InProcessPool]:
         cls.launched.append({"model": model, **kwargs})
-        return contextlib.nullcontext(cls(GraphEncoder.from_pretrained(model, device="cpu", dtype=torch.float32)))
+        return contextlib.nullcontext(
+            cls(GraphEncoder.from_pretrained(model, device="cpu", dtype=torch.float32))
+        )
 
     def encode(self, items: list) -> list:
         return self.encoder.encode(items)

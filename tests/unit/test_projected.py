@@ -23,12 +23,18 @@ def test_missing_fields_are_named_and_present_ones_pass():
 @pytest.mark.parametrize(
     "build, message",
     [
-        (gemma3_projector_config,
-         r"a Gemma 3 vision config needs \['text_hidden_size', 'mm_tokens_per_image'\] to build its multi_modal"),
-        (connector_config,
-         r"an Idefics3 / SmolVLM vision config needs \['text_hidden_size', 'scale_factor'\] to build its connector"),
-        (mistral3_projector_config,
-         r"Mistral 3's projector needs \[.*'text_hidden_size'.*\] besides the Pixtral vision config: .* got a Simple"),
+        (
+            gemma3_projector_config,
+            r"a Gemma 3 vision config needs \['text_hidden_size', 'mm_tokens_per_image'\] to build its multi_modal",
+        ),
+        (
+            connector_config,
+            r"an Idefics3 / SmolVLM vision config needs \['text_hidden_size', 'scale_factor'\] to build its connector",
+        ),
+        (
+            mistral3_projector_config,
+            r"Mistral 3's projector needs \[.*'text_hidden_size'.*\] besides the Pixtral vision config: .* got a Simple",
+        ),
     ],
 )
 def test_a_bare_vision_config_is_refused_with_what_it_lacks(build, message):

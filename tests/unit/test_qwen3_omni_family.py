@@ -202,8 +202,13 @@ def test_the_image_processors_output_becomes_items(hf_model, encoder):
     from transformers import Qwen2VLImageProcessorPil
 
     processor = Qwen2VLImageProcessorPil(
-        patch_size=4, temporal_patch_size=2, merge_size=2, min_pixels=8 * 8, max_pixels=40 * 40,
-        image_mean=[0.5] * 3, image_std=[0.5] * 3,
+        patch_size=4,
+        temporal_patch_size=2,
+        merge_size=2,
+        min_pixels=8 * 8,
+        max_pixels=40 * 40,
+        image_mean=[0.5] * 3,
+        image_std=[0.5] * 3,
     )
     generator = np.random.default_rng(20)
     pictures = [generator.integers(0, 256, size=(h, w, 3), dtype=np.uint8) for h, w in ((24, 40), (16, 16))]

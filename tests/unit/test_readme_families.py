@@ -104,7 +104,10 @@ def step3p7_model() -> torch.nn.Module:
     # the release's 728² view (52 x 52 patches, 169 tokens); its crops are the processor's 504² (81
     # tokens), the default, so the config sets no local_image_size, as a user's checkpoint
     vision = dict(
-        step3p7_case.TINY_VISION, image_size=728, patch_size=14, max_position_embeddings=52 * 52,
+        step3p7_case.TINY_VISION,
+        image_size=728,
+        patch_size=14,
+        max_position_embeddings=52 * 52,
         num_hidden_layers=1,
     )
     return Step3p7ForConditionalGeneration(
@@ -187,11 +190,16 @@ FAMILIES = [
         "llama4", llama4_model, llama4_expects, hf_tokens(llama4_case.image_features), needs_torchvision=True
     ),
     Family(
-        "minicpmv4_6", minicpmv4_6_model, minicpmv4_6_expects,
+        "minicpmv4_6",
+        minicpmv4_6_model,
+        minicpmv4_6_expects,
         hf_tokens(minicpmv4_6_case.image_features, inner=True),
     ),
     Family(
-        "step3p7", step3p7_model, step3p7_expects, hf_tokens(step3p7_case.image_features),
+        "step3p7",
+        step3p7_model,
+        step3p7_expects,
+        hf_tokens(step3p7_case.image_features),
         needs_torchvision=True,
     ),
     Family("deepseek_ocr2", deepseek_ocr2_model, deepseek_ocr2_expects, None),

@@ -15,8 +15,12 @@ def test_the_install_section_installs_what_the_processor_snippets_import():
     readme = (ROOT / "README.md").read_text()
     install = readme.split("## Install and a first encode", 1)[1].split("\n## ", 1)[0]
     commands = re.findall(r"^pip install .*$", install, flags=re.MULTILINE)
-    extras = {extra for command in commands for group in re.findall(r'\[([a-z0-9_,]+)\]', command)
-              for extra in group.split(",")}
+    extras = {
+        extra
+        for command in commands
+        for group in re.findall(r"\[([a-z0-9_,]+)\]", command)
+        for extra in group.split(",")
+    }
     declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     if "from PIL import" in readme:
         assert any(dep.lower().startswith("pillow") for extra in extras for dep in declared.get(extra, ())), (

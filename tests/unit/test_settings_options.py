@@ -31,9 +31,19 @@ def test_the_options_are_declared_once():
 
 def test_the_pools_encoder_spec_carries_every_option_by_name():
     chosen = {
-        "budgets": (16, 64), "max_items_per_batch": 4, "max_frames_per_batch": 8, "capacity_limits": {"sequences": 8},
-        "device": "cpu", "dtype": "float32", "attention": "fa2", "fused_ops": False, "compiled_blocks": True,
-        "compile_cache_dir": "/tmp/inductor", "urgent_tokens": 16, "precision": "bf16", "max_item_tokens": 4096,
+        "budgets": (16, 64),
+        "max_items_per_batch": 4,
+        "max_frames_per_batch": 8,
+        "capacity_limits": {"sequences": 8},
+        "device": "cpu",
+        "dtype": "float32",
+        "attention": "fa2",
+        "fused_ops": False,
+        "compiled_blocks": True,
+        "compile_cache_dir": "/tmp/inductor",
+        "urgent_tokens": 16,
+        "precision": "bf16",
+        "max_item_tokens": 4096,
     }
     assert set(chosen) == set(OPTION_NAMES)  # a new option gets a value here too
     spec = PoolSettings(model="/models/m", **chosen).encoder_spec()
@@ -94,7 +104,9 @@ def test_the_encoder_takes_its_options_by_name_or_as_the_object(tiny_adapter):
 
 
 def test_from_spec_builds_the_encoder_the_pool_describes():
-    spec = PoolSettings(budgets=(16,), device="cpu", dtype="float32", attention="fa2", max_item_tokens=64).encoder_spec()
+    spec = PoolSettings(
+        budgets=(16,), device="cpu", dtype="float32", attention="fa2", max_item_tokens=64
+    ).encoder_spec()
     encoder = GraphEncoder.from_spec(spec)
     assert encoder.options == spec.options()
     assert encoder.attention == "fa2" and encoder.max_item_tokens == 64
@@ -107,8 +119,14 @@ def test_from_spec_builds_the_encoder_the_pool_describes():
     ("old", "new"),
     [
         ({"small_first_stream": True}, {"urgent_tokens": 256}),  # the lane sized as the small calls
-        ({"small_first_stream": True, "small_first_tokens": 64}, {"urgent_tokens": 64, "small_first_tokens": 64}),
-        ({"small_first_stream": True, "small_first_tokens": None}, {"small_first_tokens": None}),  # no lane, as before
+        (
+            {"small_first_stream": True, "small_first_tokens": 64},
+            {"urgent_tokens": 64, "small_first_tokens": 64},
+        ),
+        (
+            {"small_first_stream": True, "small_first_tokens": None},
+            {"small_first_tokens": None},
+        ),  # no lane, as before
         ({"small_first_stream": False}, {}),
     ],
 )
@@ -150,6 +168,9 @@ def test_launch_still_takes_small_first_stream(monkeypatch):
         raise RuntimeError("not started")  # stop before Ray
 
     monkeypatch.setattr(encoder_pool, "launch_pool", launch_pool)
-    with pytest.warns(DeprecationWarning, match="urgent_tokens"), pytest.raises(RuntimeError, match="not started"):
+    with (
+        pytest.warns(DeprecationWarning, match="urgent_tokens"),
+        pytest.raises(RuntimeError, match="not started"),
+    ):
         EncoderPool.launch(device="cpu", small_first_stream=True, progress=False)
     assert launched[0].urgent_tokens == 256

@@ -53,7 +53,9 @@ def test_small_calls_items_are_packed_apart_from_other_calls_items():
         assert len(flags) == 1  # small calls' items never share a batch with others'
         if flags == {True}:
             assert batch.num_tokens <= 32
-    assert [min(b.item_indices) for b in batches] == sorted(min(b.item_indices) for b in batches)  # oldest first
+    assert [min(b.item_indices) for b in batches] == sorted(
+        min(b.item_indices) for b in batches
+    )  # oldest first
     assert small_first(32).plan(specs) == small_first(None).plan(specs)  # no flags: as ever
 
 
@@ -141,13 +143,16 @@ def settings_with(small_first_tokens: int | None, **settings) -> PoolSettings:
         return PoolSettings(small_first_tokens=small_first_tokens, **settings)
     base = PoolSettings(**settings)
     return types.SimpleNamespace(
-        **{f.name: getattr(base, f.name) for f in dataclasses.fields(base)}, small_first_tokens=small_first_tokens
+        **{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
+        small_first_tokens=small_first_tokens,
     )
 
 
 def queued(call: Call, sizes: list[int]) -> list[QueuedItem]:
-    return [QueuedItem(call, i, spec(tokens), np.zeros((4 * tokens, 8), np.float32), 4 * tokens * 8 * 4)
-            for i, tokens in enumerate(sizes)]
+    return [
+        QueuedItem(call, i, spec(tokens), np.zeros((4 * tokens, 8), np.float32), 4 * tokens * 8 * 4)
+        for i, tokens in enumerate(sizes)
+    ]
 
 
 def wait_for(condition, timeout_s: float = 5.0) -> bool:
@@ -163,8 +168,12 @@ def test_a_small_call_is_not_held_behind_large_batches_in_flight(small_first_tok
     and waits for them without it. A third large call waits either way."""
     link = HeldLink()
     budgets = make_budgets(BUDGETS, None, None)
-    subject = Dispatcher(budgets, settings_with(small_first_tokens, batch_window_s=0.0, batch_timeout_s=60),
-                         on_actor_failed=lambda index: None, make_link=lambda index: link)
+    subject = Dispatcher(
+        budgets,
+        settings_with(small_first_tokens, batch_window_s=0.0, batch_timeout_s=60),
+        on_actor_failed=lambda index: None,
+        make_link=lambda index: link,
+    )
     subject.set_actors([0], budgets)
     try:
         large = [Call(1) for _ in range(3)]
@@ -174,6 +183,7 @@ def test_a_small_call_is_not_held_behind_large_batches_in_flight(small_first_tok
         small = Call(2)
         subject.submit(small, queued(small, [8, 12]))
         subject.submit(large[2], queued(large[2], [150]))
+
         def sent_tokens():
             return sorted(s.num_tokens for plan in link.plans for s in plan.specs)
 
@@ -182,8 +192,10 @@ def test_a_small_call_is_not_held_behind_large_batches_in_flight(small_first_tok
             assert sent_tokens() == [180, 200] and subject.queue_depth == 3
         else:
             # waited for, not slept on: a loaded CI machine may take longer than 0.1 s to send
-            assert wait_for(lambda: sent_tokens() == [8, 12, 180, 200] and subject.queue_depth == 1), \
-                (sent_tokens(), subject.queue_depth)
+            assert wait_for(lambda: sent_tokens() == [8, 12, 180, 200] and subject.queue_depth == 1), (
+                sent_tokens(),
+                subject.queue_depth,
+            )
             assert len(link.plans[-1].specs) == 2  # the small call's two items in one batch
         link.answer_all()  # frees the slots: what waited goes now
         assert wait_for(lambda: subject.queue_depth == 0 and len(link.held) >= 1)
@@ -318,9 +330,15 @@ def test_the_urgent_lane_settings_are_checked_and_reach_the_encoder(tiny_adapter
         PoolSettings(urgent_tokens=0)
     # its pool setting until 0.1.0, for one release: an urgent lane of the small calls' size
     with pytest.warns(DeprecationWarning, match="urgent_tokens"):
-        assert PoolSettings(small_first_stream=True).encoder_spec().urgent_tokens == PoolSettings().small_first_tokens
+        assert (
+            PoolSettings(small_first_stream=True).encoder_spec().urgent_tokens
+            == PoolSettings().small_first_tokens
+        )
     with pytest.warns(DeprecationWarning):
-        assert PoolSettings(small_first_stream=True, small_first_tokens=None).encoder_spec().urgent_tokens is None
+        assert (
+            PoolSettings(small_first_stream=True, small_first_tokens=None).encoder_spec().urgent_tokens
+            is None
+        )
     with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="small_first_stream"):
         PoolSettings(small_first_stream="yes")
     for bad in (0, -4, 2.5, True):
@@ -337,5 +355,7 @@ def test_on_a_cpu_an_urgent_batch_runs_as_any_batch(tiny_adapter):
     assert not encoder.has_urgent_lane and encoder.urgent_budgets == frozenset()
     items = [image(2, 2), video(2, 2, 2)]
     plan, pixels = plan_batch(items, encoder.adapter.item_rules, encoder.budgets)
-    [outcomes] = encoder.start_plans([(plan, [torch.from_numpy(p) for p in pixels])], "cpu", urgent=True).result()
+    [outcomes] = encoder.start_plans(
+        [(plan, [torch.from_numpy(p) for p in pixels])], "cpu", urgent=True
+    ).result()
     assert_same(outcomes, encoder.encode(items))

@@ -46,7 +46,9 @@ class FakeMetric:
 def made(monkeypatch) -> dict[str, FakeMetric]:
     metrics: dict[str, FakeMetric] = {}
     for kind in ("Counter", "Gauge", "Histogram"):
-        monkeypatch.setattr(ray.util.metrics, kind, lambda name, **options: metrics.setdefault(name, FakeMetric(name)))
+        monkeypatch.setattr(
+            ray.util.metrics, kind, lambda name, **options: metrics.setdefault(name, FakeMetric(name))
+        )
     return metrics
 
 
@@ -76,9 +78,17 @@ def test_every_counter_is_in_the_stats_and_the_metrics(made):
     "earlier, later, fraction",
     [
         (None, ActorStats(busy_seconds=2.0, uptime_seconds=8.0), 0.25),  # no reading before: since the start
-        (ActorStats(busy_seconds=2.0, uptime_seconds=8.0), ActorStats(busy_seconds=5.0, uptime_seconds=12.0), 0.75),
+        (
+            ActorStats(busy_seconds=2.0, uptime_seconds=8.0),
+            ActorStats(busy_seconds=5.0, uptime_seconds=12.0),
+            0.75,
+        ),
         # a busy time counted up to the reading can pass the interval by a hair: at most 1
-        (ActorStats(busy_seconds=1.0, uptime_seconds=2.0), ActorStats(busy_seconds=3.1, uptime_seconds=4.0), 1.0),
+        (
+            ActorStats(busy_seconds=1.0, uptime_seconds=2.0),
+            ActorStats(busy_seconds=3.1, uptime_seconds=4.0),
+            1.0,
+        ),
         (ActorStats(uptime_seconds=4.0), ActorStats(uptime_seconds=4.0), None),  # no time passed: no fraction
         (None, ActorStats(), None),  # an actor that reports no uptime yet
     ],
@@ -91,7 +101,9 @@ class FakeActors:
     """Actors whose stats calls are refs answered (or not) as the test says."""
 
     def __init__(self, indices: list[int]) -> None:
-        self.handles = {index: SimpleNamespace(stats=SimpleNamespace(remote=self._asker(index))) for index in indices}
+        self.handles = {
+            index: SimpleNamespace(stats=SimpleNamespace(remote=self._asker(index))) for index in indices
+        }
         self.asked: list[int] = []
         self.silent: set[int] = set()  # their calls stay unanswered
         self.dead: set[int] = set()

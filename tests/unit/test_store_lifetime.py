@@ -38,7 +38,11 @@ def fake_ray_objects(monkeypatch):
 
 def test_the_store_holds_its_own_copy_and_refuses_what_it_cannot_read(fake_ray_objects):
     store = EmbeddingStore(max_bytes=1 << 20, min_age_s=0.0)
-    assert store.put_many([entry("a", "bytes-a"), entry("gone", "lost-1"), entry("b", "bytes-b")]) == [True, False, True]
+    assert store.put_many([entry("a", "bytes-a"), entry("gone", "lost-1"), entry("b", "bytes-b")]) == [
+        True,
+        False,
+        True,
+    ]
     held = store.get_many(["a", "b", "gone"])
     assert [e.object[0] for e in held[:2]] == ["own-0", "own-1"] and held[2] is None  # the store's objects
     assert fake_ray_objects == {"own-0": "bytes-a", "own-1": "bytes-b"}
@@ -78,10 +82,13 @@ def test_a_reader_never_waits_for_ray_on_the_callers_thread(monkeypatch):
     assert joins == ["10.0.0.1:6379"]  # one try (the next after RETRY_S)
 
 
-@pytest.mark.parametrize("error", [
-    ConnectionError("no cluster"),  # a join that fails
-    RuntimeError("anything"),  # whatever else: still not raised into vLLM
-])
+@pytest.mark.parametrize(
+    "error",
+    [
+        ConnectionError("no cluster"),  # a join that fails
+        RuntimeError("anything"),  # whatever else: still not raised into vLLM
+    ],
+)
 def test_a_failed_join_is_logged_once_with_its_cause(monkeypatch, caplog, error):
     def failing_join(address):
         raise error

@@ -100,7 +100,9 @@ def test_a_bad_item_is_named(encoder, name):
 
 def test_random_weights_are_the_same_in_every_process(checkpoint, encoder):
     again = GraphEncoder.from_pretrained(checkpoint, budgets=[8], device="cpu")
-    for mine, theirs in zip(encoder.adapter.tower.state_dict().values(), again.adapter.tower.state_dict().values()):
+    for mine, theirs in zip(
+        encoder.adapter.tower.state_dict().values(), again.adapter.tower.state_dict().values()
+    ):
         assert torch.equal(mine, theirs)
 
 
@@ -167,7 +169,17 @@ def test_a_budget_range_refuses_bounds_off_its_step():
     from vitpool.models.protocol import BudgetRange
 
     assert family_budgets(BudgetRange(256, 3328, 256)) == [
-        256, 512, 768, 1024, 1280, 1536, 1792, 2048, 2304, 2816, 3328,
+        256,
+        512,
+        768,
+        1024,
+        1280,
+        1536,
+        1792,
+        2048,
+        2304,
+        2816,
+        3328,
     ]  # one InternVL tile is 256 tokens: every tile count to 8, then about 12.5% apart
     for bounds in ((250, 1024, 256), (256, 1000, 256), (512, 256, 256), (0, 256, 1)):
         with pytest.raises(ValueError):

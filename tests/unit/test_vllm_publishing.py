@@ -42,11 +42,14 @@ def test_an_entry_reads_back_exactly(tmp_path, dtype):
     assert not [name for name in os.listdir(tmp_path / "key-1") if name != FILE_NAME]  # no partial file left
 
 
-@pytest.mark.parametrize("damage", [
-    lambda data: data[: len(data) - 3],  # truncated
-    lambda data: data[:-4] + bytes(b ^ 0xFF for b in data[-4:]),  # bytes changed after publishing
-    lambda data: b"",  # empty
-])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda data: data[: len(data) - 3],  # truncated
+        lambda data: data[:-4] + bytes(b ^ 0xFF for b in data[-4:]),  # bytes changed after publishing
+        lambda data: b"",  # empty
+    ],
+)
 def test_a_damaged_entry_reads_as_missing(tmp_path, damage):
     path = tmp_path / FILE_NAME
     path.write_bytes(damage(entry_bytes(torch.randn(4, 4))))

@@ -105,7 +105,9 @@ FROM_THE_FILE = JoinedCluster(GCS, f"from {ADDRESS_FILE}, the cluster last start
 def test_no_pool_found_names_the_cluster_looked_in_and_how_to_look_in_another(monkeypatch):
     monkeypatch.setattr(launcher, "join_ray", lambda address: FROM_THE_FILE)
     monkeypatch.setattr(launcher.ray, "is_initialized", lambda: True)
-    monkeypatch.setattr(launcher.ray, "get_actor", lambda name, namespace: (_ for _ in ()).throw(ValueError(name)))
+    monkeypatch.setattr(
+        launcher.ray, "get_actor", lambda name, namespace: (_ for _ in ()).throw(ValueError(name))
+    )
     shutdowns = []
     monkeypatch.setattr(launcher.ray, "shutdown", lambda: shutdowns.append(True))
     with pytest.raises(PoolUnavailableError) as raised:
@@ -121,7 +123,9 @@ def test_no_pool_found_by_an_already_connected_process_says_to_disconnect_first(
     joined = JoinedCluster(GCS, "this process was already connected to it", connected_here=False)
     monkeypatch.setattr(launcher, "join_ray", lambda address: joined)
     monkeypatch.setattr(launcher.ray, "is_initialized", lambda: True)
-    monkeypatch.setattr(launcher.ray, "get_actor", lambda name, namespace: (_ for _ in ()).throw(ValueError(name)))
+    monkeypatch.setattr(
+        launcher.ray, "get_actor", lambda name, namespace: (_ for _ in ()).throw(ValueError(name))
+    )
     with pytest.raises(PoolUnavailableError, match=r"already connected to it: call ray.shutdown\(\) first"):
         launcher.find_pool("encoders", None, 1.0)
 
@@ -149,8 +153,15 @@ def test_a_controller_that_dies_as_the_pool_starts_is_one_error_naming_the_clust
     monkeypatch.setattr(launcher.ray, "shutdown", lambda: shutdowns.append(True))
     monkeypatch.setattr(launcher.ray, "is_initialized", lambda: True)
     controller = FakeController()
-    remote_class = type("Remote", (), {"options": lambda self, **options: type(
-        "Options", (), {"remote": lambda self, *args: controller})()})()
+    remote_class = type(
+        "Remote",
+        (),
+        {
+            "options": lambda self, **options: type(
+                "Options", (), {"remote": lambda self, *args: controller}
+            )()
+        },
+    )()
     monkeypatch.setattr(launcher.ray, "remote", lambda **options: lambda cls: remote_class)
 
     def get(ref, timeout=None):
@@ -205,8 +216,20 @@ AUTH_CASES = [
     # a token cluster on this machine that takes this machine's token: joined with it
     (WANTS_TOKEN, None, True, "token", None),
     # ... elsewhere: this machine's token is not offered
-    (WANTS_TOKEN, None, False, None, "uses token authentication and this process sends no token (RAY_AUTH_MODE is unset)"),
-    (WANTS_TOKEN, "disabled", True, "disabled", "sends no token (RAY_AUTH_MODE is disabled): set RAY_AUTH_MODE=token"),
+    (
+        WANTS_TOKEN,
+        None,
+        False,
+        None,
+        "uses token authentication and this process sends no token (RAY_AUTH_MODE is unset)",
+    ),
+    (
+        WANTS_TOKEN,
+        "disabled",
+        True,
+        "disabled",
+        "sends no token (RAY_AUTH_MODE is disabled): set RAY_AUTH_MODE=token",
+    ),
     (WANTS_TOKEN, "token", False, "token", None),
     (Answers(False, False), "token", False, "token", "refused this process's authentication token"),
     # token mode, but no token to send
@@ -231,7 +254,9 @@ def test_authentication_matches_the_cluster_or_says_what_to_set(
     has_token = answers.answers[True] is not None
     monkeypatch.setattr(ray_auth, "_local_token_header", lambda: dict(TOKEN_HEADER) if has_token else {})
     monkeypatch.setattr(ray_auth, "_runs_on_this_machine", lambda address: on_this_machine)
-    monkeypatch.setattr(ray_auth, "_set_authentication_mode", lambda value: monkeypatch.setenv("RAY_AUTH_MODE", value))
+    monkeypatch.setattr(
+        ray_auth, "_set_authentication_mode", lambda value: monkeypatch.setenv("RAY_AUTH_MODE", value)
+    )
     if error is None:
         note = ray_auth.match_authentication(GCS)
         # the reason the cluster was joined says where this machine's token went
@@ -272,7 +297,9 @@ def test_joining_with_this_machines_token_says_so_in_the_reason(fake_ray, monkey
     monkeypatch.setattr(ray_auth, "_gcs_accepts", Answers(False, True))
     monkeypatch.setattr(ray_auth, "_local_token_header", lambda: dict(TOKEN_HEADER))
     monkeypatch.setattr(ray_auth, "_runs_on_this_machine", lambda address: True)
-    monkeypatch.setattr(ray_auth, "_set_authentication_mode", lambda value: monkeypatch.setenv("RAY_AUTH_MODE", value))
+    monkeypatch.setattr(
+        ray_auth, "_set_authentication_mode", lambda value: monkeypatch.setenv("RAY_AUTH_MODE", value)
+    )
     joined = cluster.join_ray(GCS)
     assert str(joined) == (
         f"Ray cluster at {GCS} (from the address argument; with this machine's token: RAY_AUTH_MODE=token "
@@ -314,7 +341,10 @@ class FakeGcs(gcs_service_pb2_grpc.NodeInfoGcsServiceServicer):
     def GetClusterId(self, request, context):
         sent = dict(context.invocation_metadata()).get("authorization")
         if self.token is not None and sent != f"Bearer {self.token}":
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "InvalidAuthToken: Authentication token is missing or incorrect")
+            context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "InvalidAuthToken: Authentication token is missing or incorrect",
+            )
         return gcs_service_pb2.GetClusterIdReply()
 
 

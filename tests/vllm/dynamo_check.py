@@ -38,16 +38,26 @@ def main(checkpoint: str, pictures: list[str]) -> dict:
         items = [backend._make_item(decode_image(image_bytes(url))) for url in urls]
         expected = backend._pool.encode(items)
         differences = [
-            float((artifact.embeddings - vllm_embedding(embedding, backend.family, backend.dtype)).abs().max())
+            float(
+                (artifact.embeddings - vllm_embedding(embedding, backend.family, backend.dtype)).abs().max()
+            )
             for artifact, embedding in zip(artifacts, expected)
         ]
-        config = SimpleNamespace(hf_config=SimpleNamespace(vision_config=SimpleNamespace(spatial_merge_size=2)))
+        config = SimpleNamespace(
+            hf_config=SimpleNamespace(vision_config=SimpleNamespace(spatial_merge_size=2))
+        )
         prompt = Qwen3VLNativeAdapter(config).prepare_prompt([1, 2, 3], artifacts)
         image = prompt["multi_modal_data"]["image"]
-        return {"differences": differences, "grids": [list(a.grid_thw) for a in artifacts],
-                "rows": [a.embeddings.shape[0] for a in artifacts], "widths": [a.embeddings.shape[1] for a in artifacts],
-                "prompt_rows": int(image["image_embeds"].shape[0]), "bad_image": bad_image,
-                "dtype": str(artifacts[0].embeddings.dtype), "finite": bool(torch.isfinite(image["image_embeds"]).all())}
+        return {
+            "differences": differences,
+            "grids": [list(a.grid_thw) for a in artifacts],
+            "rows": [a.embeddings.shape[0] for a in artifacts],
+            "widths": [a.embeddings.shape[1] for a in artifacts],
+            "prompt_rows": int(image["image_embeds"].shape[0]),
+            "bad_image": bad_image,
+            "dtype": str(artifacts[0].embeddings.dtype),
+            "finite": bool(torch.isfinite(image["image_embeds"]).all()),
+        }
     finally:
         encoder.shutdown()
 

@@ -43,10 +43,31 @@ def resized_png(seed: int, height: int, width: int) -> bytes:
 def start_gateway(python: str, model: Path, upstream: str, address: str, log) -> tuple[subprocess.Popen, str]:
     port = free_port()
     process = subprocess.Popen(
-        [python, "-m", "vitpool.integrations.vllm.gateway", "--model", str(model), "--upstream", upstream,
-         "--launch-actors", "1", "--pool", "walk", "--address", address, "--publish", "store",
-         "--dtype", "float32", "--port", str(port)],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+        [
+            python,
+            "-m",
+            "vitpool.integrations.vllm.gateway",
+            "--model",
+            str(model),
+            "--upstream",
+            upstream,
+            "--launch-actors",
+            "1",
+            "--pool",
+            "walk",
+            "--address",
+            address,
+            "--publish",
+            "store",
+            "--dtype",
+            "float32",
+            "--port",
+            str(port),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "RAY_AUTH_MODE": "disabled"},
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -62,7 +83,9 @@ def start_gateway(python: str, model: Path, upstream: str, address: str, log) ->
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--gateway-python", default=sys.executable)
     args = parser.parse_args()
     import ray
@@ -72,10 +95,17 @@ def main() -> int:
     model = build_tiny_model("qwen3_vl", work / "model")
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     address = ray.get_runtime_context().gcs_address
-    server = VllmServer(model, {"ec_connector": "VitpoolECConnector", "ec_role": "ec_consumer",
-                                "ec_connector_module_path": "vitpool.integrations.vllm.connector",
-                                "ec_connector_extra_config": {"pool": "walk", "ray_address": address}},
-                        work / "vllm.log", {"RAY_AUTH_MODE": "disabled"})
+    server = VllmServer(
+        model,
+        {
+            "ec_connector": "VitpoolECConnector",
+            "ec_role": "ec_consumer",
+            "ec_connector_module_path": "vitpool.integrations.vllm.connector",
+            "ec_connector_extra_config": {"pool": "walk", "ray_address": address},
+        },
+        work / "vllm.log",
+        {"RAY_AUTH_MODE": "disabled"},
+    )
     gateway = None
     try:
         server.wait_ready()
@@ -83,11 +113,14 @@ def main() -> int:
             gateway, url = start_gateway(args.gateway_python, model, server.url, address, log)
             differences: dict[str, list[float]] = {"not resized": [], "resized": []}
             for seed in range(4):
-                for kind, picture in (("not resized", png(seed, 64, 96)),
-                                      ("resized", resized_png(seed, 50 + 7 * seed, 83 + 5 * seed))):
+                for kind, picture in (
+                    ("not resized", png(seed, 64, 96)),
+                    ("resized", resized_png(seed, 50 + 7 * seed, 83 + 5 * seed)),
+                ):
                     body = chat([picture])
-                    differences[kind].append(largest_difference(answer(url, body, model),
-                                                                answer(server.url, body, model)))
+                    differences[kind].append(
+                        largest_difference(answer(url, body, model), answer(server.url, body, model))
+                    )
         processor = "pil" if "PIL image processor" in (work / "gateway.log").read_text() else "torchvision"
         stats = urllib.request.urlopen(url + "/vitpool/stats", timeout=10).read().decode()
         print(f"gateway processor: {processor}; gateway stats: {stats}")
@@ -95,8 +128,10 @@ def main() -> int:
         for kind, values in differences.items():
             bound = 1e-4 if kind == "not resized" else BOUNDS[processor]
             ok &= max(values) <= bound
-            print(f"{kind}: largest logprob difference {max(values):.2e} over {len(values)} images "
-                  f"(README's bound {bound:g})")
+            print(
+                f"{kind}: largest logprob difference {max(values):.2e} over {len(values)} images "
+                f"(README's bound {bound:g})"
+            )
         return 0 if ok else 1
     finally:
         if gateway is not None:

@@ -25,9 +25,12 @@ def gateways(pool, servers, tiny_model):
     files_server, root = servers["files"]
     store_server, _ = servers["store"]
     running = {
-        "files": RunningGateway(Gateway(pool, FilePublisher(root), tiny_model, files_server.url, dtype=torch.float32)),
-        "store": RunningGateway(Gateway(pool, StorePublisher(pool.name), tiny_model, store_server.url,
-                                        dtype=torch.float32)),
+        "files": RunningGateway(
+            Gateway(pool, FilePublisher(root), tiny_model, files_server.url, dtype=torch.float32)
+        ),
+        "store": RunningGateway(
+            Gateway(pool, StorePublisher(pool.name), tiny_model, store_server.url, dtype=torch.float32)
+        ),
     }
     yield running
     for gateway in running.values():
@@ -38,13 +41,17 @@ def gateways(pool, servers, tiny_model):
 def test_answers_through_the_gateway_equal_vllms_own_tower(gateways, servers, tiny_model, path):
     server, _ = servers[path]
     gateway = gateways[path]
-    requests = [chat([png(10 * index + k, 64 + 32 * k, 96) for k in range(1 + index % 3)]) for index in range(6)]
+    requests = [
+        chat([png(10 * index + k, 64 + 32 * k, 96) for k in range(1 + index % 3)]) for index in range(6)
+    ]
     expected = [answer(server.url, body, tiny_model) for body in requests]  # no uuid: vLLM's own tower
     before = gateway.gateway.stats.encoded
     with ThreadPoolExecutor(6) as threads:  # at once: the pool packs their images together
         actual = list(threads.map(lambda body: answer(gateway.url, body, tiny_model), requests))
-    print(f"{path}, not resized: largest logprob difference "
-          f"{max(largest_difference(got, want) for got, want in zip(actual, expected)):.2e}")
+    print(
+        f"{path}, not resized: largest logprob difference "
+        f"{max(largest_difference(got, want) for got, want in zip(actual, expected)):.2e}"
+    )
     for got, want in zip(actual, expected):
         assert_same_answer(got, want)
     assert gateway.gateway.stats.encoded - before == sum(1 + index % 3 for index in range(6))
@@ -61,7 +68,9 @@ def test_resized_images_answer_as_vllms_own_tower(gateways, servers, tiny_model)
     server, _ = servers["store"]
     gateway = gateways["store"]
     sizes = [(50, 77), (123, 45), (37, 61), (200, 300)]
-    requests = [chat([png(700 + index, height, width, multiple=1)]) for index, (height, width) in enumerate(sizes)]
+    requests = [
+        chat([png(700 + index, height, width, multiple=1)]) for index, (height, width) in enumerate(sizes)
+    ]
     expected = [answer(server.url, body, tiny_model) for body in requests]
     actual = [answer(gateway.url, body, tiny_model) for body in requests]
     differences = [largest_difference(got, want) for got, want in zip(actual, expected)]
@@ -93,8 +102,10 @@ def test_an_invalid_entry_is_not_used(gateways, servers, tiny_model):
     publisher = gateways["files"].gateway.publisher
     picture = png(7, 96, 64)
     expected = answer(server.url, chat([picture]), tiny_model)
-    for key, damage in (("truncated", lambda data: data[: len(data) // 2]),
-                        ("altered", lambda data: data[:-8] + b"\xff" * 8)):
+    for key, damage in (
+        ("truncated", lambda data: data[: len(data) // 2]),
+        ("altered", lambda data: data[:-8] + b"\xff" * 8),
+    ):
         publisher.publish(key, torch.zeros(6, 128 * 3))
         path = root / key / "encoder_cache.safetensors"
         path.write_bytes(damage(path.read_bytes()))
@@ -126,10 +137,23 @@ def test_dynamo_backend_answers_as_pool_encode(tmp_path, pool, tiny_model, ray_a
         pictures.append(tmp_path / f"{index}.png")
         pictures[-1].write_bytes(png(300 + index, height, width))
     result = subprocess.run(
-        [str(VLLM_PYTHON), str(Path(__file__).parent / "dynamo_check.py"), str(tiny_model), *map(str, pictures)],
-        check=False, capture_output=True, text=True, timeout=300,
-        env={**os.environ, "VITPOOL_POOL": pool.name, "RAY_ADDRESS": ray_address, "RAY_AUTH_MODE": "disabled",
-             "VITPOOL_DTYPE": "float32"},
+        [
+            str(VLLM_PYTHON),
+            str(Path(__file__).parent / "dynamo_check.py"),
+            str(tiny_model),
+            *map(str, pictures),
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={
+            **os.environ,
+            "VITPOOL_POOL": pool.name,
+            "RAY_ADDRESS": ray_address,
+            "RAY_AUTH_MODE": "disabled",
+            "VITPOOL_DTYPE": "float32",
+        },
     )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])

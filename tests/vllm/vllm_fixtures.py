@@ -16,7 +16,8 @@ import pytest
 from vllm_servers import ROOT, VLLM_PYTHON, VllmServer
 
 NEEDS_VLLM = pytest.mark.skipif(
-    not VLLM_PYTHON.exists(), reason=f"no vLLM environment at {VLLM_PYTHON} (scripts/vllm_cpu_env.sh makes it)"
+    not VLLM_PYTHON.exists(),
+    reason=f"no vLLM environment at {VLLM_PYTHON} (scripts/vllm_cpu_env.sh makes it)",
 )
 
 POOL = "vllm-test"
@@ -32,9 +33,17 @@ def build_tiny_model(family: str, directory: Path) -> Path:
 
 def files_server(model: Path, root: Path, log: Path) -> VllmServer:
     """A consumer of `VitpoolFileConnector` reading `root` (not waited for)."""
-    return VllmServer(model, {"ec_connector": "VitpoolFileConnector", "ec_role": "ec_consumer",
-                              "ec_connector_module_path": CONNECTOR,
-                              "ec_connector_extra_config": {"shared_storage_path": str(root)}}, log, {})
+    return VllmServer(
+        model,
+        {
+            "ec_connector": "VitpoolFileConnector",
+            "ec_role": "ec_consumer",
+            "ec_connector_module_path": CONNECTOR,
+            "ec_connector_extra_config": {"shared_storage_path": str(root)},
+        },
+        log,
+        {},
+    )
 
 
 @pytest.fixture(scope="session")
@@ -62,7 +71,9 @@ def ray_address():
 def pool(ray_address, tiny_model):
     from vitpool import EncoderPool
 
-    pool = EncoderPool.launch(model=str(tiny_model), name=POOL, num_actors=1, device="cpu", budgets=[16, 64, 256])
+    pool = EncoderPool.launch(
+        model=str(tiny_model), name=POOL, num_actors=1, device="cpu", budgets=[16, 64, 256]
+    )
     yield pool
     pool.shutdown()
 
@@ -73,10 +84,17 @@ def servers(tiny_model, ray_address, tmp_path_factory):
     root = tmp_path_factory.mktemp("ec-files")
     logs = tmp_path_factory.mktemp("vllm-logs")
     files = files_server(tiny_model, root, logs / "files.log")
-    store = VllmServer(tiny_model, {"ec_connector": "VitpoolECConnector", "ec_role": "ec_consumer",
-                                    "ec_connector_module_path": CONNECTOR,
-                                    "ec_connector_extra_config": {"pool": POOL, "ray_address": ray_address}},
-                       logs / "store.log", {"RAY_AUTH_MODE": "disabled"})
+    store = VllmServer(
+        tiny_model,
+        {
+            "ec_connector": "VitpoolECConnector",
+            "ec_role": "ec_consumer",
+            "ec_connector_module_path": CONNECTOR,
+            "ec_connector_extra_config": {"pool": POOL, "ray_address": ray_address},
+        },
+        logs / "store.log",
+        {"RAY_AUTH_MODE": "disabled"},
+    )
     try:
         files.wait_ready()
         store.wait_ready()

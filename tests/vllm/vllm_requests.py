@@ -29,19 +29,29 @@ def png(seed: int, height: int, width: int, multiple: int = 32) -> bytes:
 def chat(images: list[bytes], uuids: list[str] | None = None, text: str = "describe") -> dict:
     parts = []
     for index, data in enumerate(images):
-        part = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(data).decode()}}
+        part = {
+            "type": "image_url",
+            "image_url": {"url": "data:image/png;base64," + base64.b64encode(data).decode()},
+        }
         if uuids is not None:
             part["uuid"] = uuids[index]
         parts.append(part)
     parts.append({"type": "text", "text": text})
-    return {"messages": [{"role": "user", "content": parts}], "max_tokens": 4, "temperature": 0.0,
-            "logprobs": True, "top_logprobs": 5}
+    return {
+        "messages": [{"role": "user", "content": parts}],
+        "max_tokens": 4,
+        "temperature": 0.0,
+        "logprobs": True,
+        "top_logprobs": 5,
+    }
 
 
 def answer(url: str, body: dict, model) -> list[tuple[str, float, list[float]]]:
     response = post_json(url + "/v1/chat/completions", {"model": str(model), **body})
-    return [(token["token"], token["logprob"], [top["logprob"] for top in token["top_logprobs"]])
-            for token in response["choices"][0]["logprobs"]["content"]]
+    return [
+        (token["token"], token["logprob"], [top["logprob"] for top in token["top_logprobs"]])
+        for token in response["choices"][0]["logprobs"]["content"]
+    ]
 
 
 def assert_same_answer(actual, expected, tolerance=TOLERANCE) -> None:
@@ -52,4 +62,6 @@ def assert_same_answer(actual, expected, tolerance=TOLERANCE) -> None:
 
 
 def largest_difference(actual, expected) -> float:
-    return max(abs(a - b) for (_, _, tops_a), (_, _, tops_b) in zip(actual, expected) for a, b in zip(tops_a, tops_b))
+    return max(
+        abs(a - b) for (_, _, tops_a), (_, _, tops_b) in zip(actual, expected) for a, b in zip(tops_a, tops_b)
+    )

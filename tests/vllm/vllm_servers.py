@@ -25,7 +25,9 @@ def free_port() -> int:
 
 
 def post_json(url: str, body: dict, timeout_s: float = 120.0) -> dict:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=timeout_s) as response:
         return json.load(response)
 
@@ -42,22 +44,40 @@ class VllmServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         command = [
-            str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-            "--port", str(self.port), "--max-model-len", "1024", "--dtype", "float32",
-            "--limit-mm-per-prompt", json.dumps({"image": 4, "video": 0}), "--max-num-seqs", "8",
-            "--ec-transfer-config", json.dumps(ec_config),
+            str(VLLM_PYTHON),
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--port",
+            str(self.port),
+            "--max-model-len",
+            "1024",
+            "--dtype",
+            "float32",
+            "--limit-mm-per-prompt",
+            json.dumps({"image": 4, "video": 0}),
+            "--max-num-seqs",
+            "8",
+            "--ec-transfer-config",
+            json.dumps(ec_config),
         ]
         self.log = log
         self._log_file = open(log, "w")  # noqa: SIM115 - the server writes to it until stop()
-        self.process = subprocess.Popen(command, stdout=self._log_file, stderr=subprocess.STDOUT,
-                                        env={**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-                                             **env})
+        self.process = subprocess.Popen(
+            command,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", **env},
+        )
 
     def wait_ready(self, timeout_s: float = 400.0) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"vLLM exited ({self.process.returncode}):\n{self.log.read_text()[-4000:]}")
+                raise RuntimeError(
+                    f"vLLM exited ({self.process.returncode}):\n{self.log.read_text()[-4000:]}"
+                )
             try:
                 urllib.request.urlopen(self.url + "/health", timeout=2)
                 return

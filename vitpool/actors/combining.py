@@ -190,7 +190,9 @@ class BatchCombiner:
             waiting.woken.set()
 
 
-def small_first_group(waiting: Sequence[_Waiting], max_tokens: int, small_tokens: int, max_passes: int) -> list[_Waiting]:
+def small_first_group(
+    waiting: Sequence[_Waiting], max_tokens: int, small_tokens: int, max_passes: int
+) -> list[_Waiting]:
     """The next run's batches of `waiting` (oldest first; not empty): the batches of at most
     `small_tokens` tokens, oldest first, then the others in order, as far as they fit `max_tokens`
     (those of the first one's key); or, where none is small or some batch has been passed over

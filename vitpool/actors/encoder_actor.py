@@ -100,7 +100,8 @@ class EncoderActor:
             urgent_start = functools.partial(self._start_splitting, urgent=True)
             lane_tokens = max(budget.num_tokens for budget in self.encoder.urgent_budgets)
             self._urgent_combiner = BatchCombiner(
-                urgent_start if spec.overlap_runs else finished(urgent_start), lane_tokens,
+                urgent_start if spec.overlap_runs else finished(urgent_start),
+                lane_tokens,
             )
         self._publisher = None
         if spec.embedding_cache is not None:
@@ -109,13 +110,18 @@ class EncoderActor:
             self._publisher = CachePublisher(spec.embedding_cache)
         self._channel = (
             ChannelServer(
-                self.run_batch, f"actor{actor_index}", self.encoder.device, spec.channel_spin_s,
+                self.run_batch,
+                f"actor{actor_index}",
+                self.encoder.device,
+                spec.channel_spin_s,
                 self.encoder.output_layout,
             )
             if spec.serve_channel and channel_supported()
             else None
         )
-        logger.info("encoder actor %d ready on %s in %.1f s", actor_index, self._stats.device, self._startup_seconds)
+        logger.info(
+            "encoder actor %d ready on %s in %.1f s", actor_index, self._stats.device, self._startup_seconds
+        )
 
     def info(self) -> ActorInfo:
         """Who this actor is, once ready.
@@ -233,7 +239,9 @@ class EncoderActor:
         stats.graph_items = encoder_stats.graph_items
         stats.eager_items = encoder_stats.eager_items
         stats.padding_waste = encoder_stats.padding_waste
-        combiners = [self._combiner] if self._urgent_combiner is None else [self._combiner, self._urgent_combiner]
+        combiners = (
+            [self._combiner] if self._urgent_combiner is None else [self._combiner, self._urgent_combiner]
+        )
         stats.runs = sum(combiner.counters.runs for combiner in combiners)
         stats.combined_batches = sum(combiner.counters.combined_batches for combiner in combiners)
         stats.uptime_seconds = time.monotonic() - self._started_at
@@ -263,7 +271,9 @@ class EncoderActor:
                 self._stats.busy_seconds += time.monotonic() - self._busy_since
                 self._idle.notify_all()
 
-    def _start_splitting(self, groups: list[CheckedPlan], output_device: Hashable, urgent: bool = False) -> Collect:
+    def _start_splitting(
+        self, groups: list[CheckedPlan], output_device: Hashable, urgent: bool = False
+    ) -> Collect:
         """The encoder's `start_plans` (the combiner collects its result later); on running out of
         GPU memory, the batches run split (`_split_after_oom`, outside the urgent lane), when they
         are started or, where the encoder's own thread queues them, when they are collected."""
@@ -293,18 +303,26 @@ class EncoderActor:
         with self._lock:
             self._stats.oom_splits += 1
         if len(groups) > 1:
-            logger.warning("encoder actor %d: out of GPU memory on %d batches; running them in halves",
-                           self.actor_index, len(groups))  # len(groups) > 1 here
+            logger.warning(
+                "encoder actor %d: out of GPU memory on %d batches; running them in halves",
+                self.actor_index,
+                len(groups),
+            )  # len(groups) > 1 here
             half = len(groups) // 2
-            return self._run_splitting(groups[:half], output_device) + self._run_splitting(groups[half:], output_device)
+            return self._run_splitting(groups[:half], output_device) + self._run_splitting(
+                groups[half:], output_device
+            )
         plan = groups[0].plan
         if len(plan.specs) == 1:
             logger.error("encoder actor %d: out of GPU memory on a single item", self.actor_index)
             raise torch.cuda.OutOfMemoryError(
                 f"out of GPU memory on a single item of {counted(plan.num_tokens, 'token')}"
             )
-        logger.warning("encoder actor %d: out of GPU memory on %d items; encoding them in halves",
-                       self.actor_index, len(plan.specs))  # more than one item here
+        logger.warning(
+            "encoder actor %d: out of GPU memory on %d items; encoding them in halves",
+            self.actor_index,
+            len(plan.specs),
+        )  # more than one item here
         first_half, second_half = groups[0].halves()  # each still fits the batch's budget
         first = self._run_splitting([first_half], output_device)
         second = self._run_splitting([second_half], output_device)
@@ -337,7 +355,11 @@ def _tensors(specs: Sequence[ItemSpec], pixels: Sequence[np.ndarray | torch.Tens
 
 def _shifted(outcome: Embedding | InvalidItemError, offset: int) -> Embedding | InvalidItemError:
     """An outcome of the second half of a split batch, numbered by its position in the whole."""
-    return InvalidItemError(outcome.index + offset, outcome.reason) if isinstance(outcome, InvalidItemError) else outcome
+    return (
+        InvalidItemError(outcome.index + offset, outcome.reason)
+        if isinstance(outcome, InvalidItemError)
+        else outcome
+    )
 
 
 def _placement_group_id() -> str | None:

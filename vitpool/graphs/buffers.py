@@ -24,7 +24,9 @@ class StaticBuffers:
     """pixels [max_rows, *row_shape]; metadata as the adapter names it, each as large as any
     budget needs; finite [max_rows]; outputs [max_tokens, *output_row_shape], one per output tensor."""
 
-    def __init__(self, adapter: VisionAdapter, budgets: Sequence[Budget], device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self, adapter: VisionAdapter, budgets: Sequence[Budget], device: torch.device, dtype: torch.dtype
+    ) -> None:
         self._adapter = adapter
         max_rows = max(adapter.max_rows(budget.num_tokens) for budget in budgets)
         max_tokens = max(budget.num_tokens for budget in budgets)
@@ -57,7 +59,8 @@ class StaticBuffers:
         if views is None:
             specs = self._adapter.metadata_specs(num_rows, budget)
             metadata = {
-                name: self.metadata[name][tuple(slice(0, n) for n in spec.shape)] for name, spec in specs.items()
+                name: self.metadata[name][tuple(slice(0, n) for n in spec.shape)]
+                for name, spec in specs.items()
             }
             views = self._views[key] = (self.pixels[:num_rows], metadata)
         return views[0], dict(views[1])

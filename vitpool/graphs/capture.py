@@ -61,15 +61,25 @@ def capture_all(runner: BatchRunner, budgets: Sequence[Budget], pool: tuple | No
                 logger.info(
                     "captured budget %d/%d: %d tokens (%d rows), limits %s, %d items in %.2f s "
                     "(%d segments), rel. error %.1e",
-                    number, total, budget.num_tokens, runner.rows(budget), dict(budget.limits),
-                    budget.max_items, time.perf_counter() - budget_start, len(graph.segments), error,
+                    number,
+                    total,
+                    budget.num_tokens,
+                    runner.rows(budget),
+                    dict(budget.limits),
+                    budget.max_items,
+                    time.perf_counter() - budget_start,
+                    len(graph.segments),
+                    error,
                 )
             else:
                 stats.disabled_budgets.append((budget.num_tokens, budget.max_sequences))
                 logger.warning(
                     "budget %d tokens, limits %s disabled, it will run eager: replay vs eager "
                     "rel. error %.1e (tolerance %.0e, inf = non-finite output)",
-                    budget.num_tokens, dict(budget.limits), error, tolerance,
+                    budget.num_tokens,
+                    dict(budget.limits),
+                    error,
+                    tolerance,
                 )
                 continue
             if runner.wants_dense(budget):
@@ -79,8 +89,11 @@ def capture_all(runner: BatchRunner, budgets: Sequence[Budget], pool: tuple | No
     stats.capture_seconds = time.perf_counter() - start
     logger.info(
         "captured %d of %d budgets in %.2f s (%.2f GiB reserved on %s, weights included)",
-        len(runner.graphs), total, stats.capture_seconds,
-        torch.cuda.memory_reserved(runner.device) / 1024**3, runner.device,
+        len(runner.graphs),
+        total,
+        stats.capture_seconds,
+        torch.cuda.memory_reserved(runner.device) / 1024**3,
+        runner.device,
     )
 
 
@@ -93,8 +106,10 @@ def _capture_dense(
     checked = {boundary_key(t) for t in metadata.values() if is_boundary(t)}
     if not reads or not set(reads) <= checked:
         logger.debug(
-            "budget %d tokens: no dense graph (%s)", budget.num_tokens,
-            "the tower's attention never took it: another hook, or a head size over 120" if not reads
+            "budget %d tokens: no dense graph (%s)",
+            budget.num_tokens,
+            "the tower's attention never took it: another hook, or a head size over 120"
+            if not reads
             else "the tower's attention reads boundaries of its own",
         )
         return
@@ -102,11 +117,19 @@ def _capture_dense(
     if error <= CHECK_TOLERANCE[runner.dtype]:
         runner.dense_graphs[budget] = graph
         runner.stats.dense_graphs.append((budget.num_tokens, budget.max_sequences))
-        logger.info("captured the dense graph of %d tokens, limits %s: rel. error %.1e",
-                    budget.num_tokens, dict(budget.limits), error)
+        logger.info(
+            "captured the dense graph of %d tokens, limits %s: rel. error %.1e",
+            budget.num_tokens,
+            dict(budget.limits),
+            error,
+        )
     else:
-        logger.warning("budget %d tokens, limits %s: dense graph dropped (replay vs eager rel. error %.1e)",
-                       budget.num_tokens, dict(budget.limits), error)
+        logger.warning(
+            "budget %d tokens, limits %s: dense graph dropped (replay vs eager rel. error %.1e)",
+            budget.num_tokens,
+            dict(budget.limits),
+            error,
+        )
 
 
 @contextlib.contextmanager
@@ -128,7 +151,11 @@ def _no_collection_while_capturing() -> Iterator[None]:
 
 
 def _capture(
-    runner: BatchRunner, budget: Budget, pool: tuple, rng: random.Random, generator: torch.Generator,
+    runner: BatchRunner,
+    budget: Budget,
+    pool: tuple,
+    rng: random.Random,
+    generator: torch.Generator,
     dense: bool = False,
 ) -> SegmentedGraph:
     runner.fill_random(budget, rng, generator)

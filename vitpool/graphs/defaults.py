@@ -17,7 +17,11 @@ LADDER_ALIGN_TOKENS = 32
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
     if device is None:
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        return (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
     try:
         resolved = torch.device(device)
     except (RuntimeError, TypeError) as error:

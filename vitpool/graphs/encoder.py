@@ -128,7 +128,9 @@ class GraphEncoder:
         self.attention = _check_attention(options.attention, self.device, self.dtype)
         self.precision = _check_precision(options.precision, self.device, self.dtype)
         if self.precision == "fp8" and getattr(adapter, "fp8_refused", None):
-            raise ConfigError(f"precision 'fp8' is not offered for {type(adapter).__name__}: {adapter.fp8_refused}")
+            raise ConfigError(
+                f"precision 'fp8' is not offered for {type(adapter).__name__}: {adapter.fp8_refused}"
+            )
         self.adapter = adapter
         _place_tower(adapter.tower, self.device, self.dtype)
         # A family whose item is several inputs runs each through its own adapter, buffers and
@@ -141,8 +143,15 @@ class GraphEncoder:
         try:
             limits = merged_capacity_limits(options.max_frames_per_batch, dict(options.capacity_limits))
             budgets_of = {
-                path: _path_budgets(adapter.item_rules, path, path_adapter, options.budgets, self.device,
-                                    options.max_items_per_batch, limits)
+                path: _path_budgets(
+                    adapter.item_rules,
+                    path,
+                    path_adapter,
+                    options.budgets,
+                    self.device,
+                    options.max_items_per_batch,
+                    limits,
+                )
                 for path, path_adapter in self._paths.items()
             }
         except ValueError as error:
@@ -155,8 +164,14 @@ class GraphEncoder:
         self._is_consistent = functools.lru_cache(maxsize=4096)(consistent)
         self._runners = {
             path: BatchRunner(
-                path_adapter, budgets_of[path], self.device, self.dtype, self.attention, self.fused_ops,
-                self.compiled_blocks, precision=self.precision,
+                path_adapter,
+                budgets_of[path],
+                self.device,
+                self.dtype,
+                self.attention,
+                self.fused_ops,
+                self.compiled_blocks,
+                precision=self.precision,
             )
             for path, path_adapter in self._paths.items()
         }
@@ -167,7 +182,9 @@ class GraphEncoder:
         if self.device.type == "cuda":
             if options.urgent_tokens is not None and len(self._paths) == 1:
                 self._start_urgent_lane(options.urgent_tokens, budgets_of[""])
-            pool = torch.cuda.graph_pool_handle()  # one memory pool for every path's graphs: they replay in turn
+            pool = (
+                torch.cuda.graph_pool_handle()
+            )  # one memory pool for every path's graphs: they replay in turn
             for path, runner in self._runners.items():
                 capture_all(runner, budgets_of[path], pool)
             if self._urgent is not None:
@@ -179,10 +196,18 @@ class GraphEncoder:
         live in the main pool), the main lane's budgets above it cut into segments, and the thread
         that queues both lanes' work."""
         ordered = sorted(budgets)
-        cutoff = next((b.num_tokens for b in ordered if b.num_tokens >= urgent_tokens), ordered[-1].num_tokens)
+        cutoff = next(
+            (b.num_tokens for b in ordered if b.num_tokens >= urgent_tokens), ordered[-1].num_tokens
+        )
         urgent_budgets = [b for b in ordered if b.num_tokens <= cutoff]
         self._urgent = BatchRunner(
-            self.adapter, urgent_budgets, self.device, self.dtype, self.attention, self.fused_ops, self.compiled_blocks,
+            self.adapter,
+            urgent_budgets,
+            self.device,
+            self.dtype,
+            self.attention,
+            self.fused_ops,
+            self.compiled_blocks,
             precision=self.precision,
         )
         self._runners[""].segment_above_tokens = cutoff
@@ -300,7 +325,9 @@ class GraphEncoder:
             mine = part_outcomes[offset : offset + len(item.parts)]
             offset += len(item.parts)
             errors = [outcome for outcome in mine if isinstance(outcome, InvalidItemError)]
-            outcomes.append(InvalidItemError(position, errors[0].reason) if errors else Embedding.joined(mine))
+            outcomes.append(
+                InvalidItemError(position, errors[0].reason) if errors else Embedding.joined(mine)
+            )
         return outcomes
 
     def encode_specs(
@@ -317,7 +344,9 @@ class GraphEncoder:
         for position, item in enumerate(prepared):
             check_pixels(position, item.spec, item.pixels, self._row_shape(item.spec.path))
         batches = pack([item.spec for item in prepared], self.budgets, budgets_sorted=True)
-        runs: list[RunBatch] = [(batch.budget, [prepared[i] for i in batch.item_indices]) for batch in batches]
+        runs: list[RunBatch] = [
+            (batch.budget, [prepared[i] for i in batch.item_indices]) for batch in batches
+        ]
         outcomes: list[Embedding | InvalidItemError | None] = [None] * len(prepared)
         for group in _launch_groups(runs):
             group_results = self._embeddings_splitting([runs[p] for p in group], output_device)
@@ -404,7 +433,9 @@ class GraphEncoder:
         checked = [group if isinstance(group, CheckedPlan) else self.check_plan(*group) for group in groups]
         members = [[PreparedItem(s, p) for s, p in zip(plan.specs, pixels)] for plan, pixels in checked]
         runs = self._merge_plans([plan for plan, _ in checked])
-        batches: list[RunBatch] = [(budget, [m for i in indices for m in members[i]]) for budget, indices in runs]
+        batches: list[RunBatch] = [
+            (budget, [m for i in indices for m in members[i]]) for budget, indices in runs
+        ]
         sizes = [[len(members[i]) for i in indices] for _, indices in runs]
         if urgent and self._fits_urgent_lane(batches):
             to_host = self._wants_host(output_device)
@@ -440,7 +471,9 @@ class GraphEncoder:
             raise ValueError(f"a batch mixes paths {sorted({spec.path for spec in plan.specs})}")
         tensors = check_plan(plan, pixels, self._row_shape(path), self._is_consistent)
         budget = self._budget_for(plan.specs, path)
-        return CheckedPlan(plan if budget == plan.budget else dataclasses.replace(plan, budget=budget), tensors)
+        return CheckedPlan(
+            plan if budget == plan.budget else dataclasses.replace(plan, budget=budget), tensors
+        )
 
     def _budget_for(self, specs: Sequence[ItemSpec], path: str) -> Budget | None:
         """The smallest budget of `path` that holds these items, their pixel rows included; None
@@ -449,7 +482,11 @@ class GraphEncoder:
         num_rows = sum(spec.num_rows for spec in specs)
         runner = self._runner(path)
         for budget in self.budgets:
-            if budget.path == path and fits(budget, num_items, num_tokens, needs) and num_rows <= runner.rows(budget):
+            if (
+                budget.path == path
+                and fits(budget, num_items, num_tokens, needs)
+                and num_rows <= runner.rows(budget)
+            ):
                 return budget
         return None
 
@@ -490,7 +527,9 @@ class GraphEncoder:
             previous = runs[-1][0] if runs else None
             if plan.budget is not None and previous is not None and previous.path == plan.budget.path:
                 indices = [*runs[-1][1], index]
-                merged = self._budget_for([spec for i in indices for spec in plans[i].specs], plan.budget.path)
+                merged = self._budget_for(
+                    [spec for i in indices for spec in plans[i].specs], plan.budget.path
+                )
                 if merged is not None:
                     runs[-1] = (merged, indices)
                     continue
@@ -507,7 +546,9 @@ class GraphEncoder:
         if len(self._runners) == 1:
             [runner] = self._runners.values()
             if self._interleaver is not None:
-                return PendingLaunch(self._interleaver.main(lambda between: runner.launch(batches, to_host, between)))
+                return PendingLaunch(
+                    self._interleaver.main(lambda between: runner.launch(batches, to_host, between))
+                )
             return runner.launch(batches, to_host)
         by_path: dict[str, list[int]] = {}
         for position, (_, members) in enumerate(batches):
@@ -552,7 +593,9 @@ def _check_attention(attention: str, device: torch.device, dtype: torch.dtype) -
         if dtype not in (torch.float16, torch.bfloat16):
             raise ConfigError(f"attention {attention!r} runs in bfloat16 or float16, not {dtype}")
         if not available(device):
-            raise ConfigError(f"attention {attention!r} needs {needs}; use 'auto' to take it where it can run")
+            raise ConfigError(
+                f"attention {attention!r} needs {needs}; use 'auto' to take it where it can run"
+            )
     return attention
 
 
@@ -606,15 +649,22 @@ def _spec_is_consistent(rules: ItemRules, spec: ItemSpec) -> bool:
 
 
 def _path_budgets(
-    rules: ItemRules, path: str, adapter: VisionAdapter, budgets: Sequence[int] | None, device: torch.device,
-    max_items_per_batch: int | None, limits: Mapping[str, int],
+    rules: ItemRules,
+    path: str,
+    adapter: VisionAdapter,
+    budgets: Sequence[int] | None,
+    device: torch.device,
+    max_items_per_batch: int | None,
+    limits: Mapping[str, int],
 ) -> list[Budget]:
     """A path's budgets: the user's token budgets, else its own adapter's defaults. Rules that
     route items to paths themselves (`ItemSpec.path` by the item's kind) mark their budgets."""
     token_budgets = default_token_budgets(device, adapter) if budgets is None else budgets
     if isinstance(rules, PathRules):
         return rules.path_budgets(path, token_budgets, max_items_per_batch, limits)
-    return [budget for budget in rules.budgets(token_budgets, max_items_per_batch, limits) if budget.path == path]
+    return [
+        budget for budget in rules.budgets(token_budgets, max_items_per_batch, limits) if budget.path == path
+    ]
 
 
 def _launch_groups(runs: Sequence[RunBatch]) -> list[list[int]]:

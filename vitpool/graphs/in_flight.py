@@ -55,7 +55,9 @@ class LaunchedBatches:
             offset = 0
             for position, member in enumerate(members):
                 end = offset + member.spec.num_tokens
-                embeddings.append(None if position in bad else Embedding.from_outputs([o[offset:end] for o in outputs]))
+                embeddings.append(
+                    None if position in bad else Embedding.from_outputs([o[offset:end] for o in outputs])
+                )
                 offset = end
             results.append(embeddings)
         return results
@@ -88,9 +90,11 @@ class PlansInFlight:
             offset = 0
             for size in sizes:
                 mine = results[offset : offset + size]
-                outcomes.append([
-                    InvalidItemError(position, NONFINITE_MESSAGE) if result is None else result
-                    for position, result in enumerate(mine)
-                ])
+                outcomes.append(
+                    [
+                        InvalidItemError(position, NONFINITE_MESSAGE) if result is None else result
+                        for position, result in enumerate(mine)
+                    ]
+                )
                 offset += size
         return outcomes

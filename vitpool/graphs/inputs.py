@@ -60,7 +60,9 @@ class CheckedPlan(NamedTuple):
 
 
 def check_plan(
-    plan: BatchPlan, pixels: Sequence[np.ndarray | torch.Tensor], row_shape: tuple[int, ...],
+    plan: BatchPlan,
+    pixels: Sequence[np.ndarray | torch.Tensor],
+    row_shape: tuple[int, ...],
     is_consistent: Callable[[ItemSpec], bool],
 ) -> list[torch.Tensor]:
     """The one check of a batch planned elsewhere, where it crosses into the encoder: one pixel
@@ -87,7 +89,9 @@ def check_plan(
         tensor = pixel_tensor(position, spec, array)
         check_pixels(position, spec, tensor, row_shape)
         if not is_consistent(spec):
-            raise ValueError(f"item {position} of the batch: its spec {spec} is not what the model's rules make of it")
+            raise ValueError(
+                f"item {position} of the batch: its spec {spec} is not what the model's rules make of it"
+            )
         tensors.append(tensor)
     return tensors
 
@@ -100,7 +104,9 @@ def pixel_tensor(position: int, spec: ItemSpec, array: np.ndarray | torch.Tensor
     try:
         return from_array(np.asarray(array), spec.pixel_dtype, copy_read_only=False)
     except (KeyError, TypeError) as error:
-        raise ValueError(f"item {position} of the batch: pixels do not travel as {spec.pixel_dtype}: {error}") from None
+        raise ValueError(
+            f"item {position} of the batch: pixels do not travel as {spec.pixel_dtype}: {error}"
+        ) from None
 
 
 def check_pixels(position: int, spec: ItemSpec, pixels: torch.Tensor, row_shape: tuple[int, ...]) -> None:

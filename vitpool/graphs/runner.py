@@ -99,7 +99,9 @@ class BatchRunner:
         kernel, and one set of sequence boundaries in its metadata (a tower with a second set,
         Qwen2.5-VL's windows, would rarely see one item be one sequence in both)."""
         rows = self.rows(budget)
-        boundaries = [spec for spec in self.adapter.metadata_specs(rows, budget).values() if is_boundary(spec)]
+        boundaries = [
+            spec for spec in self.adapter.metadata_specs(rows, budget).values() if is_boundary(spec)
+        ]
         return (
             self.device.type == "cuda"
             and len(boundaries) == 1
@@ -121,7 +123,11 @@ class BatchRunner:
         return LaunchedBatches(list(batches), runs, done)
 
     def _run(
-        self, budget: Budget | None, members: list[PreparedItem], to_host: bool, between: Callable[[], None] | None
+        self,
+        budget: Budget | None,
+        members: list[PreparedItem],
+        to_host: bool,
+        between: Callable[[], None] | None,
     ) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Outputs of the batch's items, concatenated and owned by the caller (on the host if
         `to_host`), one tensor per output [tokens, *row_shape]; and whether each of the items'
@@ -193,7 +199,9 @@ class BatchRunner:
         if key != self._metadata_key:
             built = self.adapter.build_metadata(specs, rows, budget)
             # only a budget with a dense graph asks (a graph batch's host work is on the hot path)
-            self._leading_rows = _leading_sequence_rows(specs, built, rows) if budget in self.dense_graphs else 0
+            self._leading_rows = (
+                _leading_sequence_rows(specs, built, rows) if budget in self.dense_graphs else 0
+            )
             pairs = [(metadata[name], tensor) for name, tensor in built.items()]
             if self._metadata_staging is None:
                 for target, tensor in pairs:
@@ -236,7 +244,11 @@ class BatchRunner:
         # replay), and the non-finite values zeroed so that a bad item cannot reach the others.
         self.buffers.finite[:rows].copy_(finite_rows(pixels))
         _zero_nonfinite(pixels)
-        backend = LEADING_SEQUENCE if dense else graph_backend(self.attention, self.device, rows, budget.max_sequences)
+        backend = (
+            LEADING_SEQUENCE
+            if dense
+            else graph_backend(self.attention, self.device, rows, budget.max_sequences)
+        )
         with self.kernels(backend):
             return self.adapter.forward(pixels, metadata)
 

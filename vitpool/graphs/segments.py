@@ -79,7 +79,10 @@ def cut_points(tower: torch.nn.Module, blocks_per_segment: int = BLOCKS_PER_SEGM
 
 @contextlib.contextmanager
 def segmented_capture(
-    cut_before: list[torch.nn.Module], pool: tuple, device: torch.device, stream: torch.cuda.Stream | None = None
+    cut_before: list[torch.nn.Module],
+    pool: tuple,
+    device: torch.device,
+    stream: torch.cuda.Stream | None = None,
 ) -> Iterator[list[torch.cuda.CUDAGraph]]:
     """Capture the work queued inside into graphs (the yielded list fills in), a new one begun
     wherever one of `cut_before` is about to run. As `torch.cuda.graph`: the device synchronised

@@ -35,7 +35,9 @@ from vitpool.items import Item
 from vitpool.models.registry import RECORDS
 
 # Dynamo's native adapter for these decoders takes Qwen3VLImageEncoding (embeddings and grid)
-DYNAMO_FAMILIES = frozenset(model_type for record in RECORDS if record.dynamo for model_type in record.model_types)
+DYNAMO_FAMILIES = frozenset(
+    model_type for record in RECORDS if record.dynamo for model_type in record.model_types
+)
 
 
 def image_bytes(url: str, allowed_local_path: str | Path | None = None) -> bytes:
@@ -72,8 +74,10 @@ class VitpoolEncoderBackend(VisionEncoderBackend):
     def build(self, model_id: str) -> None:
         self.family = checkpoint_family(model_id)
         if self.family not in DYNAMO_FAMILIES:
-            raise RuntimeError(f"vitpool's Dynamo backend answers {', '.join(sorted(DYNAMO_FAMILIES))} "
-                               f"(Dynamo's Qwen adapter); {model_id} is {self.family!r}")
+            raise RuntimeError(
+                f"vitpool's Dynamo backend answers {', '.join(sorted(DYNAMO_FAMILIES))} "
+                f"(Dynamo's Qwen adapter); {model_id} is {self.family!r}"
+            )
         self._make_item = processor_items(model_id, self.family)
         if self._pool is None:
             from vitpool.pool import EncoderPool
@@ -91,14 +95,17 @@ class VitpoolEncoderBackend(VisionEncoderBackend):
         t, h, w = (int(v) for v in item.grid_thw)
         return Preprocessed(item=item, cost=max(1, t * h * w // 4))
 
-    def forward_batch(self, items: list[Item], target_bucket: int | None = None) -> list[Qwen3VLImageEncoding]:
+    def forward_batch(
+        self, items: list[Item], target_bucket: int | None = None
+    ) -> list[Qwen3VLImageEncoding]:
         try:
             embeddings = self._pool.encode(items, timeout_s=self.timeout_s)
         except InvalidItemError as error:  # checked in preprocess's processor output; an engine fault here
             raise RuntimeError(str(error)) from error
         return [
-            Qwen3VLImageEncoding(vllm_embedding(embedding, self.family, self.dtype),
-                                 tuple(int(v) for v in item.grid_thw))
+            Qwen3VLImageEncoding(
+                vllm_embedding(embedding, self.family, self.dtype), tuple(int(v) for v in item.grid_thw)
+            )
             for item, embedding in zip(items, embeddings)
         ]
 

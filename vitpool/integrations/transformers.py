@@ -46,7 +46,11 @@ class PassThroughProjector(torch.nn.Module):
     def __init__(self, replaced: torch.nn.Module | None = None) -> None:
         super().__init__()
         for name, value in vars(replaced).items() if replaced is not None else ():
-            if not name.startswith("_") and name != "training" and isinstance(value, (bool, int, float, str, tuple)):
+            if (
+                not name.startswith("_")
+                and name != "training"
+                and isinstance(value, (bool, int, float, str, tuple))
+            ):
                 setattr(self, name, value)
 
     def forward(self, features: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -178,8 +182,14 @@ def restore_vision_tower(model: torch.nn.Module, original: torch.nn.Module) -> N
         TypeError: the model's tower is not replaced.
     """
     inner = getattr(model, "model", model)
-    stand_in = next((getattr(inner, name) for name in _TOWER_ATTRIBUTES
-                     if isinstance(getattr(inner, name, None), _STAND_INS)), None)
+    stand_in = next(
+        (
+            getattr(inner, name)
+            for name in _TOWER_ATTRIBUTES
+            if isinstance(getattr(inner, name, None), _STAND_INS)
+        ),
+        None,
+    )
     if stand_in is None:
         raise TypeError(f"{type(model).__name__}'s vision tower is not replaced")
     if isinstance(stand_in, PooledImageFeatures):
@@ -214,14 +224,18 @@ def graph_encoder_for(model: torch.nn.Module, **kwargs: Any) -> GraphEncoder:
     if stand_in_class is not None:
         module = stand_in_class.encoder_module(inner, tower)
     elif parts.projector is not None and parts.encoder_module is not None:
-        module = named_object(parts.encoder_module)(copy.deepcopy(tower), copy.deepcopy(getattr(inner, parts.projector)))
+        module = named_object(parts.encoder_module)(
+            copy.deepcopy(tower), copy.deepcopy(getattr(inner, parts.projector))
+        )
     else:
         module = copy.deepcopy(tower)  # the adapter changes the tower's attention
     kwargs.setdefault("max_item_tokens", None)
     return GraphEncoder(family.adapter(module), device=weight.device, dtype=weight.dtype, **kwargs)
 
 
-def _vision_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module, FamilyRecord | None, Family]:
+def _vision_parts(
+    model: torch.nn.Module,
+) -> tuple[torch.nn.Module, torch.nn.Module, FamilyRecord | None, Family]:
     """`model.model` (Llama 4: the model itself), its (original) vision tower, and the tower's
     family's record (None: a family registered without one) and family: the model's own
     family's where it has a tower of that type (a SigLIP tower is Gemma 3's and
@@ -231,8 +245,11 @@ def _vision_parts(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Mod
         TypeError: no tower of a vitpool family, or one already replaced.
     """
     inner = getattr(model, "model", model)
-    towers = [getattr(inner, name) for name in _TOWER_ATTRIBUTES
-              if isinstance(getattr(inner, name, None), torch.nn.Module)]
+    towers = [
+        getattr(inner, name)
+        for name in _TOWER_ATTRIBUTES
+        if isinstance(getattr(inner, name, None), torch.nn.Module)
+    ]
     if not towers:
         names = " or ".join(_TOWER_ATTRIBUTES)
         raise TypeError(f"{type(model).__name__} has no vision tower ({names}) on .model or on itself")

@@ -95,7 +95,9 @@ DENSE_BUCKET_ROWS = 256
 DENSE_GRAPH_MIN_ROWS = 1024
 DENSE_MIN_FILL = 0.8
 LEADING_SEQUENCE = "leading_sequence"  # the backend of such a graph
-CUDNN_PACKED = "cudnn_packed"  # cuDNN's fused attention over the packed sequences, where it wins its race with FA2
+CUDNN_PACKED = (
+    "cudnn_packed"  # cuDNN's fused attention over the packed sequences, where it wins its race with FA2
+)
 CUDNN_PACKED_ONLY = "cudnn_packed_only"  # the same without the race: the user's choice "cudnn"
 # While recording (capture): the memory of the boundaries each leading-sequence call read
 _LEADING_SEQUENCE_READS: contextvars.ContextVar[list[tuple[int, int]] | None] = contextvars.ContextVar(
@@ -110,8 +112,8 @@ _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 _BACKEND: contextvars.ContextVar[str | None] = contextvars.ContextVar("vitpool_attention", default=None)
 # (data_ptr, numel) of a device tensor -> its values, for the 1-D int32 metadata of the batch
 # running now (eager only)
-_KNOWN_BOUNDARIES: contextvars.ContextVar[dict[tuple[int, int], tuple[int, ...]] | None] = contextvars.ContextVar(
-    "vitpool_known_boundaries", default=None
+_KNOWN_BOUNDARIES: contextvars.ContextVar[dict[tuple[int, int], tuple[int, ...]] | None] = (
+    contextvars.ContextVar("vitpool_known_boundaries", default=None)
 )
 
 
@@ -131,9 +133,13 @@ def fa4_available(device: torch.device) -> bool:
         logger.warning("attention on %s: FlashAttention-2; flash-attn-4 does not import: %s", device, error)
         return False
     if major < 9:
-        logger.info("attention on %s: FlashAttention-2 (FlashAttention-4 needs compute capability 9.0+)", device)
+        logger.info(
+            "attention on %s: FlashAttention-2 (FlashAttention-4 needs compute capability 9.0+)", device
+        )
         return False
-    logger.info("attention on %s: FlashAttention-4 for long sequences, FlashAttention-2 for short ones", device)
+    logger.info(
+        "attention on %s: FlashAttention-4 for long sequences, FlashAttention-2 for short ones", device
+    )
     return True
 
 
@@ -152,7 +158,10 @@ def cudnn_available(device: torch.device) -> bool:
     logger.info(
         "attention on %s: cuDNN for eager batches of at most %d sequences of %d rows or more, and for "
         "one image filling a graph of %d rows or more",
-        device, CUDNN_MAX_SEQUENCES, CUDNN_MIN_ROWS_PER_SEQUENCE, DENSE_GRAPH_MIN_ROWS,
+        device,
+        CUDNN_MAX_SEQUENCES,
+        CUDNN_MIN_ROWS_PER_SEQUENCE,
+        DENSE_GRAPH_MIN_ROWS,
     )
     return True
 
@@ -164,7 +173,11 @@ def graph_backend(choice: str, device: torch.device, num_rows: int, max_sequence
         return "fa4"
     if choice == "cudnn":
         return CUDNN_PACKED_ONLY
-    if choice == "auto" and fa4_available(device) and num_rows >= FA4_MIN_ROWS_PER_GRAPH_SEQUENCE * max_sequences:
+    if (
+        choice == "auto"
+        and fa4_available(device)
+        and num_rows >= FA4_MIN_ROWS_PER_GRAPH_SEQUENCE * max_sequences
+    ):
         return "fa4"
     if choice == "auto" and cudnn_packed_available(device):
         return CUDNN_PACKED
@@ -326,11 +339,17 @@ def flash_varlen(
     """Packed attention over [rows, heads, head_dim] with the kernel `_backend_for` picks."""
     backend, boundaries = _backend_for(q, cu_seq_lens_q, cu_seq_lens_k)
     same_keys = boundary_key(cu_seq_lens_k) == boundary_key(cu_seq_lens_q) and max_length_k == max_length_q
-    if backend in (CUDNN_PACKED, CUDNN_PACKED_ONLY) and same_keys and cudnn_packed_takes(q.shape[-1], q.dtype):
+    if (
+        backend in (CUDNN_PACKED, CUDNN_PACKED_ONLY)
+        and same_keys
+        and cudnn_packed_takes(q.shape[-1], q.dtype)
+    ):
         from torch.nn.attention.varlen import varlen_attn
 
         def race_fa2() -> torch.Tensor:
-            return varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, scale=scaling)
+            return varlen_attn(
+                q, k, v, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, scale=scaling
+            )
 
         fa2 = race_fa2 if backend == CUDNN_PACKED else None  # the rival a shape's plan is raced against once
 
@@ -355,10 +374,18 @@ def flash_varlen(
         # FA4 picks (and compiles) a kernel configuration from max_seqlen: a captured graph has a
         # fixed one, but eager batches come in every size, so their bound is rounded up to a power
         # of two (an upper bound is all varlen needs), keeping the configurations few.
-        max_q, max_k = (max_length_q, max_length_k) if _BACKEND.get() else (_bucket(max_length_q), _bucket(max_length_k))
+        max_q, max_k = (
+            (max_length_q, max_length_k) if _BACKEND.get() else (_bucket(max_length_q), _bucket(max_length_k))
+        )
         out = flash_attn_varlen_func(
-            q, k, v, cu_seqlens_q=cu_seq_lens_q, cu_seqlens_k=cu_seq_lens_k,
-            max_seqlen_q=max_q, max_seqlen_k=max_k, softmax_scale=scaling,
+            q,
+            k,
+            v,
+            cu_seqlens_q=cu_seq_lens_q,
+            cu_seqlens_k=cu_seq_lens_k,
+            max_seqlen_q=max_q,
+            max_seqlen_k=max_k,
+            softmax_scale=scaling,
         )
         return out[0] if isinstance(out, tuple) else out
     from torch.nn.attention.varlen import varlen_attn

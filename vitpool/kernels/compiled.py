@@ -87,8 +87,10 @@ def install_compiled_blocks(tower: torch.nn.Module) -> list[str]:
 def repeated_block_stacks(tower: torch.nn.Module) -> list[torch.nn.ModuleList]:
     """The `nn.ModuleList`s of `tower` that hold two or more modules of one class."""
     return [
-        module for module in tower.modules()
-        if isinstance(module, torch.nn.ModuleList) and len(module) > 1
+        module
+        for module in tower.modules()
+        if isinstance(module, torch.nn.ModuleList)
+        and len(module) > 1
         and len({type(block) for block in module}) == 1
     ]
 
@@ -119,7 +121,9 @@ def _first_compiled_call(compiled: Callable, block: torch.nn.Module, args: tuple
     with _STATE_LOCK:
         _WORKING.add(cls)
     logger.info(
-        "compiled %s blocks in %.1f s (cache: %s)", cls.__name__, time.perf_counter() - start,
+        "compiled %s blocks in %.1f s (cache: %s)",
+        cls.__name__,
+        time.perf_counter() - start,
         os.environ.get("TORCHINDUCTOR_CACHE_DIR", "inductor's default"),
     )
     return output

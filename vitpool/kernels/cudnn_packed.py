@@ -329,8 +329,13 @@ def packed_cudnn_attention(
     lengths, q_offsets, k_offsets, v_offsets, o_offsets = _derived(
         cu_seqlens, sequences, (q.stride(0), k.stride(0), v.stride(0), heads * head_dim)
     )
-    offsets = {plan.lengths: lengths, plan.q_offsets: q_offsets, plan.k_offsets: k_offsets,
-               plan.v_offsets: v_offsets, plan.o_offsets: o_offsets}
+    offsets = {
+        plan.lengths: lengths,
+        plan.q_offsets: q_offsets,
+        plan.k_offsets: k_offsets,
+        plan.v_offsets: v_offsets,
+        plan.o_offsets: o_offsets,
+    }
 
     def run() -> torch.Tensor | None:
         out = torch.empty((rows, heads, head_dim), device=q.device, dtype=q.dtype)
@@ -354,7 +359,10 @@ def packed_cudnn_attention(
         if not plan.faster:
             logger.info(
                 "cuDNN packed attention: the other kernel is faster for %d sequences of at most %d rows over %d "
-                "heads; it runs there", key.sequences, key.max_length, key.heads,
+                "heads; it runs there",
+                key.sequences,
+                key.max_length,
+                key.heads,
             )
             return None
     return run()

@@ -65,7 +65,10 @@ def fp8_active(linear: torch.nn.Module, x: torch.Tensor) -> bool:
     """Whether `linear` runs in FP8 on `x` now: prepared, under `use_fp8(True)`, bf16 on CUDA,
     and no autograd (the path has no backward)."""
     return (
-        _FP8.get() and FP8_WEIGHT in linear.__dict__ and x.is_cuda and x.dtype == torch.bfloat16
+        _FP8.get()
+        and FP8_WEIGHT in linear.__dict__
+        and x.is_cuda
+        and x.dtype == torch.bfloat16
         and not (torch.is_grad_enabled() and (x.requires_grad or linear.weight.requires_grad))
     )
 
@@ -90,8 +93,10 @@ def install_fp8_linears(tower: torch.nn.Module) -> int:
 def _is_row_layer_norm(module: torch.nn.Module) -> bool:
     """A LayerNorm over the last dimension with a weight (the blocks' pre-norms)."""
     return (
-        isinstance(module, torch.nn.LayerNorm) and len(module.normalized_shape) == 1
-        and module.weight is not None and module.normalized_shape[0] % _ALIGNMENT == 0
+        isinstance(module, torch.nn.LayerNorm)
+        and len(module.normalized_shape) == 1
+        and module.weight is not None
+        and module.normalized_shape[0] % _ALIGNMENT == 0
     )
 
 
@@ -107,7 +112,11 @@ def _quantize_weight(linear: torch.nn.Linear) -> None:
         return
     scale = weight.abs().amax(dim=1, keepdim=True).float().clamp(min=_MIN_SCALE) / FP8_MAX
     quantized = (weight.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    linear.__dict__[FP8_WEIGHT] = (quantized, scale.reshape(1, -1).contiguous(), (weight.data_ptr(), weight._version))
+    linear.__dict__[FP8_WEIGHT] = (
+        quantized,
+        scale.reshape(1, -1).contiguous(),
+        (weight.data_ptr(), weight._version),
+    )
 
 
 def _linear_forward(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -137,9 +146,7 @@ def _rows_of(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_rows(x.reshape(-1, x.shape[-1]))
 
 
-def fp8_gelu_mlp(
-    first: torch.nn.Linear, second: torch.nn.Linear, x: torch.Tensor
-) -> torch.Tensor | None:
+def fp8_gelu_mlp(first: torch.nn.Linear, second: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor | None:
     """second(tanh-GELU(first(x))) with both GEMMs in FP8 and the GELU writing the second's FP8
     rows; None where either Linear does not run in FP8 on `x`."""
     if not (fp8_active(first, x) and FP8_WEIGHT in second.__dict__ and _triton_available()):
@@ -155,8 +162,13 @@ def fp8_gelu_mlp(
 
 def _layer_norm_forward(norm: torch.nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
     if (
-        torch.compiler.is_compiling() or not _FP8.get() or not x.is_cuda or x.dtype != torch.bfloat16
-        or norm.weight.dtype != x.dtype or not _triton_available() or x.numel() == 0
+        torch.compiler.is_compiling()
+        or not _FP8.get()
+        or not x.is_cuda
+        or x.dtype != torch.bfloat16
+        or norm.weight.dtype != x.dtype
+        or not _triton_available()
+        or x.numel() == 0
         or (torch.is_grad_enabled() and (x.requires_grad or norm.weight.requires_grad))
     ):
         return F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
@@ -187,7 +199,15 @@ def _quantize_rows_triton(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     scale = torch.empty((count, 1), dtype=torch.float32, device=rows.device)
     block = _block(width)
     _quantize_kernel()[(count,)](
-        rows, quantized, scale, width, rows.stride(0), FP8_MAX, _MIN_SCALE, BLOCK=block, num_warps=_warps(block)
+        rows,
+        quantized,
+        scale,
+        width,
+        rows.stride(0),
+        FP8_MAX,
+        _MIN_SCALE,
+        BLOCK=block,
+        num_warps=_warps(block),
     )
     return quantized, scale
 
@@ -225,8 +245,20 @@ def layer_norm_rows(
     scale = torch.empty((count, 1), dtype=torch.float32, device=rows.device)
     block = _block(width)
     _layer_norm_kernel()[(count,)](
-        rows, weight, bias if bias is not None else weight, out, quantized, scale, width, rows.stride(0),
-        eps, FP8_MAX, _MIN_SCALE, HAS_BIAS=bias is not None, BLOCK=block, num_warps=_warps(block),
+        rows,
+        weight,
+        bias if bias is not None else weight,
+        out,
+        quantized,
+        scale,
+        width,
+        rows.stride(0),
+        eps,
+        FP8_MAX,
+        _MIN_SCALE,
+        HAS_BIAS=bias is not None,
+        BLOCK=block,
+        num_warps=_warps(block),
     )
     return out, quantized, scale
 
@@ -241,7 +273,15 @@ def gelu_tanh_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.empty((count, 1), dtype=torch.float32, device=rows.device)
     block = _block(width)
     _gelu_kernel()[(count,)](
-        rows, quantized, scale, width, rows.stride(0), FP8_MAX, _MIN_SCALE, BLOCK=block, num_warps=_warps(block)
+        rows,
+        quantized,
+        scale,
+        width,
+        rows.stride(0),
+        FP8_MAX,
+        _MIN_SCALE,
+        BLOCK=block,
+        num_warps=_warps(block),
     )
     return quantized, scale
 
@@ -261,8 +301,19 @@ def _layer_norm_kernel() -> Callable:
 
     @triton.jit
     def layer_norm(
-        rows, weight, bias, out, quantized, scales, width, row_stride, eps, fp8_max, min_scale,
-        HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+        rows,
+        weight,
+        bias,
+        out,
+        quantized,
+        scales,
+        width,
+        row_stride,
+        eps,
+        fp8_max,
+        min_scale,
+        HAS_BIAS: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         columns = tl.arange(0, BLOCK)
@@ -271,15 +322,22 @@ def _layer_norm_kernel() -> Callable:
         mean = tl.sum(values, axis=0) / width
         centered = tl.where(inside, values - mean, 0.0)
         variance = tl.sum(centered * centered, axis=0) / width
-        normed = centered * tl.rsqrt(variance + eps) * tl.load(weight + columns, mask=inside, other=0.0).to(tl.float32)
+        normed = (
+            centered
+            * tl.rsqrt(variance + eps)
+            * tl.load(weight + columns, mask=inside, other=0.0).to(tl.float32)
+        )
         if HAS_BIAS:
             normed += tl.load(bias + columns, mask=inside, other=0.0).to(tl.float32)
         rounded = normed.to(out.dtype.element_ty)
         tl.store(out + row * width + columns, rounded, mask=inside)
         exact = rounded.to(tl.float32)
         scale = tl.maximum(tl.max(tl.abs(exact), axis=0), min_scale) / fp8_max
-        tl.store(quantized + row * width + columns, tl.clamp(exact / scale, -fp8_max, fp8_max).to(tl.float8e4nv),
-                 mask=inside)
+        tl.store(
+            quantized + row * width + columns,
+            tl.clamp(exact / scale, -fp8_max, fp8_max).to(tl.float8e4nv),
+            mask=inside,
+        )
         tl.store(scales + row, scale)
 
     return layer_norm
@@ -301,8 +359,11 @@ def _gelu_kernel() -> Callable:
         # 0.5 * x * (1 + tanh(inner)) = x * sigmoid(2 * inner)
         activated = (x * tl.sigmoid(2.0 * inner)).to(values.dtype).to(tl.float32)
         scale = tl.maximum(tl.max(tl.abs(activated), axis=0), min_scale) / fp8_max
-        tl.store(quantized + row * width + columns,
-                 tl.clamp(activated / scale, -fp8_max, fp8_max).to(tl.float8e4nv), mask=inside)
+        tl.store(
+            quantized + row * width + columns,
+            tl.clamp(activated / scale, -fp8_max, fp8_max).to(tl.float8e4nv),
+            mask=inside,
+        )
         tl.store(scales + row, scale)
 
     return gelu

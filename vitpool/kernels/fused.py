@@ -64,7 +64,10 @@ def fused_ops_apply(x: torch.Tensor) -> bool:
     outside a compiled block (inductor fuses the plain code itself), on CUDA in half precision,
     and with no autograd through `x` (the Triton kernels have no backward)."""
     return (
-        _FUSED.get() and not torch.compiler.is_compiling() and x.is_cuda and x.dtype in _HALF_DTYPES
+        _FUSED.get()
+        and not torch.compiler.is_compiling()
+        and x.is_cuda
+        and x.dtype in _HALF_DTYPES
         and not (torch.is_grad_enabled() and x.requires_grad)
     )
 
@@ -124,8 +127,13 @@ def _rotary_fits(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
         return False
     rows, _, head_dim = q.shape
     return (
-        cos.shape == (rows, head_dim) and head_dim % 2 == 0 and cos.dtype == sin.dtype == torch.float32
-        and q.stride(-1) == 1 and k.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride(-1) == 1
+        cos.shape == (rows, head_dim)
+        and head_dim % 2 == 0
+        and cos.dtype == sin.dtype == torch.float32
+        and q.stride(-1) == 1
+        and k.stride(-1) == 1
+        and cos.stride(-1) == 1
+        and sin.stride(-1) == 1
         and cos.stride(0) == sin.stride(0)
     )
 
@@ -149,8 +157,18 @@ def fused_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     if rows:
         half = head_dim // 2
         _rotary_kernel()[(rows,)](
-            x, cos, sin, out, heads, positions, x.stride(0), x.stride(1), cos.stride(0),
-            HALF=half, BLOCK_HEADS=_next_power_of_two(heads), BLOCK_HALF=_next_power_of_two(half),
+            x,
+            cos,
+            sin,
+            out,
+            heads,
+            positions,
+            x.stride(0),
+            x.stride(1),
+            cos.stride(0),
+            HALF=half,
+            BLOCK_HEADS=_next_power_of_two(heads),
+            BLOCK_HALF=_next_power_of_two(half),
         )
     return out
 
@@ -166,8 +184,20 @@ def _rotary_kernel() -> Callable:
     import triton.language as tl
 
     @triton.jit
-    def rotary(x_ptr, cos_ptr, sin_ptr, out_ptr, num_heads, num_positions, x_row_stride, x_head_stride,
-               cos_row_stride, HALF: tl.constexpr, BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    def rotary(
+        x_ptr,
+        cos_ptr,
+        sin_ptr,
+        out_ptr,
+        num_heads,
+        num_positions,
+        x_row_stride,
+        x_head_stride,
+        cos_row_stride,
+        HALF: tl.constexpr,
+        BLOCK_HEADS: tl.constexpr,
+        BLOCK_HALF: tl.constexpr,
+    ):
         row = tl.program_id(0).to(tl.int64)  # row * stride overflows int32 past ~600k rows
         position = row % num_positions
         heads = tl.arange(0, BLOCK_HEADS)[:, None]
@@ -199,8 +229,10 @@ def _rotary_kernel() -> Callable:
 def _is_patch_conv(conv: torch.nn.Conv2d | torch.nn.Conv3d) -> bool:
     """A convolution that cuts non-overlapping patches: kernel == stride, no padding or groups."""
     return (
-        tuple(conv.kernel_size) == tuple(conv.stride) and all(p == 0 for p in _padding(conv))
-        and all(d == 1 for d in conv.dilation) and conv.groups == 1
+        tuple(conv.kernel_size) == tuple(conv.stride)
+        and all(p == 0 for p in _padding(conv))
+        and all(d == 1 for d in conv.dilation)
+        and conv.groups == 1
     )
 
 
@@ -216,8 +248,10 @@ def _patch_conv_forward(self: torch.nn.Conv2d | torch.nn.Conv3d, x: torch.Tensor
             out = F.linear(x.reshape(x.shape[0], -1), self.weight.reshape(self.out_channels, -1), self.bias)
             return out.reshape(x.shape[0], self.out_channels, *([1] * len(self.kernel_size)))
         if (
-            isinstance(self, torch.nn.Conv2d) and x.dim() == 4
-            and x.shape[2] >= self.kernel_size[0] and x.shape[3] >= self.kernel_size[1]
+            isinstance(self, torch.nn.Conv2d)
+            and x.dim() == 4
+            and x.shape[2] >= self.kernel_size[0]
+            and x.shape[3] >= self.kernel_size[1]
         ):
             return _patch_grid_forward(self, x)
     return type(self).forward(self, x)
@@ -237,7 +271,9 @@ def _patch_grid_forward(self: torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
     # the convolution drops the pixels past the last whole patch (384² over patches of 14: 27 a side)
     x = x[:, :, : rows * kh, : cols * kw]
     patches = x.reshape(batch, channels, rows, kh, cols, kw).permute(0, 2, 4, 1, 3, 5)
-    out = F.linear(patches.reshape(-1, channels * kh * kw), self.weight.reshape(self.out_channels, -1), self.bias)
+    out = F.linear(
+        patches.reshape(-1, channels * kh * kw), self.weight.reshape(self.out_channels, -1), self.bias
+    )
     return out.reshape(batch, rows, cols, self.out_channels).permute(0, 3, 1, 2)
 
 
@@ -258,8 +294,10 @@ def gelu_mlp_layout(module: torch.nn.Module) -> tuple[str, str, str] | None:
             continue
         first, activation, second = (children[name] for name in names)
         if (
-            isinstance(first, torch.nn.Linear) and isinstance(second, torch.nn.Linear)
-            and first.bias is not None and _is_tanh_gelu(activation)
+            isinstance(first, torch.nn.Linear)
+            and isinstance(second, torch.nn.Linear)
+            and first.bias is not None
+            and _is_tanh_gelu(activation)
         ):
             return names
     return None
@@ -270,7 +308,12 @@ def _is_tanh_gelu(activation: torch.nn.Module) -> bool:
     Face's GELUTanh / PytorchGELUTanh / NewGELUActivation / FastGELUActivation."""
     if isinstance(activation, torch.nn.GELU):
         return activation.approximate == "tanh"
-    return type(activation).__name__ in ("GELUTanh", "PytorchGELUTanh", "NewGELUActivation", "FastGELUActivation")
+    return type(activation).__name__ in (
+        "GELUTanh",
+        "PytorchGELUTanh",
+        "NewGELUActivation",
+        "FastGELUActivation",
+    )
 
 
 def _patch_gelu_mlp(module: torch.nn.Module, layout: tuple[str, str, str]) -> None:
@@ -344,21 +387,23 @@ _SCALED_RMS_NORM_BODIES = {
 
 
 def rms_norm_kind(module: torch.nn.Module) -> str | None:
-    """"plain" for Hugging Face's plain RMSNorm (a 1-D weight, `variance_epsilon`, exactly that
+    """ "plain" for Hugging Face's plain RMSNorm (a 1-D weight, `variance_epsilon`, exactly that
     forward), "scaled" for Gemma 4's (`eps`, `with_scale`, its weight where it has one, exactly its
     `_norm` and forward); None for anything else, which keeps its own forward."""
     if any(True for _ in module.children()):
         return None
     weight = getattr(module, "weight", None)
     if (
-        isinstance(weight, torch.nn.Parameter) and weight.dim() == 1
+        isinstance(weight, torch.nn.Parameter)
+        and weight.dim() == 1
         and isinstance(getattr(module, "variance_epsilon", None), float)
         and _has_plain_rms_norm_forward(type(module))
     ):
         return "plain"
     scale = getattr(module, "with_scale", None)
     if (
-        isinstance(getattr(module, "eps", None), float) and isinstance(scale, bool)
+        isinstance(getattr(module, "eps", None), float)
+        and isinstance(scale, bool)
         and (not scale or (isinstance(weight, torch.nn.Parameter) and weight.dim() == 1))
         and _has_scaled_rms_norm_forward(type(module))
     ):
@@ -384,7 +429,9 @@ def _body(function: Callable | None) -> tuple[str, ...] | None:
     except (OSError, TypeError):
         return None
     lines = ["".join(line.split()) for line in source.splitlines()]
-    start = next((number for number, line in enumerate(lines) if line.endswith(":")), 0) + 1  # past the signature
+    start = (
+        next((number for number, line in enumerate(lines) if line.endswith(":")), 0) + 1
+    )  # past the signature
     return tuple(line for line in lines[start:] if line and not line.startswith(("#", '"""')))
 
 
@@ -433,16 +480,36 @@ def pad_for_dense_attention(
     "Attention where compute dominates: cuDNN on the default install (issue 42, first step)").
     None where the kernel cannot run (CPU, no Triton, a head stride that is not unit)."""
     rows, heads, head_dim = q.shape
-    if not (q.is_cuda and triton_available() and all(t.stride(-1) == 1 and t.shape == q.shape for t in (k, v))):
+    if not (
+        q.is_cuda and triton_available() and all(t.stride(-1) == 1 and t.shape == q.shape for t in (k, v))
+    ):
         return None
     on_device = isinstance(masked_from, torch.Tensor)
-    outputs = [torch.empty((padded_rows, heads, padded_dim), device=q.device, dtype=q.dtype) for _ in range(3)]
+    outputs = [
+        torch.empty((padded_rows, heads, padded_dim), device=q.device, dtype=q.dtype) for _ in range(3)
+    ]
     with torch.cuda.device(q.device):
         _pad_kernel()[(padded_rows,)](
-            q, k, v, *outputs, rows, masked_from if on_device else q, 0 if on_device else int(masked_from),
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), heads, masked_key,
-            HEAD_DIM=head_dim, PADDED_DIM=padded_dim, MASK_FROM_DEVICE=on_device,
-            BLOCK_HEADS=_next_power_of_two(heads), BLOCK_DIM=_next_power_of_two(padded_dim),
+            q,
+            k,
+            v,
+            *outputs,
+            rows,
+            masked_from if on_device else q,
+            0 if on_device else int(masked_from),
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            heads,
+            masked_key,
+            HEAD_DIM=head_dim,
+            PADDED_DIM=padded_dim,
+            MASK_FROM_DEVICE=on_device,
+            BLOCK_HEADS=_next_power_of_two(heads),
+            BLOCK_DIM=_next_power_of_two(padded_dim),
         )
     return outputs[0], outputs[1], outputs[2]
 
@@ -454,10 +521,30 @@ def _pad_kernel() -> Callable:
     import triton.language as tl
 
     @triton.jit
-    def pad(q_ptr, k_ptr, v_ptr, q_out, k_out, v_out, rows, limit_ptr, limit_value,
-            q_row_stride, q_head_stride, k_row_stride, k_head_stride, v_row_stride, v_head_stride,
-            num_heads, masked_key, HEAD_DIM: tl.constexpr, PADDED_DIM: tl.constexpr,
-            MASK_FROM_DEVICE: tl.constexpr, BLOCK_HEADS: tl.constexpr, BLOCK_DIM: tl.constexpr):
+    def pad(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        q_out,
+        k_out,
+        v_out,
+        rows,
+        limit_ptr,
+        limit_value,
+        q_row_stride,
+        q_head_stride,
+        k_row_stride,
+        k_head_stride,
+        v_row_stride,
+        v_head_stride,
+        num_heads,
+        masked_key,
+        HEAD_DIM: tl.constexpr,
+        PADDED_DIM: tl.constexpr,
+        MASK_FROM_DEVICE: tl.constexpr,
+        BLOCK_HEADS: tl.constexpr,
+        BLOCK_DIM: tl.constexpr,
+    ):
         row = tl.program_id(0).to(tl.int64)
         heads = tl.arange(0, BLOCK_HEADS)[:, None]
         cols = tl.arange(0, BLOCK_DIM)[None, :]

@@ -157,7 +157,9 @@ class ProcessorOutput:
         """What a batch with these keys lacks to be this processor's: the rest of each held group
         (`held_groups`), or its images' keys where it holds neither first key. Empty: the batch
         is this processor's."""
-        return tuple(key for group in self.held_groups(keys) or [self.image_keys] for key in group if key not in keys)
+        return tuple(
+            key for group in self.held_groups(keys) or [self.image_keys] for key in group if key not in keys
+        )
 
 
 # Qwen's processors and those modelled on them: patch rows and a (t, h, w) grid row per item
@@ -202,6 +204,8 @@ class FamilyRecord:
 
     def __post_init__(self) -> None:
         if self.vllm_layout is not None and self.vllm_layout not in VLLM_LAYOUTS:
-            raise ValueError(f"family {self.name}: vllm_layout {self.vllm_layout!r} is not one of {VLLM_LAYOUTS}")
+            raise ValueError(
+                f"family {self.name}: vllm_layout {self.vllm_layout!r} is not one of {VLLM_LAYOUTS}"
+            )
         if (self.transformers_parts is None) == (self.image_features is None):
             raise ValueError(f"family {self.name}: give transformers_parts or image_features, one of them")

@@ -31,7 +31,9 @@ class SpatialMergeRules:
     def row_shape(self) -> tuple[int, ...]:
         return (self.row_width,)
 
-    def item_spec(self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, layout: Any) -> ItemSpec:
+    def item_spec(
+        self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, layout: Any
+    ) -> ItemSpec:
         t, h, w = grid = checked_grid(
             modality, layout, (self.merge_size, self.merge_size), f"spatial merge size {self.merge_size}"
         )
@@ -46,10 +48,15 @@ class SpatialMergeRules:
             )
         num_rows = t * h * w
         check_row_count(pixel_shape, grid, num_rows, "t*h*w")
-        return ItemSpec(modality, pixel_shape, pixel_dtype, grid, num_rows // self.merge_size**2, ((SEQUENCES, t),))
+        return ItemSpec(
+            modality, pixel_shape, pixel_dtype, grid, num_rows // self.merge_size**2, ((SEQUENCES, t),)
+        )
 
     def budgets(
-        self, token_budgets: Sequence[int], max_items_per_batch: int | None, capacity_limits: Mapping[str, int]
+        self,
+        token_budgets: Sequence[int],
+        max_items_per_batch: int | None,
+        capacity_limits: Mapping[str, int],
     ) -> list[Budget]:
         check_capacity_limits(capacity_limits, self.capacities)
         return make_budgets(token_budgets, max_items_per_batch, capacity_limits.get(SEQUENCES))
@@ -86,11 +93,15 @@ def check_patch_rows(
             f"got shape {pixel_shape}"
         )
     if tuple(pixel_shape[1:]) != row_shape:
-        raise ValueError(f"pixel_values have patches of shape {tuple(pixel_shape[1:])}; the model takes {row_shape}")
+        raise ValueError(
+            f"pixel_values have patches of shape {tuple(pixel_shape[1:])}; the model takes {row_shape}"
+        )
     check_row_count(pixel_shape, grid, num_rows, rows_formula)
 
 
-def check_row_count(pixel_shape: tuple[int, ...], grid: tuple[int, int, int], num_rows: int, rows_formula: str) -> None:
+def check_row_count(
+    pixel_shape: tuple[int, ...], grid: tuple[int, int, int], num_rows: int, rows_formula: str
+) -> None:
     if pixel_shape[0] != num_rows:
         raise ValueError(
             f"pixel_values have {pixel_shape[0]} rows but grid_thw {grid} needs {rows_formula} = {num_rows}"
@@ -103,10 +114,6 @@ def parse_grid(grid_thw: Any) -> tuple[int, int, int]:
     values = grid_thw.tolist() if hasattr(grid_thw, "tolist") else grid_thw
     if isinstance(values, (list, tuple)) and len(values) == 1 and isinstance(values[0], (list, tuple)):
         values = values[0]
-    if (
-        not isinstance(values, (list, tuple))
-        or len(values) != 3
-        or not all(is_int(v) for v in values)
-    ):
+    if not isinstance(values, (list, tuple)) or len(values) != 3 or not all(is_int(v) for v in values):
         raise ValueError(f"grid_thw must be three integers (t, h, w); got {grid_thw!r}")
     return (int(values[0]), int(values[1]), int(values[2]))

@@ -44,9 +44,7 @@ PROCESSOR_CONFIG, IMAGE_PROCESSOR_CONFIG = "processor_config.json", "preprocesso
 IMAGE_PROCESSOR_ATTRIBUTE = "vitpool_image_processor"
 
 
-def load_adapter(
-    path: str | Path | None, device: torch.device, dtype: torch.dtype
-) -> VisionAdapter:
+def load_adapter(path: str | Path | None, device: torch.device, dtype: torch.dtype) -> VisionAdapter:
     """The tower of the checkpoint at `path` (None: the shipped tiny model), on `device` in `dtype`.
 
     Raises:
@@ -122,6 +120,7 @@ def _vision_part(config: Any) -> Any:
     """A full model's vision sub-config (a dict's or a config object's): `vision_config`, or the
     thinker's (Qwen3-Omni nests its vision, audio and LLM parts under `thinker_config`); None
     for a tower-only config."""
+
     def part(of: Any, name: str) -> Any:
         return of.get(name) if isinstance(of, dict) else getattr(of, name, None)
 
@@ -223,9 +222,7 @@ def _read_vision_weights(
                 name = key if layout.convert is not None else _strip_prefix(key, layout.prefixes)
                 state[name] = shard.get_tensor(key)
     if is_full_model and not state:
-        raise CheckpointError(
-            f"{files[0].parent}: no vision weights under {' or '.join(layout.prefixes)}"
-        )
+        raise CheckpointError(f"{files[0].parent}: no vision weights under {' or '.join(layout.prefixes)}")
     return state
 
 

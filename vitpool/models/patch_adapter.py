@@ -110,8 +110,13 @@ class PatchRowAdapter:
     def sample_specs(self, num_rows: int, budget: Budget, rng: random.Random) -> list[ItemSpec]:
         rules = self.item_rules
         grids = sample_grids(
-            rng, self.merge_kernel, num_rows, budget.num_tokens, min(MAX_SAMPLED_ITEMS, budget.max_items),
-            self.frames, budget.limit(EXTRA_ROWS) or 0,
+            rng,
+            self.merge_kernel,
+            num_rows,
+            budget.num_tokens,
+            min(MAX_SAMPLED_ITEMS, budget.max_items),
+            self.frames,
+            budget.limit(EXTRA_ROWS) or 0,
         )
         return [
             rules.item_spec(VIDEO if t > 1 else IMAGE, (t * h * w, *rules.row_shape), "float32", (t, h, w))
@@ -129,7 +134,10 @@ class PatchRowAdapter:
     def _grid_tensors(self, grid: Grid) -> tuple[Tensors, Tensors]:
         grid_thw = torch.tensor([grid], dtype=torch.long)
         indices, weights = get_vision_interpolation_indices_and_weights(
-            grid_thw, self._num_grid_per_side, mode=self._interpolation_mode, align_corners=self._align_corners,
+            grid_thw,
+            self._num_grid_per_side,
+            mode=self._interpolation_mode,
+            align_corners=self._align_corners,
             spatial_merge_size=1,
         )
         rows = {

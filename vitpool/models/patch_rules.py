@@ -47,7 +47,11 @@ class PatchRows:
 
 
 def patch_grid(
-    rules: PatchRows, modality: str, pixel_shape: tuple[int, ...], grid_thw: Any, merge_name: str,
+    rules: PatchRows,
+    modality: str,
+    pixel_shape: tuple[int, ...],
+    grid_thw: Any,
+    merge_name: str,
     takes_video: bool = True,
 ) -> Grid:
     """An item's (t, h, w), checked as every grid family checks it (`checked_grid`), with pixels

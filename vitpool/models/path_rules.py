@@ -109,13 +109,18 @@ class PathRules:
             specs.append(dataclasses.replace(spec, path=name))
         return specs
 
-    def item_spec(self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, layout: Any) -> ItemSpec:
+    def item_spec(
+        self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, layout: Any
+    ) -> ItemSpec:
         """The spec of an item that holds its primary input alone."""
         [spec] = self.part_specs(modality, {self.primary: (pixel_shape, pixel_dtype)}, layout)
         return spec
 
     def budgets(
-        self, token_budgets: Sequence[int], max_items_per_batch: int | None, capacity_limits: Mapping[str, int]
+        self,
+        token_budgets: Sequence[int],
+        max_items_per_batch: int | None,
+        capacity_limits: Mapping[str, int],
     ) -> list[Budget]:
         """Every path's budgets for these token budgets."""
         return [
@@ -125,7 +130,10 @@ class PathRules:
         ]
 
     def path_budgets(
-        self, path: str, token_budgets: Sequence[int], max_items_per_batch: int | None,
+        self,
+        path: str,
+        token_budgets: Sequence[int],
+        max_items_per_batch: int | None,
         capacity_limits: Mapping[str, int],
     ) -> list[Budget]:
         """Input `path`'s budgets, each marked with its path; a capacity limit applies to the paths

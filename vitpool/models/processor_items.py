@@ -36,7 +36,9 @@ def grid_items(batch: Mapping[str, Any]) -> list[ProcessorItem]:
     return items + cut_by_grid(batch, "pixel_values_videos", "video_grid_thw", VIDEO)
 
 
-def cut_by_grid(batch: Mapping[str, Any], pixels_key: str, grid_key: str, modality: str) -> list[ProcessorItem]:
+def cut_by_grid(
+    batch: Mapping[str, Any], pixels_key: str, grid_key: str, modality: str
+) -> list[ProcessorItem]:
     """The items of one modality: `batch[pixels_key]`'s rows, t*h*w per row of `batch[grid_key]`
     (none where the batch holds neither key).
 
@@ -123,9 +125,7 @@ def cut_by_counts(rows: Any, rows_key: str, counts: list[int], counts_key: str) 
     """
     check_array(rows, rows_key)
     if sum(counts) != len(rows):
-        raise ValueError(
-            f"{rows_key} has {len(rows)} rows; {counts_key} {counts} accounts for {sum(counts)}"
-        )
+        raise ValueError(f"{rows_key} has {len(rows)} rows; {counts_key} {counts} accounts for {sum(counts)}")
     runs, start = [], 0
     for count in counts:
         runs.append(rows[start : start + count])

@@ -60,9 +60,13 @@ class BudgetRange:
         if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in values):
             raise ValueError(f"a budget range needs positive integers; got {values}")
         if self.min_tokens % self.step_tokens or self.max_tokens % self.step_tokens:
-            raise ValueError(f"budget range {self.min_tokens}..{self.max_tokens} is not in steps of {self.step_tokens}")
+            raise ValueError(
+                f"budget range {self.min_tokens}..{self.max_tokens} is not in steps of {self.step_tokens}"
+            )
         if self.min_tokens > self.max_tokens:
-            raise ValueError(f"budget range: min_tokens {self.min_tokens} is above max_tokens {self.max_tokens}")
+            raise ValueError(
+                f"budget range: min_tokens {self.min_tokens} is above max_tokens {self.max_tokens}"
+            )
 
 
 def zero_metadata(specs: Mapping[str, TensorSpec]) -> dict[str, torch.Tensor]:
@@ -94,7 +98,9 @@ class VisionAdapter(Protocol):
         """Static metadata buffers for a batch of `num_rows` input rows within `budget`."""
         ...
 
-    def build_metadata(self, specs: Sequence[ItemSpec], num_rows: int, budget: Budget) -> dict[str, torch.Tensor]:
+    def build_metadata(
+        self, specs: Sequence[ItemSpec], num_rows: int, budget: Budget
+    ) -> dict[str, torch.Tensor]:
         """CPU tensors matching `metadata_specs(num_rows, budget)`, for the items laid out in order
         from row 0. Rows past the items' rows are padding and get valid values too.
 

@@ -39,6 +39,8 @@ def _shipped_records() -> tuple[FamilyRecord, ...]:
 
 
 RECORDS: tuple[FamilyRecord, ...] = _shipped_records()
+
+
 # Keyed by the vision config's model_type: every tower of every shipped family, then the registered
 # ones. A generic tower type several families build on (SigLIP's `siglip_vision_model`: Gemma 3,
 # LLaVA-OneVision) is the first family's here, by name; a full checkpoint finds its own family's

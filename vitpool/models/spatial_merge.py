@@ -18,6 +18,7 @@ from vitpool.specs import IMAGE, VIDEO, ItemSpec
 
 Grid = tuple[int, int, int]
 
+
 def row_width_of(config: object) -> int:
     """Features per patch row of a tower config: channels * temporal patch * patch * patch."""
     return config.in_channels * config.temporal_patch_size * config.patch_size**2

@@ -34,13 +34,18 @@ class TileRules:
     def row_shape(self) -> tuple[int, ...]:
         return (self.channels, self.tile_size, self.tile_size)
 
-    def item_spec(self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, layout: Any) -> ItemSpec:
+    def item_spec(
+        self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, layout: Any
+    ) -> ItemSpec:
         if modality != IMAGE:
             raise ValueError("this model takes images (tiles) only; send each frame as an Image")
         if layout is not None and layout != ():  # (): a spec's own layout, given back to check it
             raise ValueError(f"tiled items have no grid; pass Image(pixels) without grid_thw, got {layout!r}")
-        if self.tile_size_source and len(pixel_shape) == 4 and pixel_shape[1] == self.channels and (
-            pixel_shape[2] == pixel_shape[3] != self.tile_size
+        if (
+            self.tile_size_source
+            and len(pixel_shape) == 4
+            and pixel_shape[1] == self.channels
+            and (pixel_shape[2] == pixel_shape[3] != self.tile_size)
         ):
             raise ValueError(
                 f"tiles of {pixel_shape[2]} pixels; this encoder was built for tiles of {self.tile_size} "
@@ -59,10 +64,15 @@ class TileRules:
                 "(one image: pass each image as its own item)"
             )
         tiles = pixel_shape[0]
-        return ItemSpec(modality, tuple(pixel_shape), pixel_dtype, (), tiles * self.tokens_per_tile, ((SEQUENCES, tiles),))
+        return ItemSpec(
+            modality, tuple(pixel_shape), pixel_dtype, (), tiles * self.tokens_per_tile, ((SEQUENCES, tiles),)
+        )
 
     def budgets(
-        self, token_budgets: Sequence[int], max_items_per_batch: int | None, capacity_limits: Mapping[str, int]
+        self,
+        token_budgets: Sequence[int],
+        max_items_per_batch: int | None,
+        capacity_limits: Mapping[str, int],
     ) -> list[Budget]:
         check_capacity_limits(capacity_limits, self.capacities)
         budgets = plain_budgets(token_budgets, max_items_per_batch)

@@ -78,10 +78,13 @@ def crop_size_of(config: Any, processor_class: str, processor_key: str, default:
     if saved is not None and saved["settings"].get(processor_key) is not None:
         where = f"{processor_key} in {saved['file']}"
         return CropSize(_pixels(saved["settings"][processor_key], where), f"{where}; {OTHER_CROP_SIZES}")
-    return CropSize(default, (
-        f"{processor_class}'s default {processor_key}: the checkpoint has no processor config that sets it; "
-        f"{OTHER_CROP_SIZES}"
-    ))
+    return CropSize(
+        default,
+        (
+            f"{processor_class}'s default {processor_key}: the checkpoint has no processor config that sets it; "
+            f"{OTHER_CROP_SIZES}"
+        ),
+    )
 
 
 def _pixels(value: Any, where: str) -> int:
@@ -150,16 +153,27 @@ class PathTiles(TiledAdapter):
     one tile an item on the global view's path. A family subclass writes `forward`."""
 
     def __init__(
-        self, tower: torch.nn.Module, path: str, channels: int, tile_size: int, tokens_per_tile: int,
-        output_width: int, max_graph_tiles: int, tile_size_source: str = "",
+        self,
+        tower: torch.nn.Module,
+        path: str,
+        channels: int,
+        tile_size: int,
+        tokens_per_tile: int,
+        output_width: int,
+        max_graph_tiles: int,
+        tile_size_source: str = "",
     ) -> None:
         self.tower = tower
         self.path = path
         self.max_graph_tiles = max_graph_tiles
         self.tokens_per_tile = tokens_per_tile
         self.item_rules = TileRules(
-            channels, tile_size, tokens_per_tile, ((output_width,),),
-            max_tiles_per_item=1 if path == GLOBAL_VIEW else None, tile_size_source=tile_size_source,
+            channels,
+            tile_size,
+            tokens_per_tile,
+            ((output_width,),),
+            max_tiles_per_item=1 if path == GLOBAL_VIEW else None,
+            tile_size_source=tile_size_source,
         )
 
 

@@ -65,7 +65,9 @@ def budget_ladder(min_tokens: int, max_tokens: int, growth: float, align_tokens:
     return ladder
 
 
-def check_token_budgets(token_budgets: Sequence[int], max_items_per_batch: int | None) -> tuple[list[int], int]:
+def check_token_budgets(
+    token_budgets: Sequence[int], max_items_per_batch: int | None
+) -> tuple[list[int], int]:
     """The user's token budgets, checked, and the item bound (default min(32, smallest budget)).
 
     Raises:
@@ -82,7 +84,11 @@ def check_token_budgets(token_budgets: Sequence[int], max_items_per_batch: int |
     smallest = min(tokens)
     if max_items_per_batch is None:
         max_items_per_batch = min(DEFAULT_MAX_ITEMS_PER_BATCH, smallest)
-    if isinstance(max_items_per_batch, bool) or not isinstance(max_items_per_batch, int) or max_items_per_batch < 1:
+    if (
+        isinstance(max_items_per_batch, bool)
+        or not isinstance(max_items_per_batch, int)
+        or max_items_per_batch < 1
+    ):
         raise ValueError(f"max_items_per_batch must be >= 1; got {max_items_per_batch}")
     if max_items_per_batch > smallest:
         # Every item has at least one token: more items than the smallest budget has tokens

@@ -57,8 +57,14 @@ def fits(budget: Budget, num_items: int, num_tokens: int, needs: Needs | dict[st
     return all(used.get(name, 0) <= limit for name, limit in budget.limits)
 
 
-def smallest_fitting(budgets: Sequence[Budget], num_items: int, num_tokens: int, needs: Needs | dict[str, int],
-                     is_sorted: bool = False, path: str = "") -> Budget | None:
+def smallest_fitting(
+    budgets: Sequence[Budget],
+    num_items: int,
+    num_tokens: int,
+    needs: Needs | dict[str, int],
+    is_sorted: bool = False,
+    path: str = "",
+) -> Budget | None:
     """The cheapest budget of `path` that holds such a batch, or None. `is_sorted`: `budgets` is
     already in order (the dispatcher packs on every dispatch, so it sorts once)."""
     used = needs if isinstance(needs, dict) else dict(needs)
@@ -69,7 +75,10 @@ def smallest_fitting(budgets: Sequence[Budget], num_items: int, num_tokens: int,
 
 
 def pack(
-    items: Sequence[Packable], budgets: Sequence[Budget], max_tokens: int | None = None, budgets_sorted: bool = False
+    items: Sequence[Packable],
+    budgets: Sequence[Budget],
+    max_tokens: int | None = None,
+    budgets_sorted: bool = False,
 ) -> list[Batch]:
     """Pack `items` into batches: every item exactly once, each batch in its smallest fitting budget.
 
@@ -94,7 +103,10 @@ def pack(
 
 
 def _pack_path(
-    items: Sequence[Packable], indices: Sequence[int], ordered_budgets: Sequence[Budget], max_tokens: int | None
+    items: Sequence[Packable],
+    indices: Sequence[int],
+    ordered_budgets: Sequence[Budget],
+    max_tokens: int | None,
 ) -> list[Batch]:
     """`pack` of `items[i] for i in indices`, all of one path, into that path's sorted budgets."""
     if not ordered_budgets:

@@ -57,7 +57,9 @@ class ActorReader:
     """
 
     def __init__(
-        self, actors: Callable[[], dict[int, Any]], name: str = "vitpool-actor-reader",
+        self,
+        actors: Callable[[], dict[int, Any]],
+        name: str = "vitpool-actor-reader",
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._actors, self._clock = actors, clock
@@ -71,17 +73,27 @@ class ActorReader:
         self._thread.start()
 
     def add(
-        self, name: str, interval_s: float, take: Callable[[ActorReading], None], timeout_s: float | None = None,
+        self,
+        name: str,
+        interval_s: float,
+        take: Callable[[ActorReading], None],
+        timeout_s: float | None = None,
         every_reading: bool = False,
     ) -> None:
         """Hand `take` a reading every `interval_s`, the first one interval from now, with the
         actors' answers waited for up to `timeout_s` (default `interval_s`); with `every_reading`,
         the readings taken for other consumers in between too."""
         with self._lock:
-            self._consumers.append(_Consumer(
-                name, interval_s, interval_s if timeout_s is None else timeout_s, take, every_reading,
-                self._clock() + interval_s,
-            ))
+            self._consumers.append(
+                _Consumer(
+                    name,
+                    interval_s,
+                    interval_s if timeout_s is None else timeout_s,
+                    take,
+                    every_reading,
+                    self._clock() + interval_s,
+                )
+            )
         self._wake.set()
 
     def close(self, timeout_s: float = 5.0) -> None:
@@ -146,8 +158,11 @@ class ActorReader:
             reading = self.read(max(consumer.timeout_s for consumer in due))
         except Exception:  # a reading that fails must never take the pool down
             # said once as a warning (a reader that always fails would otherwise go unseen)
-            logger.log(logging.DEBUG if self._failed_before else logging.WARNING,
-                       "reading the encoder actors' stats failed", exc_info=True)
+            logger.log(
+                logging.DEBUG if self._failed_before else logging.WARNING,
+                "reading the encoder actors' stats failed",
+                exc_info=True,
+            )
             self._failed_before = True
             reading = None
         for consumer in consumers:
@@ -156,7 +171,9 @@ class ActorReader:
         finished = self._clock()
         for consumer in due:
             consumer.next_due_s += consumer.interval_s
-            if consumer.next_due_s <= finished:  # the reading and its use outlasted an interval: a whole one from now
+            if (
+                consumer.next_due_s <= finished
+            ):  # the reading and its use outlasted an interval: a whole one from now
                 consumer.next_due_s = finished + consumer.interval_s
 
 

@@ -96,7 +96,10 @@ class Autoscaler:
     """
 
     def __init__(
-        self, policy: AutoscalePolicy, starting: Callable[[], int], scale: Callable[[int], None],
+        self,
+        policy: AutoscalePolicy,
+        starting: Callable[[], int],
+        scale: Callable[[int], None],
         actor_resources: dict[str, float],
     ) -> None:
         self.policy, self._starting, self._scale = policy, starting, scale
@@ -121,7 +124,9 @@ class Autoscaler:
             self._grow(num_actors)
         elif step < 0:
             self.scale_downs += 1
-            logger.info("autoscaling: actors idle (%s busy); %d -> %d", _fractions(busy), num_actors, num_actors - 1)
+            logger.info(
+                "autoscaling: actors idle (%s busy); %d -> %d", _fractions(busy), num_actors, num_actors - 1
+            )
             self._request(num_actors - 1)
             self._scale(num_actors - 1)
 
@@ -133,7 +138,9 @@ class Autoscaler:
         free = ray.available_resources()
         if any(free.get(name, 0.0) + 1e-9 < amount for name, amount in self._resources.items()):
             if not self._waiting_for_room:
-                logger.warning("autoscaling: actors busy, but the cluster has no room for another (%s free)", free)
+                logger.warning(
+                    "autoscaling: actors busy, but the cluster has no room for another (%s free)", free
+                )
             self._waiting_for_room = True
             return
         self._waiting_for_room = False

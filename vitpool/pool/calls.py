@@ -45,7 +45,9 @@ class Call:
     part); its slot holds a `PartResults` once every part is in, or the first part's error.
     """
 
-    def __init__(self, num_items: int, return_exceptions: bool = False, num_parts: Sequence[int] = ()) -> None:
+    def __init__(
+        self, num_items: int, return_exceptions: bool = False, num_parts: Sequence[int] = ()
+    ) -> None:
         self.future: concurrent.futures.Future = concurrent.futures.Future()
         self.results: list[Any] = [None] * num_items
         self.remaining = num_items

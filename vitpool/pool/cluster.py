@@ -90,7 +90,9 @@ def join_ray(address: str | None) -> JoinedCluster:
     elif address is None and (local := running_local_cluster()):
         reason = f"from {_address_file()}, the cluster last started on this machine"
         reason += match_authentication(local)
-        _init_or_explain(None, local, reason)  # Ray's own lookup (and its local token), now known not to be stale
+        _init_or_explain(
+            None, local, reason
+        )  # Ray's own lookup (and its local token), now known not to be stale
     else:
         if address == "local":
             reason = "a new local cluster for this process (address='local')"
@@ -167,7 +169,10 @@ def running_local_cluster() -> str | None:
             # /tmp/ray is every user's: another user's cluster is not this one's to join by default
             logger.warning(
                 "Ray's address file (%s) names %s, a cluster another user (uid %d) started: it is ignored; "
-                "pass address= (--address) or set RAY_ADDRESS to join it", _address_file(), address, owner,
+                "pass address= (--address) or set RAY_ADDRESS to join it",
+                _address_file(),
+                address,
+                owner,
             )
             return None
         return address

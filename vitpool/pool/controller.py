@@ -61,7 +61,9 @@ class _Member:
 class PoolHealth:
     counters: PoolCounters
     restarts_left: int
-    departed: ActorStats = field(default_factory=ActorStats)  # the departed actors' last known counters, summed
+    departed: ActorStats = field(
+        default_factory=ActorStats
+    )  # the departed actors' last known counters, summed
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,11 @@ class PoolController:
     """Plain class; `EncoderPool.launch` runs it as a named, threaded Ray actor."""
 
     def __init__(
-        self, name: str, settings: PoolSettings, actor_options: dict, actor_threads: int,
+        self,
+        name: str,
+        settings: PoolSettings,
+        actor_options: dict,
+        actor_threads: int,
         placement: Placement | None = None,
     ) -> None:
         self._name = name
@@ -97,12 +103,21 @@ class PoolController:
         self._last_stats: dict[int, ActorStats] = {}
         self._departed = ActorStats()
         # created here, so it shares the controller's lifetime (and the pool's), not a caller's
-        self._cache = start_cache_actor(settings.embedding_cache_bytes) if settings.embedding_cache_bytes else None
+        self._cache = (
+            start_cache_actor(settings.embedding_cache_bytes) if settings.embedding_cache_bytes else None
+        )
         self._autoscaler: Autoscaler | None = None
         self._standbys = (
-            Standbys(name, NAMESPACE, settings.model, actor_options, settings.rank_transport is not None,
-                     self._max_concurrency())
-            if placement is None and settings.uses_warm_standby(actor_options) else None
+            Standbys(
+                name,
+                NAMESPACE,
+                settings.model,
+                actor_options,
+                settings.rank_transport is not None,
+                self._max_concurrency(),
+            )
+            if placement is None and settings.uses_warm_standby(actor_options)
+            else None
         )
         # One thread reads the active actors for the controller's own use (every reading), the
         # metrics and the autoscaler (each at its interval); a stats call that fails says who died.
@@ -117,7 +132,9 @@ class PoolController:
 
     def _actor_spec(self) -> ActorSpec:
         """What each encoder actor is built from: the settings' spec, with the pool's cache."""
-        return dataclasses.replace(self._settings.actor_spec(self._actor_threads), embedding_cache=self._cache)
+        return dataclasses.replace(
+            self._settings.actor_spec(self._actor_threads), embedding_cache=self._cache
+        )
 
     def actor_options(self) -> dict:
         return dict(self._actor_options)
@@ -182,12 +199,17 @@ class PoolController:
             return
         options = self._actor_options
         resources = {
-            "GPU": float(options.get("num_gpus") or 0), "CPU": float(options.get("num_cpus") or 0),
+            "GPU": float(options.get("num_gpus") or 0),
+            "CPU": float(options.get("num_cpus") or 0),
             **{name: float(amount) for name, amount in (options.get("resources") or {}).items()},
         }
-        self._autoscaler = Autoscaler(AutoscalePolicy(*self._settings.autoscale), self._starting, self.scale_to, resources)
+        self._autoscaler = Autoscaler(
+            AutoscalePolicy(*self._settings.autoscale), self._starting, self.scale_to, resources
+        )
         interval_s = self._settings.autoscale_interval_s
-        self._reader.add("autoscaler", interval_s, self._autoscaler.take, interval_s * READING_TIMEOUT_INTERVALS)
+        self._reader.add(
+            "autoscaler", interval_s, self._autoscaler.take, interval_s * READING_TIMEOUT_INTERVALS
+        )
 
     def scale_to(self, num_actors: int) -> None:
         """`scale` for the autoscaler: new actors take work once ready, with no caller waiting; a
@@ -195,7 +217,9 @@ class PoolController:
         started, _ = self.scale(num_actors, use_standbys=True)
         for index, handle, info_ref in started:
             if info_ref is not None:  # a fresh actor (a standby's take-over runs on its own)
-                threading.Thread(target=self._activate_when_ready, args=(index, handle, info_ref), daemon=True).start()
+                threading.Thread(
+                    target=self._activate_when_ready, args=(index, handle, info_ref), daemon=True
+                ).start()
 
     def _starting(self) -> int:
         with self._lock:
@@ -220,7 +244,9 @@ class PoolController:
         if stats is not None:
             add_actor_counts(self._departed, stats)
 
-    def scale(self, num_actors: int, use_standbys: bool = False) -> tuple[list[tuple[int, Any, Any]], list[int]]:
+    def scale(
+        self, num_actors: int, use_standbys: bool = False
+    ) -> tuple[list[tuple[int, Any, Any]], list[int]]:
         """Start or retire actors so that `num_actors` are active or starting.
 
         Returns (index, handle, reference to its ActorInfo) of each started actor, for the caller
@@ -293,7 +319,8 @@ class PoolController:
                 started = self._start_actor() if standby is None else self._new_member(standby)
         how = "its node's warm standby takes over" if standby is not None else "starting a fresh actor"
         logger.warning(
-            "encoder actor %d failed; %s", index,
+            "encoder actor %d failed; %s",
+            index,
             f"actor {started[0]} in its place: {how}" if replace else "no restarts left, not replaced",
         )
         _stop(member)  # a silent one may still run
@@ -303,15 +330,20 @@ class PoolController:
             threading.Thread(target=self._activate_when_ready, args=started, daemon=True).start()
         return replace
 
-    def _take_over(self, index: int, standby: Any, node_id: str, hold_timeout_s: float = HOLD_TIMEOUT_S) -> None:
+    def _take_over(
+        self, index: int, standby: Any, node_id: str, hold_timeout_s: float = HOLD_TIMEOUT_S
+    ) -> None:
         """Give actor `index`'s place to `standby`, with the GPU a hold gets on its node; failing
         that, to a fresh actor (and the standby stays one, if it was only the GPU that failed)."""
         began = time.monotonic()
         try:
             hold, gpu_ids = hold_gpu(node_id, self._actor_options, hold_timeout_s)
         except (ray.exceptions.RayError, TimeoutError) as error:
-            logger.info("no GPU came free on node %s for its warm standby (%s); starting a fresh actor",
-                        node_id[:12], one_line(start_error(error)))
+            logger.info(
+                "no GPU came free on node %s for its warm standby (%s); starting a fresh actor",
+                node_id[:12],
+                one_line(start_error(error)),
+            )
             if self._standbys is not None:
                 self._standbys.give_back(node_id, standby)
             self._start_fresh_instead(index)
@@ -330,7 +362,9 @@ class PoolController:
         except (ray.exceptions.RayError, TimeoutError, RuntimeError) as error:
             logger.warning(
                 "the warm standby on node %s could not take over as actor %d (%s); starting a fresh actor",
-                node_id[:12], index, one_line(start_error(error)),
+                node_id[:12],
+                index,
+                one_line(start_error(error)),
             )
             ray.kill(standby, no_restart=True)
             self._start_fresh_instead(index)
@@ -338,8 +372,12 @@ class PoolController:
         with self._lock:
             self._counters.standby_takeovers += 1
         self.activate(index, info)
-        logger.info("encoder actor %d (a warm standby) ready on %s, %.1f s after it was asked",
-                    index, info.device, time.monotonic() - began)
+        logger.info(
+            "encoder actor %d (a warm standby) ready on %s, %.1f s after it was asked",
+            index,
+            info.device,
+            time.monotonic() - began,
+        )
 
     def _start_fresh_instead(self, index: int) -> None:
         """A fresh actor in the place of starting member `index` (whose actor and hold stop)."""
@@ -358,11 +396,13 @@ class PoolController:
     def _health_locked(self) -> PoolHealth:
         scaler = self._autoscaler
         counters = dataclasses.replace(
-            self._counters, autoscale_ups=scaler.scale_ups if scaler else 0,
+            self._counters,
+            autoscale_ups=scaler.scale_ups if scaler else 0,
             autoscale_downs=scaler.scale_downs if scaler else 0,
         )
         return PoolHealth(
-            counters, self._settings.max_actor_restarts - self._counters.actor_restarts,
+            counters,
+            self._settings.max_actor_restarts - self._counters.actor_restarts,
             ActorStats(**vars(self._departed)),
         )
 
@@ -371,7 +411,9 @@ class PoolController:
             info = ray.get(info_ref, timeout=self._settings.startup_timeout_s)
         except (ray.exceptions.RayError, TimeoutError) as error:
             logger.error(
-                "encoder actor %d (a replacement or autoscaled) failed to start: %s", index, one_line(start_error(error))
+                "encoder actor %d (a replacement or autoscaled) failed to start: %s",
+                index,
+                one_line(start_error(error)),
             )
             self.forget(index)
             return
@@ -446,8 +488,11 @@ class PoolController:
         try:
             finished = ray.get(member.handle.retire.remote(self._settings.retire_timeout_s))
             if not finished:
-                logger.warning("encoder actor %d still had batches after %.0f s; stopping it", index,
-                               self._settings.retire_timeout_s)
+                logger.warning(
+                    "encoder actor %d still had batches after %.0f s; stopping it",
+                    index,
+                    self._settings.retire_timeout_s,
+                )
         except ray.exceptions.RayError:
             pass  # it died on its own; callers send its batches elsewhere
         try:

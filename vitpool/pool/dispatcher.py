@@ -273,7 +273,11 @@ class Dispatcher:
 
     def _is_small_call(self, call: Call) -> bool:
         tokens = self._call_tokens.get(call)
-        return tokens is not None and self._policy.small_tokens is not None and tokens <= self._policy.small_tokens
+        return (
+            tokens is not None
+            and self._policy.small_tokens is not None
+            and tokens <= self._policy.small_tokens
+        )
 
     def _has_room(self, loads: dict[int, ActorLoad]) -> bool:
         return self._policy.free_slots(loads) > 0 or self._policy.free_small_slots(loads) > 0
@@ -285,10 +289,15 @@ class Dispatcher:
         sent = 0
         while self._queue:
             loads = self._loads()
-            free_slots, free_small_slots = self._policy.free_slots(loads), self._policy.free_small_slots(loads)
+            free_slots, free_small_slots = (
+                self._policy.free_slots(loads),
+                self._policy.free_small_slots(loads),
+            )
             if free_slots <= 0 and free_small_slots <= 0:
                 break
-            taken = self._queue.take(*self._policy.room(free_slots, free_small_slots))  # drops items of calls that are over
+            taken = self._queue.take(
+                *self._policy.room(free_slots, free_small_slots)
+            )  # drops items of calls that are over
             left: list[int] = []
             small = [self._is_small_call(item.call) for item in taken]
             for batch in self._policy.plan([item.spec for item in taken], small):
@@ -309,7 +318,12 @@ class Dispatcher:
         return sent
 
     def _send(
-        self, actor_index: int, plan: BatchPlan, members: list[QueuedItem], cost: float, exchanges: list | None,
+        self,
+        actor_index: int,
+        plan: BatchPlan,
+        members: list[QueuedItem],
+        cost: float,
+        exchanges: list | None,
         small_lane: bool = False,
     ) -> None:
         slot = self._actors[actor_index]
@@ -370,7 +384,11 @@ class Dispatcher:
             self._requeue(flight, f"encoder actor {index} died")
         else:  # the actor failed on the batch itself
             self.counters.failed_batches += 1
-            cause = outcome.error if isinstance(outcome, BatchFailed) else RuntimeError(f"unexpected outcome {outcome!r}")
+            cause = (
+                outcome.error
+                if isinstance(outcome, BatchFailed)
+                else RuntimeError(f"unexpected outcome {outcome!r}")
+            )
             for member in flight.members:
                 failure = EncodeError(
                     f"item {member.index}: encoder actor {index} failed on its batch: {cause}"
@@ -534,6 +552,9 @@ def _release(load: ActorLoad, flight: _Flight) -> None:
 
 def _policy(budgets: list[Budget], settings: PoolSettings, tie_seed: int | None) -> DispatchPolicy:
     return DispatchPolicy(
-        tuple(budgets), settings.max_batches_in_flight_per_actor, settings.max_tokens_per_run,
-        settings.small_first_tokens, tie_seed,
+        tuple(budgets),
+        settings.max_batches_in_flight_per_actor,
+        settings.max_tokens_per_run,
+        settings.small_first_tokens,
+        tie_seed,
     )

@@ -189,7 +189,10 @@ class EmbeddingCacheActor:
         entries = self._entries
         # no entry is protected by age here, so the bound refuses only embeddings over the whole cache
         return replace(
-            self._stats, entries=len(entries), bytes=entries.bytes, evictions=entries.evictions,
+            self._stats,
+            entries=len(entries),
+            bytes=entries.bytes,
+            evictions=entries.evictions,
             too_large=entries.refusals,
         )
 
@@ -203,7 +206,11 @@ def start_cache_actor(capacity_bytes: int) -> Any:
     """The pool's cache actor (restarted, empty, if it dies), created by the controller so that it
     lives as long as the pool."""
     # beside the controller, on the node a cluster keeps
-    return ray.remote(EmbeddingCacheActor).options(num_cpus=0, max_restarts=-1, **ON_HEAD_NODE).remote(capacity_bytes)
+    return (
+        ray.remote(EmbeddingCacheActor)
+        .options(num_cpus=0, max_restarts=-1, **ON_HEAD_NODE)
+        .remote(capacity_bytes)
+    )
 
 
 # ---- the caller's side --------------------------------------------------------------------------
@@ -308,7 +315,9 @@ class CacheClient:
         order = self._to_ask(answer)
         if order:
             try:
-                replies = ray.get(self._handle.lookup.remote([answer.keys[i] for i in order]), timeout=LOOKUP_TIMEOUT_S)
+                replies = ray.get(
+                    self._handle.lookup.remote([answer.keys[i] for i in order]), timeout=LOOKUP_TIMEOUT_S
+                )
             except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as error:
                 return self._skipped(answer, error)
             self._read(answer, order, replies)
@@ -399,8 +408,13 @@ class CacheClient:
         return fell_through
 
     def finish(
-        self, answer: CacheAnswer, results: list[Any], want_refs: bool, timeout_s: float | None,
-        return_exceptions: bool, encode_again: Callable[[list[int]], list[Any]],
+        self,
+        answer: CacheAnswer,
+        results: list[Any],
+        want_refs: bool,
+        timeout_s: float | None,
+        return_exceptions: bool,
+        encode_again: Callable[[list[int]], list[Any]],
     ) -> None:
         """A call's results once its own items are in: publish what it encoded, then fill the
         slots the cache serves. Items that fell through (their entry lost, or never published by
@@ -490,7 +504,9 @@ class CacheClient:
             self._warned = True
             logger.warning(
                 "could not %s the embedding cache (%s); items are encoded without it until it answers "
-                "(this is logged once per process)", action, error,
+                "(this is logged once per process)",
+                action,
+                error,
             )
 
 
@@ -520,6 +536,6 @@ def _copied(embedding: Embedding) -> Embedding:
     """A private host copy, made by NumPy on this thread: torch's copy of a tensor this size wakes
     its CPU thread pool, whose spinning threads took a missed call on an H100 from 5.8 to 40 ms."""
     dtype_name = wire_dtype_name(embedding.tokens.dtype)
-    return Embedding.from_outputs([from_array(to_array(tensor).copy(), dtype_name) for tensor in embedding.outputs])
-
-
+    return Embedding.from_outputs(
+        [from_array(to_array(tensor).copy(), dtype_name) for tensor in embedding.outputs]
+    )

@@ -55,12 +55,18 @@ class EncodePipeline:
     explained: Callable[[PoolUnavailableError], PoolUnavailableError]
 
     def encode(
-        self, items: Sequence[Item], timeout_s: float | None, return_exceptions: bool = False, want_refs: bool = False
+        self,
+        items: Sequence[Item],
+        timeout_s: float | None,
+        return_exceptions: bool = False,
+        want_refs: bool = False,
     ) -> list[Any]:
         """Embeddings (or, with `want_refs`, references to them), one per item, in input order."""
         return EncodeCall(self, items, timeout_s, return_exceptions, want_refs, self.cache).run()
 
-    async def encode_async(self, items: Sequence[Item], timeout_s: float | None, return_exceptions: bool) -> list[Any]:
+    async def encode_async(
+        self, items: Sequence[Item], timeout_s: float | None, return_exceptions: bool
+    ) -> list[Any]:
         return await EncodeCall(self, items, timeout_s, return_exceptions, False, self.cache).run_async()
 
 
@@ -73,8 +79,14 @@ class EncodeCall:
     """
 
     def __init__(
-        self, pipeline: EncodePipeline, items: Sequence[Item], timeout_s: float | None, return_exceptions: bool,
-        want_refs: bool, cache: CacheClient | None, attempts_left: int | None = None,
+        self,
+        pipeline: EncodePipeline,
+        items: Sequence[Item],
+        timeout_s: float | None,
+        return_exceptions: bool,
+        want_refs: bool,
+        cache: CacheClient | None,
+        attempts_left: int | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.items = items
@@ -82,7 +94,9 @@ class EncodeCall:
         self.return_exceptions = return_exceptions
         self.want_refs = want_refs
         self.cache = cache
-        self.attempts_left = pipeline.settings.max_attempts_per_item if attempts_left is None else attempts_left
+        self.attempts_left = (
+            pipeline.settings.max_attempts_per_item if attempts_left is None else attempts_left
+        )
         self.answer: CacheAnswer | None = None
         self.call: Call | None = None
         self.queued: list[QueuedItem] = []
@@ -122,13 +136,19 @@ class EncodeCall:
                 except TimeoutError:  # the queue is full: wait for room off the event loop
                     await asyncio.to_thread(dispatcher.submit, self.call, self.queued, self.timeout_s)
             try:
-                results = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self.call.future)), self.timeout_s)
+                results = await asyncio.wait_for(
+                    asyncio.shield(asyncio.wrap_future(self.call.future)), self.timeout_s
+                )
             except asyncio.TimeoutError:
                 raise self._timed_out() from None
             except PoolUnavailableError as error:
                 raise await asyncio.to_thread(self.pipeline.explained, error) from None
             # only references need a fetch: results from the same-node channel are joined right here
-            results = await asyncio.to_thread(self._collected, results) if refs_among(results) else self._collected(results)
+            results = (
+                await asyncio.to_thread(self._collected, results)
+                if refs_among(results)
+                else self._collected(results)
+            )
         if self.answer is not None:
             results = await asyncio.to_thread(self._with_cached, results)
         return results
@@ -153,12 +173,18 @@ class EncodeCall:
         answer = self.answer
         served = answer.served if answer is not None else set()
         call = Call(
-            len(outcomes), self.return_exceptions,
-            [1 if isinstance(p, InvalidItemError) or i in served else len(p.parts) for i, p in enumerate(outcomes)],
+            len(outcomes),
+            self.return_exceptions,
+            [
+                1 if isinstance(p, InvalidItemError) or i in served else len(p.parts)
+                for i, p in enumerate(outcomes)
+            ],
         )
         for index in served:
             call.complete_item(index, _SERVED)
-        refused = [(index, error) for index, error in enumerate(outcomes) if isinstance(error, InvalidItemError)]
+        refused = [
+            (index, error) for index, error in enumerate(outcomes) if isinstance(error, InvalidItemError)
+        ]
         if refused:
             self.pipeline.dispatcher.count_rejected(len(refused))
         for index, error in refused:
@@ -169,10 +195,15 @@ class EncodeCall:
         self.call = call
         self.queued = [
             QueuedItem(
-                call, index, part.spec,
+                call,
+                index,
+                part.spec,
                 to_array(part.pixels) if keep_arrays else ray.put(to_array(part.pixels)),
-                part.nbytes, part=number,
-                cache_key=None if answer is None else answer.actor_publishes(index, len(p.parts), self.want_refs),
+                part.nbytes,
+                part=number,
+                cache_key=None
+                if answer is None
+                else answer.actor_publishes(index, len(p.parts), self.want_refs),
             )
             for index, p in enumerate(outcomes)
             if not isinstance(p, InvalidItemError) and index not in served
@@ -219,11 +250,19 @@ class EncodeCall:
         if lost and self.attempts_left > 1:
             logger.warning(
                 "pool %r: the results of items %s were lost with their actor's node before they were "
-                "fetched; encoding them again", self.pipeline.pool_name, lost,
+                "fetched; encoding them again",
+                self.pipeline.pool_name,
+                lost,
             )
             self.pipeline.dispatcher.count_requeued(len(lost))
             again = EncodeCall(
-                self.pipeline, [self.items[i] for i in lost], self.timeout_s, True, False, None, self.attempts_left - 1
+                self.pipeline,
+                [self.items[i] for i in lost],
+                self.timeout_s,
+                True,
+                False,
+                None,
+                self.attempts_left - 1,
             ).run()
             for index, value in zip(lost, again):
                 results[index] = value
@@ -238,7 +277,12 @@ class EncodeCall:
         """`results` with the slots the cache serves filled (and what this call encoded published)."""
         if self.answer is not None:
             self.cache.finish(
-                self.answer, results, self.want_refs, self.timeout_s, self.return_exceptions, self._encode_again
+                self.answer,
+                results,
+                self.want_refs,
+                self.timeout_s,
+                self.return_exceptions,
+                self._encode_again,
             )
         return results
 
@@ -248,4 +292,6 @@ class EncodeCall:
         decides); references raise the first (`encode_refs` has no return_exceptions)."""
         logger.debug("pool %r: %d cached items encoded again", self.pipeline.pool_name, len(indices))
         items = [self.items[i] for i in indices]
-        return EncodeCall(self.pipeline, items, self.timeout_s, not self.want_refs, self.want_refs, None).run()
+        return EncodeCall(
+            self.pipeline, items, self.timeout_s, not self.want_refs, self.want_refs, None
+        ).run()

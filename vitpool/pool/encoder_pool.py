@@ -77,16 +77,24 @@ class EncoderPool:
         self._stopped = False  # shutdown has stopped what this handle started
         self._lost: str | None = None  # why the pool cannot be reached (the controller is gone)
         self._dispatcher = Dispatcher(
-            _common_budgets(membership.infos.values()), self._settings,
-            on_actor_failed=self._actor_failed, make_link=self._link_to,
+            _common_budgets(membership.infos.values()),
+            self._settings,
+            on_actor_failed=self._actor_failed,
+            make_link=self._link_to,
         )
         self._dispatcher.set_actors(membership.actors, _common_budgets(membership.infos.values()))
-        self._watcher = MembershipWatcher(controller, membership, self._membership_changed, self._controller_lost)
+        self._watcher = MembershipWatcher(
+            controller, membership, self._membership_changed, self._controller_lost
+        )
         self._cache = (
             CacheClient(
-                membership.cache, self._settings.model, _dtype_name(membership), self._settings.local_cache_bytes
+                membership.cache,
+                self._settings.model,
+                _dtype_name(membership),
+                self._settings.local_cache_bytes,
             )
-            if membership.cache is not None else None
+            if membership.cache is not None
+            else None
         )
         self._pipeline = EncodePipeline(
             name, self._dispatcher, self._rules, self._settings, self._cache, explained=self._explained
@@ -157,7 +165,9 @@ class EncoderPool:
         return cls(name, controller, owns_pool=True, owns_ray=owns_ray, membership=membership)
 
     @classmethod
-    def connect(cls, name: str = "vitpool", address: str | None = None, timeout_s: float = 60.0) -> EncoderPool:
+    def connect(
+        cls, name: str = "vitpool", address: str | None = None, timeout_s: float = 60.0
+    ) -> EncoderPool:
         """A handle to a running pool, from any process or Ray actor in its cluster. Pools live in
         the Ray namespace "vitpool", whatever the caller's own, so the name is all it takes; the
         cluster is the one `launch` would join (`address`, RAY_ADDRESS, a running `ray start`).
@@ -238,7 +248,9 @@ class EncoderPool:
             return []
         return self._pipeline.encode(items, timeout_s, want_refs=True)
 
-    def deliver_to(self, ranks: Sequence[Any], transport: str = "auto", actor_index: int | None = None) -> RankDelivery:
+    def deliver_to(
+        self, ranks: Sequence[Any], transport: str = "auto", actor_index: int | None = None
+    ) -> RankDelivery:
         """A delivery of encodes to every tensor-parallel rank in `ranks` (Ray actor handles):
         `delivery.encode(items)` returns a reference and a layout that the caller passes to a
         method of each rank, where `vitpool.received_embeddings(outputs, layout)` reads them.
@@ -483,7 +495,10 @@ class EncoderPool:
         # given up on the batch by then)
         settings = self._settings
         return make_link(
-            self._membership.actors[actor_index], channel, settings.batch_timeout_s + 5.0, settings.channel_spin_s,
+            self._membership.actors[actor_index],
+            channel,
+            settings.batch_timeout_s + 5.0,
+            settings.channel_spin_s,
             f"encoder actor {actor_index}",
         )
 

@@ -26,9 +26,7 @@ def checked_item(
     """
     prepared = prepare_item(index, item, rules)
     check_token_bound(index, prepared, max_item_tokens, "pool", "launch the pool")
-    reason = (
-        None if max_queued_bytes is None else oversized_item_reason(prepared.nbytes, max_queued_bytes)
-    )
+    reason = None if max_queued_bytes is None else oversized_item_reason(prepared.nbytes, max_queued_bytes)
     if reason is not None:
         raise InvalidItemError(index, reason)
     return prepared

@@ -86,12 +86,16 @@ def launch_pool(
         VitpoolError: an actor failed to start for another reason (its one line; the rest is
             the error's cause).
     """
-    if num_actors is not None and (isinstance(num_actors, bool) or not isinstance(num_actors, int) or num_actors < 1):
+    if num_actors is not None and (
+        isinstance(num_actors, bool) or not isinstance(num_actors, int) or num_actors < 1
+    ):
         raise ConfigError(f"num_actors must be a positive integer or None; got {num_actors!r}")
     if settings.autoscale is not None:
         low, high = settings.autoscale
         if placement_group is not None:
-            raise ConfigError("autoscale does not apply to a pool colocated with a placement group (its bundles are fixed)")
+            raise ConfigError(
+                "autoscale does not apply to a pool colocated with a placement group (its bundles are fixed)"
+            )
         if num_actors is not None and not low <= num_actors <= high:
             raise ConfigError(f"num_actors={num_actors} is outside autoscale={settings.autoscale}")
         num_actors = low if num_actors is None else num_actors
@@ -125,8 +129,12 @@ def launch_pool(
             controller = (
                 ray.remote(concurrency_groups={WATCH_GROUP: MAX_WATCHING_HANDLES})(PoolController)
                 .options(
-                    name=name, namespace=NAMESPACE, num_cpus=0, max_concurrency=CONTROLLER_CONCURRENCY,
-                    **ON_HEAD_NODE, **lifetime,
+                    name=name,
+                    namespace=NAMESPACE,
+                    num_cpus=0,
+                    max_concurrency=CONTROLLER_CONCURRENCY,
+                    **ON_HEAD_NODE,
+                    **lifetime,
                 )
                 .remote(name, settings, options, threads, placement)
             )
@@ -139,7 +147,10 @@ def launch_pool(
             ) from None
         logger.info(
             "launching %spool %r: %s (%s), model %s",
-            "detached " if settings.detached else "", name, counted(num_actors, "encoder actor"), options,
+            "detached " if settings.detached else "",
+            name,
+            counted(num_actors, "encoder actor"),
+            options,
             settings.model or "shipped tiny Qwen3-VL",
         )
         started, _ = ray.get(controller.scale.remote(num_actors))
@@ -157,7 +168,9 @@ def launch_pool(
         if isinstance(error, ray.exceptions.RayActorError):
             # The controller died, or never started: Ray's error names neither the cluster nor why
             # this one, and a cluster joined by mistake is a usual reason.
-            raise died_at_start("the pool's controller", error, str(joined), _elsewhere(joined, "launch in")) from error
+            raise died_at_start(
+                "the pool's controller", error, str(joined), _elsewhere(joined, "launch in")
+            ) from error
         raise
 
 
@@ -187,8 +200,12 @@ def find_pool(name: str, address: str | None, timeout_s: float) -> tuple[Any, bo
         while not membership.actors:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise PoolUnavailableError(f"pool {name!r} has no ready encoder actor after {timeout_s:.0f} s")
-            changed = ray.get(controller.wait_for_change.remote(membership.version, remaining), timeout=timeout_s)
+                raise PoolUnavailableError(
+                    f"pool {name!r} has no ready encoder actor after {timeout_s:.0f} s"
+                )
+            changed = ray.get(
+                controller.wait_for_change.remote(membership.version, remaining), timeout=timeout_s
+            )
             membership = changed or membership
         return controller, owns_ray, membership
     except BaseException:
@@ -237,22 +254,35 @@ def await_started(
             ray.get(controller.activate.remote(index, info))
             logger.info(
                 "encoder actor %d ready on %s in %.1f s (%s, %d disabled) [%d/%d]",
-                index, info.device, info.startup_seconds, counted(len(info.budgets), "budget"),
-                len(info.disabled_budgets), total - len(pending), total,
+                index,
+                info.device,
+                info.startup_seconds,
+                counted(len(info.budgets), "budget"),
+                len(info.disabled_budgets),
+                total - len(pending),
+                total,
             )
         now = time.monotonic()
         if pending and now - last_report >= PROGRESS_EVERY_S:
             last_report = now
             logger.info(
                 "waiting for %d of %s to be placed, load and capture (%.0f s; free in the cluster now: %s)",
-                len(pending), counted(total, "encoder actor"), now - start, free_resources(),
+                len(pending),
+                counted(total, "encoder actor"),
+                now - start,
+                free_resources(),
             )
         if pending and now - start > timeout_s:
             for index in pending.values():
-                failures.append((index, VitpoolError(
-                    f"encoder actor {index} was not ready after {timeout_s:.0f} s (startup_timeout_s); "
-                    f"free in the cluster now: {free_resources()}"
-                )))
+                failures.append(
+                    (
+                        index,
+                        VitpoolError(
+                            f"encoder actor {index} was not ready after {timeout_s:.0f} s (startup_timeout_s); "
+                            f"free in the cluster now: {free_resources()}"
+                        ),
+                    )
+                )
                 ray.get(controller.forget.remote(index))
             break
     return failures

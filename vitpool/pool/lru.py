@@ -73,7 +73,9 @@ class ByteBoundedLRU(Generic[Key, Value]):
         self._mark_used(key, slot)
         return True
 
-    def put(self, key: Key, value: Value, nbytes: int, used_at: float | None = None) -> list[tuple[Key, Value]] | None:
+    def put(
+        self, key: Key, value: Value, nbytes: int, used_at: float | None = None
+    ) -> list[tuple[Key, Value]] | None:
         """Add `key` (replacing its entry, which counts as neither evicted nor refused), as used at
         `used_at` (default now; an older time makes it evictable sooner). Returns the entries
         evicted to make room, least recently used first; None, changing nothing, when it is

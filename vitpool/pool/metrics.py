@@ -47,7 +47,9 @@ EXIT_RECORD_TIMEOUT_S = 2.0
 class Periodic:
     """A daemon thread that calls `record` every `interval_s` until closed (and once more then)."""
 
-    def __init__(self, name: str, interval_s: float, record: Callable[[], None], final_record: bool = True) -> None:
+    def __init__(
+        self, name: str, interval_s: float, record: Callable[[], None], final_record: bool = True
+    ) -> None:
         self._interval_s, self._record, self._final_record = interval_s, record, final_record
         self._closed = threading.Event()
         self._failed_before = False
@@ -94,12 +96,20 @@ class CallerMetrics:
             for name, meaning in counter_meanings(CallerCounters).items()
         }
         self._latency = Histogram(
-            "vitpool_call_latency_seconds", description="a call's submit to results ready",
-            boundaries=LATENCY_BOUNDARIES_S, tag_keys=("pool",),
+            "vitpool_call_latency_seconds",
+            description="a call's submit to results ready",
+            boundaries=LATENCY_BOUNDARIES_S,
+            tag_keys=("pool",),
         )
-        self._queue_items = Gauge("vitpool_queue_items", description="items waiting in the caller's queue", tag_keys=("pool",))
-        self._queue_bytes = Gauge("vitpool_queue_bytes", description="pixel bytes waiting in the caller's queue", tag_keys=("pool",))
-        self._in_flight = Gauge("vitpool_batches_in_flight", description="batches sent, not yet answered", tag_keys=("pool",))
+        self._queue_items = Gauge(
+            "vitpool_queue_items", description="items waiting in the caller's queue", tag_keys=("pool",)
+        )
+        self._queue_bytes = Gauge(
+            "vitpool_queue_bytes", description="pixel bytes waiting in the caller's queue", tag_keys=("pool",)
+        )
+        self._in_flight = Gauge(
+            "vitpool_batches_in_flight", description="batches sent, not yet answered", tag_keys=("pool",)
+        )
         self._seen = dict.fromkeys(self._counters, 0)
         self._seen_completed = 0
         self._every = Periodic("vitpool-metrics", interval_s, self._record)
@@ -112,7 +122,7 @@ class CallerMetrics:
         counters = self._dispatcher.counters
         _increase(self._counters, self._seen, counts(CallerCounters, counters), self._tags)
         completed, latencies = counters.completed_calls, list(counters.latencies_s)
-        for latency in latencies[max(0, len(latencies) - (completed - self._seen_completed)):]:
+        for latency in latencies[max(0, len(latencies) - (completed - self._seen_completed)) :]:
             self._latency.observe(latency, tags=self._tags)
         self._seen_completed = completed
         self._queue_items.set(self._dispatcher.queue_depth, tags=self._tags)
@@ -145,15 +155,29 @@ class PoolMetrics:
 
         self._tags = {"pool": pool}
         self._counters_now = counters
-        self._num_actors = Gauge("vitpool_actors", description="encoder actors taking work", tag_keys=("pool",))
+        self._num_actors = Gauge(
+            "vitpool_actors", description="encoder actors taking work", tag_keys=("pool",)
+        )
         self._counters = {
             name: Counter(f"vitpool_{name}", description=meaning, tag_keys=("pool",))
             for name, meaning in counter_meanings(PoolCounters).items()
         }
         keys = ("pool", "actor")
-        self._busy = Gauge("vitpool_actor_busy_fraction", description="share of the last interval with a batch running", tag_keys=keys)
-        self._hit_rate = Gauge("vitpool_actor_graph_hit_rate", description="share of items run in a captured graph", tag_keys=keys)
-        self._padding = Gauge("vitpool_actor_padding_waste", description="share of budgeted rows that were padding", tag_keys=keys)
+        self._busy = Gauge(
+            "vitpool_actor_busy_fraction",
+            description="share of the last interval with a batch running",
+            tag_keys=keys,
+        )
+        self._hit_rate = Gauge(
+            "vitpool_actor_graph_hit_rate",
+            description="share of items run in a captured graph",
+            tag_keys=keys,
+        )
+        self._padding = Gauge(
+            "vitpool_actor_padding_waste",
+            description="share of budgeted rows that were padding",
+            tag_keys=keys,
+        )
         self._items = Counter("vitpool_actor_items", description="items the actor encoded", tag_keys=keys)
         self._seen_counters = dict.fromkeys(self._counters, 0)
         self._seen_actors: dict[int, ActorStats] = {}  # index -> its stats at the last reading
@@ -175,10 +199,14 @@ class PoolMetrics:
             if stats.items > items_before:
                 self._items.inc(stats.items - items_before, tags=actor_tags)
             self._seen_actors[index] = stats
-        self._seen_actors = {index: seen for index, seen in self._seen_actors.items() if index in reading.actors}
+        self._seen_actors = {
+            index: seen for index, seen in self._seen_actors.items() if index in reading.actors
+        }
 
 
-def _increase(metrics: dict[str, Any], seen: dict[str, int], values: dict[str, int], tags: dict[str, str]) -> None:
+def _increase(
+    metrics: dict[str, Any], seen: dict[str, int], values: dict[str, int], tags: dict[str, str]
+) -> None:
     """Raise each Ray counter by what its source counted since the last reading (`seen`, updated)."""
     for name, value in values.items():
         if value > seen[name]:

@@ -42,16 +42,16 @@ class ActorLoad:
 @dataclass(frozen=True)
 class DispatchPolicy:
     """Args:
-        budgets: the budgets every actor captured.
-        max_in_flight: batches an actor may hold unanswered (besides its small lane's, with
-            `small_tokens`).
-        max_tokens_per_run: the most output tokens several items share in one batch (None: the
-            largest budget).
-        small_tokens: calls of at most this many output tokens go small first (see the module);
-            None: one lane, oldest batch first.
-        tie_seed: orders actors that tie on cost: each caller process's dispatcher draws its
-            own, so that callers, which each see only their own batches, do not all pile onto
-            the lowest-numbered actors of a large pool. None: the lowest index wins a tie.
+    budgets: the budgets every actor captured.
+    max_in_flight: batches an actor may hold unanswered (besides its small lane's, with
+        `small_tokens`).
+    max_tokens_per_run: the most output tokens several items share in one batch (None: the
+        largest budget).
+    small_tokens: calls of at most this many output tokens go small first (see the module);
+        None: one lane, oldest batch first.
+    tie_seed: orders actors that tie on cost: each caller process's dispatcher draws its
+        own, so that callers, which each see only their own batches, do not all pile onto
+        the lowest-numbered actors of a large pool. None: the lowest index wins a tie.
     """
 
     budgets: tuple[Budget, ...]
@@ -77,10 +77,14 @@ class DispatchPolicy:
             apart = [i for i in range(len(specs)) if small[i]]
             others = [i for i in range(len(specs)) if not small[i]]
             small_cap = min(self.small_tokens, self.max_tokens_per_run or self.small_tokens)
-            batches = self._pack_part(specs, apart, small_cap) + self._pack_part(specs, others, self.max_tokens_per_run)
+            batches = self._pack_part(specs, apart, small_cap) + self._pack_part(
+                specs, others, self.max_tokens_per_run
+            )
         return sorted(batches, key=lambda batch: min(batch.item_indices))
 
-    def _pack_part(self, specs: Sequence[ItemSpec], indices: list[int], max_tokens: int | None) -> list[Batch]:
+    def _pack_part(
+        self, specs: Sequence[ItemSpec], indices: list[int], max_tokens: int | None
+    ) -> list[Batch]:
         """`pack` of `specs[i] for i in indices`, numbered as in `specs`."""
         if not indices:
             return []
@@ -93,7 +97,11 @@ class DispatchPolicy:
     def is_small(self, batch: Batch, small: Sequence[bool]) -> bool:
         """Whether `batch` (of a plan made with these `small` flags) may take a slot of the small
         lane: it holds items of small calls only."""
-        return self.small_tokens is not None and batch.budget is not None and all(small[i] for i in batch.item_indices)
+        return (
+            self.small_tokens is not None
+            and batch.budget is not None
+            and all(small[i] for i in batch.item_indices)
+        )
 
     @property
     def small_lane_slots(self) -> int:

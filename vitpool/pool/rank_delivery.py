@@ -66,7 +66,9 @@ def received_embeddings(outputs: Sequence[Any], layout: DeliveryLayout) -> list[
     what Ray resolved the delivery's reference to. Object-store outputs stay read-only views of
     the node's shared memory (no copy); clone one to write into it."""
     tensors = [
-        tensor if isinstance(tensor, torch.Tensor) else from_array(tensor, layout.dtype_name, copy_read_only=False)
+        tensor
+        if isinstance(tensor, torch.Tensor)
+        else from_array(tensor, layout.dtype_name, copy_read_only=False)
         for tensor in outputs
     ]
     if not tensors or tensors[0].shape[0] != sum(layout.tokens_per_item):
@@ -91,7 +93,12 @@ class RankDelivery:
     """
 
     def __init__(
-        self, actor: Any, actor_index: int, transport: str, rules: ItemRules, dtype_name: str,
+        self,
+        actor: Any,
+        actor_index: int,
+        transport: str,
+        rules: ItemRules,
+        dtype_name: str,
         max_item_tokens: int | None = None,
     ) -> None:
         self._actor = actor
@@ -114,13 +121,16 @@ class RankDelivery:
         for index, item in enumerate(checked_items(items, self._rules, self._max_item_tokens)):
             if len(item.parts) != 1:
                 raise InvalidItemError(
-                    index, f"rank delivery takes items of one input; this one has {len(item.parts)} "
-                    "(a global view and crops): encode it with pool.encode or encode_refs"
+                    index,
+                    f"rank delivery takes items of one input; this one has {len(item.parts)} "
+                    "(a global view and crops): encode it with pool.encode or encode_refs",
                 )
             prepared.append(item.parts[0])
         method = getattr(self._actor, _ACTOR_METHODS[self.transport])
         reference = method.remote([p.spec for p in prepared], *[to_array(p.pixels) for p in prepared])
-        return reference, DeliveryLayout(self.transport, self._dtype_name, tuple(p.spec.num_tokens for p in prepared))
+        return reference, DeliveryLayout(
+            self.transport, self._dtype_name, tuple(p.spec.num_tokens for p in prepared)
+        )
 
 
 def _node_and_gpus(actor: Any) -> tuple[str, list[str]]:
@@ -129,7 +139,9 @@ def _node_and_gpus(actor: Any) -> tuple[str, list[str]]:
     return context.get_node_id(), [str(gpu) for gpu in context.get_accelerator_ids().get("GPU", [])]
 
 
-def choose_transport(requested: str, launched_with: str | None, actor: Any, ranks: Sequence[Any], pool_name: str) -> str:
+def choose_transport(
+    requested: str, launched_with: str | None, actor: Any, ranks: Sequence[Any], pool_name: str
+) -> str:
     """The transport a delivery uses: `requested`, or for "auto" the pool's `rank_transport`
     (`launched_with`) where it works, else the object store, with a warning saying why. An RDT
     transport asked for by name that cannot work raises ConfigError saying why."""
@@ -158,7 +170,9 @@ def rdt_problem(transport: str, actor: Any, ranks: Sequence[Any], launched_with:
     if problem is not None:
         return problem
     if transport == "nccl":
-        encoder_at, *ranks_at = ray.get([member.__ray_call__.remote(_node_and_gpus) for member in (actor, *ranks)])
+        encoder_at, *ranks_at = ray.get(
+            [member.__ray_call__.remote(_node_and_gpus) for member in (actor, *ranks)]
+        )
         for number, rank_at in enumerate(ranks_at):
             shared = set(encoder_at[1]) & set(rank_at[1]) if rank_at[0] == encoder_at[0] else set()
             if shared:

@@ -56,15 +56,20 @@ def match_authentication(address: str) -> str:
             )
         if mode is None:
             _set_authentication_mode("disabled")
-            logger.debug("the Ray cluster at %s does not use token authentication: RAY_AUTH_MODE=disabled here", address)
+            logger.debug(
+                "the Ray cluster at %s does not use token authentication: RAY_AUTH_MODE=disabled here",
+                address,
+            )
         return ""
     where = "RAY_AUTH_TOKEN, or the file RAY_AUTH_TOKEN_PATH names (default ~/.ray/auth_token)"
     if mode == "token":
         header = _local_token_header()
         if header and _gcs_accepts(address, header) is not False:
             return ""
-        problem = "refused this process's authentication token" if header else (
-            "uses token authentication, and this process has no token (RAY_AUTH_MODE=token)"
+        problem = (
+            "refused this process's authentication token"
+            if header
+            else ("uses token authentication, and this process has no token (RAY_AUTH_MODE=token)")
         )
         raise ConnectionError(
             f"the Ray cluster at {address} {problem}: put that cluster's token (`ray get-auth-token` "
@@ -112,7 +117,8 @@ def _gcs_accepts(address: str, header: dict[str, str]) -> bool | None:
     with grpc.insecure_channel(address) as channel:
         try:
             gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(
-                gcs_service_pb2.GetClusterIdRequest(), timeout=AUTH_PROBE_TIMEOUT_S,
+                gcs_service_pb2.GetClusterIdRequest(),
+                timeout=AUTH_PROBE_TIMEOUT_S,
                 metadata=list(header.items()) or None,
             )
         except grpc.RpcError as error:
@@ -134,7 +140,9 @@ def _runs_on_this_machine(address: str) -> bool:
         ip = socket.gethostbyname(host)
         for candidate in running:
             candidate_host, _, candidate_port = str(candidate).rpartition(":")
-            if candidate_port == port and (ip.startswith("127.") or ip == socket.gethostbyname(candidate_host)):
+            if candidate_port == port and (
+                ip.startswith("127.") or ip == socket.gethostbyname(candidate_host)
+            ):
                 return True
     except Exception as error:  # noqa: BLE001 - unresolvable name, Ray's helper moved: not known to be here
         logger.debug("could not tell whether %s runs on this machine: %s", address, error)

@@ -25,7 +25,9 @@ def fetched(index: int, ref: ray.ObjectRef) -> Any:
 def lost_with_its_node(value: Any) -> bool:
     """Whether a fetch failed because the object went with its node (not with this process)."""
     cause = value.__cause__ if isinstance(value, EncodeError) else None
-    return isinstance(cause, ray.exceptions.ObjectLostError) and not isinstance(cause, ray.exceptions.OwnerDiedError)
+    return isinstance(cause, ray.exceptions.ObjectLostError) and not isinstance(
+        cause, ray.exceptions.OwnerDiedError
+    )
 
 
 def fetch_failure(index: int, error: BaseException) -> EncodeError:
@@ -42,7 +44,9 @@ def refs_among(results: list[Any]) -> dict[tuple[int, int | None], ray.ObjectRef
         if isinstance(result, ray.ObjectRef):
             refs[(i, None)] = result
         elif isinstance(result, PartResults):
-            refs.update({(i, j): part for j, part in enumerate(result.parts) if isinstance(part, ray.ObjectRef)})
+            refs.update(
+                {(i, j): part for j, part in enumerate(result.parts) if isinstance(part, ray.ObjectRef)}
+            )
     return refs
 
 

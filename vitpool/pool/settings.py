@@ -174,7 +174,9 @@ class PoolSettings(EncoderSpec):
         if self.precision == "fp8" and self.device == "cpu":
             raise ConfigError("precision 'fp8' needs GPU actors (FP8 tensor cores), not device='cpu'")
         if self.warm_standby is not None and not isinstance(self.warm_standby, bool):
-            raise ConfigError(f"warm_standby must be True, False or None (on for GPU actors); got {self.warm_standby!r}")
+            raise ConfigError(
+                f"warm_standby must be True, False or None (on for GPU actors); got {self.warm_standby!r}"
+            )
         for name in ("overlap_runs", "same_node_channel", "detached"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False; got {getattr(self, name)!r}")
@@ -182,25 +184,41 @@ class PoolSettings(EncoderSpec):
         _positive_int("max_attempts_per_item", self.max_attempts_per_item)
         _positive_int("max_queued_items", self.max_queued_items)
         _positive_int("max_queued_bytes", self.max_queued_bytes)
-        if isinstance(self.embedding_cache_bytes, bool) or not isinstance(self.embedding_cache_bytes, int) or self.embedding_cache_bytes < 0:
-            raise ConfigError(f"embedding_cache_bytes must be an integer >= 0 (0: no cache); got {self.embedding_cache_bytes!r}")
+        if (
+            isinstance(self.embedding_cache_bytes, bool)
+            or not isinstance(self.embedding_cache_bytes, int)
+            or self.embedding_cache_bytes < 0
+        ):
+            raise ConfigError(
+                f"embedding_cache_bytes must be an integer >= 0 (0: no cache); got {self.embedding_cache_bytes!r}"
+            )
         local = self.embedding_cache_local_bytes
         if local is not None and (isinstance(local, bool) or not isinstance(local, int) or local < 0):
-            raise ConfigError(f"embedding_cache_local_bytes must be None or an integer >= 0 (0: none); got {local!r}")
+            raise ConfigError(
+                f"embedding_cache_local_bytes must be None or an integer >= 0 (0: none); got {local!r}"
+            )
         if self.max_tokens_per_run is not None:
             _positive_int("max_tokens_per_run", self.max_tokens_per_run)
         if self.small_first_tokens is not None:
             _positive_int("small_first_tokens", self.small_first_tokens)
-        if isinstance(self.max_actor_restarts, bool) or not isinstance(self.max_actor_restarts, int) or self.max_actor_restarts < 0:
+        if (
+            isinstance(self.max_actor_restarts, bool)
+            or not isinstance(self.max_actor_restarts, int)
+            or self.max_actor_restarts < 0
+        ):
             raise ConfigError(f"max_actor_restarts must be an integer >= 0; got {self.max_actor_restarts!r}")
         _non_negative_seconds("batch_timeout_s", self.batch_timeout_s, positive=True)
         _non_negative_seconds("channel_spin_s", self.channel_spin_s)
         if self.actor_threads is not None:
             _positive_int("actor_threads", self.actor_threads)
         if self.rank_transport not in (None, *RANK_TRANSPORTS):
-            raise ConfigError(f"rank_transport {self.rank_transport!r}: use 'nccl' (GPU actors), 'gloo' (CPU actors) or None")
+            raise ConfigError(
+                f"rank_transport {self.rank_transport!r}: use 'nccl' (GPU actors), 'gloo' (CPU actors) or None"
+            )
         if self.rank_transport == "nccl" and self.device == "cpu":
-            raise ConfigError("rank_transport='nccl' moves embeddings GPU to GPU; it needs GPU actors, not device='cpu'")
+            raise ConfigError(
+                "rank_transport='nccl' moves embeddings GPU to GPU; it needs GPU actors, not device='cpu'"
+            )
         _non_negative_seconds("batch_window_s", self.batch_window_s)
         _non_negative_seconds("startup_timeout_s", self.startup_timeout_s, positive=True)
         object.__setattr__(self, "autoscale", checked_bounds(self.autoscale))
@@ -211,14 +229,18 @@ class PoolSettings(EncoderSpec):
 
     def encoder_spec(self) -> EncoderSpec:
         """What each actor's encoder is built from: these settings' `EncoderSpec` fields."""
-        return EncoderSpec(**{field.name: getattr(self, field.name) for field in dataclasses.fields(EncoderSpec)})
+        return EncoderSpec(
+            **{field.name: getattr(self, field.name) for field in dataclasses.fields(EncoderSpec)}
+        )
 
     @property
     def small_first_stream(self) -> bool:
         """Deprecated, goes after 0.1 (the urgent lane's pool setting in 0.1.0): whether the actors
         have an urgent lane; read `urgent_tokens`."""
         warnings.warn(
-            "PoolSettings.small_first_stream is deprecated: read urgent_tokens", DeprecationWarning, stacklevel=2
+            "PoolSettings.small_first_stream is deprecated: read urgent_tokens",
+            DeprecationWarning,
+            stacklevel=2,
         )
         return self.urgent_tokens is not None
 
@@ -258,14 +280,18 @@ def _taking_small_first_stream(init: Callable[..., None]) -> Callable[..., None]
         if small_first_stream is not None:
             warnings.warn(
                 "small_first_stream is deprecated: use urgent_tokens=N (small_first_stream=True is "
-                "urgent_tokens=small_first_tokens, 256 by default)", DeprecationWarning, stacklevel=2,
+                "urgent_tokens=small_first_tokens, 256 by default)",
+                DeprecationWarning,
+                stacklevel=2,
             )
             if not isinstance(small_first_stream, bool):
                 raise ConfigError(
                     f"small_first_stream must be True or False (deprecated: use urgent_tokens); got {small_first_stream!r}"
                 )
             if kwargs.get("urgent_tokens") is not None:
-                raise ConfigError("small_first_stream is the deprecated name of urgent_tokens: give urgent_tokens alone")
+                raise ConfigError(
+                    "small_first_stream is the deprecated name of urgent_tokens: give urgent_tokens alone"
+                )
             if small_first_stream:
                 kwargs["urgent_tokens"] = kwargs.get("small_first_tokens", PoolSettings.small_first_tokens)
         init(self, *args, **kwargs)

@@ -147,12 +147,19 @@ class PoolStats(PoolCounters, CallerCounters):
         lines = [
             f"pool {self.name!r}: {counted(self.num_actors, 'encoder actor')} taking work; since launch "
             f"{counted(self.pool_items, 'item')} in {counted(self.pool_batches, 'batch')}"
-            + (f" ({self.departed.items} by {counted(self.departed_actors, 'actor')} since retired or failed)"
-               if self.departed_actors else "")
+            + (
+                f" ({self.departed.items} by {counted(self.departed_actors, 'actor')} since retired or failed)"
+                if self.departed_actors
+                else ""
+            )
             + f", actor failures {self.actor_failures}, restarts {self.actor_restarts}"
             + (f", warm standby take-overs {self.standby_takeovers}" if self.standby_takeovers else "")
-            + (f"; autoscaling {self.autoscale[0]}-{self.autoscale[1]} actors: {self.autoscale_ups} up, "
-               f"{self.autoscale_downs} down" if self.autoscale else "")
+            + (
+                f"; autoscaling {self.autoscale[0]}-{self.autoscale[1]} actors: {self.autoscale_ups} up, "
+                f"{self.autoscale_downs} down"
+                if self.autoscale
+                else ""
+            )
         ]
         if this_process:
             lines.append(
@@ -185,8 +192,18 @@ class PoolStats(PoolCounters, CallerCounters):
 
 def add_actor_counts(total: ActorStats, stats: ActorStats) -> None:
     """Add one actor's counters to `total` (its ratios are not summed)."""
-    for name in ("batches", "items", "runs", "combined_batches", "graph_items", "eager_items", "rejected_items",
-                 "oom_splits", "busy_seconds", "uptime_seconds"):
+    for name in (
+        "batches",
+        "items",
+        "runs",
+        "combined_batches",
+        "graph_items",
+        "eager_items",
+        "rejected_items",
+        "oom_splits",
+        "busy_seconds",
+        "uptime_seconds",
+    ):
         setattr(total, name, getattr(total, name) + getattr(stats, name))
 
 

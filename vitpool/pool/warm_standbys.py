@@ -25,19 +25,33 @@ HOLD_TIMEOUT_S = 10.0  # a GPU not free on the node by then: the pool starts a f
 # What an actor asks Ray for, which the hold asks for in the standby's place; the standby takes
 # the other options (runtime_env, ...), so that it runs where and as an encoder actor would.
 _RESOURCE_OPTIONS = ("num_cpus", "num_gpus", "resources", "memory", "accelerator_type")
-_PLACEMENT_OPTIONS = ("scheduling_strategy", "placement_group", "placement_group_bundle_index", "name", "namespace")
+_PLACEMENT_OPTIONS = (
+    "scheduling_strategy",
+    "placement_group",
+    "placement_group_bundle_index",
+    "name",
+    "namespace",
+)
 
 
 class Standbys:
     """The standby of each node, started on demand (`ensure`) and handed out once (`take`)."""
 
-    def __init__(self, pool_name: str, namespace: str, model: str | None, actor_options: dict,
-                 delivering: bool, max_concurrency: int) -> None:
+    def __init__(
+        self,
+        pool_name: str,
+        namespace: str,
+        model: str | None,
+        actor_options: dict,
+        delivering: bool,
+        max_concurrency: int,
+    ) -> None:
         self._pool_name = pool_name
         self._namespace = namespace
         self._model = model
         self._options = {
-            key: value for key, value in actor_options.items()
+            key: value
+            for key, value in actor_options.items()
             if key not in _RESOURCE_OPTIONS + _PLACEMENT_OPTIONS
         }
         self._delivering = delivering
@@ -60,8 +74,12 @@ class Standbys:
             else:
                 from vitpool.actors.standby import StandbyEncoderActor as standby_class
             options = {  # as the encoder actor's (the user's options win), but no resources, on this node
-                "max_concurrency": self._max_concurrency, **self._options, "num_cpus": 0, "num_gpus": 0,
-                "name": f"{self._pool_name}-standby-{next(self._numbers)}", "namespace": self._namespace,
+                "max_concurrency": self._max_concurrency,
+                **self._options,
+                "num_cpus": 0,
+                "num_gpus": 0,
+                "name": f"{self._pool_name}-standby-{next(self._numbers)}",
+                "namespace": self._namespace,
                 "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False),
             }
             self._by_node[node_id] = ray.remote(standby_class).options(**options).remote(self._model)
@@ -114,9 +132,14 @@ def hold_gpu(node_id: str, actor_options: dict, timeout_s: float = HOLD_TIMEOUT_
         ray.exceptions.RayError: the hold could not start (its node is gone, ...).
     """
     resources = {key: actor_options[key] for key in _RESOURCE_OPTIONS if key in actor_options}
-    hold = _gpu_hold_class().options(
-        **resources, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-    ).remote()
+    hold = (
+        _gpu_hold_class()
+        .options(
+            **resources,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        )
+        .remote()
+    )
     try:
         gpu_ids = ray.get(hold.gpu_ids.remote(), timeout=timeout_s)
     except BaseException:

@@ -79,7 +79,9 @@ class ChannelClient:
         self.reply_timeout_s = reply_timeout_s
         self.spin_s = spin_s
         self.round_trips = RoundTrips()
-        self.pieces: dict[tuple[int, ...], _Pieces] = {}  # how a batch's output block is cut, by its items' tokens
+        self.pieces: dict[
+            tuple[int, ...], _Pieces
+        ] = {}  # how a batch's output block is cut, by its items' tokens
         self._idle: list[_Connection] = []
         self._all: list[_Connection] = []
         self._lock = threading.Lock()
@@ -282,8 +284,11 @@ class _Connection:
             self._socket.settimeout(self._client.reply_timeout_s)
             self._socket.connect(self._client.info.address)
         message = {
-            "segment": segment.path, "size": segment.size, "plan": plan_to_wire(plan),
-            "pixels": pixel_offsets, "outputs": self._output_offsets,
+            "segment": segment.path,
+            "size": segment.size,
+            "plan": plan_to_wire(plan),
+            "pixels": pixel_offsets,
+            "outputs": self._output_offsets,
         }
         if self._output_segment is not None:
             message.update(output_segment=self._output_segment.path, output_size=self._output_segment.size)
@@ -334,7 +339,9 @@ class _Connection:
                 values = [None if position in errors else value for position, value in enumerate(values)]
             return ChannelReply(values, receipt)
         finally:
-            early = results = values = None  # results not handed out are gone before the segment is free again
+            early = results = values = (
+                None  # results not handed out are gone before the segment is free again
+            )
             if output_segment is not None and not handed_out:
                 output_segment.release()
 
@@ -376,7 +383,10 @@ class _Connection:
         end = self._output_offsets[-1] + last_bytes  # blocks are aligned: whole elements
         if output_segment is not None:
             view = np.frombuffer(
-                output_segment.buffer, dtype=wire_dtype, count=(end - start) // wire_dtype.itemsize, offset=start
+                output_segment.buffer,
+                dtype=wire_dtype,
+                count=(end - start) // wire_dtype.itemsize,
+                offset=start,
             )
             output_segment.hold_while_viewed(view)
             block = torch.from_numpy(view)
@@ -399,7 +409,9 @@ class _Connection:
         if pieces.rows is not None:
             tensors = block.view(-1, *pieces.row_shape).split_with_sizes(pieces.rows)
         else:
-            tensors = [block[offset : offset + math.prod(shape)].view(shape) for offset, shape in pieces.placed]
+            tensors = [
+                block[offset : offset + math.prod(shape)].view(shape) for offset, shape in pieces.placed
+            ]
         per_item = pieces.per_item
         return [
             Embedding(tensors[first], list(tensors[first + 1 : first + per_item]))
@@ -446,7 +458,9 @@ def _pieces_of(layout: OutputLayout, nums: tuple[int, ...]) -> _Pieces:
     placed, base = [], 0  # (element offset, shape) per tensor
     for num_tokens in nums:
         offsets, size = item_output_offsets(layout, num_tokens)
-        placed.extend(((base + offset) // itemsize, shape) for shape, offset in zip(layout.shapes(num_tokens), offsets))
+        placed.extend(
+            ((base + offset) // itemsize, shape) for shape, offset in zip(layout.shapes(num_tokens), offsets)
+        )
         base += size
     per_item, row_shape = len(layout.row_shapes), tuple(layout.row_shapes[0])
     end = 0

@@ -95,7 +95,9 @@ class ChannelServer:
             if not _same_user(connection):
                 connection.close()
                 continue
-            threading.Thread(target=self._serve, args=(connection,), name="vitpool-channel", daemon=True).start()
+            threading.Thread(
+                target=self._serve, args=(connection,), name="vitpool-channel", daemon=True
+            ).start()
 
     def _serve(self, connection: socket.socket) -> None:
         segments = MappedSegments(self._cuda_device)
@@ -113,9 +115,13 @@ class ChannelServer:
                     pixel_segment = segments.get(request.get("segment"), request.get("size"))
                     output_path = request.get("output_segment")
                     output_segment = (
-                        pixel_segment if output_path is None else segments.get(output_path, request.get("output_size"))
+                        pixel_segment
+                        if output_path is None
+                        else segments.get(output_path, request.get("output_size"))
                     )
-                    send_message(connection, self._handle(pixel_segment.buffer, output_segment.buffer, request, copies))
+                    send_message(
+                        connection, self._handle(pixel_segment.buffer, output_segment.buffer, request, copies)
+                    )
         except (OSError, ValueError, msgpack.UnpackException) as error:
             # a bad segment name or bad framing: the peer is broken or hostile, so drop it unanswered
             logger.warning("channel connection dropped: %s", error)
@@ -123,7 +129,11 @@ class ChannelServer:
             segments.close()
 
     def _handle(
-        self, pixel_buffer: mmap.mmap, output_buffer: mmap.mmap, request: dict, copies: torch.cuda.Stream | None
+        self,
+        pixel_buffer: mmap.mmap,
+        output_buffer: mmap.mmap,
+        request: dict,
+        copies: torch.cuda.Stream | None,
     ) -> dict:
         try:
             plan = plan_from_wire(request.get("plan"))

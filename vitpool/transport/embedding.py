@@ -57,7 +57,11 @@ class Embedding:
 
     def __reduce__(self) -> tuple:
         dtype_name = wire_dtype_name(self.tokens.dtype)
-        return _embedding_from_arrays, (dtype_name, to_array(self.tokens), [to_array(d) for d in self.deepstack])
+        return _embedding_from_arrays, (
+            dtype_name,
+            to_array(self.tokens),
+            [to_array(d) for d in self.deepstack],
+        )
 
 
 _sharing = threading.local()

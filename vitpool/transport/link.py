@@ -94,7 +94,9 @@ class ActorLink(Protocol):
         Never raises for the batch's sake: failures are outcomes."""
         ...
 
-    def exchange(self, plan: BatchPlan, pixels: list[Any], on_outcome: OutcomeCallback) -> InlineExchange | None:
+    def exchange(
+        self, plan: BatchPlan, pixels: list[Any], on_outcome: OutcomeCallback
+    ) -> InlineExchange | None:
         """A batch for the calling thread to carry (no I/O here), or None where this link cannot
         (then use `send`)."""
         ...

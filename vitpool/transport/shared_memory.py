@@ -191,7 +191,9 @@ class MappedSegment:
             raise ValueError("a request must name its segment and size")
         directory = os.path.realpath(shm_directory())
         resolved = os.path.realpath(path)
-        if os.path.dirname(resolved) != directory or not os.path.basename(resolved).startswith(SEGMENT_PREFIX):
+        if os.path.dirname(resolved) != directory or not os.path.basename(resolved).startswith(
+            SEGMENT_PREFIX
+        ):
             raise ValueError(f"{path!r} is not a vitpool segment")
         descriptor = os.open(resolved, os.O_RDWR)
         try:
@@ -247,8 +249,11 @@ class MappedSegments:
         self._mapped[path] = segment
         while len(self._mapped) > MAX_MAPPED_PER_CONNECTION:
             stale_path, stale = self._mapped.popitem(last=False)
-            logger.warning("closing segment %s: its caller has %d mapped and never said it closed any",
-                           stale_path, len(self._mapped))
+            logger.warning(
+                "closing segment %s: its caller has %d mapped and never said it closed any",
+                stale_path,
+                len(self._mapped),
+            )
             stale.close()
         return segment
 

@@ -132,20 +132,33 @@ def view_and_crops_case_fields(
         # a grid is for patch families
         (Image(torch.randn(1, *global_row_shape), (1, 2, 2)), "no grid"),
         # crops of another size
-        (Image(torch.randn(1, *global_row_shape),
-               inputs={"pixel_values_local": torch.randn(2, channels, side, side + 2)}),
-         "pixel_values_local: pixel_values must be tiles"),
+        (
+            Image(
+                torch.randn(1, *global_row_shape),
+                inputs={"pixel_values_local": torch.randn(2, channels, side, side + 2)},
+            ),
+            "pixel_values_local: pixel_values must be tiles",
+        ),
         # two global views in one item: one image an item
         (Image(torch.randn(2, *global_row_shape)), "an item has at most 1"),
         # an input the model does not take
-        (Image(torch.randn(1, *global_row_shape), inputs={"crops": torch.randn(2, *local_row_shape)}),
-         "unknown inputs ['crops']"),
+        (
+            Image(torch.randn(1, *global_row_shape), inputs={"crops": torch.randn(2, *local_row_shape)}),
+            "unknown inputs ['crops']",
+        ),
         # crops without their global view
-        (Image(None, inputs={"pixel_values_local": torch.randn(2, *local_row_shape)}), "has no ['pixel_values']"),
+        (
+            Image(None, inputs={"pixel_values_local": torch.randn(2, *local_row_shape)}),
+            "has no ['pixel_values']",
+        ),
         # integer crops
-        (Image(torch.randn(1, *global_row_shape),
-               inputs={"pixel_values_local": torch.ones(2, *local_row_shape, dtype=torch.int64)}),
-         "pixel_values_local have dtype torch.int64"),
+        (
+            Image(
+                torch.randn(1, *global_row_shape),
+                inputs={"pixel_values_local": torch.ones(2, *local_row_shape, dtype=torch.int64)},
+            ),
+            "pixel_values_local have dtype torch.int64",
+        ),
     )
     return {
         "make_encoder": lambda budget_list: encoder_of(model(), budget_list),

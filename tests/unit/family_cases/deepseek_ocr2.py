@@ -101,5 +101,10 @@ image_features = view_and_crops_features
 
 # local budgets of 1 and 3 crops, global budgets of 1 and 2 views
 CASE_FIELDS = view_and_crops_case_fields(
-    hf_model, encoder_of, lambda model: model.model.vision_tower, GLOBAL_ROW_SHAPE, LOCAL_ROW_SHAPE, (TOKENS_PER_GLOBAL, 2 * TOKENS_PER_GLOBAL)
+    hf_model,
+    encoder_of,
+    lambda model: model.model.vision_tower,
+    GLOBAL_ROW_SHAPE,
+    LOCAL_ROW_SHAPE,
+    (TOKENS_PER_GLOBAL, 2 * TOKENS_PER_GLOBAL),
 )

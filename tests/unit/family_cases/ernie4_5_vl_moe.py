@@ -23,15 +23,29 @@ TOWER_TYPE = "ernie4_5_vl_moe_vision"
 # head_dim 16: 4 rotary frequencies per axis. hidden_size and intermediate_size differ, and both
 # from the LLM's width, so that a mix-up of widths fails.
 TINY_VISION = {
-    "depth": 2, "hidden_size": 32, "num_heads": 2, "intermediate_size": 40, "in_channels": 3,
-    "patch_size": PATCH, "spatial_merge_size": 2, "temporal_merge_size": 2,
+    "depth": 2,
+    "hidden_size": 32,
+    "num_heads": 2,
+    "intermediate_size": 40,
+    "in_channels": 3,
+    "patch_size": PATCH,
+    "spatial_merge_size": 2,
+    "temporal_merge_size": 2,
 }
 # The MoE text model as small as its config allows: a dense layer and a sparse one of 2 experts
 # (head_dim 24: mrope_section sums to 12).
 TINY_TEXT = {
-    "hidden_size": LLM_WIDTH, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-    "num_key_value_heads": 1, "vocab_size": 128, "moe_intermediate_size": [32, 16], "moe_k": 1,
-    "moe_num_experts": 2, "moe_num_shared_experts": 1, "mlp_layer_types": ["dense", "sparse"],
+    "hidden_size": LLM_WIDTH,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "vocab_size": 128,
+    "moe_intermediate_size": [32, 16],
+    "moe_k": 1,
+    "moe_num_experts": 2,
+    "moe_num_shared_experts": 1,
+    "mlp_layer_types": ["dense", "sparse"],
     "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0, "mrope_section": [4, 4, 4]},
 }
 
@@ -93,6 +107,9 @@ BAD_ITEMS = (
 
 BUDGETS = (16, 32, 64)
 CASE_FIELDS = {
-    "make_encoder": make_encoder, "reference": reference, "item_for": item_for, "bad_items": BAD_ITEMS,
+    "make_encoder": make_encoder,
+    "reference": reference,
+    "item_for": item_for,
+    "bad_items": BAD_ITEMS,
     "budgets": BUDGETS,
 }

@@ -61,7 +61,9 @@ def hf_model(seed: int = 0) -> torch.nn.Module:
 def encoder_of(model: torch.nn.Module, budgets: list[int]) -> GraphEncoder:
     from vitpool.families.gemma3.adapter import Gemma3Adapter, Gemma3Encoder
 
-    module = Gemma3Encoder(copy.deepcopy(model.model.vision_tower), copy.deepcopy(model.model.multi_modal_projector))
+    module = Gemma3Encoder(
+        copy.deepcopy(model.model.vision_tower), copy.deepcopy(model.model.multi_modal_projector)
+    )
     return GraphEncoder(Gemma3Adapter(module), budgets=budgets, device="cpu", dtype=torch.float32)
 
 

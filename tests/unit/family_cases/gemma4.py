@@ -22,14 +22,30 @@ POOL = 3  # pooling_kernel_size: 3 x 3 patches a token
 ROW_WIDTH = 3 * PATCH * PATCH
 MAX_SIDE = 64  # position_embedding_size: positions an axis
 TINY_VISION = {
-    "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-    "num_key_value_heads": 2, "head_dim": 16, "patch_size": PATCH, "pooling_kernel_size": POOL,
-    "position_embedding_size": MAX_SIDE, "standardize": True, "use_clipped_linears": True,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "patch_size": PATCH,
+    "pooling_kernel_size": POOL,
+    "position_embedding_size": MAX_SIDE,
+    "standardize": True,
+    "use_clipped_linears": True,
 }
 TINY_TEXT = {
-    "hidden_size": 48, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
-    "num_key_value_heads": 1, "head_dim": 24, "global_head_dim": 24, "vocab_size": 128,
-    "hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 128, "layer_types": ["full_attention"],
+    "hidden_size": 48,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 24,
+    "global_head_dim": 24,
+    "vocab_size": 128,
+    "hidden_size_per_layer_input": 0,
+    "vocab_size_per_layer_input": 128,
+    "layer_types": ["full_attention"],
 }
 TEXT_WIDTH = TINY_TEXT["hidden_size"]
 IMAGE_TOKEN = 120  # the image placeholder's id, within the tiny vocabulary
@@ -41,7 +57,9 @@ def full_config(**vision_settings: Any) -> Any:
     from transformers import Gemma4Config
 
     return Gemma4Config(
-        vision_config={**TINY_VISION, **vision_settings}, text_config=dict(TINY_TEXT), audio_config=None,
+        vision_config={**TINY_VISION, **vision_settings},
+        text_config=dict(TINY_TEXT),
+        audio_config=None,
         image_token_id=IMAGE_TOKEN,
     )
 
@@ -84,7 +102,9 @@ def encoder_module(model: torch.nn.Module) -> torch.nn.Module:
 def encoder_of(model: torch.nn.Module, budgets: list[int]) -> GraphEncoder:
     from vitpool.families.gemma4.adapter import Gemma4Adapter
 
-    return GraphEncoder(Gemma4Adapter(encoder_module(model)), budgets=budgets, device="cpu", dtype=torch.float32)
+    return GraphEncoder(
+        Gemma4Adapter(encoder_module(model)), budgets=budgets, device="cpu", dtype=torch.float32
+    )
 
 
 def grid_positions(h: int, w: int) -> torch.Tensor:
@@ -151,6 +171,9 @@ BAD_ITEMS = (
 )
 
 CASE_FIELDS = {
-    "make_encoder": make_encoder, "reference": reference, "item_for": item_for, "bad_items": BAD_ITEMS,
+    "make_encoder": make_encoder,
+    "reference": reference,
+    "item_for": item_for,
+    "bad_items": BAD_ITEMS,
     "budgets": (16, 32, 64),
 }

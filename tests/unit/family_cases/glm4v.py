@@ -17,13 +17,26 @@ from vitpool import GraphEncoder
 
 # C * T * P * P = 3 * 2 * 2 * 2; an 8x8 learned position table (image_size / patch_size)
 TINY_VISION = {
-    "depth": 2, "hidden_size": 32, "num_heads": 2, "in_channels": 3, "image_size": 16, "patch_size": 2, "temporal_patch_size": 2,
-    "spatial_merge_size": 2, "out_hidden_size": 48, "intermediate_size": 64,
+    "depth": 2,
+    "hidden_size": 32,
+    "num_heads": 2,
+    "in_channels": 3,
+    "image_size": 16,
+    "patch_size": 2,
+    "temporal_patch_size": 2,
+    "spatial_merge_size": 2,
+    "out_hidden_size": 48,
+    "intermediate_size": 64,
 }
 ROW_WIDTH = 3 * 2 * 2 * 2
 TINY_TEXT = {
-    "hidden_size": 48, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
-    "vocab_size": 128, "max_position_embeddings": 512,
+    "hidden_size": 48,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "vocab_size": 128,
+    "max_position_embeddings": 512,
 }
 
 
@@ -69,13 +82,23 @@ def full_model(release: str = "glm4v") -> torch.nn.Module:
     import transformers
 
     if release == "glm4v_moe":
-        text = dict(TINY_TEXT, n_routed_experts=2, num_experts_per_tok=1, n_shared_experts=1,
-                    moe_intermediate_size=16, first_k_dense_replace=1, n_group=1, topk_group=1)
+        text = dict(
+            TINY_TEXT,
+            n_routed_experts=2,
+            num_experts_per_tok=1,
+            n_shared_experts=1,
+            moe_intermediate_size=16,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+        )
         config = transformers.Glm4vMoeConfig(vision_config=TINY_VISION, text_config=text)
         model_class = transformers.Glm4vMoeForConditionalGeneration
     elif release == "glm46v":
-        config = transformers.Glm46VConfig(vision_config=dict(TINY_VISION, model_type="glm4v_vision"),
-                                           text_config=dict(TINY_TEXT, model_type="glm4v_text"))
+        config = transformers.Glm46VConfig(
+            vision_config=dict(TINY_VISION, model_type="glm4v_vision"),
+            text_config=dict(TINY_TEXT, model_type="glm4v_text"),
+        )
         model_class = transformers.Glm46VForConditionalGeneration
     else:
         config = transformers.Glm4vConfig(vision_config=TINY_VISION, text_config=TINY_TEXT)

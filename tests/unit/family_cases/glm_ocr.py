@@ -16,8 +16,15 @@ from vitpool import GraphEncoder
 # no part. The MLP is `intermediate_size` wide (GLM-4.1V's is out_hidden_size), the merger's
 # out_hidden_size * in_channels: both differ from the other widths so that a mix-up fails.
 TINY_VISION = {
-    "depth": 2, "hidden_size": 32, "num_heads": 2, "in_channels": 3, "patch_size": 2,
-    "temporal_patch_size": 2, "spatial_merge_size": 2, "out_hidden_size": 48, "intermediate_size": 40,
+    "depth": 2,
+    "hidden_size": 32,
+    "num_heads": 2,
+    "in_channels": 3,
+    "patch_size": 2,
+    "temporal_patch_size": 2,
+    "spatial_merge_size": 2,
+    "out_hidden_size": 48,
+    "intermediate_size": 40,
     "attention_bias": True,
 }
 ROW_WIDTH = 3 * 2 * 2 * 2

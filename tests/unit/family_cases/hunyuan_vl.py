@@ -20,12 +20,23 @@ MERGE = 2
 ROW_WIDTH = 3 * PATCH * PATCH
 EDGE = 8  # the position table's side: max_image_size / patch_size
 TINY_VISION = {
-    "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-    "patch_size": PATCH, "spatial_merge_size": MERGE, "max_image_size": EDGE * PATCH, "out_hidden_size": 48,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "patch_size": PATCH,
+    "spatial_merge_size": MERGE,
+    "max_image_size": EDGE * PATCH,
+    "out_hidden_size": 48,
 }
 TINY_TEXT = {
-    "hidden_size": 48, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
-    "num_key_value_heads": 1, "head_dim": 24, "vocab_size": 128,
+    "hidden_size": 48,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 24,
+    "vocab_size": 128,
     # three multimodal RoPE axes (width, height, image index), as get_rope_index needs
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 4, 4]},
 }
@@ -37,7 +48,9 @@ def full_config(**vision_settings: Any) -> Any:
     from transformers import HunYuanVLConfig
 
     return HunYuanVLConfig(
-        vision_config={**TINY_VISION, **vision_settings}, text_config=dict(TINY_TEXT), image_token_id=IMAGE_TOKEN
+        vision_config={**TINY_VISION, **vision_settings},
+        text_config=dict(TINY_TEXT),
+        image_token_id=IMAGE_TOKEN,
     )
 
 
@@ -64,7 +77,9 @@ def image_features(model: torch.nn.Module, item: Any) -> torch.Tensor:
     """What `get_image_features` gives the LLM for this image alone."""
     grid = torch.as_tensor(item.grid_thw).reshape(1, 3).long()
     with torch.no_grad():
-        return model.model.get_image_features(torch.as_tensor(item.pixel_values).float(), grid).pooler_output[0]
+        return model.model.get_image_features(torch.as_tensor(item.pixel_values).float(), grid).pooler_output[
+            0
+        ]
 
 
 def image_tokens(h: int, w: int) -> int:
@@ -105,6 +120,9 @@ BAD_ITEMS = (
 )
 
 CASE_FIELDS = {
-    "make_encoder": make_encoder, "reference": reference, "item_for": item_for, "bad_items": BAD_ITEMS,
+    "make_encoder": make_encoder,
+    "reference": reference,
+    "item_for": item_for,
+    "bad_items": BAD_ITEMS,
     "budgets": (16, 32, 64),
 }

@@ -28,10 +28,18 @@ _TINY_TOWER = {"hidden_size": 32, "num_attention_heads": 2, "num_hidden_layers":
 # 8-pixel splits of 2-pixel patches (4 x 4), shuffled by 2; SmolVLM: 12-pixel splits (6 x 6),
 # shuffled by 3. Both give 4 tokens a split.
 KINDS = {
-    "idefics3": ("Idefics3ForConditionalGeneration", "Idefics3Config",
-                 {**_TINY_TOWER, "image_size": 8, "patch_size": 2}, 2),
-    "smolvlm": ("SmolVLMForConditionalGeneration", "SmolVLMConfig",
-                {**_TINY_TOWER, "image_size": 12, "patch_size": 2}, 3),
+    "idefics3": (
+        "Idefics3ForConditionalGeneration",
+        "Idefics3Config",
+        {**_TINY_TOWER, "image_size": 8, "patch_size": 2},
+        2,
+    ),
+    "smolvlm": (
+        "SmolVLMForConditionalGeneration",
+        "SmolVLMConfig",
+        {**_TINY_TOWER, "image_size": 12, "patch_size": 2},
+        3,
+    ),
 }
 
 
@@ -64,7 +72,9 @@ def hf_model(seed: int = 0, kind: str = "idefics3") -> torch.nn.Module:
 def encoder_of(model: torch.nn.Module, budgets: list[int]) -> GraphEncoder:
     from vitpool.families.idefics3.adapter import Idefics3Adapter, Idefics3VisionEncoder
 
-    module = Idefics3VisionEncoder(copy.deepcopy(model.model.vision_model), copy.deepcopy(model.model.connector))
+    module = Idefics3VisionEncoder(
+        copy.deepcopy(model.model.vision_model), copy.deepcopy(model.model.connector)
+    )
     return GraphEncoder(Idefics3Adapter(module), budgets=budgets, device="cpu", dtype=torch.float32)
 
 

@@ -17,15 +17,36 @@ from vitpool import GraphEncoder, Image, Video
 
 PATCH = 2
 TINY_VISION = {
-    "patch_size": PATCH, "pos_emb_height": 8, "pos_emb_width": 8, "pos_emb_time": 4, "num_attention_heads": 2,
-    "num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64,
+    "patch_size": PATCH,
+    "pos_emb_height": 8,
+    "pos_emb_width": 8,
+    "pos_emb_time": 4,
+    "num_attention_heads": 2,
+    "num_hidden_layers": 2,
+    "hidden_size": 32,
+    "intermediate_size": 64,
 }
 TINY_TEXT = {
-    "model_type": "deepseek_v3", "hidden_size": 48, "intermediate_size": 64, "moe_intermediate_size": 32,
-    "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 128,
-    "max_position_embeddings": 512, "n_routed_experts": 2, "n_shared_experts": 1, "num_experts_per_tok": 1,
-    "first_k_dense_replace": 1, "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
-    "v_head_dim": 8, "n_group": 1, "topk_group": 1,
+    "model_type": "deepseek_v3",
+    "hidden_size": 48,
+    "intermediate_size": 64,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "vocab_size": 128,
+    "max_position_embeddings": 512,
+    "n_routed_experts": 2,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 1,
+    "first_k_dense_replace": 1,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 16,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 8,
+    "n_group": 1,
+    "topk_group": 1,
 }
 ROW_SHAPE = (3, PATCH, PATCH)
 
@@ -33,7 +54,9 @@ ROW_SHAPE = (3, PATCH, PATCH)
 def full_config() -> Any:
     from transformers import Kimi_K25Config
 
-    return Kimi_K25Config(vision_config=dict(TINY_VISION), text_config=dict(TINY_TEXT), projection_hidden_size=32)
+    return Kimi_K25Config(
+        vision_config=dict(TINY_VISION), text_config=dict(TINY_TEXT), projection_hidden_size=32
+    )
 
 
 def tiny_encoder_module(seed: int = 0) -> torch.nn.Module:
@@ -83,5 +106,9 @@ BAD_ITEMS = (
 )
 
 CASE_FIELDS = {
-    "make_encoder": make_suite_encoder, "reference": reference, "item_for": item_for, "bad_items": BAD_ITEMS, "budgets": (16, 32, 64),
+    "make_encoder": make_suite_encoder,
+    "reference": reference,
+    "item_for": item_for,
+    "bad_items": BAD_ITEMS,
+    "budgets": (16, 32, 64),
 }

@@ -21,12 +21,23 @@ PATCH = 2
 FACTOR = 2  # the projector's downsample factor
 GRID = 4  # the position table's side: num_patches = GRID²
 TINY_VISION = {
-    "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-    "num_channels": 3, "patch_size": PATCH, "num_patches": GRID * GRID, "vision_use_head": False,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_channels": 3,
+    "patch_size": PATCH,
+    "num_patches": GRID * GRID,
+    "vision_use_head": False,
 }
 TINY_TEXT = {
-    "hidden_size": 48, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-    "num_key_value_heads": 1, "vocab_size": 128, "layer_types": ["conv", "full_attention"],
+    "hidden_size": 48,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "vocab_size": 128,
+    "layer_types": ["conv", "full_attention"],
 }
 ROW_WIDTH = 3 * PATCH * PATCH
 TEXT_WIDTH = TINY_TEXT["hidden_size"]
@@ -55,13 +66,17 @@ def encoder_module(model: torch.nn.Module) -> torch.nn.Module:
     tower's attention)."""
     from vitpool.families.lfm2_vl.adapter import Lfm2VlEncoder
 
-    return Lfm2VlEncoder(copy.deepcopy(model.model.vision_tower), copy.deepcopy(model.model.multi_modal_projector))
+    return Lfm2VlEncoder(
+        copy.deepcopy(model.model.vision_tower), copy.deepcopy(model.model.multi_modal_projector)
+    )
 
 
 def encoder_of(model: torch.nn.Module, budgets: list[int]) -> GraphEncoder:
     from vitpool.families.lfm2_vl.adapter import Lfm2VlAdapter
 
-    return GraphEncoder(Lfm2VlAdapter(encoder_module(model)), budgets=budgets, device="cpu", dtype=torch.float32)
+    return GraphEncoder(
+        Lfm2VlAdapter(encoder_module(model)), budgets=budgets, device="cpu", dtype=torch.float32
+    )
 
 
 def shapes_of(item: Any) -> list[tuple[int, int]]:
@@ -124,6 +139,9 @@ BAD_ITEMS = (
 )
 
 CASE_FIELDS = {
-    "make_encoder": make_encoder, "reference": reference, "item_for": item_for, "bad_items": BAD_ITEMS,
+    "make_encoder": make_encoder,
+    "reference": reference,
+    "item_for": item_for,
+    "bad_items": BAD_ITEMS,
     "budgets": (16, 32, 64),
 }

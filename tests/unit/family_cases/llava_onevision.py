@@ -51,8 +51,11 @@ def full_config(**changes: Any) -> Any:
     from transformers import LlavaOnevisionConfig
 
     config = LlavaOnevisionConfig(
-        vision_config=dict(TINY_VISION), text_config=dict(TINY_TEXT), image_grid_pinpoints=PINPOINTS,
-        vision_aspect_ratio=VISION_ASPECT_RATIO, **changes,
+        vision_config=dict(TINY_VISION),
+        text_config=dict(TINY_TEXT),
+        image_grid_pinpoints=PINPOINTS,
+        vision_aspect_ratio=VISION_ASPECT_RATIO,
+        **changes,
     )
     config._attn_implementation = "sdpa"
     return config
@@ -76,7 +79,9 @@ def encoder_module(model: torch.nn.Module) -> torch.nn.Module:
 
     inner = model.model
     return LlavaOnevisionEncoder(
-        copy.deepcopy(inner.vision_tower), copy.deepcopy(inner.multi_modal_projector), inner.image_newline,
+        copy.deepcopy(inner.vision_tower),
+        copy.deepcopy(inner.multi_modal_projector),
+        inner.image_newline,
         model.config,
     )
 
@@ -97,7 +102,8 @@ def features(model: torch.nn.Module, item: Any) -> torch.Tensor:
         sizes = torch.tensor([list(item.grid_thw)])
         if pixels.shape[0] == 1:  # the base tile alone: one image of a sample of two
             output = model.model.get_image_features(
-                pixel_values=torch.stack([pixels, pixels]), image_sizes=sizes.repeat(2, 1),
+                pixel_values=torch.stack([pixels, pixels]),
+                image_sizes=sizes.repeat(2, 1),
                 batch_num_images=torch.tensor([2]),
             )
         else:

@@ -34,13 +34,25 @@ PATCH = 14  # the processor's patch size
 ROW_SHAPE = (3, PATCH, PATCH)
 TEXT_HIDDEN = 48  # the Merger's output width: the LLM's width
 TINY_VISION = {
-    "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 2,
-    "image_size": 8 * PATCH, "patch_size": PATCH,  # an 8 x 8 position table
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 2,
+    "image_size": 8 * PATCH,
+    "patch_size": PATCH,  # an 8 x 8 position table
 }
 TINY_TEXT = {
-    "model_type": "qwen3_5_text", "vocab_size": 64, "hidden_size": TEXT_HIDDEN, "intermediate_size": 64,
-    "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
-    "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_num_key_heads": 2,
+    "model_type": "qwen3_5_text",
+    "vocab_size": 64,
+    "hidden_size": TEXT_HIDDEN,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8,
+    "linear_num_key_heads": 2,
     "linear_num_value_heads": 2,
     "layer_types": ["full_attention"],
 }
@@ -52,7 +64,9 @@ def full_config(**overrides: Any) -> Any:
     from transformers import MiniCPMV4_6Config
 
     return MiniCPMV4_6Config(
-        vision_config=dict(TINY_VISION), text_config=dict(TINY_TEXT), insert_layer_id=INSERT_LAYER_ID,
+        vision_config=dict(TINY_VISION),
+        text_config=dict(TINY_TEXT),
+        insert_layer_id=INSERT_LAYER_ID,
         **overrides,
     )
 
@@ -128,6 +142,9 @@ BAD_ITEMS = (
 )
 
 CASE_FIELDS = {
-    "make_encoder": make_encoder, "reference": reference, "item_for": item_for, "bad_items": BAD_ITEMS,
+    "make_encoder": make_encoder,
+    "reference": reference,
+    "item_for": item_for,
+    "bad_items": BAD_ITEMS,
     "budgets": (8, 16, 32),
 }

@@ -29,8 +29,12 @@ PATCH = 14  # the processor's patch size
 ROW_SHAPE = (3, PATCH, PATCH)
 TEXT_HIDDEN = 40  # the Merger's output width: the LLM's width
 TINY_VISION = {
-    "hidden_size": 48, "intermediate_size": 80, "num_hidden_layers": 4, "num_attention_heads": 3,
-    "image_size": 6 * PATCH, "patch_size": PATCH,  # a 6 x 6 position table
+    "hidden_size": 48,
+    "intermediate_size": 80,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 3,
+    "image_size": 6 * PATCH,
+    "patch_size": PATCH,  # a 6 x 6 position table
 }
 TINY_TEXT = {**TINY_TEXT_4_6, "hidden_size": TEXT_HIDDEN}  # 4.6's one-layer Qwen3.5 text model, another width
 # the window merger after block 2 of 4: blocks run at full and at merged resolution
@@ -41,7 +45,9 @@ def full_config(**overrides: Any) -> Any:
     from transformers import MiniCPMV4_7Config
 
     return MiniCPMV4_7Config(
-        vision_config=dict(TINY_VISION), text_config=dict(TINY_TEXT), insert_layer_id=INSERT_LAYER_ID,
+        vision_config=dict(TINY_VISION),
+        text_config=dict(TINY_TEXT),
+        insert_layer_id=INSERT_LAYER_ID,
         **overrides,
     )
 
@@ -110,6 +116,9 @@ BAD_ITEMS = (
 )
 
 CASE_FIELDS = {
-    "make_encoder": make_encoder, "reference": reference, "item_for": item_for, "bad_items": BAD_ITEMS,
+    "make_encoder": make_encoder,
+    "reference": reference,
+    "item_for": item_for,
+    "bad_items": BAD_ITEMS,
     "budgets": (8, 16, 32),
 }

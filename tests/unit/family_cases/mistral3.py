@@ -19,12 +19,25 @@ from vitpool.specs import ItemSpec
 PATCH = 2
 MERGE = 2
 TINY_VISION = {
-    "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "head_dim": 16,
-    "image_size": 32, "patch_size": PATCH, "hidden_act": "silu",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "head_dim": 16,
+    "image_size": 32,
+    "patch_size": PATCH,
+    "hidden_act": "silu",
 }
 TINY_TEXT = {
-    "model_type": "mistral", "hidden_size": 48, "intermediate_size": 64, "num_hidden_layers": 1,
-    "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 24, "vocab_size": 128, "rms_norm_eps": 1e-5,
+    "model_type": "mistral",
+    "hidden_size": 48,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 24,
+    "vocab_size": 128,
+    "rms_norm_eps": 1e-5,
 }
 ROW_SHAPE = (3, PATCH, PATCH)
 TEXT_WIDTH = TINY_TEXT["hidden_size"]
@@ -57,7 +70,8 @@ def encoder_module(model: torch.nn.Module) -> torch.nn.Module:
     from vitpool.families.mistral3.adapter import Mistral3Encoder
 
     return Mistral3Encoder(
-        copy.deepcopy(model.model.vision_tower), copy.deepcopy(model.model.multi_modal_projector),
+        copy.deepcopy(model.model.vision_tower),
+        copy.deepcopy(model.model.multi_modal_projector),
         model.config.vision_feature_layer,
     )
 
@@ -65,13 +79,19 @@ def encoder_module(model: torch.nn.Module) -> torch.nn.Module:
 def encoder_of(model: torch.nn.Module, budgets: list[int]) -> GraphEncoder:
     from vitpool.families.mistral3.adapter import Mistral3Adapter
 
-    return GraphEncoder(Mistral3Adapter(encoder_module(model)), budgets=budgets, device="cpu", dtype=torch.float32)
+    return GraphEncoder(
+        Mistral3Adapter(encoder_module(model)), budgets=budgets, device="cpu", dtype=torch.float32
+    )
 
 
 def image_of_rows(rows: torch.Tensor, h: int, w: int) -> torch.Tensor:
     """Patch rows [h*w, C, P, P] (row-major) as the image [C, h*P, w*P] they were cut from."""
     channels, patch = rows.shape[1], rows.shape[2]
-    return rows.reshape(h, w, channels, patch, patch).permute(2, 0, 3, 1, 4).reshape(channels, h * patch, w * patch)
+    return (
+        rows.reshape(h, w, channels, patch, patch)
+        .permute(2, 0, 3, 1, 4)
+        .reshape(channels, h * patch, w * patch)
+    )
 
 
 def as_image(item: Any) -> torch.Tensor:
@@ -140,6 +160,9 @@ BAD_ITEMS = (
 )
 
 CASE_FIELDS = {
-    "make_encoder": make_encoder, "reference": reference, "item_for": item_for, "bad_items": BAD_ITEMS,
+    "make_encoder": make_encoder,
+    "reference": reference,
+    "item_for": item_for,
+    "bad_items": BAD_ITEMS,
     "budgets": (16, 32, 64),
 }

@@ -16,12 +16,21 @@ from vitpool.specs import ItemSpec
 
 PATCH = 2
 TINY_VISION = {
-    "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-    "image_size": 16, "patch_size": PATCH,  # an 8 x 8 position table
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "image_size": 16,
+    "patch_size": PATCH,  # an 8 x 8 position table
 }
 TINY_TEXT = {
-    "hidden_size": 48, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
-    "num_key_value_heads": 1, "head_dim": 24, "vocab_size": 128,
+    "hidden_size": 48,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 24,
+    "vocab_size": 128,
 }
 ROW_SHAPE = (3, PATCH, PATCH)
 
@@ -57,7 +66,9 @@ def reference(encoder: GraphEncoder) -> Callable[[Any], list[torch.Tensor]]:
 def make_encoder(budgets: list[int]) -> GraphEncoder:
     from vitpool.families.paddleocr_vl.adapter import PaddleOCRVLAdapter
 
-    return GraphEncoder(PaddleOCRVLAdapter(tiny_encoder_module()), budgets=budgets, device="cpu", dtype=torch.float32)
+    return GraphEncoder(
+        PaddleOCRVLAdapter(tiny_encoder_module()), budgets=budgets, device="cpu", dtype=torch.float32
+    )
 
 
 def item_for(spec: ItemSpec, pixels: torch.Tensor) -> Any:
@@ -76,5 +87,9 @@ BAD_ITEMS = (
 )
 
 CASE_FIELDS = {
-    "make_encoder": make_encoder, "reference": reference, "item_for": item_for, "bad_items": BAD_ITEMS, "budgets": (16, 32, 64),
+    "make_encoder": make_encoder,
+    "reference": reference,
+    "item_for": item_for,
+    "bad_items": BAD_ITEMS,
+    "budgets": (16, 32, 64),
 }

@@ -35,13 +35,26 @@ TINY_VISION = {
 # an odd patch side (13): the model reflection-pads the grid by one before pooling
 ODD_VISION = {**TINY_VISION, "image_size": 26, "crop_size": 26}
 TINY_AUDIO = {
-    "hidden_size": 32, "intermediate_size": 32, "num_blocks": 1, "num_attention_heads": 2,
-    "ext_pw_out_channel": 32, "depthwise_separable_out_channel": 32, "nemo_conv_channels": 32,
-    "input_size": 16, "audio_token_id": AUDIO_TOKEN,
+    "hidden_size": 32,
+    "intermediate_size": 32,
+    "num_blocks": 1,
+    "num_attention_heads": 2,
+    "ext_pw_out_channel": 32,
+    "depthwise_separable_out_channel": 32,
+    "nemo_conv_channels": 32,
+    "input_size": 16,
+    "audio_token_id": AUDIO_TOKEN,
 }
 TINY_TEXT = {
-    "hidden_size": 48, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
-    "num_key_value_heads": 2, "vocab_size": 256, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+    "hidden_size": 48,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
 }
 ROW_SHAPE = (3, CROP, CROP)
 BUDGETS = (128, 256, 512)  # 2, 4 and 10 crops
@@ -68,7 +81,9 @@ def encoder_of(model: torch.nn.Module, budgets: Sequence[int]) -> GraphEncoder:
     from vitpool.families.phi4_multimodal.adapter import Phi4MultimodalAdapter
 
     module = copy.deepcopy(model.model.embed_tokens_extend.image_embed)
-    return GraphEncoder(Phi4MultimodalAdapter(module), budgets=list(budgets), device="cpu", dtype=torch.float32)
+    return GraphEncoder(
+        Phi4MultimodalAdapter(module), budgets=list(budgets), device="cpu", dtype=torch.float32
+    )
 
 
 def canvas_crops(height: int, width: int, side: int) -> tuple[int, int]:
@@ -94,7 +109,9 @@ def image_embed_rows(
     processor's batch form (crops padded to the most with zero crops of all-ones masks), a prompt of
     their image tokens with a text token between, the rows read back at each image's positions."""
     image_embed = module if module is not None else model.model.embed_tokens_extend.image_embed
-    side = int(image_embed.img_processor.config.image_size) // int(image_embed.img_processor.config.patch_size)
+    side = int(image_embed.img_processor.config.image_size) // int(
+        image_embed.img_processor.config.patch_size
+    )
     pixels = [torch.as_tensor(item.pixel_values).float() for item in items]
     layouts = [full_layout(item.grid_thw, side) for item in items]
     max_crops = max(len(p) for p in pixels)
@@ -111,8 +128,11 @@ def image_embed_rows(
     embeds = torch.zeros(1, input_ids.shape[1], image_embed.img_projection_down.out_features)
     with torch.no_grad():
         written = image_embed(
-            input_ids, embeds, image_pixel_values=batch_pixels,
-            image_sizes=torch.tensor([layout[:2] for layout in layouts]), image_attention_mask=batch_masks,
+            input_ids,
+            embeds,
+            image_pixel_values=batch_pixels,
+            image_sizes=torch.tensor([layout[:2] for layout in layouts]),
+            image_attention_mask=batch_masks,
         )
     rows = written[0, input_ids[0] == IMAGE_TOKEN]
     return list(rows.split(counts))

@@ -17,12 +17,25 @@ ROW_WIDTH = 3 * 2 * 14 * 14
 HIDDEN = 48  # the merger's output width: the LLM's width
 
 TINY_VISION_CONFIG = {
-    "depth": 2, "embed_dim": 32, "hidden_size": HIDDEN, "num_heads": 2, "mlp_ratio": 2,
-    "patch_size": 14, "temporal_patch_size": 2, "spatial_merge_size": 2, "in_channels": 3,
+    "depth": 2,
+    "embed_dim": 32,
+    "hidden_size": HIDDEN,
+    "num_heads": 2,
+    "mlp_ratio": 2,
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+    "spatial_merge_size": 2,
+    "in_channels": 3,
 }
 TINY_TEXT_CONFIG = {
-    "hidden_size": HIDDEN, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
-    "num_key_value_heads": 1, "vocab_size": 128, "bos_token_id": 0, "eos_token_id": 1,
+    "hidden_size": HIDDEN,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "vocab_size": 128,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
     "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
 }
 
@@ -79,8 +92,11 @@ def spatial_merge_case_fields(
     the suite, which imports it): items an Image or a Video of flattened patch rows and their grid,
     and the bad items of `SpatialMergeRules`."""
     return {
-        "make_encoder": make_encoder, "reference": reference, "item_for": item_for,
-        "bad_items": spatial_merge_bad_items(row_width), "budgets": budgets,
+        "make_encoder": make_encoder,
+        "reference": reference,
+        "item_for": item_for,
+        "bad_items": spatial_merge_bad_items(row_width),
+        "budgets": budgets,
     }
 
 

@@ -20,20 +20,41 @@ from vitpool import GraphEncoder
 ROW_WIDTH = 3 * 2 * 4 * 4
 HIDDEN = 48  # the merger's output width: the LLM's width
 TINY_VISION = {
-    "depth": 3, "hidden_size": 32, "num_heads": 2, "intermediate_size": 64, "patch_size": 4,
-    "temporal_patch_size": 2, "in_channels": 3, "spatial_merge_size": 2, "out_hidden_size": HIDDEN,
-    "num_position_embeddings": 64, "deepstack_visual_indexes": [0, 1],
+    "depth": 3,
+    "hidden_size": 32,
+    "num_heads": 2,
+    "intermediate_size": 64,
+    "patch_size": 4,
+    "temporal_patch_size": 2,
+    "in_channels": 3,
+    "spatial_merge_size": 2,
+    "out_hidden_size": HIDDEN,
+    "num_position_embeddings": 64,
+    "deepstack_visual_indexes": [0, 1],
 }
 # the thinker's MoE LLM and audio tower, as small as their configs allow
 TINY_TEXT = {
-    "vocab_size": 128, "hidden_size": HIDDEN, "intermediate_size": 64, "num_hidden_layers": 1,
-    "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 24, "moe_intermediate_size": 16,
-    "num_experts": 2, "num_experts_per_tok": 1,
+    "vocab_size": 128,
+    "hidden_size": HIDDEN,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 24,
+    "moe_intermediate_size": 16,
+    "num_experts": 2,
+    "num_experts_per_tok": 1,
     "rope_parameters": {"rope_type": "default", "mrope_section": [4, 4, 4], "rope_theta": 10000.0},
 }
 TINY_AUDIO = {
-    "num_mel_bins": 16, "encoder_layers": 1, "encoder_attention_heads": 2, "encoder_ffn_dim": 32,
-    "d_model": 16, "output_dim": HIDDEN, "downsample_hidden_size": 8, "max_source_positions": 32,
+    "num_mel_bins": 16,
+    "encoder_layers": 1,
+    "encoder_attention_heads": 2,
+    "encoder_ffn_dim": 32,
+    "d_model": 16,
+    "output_dim": HIDDEN,
+    "downsample_hidden_size": 8,
+    "max_source_positions": 32,
 }
 BUDGETS = (16, 32, 64)
 

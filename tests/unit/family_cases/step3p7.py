@@ -70,5 +70,10 @@ def encoder_of(model: torch.nn.Module, budgets: list[int]) -> GraphEncoder:
 image_features = view_and_crops_features
 
 CASE_FIELDS = view_and_crops_case_fields(
-    hf_model, encoder_of, lambda model: model.model.vision_model, GLOBAL_ROW_SHAPE, LOCAL_ROW_SHAPE, (4, 8, 16)
+    hf_model,
+    encoder_of,
+    lambda model: model.model.vision_model,
+    GLOBAL_ROW_SHAPE,
+    LOCAL_ROW_SHAPE,
+    (4, 8, 16),
 )

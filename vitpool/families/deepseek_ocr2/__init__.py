@@ -13,8 +13,13 @@ RECORD = FamilyRecord(
             lazy(_ADAPTER, "DeepseekOcr2Adapter"),
             checkpoint=CheckpointLayout(
                 prefixes=(
-                    "model.vision_tower.", "model.multi_modal_projector.", "model.view_separator",
-                    "model.sam_model.", "model.qwen2_model.", "model.projector.", "model.view_seperator",
+                    "model.vision_tower.",
+                    "model.multi_modal_projector.",
+                    "model.view_separator",
+                    "model.sam_model.",
+                    "model.qwen2_model.",
+                    "model.projector.",
+                    "model.view_seperator",
                 ),
                 tower_config=lazy(_ADAPTER, "tower_only_config"),
                 convert=lazy(_ADAPTER, "convert_checkpoint"),

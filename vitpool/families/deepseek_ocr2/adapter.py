@@ -108,8 +108,13 @@ TOWER_PARTS = (
 )
 # Keys of a full checkpoint that belong to the module: transformers' layout, then the release's.
 CHECKPOINT_PREFIXES = (
-    "model.vision_tower.", "model.multi_modal_projector.", "model.view_separator",
-    "model.sam_model.", "model.qwen2_model.", "model.projector.", "model.view_seperator",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+    "model.view_separator",
+    "model.sam_model.",
+    "model.qwen2_model.",
+    "model.projector.",
+    "model.view_seperator",
 )
 # The release's key -> transformers' (conversion_mapping.py's "deepseek_ocr2", the vision part),
 # after `model.`; the first pattern that matches applies.
@@ -537,8 +542,14 @@ class DeepseekOcr2PathAdapter(PathTiles):
     def __init__(self, encoder: DeepseekOcr2Encoder, path: str, output_width: int) -> None:
         tokens = encoder.queries(path).shape[0] + (SEPARATOR_TOKENS if path == GLOBAL else 0)
         super().__init__(
-            encoder, path, int(encoder.vision_tower.sam_encoder.config.num_channels), encoder.tile_sizes[path],
-            tokens, output_width, MAX_GRAPH_TILES[path], encoder.crop_size_source if path == LOCAL else "",
+            encoder,
+            path,
+            int(encoder.vision_tower.sam_encoder.config.num_channels),
+            encoder.tile_sizes[path],
+            tokens,
+            output_width,
+            MAX_GRAPH_TILES[path],
+            encoder.crop_size_source if path == LOCAL else "",
         )
 
     def forward(self, pixels: torch.Tensor, metadata: dict[str, torch.Tensor]) -> list[torch.Tensor]:

@@ -17,8 +17,12 @@ _ADAPTER = "vitpool.families.ernie4_5_vl_moe.adapter"
 # (`model.vision_model.`, the resampler's MLPs as `nn.Sequential` indices); transformers' loaded
 # model names them `model.vision_tower.` and `...spatial_linear.fc1`.
 CHECKPOINT_PREFIXES = (
-    "model.vision_model.", "vision_model.", "model.vision_tower.", "vision_tower.",
-    "model.resampler_model.", "resampler_model.",
+    "model.vision_model.",
+    "vision_model.",
+    "model.vision_tower.",
+    "vision_tower.",
+    "model.resampler_model.",
+    "resampler_model.",
 )
 
 RECORD = FamilyRecord(
@@ -40,8 +44,10 @@ RECORD = FamilyRecord(
     vllm_layout=None,
     # the model reads its tower's `last_hidden_state` and hands it to `resampler_model`
     transformers_parts=ModelParts(
-        tower="vision_tower", projector="resampler_model",
-        encoder_module=f"{_ADAPTER}:Ernie4_5_VLMoeEncoder", output="last_hidden_state",
+        tower="vision_tower",
+        projector="resampler_model",
+        encoder_module=f"{_ADAPTER}:Ernie4_5_VLMoeEncoder",
+        output="last_hidden_state",
     ),
     grid_processor=True,
     processor_output=GRID_PROCESSOR_OUTPUT,

@@ -67,13 +67,17 @@ def resampler_config(config: Any) -> Any:
     if getattr(config, "text_config", None) is not None:
         return config
     require_fields(
-        config, RESAMPLER_FIELDS, "an ERNIE-4.5-VL vision config",
+        config,
+        RESAMPLER_FIELDS,
+        "an ERNIE-4.5-VL vision config",
         "to build its resampler; give the full model's "
         "config (Ernie4_5_VLMoeConfig) or a tower-only save that carries them (`tower_only_config`)",
     )
     return SimpleNamespace(
         vision_config=config,
-        text_config=SimpleNamespace(hidden_size=config.text_hidden_size, rms_norm_eps=config.text_rms_norm_eps),
+        text_config=SimpleNamespace(
+            hidden_size=config.text_hidden_size, rms_norm_eps=config.text_rms_norm_eps
+        ),
     )
 
 
@@ -85,8 +89,10 @@ def build_encoder(config: Any, dtype: torch.dtype | None = None) -> Ernie4_5_VLM
     )
 
     tower, resampler = tower_and_projector(
-        Ernie4_5_VLMoeVisionTransformerPretrainedModel, Ernie4_5_VLMoeVariableResolutionResamplerModel,
-        resampler_config(config), dtype,
+        Ernie4_5_VLMoeVisionTransformerPretrainedModel,
+        Ernie4_5_VLMoeVariableResolutionResamplerModel,
+        resampler_config(config),
+        dtype,
     )
     return Ernie4_5_VLMoeEncoder(tower, resampler)
 
@@ -102,12 +108,17 @@ def tower_only_config(full_config: Any) -> Any:
 
 # What the adapter runs of transformers' modules by name (checked when an adapter is built).
 ENCODER_PARTS = (
-    "vision_tower.blocks", "resampler_model.spatial_linear", "resampler_model.temporal_linear",
-    "resampler_model.mlp", "resampler_model.after_norm",
+    "vision_tower.blocks",
+    "resampler_model.spatial_linear",
+    "resampler_model.temporal_linear",
+    "resampler_model.mlp",
+    "resampler_model.after_norm",
 )
 
 
-def resampled_tokens(resampler: torch.nn.Module, hidden: torch.Tensor, temporal_pairs: torch.Tensor) -> torch.Tensor:
+def resampled_tokens(
+    resampler: torch.nn.Module, hidden: torch.Tensor, temporal_pairs: torch.Tensor
+) -> torch.Tensor:
     """`Ernie4_5_VLMoeVariableResolutionResamplerModel.forward` with its frame pairs given.
 
     hidden: [rows, D], 2x2 merge blocks contiguous; temporal_pairs: [slots, 2], the merged tokens
@@ -154,7 +165,9 @@ class Ernie4_5_VLMoeAdapter(SpatialMergeAdapter):
             "temporal_pairs": TensorSpec((num_rows // self.merge_unit, 2), torch.long),
         }
 
-    def build_metadata(self, specs: Sequence[ItemSpec], num_rows: int, budget: Budget) -> dict[str, torch.Tensor]:
+    def build_metadata(
+        self, specs: Sequence[ItemSpec], num_rows: int, budget: Budget
+    ) -> dict[str, torch.Tensor]:
         grids = grids_of(specs, num_rows, budget)
         metadata = zero_metadata(self.metadata_specs(num_rows, budget))
         # Padding rows get rotary position (0, 0); padding slots pair their own index with itself.
@@ -178,7 +191,9 @@ class Ernie4_5_VLMoeAdapter(SpatialMergeAdapter):
             cu_seqlens=metadata["cu_seqlens"],
             max_seqlen=pixels.shape[0],  # static: a Python int from the buffer's shape
         )
-        return [resampled_tokens(self.tower.resampler_model, output.last_hidden_state, metadata["temporal_pairs"])]
+        return [
+            resampled_tokens(self.tower.resampler_model, output.last_hidden_state, metadata["temporal_pairs"])
+        ]
 
     def _compute_grid_metadata(self, grid: Grid) -> tuple[torch.Tensor, torch.Tensor]:
         """An item's rotary positions [rows, 2] and the merged tokens of its output tokens

@@ -36,7 +36,9 @@ class TemporalMergeRules(SpatialMergeRules):
     temporal_merge_size: int = 2
     capacities: tuple[str, ...] = (ROWS, SEQUENCES)
 
-    def item_spec(self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, layout: Any) -> ItemSpec:
+    def item_spec(
+        self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, layout: Any
+    ) -> ItemSpec:
         spec = super().item_spec(modality, pixel_shape, pixel_dtype, layout)
         t = spec.layout[0]
         frames_per_token = 1
@@ -52,7 +54,10 @@ class TemporalMergeRules(SpatialMergeRules):
         return dataclasses.replace(spec, num_tokens=num_tokens, needs=((ROWS, spec.num_rows), (SEQUENCES, t)))
 
     def budgets(
-        self, token_budgets: Sequence[int], max_items_per_batch: int | None, capacity_limits: Mapping[str, int]
+        self,
+        token_budgets: Sequence[int],
+        max_items_per_batch: int | None,
+        capacity_limits: Mapping[str, int],
     ) -> list[Budget]:
         """Qwen-style budgets (`make_budgets`), each also bounding its rows: merge_size**2 per token
         (what its buffers hold), or `capacity_limits["rows"]` where that is lower."""

@@ -16,8 +16,12 @@ RECORD = FamilyRecord(
             lazy(_ADAPTER, "Gemma3Adapter"),
             checkpoint=CheckpointLayout(
                 # transformers >= 4.52 saves under model.; the releases (and transformers 5) without it
-                prefixes=("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.",
-                          "multi_modal_projector."),
+                prefixes=(
+                    "model.vision_tower.",
+                    "model.multi_modal_projector.",
+                    "vision_tower.",
+                    "multi_modal_projector.",
+                ),
                 tower_config=lazy(_ADAPTER, "tower_only_config"),
                 convert=lazy(_ADAPTER, "convert_checkpoint"),
             ),

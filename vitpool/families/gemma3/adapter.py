@@ -63,7 +63,9 @@ def projector_config(config: Any) -> Any:
     if getattr(config, "text_config", None) is not None:
         return config
     require_fields(
-        config, PROJECTOR_FIELDS, "a Gemma 3 vision config",
+        config,
+        PROJECTOR_FIELDS,
+        "a Gemma 3 vision config",
         "to build its multi_modal_projector; give the full "
         "model's config (Gemma3Config) or a tower-only save that carries them (a plain SigLIP tower "
         "has no projector for vitpool to run)",
@@ -138,7 +140,12 @@ def check_pooling(vision_config: Any, mm_tokens_per_image: int) -> None:
     image_size, patch_size = int(vision_config.image_size), int(vision_config.patch_size)
     side = image_size // patch_size
     tokens_side = math.isqrt(int(mm_tokens_per_image))
-    if image_size % patch_size or tokens_side < 1 or tokens_side**2 != mm_tokens_per_image or side % tokens_side:
+    if (
+        image_size % patch_size
+        or tokens_side < 1
+        or tokens_side**2 != mm_tokens_per_image
+        or side % tokens_side
+    ):
         raise ValueError(
             f"Gemma 3 views of {image_size}² pixels in {patch_size}-pixel patches ({side}² patches) cannot be "
             f"pooled to mm_tokens_per_image={mm_tokens_per_image}: it must be a square whose side divides {side}"

@@ -66,8 +66,11 @@ FULL_MODEL_TYPE = "gemma4"
 PROJECTOR_FIELDS = ("text_hidden_size",)
 # What `Gemma4Adapter.forward` uses of transformers' tower and embedder.
 TOWER_PARTS = (
-    "vision_tower.patch_embedder", "vision_tower.encoder.rotary_emb", "vision_tower.encoder.layers",
-    "vision_tower.pooler.root_hidden_size", "embed_vision.embedding_pre_projection_norm",
+    "vision_tower.patch_embedder",
+    "vision_tower.encoder.rotary_emb",
+    "vision_tower.encoder.layers",
+    "vision_tower.pooler.root_hidden_size",
+    "embed_vision.embedding_pre_projection_norm",
     "embed_vision.embedding_projection",
 )
 # Vestiges of Gemma 3n's embedder that some releases carry and no Gemma 4 module reads (vLLM's
@@ -167,7 +170,9 @@ class Gemma4Adapter:
         self.pooling_kernel_size = k
         self.standardize = bool(config.standardize)
         self.item_rules = Gemma4Rules(
-            int(tower.vision_tower.patch_embedder.input_proj.in_features), k, int(config.position_embedding_size),
+            int(tower.vision_tower.patch_embedder.input_proj.in_features),
+            k,
+            int(config.position_embedding_size),
             int(tower.embed_vision.embedding_projection.out_features),
         )
         self.row_shape = self.item_rules.row_shape
@@ -211,9 +216,14 @@ class Gemma4Adapter:
         cu_seqlens, num_rows = metadata["cu_seqlens"], pixels.shape[0]
         for layer in vision.encoder.layers:
             hidden = layer(
-                hidden, position_embeddings=position_embeddings, attention_mask=None, position_ids=positions,
-                cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens,
-                max_length_q=num_rows, max_length_k=num_rows,  # static: Python ints from the buffer's shape
+                hidden,
+                position_embeddings=position_embeddings,
+                attention_mask=None,
+                position_ids=positions,
+                cu_seq_lens_q=cu_seqlens,
+                cu_seq_lens_k=cu_seqlens,
+                max_length_q=num_rows,
+                max_length_k=num_rows,  # static: Python ints from the buffer's shape
             )
         hidden = hidden[0]
         # the pooler: each block's mean in fp32, back to the working dtype, then scaled in fp32

@@ -44,8 +44,13 @@ class Gemma4Features(PooledImageFeatures):
         from vitpool.families.gemma4.processor import items
 
         if image_position_ids is None:
-            raise ValueError(f"{self.family}'s get_image_features needs image_position_ids (the processor gives them)")
-        batch = {"pixel_values": pixel_values.detach().cpu(), "image_position_ids": image_position_ids.detach().cpu()}
+            raise ValueError(
+                f"{self.family}'s get_image_features needs image_position_ids (the processor gives them)"
+            )
+        batch = {
+            "pixel_values": pixel_values.detach().cpu(),
+            "image_position_ids": image_position_ids.detach().cpu(),
+        }
         images: list[Item] = [Image(part.pixel_values, part.grid) for part in items(batch)]
         return BaseModelOutputWithPooling(pooler_output=tuple(self._encode(images)))
 

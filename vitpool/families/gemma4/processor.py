@@ -32,7 +32,8 @@ def items(batch: Mapping[str, Any]) -> list[ProcessorItem]:
     """
     pixels = required(batch, "pixel_values", "")
     positions = required(
-        batch, POSITIONS_KEY,
+        batch,
+        POSITIONS_KEY,
         "pass what Gemma 4's processor returned (its image_position_ids say which rows are each image's patches)",
     )
     check_array(pixels, "pixel_values")
@@ -60,7 +61,9 @@ def image_grid(rows: list[list[int]], index: int) -> tuple[int, int]:
     (0, 0), then only padding rows at (-1, -1). ValueError naming the image otherwise."""
     real = [row for row in rows if row != [PADDING_POSITION, PADDING_POSITION]]
     if not real:
-        raise ValueError(f"{POSITIONS_KEY} of image {index} holds padding rows only; the image has no patches")
+        raise ValueError(
+            f"{POSITIONS_KEY} of image {index} holds padding rows only; the image has no patches"
+        )
     w = max(x for x, _ in real) + 1
     h = max(y for _, y in real) + 1
     expected = [[x, y] for y in range(h) for x in range(w)]

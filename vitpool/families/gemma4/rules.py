@@ -59,14 +59,18 @@ class Gemma4Rules:
         """Patch rows per output token."""
         return self.pooling_kernel_size**2
 
-    def item_spec(self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, layout: Any) -> ItemSpec:
+    def item_spec(
+        self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, layout: Any
+    ) -> ItemSpec:
         if modality == VIDEO:
             raise ValueError(
                 "Gemma 4 takes images only; its get_video_features runs each frame as an image: pass each frame "
                 "as an Image and join their tokens"
             )
         k = self.pooling_kernel_size
-        grid = checked_grid(modality, layout, self.merge_kernel, f"pooling kernel size {k}", takes_video=False)
+        grid = checked_grid(
+            modality, layout, self.merge_kernel, f"pooling kernel size {k}", takes_video=False
+        )
         _, h, w = grid
         if max(h, w) > self.max_side:
             raise ValueError(
@@ -84,11 +88,16 @@ class Gemma4Rules:
                 f"pixel_values have {pixel_shape[1]} features per row; the model takes {self.row_width} "
                 "(3 * patch * patch)"
             )
-        check_row_count(pixel_shape, grid, h * w, "h*w (the real patches; the processor's padding rows dropped)")
+        check_row_count(
+            pixel_shape, grid, h * w, "h*w (the real patches; the processor's padding rows dropped)"
+        )
         return ItemSpec(modality, pixel_shape, pixel_dtype, grid, h * w // self.merge_unit)
 
     def budgets(
-        self, token_budgets: Sequence[int], max_items_per_batch: int | None, capacity_limits: Mapping[str, int]
+        self,
+        token_budgets: Sequence[int],
+        max_items_per_batch: int | None,
+        capacity_limits: Mapping[str, int],
     ) -> list[Budget]:
         check_capacity_limits(capacity_limits, self.capacities)
         return plain_budgets(token_budgets, max_items_per_batch)

@@ -7,9 +7,12 @@ _ADAPTER = lazy("vitpool.families.glm4v.adapter", "Glm4vAdapter")
 RECORD = FamilyRecord(
     name="glm4v",
     towers={
-        "glm4v_vision": Family(hf_tower("transformers.models.glm4v.modeling_glm4v", "Glm4vVisionModel"), _ADAPTER),
+        "glm4v_vision": Family(
+            hf_tower("transformers.models.glm4v.modeling_glm4v", "Glm4vVisionModel"), _ADAPTER
+        ),
         "glm4v_moe_vision": Family(
-            hf_tower("transformers.models.glm4v_moe.modeling_glm4v_moe", "Glm4vMoeVisionModel"), _ADAPTER),
+            hf_tower("transformers.models.glm4v_moe.modeling_glm4v_moe", "Glm4vMoeVisionModel"), _ADAPTER
+        ),
     },
     model_types=("glm4v", "glm4v_moe"),
     vllm_layout="tokens",

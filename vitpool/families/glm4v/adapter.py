@@ -42,7 +42,6 @@ class Glm4vAdapter(SpatialMergeAdapter):
         super().__init__(tower, rules)
         self._position_ids = lru_cache(maxsize=1024)(self._compute_position_ids)
 
-
     def metadata_specs(self, num_rows: int, budget: Budget) -> dict[str, TensorSpec]:
         sequences = budget.max_sequences
         return {
@@ -54,7 +53,9 @@ class Glm4vAdapter(SpatialMergeAdapter):
             "sequence_grids": TensorSpec((sequences + 1, 3), torch.long),
         }
 
-    def build_metadata(self, specs: Sequence[ItemSpec], num_rows: int, budget: Budget) -> dict[str, torch.Tensor]:
+    def build_metadata(
+        self, specs: Sequence[ItemSpec], num_rows: int, budget: Budget
+    ) -> dict[str, torch.Tensor]:
         grids = grids_of(specs, num_rows, budget)
         metadata = zero_metadata(self.metadata_specs(num_rows, budget))
         # Padding rows get rotary position (0, 0) and resample the table for a 1x1 grid; unused
@@ -84,7 +85,5 @@ class Glm4vAdapter(SpatialMergeAdapter):
         )
         return [output.pooler_output]
 
-
     def _compute_position_ids(self, grid: Grid) -> torch.Tensor:
         return get_vision_position_ids(torch.tensor([grid], dtype=torch.long), self.merge_size)
-

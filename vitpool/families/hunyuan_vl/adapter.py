@@ -58,9 +58,18 @@ from vitpool.specs import IMAGE, ItemSpec
 
 # What `HunYuanVLAdapter.forward` uses of transformers' tower.
 TOWER_PARTS = (
-    "embeddings.patch_embedding", "embeddings.position_embedding", "embeddings.position_edge", "layers",
-    "patch_merger.before_rms", "patch_merger.proj_conv", "patch_merger.proj_act", "patch_merger.proj_out",
-    "patch_merger.mlp", "patch_merger.image_newline", "patch_merger.image_begin", "patch_merger.image_end",
+    "embeddings.patch_embedding",
+    "embeddings.position_embedding",
+    "embeddings.position_edge",
+    "layers",
+    "patch_merger.before_rms",
+    "patch_merger.proj_conv",
+    "patch_merger.proj_act",
+    "patch_merger.proj_out",
+    "patch_merger.mlp",
+    "patch_merger.image_newline",
+    "patch_merger.image_begin",
+    "patch_merger.image_end",
     "patch_merger.after_rms",
 )
 # The table resamplings `get_vision_interpolation_indices_and_weights` reproduces, by their taps.
@@ -75,16 +84,19 @@ Tensors = dict[str, torch.Tensor]
 # or Tencent's release layout (`vit.`, also what `save_pretrained` writes back through
 # conversion_mapping.py's "hunyuan_vl" renames; `model.vit.`, which those renames read too); a
 # tower-only save has the module's own keys.
-_RENAMES = tuple((re.compile(pattern), target) for pattern, target in (
-    (r"^(model\.vision_tower|model\.vit|vit)\.", ""),
-    (r"\.input_layernorm\.", ".layer_norm1."),
-    (r"\.post_attention_layernorm\.", ".layer_norm2."),
-    (r"\.mlp\.dense_h_to_4h\.", ".mlp.fc1."),
-    (r"\.mlp\.dense_4h_to_h\.", ".mlp.fc2."),
-    (r"^perceive\.proj\.0\.", "patch_merger.proj_conv."),
-    (r"^perceive\.proj\.2\.", "patch_merger.proj_out."),
-    (r"^perceive\.", "patch_merger."),
-))
+_RENAMES = tuple(
+    (re.compile(pattern), target)
+    for pattern, target in (
+        (r"^(model\.vision_tower|model\.vit|vit)\.", ""),
+        (r"\.input_layernorm\.", ".layer_norm1."),
+        (r"\.post_attention_layernorm\.", ".layer_norm2."),
+        (r"\.mlp\.dense_h_to_4h\.", ".mlp.fc1."),
+        (r"\.mlp\.dense_4h_to_h\.", ".mlp.fc2."),
+        (r"^perceive\.proj\.0\.", "patch_merger.proj_conv."),
+        (r"^perceive\.proj\.2\.", "patch_merger.proj_out."),
+        (r"^perceive\.", "patch_merger."),
+    )
+)
 
 
 def convert_checkpoint(state: dict[str, torch.Tensor], config: object = None) -> dict[str, torch.Tensor]:
@@ -161,7 +173,9 @@ class HunYuanVLAdapter:
             metadata["interp_indices"][row:row_end] = indices
             metadata["interp_weights"][row:row_end] = weights
             metadata["merge_index"][block : block + merge_index.shape[0]] = merge_index + row
-            metadata["token_index"][token:token_end] = torch.where(layout >= 0, layout + block, first_extra - 1 - layout)
+            metadata["token_index"][token:token_end] = torch.where(
+                layout >= 0, layout + block, first_extra - 1 - layout
+            )
             row, token = row_end, token_end
         return metadata
 
@@ -170,7 +184,9 @@ class HunYuanVLAdapter:
         embeddings = tower.embeddings
         num_rows = pixels.shape[0]
         conv = embeddings.patch_embedding
-        patches = pixels.reshape(num_rows, self.channels, self.patch_size, self.patch_size).to(conv.weight.dtype)
+        patches = pixels.reshape(num_rows, self.channels, self.patch_size, self.patch_size).to(
+            conv.weight.dtype
+        )
         hidden = conv(patches).flatten(1)  # [rows, d]
         # F.interpolate on the table in fp32, as taps: the table's rows past its cls row
         table = embeddings.position_embedding.weight[1:]
@@ -227,11 +243,16 @@ class HunYuanVLAdapter:
         _, h, w = grid
         m = self.merge_size
         indices, weights = get_vision_interpolation_indices_and_weights(
-            torch.tensor([grid], dtype=torch.long), self.edge, mode=self.interpolate_mode, align_corners=False,
+            torch.tensor([grid], dtype=torch.long),
+            self.edge,
+            mode=self.interpolate_mode,
+            align_corners=False,
             spatial_merge_size=1,
         )
         merge_index = torch.arange(h * w).view(h // m, m, w // m, m).transpose(1, 2).reshape(-1, m * m)
         block_rows = torch.arange((h // m) * (w // m)).view(h // m, w // m)
         newlines = torch.full((h // m, 1), NEWLINE)
-        layout = torch.cat([torch.tensor([BEGIN]), torch.cat([block_rows, newlines], 1).flatten(), torch.tensor([END])])
+        layout = torch.cat(
+            [torch.tensor([BEGIN]), torch.cat([block_rows, newlines], 1).flatten(), torch.tensor([END])]
+        )
         return indices, weights.to(torch.float32), merge_index, layout

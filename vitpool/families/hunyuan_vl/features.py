@@ -32,7 +32,9 @@ class HunYuanVLFeatures(PooledImageFeatures):
         grids = [tuple(int(n) for n in grid) for grid in torch.as_tensor(image_grid_thw).tolist()]
         rows = [t * h * w for t, h, w in grids]
         if sum(rows) != pixel_values.shape[0]:
-            raise ValueError(f"pixel_values have {pixel_values.shape[0]} rows; image_grid_thw {grids} needs {sum(rows)}")
+            raise ValueError(
+                f"pixel_values have {pixel_values.shape[0]} rows; image_grid_thw {grids} needs {sum(rows)}"
+            )
         chunks = torch.split(pixel_values.detach().cpu(), rows)
         items: list[Item] = [Image(chunk, grid) for chunk, grid in zip(chunks, grids)]
         return BaseModelOutputWithPooling(pooler_output=tuple(self._encode(items)))

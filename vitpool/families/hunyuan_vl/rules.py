@@ -54,7 +54,9 @@ class HunYuanVLRules:
     def output_row_shapes(self) -> tuple[tuple[int, ...], ...]:
         return ((self.output_width,),)
 
-    def item_spec(self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, layout: Any) -> ItemSpec:
+    def item_spec(
+        self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, layout: Any
+    ) -> ItemSpec:
         if modality == VIDEO:
             raise ValueError("HunYuan-VL takes images only; pass each frame as an Image")
         m = self.merge_size
@@ -62,7 +64,9 @@ class HunYuanVLRules:
         _, h, w = grid
         pixel_shape = tuple(pixel_shape)
         if len(pixel_shape) != 2:
-            raise ValueError(f"pixel_values must be 2-D [h*w, C*P*P] (flattened patches); got shape {pixel_shape}")
+            raise ValueError(
+                f"pixel_values must be 2-D [h*w, C*P*P] (flattened patches); got shape {pixel_shape}"
+            )
         if pixel_shape[1] != self.row_width:
             raise ValueError(
                 f"pixel_values have {pixel_shape[1]} features per row; the model takes {self.row_width} "
@@ -72,7 +76,10 @@ class HunYuanVLRules:
         return ItemSpec(modality, pixel_shape, pixel_dtype, grid, image_tokens(h, w, m))
 
     def budgets(
-        self, token_budgets: Sequence[int], max_items_per_batch: int | None, capacity_limits: Mapping[str, int]
+        self,
+        token_budgets: Sequence[int],
+        max_items_per_batch: int | None,
+        capacity_limits: Mapping[str, int],
     ) -> list[Budget]:
         check_capacity_limits(capacity_limits, self.capacities)
         return plain_budgets(token_budgets, max_items_per_batch)

@@ -49,11 +49,15 @@ SPLIT_SIZE_SOURCE = (
 # The Hugging Face classes of each vision config: SmolVLM's are Idefics3's under other names.
 _CLASSES = {
     "SmolVLMVisionConfig": (
-        "transformers.models.smolvlm.modeling_smolvlm", "SmolVLMVisionTransformer", "SmolVLMConnector"
+        "transformers.models.smolvlm.modeling_smolvlm",
+        "SmolVLMVisionTransformer",
+        "SmolVLMConnector",
     ),
 }
 _IDEFICS3_CLASSES = (
-    "transformers.models.idefics3.modeling_idefics3", "Idefics3VisionTransformer", "Idefics3Connector"
+    "transformers.models.idefics3.modeling_idefics3",
+    "Idefics3VisionTransformer",
+    "Idefics3Connector",
 )
 
 
@@ -85,7 +89,9 @@ def connector_config(config: Any) -> Any:
     if getattr(config, "text_config", None) is not None:
         return config
     require_fields(
-        config, CONNECTOR_FIELDS, "an Idefics3 / SmolVLM vision config",
+        config,
+        CONNECTOR_FIELDS,
+        "an Idefics3 / SmolVLM vision config",
         "to build its connector; give the full "
         "model's config (Idefics3Config, SmolVLMConfig) or a tower-only save that carries them",
     )
@@ -100,7 +106,9 @@ def build_encoder(config: Any, dtype: torch.dtype | None = None) -> Idefics3Visi
     """Fresh tower and connector from a full config or a vision config with CONNECTOR_FIELDS; the
     classes are SmolVLM's for a SmolVLM vision config, Idefics3's otherwise."""
     full = connector_config(config)
-    module_name, tower_name, connector_name = _CLASSES.get(type(full.vision_config).__name__, _IDEFICS3_CLASSES)
+    module_name, tower_name, connector_name = _CLASSES.get(
+        type(full.vision_config).__name__, _IDEFICS3_CLASSES
+    )
     module = importlib.import_module(module_name)
     tower_class, connector_class = getattr(module, tower_name), getattr(module, connector_name)
     if dtype is None:
@@ -164,6 +172,8 @@ class Idefics3Adapter(TiledAdapter):
         vision = self.tower.vision_model
         patches = vision.embeddings.patch_embedding(pixels).flatten(2).transpose(1, 2)  # [splits, side², D]
         hidden = patches + vision.embeddings.position_embedding(self.tower.split_position_ids)
-        hidden = vision.post_layernorm(vision.encoder(inputs_embeds=hidden, attention_mask=None).last_hidden_state)
+        hidden = vision.post_layernorm(
+            vision.encoder(inputs_embeds=hidden, attention_mask=None).last_hidden_state
+        )
         tokens = self.tower.connector(hidden)  # [splits, tokens a split, LLM width]
         return [tokens.reshape(-1, tokens.shape[-1])]

@@ -54,7 +54,9 @@ def items(batch: Mapping[str, Any]) -> list[ProcessorItem]:
     cut: list[ProcessorItem] = []
     for sample, (sample_rows, sample_cols) in enumerate(zip(rows, cols)):
         if len(sample_rows) != len(sample_cols):
-            raise ValueError(f"sample {sample}: rows {sample_rows} and cols {sample_cols} count different images")
+            raise ValueError(
+                f"sample {sample}: rows {sample_rows} and cols {sample_cols} count different images"
+            )
         start = 0
         for image, (num_rows, num_cols) in enumerate(zip(sample_rows, sample_cols)):
             count = _frames_of(num_rows, num_cols, sample, image)

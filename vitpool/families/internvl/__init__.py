@@ -14,8 +14,12 @@ RECORD = FamilyRecord(
             lazy(_ADAPTER, "build_encoder"),
             lazy(_ADAPTER, "InternVLAdapter"),
             checkpoint=CheckpointLayout(
-                prefixes=("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.",
-                          "multi_modal_projector."),
+                prefixes=(
+                    "model.vision_tower.",
+                    "model.multi_modal_projector.",
+                    "vision_tower.",
+                    "multi_modal_projector.",
+                ),
                 tower_config=lazy(_ADAPTER, "tower_only_config"),
                 convert=lazy(_CHECKPOINT, "convert_checkpoint"),
             ),

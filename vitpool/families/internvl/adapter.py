@@ -68,7 +68,9 @@ def projector_config(config: Any) -> Any:
     if getattr(config, "text_config", None) is not None:
         return config
     require_fields(
-        config, PROJECTOR_FIELDS, "an InternVL vision config",
+        config,
+        PROJECTOR_FIELDS,
+        "an InternVL vision config",
         "to build its projector; give the full model's "
         "config (InternVLConfig) or a tower-only save that carries them",
     )

@@ -33,10 +33,13 @@ def items(batch: Mapping[str, Any]) -> list[ProcessorItem]:
     """
     pixels = required(batch, "pixel_values", "")
     counts = whole_numbers(
-        required(batch, TILES_KEY,
-                 "InternVLProcessor drops it; cut the image processor's output instead "
-                 "(processor.image_processor(images, return_tensors='pt') keeps it), or set "
-                 "batch['num_patches'] to each image's tile count"),
+        required(
+            batch,
+            TILES_KEY,
+            "InternVLProcessor drops it; cut the image processor's output instead "
+            "(processor.image_processor(images, return_tensors='pt') keeps it), or set "
+            "batch['num_patches'] to each image's tile count",
+        ),
         TILES_KEY,
     )
     return [ProcessorItem(IMAGE, tiles) for tiles in cut_by_counts(pixels, "pixel_values", counts, TILES_KEY)]

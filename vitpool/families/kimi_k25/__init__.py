@@ -28,7 +28,8 @@ RECORD = FamilyRecord(
     model_types=("kimi_k25",),
     vllm_layout="tokens",
     vllm_checked=False,  # its image processor needs torchvision, which the tests' side lacks
-    transformers_parts=ModelParts(tower="vision_tower", projector="mm_projector",
-                                  encoder_module=f"{_ADAPTER}:KimiK25Encoder"),
+    transformers_parts=ModelParts(
+        tower="vision_tower", projector="mm_projector", encoder_module=f"{_ADAPTER}:KimiK25Encoder"
+    ),
     processor_output=GRID_PROCESSOR_OUTPUT,  # one video item per chunk of frames: a video_grid_thw row
 )

@@ -66,7 +66,9 @@ def projector_config(config: Any) -> Any:
     if getattr(config, "text_config", None) is not None:
         return config
     require_fields(
-        config, PROJECTOR_FIELDS, "a Kimi-K2.5 vision config",
+        config,
+        PROJECTOR_FIELDS,
+        "a Kimi-K2.5 vision config",
         "to build its mm_projector; "
         "give the full model's config (Kimi_K25Config) or a tower-only save that carries them",
     )
@@ -144,16 +146,22 @@ class KimiK25PathAdapter(PatchRowAdapter):
         vision = tower.vision_tower
         self.max_frames = item_rules.max_frames
         frames = (2, self.max_frames) if path == CLIP else (1, 1)
-        super().__init__(tower, vision, item_rules, vision.patch_embed.pos_emb, item_rules.row_factor(path), frames)
+        super().__init__(
+            tower, vision, item_rules, vision.patch_embed.pos_emb, item_rules.row_factor(path), frames
+        )
 
     def own_metadata_specs(self, num_rows: int, budget: Budget) -> dict[str, TensorSpec]:
         return {
             "frame_index": TensorSpec((num_rows,), torch.long),
-            "pool_index": TensorSpec((budget.num_tokens, self._pool_slots(budget), self.merge_unit), torch.long),
+            "pool_index": TensorSpec(
+                (budget.num_tokens, self._pool_slots(budget), self.merge_unit), torch.long
+            ),
             "pool_weights": TensorSpec((budget.num_tokens, self._pool_slots(budget)), torch.float32),
         }
 
-    def build_metadata(self, specs: Sequence[ItemSpec], num_rows: int, budget: Budget) -> dict[str, torch.Tensor]:
+    def build_metadata(
+        self, specs: Sequence[ItemSpec], num_rows: int, budget: Budget
+    ) -> dict[str, torch.Tensor]:
         # Padding rows: frame 0 (no time term); padding tokens pool row 0 with weight 0.
         slots = self._pool_slots(budget)
         if any(spec.layout[0] > slots for spec in specs):
@@ -215,12 +223,18 @@ class KimiK25Adapter:
         max_frames = int(config.pos_emb_time)
         self.tower = tower
         self.item_rules = KimiK25Rules(
-            3, int(config.patch_size), (int(kh), int(kw)), max_frames, int(tower.mm_projector.out_proj.out_features),
+            3,
+            int(config.patch_size),
+            (int(kh), int(kw)),
+            max_frames,
+            int(tower.mm_projector.out_proj.out_features),
             max_frames if clip_frames is None else clip_frames,
         )
         self.row_shape = self.item_rules.row_shape
         self.output_row_shapes = self.item_rules.output_row_shapes
-        self.paths = {path: KimiK25PathAdapter(tower, self.item_rules, path) for path in self.item_rules.paths}
+        self.paths = {
+            path: KimiK25PathAdapter(tower, self.item_rules, path) for path in self.item_rules.paths
+        }
 
     def max_rows(self, num_tokens: int) -> int:
         return self.paths[""].max_rows(num_tokens)
@@ -228,7 +242,9 @@ class KimiK25Adapter:
     def metadata_specs(self, num_rows: int, budget: Budget) -> dict[str, TensorSpec]:
         return self.paths[""].metadata_specs(num_rows, budget)
 
-    def build_metadata(self, specs: Sequence[ItemSpec], num_rows: int, budget: Budget) -> dict[str, torch.Tensor]:
+    def build_metadata(
+        self, specs: Sequence[ItemSpec], num_rows: int, budget: Budget
+    ) -> dict[str, torch.Tensor]:
         return self.paths[""].build_metadata(specs, num_rows, budget)
 
     def forward(self, pixels: torch.Tensor, metadata: dict[str, torch.Tensor]) -> list[torch.Tensor]:
@@ -249,7 +265,10 @@ _RENAMES = (
     (re.compile(r"^vision_tower\.encoder\.blocks\.(\d+)\.wo\."), r"vision_tower.layers.\1.attn.proj."),
     (re.compile(r"^vision_tower\.encoder\.final_layernorm\."), "vision_tower.final_layernorm."),
     (re.compile(r"^vision_tower\.encoder\.patch_embed\."), "vision_tower.patch_embed."),
-    (re.compile(r"^vision_tower\.patch_embed\.pos_emb\.weight$"), "vision_tower.patch_embed.pos_emb.position_embeddings"),
+    (
+        re.compile(r"^vision_tower\.patch_embed\.pos_emb\.weight$"),
+        "vision_tower.patch_embed.pos_emb.position_embeddings",
+    ),
     (re.compile(r"^mm_projector\.proj\.0\."), "mm_projector.in_proj."),
     (re.compile(r"^mm_projector\.proj\.2\."), "mm_projector.out_proj."),
     (re.compile(r"^model\.(vision_tower|mm_projector)\."), r"\1."),  # transformers' own layout

@@ -50,7 +50,9 @@ class KimiK25Rules(PatchRows):
     merge_kernel: tuple[int, int]  # (kh, kw)
     max_frames: int  # the temporal position table's length (pos_emb_time)
     output_width: int  # the LLM's hidden size (the projector's output)
-    clip_frames: int = DEFAULT_CLIP_FRAMES  # rows of a clip budget's buffer per (kh*kw * token); 1: no clip path
+    clip_frames: int = (
+        DEFAULT_CLIP_FRAMES  # rows of a clip budget's buffer per (kh*kw * token); 1: no clip path
+    )
     capacities: tuple[str, ...] = (EXTRA_ROWS,)
 
     def __post_init__(self) -> None:
@@ -67,13 +69,19 @@ class KimiK25Rules(PatchRows):
         """The family's paths: "" (images), and CLIP unless clips run eager."""
         return ("", CLIP) if self.clip_frames > 1 else ("",)
 
-    def item_spec(self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, layout: Any) -> ItemSpec:
+    def item_spec(
+        self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, layout: Any
+    ) -> ItemSpec:
         t, h, w = grid = patch_grid(self, modality, pixel_shape, layout, f"merge kernel {self.merge_kernel}")
         if t > self.max_frames:
-            raise ValueError(f"grid_thw {grid}: at most {self.max_frames} frames per clip (the model's pos_emb_time)")
+            raise ValueError(
+                f"grid_thw {grid}: at most {self.max_frames} frames per clip (the model's pos_emb_time)"
+            )
         path = CLIP if t > 1 and self.clip_frames > 1 else ""
         needs = ((EXTRA_ROWS, (t - 1) * h * w),)
-        return ItemSpec(modality, tuple(pixel_shape), pixel_dtype, grid, h * w // self.merge_unit, needs, path)
+        return ItemSpec(
+            modality, tuple(pixel_shape), pixel_dtype, grid, h * w // self.merge_unit, needs, path
+        )
 
     def row_factor(self, path: str) -> int:
         """Rows of a budget's buffer of `path` per (kh*kw * token)."""
@@ -84,7 +92,10 @@ class KimiK25Rules(PatchRows):
         return (self.row_factor(path) - 1) * self.merge_unit * num_tokens
 
     def budgets(
-        self, token_budgets: Sequence[int], max_items_per_batch: int | None, capacity_limits: Mapping[str, int]
+        self,
+        token_budgets: Sequence[int],
+        max_items_per_batch: int | None,
+        capacity_limits: Mapping[str, int],
     ) -> list[Budget]:
         """The image budgets (path "", no extra rows) and, with a clip path, the clip budgets
         (path CLIP) of the token budgets whose clip rows stay within the largest image budget's

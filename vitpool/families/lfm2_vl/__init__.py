@@ -15,8 +15,12 @@ RECORD = FamilyRecord(
             lazy(_ADAPTER, "build_encoder"),
             lazy(_ADAPTER, "Lfm2VlAdapter"),
             checkpoint=CheckpointLayout(
-                prefixes=("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.",
-                          "multi_modal_projector."),
+                prefixes=(
+                    "model.vision_tower.",
+                    "model.multi_modal_projector.",
+                    "vision_tower.",
+                    "multi_modal_projector.",
+                ),
                 tower_config=lazy(_ADAPTER, "tower_only_config"),
                 convert=lazy(_ADAPTER, "convert_checkpoint"),
             ),

@@ -61,18 +61,27 @@ FULL_MODEL_TYPE = "lfm2_vl"
 # What a tower-only save's vision config carries besides SigLIP2's fields, for the projector.
 TEXT_HIDDEN_SIZE = "text_hidden_size"
 PROJECTOR_FIELDS = (
-    "downsample_factor", "projector_hidden_size", "projector_hidden_act", "projector_bias",
+    "downsample_factor",
+    "projector_hidden_size",
+    "projector_hidden_act",
+    "projector_bias",
     "projector_use_layernorm",
 )
 # What `Lfm2VlAdapter.forward` and `packed_attention_forward` use of transformers' modules.
 TOWER_PARTS = (
-    "vision_tower.embeddings.patch_embedding", "vision_tower.embeddings.position_embedding",
-    "vision_tower.embeddings.position_embedding_size", "vision_tower.encoder.layers",
+    "vision_tower.embeddings.patch_embedding",
+    "vision_tower.embeddings.position_embedding",
+    "vision_tower.embeddings.position_embedding_size",
+    "vision_tower.encoder.layers",
     "vision_tower.post_layernorm",
-    *(f"vision_tower.encoder.layers.0.self_attn.{name}" for name in (
-        "q_proj", "k_proj", "v_proj", "out_proj", "head_dim", "scale")),
-    *(f"multi_modal_projector.{name}" for name in (
-        "factor", "use_layer_norm", "layer_norm", "linear_1", "act", "linear_2")),
+    *(
+        f"vision_tower.encoder.layers.0.self_attn.{name}"
+        for name in ("q_proj", "k_proj", "v_proj", "out_proj", "head_dim", "scale")
+    ),
+    *(
+        f"multi_modal_projector.{name}"
+        for name in ("factor", "use_layer_norm", "layer_norm", "linear_1", "act", "linear_2")
+    ),
 )
 # Sampled check batches stay small so that checking a budget costs little host time.
 MAX_SAMPLED_ITEMS = 8
@@ -98,7 +107,9 @@ def projector_config(config: Any) -> Any:
     if getattr(config, "text_config", None) is not None:
         config = tower_only_config(config)
     require_fields(
-        config, (TEXT_HIDDEN_SIZE, *PROJECTOR_FIELDS), "LFM2-VL's projector",
+        config,
+        (TEXT_HIDDEN_SIZE, *PROJECTOR_FIELDS),
+        "LFM2-VL's projector",
         "besides the SigLIP2 vision config: give the full model's "
         "config (Lfm2VlConfig) or a tower-only save written with tower_only_config; "
         f"got a {type(config).__name__} (model_type {getattr(config, 'model_type', None)!r})",
@@ -161,7 +172,9 @@ def convert_checkpoint(state: dict[str, torch.Tensor], config: Any = None) -> di
 
 
 def packed_attention_forward(
-    attention: torch.nn.Module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+    attention: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """`Siglip2Attention.forward` that hands its keyword arguments (the packed boundaries) on to
@@ -218,7 +231,9 @@ class Lfm2VlAdapter:
         self.tower = tower
         self.downsample_factor = int(projector.factor)
         self.item_rules = Lfm2VlRules(
-            int(config.num_channels), int(config.patch_size), self.downsample_factor,
+            int(config.num_channels),
+            int(config.patch_size),
+            self.downsample_factor,
             int(projector.linear_2.out_features),
         )
         self.row_shape = self.item_rules.row_shape
@@ -244,8 +259,12 @@ class Lfm2VlAdapter:
         shapes = [shape for spec in specs for shape in parse_spatial_shapes(spec.layout)]
         rows = sum(h * w for h, w in shapes)
         tokens = rows // self.merge_unit
-        if (rows > num_rows or len(shapes) > budget.max_sequences or tokens > budget.num_tokens
-                or len(specs) > budget.max_items):
+        if (
+            rows > num_rows
+            or len(shapes) > budget.max_sequences
+            or tokens > budget.num_tokens
+            or len(specs) > budget.max_items
+        ):
             raise ValueError(
                 f"{len(specs)} items need {rows} rows, {len(shapes)} sequences and {tokens} tokens; the "
                 f"buffers hold {num_rows} rows, {budget.max_sequences} sequences, {budget.num_tokens} tokens "
@@ -278,8 +297,12 @@ class Lfm2VlAdapter:
         cu_seqlens, num_rows = metadata["cu_seqlens"], pixels.shape[0]
         for layer in vision.encoder.layers:
             hidden = layer(
-                hidden, None, cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens,
-                max_length_q=num_rows, max_length_k=num_rows,  # static: Python ints from the buffer's shape
+                hidden,
+                None,
+                cu_seq_lens_q=cu_seqlens,
+                cu_seq_lens_k=cu_seqlens,
+                max_length_q=num_rows,
+                max_length_k=num_rows,  # static: Python ints from the buffer's shape
             )
         hidden = vision.post_layernorm(hidden[0])
         merge_index = metadata["merge_index"]

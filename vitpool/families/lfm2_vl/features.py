@@ -27,7 +27,10 @@ class Lfm2VlFeatures(PooledImageFeatures):
     projectors = ("multi_modal_projector",)
 
     def get_image_features(
-        self, pixel_values: torch.Tensor, spatial_shapes: torch.Tensor, pixel_attention_mask: Any = None,
+        self,
+        pixel_values: torch.Tensor,
+        spatial_shapes: torch.Tensor,
+        pixel_attention_mask: Any = None,
         **kwargs: Any,
     ) -> BaseModelOutputWithPooling:
         shapes = [(int(h), int(w)) for h, w in torch.as_tensor(spatial_shapes).tolist()]

@@ -122,8 +122,11 @@ def real_rows(pixels: Any, shapes: Sequence[tuple[int, int]], start: int, count:
         h, w = shapes[start]
         return pixels[start, : h * w]
     max_patches = pixels.shape[1]
-    rows = [entry * max_patches + patch for entry in range(start, start + count)
-            for patch in range(shapes[entry][0] * shapes[entry][1])]
+    rows = [
+        entry * max_patches + patch
+        for entry in range(start, start + count)
+        for patch in range(shapes[entry][0] * shapes[entry][1])
+    ]
     return pixels.reshape(-1, pixels.shape[2])[rows]
 
 

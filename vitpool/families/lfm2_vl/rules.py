@@ -89,7 +89,9 @@ class Lfm2VlRules:
         """Patch rows per output token."""
         return self.downsample_factor * self.downsample_factor
 
-    def item_spec(self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, layout: Any) -> ItemSpec:
+    def item_spec(
+        self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, layout: Any
+    ) -> ItemSpec:
         if modality == VIDEO:
             raise ValueError("LFM2-VL takes images only; pass each frame as an Image")
         shapes = parse_spatial_shapes(layout)
@@ -111,11 +113,15 @@ class Lfm2VlRules:
                 "patches only, out['pixel_values'][i, :h*w] (vitpool.items_from cuts them)"
             )
         flat = tuple(value for shape in shapes for value in shape)
-        return ItemSpec(IMAGE, pixel_shape, pixel_dtype, flat, num_rows // self.merge_unit,
-                        ((SEQUENCES, len(shapes)),))
+        return ItemSpec(
+            IMAGE, pixel_shape, pixel_dtype, flat, num_rows // self.merge_unit, ((SEQUENCES, len(shapes)),)
+        )
 
     def budgets(
-        self, token_budgets: Sequence[int], max_items_per_batch: int | None, capacity_limits: Mapping[str, int]
+        self,
+        token_budgets: Sequence[int],
+        max_items_per_batch: int | None,
+        capacity_limits: Mapping[str, int],
     ) -> list[Budget]:
         """Budgets bounding the entries (attention sequences) of a batch, as Qwen's bound frames
         (`make_budgets`); `capacity_limits["sequences"]` lowers the default."""
@@ -136,4 +142,3 @@ class Lfm2VlRules:
                 f"{self.patch_size} x {self.patch_size}, flattened as the processor flattens them); "
                 f"got shape {shape}"
             )
-

@@ -25,9 +25,12 @@ def items(batch: Mapping[str, Any]) -> list[ProcessorItem]:
             tiles they do not account for.
     """
     pixels = required(batch, "pixel_values", "")
-    canvases = required(batch, CANVAS_KEY,
-                        "Llama4Processor drops it; cut the image processor's output instead "
-                        "(processor.image_processor(images, return_tensors='pt') keeps it)")
+    canvases = required(
+        batch,
+        CANVAS_KEY,
+        "Llama4Processor drops it; cut the image processor's output instead "
+        "(processor.image_processor(images, return_tensors='pt') keeps it)",
+    )
     counts = [tiles_of(row, index) for index, row in enumerate(int_rows(canvases, CANVAS_KEY))]
     runs = cut_by_counts(pixels, "pixel_values", counts, "aspect_ratios' tile counts")
     return [ProcessorItem(IMAGE, tiles) for tiles in runs]

@@ -19,8 +19,14 @@ _FAMILY = Family(
     read_config=lazy(_ADAPTER, "read_tower_config"),
     checkpoint=CheckpointLayout(
         # the releases and transformers 5 save without model.; a model's state_dict has it
-        prefixes=("model.vision_tower.", "model.multi_modal_projector.", "model.image_newline", "vision_tower.",
-                  "multi_modal_projector.", "image_newline"),
+        prefixes=(
+            "model.vision_tower.",
+            "model.multi_modal_projector.",
+            "model.image_newline",
+            "vision_tower.",
+            "multi_modal_projector.",
+            "image_newline",
+        ),
         tower_config=lazy(_ADAPTER, "tower_only_config"),
         convert=lazy(_ADAPTER, "convert_checkpoint"),
     ),

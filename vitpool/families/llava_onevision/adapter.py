@@ -49,8 +49,13 @@ from vitpool.specs import IMAGE, VIDEO, ItemSpec
 # What a tower-only save's vision config carries besides SigLIP's fields (the full model's
 # LlavaOnevisionConfig holds them): the projector's, the feature selection, the packing.
 PROJECTOR_FIELDS = (
-    "text_hidden_size", "projector_hidden_act", "multimodal_projector_bias", "vision_feature_layer",
-    "vision_feature_select_strategy", "image_grid_pinpoints", "vision_aspect_ratio",
+    "text_hidden_size",
+    "projector_hidden_act",
+    "multimodal_projector_bias",
+    "vision_feature_layer",
+    "vision_feature_select_strategy",
+    "image_grid_pinpoints",
+    "vision_aspect_ratio",
 )
 FULL_MODEL_TYPES = ("llava_onevision",)
 # A tower-only save's model_type: SigLIP's own (`siglip_vision_model`) is Gemma 3's family's.
@@ -104,7 +109,9 @@ def projector_config(config: Any) -> Any:
     if getattr(config, "text_config", None) is not None:
         return config
     require_fields(
-        config, PROJECTOR_FIELDS, "a LLaVA-OneVision vision config",
+        config,
+        PROJECTOR_FIELDS,
+        "a LLaVA-OneVision vision config",
         "to build its projector and pack its features; give "
         "the full model's config (LlavaOnevisionConfig) or a tower-only save written from tower_only_config",
     )
@@ -183,7 +190,9 @@ def feature_layers(vision_feature_layer: Any, num_layers: int) -> tuple[int, ...
     Raises:
         ConfigError: a layer outside the tower.
     """
-    layers = vision_feature_layer if isinstance(vision_feature_layer, (list, tuple)) else [vision_feature_layer]
+    layers = (
+        vision_feature_layer if isinstance(vision_feature_layer, (list, tuple)) else [vision_feature_layer]
+    )
     indices = []
     for layer in layers:
         index = int(layer) if int(layer) >= 0 else num_layers + 1 + int(layer)

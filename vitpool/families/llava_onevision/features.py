@@ -76,12 +76,15 @@ class LlavaOnevisionFeatures(PooledImageFeatures):
                     f"got {value!r}"
                 )
         sizes = [(int(h), int(w)) for h, w in torch.as_tensor(image_sizes).tolist()]
-        alone = [True] * len(sizes) if batch_num_images is None else [
-            int(n) == 1 for n in torch.as_tensor(batch_num_images).tolist() for _ in range(int(n))
-        ]
+        alone = (
+            [True] * len(sizes)
+            if batch_num_images is None
+            else [int(n) == 1 for n in torch.as_tensor(batch_num_images).tolist() for _ in range(int(n))]
+        )
         # as the model counts them: a one-image sample's grid and base tile, else the base tile
         counts = [
-            self.rules.packed_grid(*size).num_crops + 1 if is_alone else 1 for size, is_alone in zip(sizes, alone)
+            self.rules.packed_grid(*size).num_crops + 1 if is_alone else 1
+            for size, is_alone in zip(sizes, alone)
         ]
         pixels = pixel_values.detach().cpu()
         if pixels.dim() == 5:  # padded per image
@@ -96,5 +99,8 @@ class LlavaOnevisionFeatures(PooledImageFeatures):
         from vitpool.families.llava_onevision.adapter import LlavaOnevisionEncoder
 
         return LlavaOnevisionEncoder(
-            copy.deepcopy(tower), copy.deepcopy(inner.multi_modal_projector), inner.image_newline, inner.config
+            copy.deepcopy(tower),
+            copy.deepcopy(inner.multi_modal_projector),
+            inner.image_newline,
+            inner.config,
         )

@@ -64,7 +64,9 @@ def _images(batch: Mapping[str, Any]) -> list[ProcessorItem]:
         )
     sizes = int_rows(required(batch, SIZES_KEY, IMAGE_PROCESSOR_HINT), SIZES_KEY)
     per_sample = whole_numbers(
-        required(batch, SAMPLES_KEY, f"it says which images came in a sample of several; {IMAGE_PROCESSOR_HINT}"),
+        required(
+            batch, SAMPLES_KEY, f"it says which images came in a sample of several; {IMAGE_PROCESSOR_HINT}"
+        ),
         SAMPLES_KEY,
     )
     num_images = pixels.shape[0]
@@ -77,7 +79,9 @@ def _images(batch: Mapping[str, Any]) -> list[ProcessorItem]:
     cut = []
     for index, (size, is_alone) in enumerate(zip(sizes, alone)):
         if len(size) != 2 or min(size) < 1:
-            raise ValueError(f"{SIZES_KEY} row {index} is {size}; expected (height, width) of positive integers")
+            raise ValueError(
+                f"{SIZES_KEY} row {index} is {size}; expected (height, width) of positive integers"
+            )
         tiles = _real_tiles(pixels[index], f"image {index}")
         if not is_alone and tiles != 1:
             raise ValueError(

@@ -212,7 +212,9 @@ class LlavaOnevisionRules:
                 f"vision_aspect_ratio anyres_max_{self.max_num_patches} pools to {out_rows} x {out_cols}: Hugging "
                 "Face's model cannot pool it either"
             )
-        return PackedGrid(grid_rows, grid_cols, first_row, first_col, kept_rows, kept_cols, out_rows, out_cols)
+        return PackedGrid(
+            grid_rows, grid_cols, first_row, first_col, kept_rows, kept_cols, out_rows, out_cols
+        )
 
     def _pooled(self, rows: int, cols: int) -> tuple[int, int]:
         """The features' rows and columns after `pack_image_features` pools them (where they hold
@@ -231,7 +233,9 @@ class LlavaOnevisionRules:
     def video_tokens(self, num_frames: int) -> int:
         return num_frames * self.frame_side**2 + 1
 
-    def item_spec(self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, layout: Any) -> ItemSpec:
+    def item_spec(
+        self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, layout: Any
+    ) -> ItemSpec:
         pixel_shape = tuple(pixel_shape)
         if len(pixel_shape) != 4 or pixel_shape[1:] != self.row_shape:
             raise ValueError(
@@ -243,7 +247,9 @@ class LlavaOnevisionRules:
             raise ValueError("pixel_values hold no tiles")
         if modality == VIDEO:
             if layout is not None and tuple(layout) != ():
-                raise ValueError(f"a video is its frames alone: pass Video(frames) without a grid; got {layout!r}")
+                raise ValueError(
+                    f"a video is its frames alone: pass Video(frames) without a grid; got {layout!r}"
+                )
             tokens = self.video_tokens(num_tiles)
             return ItemSpec(VIDEO, pixel_shape, pixel_dtype, (), tokens, ((SEQUENCES, num_tiles),))
         size = self.size_of(layout)
@@ -278,7 +284,10 @@ class LlavaOnevisionRules:
         return height, width
 
     def budgets(
-        self, token_budgets: Sequence[int], max_items_per_batch: int | None, capacity_limits: Mapping[str, int]
+        self,
+        token_budgets: Sequence[int],
+        max_items_per_batch: int | None,
+        capacity_limits: Mapping[str, int],
     ) -> list[Budget]:
         check_capacity_limits(capacity_limits, self.capacities)
         user_tiles = capacity_limits.get(SEQUENCES)
@@ -287,6 +296,8 @@ class LlavaOnevisionRules:
             tiles = self.max_tiles(budget.num_tokens)
             tiles = tiles if user_tiles is None else min(tiles, user_tiles)
             budgets.append(
-                dataclasses.replace(budget, limits=((SEQUENCES, tiles),), max_items=min(budget.max_items, tiles))
+                dataclasses.replace(
+                    budget, limits=((SEQUENCES, tiles),), max_items=min(budget.max_items, tiles)
+                )
             )
         return sorted(budgets)

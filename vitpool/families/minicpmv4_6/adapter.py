@@ -65,14 +65,20 @@ TEXT_HIDDEN_SIZE = "text_hidden_size"
 _MERGER_FIELDS = ("downsample_mode", "merge_kernel_size", "merger_times")
 # The parts the forward reads (checked when the adapter is built).
 TOWER_PARTS = (
-    "vision_tower.embeddings.patch_embedding", "vision_tower.embeddings.position_embedding",
-    "vision_tower.embeddings.num_patches_per_side", "vision_tower.encoder.layers",
+    "vision_tower.embeddings.patch_embedding",
+    "vision_tower.embeddings.position_embedding",
+    "vision_tower.embeddings.num_patches_per_side",
+    "vision_tower.encoder.layers",
     "vision_tower.post_layernorm",
-    "vision_tower.config.insert_layer_id", "vision_tower.vit_merger.layer_norm1",
-    *(f"vision_tower.vit_merger.self_attn.{name}" for name in (
-        "q_proj", "k_proj", "v_proj", "out_proj", "num_heads", "head_dim", "scaling")),
+    "vision_tower.config.insert_layer_id",
+    "vision_tower.vit_merger.layer_norm1",
+    *(
+        f"vision_tower.vit_merger.self_attn.{name}"
+        for name in ("q_proj", "k_proj", "v_proj", "out_proj", "num_heads", "head_dim", "scaling")
+    ),
     *(f"vision_tower.vit_merger.{name}" for name in ("pre_norm", "linear_1", "act", "linear_2")),
-    "merger.mlp", "merger.merge_kernel_size",
+    "merger.mlp",
+    "merger.merge_kernel_size",
 )
 
 
@@ -113,9 +119,11 @@ def check_supported(vision_config: Any, settings: dict[str, Any]) -> None:
     window kernel than 2 x 2, more than one merge round, or a merger layer outside the tower."""
     problems = []
     if settings["downsample_mode"] != "16x":
-        problems.append(f"downsample_mode {settings['downsample_mode']!r} (only \"16x\" is supported)")
-    for name, value in (("merge_kernel_size", settings["merge_kernel_size"]),
-                        ("window_kernel_size", vision_config.window_kernel_size)):
+        problems.append(f'downsample_mode {settings["downsample_mode"]!r} (only "16x" is supported)')
+    for name, value in (
+        ("merge_kernel_size", settings["merge_kernel_size"]),
+        ("window_kernel_size", vision_config.window_kernel_size),
+    ):
         if tuple(value) != (2, 2):
             problems.append(f"{name} {tuple(value)} (only (2, 2) is supported)")
     if settings["merger_times"] != 1:
@@ -143,8 +151,10 @@ def build_encoder(config: Any, dtype: torch.dtype | None = None) -> MiniCPMV4_6E
     # MiniCPMV4_6Merger reads merge_kernel_size, merger_times, vision_config.hidden_size and
     # text_config.hidden_size
     full = SimpleNamespace(
-        vision_config=vision_config, text_config=SimpleNamespace(hidden_size=settings[TEXT_HIDDEN_SIZE]),
-        merge_kernel_size=tuple(settings["merge_kernel_size"]), merger_times=settings["merger_times"],
+        vision_config=vision_config,
+        text_config=SimpleNamespace(hidden_size=settings[TEXT_HIDDEN_SIZE]),
+        merge_kernel_size=tuple(settings["merge_kernel_size"]),
+        merger_times=settings["merger_times"],
     )
     vision_tower, merger = tower_and_projector(MiniCPMV4_6VisionModel, MiniCPMV4_6Merger, full, dtype)
     return MiniCPMV4_6Encoder(vision_tower, merger)
@@ -189,8 +199,11 @@ class MiniCPMV4_6Adapter:
         check_tower_parts(FAMILY, tower, TOWER_PARTS)
         vision_tower = tower.vision_tower
         config = vision_tower.config
-        settings = {"downsample_mode": "16x", "merge_kernel_size": tower.merger.merge_kernel_size,
-                    "merger_times": len(tower.merger.mlp)}
+        settings = {
+            "downsample_mode": "16x",
+            "merge_kernel_size": tower.merger.merge_kernel_size,
+            "merger_times": len(tower.merger.mlp),
+        }
         check_supported(config, settings)
         self.tower = tower
         self.item_rules = MiniCPMV4_6Rules(
@@ -216,12 +229,19 @@ class MiniCPMV4_6Adapter:
             "merge_index": TensorSpec((num_rows // PATCHES_PER_TOKEN, 4), torch.long),
         }
 
-    def build_metadata(self, specs: Sequence[ItemSpec], num_rows: int, budget: Budget) -> dict[str, torch.Tensor]:
+    def build_metadata(
+        self, specs: Sequence[ItemSpec], num_rows: int, budget: Budget
+    ) -> dict[str, torch.Tensor]:
         slices = [size for spec in specs for size in parse_target_sizes(spec.layout)]
         rows = sum(h * w for h, w in slices)
         tokens = rows // PATCHES_PER_TOKEN
-        if (num_rows % PATCHES_PER_TOKEN or rows > num_rows or len(slices) > budget.max_sequences
-                or tokens > budget.num_tokens or len(specs) > budget.max_items):
+        if (
+            num_rows % PATCHES_PER_TOKEN
+            or rows > num_rows
+            or len(slices) > budget.max_sequences
+            or tokens > budget.num_tokens
+            or len(specs) > budget.max_items
+        ):
             raise ValueError(
                 f"{len(specs)} items need {rows} rows, {len(slices)} sequences and {tokens} tokens; "
                 f"the buffers hold {num_rows} rows (a multiple of {PATCHES_PER_TOKEN}), "

@@ -29,7 +29,10 @@ class MiniCPMV4_6Features(PooledImageFeatures):
         self.downsample_mode = config.downsample_mode
 
     def get_image_features(
-        self, pixel_values: torch.Tensor, target_sizes: torch.Tensor, downsample_mode: str | None = None,
+        self,
+        pixel_values: torch.Tensor,
+        target_sizes: torch.Tensor,
+        downsample_mode: str | None = None,
         **kwargs: Any,
     ) -> BaseModelOutputWithPooling:
         from vitpool.families.minicpmv4_6.rules import patch_rows

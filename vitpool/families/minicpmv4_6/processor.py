@@ -127,8 +127,10 @@ def slices_per_image(batch: Mapping[str, Any], sizes: Sequence[tuple[int, int]])
 def slice_counts(value: Any) -> list[int]:
     """A processor's `num_patches_per_image`: one positive whole number per image."""
     numbers = value.tolist() if hasattr(value, "tolist") else value
-    is_counts = isinstance(numbers, Sequence) and not isinstance(numbers, str) and all(
-        isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in numbers
+    is_counts = (
+        isinstance(numbers, Sequence)
+        and not isinstance(numbers, str)
+        and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in numbers)
     )
     if not is_counts or not numbers:
         raise ValueError(f"{SLICES_KEY} must be one positive whole number per image; got {numbers!r}")
@@ -163,7 +165,7 @@ def slices_from_prompt(input_ids: Any, token_types: Any, sizes: Sequence[tuple[i
         if length * PATCHES_PER_TOKEN != h * w:
             raise ValueError(
                 f"slice {number}'s run of image tokens is {length} long; its target_sizes row ({h}, {w}) "
-                f"gives {h} * {w} / {PATCHES_PER_TOKEN} (the \"16x\" mode vitpool runs). {HOW_TO_CUT}"
+                f'gives {h} * {w} / {PATCHES_PER_TOKEN} (the "16x" mode vitpool runs). {HOW_TO_CUT}'
             )
     opener = runs[0][0]
     followers = {before for before, _ in runs if before != opener}

@@ -68,17 +68,17 @@ class MiniCPMV4_6Rules:
             return patch_rows(pixel_values, patch)
         return pixel_values
 
-    def item_spec(self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, layout: Any) -> ItemSpec:
+    def item_spec(
+        self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, layout: Any
+    ) -> ItemSpec:
         if modality == VIDEO:
-            raise ValueError(
-                "MiniCPM-V 4.6 takes images only here; pass each frame's slices as an Image"
-            )
+            raise ValueError("MiniCPM-V 4.6 takes images only here; pass each frame's slices as an Image")
         sizes = parse_target_sizes(layout)
         for number, (h, w) in enumerate(sizes):
             if h % MERGE_SIDE or w % MERGE_SIDE:
                 raise ValueError(
                     f"target_sizes: slice {number} is {h} x {w} patches; h and w must be multiples of "
-                    f"{MERGE_SIDE} (two 2 x 2 merges, the \"16x\" downsample mode)"
+                    f'{MERGE_SIDE} (two 2 x 2 merges, the "16x" downsample mode)'
                 )
         self._check_pixels(tuple(pixel_shape))
         num_rows = sum(h * w for h, w in sizes)
@@ -88,11 +88,20 @@ class MiniCPMV4_6Rules:
                 f"need sum of h*w = {num_rows}"
             )
         layout = tuple(value for size in sizes for value in size)
-        return ItemSpec(IMAGE, tuple(pixel_shape), pixel_dtype, layout, num_rows // PATCHES_PER_TOKEN,
-                        ((SEQUENCES, len(sizes)),))
+        return ItemSpec(
+            IMAGE,
+            tuple(pixel_shape),
+            pixel_dtype,
+            layout,
+            num_rows // PATCHES_PER_TOKEN,
+            ((SEQUENCES, len(sizes)),),
+        )
 
     def budgets(
-        self, token_budgets: Sequence[int], max_items_per_batch: int | None, capacity_limits: Mapping[str, int]
+        self,
+        token_budgets: Sequence[int],
+        max_items_per_batch: int | None,
+        capacity_limits: Mapping[str, int],
     ) -> list[Budget]:
         """Budgets bounding the slices (attention sequences) of a batch, as Qwen's bound frames
         (`make_budgets`); `capacity_limits["sequences"]` lowers the default."""
@@ -108,7 +117,6 @@ class MiniCPMV4_6Rules:
             raise ValueError(
                 f"pixel_values have patches of shape {pixel_shape[1:]}; the model takes {self.row_shape}"
             )
-
 
 
 def parse_target_sizes(target_sizes: Any) -> tuple[tuple[int, int], ...]:

@@ -114,8 +114,10 @@ def build_encoder(config: Any, dtype: torch.dtype | None = None) -> MiniCPMV4_6E
     # MiniCPMV4_7Merger reads merge_kernel_size, merger_times, vision_config.hidden_size and
     # text_config.hidden_size
     full = SimpleNamespace(
-        vision_config=vision_config, text_config=SimpleNamespace(hidden_size=settings[TEXT_HIDDEN_SIZE]),
-        merge_kernel_size=tuple(settings["merge_kernel_size"]), merger_times=settings["merger_times"],
+        vision_config=vision_config,
+        text_config=SimpleNamespace(hidden_size=settings[TEXT_HIDDEN_SIZE]),
+        merge_kernel_size=tuple(settings["merge_kernel_size"]),
+        merger_times=settings["merger_times"],
     )
     vision_tower, merger = tower_and_projector(MiniCPMV4_7VisionModel, MiniCPMV4_7Merger, full, dtype)
     return MiniCPMV4_6Encoder(vision_tower, merger)

@@ -58,15 +58,24 @@ from vitpool.specs import IMAGE, ItemSpec
 FULL_MODEL_TYPE = "mistral3"
 # What a tower-only save's vision config carries besides Pixtral's fields, for the projector.
 PROJECTOR_FIELDS = (
-    "text_hidden_size", "text_rms_norm_eps", "spatial_merge_size", "projector_hidden_act",
-    "multimodal_projector_bias", "vision_feature_layer",
+    "text_hidden_size",
+    "text_rms_norm_eps",
+    "spatial_merge_size",
+    "projector_hidden_act",
+    "multimodal_projector_bias",
+    "vision_feature_layer",
 )
 # What `Mistral3Adapter.forward` uses of transformers' Pixtral tower and Mistral 3 projector.
 TOWER_PARTS = (
-    "vision_tower.patch_conv", "vision_tower.ln_pre", "vision_tower.patch_positional_embedding",
-    "vision_tower.transformer.layers", "multi_modal_projector.norm",
-    "multi_modal_projector.patch_merger.merging_layer", "multi_modal_projector.linear_1",
-    "multi_modal_projector.act", "multi_modal_projector.linear_2",
+    "vision_tower.patch_conv",
+    "vision_tower.ln_pre",
+    "vision_tower.patch_positional_embedding",
+    "vision_tower.transformer.layers",
+    "multi_modal_projector.norm",
+    "multi_modal_projector.patch_merger.merging_layer",
+    "multi_modal_projector.linear_1",
+    "multi_modal_projector.act",
+    "multi_modal_projector.linear_2",
 )
 # Sampled check batches stay small so that checking a budget costs little host time.
 MAX_SAMPLED_ITEMS = 8
@@ -89,7 +98,10 @@ class Mistral3Encoder(torch.nn.Module):
     """
 
     def __init__(
-        self, vision_tower: torch.nn.Module, multi_modal_projector: torch.nn.Module, vision_feature_layer: Any = -1
+        self,
+        vision_tower: torch.nn.Module,
+        multi_modal_projector: torch.nn.Module,
+        vision_feature_layer: Any = -1,
     ) -> None:
         super().__init__()
         self.vision_tower = vision_tower
@@ -114,7 +126,9 @@ def feature_index(vision_feature_layer: Any, num_layers: int) -> int:
     layer = int(vision_feature_layer)
     index = layer if layer >= 0 else num_layers + 1 + layer
     if not 0 <= index <= num_layers:
-        raise ConfigError(f"Mistral 3: vision_feature_layer {layer} is outside the tower's {num_layers} layers")
+        raise ConfigError(
+            f"Mistral 3: vision_feature_layer {layer} is outside the tower's {num_layers} layers"
+        )
     return index
 
 
@@ -123,14 +137,18 @@ def projector_config(config: Any) -> Any:
     `rms_norm_eps`, `spatial_merge_size`, `projector_hidden_act`, `multimodal_projector_bias`,
     `vision_feature_layer`), from a vision config carrying PROJECTOR_FIELDS (`tower_only_config`)."""
     require_fields(
-        config, PROJECTOR_FIELDS, "Mistral 3's projector",
+        config,
+        PROJECTOR_FIELDS,
+        "Mistral 3's projector",
         "besides the Pixtral vision config: give the full model's "
         "config (Mistral3Config) or a tower-only save written with tower_only_config; "
         f"got a {type(config).__name__} (model_type {getattr(config, 'model_type', None)!r})",
     )
     return SimpleNamespace(
         vision_config=config,
-        text_config=SimpleNamespace(hidden_size=config.text_hidden_size, rms_norm_eps=config.text_rms_norm_eps),
+        text_config=SimpleNamespace(
+            hidden_size=config.text_hidden_size, rms_norm_eps=config.text_rms_norm_eps
+        ),
         spatial_merge_size=config.spatial_merge_size,
         projector_hidden_act=config.projector_hidden_act,
         multimodal_projector_bias=config.multimodal_projector_bias,
@@ -198,7 +216,10 @@ class Mistral3Adapter:
         self.tower = tower
         self.merge_size = int(projector.patch_merger.spatial_merge_size)
         self.item_rules = Mistral3Rules(
-            int(config.num_channels), int(config.patch_size), self.merge_size, int(projector.linear_2.out_features)
+            int(config.num_channels),
+            int(config.patch_size),
+            self.merge_size,
+            int(projector.linear_2.out_features),
         )
         self.row_shape = self.item_rules.row_shape
         self.output_row_shapes = self.item_rules.output_row_shapes
@@ -235,14 +256,20 @@ class Mistral3Adapter:
         # pixels: [rows, C, P, P], one patch per row
         vision, projector = self.tower.vision_tower, self.tower.multi_modal_projector
         embeddings = vision.patch_conv(pixels.to(vision.patch_conv.weight.dtype)).flatten(1)  # [rows, d]
-        hidden = vision.ln_pre(embeddings).unsqueeze(0)  # [1, rows, d]: the tower's layers take a batch of one
+        hidden = vision.ln_pre(embeddings).unsqueeze(
+            0
+        )  # [1, rows, d]: the tower's layers take a batch of one
         position_embeddings = vision.patch_positional_embedding(hidden, metadata["position_ids"])
         cu_seqlens, num_rows = metadata["cu_seqlens"], pixels.shape[0]
         for layer in vision.transformer.layers[: self.num_layers_run]:
             hidden = layer(
-                hidden, None, position_embeddings=position_embeddings,
-                cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens,
-                max_length_q=num_rows, max_length_k=num_rows,  # static: Python ints from the buffer's shape
+                hidden,
+                None,
+                position_embeddings=position_embeddings,
+                cu_seq_lens_q=cu_seqlens,
+                cu_seq_lens_k=cu_seqlens,
+                max_length_q=num_rows,
+                max_length_k=num_rows,  # static: Python ints from the buffer's shape
             )
         normed = projector.norm(hidden[0])
         merge_index = metadata["merge_index"]

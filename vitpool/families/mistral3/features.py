@@ -31,7 +31,10 @@ class Mistral3Features(PooledImageFeatures):
         self.vision_feature_layer = config.vision_feature_layer
 
     def get_image_features(
-        self, pixel_values: torch.Tensor, image_sizes: torch.Tensor, vision_feature_layer: Any = None,
+        self,
+        pixel_values: torch.Tensor,
+        image_sizes: torch.Tensor,
+        vision_feature_layer: Any = None,
         **kwargs: Any,
     ) -> BaseModelOutputWithPooling:
         if vision_feature_layer is not None and vision_feature_layer != self.vision_feature_layer:
@@ -49,5 +52,7 @@ class Mistral3Features(PooledImageFeatures):
         from vitpool.families.mistral3.adapter import Mistral3Encoder
 
         return Mistral3Encoder(
-            copy.deepcopy(tower), copy.deepcopy(inner.multi_modal_projector), inner.config.vision_feature_layer
+            copy.deepcopy(tower),
+            copy.deepcopy(inner.multi_modal_projector),
+            inner.config.vision_feature_layer,
         )

@@ -34,7 +34,9 @@ def items(batch: Mapping[str, Any]) -> list[ProcessorItem]:
     check_array(pixels, "pixel_values")
     shape = tuple(pixels.shape)
     if len(shape) != 4:
-        raise ValueError(f"pixel_values has shape {shape}; Mistral 3's processor gives padded images [B, C, H, W]")
+        raise ValueError(
+            f"pixel_values has shape {shape}; Mistral 3's processor gives padded images [B, C, H, W]"
+        )
     if len(sizes) != shape[0]:
         raise ValueError(f"pixel_values holds {shape[0]} images; {SIZES_KEY} has {len(sizes)} rows")
     cut = []

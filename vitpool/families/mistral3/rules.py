@@ -66,7 +66,9 @@ class Mistral3Rules(PatchRows):
             return patch_rows(image, self.patch_size)
         return pixel_values
 
-    def item_spec(self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, layout: Any) -> ItemSpec:
+    def item_spec(
+        self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, layout: Any
+    ) -> ItemSpec:
         if modality == VIDEO:
             raise ValueError("Mistral 3 takes images only; pass each frame as an Image")
         grid = self.grid_of(layout)
@@ -88,7 +90,11 @@ class Mistral3Rules(PatchRows):
         values = layout.tolist() if hasattr(layout, "tolist") else layout
         if isinstance(values, (list, tuple)) and len(values) == 1 and isinstance(values[0], (list, tuple)):
             values = values[0]
-        if not isinstance(values, (list, tuple)) or len(values) not in (2, 3) or not all(is_int(v) for v in values):
+        if (
+            not isinstance(values, (list, tuple))
+            or len(values) not in (2, 3)
+            or not all(is_int(v) for v in values)
+        ):
             raise ValueError(
                 "an image needs its size (H, W) in pixels, its row of the processor's image_sizes: "
                 f"Image(pixels, out['image_sizes'][i]) (or a grid (1, h, w) in patches); got {layout!r}"
@@ -118,15 +124,22 @@ class Mistral3Rules(PatchRows):
         return (1, height // p, width // p)
 
     def budgets(
-        self, token_budgets: Sequence[int], max_items_per_batch: int | None, capacity_limits: Mapping[str, int]
+        self,
+        token_budgets: Sequence[int],
+        max_items_per_batch: int | None,
+        capacity_limits: Mapping[str, int],
     ) -> list[Budget]:
         check_capacity_limits(capacity_limits, self.capacities)
         return plain_budgets(token_budgets, max_items_per_batch)
 
     def _cuttable(self, shape: tuple[int, ...]) -> bool:
         return (
-            len(shape) == 3 and shape[0] == self.channels and shape[1] > 0 and shape[2] > 0
-            and shape[1] % self.patch_size == 0 and shape[2] % self.patch_size == 0
+            len(shape) == 3
+            and shape[0] == self.channels
+            and shape[1] > 0
+            and shape[2] > 0
+            and shape[1] % self.patch_size == 0
+            and shape[2] % self.patch_size == 0
         )
 
     def _not_rows(self, shape: tuple[int, ...]) -> str:

@@ -21,8 +21,12 @@ RECORD = FamilyRecord(
     model_types=("paddleocr_vl",),
     vllm_layout="tokens",
     vllm_checked=True,
-    transformers_parts=ModelParts(projector="projector", encoder_module=f"{_ADAPTER}:PaddleOCREncoder",
-                                  output="last_hidden_state", batch_dim=True),
+    transformers_parts=ModelParts(
+        projector="projector",
+        encoder_module=f"{_ADAPTER}:PaddleOCREncoder",
+        output="last_hidden_state",
+        batch_dim=True,
+    ),
     grid_processor=True,
     processor_output=GRID_IMAGES_OUTPUT,
 )

@@ -66,7 +66,9 @@ def _vision_and_text_width(config: Any) -> tuple[Any, int]:
     text_config = getattr(config, "text_config", None)
     if vision_config is not None and text_config is not None:
         return vision_config, int(text_config.hidden_size)
-    if getattr(config, "model_type", None) == "paddleocr_vl_vision" and getattr(config, TEXT_HIDDEN_SIZE, None):
+    if getattr(config, "model_type", None) == "paddleocr_vl_vision" and getattr(
+        config, TEXT_HIDDEN_SIZE, None
+    ):
         return config, int(getattr(config, TEXT_HIDDEN_SIZE))
     raise ValueError(
         f"PaddleOCR-VL's projector needs the LLM's hidden size: give the full model's config "
@@ -133,12 +135,16 @@ class PaddleOCRVLAdapter(PatchRowAdapter):
         config = tower.visual.config
         self.merge_size = int(config.spatial_merge_size)
         item_rules = PaddleOCRVLRules(
-            int(config.num_channels), int(config.patch_size), self.merge_size,
+            int(config.num_channels),
+            int(config.patch_size),
+            self.merge_size,
             int(tower.projector.linear_2.out_features),
         )
         embeddings = tower.visual.vision_model.embeddings
         if embeddings.num_grid_per_side**2 != embeddings.num_positions:
-            raise ValueError("PaddleOCR-VL's position table must be square ((image_size / patch_size)² positions)")
+            raise ValueError(
+                "PaddleOCR-VL's position table must be square ((image_size / patch_size)² positions)"
+            )
         super().__init__(tower, tower.visual, item_rules, embeddings)
 
     def own_metadata_specs(self, num_rows: int, budget: Budget) -> dict[str, TensorSpec]:

@@ -35,7 +35,9 @@ class PaddleOCRVLRules(PatchRows):
     def merge_kernel(self) -> tuple[int, int]:
         return (self.merge_size, self.merge_size)
 
-    def item_spec(self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, layout: Any) -> ItemSpec:
+    def item_spec(
+        self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, layout: Any
+    ) -> ItemSpec:
         if modality == VIDEO:
             raise ValueError("PaddleOCR-VL takes images only; pass each frame as an Image")
         grid = patch_grid(
@@ -44,7 +46,10 @@ class PaddleOCRVLRules(PatchRows):
         return ItemSpec(modality, tuple(pixel_shape), pixel_dtype, grid, pixel_shape[0] // self.merge_unit)
 
     def budgets(
-        self, token_budgets: Sequence[int], max_items_per_batch: int | None, capacity_limits: Mapping[str, int]
+        self,
+        token_budgets: Sequence[int],
+        max_items_per_batch: int | None,
+        capacity_limits: Mapping[str, int],
     ) -> list[Budget]:
         check_capacity_limits(capacity_limits, self.capacities)
         return plain_budgets(token_budgets, max_items_per_batch)

@@ -66,9 +66,16 @@ MAX_GRAPH_CROPS = 17
 MAX_SAMPLED_ITEMS = 4
 MAX_SAMPLED_SIDE = 3
 TOWER_PARTS = (
-    "img_processor.embeddings.patch_embedding", "img_processor.embeddings.position_embedding",
-    "img_processor.encoder.layers", "image_token_compression", "img_projection_up", "img_projection_down",
-    "global_img_feature_extensor", "sub_img_feature_extensor", "layer_idx", "crop_size",
+    "img_processor.embeddings.patch_embedding",
+    "img_processor.embeddings.position_embedding",
+    "img_processor.encoder.layers",
+    "image_token_compression",
+    "img_projection_up",
+    "img_projection_down",
+    "global_img_feature_extensor",
+    "sub_img_feature_extensor",
+    "layer_idx",
+    "crop_size",
 )
 # Sentinels of an item's token index before it is placed: the separators' rows of the table.
 _SUB_SEPARATOR, _GLOBAL_SEPARATOR = -1, -2
@@ -110,7 +117,9 @@ def convert_checkpoint(checkpoint: dict[str, torch.Tensor], config: Any) -> dict
     return {key.removeprefix(CHECKPOINT_PREFIX): tensor for key, tensor in checkpoint.items()}
 
 
-def crop_positions(patches_per_side: int, valid_rows: int, valid_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+def crop_positions(
+    patches_per_side: int, valid_rows: int, valid_cols: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A crop's position ids [n²] and patch mask [n²] where its image is the top-left valid_rows x
     valid_cols patches: `Phi4MultimodalVisionEmbeddings`' bucketed fractional coordinates, in its
     float32 arithmetic, masked patches at position 0."""
@@ -182,7 +191,9 @@ class Phi4MultimodalAdapter:
             "token_index": TensorSpec((budget.num_tokens,), torch.long),
         }
 
-    def build_metadata(self, specs: Sequence[ItemSpec], num_rows: int, budget: Budget) -> dict[str, torch.Tensor]:
+    def build_metadata(
+        self, specs: Sequence[ItemSpec], num_rows: int, budget: Budget
+    ) -> dict[str, torch.Tensor]:
         rows = sum(spec.num_rows for spec in specs)
         tokens = sum(spec.num_tokens for spec in specs)
         if rows > num_rows or tokens > budget.num_tokens or len(specs) > budget.max_items:
@@ -229,8 +240,12 @@ class Phi4MultimodalAdapter:
         if getattr(tower, "img_processor_padding", None) is not None:  # an odd side: reflected by one
             grid = tower.img_processor_padding(grid)
         pooled = tower.image_token_compression(grid).permute(0, 2, 3, 1).reshape(-1, width)  # [crops * b², D]
-        separators = torch.cat([tower.sub_img_feature_extensor.reshape(1, width),
-                                tower.global_img_feature_extensor.reshape(1, width)])
+        separators = torch.cat(
+            [
+                tower.sub_img_feature_extensor.reshape(1, width),
+                tower.global_img_feature_extensor.reshape(1, width),
+            ]
+        )
         features = torch.cat([pooled, separators])[metadata["token_index"]]  # [tokens, D]
         return [tower.img_projection_down(F.gelu(tower.img_projection_up(features)))]
 
@@ -239,8 +254,11 @@ class Phi4MultimodalAdapter:
         rows_left = min(num_rows, budget.max_sequences)
         tokens_left = budget.num_tokens
         while len(specs) < min(MAX_SAMPLED_ITEMS, budget.max_items):
-            fitting = [spec for spec in (self._sample_spec(rng) for _ in range(8))
-                       if spec.num_rows <= rows_left and spec.num_tokens <= tokens_left]
+            fitting = [
+                spec
+                for spec in (self._sample_spec(rng) for _ in range(8))
+                if spec.num_rows <= rows_left and spec.num_tokens <= tokens_left
+            ]
             if not fitting:
                 smallest = self._smallest_spec()
                 if smallest.num_rows > rows_left or smallest.num_tokens > tokens_left:
@@ -276,7 +294,8 @@ class Phi4MultimodalAdapter:
         n = self._patches
         return [
             (min(n, hd.valid_rows - n * r), min(n, hd.valid_cols - n * c))
-            for r in range(hd.crop_rows) for c in range(hd.crop_cols)
+            for r in range(hd.crop_rows)
+            for c in range(hd.crop_cols)
         ]
 
     def _relative_token_index(self, hd: HdLayout) -> torch.Tensor:

@@ -129,14 +129,18 @@ class Phi4MultimodalRules:
         patches, pooled = self.patches_per_side, self.pooled_side
         last_rows = hd.valid_rows - patches * (hd.crop_rows - 1)
         last_cols = hd.valid_cols - patches * (hd.crop_cols - 1)
-        return (pooled * (hd.crop_rows - 1) + (last_rows + 1) // 2,
-                pooled * (hd.crop_cols - 1) + (last_cols + 1) // 2)
+        return (
+            pooled * (hd.crop_rows - 1) + (last_rows + 1) // 2,
+            pooled * (hd.crop_cols - 1) + (last_cols + 1) // 2,
+        )
 
     def num_tokens(self, hd: HdLayout) -> int:
         rows, cols = self.useful_size(hd)
         return rows * (cols + 1) + 1 + self.pooled_side * (self.pooled_side + 1)
 
-    def item_spec(self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, layout: Any) -> ItemSpec:
+    def item_spec(
+        self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, layout: Any
+    ) -> ItemSpec:
         if modality != IMAGE:
             raise ValueError("Phi-4-multimodal takes images only")
         if layout is None:
@@ -149,13 +153,21 @@ class Phi4MultimodalRules:
                 f"pixel_values have shape {tuple(pixel_shape)}; a canvas of {hd.crop_rows} x {hd.crop_cols} crops "
                 f"needs {list(expected)} (the global crop, then the crops row by row, padding crops dropped)"
             )
-        spec_layout = (hd.crop_rows * self.crop_size, hd.crop_cols * self.crop_size, hd.valid_rows, hd.valid_cols)
+        spec_layout = (
+            hd.crop_rows * self.crop_size,
+            hd.crop_cols * self.crop_size,
+            hd.valid_rows,
+            hd.valid_cols,
+        )
         return ItemSpec(
             IMAGE, tuple(pixel_shape), pixel_dtype, spec_layout, self.num_tokens(hd), ((SEQUENCES, crops),)
         )
 
     def budgets(
-        self, token_budgets: Sequence[int], max_items_per_batch: int | None, capacity_limits: Mapping[str, int]
+        self,
+        token_budgets: Sequence[int],
+        max_items_per_batch: int | None,
+        capacity_limits: Mapping[str, int],
     ) -> list[Budget]:
         """Budgets bounded by tokens, items and crops: the crops a budget's buffers hold, or
         `capacity_limits["sequences"]` where that is lower."""

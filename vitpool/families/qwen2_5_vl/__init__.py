@@ -6,8 +6,12 @@ RECORD = FamilyRecord(
     name="qwen2_5_vl",
     towers={
         "qwen2_5_vl_vision": Family(
-            hf_tower("transformers.models.qwen2_5_vl.modeling_qwen2_5_vl", "Qwen2_5_VisionTransformerPretrainedModel"),
-            lazy("vitpool.families.qwen2_5_vl.adapter", "Qwen2_5_VLAdapter")),
+            hf_tower(
+                "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl",
+                "Qwen2_5_VisionTransformerPretrainedModel",
+            ),
+            lazy("vitpool.families.qwen2_5_vl.adapter", "Qwen2_5_VLAdapter"),
+        ),
     },
     model_types=("qwen2_5_vl",),
     vllm_layout="tokens",

@@ -30,7 +30,6 @@ from vitpool.specs import ItemSpec
 Grid = tuple[int, int, int]
 
 
-
 class Qwen2_5_VLAdapter(SpatialMergeAdapter):
     """Adapter for `Qwen2_5_VisionTransformerPretrainedModel`."""
 
@@ -70,11 +69,15 @@ class Qwen2_5_VLAdapter(SpatialMergeAdapter):
             "cu_window_seqlens": TensorSpec((windows + self._padding_windows(num_rows) + 1,), torch.int32),
         }
 
-    def build_metadata(self, specs: Sequence[ItemSpec], num_rows: int, budget: Budget) -> dict[str, torch.Tensor]:
+    def build_metadata(
+        self, specs: Sequence[ItemSpec], num_rows: int, budget: Budget
+    ) -> dict[str, torch.Tensor]:
         grids = [_grid(spec) for spec in specs]
         needed_rows = sum(t * h * w for t, h, w in grids)
         needed_sequences = sum(t for t, _, _ in grids)
-        needed_windows = sum(t * frame_windows(h, w, self.merge_size, self.item_rules.window_tokens) for t, h, w in grids)
+        needed_windows = sum(
+            t * frame_windows(h, w, self.merge_size, self.item_rules.window_tokens) for t, h, w in grids
+        )
         max_windows = budget.limit(WINDOWS)
         if (
             needed_rows > num_rows
@@ -128,14 +131,16 @@ class Qwen2_5_VLAdapter(SpatialMergeAdapter):
         )
         return [output.pooler_output]
 
-
     def _compute_grid_metadata(self, grid: Grid) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
         """An item's rotary positions [rows, 2], its window permutation of merged tokens
         [tokens], and the ends of its windows in rows (from its first row)."""
         grid_thw = torch.tensor([grid], dtype=torch.long)
         position_ids = get_vision_position_ids(grid_thw, self.merge_size)
         window_index, cu_window_seqlens = get_vision_window_index(
-            grid_thw, spatial_merge_size=self.merge_size, window_size=self.window_size, patch_size=self.patch_size
+            grid_thw,
+            spatial_merge_size=self.merge_size,
+            window_size=self.window_size,
+            patch_size=self.patch_size,
         )
         return position_ids, window_index, tuple(cu_window_seqlens[1:].tolist())
 

@@ -47,14 +47,19 @@ class WindowedMergeRules(SpatialMergeRules):
     window_tokens: int = 1  # v: a window's side in output (merged) tokens
     capacities: tuple[str, ...] = (SEQUENCES, WINDOWS)
 
-    def item_spec(self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, layout: Any) -> ItemSpec:
+    def item_spec(
+        self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, layout: Any
+    ) -> ItemSpec:
         spec = super().item_spec(modality, pixel_shape, pixel_dtype, layout)
         t, h, w = spec.layout
         windows = t * frame_windows(h, w, self.merge_size, self.window_tokens)
         return dataclasses.replace(spec, needs=((SEQUENCES, t), (WINDOWS, windows)))
 
     def budgets(
-        self, token_budgets: Sequence[int], max_items_per_batch: int | None, capacity_limits: Mapping[str, int]
+        self,
+        token_budgets: Sequence[int],
+        max_items_per_batch: int | None,
+        capacity_limits: Mapping[str, int],
     ) -> list[Budget]:
         """Qwen-style budgets (`make_budgets`), each also bounding windows: by default as many as
         any batch of its tokens and sequences can have (`max_windows`), so that the bound never

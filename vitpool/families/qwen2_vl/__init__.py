@@ -6,8 +6,11 @@ RECORD = FamilyRecord(
     name="qwen2_vl",
     towers={
         "qwen2_vl_vision": Family(
-            hf_tower("transformers.models.qwen2_vl.modeling_qwen2_vl", "Qwen2VisionTransformerPretrainedModel"),
-            lazy("vitpool.families.qwen2_vl.adapter", "Qwen2VLAdapter")),
+            hf_tower(
+                "transformers.models.qwen2_vl.modeling_qwen2_vl", "Qwen2VisionTransformerPretrainedModel"
+            ),
+            lazy("vitpool.families.qwen2_vl.adapter", "Qwen2VLAdapter"),
+        ),
     },
     model_types=("qwen2_vl",),
     vllm_layout="tokens",

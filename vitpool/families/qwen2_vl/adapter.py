@@ -36,7 +36,6 @@ class Qwen2VLAdapter(SpatialMergeAdapter):
         super().__init__(tower, rules)
         self._position_ids = lru_cache(maxsize=1024)(self._compute_position_ids)
 
-
     def metadata_specs(self, num_rows: int, budget: Budget) -> dict[str, TensorSpec]:
         return {
             "position_ids": TensorSpec((num_rows, 2), torch.long),
@@ -44,7 +43,9 @@ class Qwen2VLAdapter(SpatialMergeAdapter):
             "cu_seqlens": TensorSpec((budget.max_sequences + 2,), torch.int32),
         }
 
-    def build_metadata(self, specs: Sequence[ItemSpec], num_rows: int, budget: Budget) -> dict[str, torch.Tensor]:
+    def build_metadata(
+        self, specs: Sequence[ItemSpec], num_rows: int, budget: Budget
+    ) -> dict[str, torch.Tensor]:
         grids = grids_of(specs, num_rows, budget)
         metadata = zero_metadata(self.metadata_specs(num_rows, budget))
         # Padding rows get rotary position (0, 0). Unused cu_seqlens entries repeat the end, so
@@ -67,7 +68,5 @@ class Qwen2VLAdapter(SpatialMergeAdapter):
         )
         return [output.pooler_output]
 
-
     def _compute_position_ids(self, grid: Grid) -> torch.Tensor:
         return get_vision_position_ids(torch.tensor([grid], dtype=torch.long), self.merge_size)
-

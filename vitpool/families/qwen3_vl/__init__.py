@@ -7,10 +7,13 @@ _ADAPTER = lazy("vitpool.families.qwen3_vl.adapter", "Qwen3VLAdapter")
 RECORD = FamilyRecord(
     name="qwen3_vl",
     towers={
-        "qwen3_vl_vision": Family(hf_tower("transformers.models.qwen3_vl.modeling_qwen3_vl", "Qwen3VLVisionModel"),
-                                  _ADAPTER),
+        "qwen3_vl_vision": Family(
+            hf_tower("transformers.models.qwen3_vl.modeling_qwen3_vl", "Qwen3VLVisionModel"), _ADAPTER
+        ),
         "qwen3_vl_moe_vision": Family(
-            hf_tower("transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe", "Qwen3VLMoeVisionModel"), _ADAPTER),
+            hf_tower("transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe", "Qwen3VLMoeVisionModel"),
+            _ADAPTER,
+        ),
     },
     model_types=("qwen3_vl", "qwen3_vl_moe"),
     vllm_layout="tokens_and_deepstack",

@@ -41,7 +41,6 @@ class Qwen3VLAdapter(SpatialMergeAdapter):
         self._align_corners: bool = tower.interpolation_align_corners
         self._per_grid_metadata = lru_cache(maxsize=1024)(self._compute_grid_metadata)
 
-
     def metadata_specs(self, num_rows: int, budget: Budget) -> dict[str, TensorSpec]:
         return {
             "interp_indices": TensorSpec((num_rows, 4), torch.long),
@@ -51,7 +50,9 @@ class Qwen3VLAdapter(SpatialMergeAdapter):
             "cu_seqlens": TensorSpec((budget.max_sequences + 2,), torch.int32),
         }
 
-    def build_metadata(self, specs: Sequence[ItemSpec], num_rows: int, budget: Budget) -> dict[str, torch.Tensor]:
+    def build_metadata(
+        self, specs: Sequence[ItemSpec], num_rows: int, budget: Budget
+    ) -> dict[str, torch.Tensor]:
         grids = grids_of(specs, num_rows, budget)
         metadata = zero_metadata(self.metadata_specs(num_rows, budget))
         # Padding rows read position-table row 0 with weight 0 and rotary position (0, 0).
@@ -76,7 +77,6 @@ class Qwen3VLAdapter(SpatialMergeAdapter):
         )
         return [output.pooler_output, *output.deepstack_features]
 
-
     def _compute_grid_metadata(self, grid: Grid) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         grid_thw = torch.tensor([grid], dtype=torch.long)
         indices, weights = get_vision_interpolation_indices_and_weights(
@@ -88,4 +88,3 @@ class Qwen3VLAdapter(SpatialMergeAdapter):
         )
         position_ids = get_vision_position_ids(grid_thw, self.merge_size)
         return indices, weights.to(torch.float32), position_ids
-

@@ -12,8 +12,13 @@ RECORD = FamilyRecord(
             lazy(_ADAPTER, "build_encoder"),
             lazy(_ADAPTER, "Step3p7Adapter"),
             checkpoint=CheckpointLayout(
-                prefixes=("model.vision_model.", "model.multi_modal_projector.", "vision_model.",
-                          "multi_modal_projector.", "vit_large_projector."),
+                prefixes=(
+                    "model.vision_model.",
+                    "model.multi_modal_projector.",
+                    "vision_model.",
+                    "multi_modal_projector.",
+                    "vit_large_projector.",
+                ),
                 tower_config=lazy(_ADAPTER, "tower_only_config"),
                 convert=lazy(_ADAPTER, "convert_checkpoint"),
             ),

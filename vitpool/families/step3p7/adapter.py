@@ -135,7 +135,9 @@ def build_encoder(config: Any, dtype: torch.dtype | None = None) -> Step3p7Encod
                 f"a Step-3.7 vision config needs {name} to build its multi_modal_projector; give the full "
                 "model's checkpoint (Step3p7Config) or a tower-only save that carries it"
             )
-    vision = Step3p7VisionModel(config) if dtype is None else Step3p7VisionModel._from_config(config, dtype=dtype)
+    vision = (
+        Step3p7VisionModel(config) if dtype is None else Step3p7VisionModel._from_config(config, dtype=dtype)
+    )
     return Step3p7Encoder(vision, projector_of(config, dtype), crop_size(config))
 
 
@@ -224,8 +226,14 @@ class Step3p7PathAdapter(PathTiles):
         side = size // int(encoder.config.patch_size)
         tokens_per_side = -(-side // DOWNSAMPLE)
         super().__init__(
-            encoder, path, int(encoder.config.num_channels), size, tokens_per_side**2, output_width,
-            MAX_GRAPH_TILES[path], encoder.crop_size_source if path == LOCAL else "",
+            encoder,
+            path,
+            int(encoder.config.num_channels),
+            size,
+            tokens_per_side**2,
+            output_width,
+            MAX_GRAPH_TILES[path],
+            encoder.crop_size_source if path == LOCAL else "",
         )
 
     def forward(self, pixels: torch.Tensor, metadata: dict[str, torch.Tensor]) -> list[torch.Tensor]:
@@ -240,4 +248,6 @@ class Step3p7Adapter(ViewAndCropsAdapter):
         check_tower_parts("Step-3.7", tower.vision_model, TOWER_PARTS)
         install_kernels(tower)
         width = int(tower.multi_modal_projector.out_features)
-        super().__init__(tower, Step3p7PathAdapter(tower, LOCAL, width), Step3p7PathAdapter(tower, GLOBAL, width))
+        super().__init__(
+            tower, Step3p7PathAdapter(tower, LOCAL, width), Step3p7PathAdapter(tower, GLOBAL, width)
+        )

@@ -39,8 +39,9 @@ def view_and_crops_items(batch: Mapping[str, Any]) -> list[ProcessorItem]:
     """
     views = required(batch, "pixel_values", "")
     check_array(views, "pixel_values")
-    counts = whole_numbers(required(batch, COUNTS_KEY, "the image processor gives it, one count per image"),
-                           COUNTS_KEY)
+    counts = whole_numbers(
+        required(batch, COUNTS_KEY, "the image processor gives it, one count per image"), COUNTS_KEY
+    )
     if len(counts) != len(views):
         raise ValueError(
             f"pixel_values holds {len(views)} global views but {COUNTS_KEY} {counts} counts "

@@ -40,7 +40,12 @@ class BoundedEntries(ByteBoundedLRU[str, Value]):
     @property
     def stats(self) -> PublisherStats:
         stats = self._stats
-        stats.entries, stats.bytes, stats.evicted, stats.refused = len(self), self.bytes, self.evictions, self.refusals
+        stats.entries, stats.bytes, stats.evicted, stats.refused = (
+            len(self),
+            self.bytes,
+            self.evictions,
+            self.refusals,
+        )
         return stats
 
     def touch_many(self, keys: list[str]) -> list[bool]:

@@ -69,7 +69,9 @@ def _device() -> torch.device:
 @dataclass
 class VitpoolECMetadata(ECConnectorMetadata):
     keys: list[str] = field(default_factory=list)
-    rows: dict[str, int] = field(default_factory=dict)  # key -> embeddings vLLM expects (a placeholder's size)
+    rows: dict[str, int] = field(
+        default_factory=dict
+    )  # key -> embeddings vLLM expects (a placeholder's size)
 
 
 @dataclass
@@ -108,7 +110,9 @@ class VitpoolECConnector(ECConnectorBase):
     def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:
         super().__init__(vllm_config=vllm_config, role=role)
         if self.is_producer:
-            raise ValueError("VitpoolECConnector only consumes (ec_role 'ec_consumer'): vitpool's gateway publishes")
+            raise ValueError(
+                "VitpoolECConnector only consumes (ec_role 'ec_consumer'): vitpool's gateway publishes"
+            )
         _log_with_vllm()
         extra = vllm_config.ec_transfer_config.ec_connector_extra_config or {}
         self._reader = StoreReader(
@@ -178,8 +182,11 @@ class VitpoolECConnector(ECConnectorBase):
     def take_unavailable_requests(self) -> set[str]:
         unavailable, self._unavailable = self._unavailable, set()
         if unavailable:
-            logger.warning("vitpool: failing %d requests whose published images could not be loaded "
-                           "after the store said they were there", len(unavailable))
+            logger.warning(
+                "vitpool: failing %d requests whose published images could not be loaded "
+                "after the store said they were there",
+                len(unavailable),
+            )
         return unavailable
 
     # worker side
@@ -195,11 +202,14 @@ class VitpoolECConnector(ECConnectorBase):
             if value is None:
                 # promised, not loadable (the store lost, or the entry unreadable): vLLM's
                 # runner needs an entry; zeros stand in and the scheduler fails the request
-                logger.warning("vitpool: embedding %r could not be loaded; its request fails, vLLM keeps serving", key)
+                logger.warning(
+                    "vitpool: embedding %r could not be loaded; its request fails, vLLM keeps serving", key
+                )
                 self.counters.lost += 1
                 self._lost.add(key)
-                encoder_cache[key] = torch.zeros(metadata.rows.get(key, 0), self._width, dtype=self._dtype,
-                                                 device=device)
+                encoder_cache[key] = torch.zeros(
+                    metadata.rows.get(key, 0), self._width, dtype=self._dtype, device=device
+                )
                 continue
             self.counters.loaded += 1
             if isinstance(value, Embedding):  # a pool result: laid out here, joined on the device
@@ -225,8 +235,11 @@ class VitpoolECConnector(ECConnectorBase):
             return
         self._next_log = now + self._log_every_s
         self._logged = ConnectorCounters(**asdict(self.counters))
-        logger.info("vitpool connector (%s): %s", self.role.name.lower(),
-                    ", ".join(f"{name} {value}" for name, value in asdict(self.counters).items()))
+        logger.info(
+            "vitpool connector (%s): %s",
+            self.role.name.lower(),
+            ", ".join(f"{name} {value}" for name, value in asdict(self.counters).items()),
+        )
 
 
 def _log_with_vllm() -> None:

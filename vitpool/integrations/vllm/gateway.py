@@ -61,8 +61,9 @@ class Publisher(Protocol):
 
 
 class Encoder(Protocol):
-    async def encode_async(self, items: list[Item], timeout_s: float | None = None,
-                           return_exceptions: bool = False) -> list[Embedding | Exception]: ...
+    async def encode_async(
+        self, items: list[Item], timeout_s: float | None = None, return_exceptions: bool = False
+    ) -> list[Embedding | Exception]: ...
 
 
 @dataclass
@@ -127,8 +128,13 @@ def check_same_tower(pool: Any, checkpoint: str | Path, weights_digest: str) -> 
     try:
         theirs = vision_weights_digest(pool_model)
     except (VitpoolError, OSError) as error:
-        logger.warning("vitpool gateway: cannot read the pool's checkpoint %s here (%s); trusting that its "
-                       "vision weights are those of %s", pool_model, error, checkpoint)
+        logger.warning(
+            "vitpool gateway: cannot read the pool's checkpoint %s here (%s); trusting that its "
+            "vision weights are those of %s",
+            pool_model,
+            error,
+            checkpoint,
+        )
         return
     if theirs != weights_digest:
         raise ConfigError(
@@ -144,9 +150,13 @@ def check_same_dtype(pool: Any, dtype: torch.dtype) -> None:
     settings = getattr(pool, "settings", None)
     pool_dtype = getattr(settings, "dtype", None)
     if pool_dtype is not None and pool_dtype != str(dtype).removeprefix("torch."):
-        logger.warning("vitpool gateway: the pool runs its tower in %s and the LLM in %s (--dtype): answers "
-                       "differ from vLLM's own tower's by up to ~1e-2; launch the pool with dtype=%s",
-                       pool_dtype, str(dtype).removeprefix("torch."), str(dtype).removeprefix("torch."))
+        logger.warning(
+            "vitpool gateway: the pool runs its tower in %s and the LLM in %s (--dtype): answers "
+            "differ from vLLM's own tower's by up to ~1e-2; launch the pool with dtype=%s",
+            pool_dtype,
+            str(dtype).removeprefix("torch."),
+            str(dtype).removeprefix("torch."),
+        )
 
 
 class Gateway:
@@ -217,7 +227,9 @@ class Gateway:
                     continue
                 if not url.startswith("data:"):
                     # vLLM gets the bytes the gateway encoded, not a second download
-                    image_url["url"] = "data:application/octet-stream;base64," + base64.b64encode(data).decode()
+                    image_url["url"] = (
+                        "data:application/octet-stream;base64," + base64.b64encode(data).decode()
+                    )
                 # the content's key, also where the client set a uuid: a uuid is a claim about the
                 # bytes, and an entry published under a claimed name could answer other clients'
                 # requests for that name with this image
@@ -301,9 +313,15 @@ class Gateway:
         started = time.perf_counter()
         # each image on its own thread: decoding and the processor release the GIL for most of it
         items: list[Item | BaseException] = await asyncio.gather(
-            *(asyncio.to_thread(lambda data=image.data: self.make_item(decode_image(data))) for image in images),
-            return_exceptions=True)  # a bad image is vLLM's to answer
-        encodable = [(image, item) for image, item in zip(images, items) if not isinstance(item, BaseException)]
+            *(
+                asyncio.to_thread(lambda data=image.data: self.make_item(decode_image(data)))
+                for image in images
+            ),
+            return_exceptions=True,
+        )  # a bad image is vLLM's to answer
+        encodable = [
+            (image, item) for image, item in zip(images, items) if not isinstance(item, BaseException)
+        ]
         self.stats.fallbacks += len(images) - len(encodable)
         processed = time.perf_counter()
         self.stats.phases.process += processed - started
@@ -326,11 +344,15 @@ class Gateway:
         (the store: vLLM's connector lays them out on the rank's device), else laid out for vLLM
         here (files). Returns whether each key was published."""
         try:
-            results = await self.pool.encode_async([item for _, item in encodable], timeout_s=self.encode_timeout_s,
-                                                   return_exceptions=True)
+            results = await self.pool.encode_async(
+                [item for _, item in encodable], timeout_s=self.encode_timeout_s, return_exceptions=True
+            )
         except (VitpoolError, TimeoutError, ValueError) as error:
-            logger.warning("vitpool gateway: the pool could not encode %d images (%s); vLLM encodes them",
-                           len(encodable), error)
+            logger.warning(
+                "vitpool gateway: the pool could not encode %d images (%s); vLLM encodes them",
+                len(encodable),
+                error,
+            )
             results = [error] * len(encodable)
         encoded.append(time.perf_counter())
         entries: list[tuple[str, Embedding]] = []
@@ -354,7 +376,8 @@ class Gateway:
         if hasattr(self.publisher, "publish_embeddings"):
             return self.publisher.publish_embeddings(entries)
         return self.publisher.publish_many(
-            [(key, vllm_embedding(embedding, self.model_type, self.dtype)) for key, embedding in entries])
+            [(key, vllm_embedding(embedding, self.model_type, self.dtype)) for key, embedding in entries]
+        )
 
     # HTTP
 
@@ -377,11 +400,14 @@ class Gateway:
         try:
             body = await request.json()
         except ValueError:
-            return web.json_response({"error": {"message": "the request body is not JSON", "type": "BadRequest"}},
-                                     status=400)
+            return web.json_response(
+                {"error": {"message": "the request body is not JSON", "type": "BadRequest"}}, status=400
+            )
         if not isinstance(body, dict):
-            return web.json_response({"error": {"message": "the request body is not a JSON object",
-                                                "type": "BadRequest"}}, status=400)
+            return web.json_response(
+                {"error": {"message": "the request body is not a JSON object", "type": "BadRequest"}},
+                status=400,
+            )
         self.stats.requests += 1
         prefix = self.prefix
         images = await self._images_of(body, prefix)
@@ -390,8 +416,10 @@ class Gateway:
         await self.publish_images(images)
         if images and self.prefix != prefix:
             # the store was opened anew meanwhile: vLLM may hold stand-ins under the old keys
-            logger.warning("vitpool gateway: the embedding store changed during a request; publishing its "
-                           "images again under the new store's keys")
+            logger.warning(
+                "vitpool gateway: the embedding store changed during a request; publishing its "
+                "images again under the new store's keys"
+            )
             self._rekey(images, self.prefix)
             await self.publish_images(images)
         return await self.forward(request, CHAT_PATH, json.dumps(body).encode())
@@ -402,11 +430,15 @@ class Gateway:
         from aiohttp import web
 
         started = time.perf_counter()
-        headers = {name: value for name, value in request.headers.items()
-                   if name.lower() in ("authorization", "content-type", "accept")}
+        headers = {
+            name: value
+            for name, value in request.headers.items()
+            if name.lower() in ("authorization", "content-type", "accept")
+        }
         try:
-            async with self._client().request(request.method, self.upstream + path, data=body, headers=headers,
-                                              params=request.query) as upstream:
+            async with self._client().request(
+                request.method, self.upstream + path, data=body, headers=headers, params=request.query
+            ) as upstream:
                 content_type = upstream.headers.get("Content-Type", "application/json")
                 if content_type.startswith("text/event-stream"):
                     relay = web.StreamResponse(status=upstream.status, headers={"Content-Type": content_type})
@@ -420,12 +452,20 @@ class Gateway:
                         return relay
                     await relay.write_eof()
                     return relay
-                return web.Response(status=upstream.status, body=await upstream.read(),
-                                    headers={"Content-Type": content_type})
+                return web.Response(
+                    status=upstream.status, body=await upstream.read(), headers={"Content-Type": content_type}
+                )
         except aiohttp.ClientError as error:
             self.stats.upstream_errors += 1
-            return web.json_response({"error": {"message": f"vLLM at {self.upstream} is unreachable: {error}",
-                                                "type": "BadGateway"}}, status=502)
+            return web.json_response(
+                {
+                    "error": {
+                        "message": f"vLLM at {self.upstream} is unreachable: {error}",
+                        "type": "BadGateway",
+                    }
+                },
+                status=502,
+            )
         finally:
             self.stats.phases.forward += time.perf_counter() - started
 
@@ -450,8 +490,10 @@ class Gateway:
             "loaded": getattr(publisher_stats, "loaded", None) if self._sees_reads() else None,
         }
         if vllm_dtype is not None and str(vllm_dtype).removeprefix("torch.") != dtype:
-            view["warning"] = (f"vLLM runs {vllm_dtype} and the gateway was given --dtype {dtype}: its keys and "
-                               f"layouts are for {dtype}; restart it with --dtype {vllm_dtype}")
+            view["warning"] = (
+                f"vLLM runs {vllm_dtype} and the gateway was given --dtype {dtype}: its keys and "
+                f"layouts are for {dtype}; restart it with --dtype {vllm_dtype}"
+            )
         return view
 
     def _sees_reads(self) -> bool:
@@ -461,9 +503,13 @@ class Gateway:
         from aiohttp import web
 
         publisher_stats = await asyncio.to_thread(getattr(self.publisher, "stats", lambda: None))
-        return web.json_response({"gateway": asdict(self.stats),
-                                  "publisher": asdict(publisher_stats) if publisher_stats else None,
-                                  "vllm": self.vllm_view(publisher_stats)})
+        return web.json_response(
+            {
+                "gateway": asdict(self.stats),
+                "publisher": asdict(publisher_stats) if publisher_stats else None,
+                "vllm": self.vllm_view(publisher_stats),
+            }
+        )
 
     def app(self) -> Any:
         from aiohttp import web
@@ -494,24 +540,44 @@ def main(argv: list[str] | None = None) -> None:
     from vitpool.integrations.vllm.store import StorePublisher
     from vitpool.pool import EncoderPool
 
-    parser = argparse.ArgumentParser(prog="python -m vitpool.integrations.vllm.gateway", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m vitpool.integrations.vllm.gateway",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--model", required=True, help="the checkpoint directory vLLM serves")
     parser.add_argument("--upstream", required=True, help="vLLM's OpenAI server, e.g. http://127.0.0.1:8000")
     parser.add_argument("--pool", default="vitpool", help="the pool's name (default vitpool)")
-    parser.add_argument("--address", default=None,
-                        help="the Ray cluster (default RAY_ADDRESS, else the one `ray start` last started here)")
-    parser.add_argument("--launch-actors", type=int, default=0,
-                        help="launch a pool of this many actors in this process instead of connecting to one")
+    parser.add_argument(
+        "--address",
+        default=None,
+        help="the Ray cluster (default RAY_ADDRESS, else the one `ray start` last started here)",
+    )
+    parser.add_argument(
+        "--launch-actors",
+        type=int,
+        default=0,
+        help="launch a pool of this many actors in this process instead of connecting to one",
+    )
     parser.add_argument("--publish", choices=("store", "files"), default="store")
     parser.add_argument("--root", help="with --publish files: the directory vLLM's connector reads")
-    parser.add_argument("--max-bytes", type=float, default=8 << 30, help="bytes of embeddings kept (default 8 GiB)")
-    parser.add_argument("--dtype", type=_dtype, default=torch.bfloat16,
-                        help="the LLM's dtype: give vLLM the same --dtype (default bfloat16); a pool launched "
-                             "here runs its tower in it")
-    parser.add_argument("--allowed-media-domains", nargs="+", default=None,
-                        help="hosts whose http(s) images the gateway downloads (default any); others go to "
-                             "vLLM as they came, under vLLM's own --allowed-media-domains")
+    parser.add_argument(
+        "--max-bytes", type=float, default=8 << 30, help="bytes of embeddings kept (default 8 GiB)"
+    )
+    parser.add_argument(
+        "--dtype",
+        type=_dtype,
+        default=torch.bfloat16,
+        help="the LLM's dtype: give vLLM the same --dtype (default bfloat16); a pool launched "
+        "here runs its tower in it",
+    )
+    parser.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        default=None,
+        help="hosts whose http(s) images the gateway downloads (default any); others go to "
+        "vLLM as they came, under vLLM's own --allowed-media-domains",
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8100)
     args = parser.parse_args(argv)
@@ -522,22 +588,42 @@ def main(argv: list[str] | None = None) -> None:
         processor_backend()  # a torchvision that cannot load stops the gateway here, before a pool starts
         # both join Ray through join_ray: a cluster that wants a token this process lacks is a one-line error
         if args.launch_actors:
-            pool = EncoderPool.launch(args.model, num_actors=args.launch_actors, name=args.pool, address=args.address,
-                                      dtype=str(args.dtype).removeprefix("torch."))
+            pool = EncoderPool.launch(
+                args.model,
+                num_actors=args.launch_actors,
+                name=args.pool,
+                address=args.address,
+                dtype=str(args.dtype).removeprefix("torch."),
+            )
         else:
             pool = EncoderPool.connect(args.pool, address=args.address)
         if args.publish == "files":
             publisher: Publisher = FilePublisher(args.root, max_bytes=int(args.max_bytes))
         else:
             publisher = StorePublisher(args.pool, max_bytes=int(args.max_bytes))
-        gateway = Gateway(pool, publisher, args.model, args.upstream, dtype=args.dtype,
-                          allowed_media_domains=args.allowed_media_domains)
+        gateway = Gateway(
+            pool,
+            publisher,
+            args.model,
+            args.upstream,
+            dtype=args.dtype,
+            allowed_media_domains=args.allowed_media_domains,
+        )
     except (VitpoolError, ValueError, ConnectionError) as error:
         raise SystemExit(f"vitpool gateway: {error}") from None
     dtype = str(args.dtype).removeprefix("torch.")
-    logger.info("vitpool gateway for %s (pool %r, %s, %s image processor) on http://%s:%d, forwarding to %s, "
-                "whose --dtype must be %s", args.model, args.pool, args.publish, gateway.processor, args.host,
-                args.port, args.upstream, dtype)
+    logger.info(
+        "vitpool gateway for %s (pool %r, %s, %s image processor) on http://%s:%d, forwarding to %s, "
+        "whose --dtype must be %s",
+        args.model,
+        args.pool,
+        args.publish,
+        gateway.processor,
+        args.host,
+        args.port,
+        args.upstream,
+        dtype,
+    )
     try:
         web.run_app(gateway.app(), host=args.host, port=args.port, print=None)
     finally:

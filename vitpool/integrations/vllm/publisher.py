@@ -187,5 +187,10 @@ class FilePublisher:
         for key in evicted:
             shutil.rmtree(self.root / key, ignore_errors=True)
         if found:
-            logger.info("publisher at %s adopted %d entries (%d bytes), evicted %d over its bound",
-                        self.root, len(found) - len(evicted), self._entries.stats.bytes, len(evicted))
+            logger.info(
+                "publisher at %s adopted %d entries (%d bytes), evicted %d over its bound",
+                self.root,
+                len(found) - len(evicted),
+                self._entries.stats.bytes,
+                len(evicted),
+            )

@@ -67,7 +67,10 @@ class EmbeddingStore:
         accepted = []
         with self._lock:
             for entry in owned:
-                held = entry is not None and self._entries.put(check_key(entry.key), entry, entry.nbytes) is not None
+                held = (
+                    entry is not None
+                    and self._entries.put(check_key(entry.key), entry, entry.nbytes) is not None
+                )
                 if held:
                     self._entries.stats.published += 1
                 accepted.append(held)
@@ -84,8 +87,11 @@ class EmbeddingStore:
                 try:
                     value = ray.get(entry.object[0], timeout=OWN_TIMEOUT_S)
                 except Exception as error:  # noqa: BLE001 - its publisher gone meanwhile: not held
-                    logger.warning("vitpool: embedding %r could not be read from its publisher (%s)", entry.key,
-                                   type(error).__name__)
+                    logger.warning(
+                        "vitpool: embedding %r could not be read from its publisher (%s)",
+                        entry.key,
+                        type(error).__name__,
+                    )
                     owned.append(None)
                     continue
                 owned.append(dataclasses.replace(entry, object=[ray.put(value)]))
@@ -146,8 +152,12 @@ def open_store(pool_name: str = "vitpool", max_bytes: int = 8 << 30, min_age_s: 
     one, detached: it runs until `stop_store` (or the cluster's end), whichever process opened it.
     Needs Ray initialised."""
     actor = ray.remote(EmbeddingStore).options(
-        name=store_name(pool_name), namespace=STORE_NAMESPACE, get_if_exists=True, lifetime="detached",
-        num_cpus=0, max_concurrency=16,
+        name=store_name(pool_name),
+        namespace=STORE_NAMESPACE,
+        get_if_exists=True,
+        lifetime="detached",
+        num_cpus=0,
+        max_concurrency=16,
     )
     return actor.remote(max_bytes, min_age_s)
 
@@ -183,8 +193,14 @@ class StorePublisher:
     could not load, which only a store's loss causes).
     """
 
-    def __init__(self, pool_name: str = "vitpool", max_bytes: int = 8 << 30, min_age_s: float = 30.0,
-                 timeout_s: float = 10.0, start_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        pool_name: str = "vitpool",
+        max_bytes: int = 8 << 30,
+        min_age_s: float = 30.0,
+        timeout_s: float = 10.0,
+        start_timeout_s: float = 60.0,
+    ) -> None:
         self.pool_name = pool_name
         self.max_bytes = max_bytes
         self.min_age_s = min_age_s
@@ -203,8 +219,9 @@ class StorePublisher:
         try:
             return ray.get(getattr(self._store, method).remote(*args), timeout=self.timeout_s)
         except STORE_GONE_ERRORS as error:
-            logger.warning("vitpool: pool %r's embedding store is gone (%s); opening it again",
-                           self.pool_name, error)
+            logger.warning(
+                "vitpool: pool %r's embedding store is gone (%s); opening it again", self.pool_name, error
+            )
             self._store = self._open()
             return ray.get(getattr(self._store, method).remote(*args), timeout=self.timeout_s)
 
@@ -259,8 +276,13 @@ class StoreReader:
 
     RETRY_S = 5.0
 
-    def __init__(self, pool_name: str = "vitpool", address: str | None = None, timeout_s: float = 10.0,
-                 ask_timeout_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        pool_name: str = "vitpool",
+        address: str | None = None,
+        timeout_s: float = 10.0,
+        ask_timeout_s: float = 1.0,
+    ) -> None:
         self.pool_name = pool_name
         self.address = address
         self.timeout_s = timeout_s
@@ -297,12 +319,16 @@ class StoreReader:
                 join_ray(self.address or "auto")  # in the cluster's authentication mode, or says what to set
             store = find_store(self.pool_name)
         except Exception as error:  # noqa: BLE001 - no cluster: vLLM encodes itself meanwhile
-            self._log_once(f"vitpool: cannot reach the Ray cluster of pool {self.pool_name!r}'s embedding store "
-                           f"({error}); vLLM encodes images itself until it can (retried every {self.RETRY_S:g} s)")
+            self._log_once(
+                f"vitpool: cannot reach the Ray cluster of pool {self.pool_name!r}'s embedding store "
+                f"({error}); vLLM encodes images itself until it can (retried every {self.RETRY_S:g} s)"
+            )
             return
         if store is None:
-            self._log_once(f"vitpool: no embedding store for pool {self.pool_name!r} runs (a gateway with "
-                           "--publish store opens it); vLLM encodes images itself until one does")
+            self._log_once(
+                f"vitpool: no embedding store for pool {self.pool_name!r} runs (a gateway with "
+                "--publish store opens it); vLLM encodes images itself until one does"
+            )
             return
         with self._lock:
             self._store = store
@@ -327,8 +353,10 @@ class StoreReader:
         return self._store
 
     def _lost(self, error: BaseException) -> None:
-        self._log_once(f"vitpool: pool {self.pool_name!r}'s embedding store did not answer ({type(error).__name__}); "
-                       "finding it again, vLLM encodes images itself meanwhile")
+        self._log_once(
+            f"vitpool: pool {self.pool_name!r}'s embedding store did not answer ({type(error).__name__}); "
+            "finding it again, vLLM encodes images itself meanwhile"
+        )
         with self._lock:
             self._store = None
             if isinstance(error, STORE_GONE_ERRORS):
@@ -380,7 +408,9 @@ class StoreReader:
                     try:
                         values[entry.key] = entry.value(ray.get(entry.object[0], timeout=self.timeout_s))
                     except Exception as error:  # noqa: BLE001 - lost, late or bad: not loaded
-                        logger.warning("vitpool: embedding %r cannot be fetched (%s)", entry.key, type(error).__name__)
+                        logger.warning(
+                            "vitpool: embedding %r cannot be fetched (%s)", entry.key, type(error).__name__
+                        )
         lost = [entry.key for entry in present if entry.key not in values]
         if lost and self._store is not None:
             self._store.drop.remote(lost)  # not waited for: no one is told it exists again
