@@ -241,8 +241,8 @@ def bench(args: argparse.Namespace) -> int:
         latencies.sort()
         p99 = latencies[min(len(latencies) - 1, round(0.99 * len(latencies)) - 1)]
         print(
-            f"| pool | actors | item | one call p50 / p99 ms ({args.calls} calls) | items/s ({args.threads} threads, "
-            f"{args.seconds:g} s) |\n|---|---|---|---|---|\n"
+            f"| pool | actors | item | one call p50 / p99 ms ({args.calls} calls) | items/s ({args.threads} "
+            f"threads, {args.seconds:g} s) |\n|---|---|---|---|---|\n"
             f"| {args.name} | {pool.num_actors} | {_describe(item)} | "
             f"{statistics.median(latencies) * 1e3:.2f} / {p99 * 1e3:.2f} | {items / elapsed:.1f} |"
         )

@@ -92,7 +92,7 @@ def decode_results(data: bytes) -> list[Embedding]:
     for index, entry in enumerate(_field(message, "embeddings", list)):
         where = f"embedding {index}"
         if not isinstance(entry, dict):
-            raise ValueError(f"{where} is not a map")
+            raise ValueError(f"{where} is not a map")  # noqa: TRY004 - decoding raises only ValueError
         if version == 2:
             outputs = _tensors(_field(entry, "outputs", list, where), f"{where} output")
             if not outputs:
@@ -110,7 +110,7 @@ def decode_results(data: bytes) -> list[Embedding]:
 
 def _item_v2(entry: Any, where: str, version: int = 2) -> Item:
     if not isinstance(entry, dict):
-        raise ValueError(f"{where} is not a map")
+        raise ValueError(f"{where} is not a map")  # noqa: TRY004 - decoding raises only ValueError
     modality = _field(entry, "modality", str, where)
     if modality not in _ITEM_TYPES:
         raise ValueError(f"{where}: modality {modality!r} is not one of {sorted(_ITEM_TYPES)}")
@@ -136,7 +136,7 @@ def _item_v2(entry: Any, where: str, version: int = 2) -> Item:
 
 def _item_v1(entry: Any, where: str) -> Item:
     if not isinstance(entry, dict):
-        raise ValueError(f"{where} is not a map")
+        raise ValueError(f"{where} is not a map")  # noqa: TRY004 - decoding raises only ValueError
     kind = _field(entry, "type", str, where)
     if kind not in _ITEM_TYPES:
         raise ValueError(f"{where}: type {kind!r} is not one of {sorted(_ITEM_TYPES)}")
@@ -184,7 +184,7 @@ def _pack(kind: str, body: dict, version: int = VERSION) -> bytes:
 def _unpack(data: Any, kind: str) -> tuple[dict, int]:
     """The message and its version."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise ValueError(f"expected bytes, got {type(data).__name__}")
+        raise ValueError(f"expected bytes, got {type(data).__name__}")  # noqa: TRY004 - as all decoding errors
     if len(data) > MAX_MESSAGE_BYTES:
         raise ValueError(f"message of {len(data)} bytes is over the {MAX_MESSAGE_BYTES}-byte limit")
     try:
@@ -209,7 +209,9 @@ def _field(message: dict, name: str, kind: type, where: str = "message") -> Any:
         raise ValueError(f"{where}: missing {name!r}")
     value = message[name]
     if not isinstance(value, kind):
-        raise ValueError(f"{where}: {name!r} must be a {kind.__name__}, got {type(value).__name__}")
+        raise ValueError(  # noqa: TRY004 - decoding raises only ValueError
+            f"{where}: {name!r} must be a {kind.__name__}, got {type(value).__name__}"
+        )
     return value
 
 
@@ -217,7 +219,7 @@ def _tensors(entries: list, where: str) -> list[torch.Tensor]:
     tensors = []
     for number, entry in enumerate(entries):
         if not isinstance(entry, dict):
-            raise ValueError(f"{where} {number} is not a map")
+            raise ValueError(f"{where} {number} is not a map")  # noqa: TRY004 - decoding raises ValueError
         tensors.append(_unpack_tensor(entry, f"{where} {number}"))
     return tensors
 

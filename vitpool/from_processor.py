@@ -44,7 +44,8 @@ def items_from(
     """
     if not isinstance(batch, Mapping):
         raise TypeError(
-            f"batch must be what the processor returned (a BatchFeature or a dict), not {type(batch).__name__}"
+            "batch must be what the processor returned (a BatchFeature or a dict), not "
+            f"{type(batch).__name__}"
         )
     if family is not None and model is not None:
         raise ValueError("pass family= or model=, not both")
@@ -107,8 +108,9 @@ def _found(batch: Mapping[str, Any]) -> FamilyRecord:
         )
     nearest = min(keyed, key=lambda r: len(r.processor_output.missing(batch.keys())))  # type: ignore[union-attr]
     raise ValueError(
-        f"the batch's keys ({_listed(batch)}) are no family's processor output; the nearest, {nearest.name}'s, "
-        f"also holds {', '.join(nearest.processor_output.missing(batch.keys()))}. Pass what the processor "  # type: ignore[union-attr]
+        f"the batch's keys ({_listed(batch)}) are no family's processor output; the nearest, "
+        f"{nearest.name}'s, also holds {', '.join(nearest.processor_output.missing(batch.keys()))}. Pass "
+        "what the processor "  # type: ignore[union-attr]
         "returned as it is (a BatchFeature or its dict), or name the family with family="
     )
 
@@ -127,7 +129,9 @@ def _model_type_of(model: str | os.PathLike) -> str:
     except (OSError, ValueError) as error:
         raise ValueError(f"model={str(model)!r}: cannot read its config.json ({error})") from None
     if not isinstance(model_type, str):
-        raise ValueError(f"model={str(model)!r}: its config.json names no model_type")
+        raise ValueError(  # noqa: TRY004 - a bad model=, raised as the unreadable config.json above is
+            f"model={str(model)!r}: its config.json names no model_type"
+        )
     return model_type
 
 

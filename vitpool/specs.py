@@ -134,14 +134,14 @@ def plan_to_wire(plan: BatchPlan) -> dict:
 def plan_from_wire(value: Any) -> BatchPlan:
     """The plan `plan_to_wire` made; ValueError for anything else."""
     if not isinstance(value, Mapping) or not isinstance(value.get("specs"), list):
-        raise ValueError("not a batch plan")
+        raise ValueError("not a batch plan")  # noqa: TRY004 - plan_from_wire raises only ValueError
     budget = value.get("budget")
     if budget is not None:
         try:
             num_tokens, limits, max_items, *rest = budget
             path = rest[0] if len(rest) == 1 else "" if not rest else None
             if not isinstance(path, str):
-                raise ValueError(f"expected one path string after the item bound; got {rest!r}")
+                raise TypeError(f"expected one path string after the item bound; got {rest!r}")
             budget = Budget(
                 _int(num_tokens), tuple((str(n), _int(a)) for n, a in limits), _int(max_items), path
             )
@@ -276,7 +276,7 @@ def _limit_pairs(limits: Any) -> Needs:
 
 def _ints(values: Any) -> tuple[int, ...]:
     if not isinstance(values, (list, tuple)):
-        raise ValueError(f"{values!r} is not a list of integers")
+        raise TypeError(f"{values!r} is not a list of integers")
     return tuple(_int(v) for v in values)
 
 
@@ -409,7 +409,8 @@ class EncoderOptions:
             name = str(self.dtype).removeprefix("torch.")
             if name not in DTYPE_CHOICES:
                 raise ConfigError(
-                    f"dtype {self.dtype!r} is not supported; use one of {DTYPE_CHOICES} (or None for the device's default)"
+                    f"dtype {self.dtype!r} is not supported; use one of {DTYPE_CHOICES} (or None for the "
+                    "device's default)"
                 )
             object.__setattr__(self, "dtype", name)
         if self.attention not in ATTENTION_CHOICES:

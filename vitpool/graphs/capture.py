@@ -50,7 +50,7 @@ def capture_all(runner: BatchRunner, budgets: Sequence[Budget], pool: tuple | No
     stats = runner.stats
     total = len(budgets)
     with torch.no_grad(), _no_collection_while_capturing():
-        for number, budget in enumerate(reversed(sorted(budgets)), start=1):
+        for number, budget in enumerate(sorted(budgets, reverse=True), start=1):
             budget_start = time.perf_counter()
             graph = _capture(runner, budget, pool, rng, generator)
             error = _check(runner, budget, graph, rng, generator)

@@ -604,8 +604,8 @@ def _check_precision(precision: str, device: torch.device, dtype: torch.dtype) -
     if precision == "fp8":
         if not fp8_supported(device):
             raise ConfigError(
-                f"precision 'fp8' needs a GPU of compute capability 8.9 or newer (FP8 tensor cores); the device "
-                f"is {device}; use 'bf16'"
+                "precision 'fp8' needs a GPU of compute capability 8.9 or newer (FP8 tensor cores); the "
+                f"device is {device}; use 'bf16'"
             )
         if dtype != torch.bfloat16:
             raise ConfigError(f"precision 'fp8' computes in bfloat16, not {dtype}")
@@ -621,8 +621,8 @@ def _options_with(options: EncoderOptions | None, values: Mapping[str, Any]) -> 
     """
     if options is not None and not isinstance(options, EncoderOptions):
         raise TypeError(
-            f"options must be a vitpool.specs.EncoderOptions, not {type(options).__name__}; give budgets and the "
-            "other options by name (budgets=[64, 256])"
+            f"options must be a vitpool.specs.EncoderOptions, not {type(options).__name__}; give budgets and "
+            "the other options by name (budgets=[64, 256])"
         )
     plain = dict(values)
     device, dtype = plain.get("device"), plain.get("dtype")

@@ -114,7 +114,8 @@ def check_pixels(position: int, spec: ItemSpec, pixels: torch.Tensor, row_shape:
     position in its batch otherwise."""
     if tuple(pixels.shape) != spec.pixel_shape:
         raise ValueError(
-            f"item {position} of the batch: pixels of shape {tuple(pixels.shape)}, its spec says {spec.pixel_shape}"
+            f"item {position} of the batch: pixels of shape {tuple(pixels.shape)}, its spec says "
+            f"{spec.pixel_shape}"
         )
     if spec.pixel_shape[1:] != row_shape:
         raise ValueError(

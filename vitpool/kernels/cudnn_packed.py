@@ -168,8 +168,8 @@ class _Plans:
                 logger.debug("cuDNN packed attention: plan %d built for %s", self.built, key)
                 if plan.workspace_size > MAX_WORKSPACE_BYTES:
                     logger.info(
-                        "cuDNN packed attention: FlashAttention-2 for %d sequences of at most %d rows over %d "
-                        "heads (cuDNN's plan asks %d bytes of workspace)",
+                        "cuDNN packed attention: FlashAttention-2 for %d sequences of at most %d rows over "
+                        "%d heads (cuDNN's plan asks %d bytes of workspace)",
                         key.sequences,
                         key.max_length,
                         key.heads,
@@ -358,8 +358,8 @@ def packed_cudnn_attention(
         plan.faster = _race(run, rival)
         if not plan.faster:
             logger.info(
-                "cuDNN packed attention: the other kernel is faster for %d sequences of at most %d rows over %d "
-                "heads; it runs there",
+                "cuDNN packed attention: the other kernel is faster for %d sequences of at most %d rows over "
+                "%d heads; it runs there",
                 key.sequences,
                 key.max_length,
                 key.heads,

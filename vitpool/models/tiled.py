@@ -81,8 +81,8 @@ def crop_size_of(config: Any, processor_class: str, processor_key: str, default:
     return CropSize(
         default,
         (
-            f"{processor_class}'s default {processor_key}: the checkpoint has no processor config that sets it; "
-            f"{OTHER_CROP_SIZES}"
+            f"{processor_class}'s default {processor_key}: the checkpoint has no processor config that sets "
+            f"it; {OTHER_CROP_SIZES}"
         ),
     )
 

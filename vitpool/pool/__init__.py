@@ -13,5 +13,5 @@ _NAMES = {
     "PoolStats": "vitpool.pool.stats",
 }
 
-__all__ = sorted(_NAMES)
+__all__ = ["CacheStats", "EncoderPool", "PoolSettings", "PoolStats"]
 __getattr__, __dir__ = lazy_exports(__name__, _NAMES)

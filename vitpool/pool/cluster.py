@@ -232,8 +232,8 @@ def colocated_options(placement_group: Any, actor_options: dict[str, Any] | None
         for resource, key in (("GPU", "num_gpus"), ("CPU", "num_cpus")):
             if float(options[key] or 0) > specs[bundle].get(resource, 0) + 1e-9:
                 raise ConfigError(
-                    f"bundle {bundle} of the placement group has {specs[bundle].get(resource, 0):g} {resource}; "
-                    f"an encoder actor asks {key}={options[key]}"
+                    f"bundle {bundle} of the placement group has {specs[bundle].get(resource, 0):g} "
+                    f"{resource}; an encoder actor asks {key}={options[key]}"
                 )
     return options, Placement(placement_group, bundles)
 

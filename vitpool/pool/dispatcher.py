@@ -463,7 +463,10 @@ class Dispatcher:
                 slot = self._actors.get(flight.actor_index)
                 if slot is not None:
                     _release(slot.load, flight)
-                why = f"encoder actor {flight.actor_index} did not answer a batch within {self._batch_timeout_s} s"
+                why = (
+                    f"encoder actor {flight.actor_index} did not answer a batch within "
+                    f"{self._batch_timeout_s} s"
+                )
                 self._actor_failed(flight.actor_index, why)
                 self._requeue(flight, why)
                 self._forget_idle_leavers()

@@ -9,7 +9,8 @@ to the others; only small control messages go anywhere else.
 This module is the facade. A call's way through (check its items against the model's rules, in
 this process, once; ask the cache; queue; wait; fetch) is `encode_call`'s, starting actors
 `launcher`'s, keeping the membership current `membership`'s, choosing batches and actors
-`policy`'s, moving batches the transport's. A caller's process loads no model code: the rules arrive pickled from an actor.
+`policy`'s, moving batches the transport's. A caller's process loads no model code: the rules
+arrive pickled from an actor.
 
 A handle that was closed, or whose pool's controller is gone, or whose process left Ray, raises
 PoolUnavailableError saying which from every method, before any Ray call: Ray's calls would
@@ -377,7 +378,7 @@ class EncoderPool:
         nothing."""
         self._shutdown(stop_pool=self._owns_pool or self._settings.detached)
 
-    def __enter__(self) -> EncoderPool:
+    def __enter__(self) -> EncoderPool:  # noqa: PYI034 - typing.Self needs Python 3.11; vitpool supports 3.10
         self._check_usable()
         return self
 

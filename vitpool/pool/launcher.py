@@ -278,8 +278,8 @@ def await_started(
                     (
                         index,
                         VitpoolError(
-                            f"encoder actor {index} was not ready after {timeout_s:.0f} s (startup_timeout_s); "
-                            f"free in the cluster now: {free_resources()}"
+                            f"encoder actor {index} was not ready after {timeout_s:.0f} s "
+                            f"(startup_timeout_s); free in the cluster now: {free_resources()}"
                         ),
                     )
                 )

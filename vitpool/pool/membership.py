@@ -101,7 +101,7 @@ class MembershipWatcher:
                     logger.warning("the pool's controller is gone (%s); calls will fail", first_line)
                     self._on_lost(error)
                 return
-            except Exception:  # noqa: BLE001 - a failed update must not stop the watching
+            except Exception:  # a failed update must not stop the watching
                 logger.exception("updating the pool's membership failed; watching on")
                 poll = None
 

@@ -22,7 +22,7 @@ hands `PoolMetrics` a reading of them as often. A counter goes up by what its so
 the last reading. A handle reads its counters once more when it is closed, or when its process
 exits without closing it (Ray exports what was recorded as the process leaves), so a short-lived
 caller's calls count too.
-"""
+"""  # noqa: E501 - two rows of the Markdown table above; a table row cannot be wrapped
 
 from __future__ import annotations
 

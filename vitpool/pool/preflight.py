@@ -54,7 +54,10 @@ def checked_model_directory(model: str | None, joins_a_cluster: bool = False) ->
             f"model {model!r}: no such directory on this machine. vitpool loads local checkpoints only: "
             f"download it first (e.g. `hf download {model} --local-dir DIR`) and pass DIR"
             if _looks_like_hub_id(model)
-            else f"model {model!r}: no such directory on this machine; pass a local Hugging Face checkpoint directory"
+            else (
+                f"model {model!r}: no such directory on this machine; pass a local Hugging Face "
+                "checkpoint directory"
+            )
         )
     if not directory.is_dir():
         raise CheckpointError(

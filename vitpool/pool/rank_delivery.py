@@ -165,7 +165,10 @@ def rdt_problem(transport: str, actor: Any, ranks: Sequence[Any], launched_with:
     (Ray 2.60); a rank without it hangs on its first delivery until Ray's timeout kills it.
     """
     if launched_with != transport:
-        return f"the pool was launched with rank_transport={launched_with!r}; launch it with rank_transport={transport!r}"
+        return (
+            f"the pool was launched with rank_transport={launched_with!r}; launch it with "
+            f"rank_transport={transport!r}"
+        )
     problem = ray.get(actor.rdt_unavailable.remote(transport))
     if problem is not None:
         return problem
@@ -177,8 +180,8 @@ def rdt_problem(transport: str, actor: Any, ranks: Sequence[Any], launched_with:
             shared = set(encoder_at[1]) & set(rank_at[1]) if rank_at[0] == encoder_at[0] else set()
             if shared:
                 return (
-                    f"rank {number} shares GPU {sorted(shared)} with the encoder actor, and NCCL cannot put two "
-                    "members of one group on one GPU: deliver from an encoder actor on a GPU of its own"
+                    f"rank {number} shares GPU {sorted(shared)} with the encoder actor, and NCCL cannot put "
+                    "two members of one group on one GPU: deliver from an encoder actor on a GPU of its own"
                 )
     from ray.experimental.collective import create_collective_group, get_collective_groups
 

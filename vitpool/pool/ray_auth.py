@@ -52,7 +52,8 @@ def match_authentication(address: str) -> str:
             raise ConnectionError(
                 f"the Ray cluster at {address} does not use token authentication, but RAY_AUTH_MODE=token "
                 "here, so this process would refuse the cluster's calls and its actors would die unstarted: "
-                "unset RAY_AUTH_MODE (or set it to disabled), or join a cluster started with token authentication"
+                "unset RAY_AUTH_MODE (or set it to disabled), or join a cluster started with token "
+                "authentication"
             )
         if mode is None:
             _set_authentication_mode("disabled")

@@ -190,7 +190,8 @@ class PoolSettings(EncoderSpec):
             or self.embedding_cache_bytes < 0
         ):
             raise ConfigError(
-                f"embedding_cache_bytes must be an integer >= 0 (0: no cache); got {self.embedding_cache_bytes!r}"
+                "embedding_cache_bytes must be an integer >= 0 (0: no cache); got "
+                f"{self.embedding_cache_bytes!r}"
             )
         local = self.embedding_cache_local_bytes
         if local is not None and (isinstance(local, bool) or not isinstance(local, int) or local < 0):
@@ -213,7 +214,8 @@ class PoolSettings(EncoderSpec):
             _positive_int("actor_threads", self.actor_threads)
         if self.rank_transport not in (None, *RANK_TRANSPORTS):
             raise ConfigError(
-                f"rank_transport {self.rank_transport!r}: use 'nccl' (GPU actors), 'gloo' (CPU actors) or None"
+                f"rank_transport {self.rank_transport!r}: use 'nccl' (GPU actors), 'gloo' (CPU actors) or "
+                "None"
             )
         if self.rank_transport == "nccl" and self.device == "cpu":
             raise ConfigError(
@@ -286,7 +288,8 @@ def _taking_small_first_stream(init: Callable[..., None]) -> Callable[..., None]
             )
             if not isinstance(small_first_stream, bool):
                 raise ConfigError(
-                    f"small_first_stream must be True or False (deprecated: use urgent_tokens); got {small_first_stream!r}"
+                    "small_first_stream must be True or False (deprecated: use urgent_tokens); got "
+                    f"{small_first_stream!r}"
                 )
             if kwargs.get("urgent_tokens") is not None:
                 raise ConfigError(

@@ -148,7 +148,8 @@ class PoolStats(PoolCounters, CallerCounters):
             f"pool {self.name!r}: {counted(self.num_actors, 'encoder actor')} taking work; since launch "
             f"{counted(self.pool_items, 'item')} in {counted(self.pool_batches, 'batch')}"
             + (
-                f" ({self.departed.items} by {counted(self.departed_actors, 'actor')} since retired or failed)"
+                f" ({self.departed.items} by {counted(self.departed_actors, 'actor')} since retired or "
+                "failed)"
                 if self.departed_actors
                 else ""
             )
@@ -168,14 +169,18 @@ class PoolStats(PoolCounters, CallerCounters):
                 f"{self.items_per_second:.1f} items/s over the last 10 s, latency p50 "
                 f"{self.latency_p50_s * 1e3:.2f} ms p99 {self.latency_p99_s * 1e3:.2f} ms; queue "
                 f"{counted(self.queue_depth, 'item')} (peak {self.peak_queued_items}, "
-                f"{self.peak_queued_bytes / 2**20:.1f} MiB), in flight {self.batches_in_flight}; failed calls "
-                f"{self.failed_calls}, rejected items {self.rejected_items}, requeued items {self.requeued_items}, "
-                f"failed batches {self.failed_batches} ({self.timed_out_batches} timed out)"
+                f"{self.peak_queued_bytes / 2**20:.1f} MiB), in flight {self.batches_in_flight}; failed "
+                f"calls {self.failed_calls}, rejected items {self.rejected_items}, requeued items "
+                f"{self.requeued_items}, failed batches {self.failed_batches} ({self.timed_out_batches} "
+                "timed out)"
             )
         if self.cache is not None:
             lines.append(self.cache.summary())
         lines += [
-            "| actor | device | batches | items | runs (combined batches) | graph hit rate | padding | busy | up |",
+            (
+                "| actor | device | batches | items | runs (combined batches) | graph hit rate | padding "
+                "| busy | up |"
+            ),
             "|---|---|---|---|---|---|---|---|---|",
         ]
         for actor in self.actors:
@@ -183,8 +188,8 @@ class PoolStats(PoolCounters, CallerCounters):
             hit_rate = "- (CPU)" if not actor.captures_graphs else f"{actor.graph_hit_rate:.0%}"
             lines.append(
                 f"| {actor.actor_index} | {actor.device} | {actor.batches} | {actor.items} | {actor.runs} "
-                f"({actor.combined_batches}) | {hit_rate} | {actor.padding_waste:.0%} | {actor.utilization:.0%} | "
-                f"{actor.uptime_seconds:.0f} s |"
+                f"({actor.combined_batches}) | {hit_rate} | {actor.padding_waste:.0%} | "
+                f"{actor.utilization:.0%} | {actor.uptime_seconds:.0f} s |"
                 + (f" {counted(actor.oom_splits, 'out-of-memory split')}" if actor.oom_splits else "")
             )
         return "\n".join(lines)

@@ -246,7 +246,7 @@ class _Connection:
                 outcome = exchange.receive()
                 try:
                     on_reply(outcome)
-                except Exception:  # noqa: BLE001 - the thread must live on for the next batches
+                except Exception:  # the thread must live on for the next batches
                     logger.exception("a channel reply callback failed")
         finally:
             self._close()

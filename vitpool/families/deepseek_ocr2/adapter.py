@@ -196,7 +196,7 @@ class DeepseekOcr2Encoder(torch.nn.Module):
         sam = vision_tower.sam_encoder.config
         patch = sam.patch_size
         if not isinstance(patch, int) or not isinstance(sam.image_size, int):
-            raise ValueError(
+            raise ValueError(  # noqa: TRY004 - an unsupported config value (non-square), not a wrong argument
                 f"DeepSeek-OCR-2 needs square patches and views (one integer each); got patch_size "
                 f"{patch!r}, image_size {sam.image_size!r}"
             )

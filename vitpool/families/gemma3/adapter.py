@@ -99,8 +99,8 @@ def tower_only_config(full_config: Any) -> Any:
     model_type = getattr(full_config, "model_type", None)
     if model_type not in FULL_MODEL_TYPES:
         raise CheckpointError(
-            f"a {model_type!r} checkpoint with a SigLIP vision tower: vitpool runs SigLIP towers with Gemma 3's "
-            f"projector only (model_type {' or '.join(map(repr, FULL_MODEL_TYPES))})"
+            f"a {model_type!r} checkpoint with a SigLIP vision tower: vitpool runs SigLIP towers with Gemma "
+            f"3's projector only (model_type {' or '.join(map(repr, FULL_MODEL_TYPES))})"
         )
     config = copy.deepcopy(full_config.vision_config)
     config.text_hidden_size = full_config.text_config.hidden_size
@@ -147,8 +147,9 @@ def check_pooling(vision_config: Any, mm_tokens_per_image: int) -> None:
         or side % tokens_side
     ):
         raise ValueError(
-            f"Gemma 3 views of {image_size}² pixels in {patch_size}-pixel patches ({side}² patches) cannot be "
-            f"pooled to mm_tokens_per_image={mm_tokens_per_image}: it must be a square whose side divides {side}"
+            f"Gemma 3 views of {image_size}² pixels in {patch_size}-pixel patches ({side}² patches) cannot "
+            f"be pooled to mm_tokens_per_image={mm_tokens_per_image}: it must be a square whose side divides "
+            f"{side}"
         )
 
 

@@ -124,9 +124,9 @@ def build_encoder(config: Any, dtype: torch.dtype | None = None) -> Gemma4Encode
         config = tower_only_config(config)
     if getattr(config, "text_hidden_size", None) is None:
         raise ValueError(
-            "Gemma 4's embed_vision needs text_hidden_size (the LLM's width) besides the vision config: give the "
-            "full model's config (Gemma4Config) or a tower-only save written with tower_only_config; got a "
-            f"{type(config).__name__} (model_type {getattr(config, 'model_type', None)!r})"
+            "Gemma 4's embed_vision needs text_hidden_size (the LLM's width) besides the vision config: give "
+            "the full model's config (Gemma4Config) or a tower-only save written with tower_only_config; got "
+            f"a {type(config).__name__} (model_type {getattr(config, 'model_type', None)!r})"
         )
     text = SimpleNamespace(hidden_size=int(config.text_hidden_size))
     if dtype is None:
@@ -157,14 +157,15 @@ class Gemma4Adapter:
         k = int(config.pooling_kernel_size)
         if k < 2:
             raise ConfigError(
-                f"Gemma 4: pooling_kernel_size {k} is not run: Hugging Face's pooler then keeps its padding rows "
-                "instead of the image's (it returns the padding mask as the mask of valid tokens), so there is no "
-                "reference to match"
+                f"Gemma 4: pooling_kernel_size {k} is not run: Hugging Face's pooler then keeps its padding "
+                "rows instead of the image's (it returns the padding mask as the mask of valid tokens), so "
+                "there is no reference to match"
             )
         if int(config.num_key_value_heads) != int(config.num_attention_heads):
             raise ConfigError(
-                f"Gemma 4: {config.num_key_value_heads} key-value heads for {config.num_attention_heads} heads is not "
-                "run; vitpool's packed attention takes as many key-value heads as heads (as every release has)"
+                f"Gemma 4: {config.num_key_value_heads} key-value heads for {config.num_attention_heads} "
+                "heads is not run; vitpool's packed attention takes as many key-value heads as heads (as "
+                "every release has)"
             )
         self.tower = tower
         self.pooling_kernel_size = k

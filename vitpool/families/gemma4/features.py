@@ -34,8 +34,8 @@ class Gemma4Features(PooledImageFeatures):
     def forward(self, *args: Any, **kwargs: Any) -> BaseModelOutputWithPooling:
         # only get_video_features calls the tower itself
         raise ConfigError(
-            f"{self.family}: the drop-in answers get_image_features; get_video_features is not run through it "
-            "(restore_vision_tower first, or encode the frames as images)"
+            f"{self.family}: the drop-in answers get_image_features; get_video_features is not run through "
+            "it (restore_vision_tower first, or encode the frames as images)"
         )
 
     def get_image_features(

@@ -34,7 +34,8 @@ def items(batch: Mapping[str, Any]) -> list[ProcessorItem]:
     positions = required(
         batch,
         POSITIONS_KEY,
-        "pass what Gemma 4's processor returned (its image_position_ids say which rows are each image's patches)",
+        "pass what Gemma 4's processor returned (its image_position_ids say which rows are each image's "
+        "patches)",
     )
     check_array(pixels, "pixel_values")
     check_array(positions, POSITIONS_KEY)
@@ -46,8 +47,8 @@ def items(batch: Mapping[str, Any]) -> list[ProcessorItem]:
         )
     if position_shape != (*pixel_shape[:2], 2):
         raise ValueError(
-            f"{POSITIONS_KEY} has shape {position_shape}; pixel_values {pixel_shape} needs one (x, y) per row, "
-            f"{(*pixel_shape[:2], 2)}"
+            f"{POSITIONS_KEY} has shape {position_shape}; pixel_values {pixel_shape} needs one (x, y) per "
+            f"row, {(*pixel_shape[:2], 2)}"
         )
     cut = []
     for index in range(pixel_shape[0]):

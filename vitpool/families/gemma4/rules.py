@@ -64,8 +64,8 @@ class Gemma4Rules:
     ) -> ItemSpec:
         if modality == VIDEO:
             raise ValueError(
-                "Gemma 4 takes images only; its get_video_features runs each frame as an image: pass each frame "
-                "as an Image and join their tokens"
+                "Gemma 4 takes images only; its get_video_features runs each frame as an image: pass each "
+                "frame as an Image and join their tokens"
             )
         k = self.pooling_kernel_size
         grid = checked_grid(
@@ -74,14 +74,14 @@ class Gemma4Rules:
         _, h, w = grid
         if max(h, w) > self.max_side:
             raise ValueError(
-                f"grid_thw {grid}: a side of more than {self.max_side} patches is past the tower's position table "
-                "(position_embedding_size)"
+                f"grid_thw {grid}: a side of more than {self.max_side} patches is past the tower's position "
+                "table (position_embedding_size)"
             )
         pixel_shape = tuple(pixel_shape)
         if len(pixel_shape) != 2:
             raise ValueError(
-                f"pixel_values must be 2-D [h*w, 3*P*P] (an image's real patch rows); got shape {pixel_shape}: cut a "
-                "processor batch with vitpool.items_from, which drops the padding rows"
+                "pixel_values must be 2-D [h*w, 3*P*P] (an image's real patch rows); got shape "
+                f"{pixel_shape}: cut a processor batch with vitpool.items_from, which drops the padding rows"
             )
         if pixel_shape[1] != self.row_width:
             raise ValueError(

@@ -128,8 +128,8 @@ class HunYuanVLAdapter:
         self.edge = int(embeddings.position_edge)
         if embeddings.position_embedding.num_embeddings != self.edge**2 + 1:
             raise ConfigError(
-                f"HunYuan-VL: the position table has {embeddings.position_embedding.num_embeddings} rows; the tower "
-                f"reads a cls row and {self.edge} x {self.edge} positions"
+                f"HunYuan-VL: the position table has {embeddings.position_embedding.num_embeddings} rows; "
+                f"the tower reads a cls row and {self.edge} x {self.edge} positions"
             )
         self.tower = tower
         self.channels, self.patch_size = int(config.num_channels), int(config.patch_size)
@@ -198,7 +198,8 @@ class HunYuanVLAdapter:
         hidden = (hidden + positions.to(hidden.dtype)).unsqueeze(0)  # the blocks take a batch of one
         cu_seqlens = metadata["cu_seqlens"]
         for layer in tower.layers:
-            # static: a Python int from the buffer's shape, so the packed attention never reads cu_seqlens back
+            # static: a Python int from the buffer's shape, so the packed attention never reads
+            # cu_seqlens back
             hidden = layer(hidden, attention_mask=None, cu_seqlens=cu_seqlens, max_seqlen=num_rows)
         normed = merger.before_rms(hidden[0])
         merge_index = metadata["merge_index"]

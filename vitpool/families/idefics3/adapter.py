@@ -150,8 +150,9 @@ class Idefics3Adapter(TiledAdapter):
         side = image_size // patch_size
         if image_size % patch_size or side % scale:
             raise ValueError(
-                f"Idefics3 / SmolVLM splits of {image_size} pixels in patches of {patch_size} give {side} patches a "
-                f"side, which scale_factor {scale} does not divide: the connector cannot pixel-shuffle them"
+                f"Idefics3 / SmolVLM splits of {image_size} pixels in patches of {patch_size} give {side} "
+                f"patches a side, which scale_factor {scale} does not divide: the connector cannot "
+                "pixel-shuffle them"
             )
         install_kernels(tower)
         self.tower = tower

@@ -41,8 +41,8 @@ class Idefics3Features(PooledImageFeatures):
             partial = [int(i) for i in real.nonzero().flatten() if not bool(masks[i].all())]
             if partial:
                 raise ValueError(
-                    f"pixel_attention_mask marks padding inside real frames {partial}: vitpool runs whole splits "
-                    "only, as the image processor cuts them"
+                    f"pixel_attention_mask marks padding inside real frames {partial}: vitpool runs whole "
+                    "splits only, as the image processor cuts them"
                 )
         counts = real.view(num_samples, num_frames).sum(dim=1).tolist()
         if not sum(counts):

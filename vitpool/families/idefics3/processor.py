@@ -62,8 +62,8 @@ def items(batch: Mapping[str, Any]) -> list[ProcessorItem]:
             count = _frames_of(num_rows, num_cols, sample, image)
             if start + count > pixels.shape[1]:
                 raise ValueError(
-                    f"sample {sample}: rows {sample_rows} and cols {sample_cols} account for more frames than "
-                    f"its {pixels.shape[1]}"
+                    f"sample {sample}: rows {sample_rows} and cols {sample_cols} account for more frames "
+                    f"than its {pixels.shape[1]}"
                 )
             for frame in range(start, start + count):
                 _check_frame(pixels, masks, sample, frame, image)
@@ -92,8 +92,8 @@ def _frames_of(num_rows: int, num_cols: int, sample: int, image: int) -> int:
     """An image's frames: its rows x cols splits and its global image, or one frame unsplit."""
     if (num_rows == 0) != (num_cols == 0):
         raise ValueError(
-            f"sample {sample}, image {image}: rows {num_rows} and cols {num_cols}; an image is split both ways or "
-            "not at all"
+            f"sample {sample}, image {image}: rows {num_rows} and cols {num_cols}; an image is split both "
+            "ways or not at all"
         )
     return num_rows * num_cols + 1 if num_rows else 1
 
@@ -101,13 +101,13 @@ def _frames_of(num_rows: int, num_cols: int, sample: int, image: int) -> int:
 def _check_frame(pixels: Any, masks: Any, sample: int, frame: int, image: int) -> None:
     if not bool((pixels[sample, frame] != 0).any()):
         raise ValueError(
-            f"sample {sample}, frame {frame} (image {image}) is all zeros: the model drops such a frame as padding, "
-            "so its image would not get the tokens its prompt holds"
+            f"sample {sample}, frame {frame} (image {image}) is all zeros: the model drops such a frame as "
+            "padding, so its image would not get the tokens its prompt holds"
         )
     if masks is not None and not bool((masks[sample, frame] != 0).all()):
         raise ValueError(
-            f"sample {sample}, frame {frame} (image {image}): pixel_attention_mask marks padding inside a real "
-            "frame; vitpool runs whole splits only, as the image processor cuts them"
+            f"sample {sample}, frame {frame} (image {image}): pixel_attention_mask marks padding inside a "
+            "real frame; vitpool runs whole splits only, as the image processor cuts them"
         )
 
 

@@ -106,7 +106,9 @@ def release_config(raw: dict[str, Any]) -> Any:
     vision = {**RELEASE_VISION_DEFAULTS, **(raw.get("vision_config") or {})}
     text_hidden_size = (raw.get("llm_config") or {}).get("hidden_size")
     if not isinstance(text_hidden_size, int):
-        raise ValueError("an InternVL release config needs llm_config.hidden_size (the projector's width)")
+        raise ValueError(  # noqa: TRY004 - loading turns this function's ValueErrors into CheckpointError
+            "an InternVL release config needs llm_config.hidden_size (the projector's width)"
+        )
     ps_version = raw.get("ps_version", "v1")
     if ps_version != "v2":
         raise ValueError(

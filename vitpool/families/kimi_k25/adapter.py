@@ -166,8 +166,8 @@ class KimiK25PathAdapter(PatchRowAdapter):
         slots = self._pool_slots(budget)
         if any(spec.layout[0] > slots for spec in specs):
             raise ValueError(
-                f"a clip of {max(spec.layout[0] for spec in specs)} frames in a budget that holds no extra rows "
-                f"({budget}); clips run on the path {CLIP!r}"
+                f"a clip of {max(spec.layout[0] for spec in specs)} frames in a budget that holds no extra "
+                f"rows ({budget}); clips run on the path {CLIP!r}"
             )
         return super().build_metadata(specs, num_rows, budget)
 
@@ -207,6 +207,7 @@ class KimiK25Adapter:
 
     Raises:
         ValueError: a position table that is not square, or `clip_frames` outside 1..pos_emb_time.
+        TypeError: `clip_frames` not an integer.
         ConfigError: the installed transformers' tower lacks a part the adapter runs.
 
     The protocol's per-path methods (`max_rows`, `metadata_specs`, ...) are the image path's, for

@@ -43,6 +43,7 @@ class KimiK25Rules(PatchRows):
 
     Raises:
         ValueError: `clip_frames` outside 1..max_frames.
+        TypeError: `clip_frames` not an integer.
     """
 
     channels: int
@@ -57,11 +58,11 @@ class KimiK25Rules(PatchRows):
 
     def __post_init__(self) -> None:
         if isinstance(self.clip_frames, bool) or not isinstance(self.clip_frames, int):
-            raise ValueError(f"clip_frames must be an integer; got {self.clip_frames!r}")
+            raise TypeError(f"clip_frames must be an integer; got {self.clip_frames!r}")
         if not 1 <= self.clip_frames <= self.max_frames:
             raise ValueError(
-                f"clip_frames {self.clip_frames}: a clip budget holds 1 to {self.max_frames} frames' rows per "
-                "token (the model's pos_emb_time); 1 runs clips eager"
+                f"clip_frames {self.clip_frames}: a clip budget holds 1 to {self.max_frames} frames' rows "
+                "per token (the model's pos_emb_time); 1 runs clips eager"
             )
 
     @property
@@ -112,8 +113,8 @@ class KimiK25Rules(PatchRows):
         if CLIP not in self.paths:
             if limit is not None:
                 raise ValueError(
-                    f"capacity_limits[{EXTRA_ROWS!r}] = {limit}: with clip_frames 1 no budget holds extra rows "
-                    "(clips run eager); raise clip_frames or drop the limit"
+                    f"capacity_limits[{EXTRA_ROWS!r}] = {limit}: with clip_frames 1 no budget holds extra "
+                    "rows (clips run eager); raise clip_frames or drop the limit"
                 )
             return budgets
         largest = max(budget.num_tokens for budget in plain)
@@ -124,8 +125,9 @@ class KimiK25Rules(PatchRows):
             held = self.extra_rows(budget.num_tokens)
             if limit is not None and limit > held:
                 raise ValueError(
-                    f"capacity_limits[{EXTRA_ROWS!r}] = {limit}: a clip budget of {budget.num_tokens} tokens holds "
-                    f"{held} extra rows (clip_frames {self.clip_frames}); raise clip_frames or lower the limit"
+                    f"capacity_limits[{EXTRA_ROWS!r}] = {limit}: a clip budget of {budget.num_tokens} tokens "
+                    f"holds {held} extra rows (clip_frames {self.clip_frames}); raise clip_frames or lower "
+                    "the limit"
                 )
             value = held if limit is None else limit
             budgets.append(Budget(budget.num_tokens, ((EXTRA_ROWS, value),), budget.max_items, CLIP))

@@ -147,8 +147,8 @@ def tower_only_config(full_config: Any) -> LlavaOnevisionVisionConfig:
     model_type = getattr(full_config, "model_type", None)
     if model_type not in FULL_MODEL_TYPES:
         raise CheckpointError(
-            f"a {model_type!r} checkpoint: vitpool's llava_onevision family runs LLaVA-OneVision's packing and "
-            f"projector only (model_type {' or '.join(map(repr, FULL_MODEL_TYPES))})"
+            f"a {model_type!r} checkpoint: vitpool's llava_onevision family runs LLaVA-OneVision's packing "
+            f"and projector only (model_type {' or '.join(map(repr, FULL_MODEL_TYPES))})"
         )
     fields = full_config.vision_config.to_dict()
     fields.pop("model_type", None)  # the class's own
@@ -213,8 +213,8 @@ class LlavaOnevisionAdapter:
             # "default" drops each tile's first patch as if SigLIP had a class token: the crops'
             # features then no longer form a grid, and Hugging Face's model fails on them too
             raise ConfigError(
-                "vitpool runs LLaVA-OneVision with vision_feature_select_strategy='full' (the releases' setting); "
-                f"got {tower.vision_feature_select_strategy!r}"
+                "vitpool runs LLaVA-OneVision with vision_feature_select_strategy='full' (the releases' "
+                f"setting); got {tower.vision_feature_select_strategy!r}"
             )
         vision = tower.vision_tower
         config = vision.config
@@ -253,8 +253,8 @@ class LlavaOnevisionAdapter:
         num_tokens = sum(spec.num_tokens for spec in specs)
         if num_tiles > num_rows or num_tokens > budget.num_tokens:
             raise ValueError(
-                f"{len(specs)} items need {num_tiles} tiles and {num_tokens} tokens; the buffers hold {num_rows} "
-                f"tiles and {budget.num_tokens} tokens"
+                f"{len(specs)} items need {num_tiles} tiles and {num_tokens} tokens; the buffers hold "
+                f"{num_rows} tiles and {budget.num_tokens} tokens"
             )
         metadata = zero_metadata(self.metadata_specs(num_rows, budget))  # padding tokens: row 0, weight 0
         newline_row = num_rows * self._tile_features

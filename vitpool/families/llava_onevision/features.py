@@ -50,8 +50,9 @@ class LlavaOnevisionFeatures(PooledImageFeatures):
 
     def forward(self, *args: Any, **kwargs: Any) -> BaseModelOutputWithPooling:
         raise ConfigError(
-            "the transformers drop-in answers LLaVA-OneVision's get_image_features only; its get_video_features "
-            "calls the tower directly: encode videos as vitpool.Video(frames) items instead"
+            "the transformers drop-in answers LLaVA-OneVision's get_image_features only; its "
+            "get_video_features calls the tower directly: encode videos as vitpool.Video(frames) items "
+            "instead"
         )
 
     def get_image_features(

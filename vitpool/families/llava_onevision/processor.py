@@ -123,7 +123,7 @@ def _real_tiles(tiles: Any, name: str) -> int:
     count = real.index(False) if False in real else len(real)
     if count == 0 or any(real[count:]):
         raise ValueError(
-            f"{name}: its tiles are {['real' if r else 'zero' for r in real]}; the processor gives real tiles "
-            "first, then all-zero padding"
+            f"{name}: its tiles are {['real' if r else 'zero' for r in real]}; the processor gives real "
+            "tiles first, then all-zero padding"
         )
     return count

@@ -64,8 +64,8 @@ def max_num_patches_of(vision_aspect_ratio: str) -> int:
         return int(str(vision_aspect_ratio).strip(ASPECT_RATIO_CHARACTERS))
     except ValueError:
         raise ValueError(
-            f"vision_aspect_ratio {vision_aspect_ratio!r} is not 'anyres_max_<N>': Hugging Face's LLaVA-OneVision "
-            "reads the most tiles' worth of features an image keeps from it"
+            f"vision_aspect_ratio {vision_aspect_ratio!r} is not 'anyres_max_<N>': Hugging Face's "
+            "LLaVA-OneVision reads the most tiles' worth of features an image keeps from it"
         ) from None
 
 
@@ -138,9 +138,9 @@ class LlavaOnevisionRules:
             for pin in self.pinpoints
         ):
             raise ValueError(
-                f"image_grid_pinpoints {[list(pin) for pin in self.pinpoints]} must be (height, width) pairs in "
-                f"whole tiles of image_size {self.tile_size}: Hugging Face's model views the crops' features as "
-                "such a grid"
+                f"image_grid_pinpoints {[list(pin) for pin in self.pinpoints]} must be (height, width) pairs "
+                f"in whole tiles of image_size {self.tile_size}: Hugging Face's model views the crops' "
+                "features as such a grid"
             )
         if self.max_num_patches < 1:
             raise ValueError(f"vision_aspect_ratio's anyres_max_{self.max_num_patches} keeps no features")
@@ -209,8 +209,8 @@ class LlavaOnevisionRules:
         if kept_rows and kept_cols and not (out_rows and out_cols):
             raise ValueError(
                 f"an image of {height} x {width} pixels keeps {kept_rows} x {kept_cols} features, which "
-                f"vision_aspect_ratio anyres_max_{self.max_num_patches} pools to {out_rows} x {out_cols}: Hugging "
-                "Face's model cannot pool it either"
+                f"vision_aspect_ratio anyres_max_{self.max_num_patches} pools to {out_rows} x {out_cols}: "
+                "Hugging Face's model cannot pool it either"
             )
         return PackedGrid(
             grid_rows, grid_cols, first_row, first_col, kept_rows, kept_cols, out_rows, out_cols
@@ -239,8 +239,8 @@ class LlavaOnevisionRules:
         pixel_shape = tuple(pixel_shape)
         if len(pixel_shape) != 4 or pixel_shape[1:] != self.row_shape:
             raise ValueError(
-                f"pixel_values must be tiles [n, {self.channels}, {self.tile_size}, {self.tile_size}] (an image's "
-                f"base tile and crops, or a video's frames); got shape {pixel_shape}"
+                f"pixel_values must be tiles [n, {self.channels}, {self.tile_size}, {self.tile_size}] (an "
+                f"image's base tile and crops, or a video's frames); got shape {pixel_shape}"
             )
         num_tiles = pixel_shape[0]
         if num_tiles < 1:
@@ -257,9 +257,9 @@ class LlavaOnevisionRules:
             grid = self.packed_grid(*size)
             if num_tiles != grid.num_crops + 1:
                 raise ValueError(
-                    f"an image of size {size} is cut into {grid.grid_rows} x {grid.grid_cols} crops and a base "
-                    f"tile, {grid.num_crops + 1} tiles (the checkpoint's image_grid_pinpoints); got {num_tiles}. "
-                    f"Pass the image's own tiles, not the batch's padding: {SIZE_HINT}"
+                    f"an image of size {size} is cut into {grid.grid_rows} x {grid.grid_cols} crops and a "
+                    f"base tile, {grid.num_crops + 1} tiles (the checkpoint's image_grid_pinpoints); got "
+                    f"{num_tiles}. Pass the image's own tiles, not the batch's padding: {SIZE_HINT}"
                 )
         tokens = self.image_tokens(num_tiles, size)
         return ItemSpec(IMAGE, pixel_shape, pixel_dtype, size, tokens, ((SEQUENCES, num_tiles),))

@@ -39,10 +39,11 @@ SLICES_KEY = "num_patches_per_image"
 TOKEN_TYPES_KEY = "mm_token_type_ids"
 IMAGE_TOKEN_TYPE = 1  # transformers' mm_token_type_ids: 0 text, 1 image, 2 video
 HOW_TO_CUT = (
-    "MiniCPMV4_6Processor and MiniCPMV4_7Processor drop num_patches_per_image; pass the image processor's output instead "
-    "(processor.image_processor(images, return_tensors='pt') keeps it), or the full processor's output with "
-    "its input_ids and mm_token_type_ids (return_mm_token_type_ids=True, 4.7's default), or call the "
-    "processor one image at a time and make each item Image(out['pixel_values'], out['target_sizes'])"
+    "MiniCPMV4_6Processor and MiniCPMV4_7Processor drop num_patches_per_image; pass the image processor's "
+    "output instead (processor.image_processor(images, return_tensors='pt') keeps it), or the full "
+    "processor's output with its input_ids and mm_token_type_ids (return_mm_token_type_ids=True, 4.7's "
+    "default), or call the processor one image at a time and make each item Image(out['pixel_values'], "
+    "out['target_sizes'])"
 )
 
 

@@ -121,7 +121,8 @@ def feature_index(vision_feature_layer: Any, num_layers: int) -> int:
     if isinstance(vision_feature_layer, (list, tuple)):
         raise ConfigError(
             f"Mistral 3: vision_feature_layer {list(vision_feature_layer)} (several layers) is not run; the "
-            "projector's norm and patch merger take one layer's features (Hugging Face's model fails on it too)"
+            "projector's norm and patch merger take one layer's features (Hugging Face's model fails on it "
+            "too)"
         )
     layer = int(vision_feature_layer)
     index = layer if layer >= 0 else num_layers + 1 + layer
@@ -167,8 +168,8 @@ def tower_only_config(full_config: Any) -> Any:
     model_type = getattr(full_config, "model_type", None)
     if model_type != FULL_MODEL_TYPE:
         raise ValueError(
-            f"vitpool's {FULL_MODEL_TYPE} family runs the Pixtral tower with Mistral 3's patch-merging projector; "
-            f"a {model_type!r} checkpoint has another projector, which vitpool does not run"
+            f"vitpool's {FULL_MODEL_TYPE} family runs the Pixtral tower with Mistral 3's patch-merging "
+            f"projector; a {model_type!r} checkpoint has another projector, which vitpool does not run"
         )
     config = copy.deepcopy(full_config.vision_config)
     config.text_hidden_size = int(full_config.text_config.hidden_size)

@@ -39,8 +39,8 @@ class Mistral3Features(PooledImageFeatures):
     ) -> BaseModelOutputWithPooling:
         if vision_feature_layer is not None and vision_feature_layer != self.vision_feature_layer:
             raise ConfigError(
-                f"{self.family}: the encoder runs vision_feature_layer {self.vision_feature_layer} (the model's "
-                f"config); got {vision_feature_layer}"
+                f"{self.family}: the encoder runs vision_feature_layer {self.vision_feature_layer} (the "
+                f"model's config); got {vision_feature_layer}"
             )
         sizes = [(int(h), int(w)) for h, w in torch.as_tensor(image_sizes).tolist()]
         pixels = pixel_values.detach().cpu()

@@ -78,9 +78,10 @@ class Mistral3Rules(PatchRows):
             raise ValueError(self._not_rows(pixel_shape))
         if pixel_shape[0] != h * w:
             raise ValueError(
-                f"pixel_values hold {pixel_shape[0]} patches of {self.patch_size} pixels but the image's size "
-                f"({h * self.patch_size}, {w * self.patch_size}) is {h} x {w} = {h * w} patches: crop an image "
-                "of a padded batch to its image_sizes row, pixel_values[i, :, :H, :W] (vitpool.items_from does)"
+                f"pixel_values hold {pixel_shape[0]} patches of {self.patch_size} pixels but the image's "
+                f"size ({h * self.patch_size}, {w * self.patch_size}) is {h} x {w} = {h * w} patches: crop "
+                "an image of a padded batch to its image_sizes row, pixel_values[i, :, :H, :W] "
+                "(vitpool.items_from does)"
             )
         return ItemSpec(modality, pixel_shape, pixel_dtype, grid, h * w // self.merge_unit)
 
@@ -119,7 +120,8 @@ class Mistral3Rules(PatchRows):
             raise ValueError(
                 f"image size {(height, width)}: height and width must be multiples of patch_size x "
                 f"spatial_merge_size = {p * m} pixels, as Mistral 3's processor (PixtralProcessor) resizes "
-                f"them; an image processor used alone needs patch_size={{'height': {p * m}, 'width': {p * m}}}"
+                f"them; an image processor used alone needs patch_size={{'height': {p * m}, 'width': "
+                f"{p * m}}}"
             )
         return (1, height // p, width // p)
 
@@ -150,6 +152,6 @@ class Mistral3Rules(PatchRows):
                 f"size {self.patch_size}"
             )
         return (
-            f"pixel_values must be an image [C, H, W] of {self.channels} channels, or patch rows [h*w, C, P, P] "
-            f"with patches of shape {self.row_shape}; got shape {shape}"
+            f"pixel_values must be an image [C, H, W] of {self.channels} channels, or patch rows [h*w, C, P, "
+            f"P] with patches of shape {self.row_shape}; got shape {shape}"
         )

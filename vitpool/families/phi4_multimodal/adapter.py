@@ -89,7 +89,8 @@ def _embedding_config(config: Any) -> Any:
     if getattr(config, TEXT_HIDDEN_SIZE, None) is None:
         raise ValueError(
             f"a Phi-4-multimodal vision config needs {TEXT_HIDDEN_SIZE!r} to build its projection; give the "
-            "full model's config (Phi4MultimodalConfig) or a tower-only save that carries it (tower_only_config)"
+            "full model's config (Phi4MultimodalConfig) or a tower-only save that carries it "
+            "(tower_only_config)"
         )
     return SimpleNamespace(vision_config=config, hidden_size=int(config.text_hidden_size), embd_pdrop=0.0)
 
@@ -147,9 +148,9 @@ class Phi4MultimodalAdapter:
         image_size, patch_size = int(config.image_size), int(config.patch_size)
         if int(tower.crop_size) != image_size or image_size % patch_size:
             raise ConfigError(
-                f"{FAMILY}: crop_size {tower.crop_size} and image_size {image_size} must be equal and a whole "
-                f"number of {patch_size}-pixel patches (the model cuts image_sizes by crop_size, the tower takes "
-                "image_size crops)"
+                f"{FAMILY}: crop_size {tower.crop_size} and image_size {image_size} must be equal and a "
+                f"whole number of {patch_size}-pixel patches (the model cuts image_sizes by crop_size, the "
+                "tower takes image_size crops)"
             )
         num_layers = len(vision.encoder.layers)
         feature_layer = int(tower.layer_idx)
@@ -198,8 +199,8 @@ class Phi4MultimodalAdapter:
         tokens = sum(spec.num_tokens for spec in specs)
         if rows > num_rows or tokens > budget.num_tokens or len(specs) > budget.max_items:
             raise ValueError(
-                f"{len(specs)} items need {rows} crops and {tokens} tokens; the buffers hold {num_rows} crops, "
-                f"{budget.num_tokens} tokens and {budget.max_items} items"
+                f"{len(specs)} items need {rows} crops and {tokens} tokens; the buffers hold {num_rows} "
+                f"crops, {budget.num_tokens} tokens and {budget.max_items} items"
             )
         metadata = zero_metadata(self.metadata_specs(num_rows, budget))
         # padding crops: a full crop's positions and mask (their rows are read by no token)

@@ -63,7 +63,8 @@ def items(batch: Mapping[str, Any]) -> list[ProcessorItem]:
         crops = 1 + rows * cols
         if crops > max_crops:
             raise ValueError(
-                f"image {index}: a {size[0]} x {size[1]} canvas needs {crops} crops; {PIXELS} holds {max_crops}"
+                f"image {index}: a {size[0]} x {size[1]} canvas needs {crops} crops; {PIXELS} holds "
+                f"{max_crops}"
             )
         valid_rows, valid_cols = _image_patches(masks[index, :crops].tolist(), rows, cols, index)
         cut.append(ProcessorItem(IMAGE, pixels[index, :crops], (size[0], size[1], valid_rows, valid_cols)))
@@ -89,7 +90,7 @@ def _image_patches(masks: list, rows: int, cols: int, index: int) -> tuple[int, 
     )
     if not valid_rows or not valid_cols or not rectangle:
         raise ValueError(
-            f"image {index}: {MASKS} is not one top-left rectangle of the canvas' patches (the processor pads "
-            "the bottom or the right of the canvas only)"
+            f"image {index}: {MASKS} is not one top-left rectangle of the canvas' patches (the processor "
+            "pads the bottom or the right of the canvas only)"
         )
     return valid_rows, valid_cols

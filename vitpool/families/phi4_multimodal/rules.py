@@ -150,8 +150,9 @@ class Phi4MultimodalRules:
         expected = (crops, *self.row_shape)
         if tuple(pixel_shape) != expected:
             raise ValueError(
-                f"pixel_values have shape {tuple(pixel_shape)}; a canvas of {hd.crop_rows} x {hd.crop_cols} crops "
-                f"needs {list(expected)} (the global crop, then the crops row by row, padding crops dropped)"
+                f"pixel_values have shape {tuple(pixel_shape)}; a canvas of {hd.crop_rows} x {hd.crop_cols} "
+                f"crops needs {list(expected)} (the global crop, then the crops row by row, padding crops "
+                "dropped)"
             )
         spec_layout = (
             hd.crop_rows * self.crop_size,

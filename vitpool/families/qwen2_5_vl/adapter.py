@@ -85,8 +85,9 @@ class Qwen2_5_VLAdapter(SpatialMergeAdapter):
             or (max_windows is not None and needed_windows > max_windows)
         ):
             raise ValueError(
-                f"{len(grids)} items need {needed_rows} rows, {needed_sequences} sequences and {needed_windows} "
-                f"windows; the buffers hold {num_rows}, {budget.max_sequences} and {max_windows}"
+                f"{len(grids)} items need {needed_rows} rows, {needed_sequences} sequences and "
+                f"{needed_windows} windows; the buffers hold {num_rows}, {budget.max_sequences} and "
+                f"{max_windows}"
             )
         metadata = zero_metadata(self.metadata_specs(num_rows, budget))
         # Unused cu_seqlens entries repeat the end; padding rows have rotary position (0, 0)

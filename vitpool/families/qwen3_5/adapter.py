@@ -16,7 +16,7 @@ import torch
 from vitpool.families.qwen3_vl.adapter import Qwen3VLAdapter
 
 
-class Qwen3_5Adapter(Qwen3VLAdapter):  # noqa: N801  (the Hugging Face family name)
+class Qwen3_5Adapter(Qwen3VLAdapter):  # the Hugging Face family name
     """Adapter for `Qwen3_5VisionModel` / `Qwen3_5MoeVisionModel`: one output, the tokens."""
 
     def forward(self, pixels: torch.Tensor, metadata: dict[str, torch.Tensor]) -> list[torch.Tensor]:

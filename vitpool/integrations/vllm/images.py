@@ -140,9 +140,10 @@ def processor_backend() -> str:
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
         raise ConfigError(
             f"torchvision {_installed_version('torchvision')} is installed but does not load beside torch "
-            f"{torch.__version__} ({reason}), and transformers' models do not import beside it either: install "
-            'the torchvision built for this torch, from the index this torch came from (README: "Extras"), or '
-            "uninstall torchvision to run the PIL image processor (answers within ~5e-3 of vLLM's)"
+            f"{torch.__version__} ({reason}), and transformers' models do not import beside it either: "
+            "install the torchvision built for this torch, from the index this torch came from (README: "
+            '"Extras"), or uninstall torchvision to run the PIL image processor (answers within ~5e-3 of '
+            "vLLM's)"
         ) from None
     return VLLM_PROCESSOR_BACKEND
 

@@ -68,7 +68,8 @@ def vllm_layout(model_type: str) -> VllmLayout:
     if layout is None:
         raise ConfigError(
             f"vitpool does not know how vLLM lays out {model_type!r} image embeddings in its encoder cache, "
-            f"so it cannot publish them for vLLM; families it can publish: {', '.join(supported_model_types())}"
+            "so it cannot publish them for vLLM; families it can publish: "
+            f"{', '.join(supported_model_types())}"
         )
     return layout
 
