@@ -6,27 +6,31 @@ import json
 import statistics
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from vitpool import Image, Video
 
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self from Python 3.11; the project supports 3.10
+
 # Qwen/Qwen3-VL-8B-Instruct vision_config
-QWEN3_VL_8B_VISION = dict(
-    model_type="qwen3_vl_vision",
-    depth=27,
-    hidden_size=1152,
-    hidden_act="gelu_pytorch_tanh",
-    intermediate_size=4304,
-    num_heads=16,
-    in_channels=3,
-    patch_size=16,
-    spatial_merge_size=2,
-    temporal_patch_size=2,
-    out_hidden_size=4096,
-    num_position_embeddings=2304,
-    deepstack_visual_indexes=[8, 16, 24],
-)
+QWEN3_VL_8B_VISION = {
+    "model_type": "qwen3_vl_vision",
+    "depth": 27,
+    "hidden_size": 1152,
+    "hidden_act": "gelu_pytorch_tanh",
+    "intermediate_size": 4304,
+    "num_heads": 16,
+    "in_channels": 3,
+    "patch_size": 16,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "out_hidden_size": 4096,
+    "num_position_embeddings": 2304,
+    "deepstack_visual_indexes": [8, 16, 24],
+}
 ROW_WIDTH = 3 * 2 * 16 * 16
 PATCH = 16
 
@@ -128,7 +132,7 @@ class GpuBusy:
     """The share of time the GPUs ran a kernel while the block ran, as nvidia-smi samples it
     (`utilization.gpu`, every 100 ms): `busy` is the mean per GPU index, {} without nvidia-smi."""
 
-    def __enter__(self) -> GpuBusy:
+    def __enter__(self) -> Self:
         import shutil
         import subprocess
 

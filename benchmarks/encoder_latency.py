@@ -174,7 +174,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for name, row in results["workloads"].items():
         print(
-            f"| {name} | {row['patches']} | {row['hf_eager']['median_ms']:.2f} ({row['hf_eager']['p99_ms']:.2f}) "
+            f"| {name} | {row['patches']} "
+            f"| {row['hf_eager']['median_ms']:.2f} ({row['hf_eager']['p99_ms']:.2f}) "
             f"| {row['vitpool']['median_ms']:.2f} ({row['vitpool']['p99_ms']:.2f}) | {row['ratio']:.2f} "
             f"| {row['rel_error_vs_hf']:.1e} |"
         )

@@ -7,7 +7,8 @@ the processor's output (float32 pixels on the host) and end with the tokens on t
 synchronised; Hugging Face takes all of a call's items in one tower call, as `get_image_features`
 does. Also reports the capture and check time of the device's default budgets.
 
-    python benchmarks/family_latency.py [--families qwen2_vl,glm4v] [--runs 30] [--compiled] [--out results.json]
+    python benchmarks/family_latency.py [--families qwen2_vl,glm4v] [--runs 30] [--compiled] \
+        [--out results.json]
 
 `--compiled` also times Hugging Face's path under `torch.compile(mode="reduce-overhead")` (its own
 CUDA graphs, where the shapes are fixed: the anchor for the tiled families). `--baseline-attention
@@ -320,7 +321,8 @@ def measure(
             )
             graph = summarize(time_ms(lambda items=items: encoder.encode(items), runs, warmup))
             rows[name] = {
-                # rows of pixels (patches, tiles or crops; a family_paths/ family's items vary in form: its tokens)
+                # rows of pixels (patches, tiles or crops; a family_paths/ family's items vary in form:
+                # its tokens)
                 "patches": got.shape[0]
                 if family_path(family) is not None
                 else sum(item.pixel_values.shape[0] for item in items if family != "minicpmv4_6")
@@ -346,7 +348,7 @@ def measure(
                 fast = torch.compile(hugging_face_eager, mode="reduce-overhead")
                 try:
                     rows[name]["hf_compiled"] = summarize(
-                        time_ms(lambda items=items: fast(family, reference, items), runs, warmup)
+                        time_ms(lambda items=items, fast=fast: fast(family, reference, items), runs, warmup)
                     )
                     rows[name]["ratio_compiled"] = graph["median_ms"] / rows[name]["hf_compiled"]["median_ms"]
                 except Exception as error:  # noqa: BLE001 - a tower torch.compile cannot take is a result
@@ -423,31 +425,36 @@ def main() -> None:
                     args.fp8,
                 )
             )
-        except Exception as error:  # noqa: BLE001 - one family's failure is its result; the others still run
-            logging.exception("family %s failed", family)
+        except Exception as error:  # one family's failure is its result; the others still run
+            logging.exception("family %s failed", family)  # noqa: LOG015 - a script: basicConfig's root logger
             failed[family] = f"{type(error).__name__}: {str(error)[:500]}"
             results["failed"] = failed
         torch.cuda.empty_cache()  # the family's encoder and reference are gone: give their memory back
         if args.out:
             args.out.write_text(json.dumps(results, indent=2))
     print(
-        f"\nGPU: {gpu}; median (p99) ms of {args.runs} runs after {args.warmup} warm-up; ratio = vitpool / HF eager"
+        f"\nGPU: {gpu}; median (p99) ms of {args.runs} runs after {args.warmup} warm-up; "
+        f"ratio = vitpool / HF eager"
     )
     for result in results["families"]:
         memory = result["memory"]
         print(
-            f"{result['family']}: capture and check {result['capture_s']:.1f} s for {result['budgets']} budgets; "
-            f"GPU memory after capture {memory['after_capture_gib']:.2f} GiB (weights {memory['weights_gib']:.2f})"
+            f"{result['family']}: capture and check {result['capture_s']:.1f} s "
+            f"for {result['budgets']} budgets; "
+            f"GPU memory after capture {memory['after_capture_gib']:.2f} GiB "
+            f"(weights {memory['weights_gib']:.2f})"
         )
     print(
-        "| family (vision params) | capture s (budgets) | workload | patches | HF eager | vitpool | ratio | rel. err |"
+        "| family (vision params) | capture s (budgets) | workload | patches | HF eager | vitpool | ratio "
+        "| rel. err |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for result in results["families"]:
         for number, (name, row) in enumerate(result["workloads"].items()):
             head = (
                 (
-                    f"{result['family']} ({result['params_m']:.0f}M) | {result['capture_s']:.1f} ({result['budgets']}, "
+                    f"{result['family']} ({result['params_m']:.0f}M) "
+                    f"| {result['capture_s']:.1f} ({result['budgets']}, "
                     f"{len(result['disabled_budgets'])} disabled)"
                 )
                 if number == 0
@@ -455,10 +462,12 @@ def main() -> None:
             )
             print(
                 f"| {head} | {name} | {row['patches']} | {row['hf_eager']['median_ms']:.2f} "
-                f"({row['hf_eager']['p99_ms']:.2f}) | {row['vitpool']['median_ms']:.2f} ({row['vitpool']['p99_ms']:.2f}) "
+                f"({row['hf_eager']['p99_ms']:.2f}) "
+                f"| {row['vitpool']['median_ms']:.2f} ({row['vitpool']['p99_ms']:.2f}) "
                 f"| {row['ratio']:.2f} | {row['rel_error']:.1e} |"
                 + (
-                    f" HF compiled {row['hf_compiled']['median_ms']:.2f} ({row['hf_compiled']['p99_ms']:.2f}), "
+                    f" HF compiled {row['hf_compiled']['median_ms']:.2f} "
+                    f"({row['hf_compiled']['p99_ms']:.2f}), "
                     f"ratio {row['ratio_compiled']:.2f} |"
                     if "hf_compiled" in row
                     else ""
@@ -469,14 +478,17 @@ def main() -> None:
                     else ""
                 )
                 + (
-                    f" {args.baseline_attention}: {row['baseline']['median_ms']:.2f} ({row['baseline']['p99_ms']:.2f}), "
+                    f" {args.baseline_attention}: {row['baseline']['median_ms']:.2f} "
+                    f"({row['baseline']['p99_ms']:.2f}), "
                     f"ratio {row['baseline_ratio']:.2f} |"
                     if "baseline" in row
                     else ""
                 )
                 + (
-                    f" fp8: {row['fp8']['median_ms']:.2f} ({row['fp8']['p99_ms']:.2f}), {row['fp8_speedup']:.2f}x bf16, "
-                    f"cosine min {row['fp8_accuracy']['cosine_min']:.4f} median {row['fp8_accuracy']['cosine_median']:.4f}, "
+                    f" fp8: {row['fp8']['median_ms']:.2f} ({row['fp8']['p99_ms']:.2f}), "
+                    f"{row['fp8_speedup']:.2f}x bf16, "
+                    f"cosine min {row['fp8_accuracy']['cosine_min']:.4f} "
+                    f"median {row['fp8_accuracy']['cosine_median']:.4f}, "
                     f"rel. err {row['fp8_accuracy']['rel_error']:.1e} |"
                     if "fp8" in row
                     else ""

@@ -203,7 +203,8 @@ def main() -> None:
         [make_item(PILImage.open(io.BytesIO(d)).convert("RGB")) for d in images] for images in requests
     ]
     print(
-        f"{gpu}: {args.images} x {SIDE}² per request, publish={args.publish}, {args.format}, body {len(bodies[0]) / 1e6:.1f} MB",
+        f"{gpu}: {args.images} x {SIDE}² per request, publish={args.publish}, {args.format}, "
+        f"body {len(bodies[0]) / 1e6:.1f} MB",
         flush=True,
     )
 

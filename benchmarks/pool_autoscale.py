@@ -484,17 +484,19 @@ def _at(value: float | str | None) -> str:
 def print_report(results: dict) -> None:
     print(
         f"\n{results['device_name']} x{results['gpus']}, Ray {results['ray']}; pool autoscaling 1-"
-        f"{results['max_actors']} (a reading every {results['autoscale_interval_s']:g} s: up after {UP_READINGS} "
-        f"at >= {UP_BUSY:.0%} busy, down after {DOWN_READINGS} at <= {DOWN_BUSY:.0%}); {results['callers']} caller "
-        f"processes, 1x224² a call; low: {results['low_rate']:g} calls/s in all, high: {results['threads']} "
-        f"threads per caller back to back"
+        f"{results['max_actors']} (a reading every {results['autoscale_interval_s']:g} s: "
+        f"up after {UP_READINGS} at >= {UP_BUSY:.0%} busy, down after {DOWN_READINGS} "
+        f"at <= {DOWN_BUSY:.0%}); {results['callers']} caller processes, 1x224² a call; "
+        f"low: {results['low_rate']:g} calls/s in all, "
+        f"high: {results['threads']} threads per caller back to back"
     )
     print(
         f"scale-ups {results['scale_ups']}, scale-downs {results['scale_downs']} (pool.stats(): "
-        f"{results['pool_stats']['autoscale_ups']} up, {results['pool_stats']['autoscale_downs']} down, actor "
-        f"failures {results['pool_stats']['actor_failures']}); calls {results['calls']}, failed {results['failed']}, "
-        f"wrong (not bit-equal) {results['wrong']}, beyond tolerance {results['beyond_tolerance']}, largest "
-        f"relative error {results['largest_relative_error']:.2g}"
+        f"{results['pool_stats']['autoscale_ups']} up, {results['pool_stats']['autoscale_downs']} down, "
+        f"actor failures {results['pool_stats']['actor_failures']}); calls {results['calls']}, "
+        f"failed {results['failed']}, wrong (not bit-equal) {results['wrong']}, "
+        f"beyond tolerance {results['beyond_tolerance']}, "
+        f"largest relative error {results['largest_relative_error']:.2g}"
     )
     for error in results["errors"]:
         print(f"  error: {error}")
@@ -516,16 +518,17 @@ def print_report(results: dict) -> None:
         for count, slot in row["by_actor_count"].items():
             print(f"| {row['phase']} | {count} | {slot['seconds']:.1f} | {slot['items_per_s']:.1f} |")
     print(
-        "\n| phase | seconds | actors (min-max, at end) | mean busy | items/s | p50 / p99 ms | calls | failed "
-        "| wrong (beyond tol.) |"
+        "\n| phase | seconds | actors (min-max, at end) | mean busy | items/s | p50 / p99 ms | calls "
+        "| failed | wrong (beyond tol.) |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for row in results["phases"]:
         busy = "-" if row["mean_busy"] is None else f"{row['mean_busy']:.0%}"
         print(
-            f"| {row['phase']} | {row['seconds']:g} | {row['actors_min']}-{row['actors_max']}, {row['actors_at_end']} "
-            f"| {busy} | {row['items_per_s']:.1f} | {_ms(row['p50_ms'])} / {_ms(row['p99_ms'])} | {row['calls']} "
-            f"| {row['failed']} | {row['wrong']} ({row['beyond_tolerance']}) |"
+            f"| {row['phase']} | {row['seconds']:g} "
+            f"| {row['actors_min']}-{row['actors_max']}, {row['actors_at_end']} "
+            f"| {busy} | {row['items_per_s']:.1f} | {_ms(row['p50_ms'])} / {_ms(row['p99_ms'])} "
+            f"| {row['calls']} | {row['failed']} | {row['wrong']} ({row['beyond_tolerance']}) |"
         )
 
 

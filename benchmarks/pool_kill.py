@@ -10,7 +10,8 @@ With `--standby on` (the pool's default on GPUs) the kill waits until the node's
 imported the engine, and the standby takes the dead actor's GPU; `--standby off` starts a fresh
 actor process instead (the baseline).
 
-    python benchmarks/pool_kill.py [--seconds 40] [--kill-at 10] [--threads 4] [--standby on|off] [--out pool_kill.json]
+    python benchmarks/pool_kill.py [--seconds 40] [--kill-at 10] [--threads 4] [--standby on|off] \
+        [--out pool_kill.json]
 """
 
 from __future__ import annotations
@@ -134,7 +135,8 @@ def main() -> None:
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))
     print(
-        f"\nGPU: {gpu} x{gpus}; 2 actors, warm standby {args.standby}; {args.threads} threads calling 1x224² back to back for {args.seconds:.0f} s"
+        f"\nGPU: {gpu} x{gpus}; 2 actors, warm standby {args.standby}; {args.threads} threads calling 1x224² "
+        f"back to back for {args.seconds:.0f} s"
     )
     print(
         f"killed actor {victim} at {killed_at:.1f} s with {in_flight} batches in flight from this process; "
@@ -142,7 +144,8 @@ def main() -> None:
     )
     print(
         f"calls {len(records)}, failed {len(errors)}, wrong results {wrong[0]}, item sends repeated "
-        f"{stats.requeued_items}, restarts {stats.actor_restarts} ({stats.standby_takeovers} by a warm standby)"
+        f"{stats.requeued_items}, restarts {stats.actor_restarts} "
+        f"({stats.standby_takeovers} by a warm standby)"
     )
     print("| phase | calls | median ms | p99 ms |")
     print("|---|---|---|---|")

@@ -133,8 +133,8 @@ def main() -> None:
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))
     print(
-        f"\nGPU: {gpu}, torch {torch.__version__}, Ray {ray.__version__}; {args.runs} runs after {args.warmup} "
-        f"warm-up, in blocks of {args.block}"
+        f"\nGPU: {gpu}, torch {torch.__version__}, Ray {ray.__version__}; "
+        f"{args.runs} runs after {args.warmup} warm-up, in blocks of {args.block}"
     )
     print(f"small actor call round trip: {results['empty_actor_call']['median_ms']:.2f} ms median")
     print(

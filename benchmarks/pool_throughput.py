@@ -339,8 +339,9 @@ def measure_setting(label: str, overrides: dict, args, sizes: list[int], setting
 
 def print_tables(results: dict) -> None:
     print(
-        f"\nGPU: {results['gpu']} x{results['gpus']}, Ray {ray.__version__}; {results['callers']} caller processes x "
-        f"{results['threads_per_caller']} threads, {results['seconds']:.0f} s per measurement"
+        f"\nGPU: {results['gpu']} x{results['gpus']}, Ray {ray.__version__}; "
+        f"{results['callers']} caller processes x {results['threads_per_caller']} threads, "
+        f"{results['seconds']:.0f} s per measurement"
     )
     first: dict[int, float] = {}  # saturated items/s of the first setting, per pool size
     print(
@@ -352,14 +353,15 @@ def print_tables(results: dict) -> None:
         for size, row in setting["sizes"].items():
             first.setdefault(size, row["saturated_items_per_s"])
             print(
-                f"| {label} | {size} | {row['saturated_items_per_s']:.1f} | {row['saturated_items_per_s'] / first[size]:.3f} "
-                f"| {row['scaling_vs_one']:.2f} | {row['saturated_p50_ms']:.1f} / {row['saturated_p99_ms']:.1f} "
+                f"| {label} | {size} | {row['saturated_items_per_s']:.1f} "
+                f"| {row['saturated_items_per_s'] / first[size]:.3f} | {row['scaling_vs_one']:.2f} "
+                f"| {row['saturated_p50_ms']:.1f} / {row['saturated_p99_ms']:.1f} "
                 f"| {setting['unloaded_p50_ms']:.1f} / {setting['unloaded_p99_ms']:.1f} |"
             )
     print(
-        "\nOpen loops (load: a fraction of the basis's saturated items/s), per call size (output tokens): calls, "
-        "p50 / p99 ms, and slowdown p50 / p99 = latency over the class's unloaded p50 (ms), own = each call over "
-        "its own unloaded latency; last column: the same over all calls"
+        "\nOpen loops (load: a fraction of the basis's saturated items/s), per call size (output tokens): "
+        "calls, p50 / p99 ms, and slowdown p50 / p99 = latency over the class's unloaded p50 (ms), "
+        "own = each call over its own unloaded latency; last column: the same over all calls"
     )
     print(
         "| setting | actors | load: items/s (offered) | p50 / p99 ms | small <= 256 | medium <= 1024 | large "
@@ -371,12 +373,13 @@ def print_tables(results: dict) -> None:
             for load, loaded in row["loads"].items():
                 cells = [
                     f"{c['calls']}, {c['p50_ms']:.1f} / {c['p99_ms']:.1f} ms, x{c['slowdown_p50']:.2f} / "
-                    f"x{c['slowdown_p99']:.2f} (unloaded {c['unloaded_p50_ms']:.1f}); own x{c['own_slowdown_p50']:.2f}"
-                    f" / x{c['own_slowdown_p99']:.2f}"
+                    f"x{c['slowdown_p99']:.2f} (unloaded {c['unloaded_p50_ms']:.1f}); "
+                    f"own x{c['own_slowdown_p50']:.2f} / x{c['own_slowdown_p99']:.2f}"
                     for c in loaded["by_size"].values()
                 ]
                 print(
-                    f"| {label} | {size} | {load}: {loaded['items_per_s']:.1f} ({loaded['offered_items_per_s']:.1f}) "
+                    f"| {label} | {size} "
+                    f"| {load}: {loaded['items_per_s']:.1f} ({loaded['offered_items_per_s']:.1f}) "
                     f"| {loaded['p50_ms']:.1f} / {loaded['p99_ms']:.1f} | "
                     + " | ".join(cells)
                     + f" | {loaded['slowdown_p50']:.2f} / {loaded['slowdown_p99']:.2f} |"
@@ -418,23 +421,23 @@ def main() -> None:
     parser.add_argument(
         "--small-first",
         default=None,
-        help="comma-separated small_first_tokens settings, each measured on its own pool in turn ('off' or a "
-        "token count; N-nostream without the urgent lane, N-stream with it (small batches interrupt large runs), "
-        "N the pool's default; e.g. off,256-nostream,256-stream); default: the pool's default only",
+        help="comma-separated small_first_tokens settings, each measured on its own pool in turn ('off' or "
+        "a token count; N-nostream without the urgent lane, N-stream with it (small batches interrupt large "
+        "runs), N the pool's default; e.g. off,256-nostream,256-stream); default: the pool's default only",
     )
     parser.add_argument(
         "--loads",
         default="0.7",
         type=lambda text: [float(x) for x in text.split(",") if x],
-        help="comma-separated open-loop loads, fractions of the basis's saturated items/s, each measured in turn "
-        "('': none, saturated only)",
+        help="comma-separated open-loop loads, fractions of the basis's saturated items/s, each measured in "
+        "turn ('': none, saturated only)",
     )
     parser.add_argument(
         "--load-basis",
         default="first",
         choices=("first", "own"),
-        help="the open loops' loads are fractions of the first setting's saturated rate (same offered load) or "
-        "of each one's own",
+        help="the open loops' loads are fractions of the first setting's saturated rate (same offered load) "
+        "or of each one's own",
     )
     parser.add_argument(
         "--device",

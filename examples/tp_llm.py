@@ -195,7 +195,8 @@ def main() -> None:
         if ray.cluster_resources().get("GPU", 0) < num_gpus:
             raise SystemExit(
                 f"the Ray cluster at {ray.get_runtime_context().gcs_address} has "
-                f"{ray.cluster_resources().get('GPU', 0):g} GPUs; this needs {num_gpus} (or run with --device cpu)"
+                f"{ray.cluster_resources().get('GPU', 0):g} GPUs; "
+                f"this needs {num_gpus} (or run with --device cpu)"
             )
     group = placement_group([{"GPU": 1, "CPU": 1}] * TP_RANKS, strategy="PACK")
     ray.get(group.ready(), timeout=300)
@@ -247,10 +248,12 @@ def main() -> None:
             print(f"\n{gpu}; encoder {args.encoder}; 8 x 448² images, {args.benchmark} runs, median (p99) ms")
             print("| path | median | p99 |\n|---|---|---|")
             print(
-                f"| delivered to both ranks' {args.device} ({delivery.transport}) | {delivered['median_ms']:.2f} | {delivered['p99_ms']:.2f} |"
+                f"| delivered to both ranks' {args.device} ({delivery.transport}) "
+                f"| {delivered['median_ms']:.2f} | {delivered['p99_ms']:.2f} |"
             )
             print(
-                f"| encode, fetched by the caller | {to_caller['median_ms']:.2f} | {to_caller['p99_ms']:.2f} |"
+                f"| encode, fetched by the caller "
+                f"| {to_caller['median_ms']:.2f} | {to_caller['p99_ms']:.2f} |"
             )
     finally:
         pool.shutdown()

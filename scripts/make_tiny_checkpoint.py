@@ -14,15 +14,15 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionConfig, 
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parents[1] / "vitpool/models/checkpoints/tiny-qwen3-vl"
 
-TINY_CONFIG = dict(
-    depth=4,
-    hidden_size=64,
-    intermediate_size=128,
-    num_heads=4,
-    out_hidden_size=128,
-    num_position_embeddings=144,  # a 12x12 learned position grid
-    deepstack_visual_indexes=[1, 2],
-)
+TINY_CONFIG = {
+    "depth": 4,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_heads": 4,
+    "out_hidden_size": 128,
+    "num_position_embeddings": 144,  # a 12x12 learned position grid
+    "deepstack_visual_indexes": [1, 2],
+}
 
 
 def main() -> None:

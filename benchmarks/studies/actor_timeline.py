@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import gc
 import gzip
+import itertools
 import json
 import logging
 import random
@@ -151,8 +152,8 @@ def gpu_timeline(trace_path: Path) -> dict:
     window = (min(b for b, _ in kernels + copies), max(e for _, e in kernels + copies))
     wall = window[1] - window[0]
     kernel_time, kernel_union = union_length(kernels)
-    busy_time, busy_union = union_length(kernels + copies)
-    gaps = [b - e for (_, e), (b, _) in zip(kernel_union, kernel_union[1:])]
+    busy_time, _ = union_length(kernels + copies)
+    gaps = [b - e for (_, e), (b, _) in itertools.pairwise(kernel_union)]
     edges = (10, 50, 200, 1000, float("inf"))
     by_length = {}
     lower = 0

@@ -192,7 +192,8 @@ def main() -> None:
             print(f"| {row['shape']} | {row['backend']} | — | {row['error']} |")
         else:
             print(
-                f"| {row['shape']} | {row['backend']} | {1000 * row['median_ms']:.0f} ({1000 * row['p99_ms']:.0f}) "
+                f"| {row['shape']} | {row['backend']} "
+                f"| {1000 * row['median_ms']:.0f} ({1000 * row['p99_ms']:.0f}) "
                 f"| {row['rel_error']:.1e} |"
             )
 

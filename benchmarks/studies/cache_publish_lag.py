@@ -10,8 +10,8 @@ publishing (`vitpool.actors.cache_publisher`): this study times it.
 The real-size Qwen3-VL-8B vision tower (random bf16 weights), one actor on one GPU, the shared
 cache alone (`embedding_cache_local_bytes=0`), `cache_trace.py`'s trace. Probes (the library is not
 changed): in the actor, each publication's queueing (from `publish` until its thread takes it) and
-its work, in parts (the copy to the host; the insert sent; the rest, mostly `ray.put`); in this process, each `served` that
-waited for another caller's item (the wait and the fetch).
+its work, in parts (the copy to the host; the insert sent; the rest, mostly `ray.put`); in this
+process, each `served` that waited for another caller's item (the wait and the fetch).
 
     python benchmarks/studies/cache_publish_lag.py [--calls 60] [--clients 8] [--out F]
 """

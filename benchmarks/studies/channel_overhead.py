@@ -128,11 +128,15 @@ def main() -> None:
         items = build()
         plan, pixels = planned(items, actor)
         paths = {
-            "in_process": lambda: encoder.encode(items),
-            "actor_in_process": lambda: actor.run_batch(plan, pixels),
-            "echo_channel": lambda: channel_call(clients["echo_channel"], plan, pixels),
-            "actor_channel": lambda: channel_call(clients["actor_channel"], plan, pixels),
-            "pool": lambda: pool.encode(items),
+            "in_process": lambda items=items: encoder.encode(items),
+            "actor_in_process": lambda plan=plan, pixels=pixels: actor.run_batch(plan, pixels),
+            "echo_channel": lambda plan=plan, pixels=pixels: channel_call(
+                clients["echo_channel"], plan, pixels
+            ),
+            "actor_channel": lambda plan=plan, pixels=pixels: channel_call(
+                clients["actor_channel"], plan, pixels
+            ),
+            "pool": lambda items=items: pool.encode(items),
         }
         if args.paths:
             paths = {name: paths[name] for name in args.paths.split(",")}

@@ -30,15 +30,15 @@ from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 import vitpool
 
 # a one-layer LLM of Qwen3-VL-8B's width: only its vision tower is timed
-TEXT = dict(
-    hidden_size=4096,
-    num_hidden_layers=1,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    intermediate_size=1024,
-    vocab_size=512,
-    head_dim=128,
-)
+TEXT = {
+    "hidden_size": 4096,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "intermediate_size": 1024,
+    "vocab_size": 512,
+    "head_dim": 128,
+}
 
 
 def items(count: int, side: int, seed: int) -> list[tuple[tuple[int, int, int], torch.Tensor]]:
@@ -85,7 +85,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=50)
     parser.add_argument("--json", default="", help="write the figures here")
     args = parser.parse_args()
-    settings = dict(device="cuda", dtype=torch.bfloat16, fused_ops=bool(args.fused))
+    settings = {"device": "cuda", "dtype": torch.bfloat16, "fused_ops": bool(args.fused)}
 
     config = Qwen3VLConfig(text_config=TEXT, vision_config=QWEN3_VL_8B_VISION)
     config._attn_implementation = "sdpa"
@@ -111,17 +111,17 @@ def main() -> None:
         "1x1024": items(1, 1024, 1),
     }.items():
         expected = hf_features(model, batch).pooler_output
-        results[f"{name} hf_eager"] = timed(lambda: hf_features(model, batch), args.runs)
+        results[f"{name} hf_eager"] = timed(lambda batch=batch: hf_features(model, batch), args.runs)
         if name == "1x224":
             torch._dynamo.reset()
             original = model.model.get_image_features
             model.model.get_image_features = torch.compile(original, mode=args.mode)
-            results[f"{name} hf_compiled"] = timed(lambda: hf_features(model, batch), args.runs)
+            results[f"{name} hf_compiled"] = timed(lambda batch=batch: hf_features(model, batch), args.runs)
             model.model.get_image_features = original
         images = [vitpool.Image(pixels, grid) for grid, pixels in batch]
         embeddings = encoder.encode(images)
         results[f"{name} vitpool"] = {
-            **timed(lambda: encoder.encode(images), args.runs),
+            **timed(lambda images=images: encoder.encode(images), args.runs),
             "max_relative_error_vs_hf": max(
                 relative_error(e.tokens, t) for e, t in zip(embeddings, expected)
             ),

@@ -49,9 +49,9 @@ def main() -> None:
         for _ in range(2):  # in turns, so drift favours neither
             for name, count in (("host_pixels_one_thread", 1), ("host_pixels", threads)):
                 PinnedStaging.COPY_THREADS = count
-                samples[name] += time_ms(lambda: encoder.encode(host), args.runs // 2, 3)
+                samples[name] += time_ms(lambda host=host: encoder.encode(host), args.runs // 2, 3)
         PinnedStaging.COPY_THREADS = threads
-        samples["device_pixels"] = time_ms(lambda: encoder.encode(device), args.runs, 3)
+        samples["device_pixels"] = time_ms(lambda device=device: encoder.encode(device), args.runs, 3)
         row = {"side": side, **{name: summarize(values) for name, values in samples.items()}}
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             encoder.encode(host)
@@ -71,8 +71,8 @@ def main() -> None:
     for row in results:
         host, on_device, one = row["host_pixels"], row["device_pixels"], row["host_pixels_one_thread"]
         print(
-            f"{row['side']}²: host pixels {host['median_ms']:.2f} ({host['p99_ms']:.2f}), copied by one thread "
-            f"{one['median_ms']:.2f} ({one['p99_ms']:.2f}), pixels on the GPU "
+            f"{row['side']}²: host pixels {host['median_ms']:.2f} ({host['p99_ms']:.2f}), "
+            f"copied by one thread {one['median_ms']:.2f} ({one['p99_ms']:.2f}), pixels on the GPU "
             f"{on_device['median_ms']:.2f} ({on_device['p99_ms']:.2f}); GPU time {row['gpu_ms']:.2f}: "
             + ", ".join(f"{name} {ms:.2f}" for name, ms in row["gpu_ms_by_class"].items())
         )

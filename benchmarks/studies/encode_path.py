@@ -61,11 +61,12 @@ def main() -> None:
         if event.device_type == torch.autograd.DeviceType.CUDA:
             kernels[event.name] += event.device_time_total / 1000 / runs
     print(
-        f"GPU: {torch.cuda.get_device_name()}; {args.family}, {args.workload}: {taken}, budgets run {budgets}; "
-        f"dense graphs {after.dense_graphs}"
+        f"GPU: {torch.cuda.get_device_name()}; {args.family}, {args.workload}: {taken}, "
+        f"budgets run {budgets}; dense graphs {after.dense_graphs}"
     )
     print(
-        f"  host {host['median_ms']:.2f} (p99 {host['p99_ms']:.2f}) ms; kernels {sum(kernels.values()):.2f} ms an encode"
+        f"  host {host['median_ms']:.2f} (p99 {host['p99_ms']:.2f}) ms; "
+        f"kernels {sum(kernels.values()):.2f} ms an encode"
     )
     for name, ms in sorted(kernels.items(), key=lambda pair: -pair[1])[:6]:
         print(f"  {ms:8.2f}  {name[:100]}")

@@ -49,7 +49,8 @@ def main() -> None:
             error = float(torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want))
             worst = max(worst, error)
             print(
-                f"{args.family} {name}: tokens {tuple(got.shape)}, rel. error {error:.2e}, finite {bool(torch.isfinite(got).all())}"
+                f"{args.family} {name}: tokens {tuple(got.shape)}, rel. error {error:.2e}, "
+                f"finite {bool(torch.isfinite(got).all())}"
             )
     print(f"worst {worst:.2e}")
     if worst > 1e-4:

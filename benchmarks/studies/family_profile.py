@@ -38,7 +38,7 @@ def main() -> None:
     name = args.workload or next(iter(loads))
     items = loads[name]
     replay = summarize(time_ms(lambda: encoder.encode(items), 30, 5))
-    runner = encoder._runners  # noqa: SLF001 - a benchmark reads the encoder's internals
+    runner = encoder._runners  # a benchmark reads the encoder's internals
     from vitpool.items import prepare_items
 
     prepared = [part for item in prepare_items(items, encoder.adapter.item_rules) for part in item.parts]
@@ -62,8 +62,9 @@ def main() -> None:
         classes[kernel_class(kernel)] += sum(times)
     total = sum(classes.values())
     print(
-        f"\nGPU: {torch.cuda.get_device_name()}; {args.family}, {name}: eager static forward {total:.2f} ms of "
-        f"kernels; encode through the graphs median {replay['median_ms']:.2f} (p99 {replay['p99_ms']:.2f}) ms"
+        f"\nGPU: {torch.cuda.get_device_name()}; {args.family}, {name}: "
+        f"eager static forward {total:.2f} ms of kernels; "
+        f"encode through the graphs median {replay['median_ms']:.2f} (p99 {replay['p99_ms']:.2f}) ms"
     )
     for kind, ms in sorted(classes.items(), key=lambda pair: -pair[1]):
         print(f"  {kind:14s} {ms:8.2f} ms  {100 * ms / total:5.1f}%")

@@ -100,7 +100,7 @@ def main() -> None:
             for name, step in ways.items():
                 try:
                     row[name] = per_gemm_ms(step, inputs, weights, biases, args.runs)
-                except Exception as error:  # a way that cannot run here is reported, not fatal
+                except Exception as error:  # noqa: BLE001 - a way that cannot run here is reported, not fatal
                     row[name] = {"error": f"{type(error).__name__}: {error}"[:200]}
             if "addmm_gelu" in row and "median_ms" in row["addmm_gelu"]:
                 reference = F.gelu(F.linear(inputs, weights[0], biases[0]).float(), approximate="tanh")

@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from family_latency import CONFIGS, PROJECTOR_FIELDS, VISION_MODEL_TYPES, hugging_face_eager, use_sdpa  # noqa: E402
+from family_latency import CONFIGS, PROJECTOR_FIELDS, VISION_MODEL_TYPES, hugging_face_eager, use_sdpa
 
-from vitpool import GraphEncoder, Image  # noqa: E402
+from vitpool import GraphEncoder, Image
 
 
 def main() -> None:
@@ -45,7 +45,8 @@ def main() -> None:
         ("HF get_image_features", theirs),
     ):
         print(
-            f"{name}: finite {bool(torch.isfinite(tensor).all())}, largest |x| {float(tensor.abs().nan_to_num(0).max()):.3e}, "
+            f"{name}: finite {bool(torch.isfinite(tensor).all())}, "
+            f"largest |x| {float(tensor.abs().nan_to_num(0).max()):.3e}, "
             f"nan {int(torch.isnan(tensor).sum())} of {tensor.numel()}"
         )
     print("attention implementation:", getattr(module.vision_tower.config, "_attn_implementation", None))

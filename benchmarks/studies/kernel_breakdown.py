@@ -2,8 +2,8 @@
 attention, GEMM, convolution, norm, elementwise, copy / gather, other. One square image padded to
 the rows of a budget, the forward run as vitpool captures it, under the profiler.
 
-    python benchmarks/studies/kernel_breakdown.py [--rows 196,3136] [--attention fa2,fa4] [--fused off,on,compiled]
-        [--precision bf16,fp8]
+    python benchmarks/studies/kernel_breakdown.py [--rows 196,3136] [--attention fa2,fa4] \
+        [--fused off,on,compiled] [--precision bf16,fp8]
 
 Prints one table per (rows, attention kernel, fused work): ms per class, its share, kernel launches,
 and the replay time of the same forward captured as a CUDA graph (GPU time plus the gaps between
@@ -140,11 +140,13 @@ def main() -> None:
     if args.out:
         args.out.write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "results": results}, indent=2))
     print(
-        f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}; one static forward, Qwen3-VL-8B tower"
+        f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}; "
+        f"one static forward, Qwen3-VL-8B tower"
     )
     for result in results:
         print(
-            f"\n{result['rows']} rows, attention {result['attention']}, fused {result['fused']}, {result['precision']}: "
+            f"\n{result['rows']} rows, attention {result['attention']}, fused {result['fused']}, "
+            f"{result['precision']}: "
             f"{result['total_ms']:.2f} ms GPU time, "
             f"{result['kernels']} kernels, graph replay {result['replay_ms']:.2f} ms"
         )

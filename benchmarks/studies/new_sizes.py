@@ -51,7 +51,7 @@ def main() -> None:
     once_ms(encoders[settings[0]], [image(512)])  # warm the common kernels
     for side in (int(s) for s in args.sides.split(",")):
         cells = []
-        for name, encoder in encoders.items():
+        for encoder in encoders.values():
             items = [image(side)]
             first = once_ms(encoder, items)
             cells.append(f"{first:.1f} / {once_ms(encoder, items):.1f}")

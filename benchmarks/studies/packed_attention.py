@@ -148,7 +148,8 @@ def main() -> None:
                 continue
             print(
                 f"  {kernel:15s} eager {entry['eager_ms']:.3f} ms (p99 {entry['eager_p99_ms']:.3f})  "
-                f"replay {entry['replay_ms']:.3f} (p99 {entry['replay_p99_ms']:.3f})  err {entry['error']:.2e} "
+                f"replay {entry['replay_ms']:.3f} (p99 {entry['replay_p99_ms']:.3f})  "
+                f"err {entry['error']:.2e} "
                 f"graph err {entry['graph_error']:.2e} finite {entry['finite'] and entry['graph_finite']}  "
                 f"first call {entry['first_call_ms']:.1f} ms"
             )

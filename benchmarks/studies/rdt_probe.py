@@ -2,7 +2,8 @@
 RDT and another sums it, with a collective group of the two (both created with
 enable_tensor_transport=True, as RDT requires of a receiver).
 
-    RAY_rdt_fetch_fail_timeout_milliseconds=15000 python benchmarks/studies/rdt_probe.py [torch_gloo|gloo|nccl] [receivers] [threaded] [receiver_threads]
+    RAY_rdt_fetch_fail_timeout_milliseconds=15000 python benchmarks/studies/rdt_probe.py \
+        [torch_gloo|gloo|nccl] [receivers] [threaded] [receiver_threads]
 
 With nccl, every actor takes a GPU (a share of one) and the tensor lives on it. `receivers` (1)
 receive the same reference at once; `threaded` gives the sender max_concurrency=4, as an encoder

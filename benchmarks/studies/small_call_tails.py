@@ -316,7 +316,8 @@ def main() -> None:
     medium_alone = fixed_service_p99(args.load * shares["medium"], 400_000, args.seed)
     small_behind_medium = 1 + (medium_alone - 1) * base["medium"] / base["small"]
     print(
-        f"floors (every call of a class its p50, M/D/1): all calls {fixed_service_p99(args.load, 400_000, args.seed):.2f}x "
+        f"floors (every call of a class its p50, M/D/1): "
+        f"all calls {fixed_service_p99(args.load, 400_000, args.seed):.2f}x "
         f"p99 at load {args.load:.0%}; medium calls behind small ones only: p99 {medium_behind_small:.2f}x; "
         f"medium ahead of small: small p99 {small_behind_medium:.2f}x"
     )
@@ -337,7 +338,8 @@ def main() -> None:
     for policy in POLICIES:
         latencies = simulate(policy, args.load, args.seconds, args.seed)
         cells = [
-            f"{percentile(latencies[k], 0.5) / base[k]:.2f}x / {percentile(latencies[k], 0.99) / base[k]:.2f}x"
+            f"{percentile(latencies[k], 0.5) / base[k]:.2f}x / "
+            f"{percentile(latencies[k], 0.99) / base[k]:.2f}x"
             for k in ("small", "medium", "large")
         ]
         print(f"| {policy.name} | " + " | ".join(cells) + " |")

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from gemm_shapes import BLOCKS, LAYERS, per_gemm_ms
 
 CONFIGS = [
-    dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk, num_warps=w, num_stages=st)
+    {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk, "num_warps": w, "num_stages": st}
     for bm, bn, bk, sk, w, st in itertools.product((64, 128), (64, 128), (64, 128), (1, 2, 4, 6), (4,), (3,))
     if not (bm == 128 and bn == 128 and bk == 128)
 ]
@@ -149,7 +149,7 @@ def main() -> None:
                     got = linear(inputs, weights[0], biases[0]).float()
                     error = ((got - exact).norm() / exact.norm()).item()
                     timing = per_gemm_ms(linear, inputs, weights, biases, args.runs)
-                except Exception as failure:  # a configuration that does not compile here is skipped
+                except Exception as failure:  # noqa: BLE001 - a configuration that does not compile here is skipped
                     print(f"  {config}: {type(failure).__name__}: {str(failure)[:120]}", flush=True)
                     continue
                 if best is None or timing["median_ms"] < best["timing"]["median_ms"]:

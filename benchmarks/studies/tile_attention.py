@@ -75,7 +75,8 @@ def main() -> None:
             row[label] = {**timing, "tflops": flops / (timing["median_ms"] * 1e-3) / 1e12, "rel_error": error}
         results["shapes"][name] = row
         cells = [
-            f"{label} {r['median_ms'] * 1e3:.0f} ({r['p99_ms'] * 1e3:.0f}) {r['tflops']:.0f} TF/s {r['rel_error']:.0e}"
+            f"{label} {r['median_ms'] * 1e3:.0f} ({r['p99_ms'] * 1e3:.0f}) "
+            f"{r['tflops']:.0f} TF/s {r['rel_error']:.0e}"
             if "error" not in r
             else f"{label} failed: {r['error'][:60]}"
             for label, r in row.items()
