@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -23,6 +24,9 @@ import torch
 from vitpool import GraphEncoder, Image, Video
 from vitpool.families.qwen3_vl.adapter import Qwen3VLAdapter
 from vitpool.models import load_adapter
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self is 3.11+; requires-python is >=3.10
 
 ROW_WIDTH = 3 * 2 * 16 * 16  # channels * temporal patch * patch * patch of the Qwen3-VL family
 RAY_TEMP_ROOT = pytest.StashKey[tuple[str, dict[str, str | None]]]()
@@ -283,7 +287,7 @@ class CheckedStream:
             with self._lock:
                 self.completed += 1
 
-    def __enter__(self) -> CheckedStream:
+    def __enter__(self) -> Self:
         for thread in self._threads:
             thread.start()
         return self

@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from vitpool.models.registry import Family, register_family
-from vitpool.models.tile_rules import TileRules
 from vitpool.models.tiled import TiledAdapter
+from vitpool.rules.tiles import TileRules
 
 MODEL_TYPE = "vitpool_toy_tiles"
 

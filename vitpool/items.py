@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from vitpool.errors import InvalidItemError
-from vitpool.models.path_rules import PathRules
+from vitpool.rules.paths import PathRules
 from vitpool.specs import IMAGE, VIDEO, ItemRules, ItemSpec
 from vitpool.transport.embedding import Embedding, shared_results
 from vitpool.transport.wire import WIRE_DTYPES, wire_dtype_name

@@ -15,15 +15,26 @@ from __future__ import annotations
 import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from vitpool.errors import ConfigError
 from vitpool.packing import SEQUENCES, Budget, Needs
 from vitpool.packing.budgets import check_token_budgets
 
+if TYPE_CHECKING:
+    import torch
+
 IMAGE = "image"
 VIDEO = "video"
 MODALITIES = (IMAGE, VIDEO)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and dtype of one static metadata buffer (an adapter's `metadata_specs`)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from conftest import relative_error
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 
-from vitpool import GraphEncoder, Image  # noqa: E402
+from vitpool import GraphEncoder, Image
 
 pytestmark = pytest.mark.gpu
 

@@ -22,29 +22,29 @@ from vitpool import GraphEncoder
 pytestmark = pytest.mark.gpu
 
 # Qwen3-VL-8B's vision config (real size), as in the repro; a one-layer LLM of the real width.
-VISION = dict(
-    depth=27,
-    hidden_size=1152,
-    intermediate_size=4304,
-    num_heads=16,
-    in_channels=3,
-    patch_size=16,
-    spatial_merge_size=2,
-    temporal_patch_size=2,
-    out_hidden_size=4096,
-    num_position_embeddings=2304,
-    deepstack_visual_indexes=[8, 16, 24],
-    hidden_act="gelu_pytorch_tanh",
-)
-TEXT = dict(
-    hidden_size=4096,
-    num_hidden_layers=1,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    intermediate_size=1024,
-    vocab_size=512,
-    head_dim=128,
-)
+VISION = {
+    "depth": 27,
+    "hidden_size": 1152,
+    "intermediate_size": 4304,
+    "num_heads": 16,
+    "in_channels": 3,
+    "patch_size": 16,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "out_hidden_size": 4096,
+    "num_position_embeddings": 2304,
+    "deepstack_visual_indexes": [8, 16, 24],
+    "hidden_act": "gelu_pytorch_tanh",
+}
+TEXT = {
+    "hidden_size": 4096,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "intermediate_size": 1024,
+    "vocab_size": 512,
+    "head_dim": 128,
+}
 # bf16, 27 random layers: vitpool against Hugging Face's eager sdpa tower measured 1.5e-2 on an H100
 REAL_SIZE_TOLERANCE = 3e-2
 

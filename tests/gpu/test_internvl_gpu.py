@@ -23,23 +23,23 @@ def test_every_budget_is_captured_and_encodes_match_get_image_features():
     from vitpool.families.internvl.adapter import InternVLAdapter, InternVLEncoder
 
     config = InternVLConfig(
-        vision_config=dict(
-            hidden_size=64,
-            num_attention_heads=4,
-            num_hidden_layers=2,
-            intermediate_size=128,
-            image_size=56,
-            patch_size=14,
-        ),
-        text_config=dict(
-            model_type="qwen2",
-            hidden_size=64,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            vocab_size=128,
-        ),
+        vision_config={
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "num_hidden_layers": 2,
+            "intermediate_size": 128,
+            "image_size": 56,
+            "patch_size": 14,
+        },
+        text_config={
+            "model_type": "qwen2",
+            "hidden_size": 64,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 2,
+            "vocab_size": 128,
+        },
     )
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)

@@ -22,29 +22,29 @@ def test_every_budget_is_captured_and_encodes_match_the_model():
 
     from vitpool.families.llama4.adapter import Llama4Adapter, Llama4Encoder
 
-    vision = dict(
-        hidden_size=64,
-        num_attention_heads=4,
-        num_hidden_layers=2,
-        intermediate_size=256,
-        image_size=56,
-        patch_size=14,
-        vision_output_dim=64,
-        projector_input_dim=64,
-        projector_output_dim=64,
-        pixel_shuffle_ratio=0.5,
-    )
-    text = dict(
-        hidden_size=64,
-        intermediate_size=64,
-        intermediate_size_mlp=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=32,
-        vocab_size=128,
-        num_local_experts=2,
-    )
+    vision = {
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 2,
+        "intermediate_size": 256,
+        "image_size": 56,
+        "patch_size": 14,
+        "vision_output_dim": 64,
+        "projector_input_dim": 64,
+        "projector_output_dim": 64,
+        "pixel_shuffle_ratio": 0.5,
+    }
+    text = {
+        "hidden_size": 64,
+        "intermediate_size": 64,
+        "intermediate_size_mlp": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "vocab_size": 128,
+        "num_local_experts": 2,
+    }
     config = Llama4Config(vision_config=vision, text_config=text)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)

@@ -17,7 +17,7 @@ from conftest import relative_error
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 
-from vitpool import GraphEncoder  # noqa: E402
+from vitpool import GraphEncoder
 
 pytestmark = pytest.mark.gpu
 

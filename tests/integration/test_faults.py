@@ -85,7 +85,8 @@ def test_a_killed_actor_loses_nothing_and_is_replaced(ray_cluster, reference_enc
         assert victim not in actor_pids(pool) and len(actor_pids(pool)) == 2
         print(
             f"\nkilled actor {victim} with {in_flight} batches in flight from this process; "
-            f"{stats.requeued_items} items sent again, 0 lost; replaced and taking work {recovered_s:.1f} s later"
+            f"{stats.requeued_items} items sent again, 0 lost; "
+            f"replaced and taking work {recovered_s:.1f} s later"
         )
     finally:
         pool.shutdown()

@@ -18,7 +18,8 @@ import ray, torch
 from vitpool import EncoderPool, Image, InvalidItemError
 
 port = int(sys.argv[1])
-ray.init(address="local", num_cpus=4, _metrics_export_port=port, _system_config={"metrics_report_interval_ms": 500})
+ray.init(address="local", num_cpus=4, _metrics_export_port=port,
+         _system_config={"metrics_report_interval_ms": 500})
 pool = EncoderPool.launch(budgets=[16, 64], device="cpu", actor_options={"num_gpus": 0}, name="metered",
                           metrics_interval_s=0.5)
 for _ in range(7):  # 7 calls of 2 items, 4 + 16 tokens
@@ -46,7 +47,8 @@ def read() -> dict:
 deadline = time.monotonic() + 60
 while True:
     found = read()
-    if found.get("ray_vitpool_calls_total") == 8 and found.get('ray_vitpool_actor_items_total{actor="0"}') == 15:
+    if (found.get("ray_vitpool_calls_total") == 8
+            and found.get('ray_vitpool_actor_items_total{actor="0"}') == 15):
         break
     if time.monotonic() > deadline:
         break

@@ -136,7 +136,8 @@ pool = EncoderPool.connect(sys.argv[2])
 assert result.tokens.shape == (16, 128) and bool(torch.isfinite(result.tokens).all())
 pool.close()
 # (Ray loads the actor's class, vitpool.actors.encoder_actor, with each handle: the engine is not in it)
-engine = [m for m in sys.modules if m.startswith(("transformers", "vitpool.graphs", "vitpool.families.qwen3_vl.adapter",
+engine = [m for m in sys.modules if m.startswith(("transformers", "vitpool.graphs",
+                                                  "vitpool.families.qwen3_vl.adapter",
                                                   "vitpool.models.loading", "vitpool.models.registry"))]
 print("engine modules:", engine)
 """

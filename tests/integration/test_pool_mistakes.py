@@ -241,7 +241,8 @@ assert not ray.is_initialized()
 uses = {
     "encode": lambda: pool.encode([item]), "encode_refs": lambda: pool.encode_refs([item]),
     "encode_async": lambda: asyncio.run(pool.encode_async([item])), "stats": pool.stats,
-    "num_actors": lambda: pool.num_actors, "scale": lambda: pool.scale(2), "deliver_to": lambda: pool.deliver_to([]),
+    "num_actors": lambda: pool.num_actors, "scale": lambda: pool.scale(2),
+    "deliver_to": lambda: pool.deliver_to([]),
 }
 for name, use in uses.items():
     try:

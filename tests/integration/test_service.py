@@ -116,7 +116,8 @@ import sys, time, ray
 ray.init()
 deadline = time.monotonic() + 60
 while True:
-    names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(sys.argv[1]))
+    names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                   if a["name"].startswith(sys.argv[1]))
     if not names or time.monotonic() > deadline:
         break
     time.sleep(0.5)
@@ -268,7 +269,8 @@ def test_the_command_line_serves_scales_benches_and_stops_a_pool(ray_head_port):
 HELD_OPEN = """
 import sys
 from vitpool import EncoderPool
-pool = EncoderPool.launch(budgets=[16], device="cpu", actor_options={"num_gpus": 0}, name=sys.argv[1], num_actors=1)
+pool = EncoderPool.launch(budgets=[16], device="cpu", actor_options={"num_gpus": 0}, name=sys.argv[1],
+                          num_actors=1)
 print("ready", flush=True)
 sys.stdin.readline()  # until the test lets go
 pool.shutdown()

@@ -231,7 +231,7 @@ def test_a_pool_of_other_vision_weights_is_refused(pool, shipped, tmp_path):
     shutil.copytree(shipped, other)
     [weights] = other.glob("*.safetensors")
     state = load_file(weights)
-    name = sorted(state)[0]
+    name = min(state)
     state[name] = state[name] + 1
     save_file(state, weights)
     Gateway(pool, FilePublisher(tmp_path / "ec"), same, "http://unused", make_item=make_item)

@@ -11,7 +11,7 @@ given its spec, and a few bad items. The suite checks:
 - a capacity limit the family does not have, or one that is not positive, is refused;
 - the item rules pickle, and import without transformers (a pool's callers load them).
 
-A family whose item is several inputs (`vitpool.models.path_rules`) is checked part by part: each
+A family whose item is several inputs (`vitpool.rules.paths`) is checked part by part: each
 budget belongs to one path, items are sampled by that path's adapter, and a part's spec is found
 among the parts of the item its case builds for it.
 """
@@ -61,8 +61,8 @@ from family_cases.common import item_for
 from vitpool import GraphEncoder, Image, InvalidItemError
 from vitpool.graphs.inputs import totals
 from vitpool.items import prepare_item
-from vitpool.models.path_rules import rules_of_part
 from vitpool.packing import fits
+from vitpool.rules.paths import rules_of_part
 from vitpool.specs import BatchPlan, ItemSpec
 
 TOLERANCE = 1e-5

@@ -29,7 +29,7 @@ def test_the_caller_side_imports_no_engine():
         "from vitpool import EncoderPool, Image, Video, Embedding, PoolSettings, InvalidItemError\n"
         "from vitpool import received_embeddings, decode_request, encode_results\n"
         "import vitpool.pool.encoder_pool, vitpool.pool.dispatcher, vitpool.actors.reports\n"
-        "import vitpool.models.item_rules\n"
+        "import vitpool.rules.grids\n"
     )
     assert engine_modules_loaded_by(code) == []
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 from conftest import image, relative_error
 
-import vitpool.kernels.compiled as compiled
 from vitpool import GraphEncoder, PoolSettings
 from vitpool.errors import ConfigError
 from vitpool.items import prepare_items
+from vitpool.kernels import compiled
 from vitpool.kernels.compiled import repeated_block_stacks, set_compile_cache_dir
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from conftest import ROW_WIDTH, image, make_encoder, reference_outputs, relative_error, video
@@ -129,7 +131,7 @@ def test_default_budgets_on_cpu(tiny_adapter):
     tokens = [b.num_tokens for b in encoder.budgets]
     assert tokens == sorted(tokens) and tokens[0] == 16 and tokens[-1] == 1024
     # the ladder never steps by more than 2x, and by at most 12.5% (plus alignment) above 256
-    for low, high in zip(tokens, tokens[1:]):
+    for low, high in itertools.pairwise(tokens):
         assert high <= 2 * low
         if low >= 256:
             assert high <= low * 1.125 + 32

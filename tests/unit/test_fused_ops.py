@@ -1,5 +1,6 @@
-"""The fused rotary, patch embedding, GELU-epilogue MLP and RMSNorm are installed in every family's modeling code through the
-shared attention hook, and stay out of the way off the GPU (the kernels themselves: tests/gpu)."""
+"""The fused rotary, patch embedding, GELU-epilogue MLP and RMSNorm are installed in every family's
+modeling code through the shared attention hook, and stay out of the way off the GPU (the kernels
+themselves: tests/gpu)."""
 
 from __future__ import annotations
 

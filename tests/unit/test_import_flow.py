@@ -20,9 +20,8 @@ import pytest
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2] / "vitpool"
 
-# The layers, lowest first, as ../shared/DESIGN.md ("Layout and the one-way flow") draws them:
-# errors, packing -> specs -> models, transport -> items -> graphs, codec -> actors -> pool ->
-# vitpool's public names. Two places follow the code and DESIGN's own prose over its arrow list:
+# The layers, lowest first, as the README's layout section draws them: errors, packing -> specs ->
+# rules -> transport, kernels -> items -> models -> families -> ... -> vitpool's public names.
 # integrations/ sit above the pool and the public names (an integration "uses the pool's public
 # API": the gateway, Dynamo and the vLLM store start or join a pool), and the command line with
 # `python -m vitpool` sit on top of everything. Packages of one layer are siblings that import
@@ -32,10 +31,11 @@ LAYERS: list[tuple[str, ...]] = [
     ("errors", "_lazy"),  # exception classes; the lazy exports of package __init__s
     ("dtypes", "packing"),  # dtype names (torch only); budgets and bin-packing (no torch, no Ray)
     ("specs",),  # what every layer agrees on about an item, a batch, an encoder
+    ("rules",),  # the item rules families build on (plain Python: the callers check items with them)
     ("transport", "kernels"),  # how a batch travels; what makes every tower fast, knowing no family
+    ("items",),  # Image, Video (and Embedding, defined in transport/) and the checks at the boundary
     ("models",),  # the adapter protocol, the family record and registry, loading, shared blocks
     ("families",),  # one package per family: its record, adapter, rules, checkpoint conversion
-    ("items",),  # Image, Video (and Embedding, defined in transport/) and the checks at the boundary
     ("from_processor",),  # items_from: a processor's output cut into items, by the family's record
     ("graphs", "codec"),  # GraphEncoder; the msgpack format for bytes from outside the cluster
     ("actors",),  # an encoder actor: one GraphEncoder on one GPU
@@ -51,14 +51,8 @@ LAYERS: list[tuple[str, ...]] = [
 SAME_PACKAGE_AS: dict[str, str] = {}
 
 # Arrows against the flow that are known and left for now: (importing module, imported module)
-# -> why. Each is checked to still exist, so a fixed one is removed here too.
-ALLOWED_ARROWS: dict[tuple[str, str], str] = {
-    # the transformers drop-in's stand-ins build Image items (items.py imports models/path_rules.py,
-    # so models/ sits below items.py); they live with their family and run only under the drop-in
-    ("vitpool.models.stand_in", "vitpool.items"): "a drop-in stand-in builds items",
-    ("vitpool.families.minicpmv4_6.features", "vitpool.items"): "a drop-in stand-in builds items",
-    ("vitpool.families.step3p7.features", "vitpool.items"): "a drop-in stand-in builds items",
-}
+# -> why. Each is checked to still exist, so a fixed one is removed here too. None now: keep it so.
+ALLOWED_ARROWS: dict[tuple[str, str], str] = {}
 
 # Modules that must not load the engine whatever their layer allows: the vLLM gateway and the
 # Dynamo backend parse dtypes through vitpool.dtypes and reach the encoders through a pool.
@@ -141,12 +135,17 @@ def resolve(package: str, name: str) -> str:
     return lazy_exports_by_package().get(package, {}).get(name, package)
 
 
-def arrows_of(module: str, tree: ast.Module, is_package: bool) -> list[Arrow]:
-    """Every import of a vitpool module in `tree`, but those under `if TYPE_CHECKING:`."""
+def arrows_of(module: str, tree: ast.Module, is_package: bool, annotations: bool = False) -> list[Arrow]:
+    """Every import of a vitpool module in `tree`, but those under `if TYPE_CHECKING:` (with
+    `annotations`, those too)."""
     never_run: set[int] = set()  # ids of nodes
     inside_functions: set[int] = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+        if (
+            not annotations
+            and isinstance(node, ast.If)
+            and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+        ):
             never_run.update(id(child) for statement in node.body for child in ast.walk(statement))
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
             inside_functions.update(id(child) for child in ast.walk(node) if child is not node)
@@ -172,11 +171,11 @@ def arrows_of(module: str, tree: ast.Module, is_package: bool) -> list[Arrow]:
     return list(dict.fromkeys(arrows))  # one per line and module imported
 
 
-def all_arrows() -> list[Arrow]:
+def all_arrows(annotations: bool = False) -> list[Arrow]:
     return [
         arrow
         for module, path in all_modules().items()
-        for arrow in arrows_of(module, parse(path), path.name == "__init__.py")
+        for arrow in arrows_of(module, parse(path), path.name == "__init__.py", annotations)
     ]
 
 
@@ -203,6 +202,14 @@ def test_imports_run_down_the_layers():
         "imports against the one-way flow (a module imports its own package and lower layers; "
         f"LAYERS in {Path(__file__).name}):\n" + "\n".join(against)
     )
+
+
+def test_no_arrow_runs_back_up_not_even_for_an_annotation():
+    """The house holds without exceptions: no known arrow against the flow is left, and imports
+    made only for type checkers (which never run) follow the layers too."""
+    assert ALLOWED_ARROWS == {}, "an arrow against the flow is a module in the wrong layer: move it instead"
+    against = [str(arrow) for arrow in all_arrows(annotations=True) if is_against_the_flow(arrow)]
+    assert against == [], "annotation imports against the one-way flow:\n" + "\n".join(against)
 
 
 def test_allowed_arrows_still_exist():

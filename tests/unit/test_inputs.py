@@ -65,17 +65,17 @@ def test_bad_item_is_named_and_encoder_keeps_working(encoder, name):
 
 # (settings, words the ConfigError must contain)
 BAD_SETTINGS = [
-    (dict(budgets=[]), "empty"),
-    (dict(budgets=[16, 0]), "positive integers"),
-    (dict(budgets=[16, 16]), "duplicates"),
-    (dict(budgets=[16.5]), "positive integers"),
-    (dict(budgets=[8, 64], max_items_per_batch=9), "exceeds the smallest budget"),
-    (dict(budgets=[64], max_items_per_batch=0), ">= 1"),
-    (dict(budgets=[64], max_items_per_batch=8, max_frames_per_batch=4), "max_frames_per_batch"),
-    (dict(budgets=[64], dtype=torch.int32), "not supported"),
-    (dict(budgets=[64], device="tpu"), "torch device"),
-    (dict(budgets=[64], capacity_limits={"windows": 8}), "bounds no 'windows'"),  # Qwen3-VL has no windows
-    (dict(budgets=[64], capacity_limits={"sequences": 0}), "positive integer"),
+    ({"budgets": []}, "empty"),
+    ({"budgets": [16, 0]}, "positive integers"),
+    ({"budgets": [16, 16]}, "duplicates"),
+    ({"budgets": [16.5]}, "positive integers"),
+    ({"budgets": [8, 64], "max_items_per_batch": 9}, "exceeds the smallest budget"),
+    ({"budgets": [64], "max_items_per_batch": 0}, ">= 1"),
+    ({"budgets": [64], "max_items_per_batch": 8, "max_frames_per_batch": 4}, "max_frames_per_batch"),
+    ({"budgets": [64], "dtype": torch.int32}, "not supported"),
+    ({"budgets": [64], "device": "tpu"}, "torch device"),
+    ({"budgets": [64], "capacity_limits": {"windows": 8}}, "bounds no 'windows'"),  # Qwen3-VL has no windows
+    ({"budgets": [64], "capacity_limits": {"sequences": 0}}, "positive integer"),
 ]
 
 

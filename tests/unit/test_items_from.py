@@ -22,7 +22,7 @@ from vitpool import Image, Video
 from vitpool.models.registry import RECORDS
 
 pytest.importorskip("PIL")
-from PIL import Image as PILImage  # noqa: E402
+from PIL import Image as PILImage
 
 
 @dataclass(frozen=True)

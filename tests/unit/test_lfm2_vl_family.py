@@ -88,7 +88,8 @@ def test_images_of_different_sizes_and_entry_counts_in_one_call(model, encoder):
     assert_matches(model, encoder, items)
     for got, want in zip(encoder.encode(items), batch_features(model, items), strict=True):
         assert relative_error(got.tokens, want) <= TOLERANCE
-    # an image over every budget (4 tiles and a thumbnail: 76 tokens, eager at its own size) beside a small one
+    # an image over every budget (4 tiles and a thumbnail: 76 tokens, eager at its own size) beside a
+    # small one
     assert_matches(model, encoder, [item(TILES_AND_THUMBNAIL, 6), item([(2, 2)], 7)])
 
 

@@ -41,16 +41,16 @@ def full_checkpoint(tmp_path_factory) -> Path:
 
     config = Qwen3VLConfig(
         vision_config=TINY_CONFIG,
-        text_config=dict(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=16,
-            vocab_size=128,
-            rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
-        ),
+        text_config={
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 16,
+            "vocab_size": 128,
+            "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
+        },
     )
     model = Qwen3VLForConditionalGeneration(config)
     model.model.visual.load_state_dict(load_file(SHIPPED_CHECKPOINT / "model.safetensors"))
@@ -88,7 +88,7 @@ def test_the_vision_weights_digest_names_the_tower_and_nothing_else(tmp_path, fu
     shipped = vision_weights_digest(None)
     assert vision_weights_digest(full_checkpoint) == shipped == vision_weights_digest(SHIPPED_CHECKPOINT)
     state = load_file(SHIPPED_CHECKPOINT / "model.safetensors")
-    name = sorted(state)[-1]
+    name = max(state)
     state[name] = state[name].clone()
     state[name].view(-1)[0] += 1e-3
     save_file(state, tmp_path / "model.safetensors")

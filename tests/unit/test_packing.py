@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import sys
 
 from hypothesis import given, settings
@@ -74,7 +75,7 @@ def test_small_items_share_batches(sizes):
 def test_ladder_bounds(low, span):
     ladder = budget_ladder(low, low + span, 1.125, 32)
     assert ladder[0] == low and ladder[-1] == low + span
-    assert all(a < b <= 2 * a for a, b in zip(ladder, ladder[1:]))
+    assert all(a < b <= 2 * a for a, b in itertools.pairwise(ladder))
 
 
 def test_packing_imports_neither_torch_nor_ray():

@@ -1,4 +1,4 @@
-"""Items of several inputs (`vitpool.models.path_rules`): the rules split an item into its parts,
+"""Items of several inputs (`vitpool.rules.paths`): the rules split an item into its parts,
 packing never mixes paths, the wire carries a part's path, a call's parts are joined in order; and
 Step-3.7, the family of two paths, against its Hugging Face model: whole items (crops and global
 view joined) in one call, loading from full and tower-only saves. CPU, fp32, tiny random models."""
@@ -15,10 +15,10 @@ from safetensors.torch import save_file
 
 from vitpool import CheckpointError, Embedding, GraphEncoder, Image, InvalidItemError
 from vitpool.items import prepare_item
-from vitpool.models.path_rules import PathRules, rules_of_part
-from vitpool.models.tile_rules import TileRules
 from vitpool.packing import Budget, ItemCost, pack
 from vitpool.pool.calls import Call, PartResults
+from vitpool.rules.paths import PathRules, rules_of_part
+from vitpool.rules.tiles import TileRules
 from vitpool.specs import BatchPlan, plan_from_wire, plan_to_wire
 
 TOLERANCE = 1e-5

@@ -26,7 +26,7 @@ from vitpool import GraphEncoder, Image, InvalidItemError, Video
 from vitpool.families.kimi_k25.rules import KimiK25Rules
 from vitpool.families.qwen2_5_vl.rules import WindowedMergeRules
 from vitpool.items import prepare_items
-from vitpool.models.item_rules import SpatialMergeRules
+from vitpool.rules.grids import SpatialMergeRules
 from vitpool.specs import IMAGE, VIDEO
 
 PILImage = pytest.importorskip("PIL.Image")

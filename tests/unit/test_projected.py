@@ -25,15 +25,24 @@ def test_missing_fields_are_named_and_present_ones_pass():
     [
         (
             gemma3_projector_config,
-            r"a Gemma 3 vision config needs \['text_hidden_size', 'mm_tokens_per_image'\] to build its multi_modal",
+            (
+                r"a Gemma 3 vision config needs \['text_hidden_size', 'mm_tokens_per_image'\] "
+                r"to build its multi_modal"
+            ),
         ),
         (
             connector_config,
-            r"an Idefics3 / SmolVLM vision config needs \['text_hidden_size', 'scale_factor'\] to build its connector",
+            (
+                r"an Idefics3 / SmolVLM vision config needs \['text_hidden_size', 'scale_factor'\] "
+                r"to build its connector"
+            ),
         ),
         (
             mistral3_projector_config,
-            r"Mistral 3's projector needs \[.*'text_hidden_size'.*\] besides the Pixtral vision config: .* got a Simple",
+            (
+                r"Mistral 3's projector needs \[.*'text_hidden_size'.*\] "
+                r"besides the Pixtral vision config: .* got a Simple"
+            ),
         ),
     ],
 )

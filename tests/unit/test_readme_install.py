@@ -24,5 +24,6 @@ def test_the_install_section_installs_what_the_processor_snippets_import():
     declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     if "from PIL import" in readme:
         assert any(dep.lower().startswith("pillow") for extra in extras for dep in declared.get(extra, ())), (
-            f"the install section's extras {sorted(extras)} leave out Pillow, which the README's snippets import"
+            f"the install section's extras {sorted(extras)} leave out Pillow, "
+            "which the README's snippets import"
         )

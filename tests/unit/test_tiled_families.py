@@ -113,7 +113,7 @@ def test_the_internvl_processors_output_for_one_image_is_one_item():
     from transformers import GotOcr2ImageProcessorPil
 
     from vitpool.items import prepare_item
-    from vitpool.models.tile_rules import TileRules
+    from vitpool.rules.tiles import TileRules
 
     processor = GotOcr2ImageProcessorPil(
         crop_to_patches=True, min_patches=1, max_patches=12, size={"height": 448, "width": 448}
@@ -128,9 +128,9 @@ def test_the_internvl_processors_output_for_one_image_is_one_item():
 def test_the_pools_cost_of_a_tiled_batch_prices_attention_per_tile():
     """A tile is one attention sequence: a 13-tile image costs attention over 13 sequences of 256
     tokens, not over one of 3328 (the cost model would rate it 13 times too dear)."""
-    from vitpool.models.tile_rules import TileRules
     from vitpool.packing import batch_cost, pack
     from vitpool.pool.policy import DispatchPolicy
+    from vitpool.rules.tiles import TileRules
     from vitpool.specs import IMAGE
 
     rules = TileRules(3, 448, 256, ((64,),))

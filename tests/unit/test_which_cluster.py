@@ -113,8 +113,9 @@ def test_no_pool_found_names_the_cluster_looked_in_and_how_to_look_in_another(mo
     with pytest.raises(PoolUnavailableError) as raised:
         launcher.find_pool("encoders", None, 1.0)
     assert str(raised.value).startswith(
-        f"no pool named 'encoders' in the Ray cluster at {GCS} (from {ADDRESS_FILE}, the cluster last started on "
-        "this machine); pass address= (--address) or set RAY_ADDRESS to look in another"
+        f"no pool named 'encoders' in the Ray cluster at {GCS} (from {ADDRESS_FILE}, "
+        "the cluster last started on this machine); pass address= (--address) or set RAY_ADDRESS to look "
+        "in another"
     )
     assert shutdowns == [True]  # what the lookup joined, it leaves
 
@@ -171,9 +172,10 @@ def test_a_controller_that_dies_as_the_pool_starts_is_one_error_naming_the_clust
     with pytest.raises(VitpoolError) as raised:
         launcher.launch_pool(PoolSettings(device="cpu"), 1, "encoders", None, {"num_gpus": 0}, None)
     assert str(raised.value) == (
-        f"the pool's controller died before the pool was ready, in the Ray cluster at {GCS} (from {ADDRESS_FILE}, "
-        "the cluster last started on this machine): ActorDiedError: The actor died unexpectedly before "
-        "finishing this task; pass address= (--address) or set RAY_ADDRESS to launch in another"
+        f"the pool's controller died before the pool was ready, in the Ray cluster at {GCS} "
+        f"(from {ADDRESS_FILE}, the cluster last started on this machine): ActorDiedError: "
+        "The actor died unexpectedly before finishing this task; pass address= (--address) or set "
+        "RAY_ADDRESS to launch in another"
     )
     assert raised.value.__cause__ is died
     assert stopped == [controller] and shutdowns == [True]  # nothing the launch started is left
@@ -280,7 +282,8 @@ def test_kubernetes_token_authentication_is_left_to_ray(monkeypatch):
 
 
 def test_a_token_cluster_at_an_explicit_address_fails_before_ray_init(fake_ray, monkeypatch):
-    """Ray's own connect would retry for ~20 s, printing InvalidAuthToken, then raise a bare ConnectionError."""
+    """Ray's own connect would retry for ~20 s, printing InvalidAuthToken, then raise a bare
+    ConnectionError."""
     monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
     monkeypatch.setattr(cluster, "match_authentication", MATCH_AUTHENTICATION)
     monkeypatch.setattr(ray_auth, "_gcs_accepts", Answers(False, True))

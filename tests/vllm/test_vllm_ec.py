@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.vllm, NEEDS_VLLM]
 
 
 @pytest.fixture(scope="module")
-def gateways(pool, servers, tiny_model):
+def gateways(pool, servers, tiny_model):  # noqa: F811 - fixtures imported above
     from vitpool.integrations.vllm.gateway import Gateway
     from vitpool.integrations.vllm.publisher import FilePublisher
     from vitpool.integrations.vllm.store import StorePublisher
@@ -38,7 +38,7 @@ def gateways(pool, servers, tiny_model):
 
 
 @pytest.mark.parametrize("path", ["files", "store"])
-def test_answers_through_the_gateway_equal_vllms_own_tower(gateways, servers, tiny_model, path):
+def test_answers_through_the_gateway_equal_vllms_own_tower(gateways, servers, tiny_model, path):  # noqa: F811 - fixtures imported above
     server, _ = servers[path]
     gateway = gateways[path]
     requests = [
@@ -59,7 +59,7 @@ def test_answers_through_the_gateway_equal_vllms_own_tower(gateways, servers, ti
     assert stats["gateway"]["fallbacks"] == 0 and stats["publisher"]["entries"] >= 12
 
 
-def test_resized_images_answer_as_vllms_own_tower(gateways, servers, tiny_model):
+def test_resized_images_answer_as_vllms_own_tower(gateways, servers, tiny_model):  # noqa: F811 - fixtures imported above
     """Pictures vLLM resizes (sides not multiples of 32: shrunk to the grid, or enlarged to the
     minimum size): within 1e-4 with torchvision's processor in the gateway, as vLLM's; with PIL's
     (torchvision not importable here) within its bound, 5e-3 (3.0e-3 measured on these sizes)."""
@@ -81,7 +81,7 @@ def test_resized_images_answer_as_vllms_own_tower(gateways, servers, tiny_model)
 
 
 @pytest.mark.parametrize("path", ["files", "store"])
-def test_vllm_reads_what_is_published(gateways, servers, tiny_model, path):
+def test_vllm_reads_what_is_published(gateways, servers, tiny_model, path):  # noqa: F811 - fixtures imported above
     """An entry of zeros under an image's uuid changes vLLM's answer: the published tensor is used,
     not vLLM's own tower."""
     server, _ = servers[path]
@@ -95,7 +95,7 @@ def test_vllm_reads_what_is_published(gateways, servers, tiny_model, path):
     assert largest_difference(actual, expected) > 1000 * TOLERANCE
 
 
-def test_an_invalid_entry_is_not_used(gateways, servers, tiny_model):
+def test_an_invalid_entry_is_not_used(gateways, servers, tiny_model):  # noqa: F811 - fixtures imported above
     """A truncated file and a file whose bytes changed after publishing are both 'not there':
     vLLM encodes the image itself."""
     server, root = servers["files"]
@@ -112,7 +112,7 @@ def test_an_invalid_entry_is_not_used(gateways, servers, tiny_model):
         assert_same_answer(answer(server.url, chat([picture], uuids=[key]), tiny_model), expected)
 
 
-def test_a_family_vllm_cannot_take_is_refused(tmp_path, pool):
+def test_a_family_vllm_cannot_take_is_refused(tmp_path, pool):  # noqa: F811 - fixtures imported above
     from vitpool import ConfigError
     from vitpool.integrations.vllm.gateway import Gateway
     from vitpool.integrations.vllm.publisher import FilePublisher
@@ -122,7 +122,7 @@ def test_a_family_vllm_cannot_take_is_refused(tmp_path, pool):
         Gateway(pool, FilePublisher(tmp_path / "ec"), tmp_path, "http://127.0.0.1:1")
 
 
-def test_dynamo_backend_answers_as_pool_encode(tmp_path, pool, tiny_model, ray_address):
+def test_dynamo_backend_answers_as_pool_encode(tmp_path, pool, tiny_model, ray_address):  # noqa: F811 - fixtures imported above
     """vitpool's Dynamo backend, driven by Dynamo's own AsyncVisionEncoder in the vLLM environment
     (ai-dynamo installed there), returns pool.encode's embeddings, and Dynamo's Qwen3-VL adapter
     takes them; a bad image is refused alone, as a ValueError."""
@@ -163,7 +163,7 @@ def test_dynamo_backend_answers_as_pool_encode(tmp_path, pool, tiny_model, ray_a
     assert "cannot be read" in report["bad_image"]
 
 
-def test_requests_still_answer_when_the_pool_is_down(gateways, servers, tiny_model, pool):
+def test_requests_still_answer_when_the_pool_is_down(gateways, servers, tiny_model, pool):  # noqa: F811 - fixtures imported above
     """Last (it stops the pool): new images fall back to vLLM's own tower, counted; answers equal."""
     pool.shutdown()
     for path in ("files", "store"):

@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.vllm, NEEDS_VLLM]
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model, ray_address, tmp_path_factory):
+def server(tiny_model, ray_address, tmp_path_factory):  # noqa: F811 - fixtures imported above
     log = tmp_path_factory.mktemp("vllm-restart") / "store.log"
     server = VllmServer(
         tiny_model,
@@ -43,7 +43,7 @@ def server(tiny_model, ray_address, tmp_path_factory):
         server.stop()
 
 
-def start_gateway(tiny_model, server, ray_address, log) -> tuple[subprocess.Popen, str]:
+def start_gateway(model, server, address, log) -> tuple[subprocess.Popen, str]:
     """`python -m vitpool.integrations.vllm.gateway` in a process of its own (a Ray job), waited for."""
     port = free_port()
     process = subprocess.Popen(
@@ -52,13 +52,13 @@ def start_gateway(tiny_model, server, ray_address, log) -> tuple[subprocess.Pope
             "-m",
             "vitpool.integrations.vllm.gateway",
             "--model",
-            str(tiny_model),
+            str(model),
             "--upstream",
             server.url,
             "--pool",
             POOL,
             "--address",
-            ray_address,
+            address,
             "--publish",
             "store",
             "--dtype",
@@ -83,7 +83,7 @@ def start_gateway(tiny_model, server, ray_address, log) -> tuple[subprocess.Pope
     raise TimeoutError("the gateway did not start in 180 s")
 
 
-def test_vllm_keeps_answering_across_a_gateway_restart(server, pool, tiny_model, ray_address, tmp_path):
+def test_vllm_keeps_answering_across_a_gateway_restart(server, pool, tiny_model, ray_address, tmp_path):  # noqa: F811 - fixtures imported above
     import ray
 
     from vitpool.integrations.vllm.store import find_store
@@ -142,7 +142,10 @@ def stats_of(url: str) -> dict:
 
 
 def test_an_entry_that_cannot_be_loaded_after_vllm_was_told_it_is_there_fails_one_request_not_vllm(
-    server, pool, tiny_model, ray_address
+    server,
+    pool,  # noqa: F811 - fixtures imported above
+    tiny_model,  # noqa: F811
+    ray_address,  # noqa: F811
 ):
     """The last resort: the store says "here" but the entry cannot be loaded (here: bytes that do
     not parse as what the entry says; in life, the store's node lost with them): that request

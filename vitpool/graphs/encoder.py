@@ -72,8 +72,8 @@ from vitpool.kernels.compiled import set_compile_cache_dir
 from vitpool.kernels.cudnn_packed import cudnn_packed_available
 from vitpool.kernels.fp8 import fp8_supported, install_fp8_linears
 from vitpool.models import VisionAdapter, load_adapter
-from vitpool.models.path_rules import PathRules, rules_of_part
 from vitpool.packing import Budget, fits, pack
+from vitpool.rules.paths import PathRules, rules_of_part
 from vitpool.specs import (
     BatchPlan,
     EncoderOptions,
@@ -134,7 +134,7 @@ class GraphEncoder:
         self.adapter = adapter
         _place_tower(adapter.tower, self.device, self.dtype)
         # A family whose item is several inputs runs each through its own adapter, buffers and
-        # graphs (a path, `vitpool.models.path_rules`); the others have one path, "".
+        # graphs (a path, `vitpool.rules.paths`); the others have one path, "".
         self._paths: dict[str, VisionAdapter] = dict(getattr(adapter, "paths", None) or {"": adapter})
         if self.precision == "fp8":
             towers = {id(each.tower): each.tower for each in (adapter, *self._paths.values())}

@@ -61,7 +61,7 @@ from vitpool.kernels.fused import install_fused_ops, pad_for_dense_attention
 from vitpool.kernels.scoped import scoped_value
 
 if TYPE_CHECKING:
-    from vitpool.models.protocol import TensorSpec
+    from vitpool.specs import TensorSpec
 
 logger = logging.getLogger(__name__)
 

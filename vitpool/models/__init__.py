@@ -1,6 +1,6 @@
 """Model adapters: one file per family, all seen by graphs/ through `VisionAdapter`.
 
-Names load on first use: a pool's callers unpickle item rules from `vitpool.models.item_rules`
+Names load on first use: a pool's callers unpickle item rules from `vitpool.rules.grids`
 without importing transformers or any modeling code.
 """
 
@@ -15,7 +15,7 @@ _NAMES = {
     "register_family": "vitpool.models.registry",
     "SHIPPED_CHECKPOINT": "vitpool.models.loading",
     "load_adapter": "vitpool.models.loading",
-    "SpatialMergeRules": "vitpool.models.item_rules",
+    "SpatialMergeRules": "vitpool.rules.grids",
     "VisionAdapter": "vitpool.models.protocol",
     "TensorSpec": "vitpool.models.protocol",
 }

@@ -24,10 +24,10 @@ import torch
 from transformers.vision_utils import get_vision_interpolation_indices_and_weights, get_vision_position_ids
 
 from vitpool.kernels.attention import install_packed_attention
-from vitpool.models.patch_rules import EXTRA_ROWS, Grid, PatchRows, sample_grids
 from vitpool.models.protocol import TensorSpec, zero_metadata
 from vitpool.models.spatial_merge import item_cu_seqlens, item_grids
 from vitpool.packing import Budget
+from vitpool.rules.patch_rows import EXTRA_ROWS, Grid, PatchRows, sample_grids
 from vitpool.specs import IMAGE, VIDEO, ItemSpec
 
 # Sampled check batches stay small so that checking a budget costs little host time.

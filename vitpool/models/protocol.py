@@ -30,15 +30,7 @@ from typing import Protocol
 import torch
 
 from vitpool.packing import Budget
-from vitpool.specs import ItemRules, ItemSpec
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """Shape and dtype of one static metadata buffer."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
+from vitpool.specs import ItemRules, ItemSpec, TensorSpec
 
 
 @dataclass(frozen=True)

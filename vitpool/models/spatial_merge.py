@@ -12,8 +12,8 @@ from collections.abc import Sequence
 import torch
 
 from vitpool.kernels.attention import install_packed_attention
-from vitpool.models.item_rules import SpatialMergeRules
 from vitpool.packing import Budget
+from vitpool.rules.grids import SpatialMergeRules
 from vitpool.specs import IMAGE, VIDEO, ItemSpec
 
 Grid = tuple[int, int, int]

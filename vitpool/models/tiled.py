@@ -23,10 +23,10 @@ from vitpool.errors import CheckpointError
 from vitpool.kernels.compiled import install_compiled_blocks
 from vitpool.kernels.fused import install_fused_ops
 from vitpool.models.loading import IMAGE_PROCESSOR_ATTRIBUTE
-from vitpool.models.path_rules import PathRules
 from vitpool.models.protocol import BudgetRange, TensorSpec
-from vitpool.models.tile_rules import TileRules
 from vitpool.packing import Budget
+from vitpool.rules.paths import PathRules
+from vitpool.rules.tiles import TileRules
 from vitpool.specs import IMAGE, ItemSpec
 
 MAX_SAMPLED_ITEMS = 6

@@ -14,7 +14,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from vitpool.models.item_rules import check_patch_rows, checked_grid
+from vitpool.rules.grids import check_patch_rows, checked_grid
 
 Grid = tuple[int, int, int]
 # The capacity of clips whose frames pool into one frame's tokens (Kimi-K2.5): rows past each

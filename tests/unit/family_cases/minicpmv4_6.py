@@ -25,7 +25,10 @@ def _older_than_minimum() -> str | None:
     from vitpool.families.minicpmv4_6.adapter import MINIMUM_TRANSFORMERS
 
     if Version(transformers.__version__) < Version(MINIMUM_TRANSFORMERS):
-        return f"MiniCPM-V 4.6 needs transformers>={MINIMUM_TRANSFORMERS}; {transformers.__version__} is installed"
+        return (
+            f"MiniCPM-V 4.6 needs transformers>={MINIMUM_TRANSFORMERS}; "
+            f"{transformers.__version__} is installed"
+        )
     return None
 
 

@@ -17,30 +17,30 @@ from vitpool import GraphEncoder
 ROW_WIDTH = 3 * 2 * 14 * 14
 HIDDEN = 48  # the merger's output width: the LLM's width
 
-TINY_VISION_CONFIG = dict(
-    depth=3,
-    hidden_size=32,
-    intermediate_size=64,
-    num_heads=2,
-    out_hidden_size=HIDDEN,
-    patch_size=14,
-    temporal_patch_size=2,
-    spatial_merge_size=2,
-    in_channels=3,
-    window_size=56,  # 56 / 2 / 14 = 2 merged tokens a side
-    fullatt_block_indexes=[1],
-)
-TINY_TEXT_CONFIG = dict(
-    hidden_size=HIDDEN,
-    intermediate_size=64,
-    num_hidden_layers=1,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    vocab_size=128,
-    bos_token_id=0,
-    eos_token_id=1,
-    rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
-)
+TINY_VISION_CONFIG = {
+    "depth": 3,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_heads": 2,
+    "out_hidden_size": HIDDEN,
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+    "spatial_merge_size": 2,
+    "in_channels": 3,
+    "window_size": 56,  # 56 / 2 / 14 = 2 merged tokens a side
+    "fullatt_block_indexes": [1],
+}
+TINY_TEXT_CONFIG = {
+    "hidden_size": HIDDEN,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "vocab_size": 128,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
+}
 
 
 def tiny_tower(seed: int = 0) -> torch.nn.Module:

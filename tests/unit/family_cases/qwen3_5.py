@@ -11,33 +11,33 @@ from family_cases.qwen2_vl import spatial_merge_case_fields
 from vitpool import GraphEncoder
 
 # patch 4: rows of 3 * 2 * 4 * 4 = 96 features; an 8 x 8 position table; 2 x 2 merge
-TINY_VISION = dict(
-    depth=2,
-    hidden_size=32,
-    num_heads=2,
-    intermediate_size=64,
-    patch_size=4,
-    temporal_patch_size=2,
-    in_channels=3,
-    spatial_merge_size=2,
-    out_hidden_size=32,
-    num_position_embeddings=64,
-)
+TINY_VISION = {
+    "depth": 2,
+    "hidden_size": 32,
+    "num_heads": 2,
+    "intermediate_size": 64,
+    "patch_size": 4,
+    "temporal_patch_size": 2,
+    "in_channels": 3,
+    "spatial_merge_size": 2,
+    "out_hidden_size": 32,
+    "num_position_embeddings": 64,
+}
 ROW_WIDTH = 3 * 2 * 4 * 4
-TINY_TEXT = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=16,
-    vocab_size=128,
-    linear_key_head_dim=8,
-    linear_value_head_dim=8,
-    linear_num_key_heads=2,
-    linear_num_value_heads=2,
-    layer_types=["linear_attention", "full_attention"],
-)
+TINY_TEXT = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 16,
+    "vocab_size": 128,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 2,
+    "layer_types": ["linear_attention", "full_attention"],
+}
 TINY_MOE_TEXT = dict(
     TINY_TEXT,
     num_experts=4,

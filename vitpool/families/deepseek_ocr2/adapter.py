@@ -12,7 +12,7 @@ queries causally (to every SAM token and the queries before them); the queries' 
 projected into the LLM's width, are the view's tokens. There are two query tables, 144 rows and
 256, and a tile takes the first where it has at most 144 SAM tokens, the second otherwise.
 `get_image_features` hands the LLM an image's crops first, then its global view, then one learned
-`view_separator` row. In vitpool each input is a path (`vitpool.models.path_rules`), with its own
+`view_separator` row. In vitpool each input is a path (`vitpool.rules.paths`), with its own
 tiles, budgets and graphs; the global path appends the separator to each view's tokens (257 a
 tile), so an item's parts are joined by concatenation.
 

@@ -19,8 +19,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vitpool.models.item_rules import SpatialMergeRules
 from vitpool.packing import SEQUENCES, Budget, make_budgets
+from vitpool.rules.grids import SpatialMergeRules
 from vitpool.specs import VIDEO, ItemSpec, check_capacity_limits
 
 ROWS = "rows"  # patch rows of the batch: the static buffers' rows

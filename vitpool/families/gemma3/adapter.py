@@ -27,8 +27,8 @@ import torch
 from vitpool.errors import CheckpointError
 from vitpool.models.compat import check_tower_parts
 from vitpool.models.projected import require_fields, tower_and_projector
-from vitpool.models.tile_rules import TileRules
 from vitpool.models.tiled import TiledAdapter, install_kernels
+from vitpool.rules.tiles import TileRules
 
 # What a tower-only save's vision config carries besides SigLIP's fields, for the projector (the
 # full model's Gemma3Config holds them: the LLM's width, the tokens a view is pooled to).

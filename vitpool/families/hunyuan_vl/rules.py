@@ -22,8 +22,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vitpool.models.item_rules import check_row_count, checked_grid
 from vitpool.packing import Budget, plain_budgets
+from vitpool.rules.grids import check_row_count, checked_grid
 from vitpool.specs import VIDEO, ItemSpec, check_capacity_limits
 
 BOUNDARY_TOKENS = 2  # image_begin and image_end, around every image

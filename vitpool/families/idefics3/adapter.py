@@ -32,8 +32,8 @@ import torch
 
 from vitpool.models.compat import check_tower_parts
 from vitpool.models.projected import require_fields
-from vitpool.models.tile_rules import TileRules
 from vitpool.models.tiled import TiledAdapter, install_kernels
+from vitpool.rules.tiles import TileRules
 
 # What a tower-only save's vision config carries besides Hugging Face's fields, for the connector
 # (the full model's config holds them).

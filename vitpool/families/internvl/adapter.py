@@ -29,8 +29,8 @@ import torch
 
 from vitpool.models.compat import check_tower_parts
 from vitpool.models.projected import require_fields, tower_and_projector
-from vitpool.models.tile_rules import TileRules
 from vitpool.models.tiled import TiledAdapter, install_kernels
+from vitpool.rules.tiles import TileRules
 
 # What a tower-only save's vision config carries besides Hugging Face's fields, for the projector
 # and the feature selection (the full model's InternVLConfig holds them).

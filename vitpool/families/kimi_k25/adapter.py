@@ -39,10 +39,10 @@ import torch
 from vitpool.families.kimi_k25.rules import CLIP, EXTRA_ROWS, KimiK25Rules
 from vitpool.models.compat import check_tower_parts
 from vitpool.models.patch_adapter import PatchRowAdapter, renamed_key
-from vitpool.models.patch_rules import Grid
 from vitpool.models.projected import require_fields, tower_and_projector
 from vitpool.models.protocol import TensorSpec
 from vitpool.packing import Budget
+from vitpool.rules.patch_rows import Grid
 from vitpool.specs import ItemSpec
 
 # What a tower-only save's vision config carries besides Hugging Face's fields, for the projector.

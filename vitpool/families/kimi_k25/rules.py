@@ -28,8 +28,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vitpool.models.patch_rules import EXTRA_ROWS, PatchRows, patch_grid
 from vitpool.packing import Budget, plain_budgets
+from vitpool.rules.patch_rows import EXTRA_ROWS, PatchRows, patch_grid
 from vitpool.specs import ItemSpec, check_capacity_limits
 
 CLIP = "clip"  # the path of videos of more than one frame

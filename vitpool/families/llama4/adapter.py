@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from vitpool.models.projected import tower_and_projector
-from vitpool.models.tile_rules import TileRules
 from vitpool.models.tiled import TiledAdapter, install_kernels
+from vitpool.rules.tiles import TileRules
 
 CHECKPOINT_PREFIXES = ("vision_model.", "multi_modal_projector.")
 # 16 crops and the global tile (Llama4ImageProcessor's max_patches=16)

@@ -48,11 +48,11 @@ from vitpool.families.mistral3.rules import Mistral3Rules
 from vitpool.kernels.attention import install_packed_attention
 from vitpool.models.compat import check_tower_parts
 from vitpool.models.patch_adapter import renamed_key
-from vitpool.models.patch_rules import Grid, sample_grids
 from vitpool.models.projected import require_fields, tower_and_projector
 from vitpool.models.protocol import TensorSpec, zero_metadata
 from vitpool.models.spatial_merge import item_cu_seqlens, item_grids
 from vitpool.packing import Budget
+from vitpool.rules.patch_rows import Grid, sample_grids
 from vitpool.specs import IMAGE, ItemSpec
 
 FULL_MODEL_TYPE = "mistral3"

@@ -26,8 +26,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vitpool.models.patch_rules import Grid, PatchRows
 from vitpool.packing import Budget, plain_budgets
+from vitpool.rules.patch_rows import Grid, PatchRows
 from vitpool.specs import VIDEO, ItemSpec, check_capacity_limits, is_int
 
 

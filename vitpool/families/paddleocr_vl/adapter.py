@@ -39,10 +39,10 @@ import torch
 
 from vitpool.families.paddleocr_vl.rules import PaddleOCRVLRules
 from vitpool.models.patch_adapter import PatchRowAdapter, renamed_key
-from vitpool.models.patch_rules import Grid
 from vitpool.models.projected import tower_and_projector
 from vitpool.models.protocol import TensorSpec
 from vitpool.packing import Budget
+from vitpool.rules.patch_rows import Grid
 
 # What a tower-only save's vision config carries besides Hugging Face's fields, for the projector.
 TEXT_HIDDEN_SIZE = "text_hidden_size"

@@ -7,7 +7,7 @@ processor's patches [h*w, C, P, P] (4-D, one patch per row); an item's layout is
 image is one attention sequence whose `merge x merge` patches the projector turns into one output
 token, so an item gives h*w / merge² tokens from h*w rows. No capacity besides tokens and items:
 the sequences of a batch are its items. The sizes and checks of patch rows are shared with
-Kimi-K2.5 (`vitpool.models.patch_rules`).
+Kimi-K2.5 (`vitpool.rules.patch_rows`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vitpool.models.patch_rules import PatchRows, patch_grid
 from vitpool.packing import Budget, plain_budgets
+from vitpool.rules.patch_rows import PatchRows, patch_grid
 from vitpool.specs import VIDEO, ItemSpec, check_capacity_limits
 
 

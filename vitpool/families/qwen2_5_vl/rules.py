@@ -16,8 +16,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vitpool.models.item_rules import SpatialMergeRules
 from vitpool.packing import SEQUENCES, Budget, make_budgets
+from vitpool.rules.grids import SpatialMergeRules
 from vitpool.specs import ItemSpec, check_capacity_limits
 
 WINDOWS = "windows"  # attention windows of the windowed blocks

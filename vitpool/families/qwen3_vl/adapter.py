@@ -17,10 +17,10 @@ from transformers.vision_utils import (
     get_vision_position_ids,
 )
 
-from vitpool.models.item_rules import SpatialMergeRules
 from vitpool.models.protocol import TensorSpec, zero_metadata
 from vitpool.models.spatial_merge import Grid, SpatialMergeAdapter, frame_cu_seqlens, grids_of, row_width_of
 from vitpool.packing import Budget
+from vitpool.rules.grids import SpatialMergeRules
 from vitpool.specs import ItemSpec
 
 

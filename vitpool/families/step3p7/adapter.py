@@ -6,7 +6,7 @@ its `patch_size`, 504 pixels by default). The model runs both through the same t
 resolution: patches, learned positions interpolated to the tile's grid, 2-D rotary positions, the
 layers, then two stride-2 convolutions (a 4 x 4 reduction: 169 tokens a global view, 81 a 504²
 crop) and the projector into the LLM's width. `get_image_features` hands the LLM an image's crops
-first, then its global view. In vitpool each input is a path (`vitpool.models.path_rules`): its own
+first, then its global view. In vitpool each input is a path (`vitpool.rules.paths`): its own
 tiles, budgets and graphs; an item's two parts are joined in that order.
 
 The tower takes a square tile of any side S of at least one patch: the patch convolution reads
