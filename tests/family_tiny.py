@@ -1,9 +1,12 @@
-"""Tiny random towers of every family vitpool serves, saved as tower-only checkpoints, and items
-shaped for them: what the pool and GPU tests run on every family."""
+"""Tiny random towers of the families vitpool serves, saved as tower-only checkpoints, and items
+shaped for them: what the pool and GPU tests that load a checkpoint run on each family.
+
+The families are the registry's (`family_cases.FAMILIES`); these tests take the ones whose case
+offers a tower-only checkpoint (`TOWER_FAMILIES`). What a case offers is described in
+tests/unit/family_cases/__init__.py."""
 
 from __future__ import annotations
 
-import importlib
 import sys
 from pathlib import Path
 
@@ -13,22 +16,16 @@ from vitpool import Image, Video
 
 sys.path.insert(0, str(Path(__file__).parent / "unit"))  # family_cases/ lives beside the unit tests
 
-# family -> its case module in tests/unit/family_cases (tiny tower, row shape)
-FAMILY_CASES = {
-    "qwen2_vl": "family_cases.qwen2_vl",
-    "qwen2_5_vl": "family_cases.qwen2_5_vl",
-    "qwen3_5": "family_cases.qwen3_5",
-    "glm4v": "family_cases.glm4v",
-    "kimi_k25": "family_cases.kimi_k25",
-    "paddleocr_vl": "family_cases.paddleocr_vl",
-}
-# families whose vitpool module holds the tower and a projector (saved with its own config)
-WITH_PROJECTOR = {"kimi_k25", "paddleocr_vl"}
-IMAGES_ONLY = {"paddleocr_vl"}
+from family_cases import RECORD_OF, case_of, families_offering
+
+# Only these: the tests here load a tower-only checkpoint and encode patch rows with a grid
+# (`mixed_items`); the other families' cases build full models or tiles (their GPU test:
+# test_sampled_items_gpu.py).
+TOWER_FAMILIES = families_offering("save_tower")
 
 
 def case_module(family: str):
-    return importlib.import_module(FAMILY_CASES[family])
+    return case_of(family)
 
 
 def row_shape(family: str) -> tuple[int, ...]:
@@ -36,20 +33,17 @@ def row_shape(family: str) -> tuple[int, ...]:
     return tuple(case.ROW_SHAPE) if hasattr(case, "ROW_SHAPE") else (case.ROW_WIDTH,)
 
 
+def takes_video(family: str) -> bool:
+    """The family's processor gives videos (its record's processor output has video keys)."""
+    output = RECORD_OF[family].processor_output
+    return output is not None and bool(output.video_keys)
+
+
 def save_tiny_tower(family: str, directory: Path) -> Path:
     """A tower-only checkpoint (config.json and safetensors) of the family's tiny tower (and
     projector, for a family whose module holds one)."""
-    case = case_module(family)
-    if family not in WITH_PROJECTOR:
-        case.tiny_tower().save_pretrained(directory)
-        return directory
-    from safetensors.torch import save_file
-
-    module = importlib.import_module(f"vitpool.families.{family}.adapter")
-    module.tower_only_config(case.full_config()).save_pretrained(directory)
-    state = {key: value.contiguous() for key, value in case.tiny_encoder_module().state_dict().items()}
-    save_file(state, str(directory / "model.safetensors"))
-    return directory
+    directory.mkdir(parents=True, exist_ok=True)
+    return case_module(family).save_tower(directory)
 
 
 def mixed_items(family: str, seed: int = 0) -> list:
@@ -62,27 +56,27 @@ def mixed_items(family: str, seed: int = 0) -> list:
         return torch.randn(rows, *shape, generator=generator)
 
     items = [Image(pixels(16), (1, 4, 4)), Image(pixels(48), (1, 8, 6))]
-    if family not in IMAGES_ONLY:
+    if takes_video(family):
         items.append(Video(pixels(32), (2, 4, 4)))
     return [*items, Image(pixels(4), (1, 2, 2))]
+
+
+def default_tower_tokens(
+    module: torch.nn.Module, pixels: torch.Tensor, grid_thw: torch.Tensor
+) -> torch.Tensor:
+    return module(pixels, grid_thw=grid_thw).pooler_output
 
 
 def reference_tokens(
     family: str, module: torch.nn.Module, item, device: torch.device, dtype: torch.dtype
 ) -> torch.Tensor:
-    """Hugging Face's own modules (SDPA) on one item alone, as the model's get_*_features calls them."""
-    t, h, w = item.grid_thw
+    """Hugging Face's own modules (SDPA) on one item alone, as the model's get_*_features calls them
+    (the case's `tower_tokens`, else the tower's pooler_output)."""
+    tower_tokens = getattr(case_module(family), "tower_tokens", default_tower_tokens)
     pixels = torch.as_tensor(item.pixel_values).to(device, dtype)
+    grid = torch.tensor([[int(v) for v in item.grid_thw]], device=device)
     with torch.no_grad():
-        if family == "kimi_k25":
-            grid = torch.tensor([[t, h, w]], device=device)
-            return module.mm_projector(module.vision_tower(pixels, grid_thw=grid).pooler_output).squeeze(1)
-        if family == "paddleocr_vl":
-            grid = torch.tensor([[t, h, w]], device=device)
-            return module.projector(module.visual(pixels.unsqueeze(0), grid_thw=grid).last_hidden_state, grid)
-        # GLM's tower takes a video as one (1, h, w) row per temporal patch, as get_video_features does
-        grid = [[1, h, w]] * t if module.config.model_type.startswith("glm4v") else [[t, h, w]]
-        return module(pixels, grid_thw=torch.tensor(grid, device=device)).pooler_output
+        return tower_tokens(module, pixels, grid)
 
 
 def use_sdpa(module: torch.nn.Module) -> torch.nn.Module:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
-import dataclasses
 import importlib.metadata
 import logging
 import statistics
@@ -33,13 +32,12 @@ from typing import Any
 import ray
 import torch
 
-from vitpool.cli_flags import NONE_GIVEN, add_setting_flags, non_negative_share, on_off
+from vitpool.cli_flags import add_setting_flags, given_settings, non_negative_share
 from vitpool.errors import InvalidItemError, VitpoolError, counted
 from vitpool.items import Image
 from vitpool.pool import EncoderPool
 from vitpool.pool.cluster import join_ray, joins_a_cluster
 from vitpool.pool.controller import NAMESPACE, Membership
-from vitpool.pool.settings import PoolSettings
 
 logger = logging.getLogger("vitpool.cli")
 
@@ -72,11 +70,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def serve(args: argparse.Namespace) -> int:
     settings = serve_settings(args)
-    if "small_first_stream" in vars(args):
-        logger.warning(
-            "--small-first-stream is deprecated: use --urgent-tokens N (on: N is --small-first-tokens, 256)"
-        )
-        settings["small_first_stream"] = args.small_first_stream  # PoolSettings takes it, for one release
     start = time.monotonic()
     pool = EncoderPool.launch(
         num_actors=args.num_actors,
@@ -99,10 +92,7 @@ def serve(args: argparse.Namespace) -> int:
 def serve_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The pool settings `serve`'s flags set, by field name: those given (a flag left out is None,
     and the pool's own default stands; "none" sets None)."""
-    given = {field.name: getattr(args, field.name, None) for field in dataclasses.fields(PoolSettings)}
-    return {
-        name: None if value is NONE_GIVEN else value for name, value in given.items() if value is not None
-    }
+    return given_settings(args)
 
 
 def actor_options(args: argparse.Namespace) -> dict[str, float] | None:
@@ -349,13 +339,6 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N",
         help="CPUs each actor holds in Ray's accounting, e.g. 0.5 to run more CPU actors than "
         "the cluster has CPUs (default 1)",
-    )
-    sub.add_argument(
-        "--small-first-stream",
-        type=on_off,
-        default=argparse.SUPPRESS,
-        metavar="{on,off}",
-        help="deprecated: use --urgent-tokens N (on: N is --small-first-tokens, 256)",
     )
     add_setting_flags(sub)
     command("list", list_pools, "the pools in the Ray cluster: name, model, actors", names_a_pool=False)

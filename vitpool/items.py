@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -161,21 +161,19 @@ def prepare_items(items: Sequence[Any], rules: ItemRules) -> list[Prepared]:
 
 def prepare_item(index: int, item: Any, rules: ItemRules) -> Prepared:
     """Check one item; `index` is its position in the caller's list, for the error message. An
-    item of several inputs (the model's rules are `PathRules`) gives its parts."""
+    item of several inputs (the model's rules have `parts`: `PathRules`) gives its parts."""
     if not isinstance(item, (Image, Video)):
         raise InvalidItemError(index, f"expected vitpool.Image or vitpool.Video, got {type(item).__name__}")
     modality = VIDEO if isinstance(item, Video) else IMAGE
-    if isinstance(rules, PathRules):
-        return _prepare_parts(index, item, modality, rules)
+    if rules.parts:
+        return _prepare_parts(index, item, modality, cast(PathRules, rules))
     if item.inputs:
         raise InvalidItemError(
             index, f"this model takes pixel_values alone; drop inputs {sorted(map(str, item.inputs))}"
         )
     pixels = _pixels(index, item.pixel_values)
     try:
-        to_rows = getattr(rules, "pixel_rows", None)  # a processor's layout whose rows are not its first axis
-        if to_rows is not None:
-            pixels = to_rows(pixels)
+        pixels = rules.pixel_rows(pixels)  # a processor's layout whose rows are not its first axis
         spec = rules.item_spec(modality, tuple(pixels.shape), wire_dtype_name(pixels.dtype), item.grid_thw)
     except (ValueError, TypeError) as error:
         raise InvalidItemError(index, str(error)) from None

@@ -15,10 +15,10 @@ from __future__ import annotations
 import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from vitpool.errors import ConfigError
-from vitpool.packing import SEQUENCES, Budget, Needs
+from vitpool.packing import SEQUENCES, Budget, Needs, make_budgets
 from vitpool.packing.budgets import check_token_budgets
 
 if TYPE_CHECKING:
@@ -224,10 +224,15 @@ class ItemRules(Protocol):
         else the family's default. Raises ValueError naming a bad setting."""
         ...
 
-    # Optional (looked up with getattr): where the processor's pixels do not have the item's rows
-    # along their first axis (MiniCPM-V's strip of patches), the view of them that does:
-    #
-    # def pixel_rows(self, pixel_values: torch.Tensor) -> torch.Tensor: ...
+    # Declared with defaults in `vitpool.rules.base.RulesBase`, which every family's rules derive from:
+    parts: tuple[tuple[str, ItemRules], ...]
+    """The named inputs of an item of several inputs, each with its rules, in the order their
+    outputs are joined (`vitpool.rules.paths.PathRules`); () for an item of one input."""
+
+    def pixel_rows(self, pixel_values: Any) -> Any:
+        """The pixels with the item's rows along their first axis: the pixels themselves, except
+        where a processor's layout differs (MiniCPM-V's strip of patches)."""
+        ...
 
 
 def capacity_limits(max_frames_per_batch: int | None, limits: Mapping[str, int] | None) -> dict[str, int]:
@@ -247,8 +252,7 @@ def check_capacity_limits(limits: Mapping[str, int], capacities: Sequence[str]) 
             raise ValueError(
                 f"{setting}: this model bounds no {name!r} per batch; its capacities are {tuple(capacities)}"
             )
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"capacity_limits[{name!r}] must be a positive integer; got {value!r}")
+        check_int(f"capacity_limits[{name!r}]", value)  # a ConfigError, which is a ValueError
 
 
 def is_int(value: Any) -> bool:
@@ -263,8 +267,37 @@ def _int(value: Any) -> int:
     return int(value)
 
 
-def _is_positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+def check_int(name: str, value: Any, *, minimum: int = 1, counts: str = "", none: str | None = None) -> None:
+    """The one check of an integer setting, an encoder's option's or a pool's: a ConfigError naming
+    `name` unless `value` is an int of at least `minimum` (a bool is not one, though True == 1 in
+    Python), or None where `none` says what None means.
+
+    Args:
+        counts: what the integer counts, for the message ("output tokens": "a positive number of
+            output tokens"); "": "a positive integer".
+        none: what None means, where the setting may be None ("no bound"); None: it may not.
+    """
+    if value is None and none is not None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        kind = f"number of {counts}" if counts else "integer"
+        if minimum == 1:
+            what = f"a positive {kind}"
+        else:
+            what = f"{'an' if kind[0] in 'aeiou' else 'a'} {kind} >= {minimum}"
+        if none is not None:
+            what += f" or None ({none})"
+        raise ConfigError(f"{name} must be {what}; got {value!r}")
+
+
+def check_bool(name: str, value: Any, none: str | None = None) -> None:
+    """The one check of a True/False setting: a ConfigError naming `name` unless `value` is True or
+    False, or None where `none` says what None means (1 and "yes" are refused: a mistake here)."""
+    if value is None and none is not None:
+        return
+    if not isinstance(value, bool):
+        either = "True or False" if none is None else f"True, False or None ({none})"
+        raise ConfigError(f"{name} must be {either}; got {value!r}")
 
 
 def _limit_pairs(limits: Any) -> Needs:
@@ -280,8 +313,7 @@ def _limit_pairs(limits: Any) -> Needs:
             f"capacity_limits must map capacity names to limits, e.g. {{'windows': 64}}; got {limits!r}"
         ) from None
     for name, value in checked:
-        if not _is_positive_int(value):
-            raise ConfigError(f"capacity_limits[{name!r}] must be a positive integer; got {value!r}")
+        check_int(f"capacity_limits[{name!r}]", value)
     return checked
 
 
@@ -312,6 +344,97 @@ DEFAULT_MAX_ITEM_TOKENS = 16384
 # With no budgets given, the item bound is checked against a budget this large: the defaults
 # depend on the device and the family, which are not known here (the encoder checks them again).
 _ANY_BUDGET_TOKENS = 1 << 30
+# The largest token budget a pool captures. Each actor allocates every budget's static buffers
+# before it takes work (pixel rows alone: budget x merge² rows of C·T·P·P values, 24 KiB a token in
+# float32 for Qwen3-VL), so a mistyped budget fails only inside the actor, after its start
+# (5 000 000 tokens ask 122 GB). 65 536 tokens is 4x the largest item a processor makes
+# (DEFAULT_MAX_ITEM_TOKENS) and 64x the largest default GPU budget (GRAPH_MAX_TOKENS); graphs stop
+# paying long before (a larger item runs eager at its own rows), so no useful budget is refused.
+MAX_BUDGET_TOKENS = 4 * DEFAULT_MAX_ITEM_TOKENS
+# A pool given no budgets captures its device's defaults, from 64 tokens on a GPU: its batch bounds
+# are checked against that budget.
+SMALLEST_DEFAULT_BUDGET = 64
+# What vitpool computes on: an encoder takes "cuda:N" too (`check_device`).
+DEVICES = ("cuda", "cpu")
+
+
+def check_budgets(
+    budgets: Any, max_items_per_batch: Any, max_frames_per_batch: Any = None, in_pool: bool = False
+) -> tuple[int, ...] | None:
+    """Every bound on the budget settings, checked here and nowhere else before the model is known
+    (an encoder's options, a pool's settings and `vitpool serve --budgets` call it; the family's
+    rules check the budgets against the model as the encoder is built): budgets, a non-empty list
+    of distinct positive token counts, and the item bound, at most the smallest budget
+    (`vitpool.packing.check_token_budgets`); the frame bound, a positive integer or None.
+
+    `in_pool`: a pool's settings, whose mistakes would otherwise cost an actor start (each actor
+    allocates every budget's buffers as it starts): also each budget at most MAX_BUDGET_TOKENS; with
+    no budgets, the bounds checked against the smallest a pool captures by default
+    (SMALLEST_DEFAULT_BUDGET); and the frame bound at least the item bound (every item has a frame).
+
+    Returns:
+        the budgets as a tuple (None: the defaults).
+
+    Raises:
+        ConfigError: naming the setting and what to change.
+    """
+    if budgets is not None:
+        try:
+            budgets = tuple(budgets) if not isinstance(budgets, (str, bytes)) else None
+        except TypeError:
+            budgets = None
+        if budgets is None:
+            raise ConfigError("budgets must be a list of token budgets, e.g. [64, 256], or None (defaults)")
+    smallest_default = SMALLEST_DEFAULT_BUDGET if in_pool else _ANY_BUDGET_TOKENS
+    tokens = [smallest_default] if budgets is None else list(budgets)
+    try:
+        check_token_budgets(tokens, max_items_per_batch)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(str(error)) from None
+    check_int("max_frames_per_batch", max_frames_per_batch, none="the family's default")
+    if not in_pool:
+        return budgets
+    if budgets is not None and max(budgets) > MAX_BUDGET_TOKENS:
+        raise ConfigError(
+            f"budgets: {max(budgets)} tokens is above the largest budget a pool captures "
+            f"({MAX_BUDGET_TOKENS} tokens, MAX_BUDGET_TOKENS); budgets count output tokens, not patches "
+            "or pixels"
+        )
+    try:
+        make_budgets(tokens, max_items_per_batch, max_frames_per_batch)  # the frame bound against the items'
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    return budgets
+
+
+def check_device(device: Any, in_pool: bool = False) -> None:
+    """The one rule for the `device` setting: None (the current GPU if there is one), "cuda",
+    "cuda:N" (GPU N) or "cpu".
+
+    `in_pool`: a pool's settings, which take no "cuda:N": a pool places each actor on a GPU itself
+    (Ray gives an actor its own, the only one it sees, as cuda:0), so an index would name a GPU the
+    actor does not have, or the same one in every actor.
+
+    Raises:
+        ConfigError: any other value, saying what to give instead.
+    """
+    if device is None or device in DEVICES:
+        return
+    kind, _, index = device.partition(":") if isinstance(device, str) else ("", "", "")
+    if kind == "cuda" and index.isascii() and index.isdigit():
+        if not in_pool:
+            return
+        raise ConfigError(
+            f"device {device!r}: a pool places each actor on a GPU of its own (Ray gives it one), so a "
+            "pool takes no GPU index; use device='cuda' (or None), and choose the GPUs through "
+            "actor_options (num_gpus), placement_group= or the cluster's CUDA_VISIBLE_DEVICES"
+        )
+    use = (
+        "None (the actor's GPU if any), 'cuda' or 'cpu'"
+        if in_pool
+        else "'cuda', 'cuda:N' (GPU N), 'cpu' or None (the current GPU if any)"
+    )
+    raise ConfigError(f"device {device!r} is not a torch device vitpool runs on; use {use}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -333,7 +456,7 @@ class EncoderOptions:
         capacity_limits: most per batch of other capacities the family declares, by name (its
             item rules' `capacities`, e.g. {"windows": 64}); kept as sorted (name, limit) pairs.
             Empty: the family's defaults. A bound on a capacity the model lacks is a ConfigError.
-        device: "cuda", "cuda:N" or "cpu". None: the current GPU if there is one.
+        device: "cuda", "cuda:N" or "cpu" (`check_device`). None: the current GPU if there is one.
         dtype: the compute dtype, "bfloat16", "float16" or "float32" (`GraphEncoder` also takes
             a torch dtype). None: bfloat16 on a GPU, float32 on a CPU.
         attention: the attention kernel on a GPU (`vitpool.kernels.attention`). "auto" (default):
@@ -401,21 +524,17 @@ class EncoderOptions:
     precision: str = "bf16"
     max_item_tokens: int | None = DEFAULT_MAX_ITEM_TOKENS
 
+    # Whether these are a pool's settings (`PoolSettings`), whose budget and device rules are
+    # narrower (`check_budgets`, `check_device`); each option is still checked once, here.
+    _IN_POOL: ClassVar[bool] = False
+
     def __post_init__(self) -> None:
-        if self.budgets is not None:
-            object.__setattr__(self, "budgets", tuple(self.budgets))
-        try:
-            budgets = [_ANY_BUDGET_TOKENS] if self.budgets is None else self.budgets
-            check_token_budgets(budgets, self.max_items_per_batch)
-        except (TypeError, ValueError) as error:
-            raise ConfigError(str(error)) from None
-        if self.max_frames_per_batch is not None and not _is_positive_int(self.max_frames_per_batch):
-            raise ConfigError(
-                f"max_frames_per_batch must be a positive integer; got {self.max_frames_per_batch!r}"
-            )
+        budgets = check_budgets(
+            self.budgets, self.max_items_per_batch, self.max_frames_per_batch, in_pool=self._IN_POOL
+        )
+        object.__setattr__(self, "budgets", budgets)
         object.__setattr__(self, "capacity_limits", _limit_pairs(self.capacity_limits))
-        if self.device is not None and not isinstance(self.device, str):
-            raise ConfigError(f"device {self.device!r}: use 'cuda', 'cuda:N', 'cpu' or None")
+        check_device(self.device, in_pool=self._IN_POOL)
         if self.dtype is not None:
             name = str(self.dtype).removeprefix("torch.")
             if name not in DTYPE_CHOICES:
@@ -431,19 +550,11 @@ class EncoderOptions:
         if self.precision == "fp8" and self.compiled_blocks is True:
             raise ConfigError("precision 'fp8' runs outside torch.compile: use it with compiled_blocks=False")
         for name in ("fused_ops", "compiled_blocks"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name} must be True or False; got {getattr(self, name)!r}")
+            check_bool(name, getattr(self, name))
         if self.compile_cache_dir is not None:
             object.__setattr__(self, "compile_cache_dir", str(self.compile_cache_dir))
-        if self.urgent_tokens is not None and not _is_positive_int(self.urgent_tokens):
-            raise ConfigError(
-                f"urgent_tokens must be a positive number of tokens or None; got {self.urgent_tokens!r}"
-            )
-        if self.max_item_tokens is not None and not _is_positive_int(self.max_item_tokens):
-            raise ConfigError(
-                "max_item_tokens must be a positive number of output tokens or None (no bound); "
-                f"got {self.max_item_tokens!r}"
-            )
+        check_int("urgent_tokens", self.urgent_tokens, counts="output tokens", none="no urgent lane")
+        check_int("max_item_tokens", self.max_item_tokens, counts="output tokens", none="no bound")
 
 
 @dataclass(frozen=True, kw_only=True)

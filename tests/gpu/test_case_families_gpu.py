@@ -1,11 +1,10 @@
-"""GPU: the families whose tiny cases live in tests/unit/family_cases (Step-3.7 and DeepSeek-OCR-2,
-a global view and crops on two paths; MiniCPM-V 4.6, slices of several sizes): every budget of
-every path captured in bf16 and checked against eager at capture, whole items against Hugging
-Face's `get_image_features` run in fp32 on the same GPU. Skipped without CUDA."""
+"""GPU: the families whose item is a global view and crops on two paths (Step-3.7, DeepSeek-OCR-2)
+or slices of several sizes (MiniCPM-V 4.6 and 4.7), from their tiny cases in tests/unit/family_cases:
+every budget of every path captured in bf16 and checked against eager at capture, whole items
+against Hugging Face's `get_image_features` run in fp32 on the same GPU. Skipped without CUDA."""
 
 from __future__ import annotations
 
-import importlib
 import sys
 from pathlib import Path
 
@@ -15,19 +14,26 @@ from conftest import relative_error
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 
+from family_cases import case_of, families_offering
+
 from vitpool import GraphEncoder, Image
 
 pytestmark = pytest.mark.gpu
 
 TOLERANCE = 1.5e-2  # bf16 against Hugging Face's own path in fp32
-GLOBAL_AND_CROPS = {"step3p7": (0, 3, 5, 1, 8), "deepseek_ocr2": (0, 2, 3)}  # crops per item
+# Only these: whole items of several parts (test_sampled_items_gpu.py checks each part alone) or of
+# slices of unlike sizes, which the other families' items are not. A global view and crops: the
+# case's LOCAL_ROW_SHAPE; slices: items in the processor's strip (the case's `strip_of`).
+GLOBAL_AND_CROPS_FAMILIES = families_offering("LOCAL_ROW_SHAPE")
+SLICES_FAMILIES = families_offering("strip_of")
+GLOBAL_AND_CROPS = {"step3p7": (0, 3, 5, 1, 8), "deepseek_ocr2": (0, 2, 3)}  # crops per item, by family
 MINICPM_SLICES = ([[4, 4]], [[8, 4], [4, 4], [4, 8]], [[4, 8]], [[8, 8], [4, 4]])
 
 
 def build(family: str, case) -> tuple[torch.nn.Module, GraphEncoder, list[Image]]:
     generator = torch.Generator().manual_seed(1)
     budgets = list(case.CASE_FIELDS["budgets"])
-    if family == "minicpmv4_6":
+    if family in SLICES_FAMILIES:  # MiniCPM-V 4.7's parts run in 4.6's encoder module and adapter
         from vitpool.families.minicpmv4_6.adapter import MiniCPMV4_6Adapter
 
         model = case.tiny_model(seed=2)
@@ -50,9 +56,9 @@ def build(family: str, case) -> tuple[torch.nn.Module, GraphEncoder, list[Image]
     return model.to("cuda", torch.float32), encoder, items
 
 
-@pytest.mark.parametrize("family", ["deepseek_ocr2", "minicpmv4_6", "step3p7"])
+@pytest.mark.parametrize("family", sorted([*GLOBAL_AND_CROPS_FAMILIES, *SLICES_FAMILIES]))
 def test_every_budget_is_captured_and_items_match_get_image_features(family):
-    case = importlib.import_module(f"family_cases.{family}")
+    case = case_of(family)
     if getattr(case, "TOO_OLD", None):
         pytest.skip(case.TOO_OLD)
     model, encoder, items = build(family, case)

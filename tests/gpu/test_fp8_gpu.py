@@ -1,6 +1,7 @@
 """GPU: the opt-in FP8 GEMMs. The Triton row quantization against torch's, the FP8 Linear against
-bf16, and every family's FP8 encoder: each budget captured and checked against the eager FP8
-forward at capture, its tokens finite and near the bf16 tower's. Skipped without a GPU of
+bf16, and every family's FP8 encoder (the families whose case offers a tower-only checkpoint:
+`family_tiny.TOWER_FAMILIES`): each budget captured and checked against the eager FP8 forward at
+capture, its tokens finite and near the bf16 tower's. Skipped without a GPU of
 compute capability 8.9 or newer."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import copy
 import pytest
 import torch
 from conftest import relative_error
-from family_tiny import FAMILY_CASES, mixed_items, reference_tokens, save_tiny_tower, use_sdpa
+from family_tiny import TOWER_FAMILIES, mixed_items, reference_tokens, save_tiny_tower, use_sdpa
 
 from vitpool import GraphEncoder
 from vitpool.kernels import fp8
@@ -162,7 +163,7 @@ def test_the_fp8_linear_is_near_the_bf16_one():
     assert relative_error(got, fp8_linear(x, weight, weight_scale, blocks[0].bias)) == 0
 
 
-@pytest.mark.parametrize("family", sorted(FAMILY_CASES))
+@pytest.mark.parametrize("family", TOWER_FAMILIES)
 def test_every_familys_fp8_encoder_is_checked_at_capture_and_near_bf16(tmp_path, family, monkeypatch):
     calls = []
     scaled_mm = torch._scaled_mm

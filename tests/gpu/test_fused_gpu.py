@@ -9,9 +9,12 @@ import sys
 import pytest
 import torch
 from conftest import image, relative_error, video
+from family_tiny import TOWER_FAMILIES, case_module, mixed_items, save_tiny_tower
 
 from vitpool import GraphEncoder
-from vitpool.kernels.fused import ROTARY_FUNCTION, fused_rotary, gelu_mlp_layout, use_fused_ops
+from vitpool.kernels.fused import fused_rotary, use_fused_ops
+from vitpool.kernels.gelu_mlp import gelu_mlp_layout
+from vitpool.kernels.rotary import ROTARY_FUNCTION
 
 pytestmark = pytest.mark.gpu
 
@@ -37,7 +40,7 @@ def test_the_rotary_kernel_matches_hugging_face(rows, heads, head_dim):
 
 
 def test_the_patch_embedding_as_a_gemm_matches_the_convolution(monkeypatch):
-    from vitpool.kernels import fused
+    from vitpool.kernels import patch_gemm as fused
 
     encoder = GraphEncoder.from_pretrained(None, budgets=[16], device="cuda")
     linears = []
@@ -78,7 +81,8 @@ def test_the_fused_rms_norm_matches_hugging_face(shape, kind):
     from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm
     from transformers.models.glm_ocr.modeling_glm_ocr import GlmOcrRMSNorm
 
-    from vitpool.kernels.fused import install_fused_ops, rms_norm_kind
+    from vitpool.kernels.fused import install_fused_ops
+    from vitpool.kernels.rms_norm import rms_norm_kind
 
     if kind == "plain":
         norm = GlmOcrRMSNorm(shape[-1], eps=1e-5)
@@ -119,11 +123,12 @@ def test_the_gelu_epilogue_mlp_matches_hugging_face(monkeypatch, rows):
     assert torch.isfinite(got).all() and relative_error(got, want) <= 1e-2
 
 
-def test_every_family_runs_the_fused_rotary(monkeypatch, tmp_path):
-    """Each family's tower reaches the Triton kernel (Kimi-K2.5's 4-D q and k included)."""
-    from family_tiny import FAMILY_CASES, mixed_items, save_tiny_tower
-
-    from vitpool.kernels import fused
+# the families whose case offers a tower-only checkpoint, what these tests load
+@pytest.mark.parametrize("family", TOWER_FAMILIES)
+def test_every_family_runs_the_fused_rotary(monkeypatch, tmp_path, family):
+    """Each family's tower reaches the Triton kernel (Kimi-K2.5's 4-D q and k included), and a
+    tower of tanh-GELU MLPs (its case's TANH_GELU_MLP) has the GELU in the GEMM's epilogue."""
+    from vitpool.kernels import rotary as fused
 
     calls, epilogues = [], []
     original = fused.fused_rotary
@@ -132,41 +137,35 @@ def test_every_family_runs_the_fused_rotary(monkeypatch, tmp_path):
     monkeypatch.setattr(
         torch, "_addmm_activation", lambda *a, **k: epilogues.append(1) or addmm_activation(*a, **k)
     )
-    with_tanh_gelu_mlps = set()
-    for family in sorted(FAMILY_CASES):
-        calls.clear()
-        epilogues.clear()
-        # compiled blocks run the rotary as inductor fuses it, so they are off here
-        encoder = GraphEncoder.from_pretrained(
-            save_tiny_tower(family, tmp_path / family), budgets=[64], device="cuda", compiled_blocks=False
-        )
-        assert calls, family  # captured with the fused kernel
-        if any(gelu_mlp_layout(m) is not None for m in encoder.adapter.tower.modules()):
-            with_tanh_gelu_mlps.add(family)
-            assert epilogues, family  # and with the GELU in the GEMM's epilogue
-        assert all(torch.isfinite(e.tokens).all() for e in encoder.encode(mixed_items(family, seed=3)))
-    assert with_tanh_gelu_mlps == {"kimi_k25", "paddleocr_vl", "qwen3_5"}
+    # compiled blocks run the rotary as inductor fuses it, so they are off here
+    encoder = GraphEncoder.from_pretrained(
+        save_tiny_tower(family, tmp_path / family), budgets=[64], device="cuda", compiled_blocks=False
+    )
+    assert calls, family  # captured with the fused kernel
+    with_tanh_gelu_mlps = any(gelu_mlp_layout(m) is not None for m in encoder.adapter.tower.modules())
+    assert with_tanh_gelu_mlps == getattr(case_module(family), "TANH_GELU_MLP", False), family
+    if with_tanh_gelu_mlps:
+        assert epilogues, family  # and with the GELU in the GEMM's epilogue
+    assert all(torch.isfinite(e.tokens).all() for e in encoder.encode(mixed_items(family, seed=3)))
 
 
-def test_every_familys_blocks_compile_and_agree_with_the_uncompiled_encoder(tmp_path):
+@pytest.mark.parametrize("family", TOWER_FAMILIES)
+def test_every_familys_blocks_compile_and_agree_with_the_uncompiled_encoder(tmp_path, family):
     """Each family's repeated blocks run compiled (none falls back to eager), inside its graphs,
     and give what the same weights give without the compile (bf16: different roundings)."""
-    from family_tiny import FAMILY_CASES, mixed_items, save_tiny_tower
-
     from vitpool.kernels import compiled
 
-    for family in sorted(FAMILY_CASES):
-        path = save_tiny_tower(family, tmp_path / family)
-        plain = GraphEncoder.from_pretrained(path, budgets=[64], device="cuda")
-        fast = GraphEncoder.from_pretrained(path, budgets=[64], device="cuda", compiled_blocks=True)
-        classes = {type(stack[0]) for stack in compiled.repeated_block_stacks(fast.adapter.tower)}
-        assert classes and classes <= compiled._WORKING, family
-        assert not classes & compiled._FAILED, family
-        assert fast.stats().disabled_budgets == [], family
-        items = mixed_items(family, seed=3)
-        for got, want in zip(fast.encode(items), plain.encode(items), strict=True):
-            assert torch.isfinite(got.tokens).all(), family
-            assert relative_error(got.tokens, want.tokens) <= 1.5e-2, family
+    path = save_tiny_tower(family, tmp_path / family)
+    plain = GraphEncoder.from_pretrained(path, budgets=[64], device="cuda")
+    fast = GraphEncoder.from_pretrained(path, budgets=[64], device="cuda", compiled_blocks=True)
+    classes = {type(stack[0]) for stack in compiled.repeated_block_stacks(fast.adapter.tower)}
+    assert classes and classes <= compiled._WORKING, family
+    assert not classes & compiled._FAILED, family
+    assert fast.stats().disabled_budgets == [], family
+    items = mixed_items(family, seed=3)
+    for got, want in zip(fast.encode(items), plain.encode(items), strict=True):
+        assert torch.isfinite(got.tokens).all(), family
+        assert relative_error(got.tokens, want.tokens) <= 1.5e-2, family
 
 
 def test_fused_and_unfused_encoders_agree():

@@ -307,7 +307,7 @@ def test_large_host_pixels_pass_through_pinned_memory_unchanged(gpu_encoder, gpu
 def test_the_dense_attention_padding_kernel_writes_what_torch_would(on_device):
     """The Triton kernel that pads q, k, v for the dense cuDNN path: the rows and head dimension
     padded with zeros, column 72 set to 1 in q and to the mask value in k from row 700 on."""
-    from vitpool.kernels.fused import pad_for_dense_attention
+    from vitpool.kernels.dense_cudnn import pad_for_dense_attention
 
     generator = torch.Generator(device="cuda").manual_seed(43)
     qkv = torch.randn(750, 3, 16, 72, device="cuda", dtype=torch.bfloat16, generator=generator)

@@ -1,12 +1,14 @@
 """Every family through a CPU pool: the same results as its in-process GraphEncoder, every output
-tensor (tokens, and Qwen3-VL's deepstack features) compared."""
+tensor (tokens, and Qwen3-VL's deepstack features) compared. The families whose case offers a
+tower-only checkpoint (`family_tiny.TOWER_FAMILIES`) through one test; the tiled families, those of
+several inputs and MiniCPM-V 4.6 (full checkpoints, items of their own) through their own."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from conftest import mixed_items as qwen3_vl_items
-from family_tiny import FAMILY_CASES, mixed_items, save_tiny_tower
+from family_tiny import TOWER_FAMILIES, case_module, families_offering, mixed_items, save_tiny_tower
 
 from vitpool import EncoderPool, GraphEncoder, InvalidItemError, Video
 
@@ -26,7 +28,7 @@ def assert_same_outputs(results, expected) -> None:
             torch.testing.assert_close(got_tensor, want_tensor, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("family", [SHIPPED_QWEN3_VL, *sorted(FAMILY_CASES)])
+@pytest.mark.parametrize("family", TOWER_FAMILIES)
 def test_a_pool_of_the_family_equals_its_encoder(ray_cluster, tmp_path, family):
     if family == SHIPPED_QWEN3_VL:
         model, items = None, qwen3_vl_items(0)  # images, a video, and one image larger than every budget
@@ -47,23 +49,18 @@ def test_a_pool_of_the_family_equals_its_encoder(ray_cluster, tmp_path, family):
         pool.shutdown()
 
 
-@pytest.mark.parametrize("family", ["internvl", "llama4"])
+@pytest.mark.parametrize("family", families_offering("TILE_SHAPE"))  # items Image(tiles): the tiled families
 def test_a_pool_of_a_tiled_family_equals_its_encoder(ray_cluster, tmp_path, family):
     """A tiled family through the pool: a full save in transformers' layout, images of several
     tile counts (one over every budget), checked in the caller by the tile rules."""
-    import importlib
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-    case = importlib.import_module(f"family_cases.{family}")
+    case = case_module(family)
 
     from vitpool import Image
 
     case.hf_model(seed=4).save_pretrained(tmp_path, safe_serialization=True)
     budgets = [case.TOKENS_PER_TILE * tiles for tiles in (1, 2, 4)]
     generator = torch.Generator().manual_seed(0)
-    items = [Image(torch.randn(count, *case.ROW_SHAPE, generator=generator)) for count in (1, 3, 2, 5)]
+    items = [Image(torch.randn(count, *case.TILE_SHAPE, generator=generator)) for count in (1, 3, 2, 5)]
     reference = GraphEncoder.from_pretrained(tmp_path, budgets=budgets, device="cpu", dtype=torch.float32)
     pool = EncoderPool.launch(
         model=str(tmp_path), budgets=budgets, name=f"family-{family}", num_actors=1, device="cpu"
@@ -76,28 +73,25 @@ def test_a_pool_of_a_tiled_family_equals_its_encoder(ray_cluster, tmp_path, fami
         pool.shutdown()
 
 
-# per family of several inputs: its token budgets (a few tiles of each path) and crops per item,
-# one of them over every budget of the crops' path
+# per family of several inputs (a global view and crops: its case's LOCAL_ROW_SHAPE): its token
+# budgets (a few tiles of each path) and crops per item, one of them over every budget of the
+# crops' path
 SEVERAL_INPUTS = {
     "step3p7": ([4, 8], (2, 0, 12, 5)),  # 4 tokens a view, 1 a crop
     "deepseek_ocr2": ([257, 514], (2, 0, 4)),  # 257 a view (its separator too), 144 a crop
 }
 
 
-@pytest.mark.parametrize("family", sorted(SEVERAL_INPUTS))
+@pytest.mark.parametrize("family", families_offering("LOCAL_ROW_SHAPE"))
 def test_a_pool_of_a_family_of_several_inputs_joins_each_items_parts(ray_cluster, tmp_path, family):
     """Through the pool, each item's global view and crops go as parts of their own paths
     (checked in the caller), possibly to different batches, and come back as one Embedding equal
     to the in-process encoder's; encode_refs and encode_async join them too."""
     import asyncio
-    import importlib
-    import sys
-    from pathlib import Path
 
     import ray
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-    case = importlib.import_module(f"family_cases.{family}")
+    case = case_module(family)
 
     from vitpool import Image
 

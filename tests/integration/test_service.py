@@ -168,8 +168,8 @@ def test_the_command_line_serves_scales_benches_and_stops_a_pool(ray_head_port):
         "4096",
         "--embedding-cache-local-bytes",
         "1024",
-        "--small-first-stream",
-        "on",
+        "--urgent-tokens",
+        "256",
     )
     assert served.returncode == 0, served.stderr[-3000:]
     assert f"pool {name!r} serving with 1 encoder actor" in served.stdout
@@ -177,9 +177,9 @@ def test_the_command_line_serves_scales_benches_and_stops_a_pool(ray_head_port):
     settings = run_python(
         f"from vitpool import EncoderPool\ns = EncoderPool.connect({name!r}).settings\n"
         "print(s.autoscale_interval_s, s.warm_standby, s.embedding_cache_bytes,"
-        " s.local_cache_bytes, s.small_first_stream)"
+        " s.local_cache_bytes, s.urgent_tokens)"
     )
-    assert settings.stdout.split() == ["3.0", "True", "4096", "1024", "True"], settings.stderr[-2000:]
+    assert settings.stdout.split() == ["3.0", "True", "4096", "1024", "256"], settings.stderr[-2000:]
 
     status = vitpool("status", "--name", name)
     assert status.returncode == 0, status.stderr[-3000:]

@@ -1,8 +1,9 @@
 """What every model adapter must do, checked the same way for each family (CPU, fp32).
 
-A new family adds one line to FAMILIES: how to build an encoder of it, its reference forward on
-one item alone (Hugging Face's own tower where transformers has the family), how an item looks
-given its spec, and a few bad items. The suite checks:
+Every family the registry ships is checked (`family_cases.FAMILIES`), each by its case module,
+tests/unit/family_cases/<family>.py, whose CASE_FIELDS say how to build an encoder of it, its
+reference forward on one item alone (Hugging Face's own tower where transformers has the family),
+how an item looks given its spec, and a few bad items. The suite checks:
 
 - the static forward through GraphEncoder against the reference, item by item, at every budget;
 - padding rows and neighbours do not change an item's rows;
@@ -18,7 +19,6 @@ among the parts of the item its case builds for it.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import pickle
 import random
@@ -32,31 +32,8 @@ from typing import Any
 import pytest
 import torch
 import toy_family
-from conftest import ROW_WIDTH, reference_outputs, relative_error
-from family_cases import deepseek_ocr2 as deepseek_ocr2_case
-from family_cases import ernie4_5_vl_moe as ernie4_5_vl_moe_case
-from family_cases import gemma3 as gemma3_case
-from family_cases import gemma4 as gemma4_case
-from family_cases import glm4v as glm4v_case
-from family_cases import glm_ocr as glm_ocr_case
-from family_cases import hunyuan_vl as hunyuan_vl_case
-from family_cases import idefics3 as idefics3_case
-from family_cases import internvl as internvl_case
-from family_cases import kimi_k25 as kimi_k25_case
-from family_cases import lfm2_vl as lfm2_vl_case
-from family_cases import llama4 as llama4_case
-from family_cases import llava_onevision as llava_onevision_case
-from family_cases import minicpmv4_6 as minicpmv4_6_case
-from family_cases import minicpmv4_7 as minicpmv4_7_case
-from family_cases import mistral3 as mistral3_case
-from family_cases import paddleocr_vl as paddleocr_vl_case
-from family_cases import phi4_multimodal as phi4_multimodal_case
-from family_cases import qwen2_5_vl as qwen2_5_vl_case
-from family_cases import qwen2_vl as qwen2_vl_case
-from family_cases import qwen3_5 as qwen3_5_case
-from family_cases import qwen3_omni_moe as qwen3_omni_moe_case
-from family_cases import step3p7 as step3p7_case
-from family_cases.common import item_for
+from conftest import relative_error
+from family_cases import FAMILIES, case_of
 
 from vitpool import GraphEncoder, Image, InvalidItemError
 from vitpool.graphs.inputs import totals
@@ -89,32 +66,6 @@ class FamilyCase:
     budgets: tuple[int, ...]
 
 
-def qwen3_vl_reference(encoder: GraphEncoder) -> Callable[[Any], list[torch.Tensor]]:
-    tower = copy.deepcopy(encoder.adapter.tower)
-    tower.config._attn_implementation = "sdpa"  # Hugging Face's own path, one item at a time
-
-    def outputs(item: Any) -> list[torch.Tensor]:
-        tokens, deepstack = reference_outputs(tower, item)
-        return [tokens, *deepstack]
-
-    return outputs
-
-
-QWEN3_VL = FamilyCase(
-    make_encoder=lambda budgets: GraphEncoder.from_pretrained(
-        None, budgets=budgets, device="cpu", dtype=torch.float32
-    ),
-    reference=qwen3_vl_reference,
-    item_for=item_for,
-    bad_items=(
-        (Image(torch.randn(16, 1000), (1, 4, 4)), "1000 features per row"),
-        (Image(torch.randn(1, 16, ROW_WIDTH), (1, 4, 4)), "must be 2-D"),
-        (Image(torch.randn(16, ROW_WIDTH)), "three integers"),
-    ),
-    budgets=(16, 32, 64),
-)
-
-
 def toy_reference(encoder: GraphEncoder) -> Callable[[Any], list[torch.Tensor]]:
     return lambda item: list(encoder.adapter.tower(item.pixel_values))
 
@@ -135,41 +86,24 @@ TOY_TILES = FamilyCase(
     budgets=(8, 16, 32),
 )
 
-# One line per family.
-FAMILIES = {
-    "deepseek_ocr2": FamilyCase(**deepseek_ocr2_case.CASE_FIELDS),
-    "ernie4_5_vl_moe": FamilyCase(**ernie4_5_vl_moe_case.CASE_FIELDS),
-    "gemma3": FamilyCase(**gemma3_case.CASE_FIELDS),
-    "gemma4": FamilyCase(**gemma4_case.CASE_FIELDS),
-    "glm4v": FamilyCase(**glm4v_case.CASE_FIELDS),
-    "glm_ocr": FamilyCase(**glm_ocr_case.CASE_FIELDS),
-    "hunyuan_vl": FamilyCase(**hunyuan_vl_case.CASE_FIELDS),
-    "idefics3": FamilyCase(**idefics3_case.CASE_FIELDS),
-    "internvl": FamilyCase(**internvl_case.CASE_FIELDS),
-    "kimi_k25": FamilyCase(**kimi_k25_case.CASE_FIELDS),
-    "lfm2_vl": FamilyCase(**lfm2_vl_case.CASE_FIELDS),
-    "llama4": FamilyCase(**llama4_case.CASE_FIELDS),
-    "llava_onevision": FamilyCase(**llava_onevision_case.CASE_FIELDS),
-    "minicpmv4_6": FamilyCase(**minicpmv4_6_case.CASE_FIELDS),
-    "minicpmv4_7": FamilyCase(**minicpmv4_7_case.CASE_FIELDS),
-    "mistral3": FamilyCase(**mistral3_case.CASE_FIELDS),
-    "paddleocr_vl": FamilyCase(**paddleocr_vl_case.CASE_FIELDS),
-    "phi4_multimodal": FamilyCase(**phi4_multimodal_case.CASE_FIELDS),
-    "qwen2_5_vl": FamilyCase(**qwen2_5_vl_case.CASE_FIELDS),
-    "qwen2_vl": FamilyCase(**qwen2_vl_case.CASE_FIELDS),
-    "qwen3_5": FamilyCase(**qwen3_5_case.CASE_FIELDS),
-    "qwen3_omni_moe": FamilyCase(**qwen3_omni_moe_case.CASE_FIELDS),
-    "qwen3_vl": QWEN3_VL,
-    "step3p7": FamilyCase(**step3p7_case.CASE_FIELDS),
-    "toy_tiles": TOY_TILES,
-}
+# Every family the registry ships (its case: tests/unit/family_cases/<family>.py), and a test's
+# family registered from outside vitpool/families (tests/toy_family.py).
+EXTRA_CASES = {"toy_tiles": TOY_TILES}
+CASE_NAMES = sorted([*FAMILIES, *EXTRA_CASES])
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family_case(name: str) -> FamilyCase:
+    if name in EXTRA_CASES:
+        return EXTRA_CASES[name]
+    module = case_of(name)
+    if getattr(module, "TOO_OLD", None):
+        pytest.skip(module.TOO_OLD)
+    return FamilyCase(**module.CASE_FIELDS)
+
+
+@pytest.fixture(scope="module", params=CASE_NAMES)
 def case(request) -> FamilyCase:
-    if request.param == "minicpmv4_6" and minicpmv4_6_case.TOO_OLD:
-        pytest.skip(minicpmv4_6_case.TOO_OLD)
-    return FAMILIES[request.param]
+    return family_case(request.param)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """The command line's checks and small commands without a Ray cluster: `--budgets` refused before
 anything starts, `--cpus-per-actor` and the flags named in actor-option errors, `serve`'s flags
-made from PoolSettings' fields (today's spellings, the deprecated `--small-first-stream`),
+made from PoolSettings' fields (today's spellings; the removed `--small-first-stream` refused),
 `--version`, `list` (over a faked cluster), `stop` printing its result once, and help text on
 every flag."""
 
@@ -70,10 +70,15 @@ def restore_vitpool_logger():
         ("abc", "'abc' is not a whole number"),  # was a bare "invalid literal for int()"
         ("64,abc", "'abc' is not a whole number"),  # the wrong one among good ones
         ("64,", "'' is not a whole number"),  # a trailing comma
-        ("3,5000000", f"5000000 is above the largest budget a pool captures ({MAX_BUDGET_TOKENS} tokens)"),
-        (f"{MAX_BUDGET_TOKENS + 1}", f"({MAX_BUDGET_TOKENS} tokens)"),  # one past the bound
-        ("0,64", "0: budgets are positive"),
-        ("-16", "-16: budgets are positive"),
+        # the pool's own rule (vitpool.specs.check_budgets), word for word
+        (
+            "3,5000000",
+            f"budgets: 5000000 tokens is above the largest budget a pool captures ({MAX_BUDGET_TOKENS}",
+        ),
+        (f"{MAX_BUDGET_TOKENS + 1}", f"({MAX_BUDGET_TOKENS} tokens"),  # one past the bound
+        ("0,64", "budgets must be positive integers (output tokens); got 0"),
+        ("-16", "budgets must be positive integers (output tokens); got -16"),
+        ("16,16", "budgets has duplicates"),  # was refused only after parsing, by PoolSettings
     ],
 )
 def test_bad_budgets_are_refused_naming_the_flag_before_any_launch(budgets, wanted, monkeypatch, capsys):
@@ -187,14 +192,24 @@ def test_a_bad_setting_flag_is_refused_before_any_launch(flags, words, monkeypat
     assert launch.calls == []
 
 
-def test_small_first_stream_is_taken_for_one_release_naming_urgent_tokens(monkeypatch, capsys):
+@pytest.mark.parametrize("flags", [["--small-first-stream", "on"], ["--small-first-stream"]])
+def test_small_first_stream_is_refused_naming_urgent_tokens(flags, monkeypatch, capsys):
     launch = LaunchRecorder()
     monkeypatch.setattr(EncoderPool, "launch", launch)
-    assert cli.main(["serve", "--small-first-stream", "on"]) == 0
-    assert launch.calls[0]["small_first_stream"] is True  # PoolSettings maps it, with its own warning
-    assert "--small-first-stream is deprecated: use --urgent-tokens N" in capsys.readouterr().err
-    with pytest.warns(DeprecationWarning, match="urgent_tokens"):
-        assert PoolSettings(small_first_stream=True).urgent_tokens == 256
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["serve", *flags])
+    assert exit_info.value.code == 2 and launch.calls == []
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("vitpool serve: error: --small-first-stream was removed"), error
+    assert "use --urgent-tokens N" in error
+    assert "--small-first-stream" not in serve_flags_help()  # hidden from --help
+
+
+def serve_flags_help() -> str:
+    commands = next(
+        action for action in cli._parser()._actions if isinstance(action, argparse._SubParsersAction)
+    )
+    return commands.choices["serve"].format_help()
 
 
 def test_a_flags_help_is_its_fields_documentation():

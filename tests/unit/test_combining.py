@@ -286,17 +286,18 @@ def test_a_retiring_actor_refuses_batches():
 
 
 def test_out_of_memory_splits_batches_then_items(monkeypatch, reference_encoder):
-    """A run that runs out of GPU memory with more than two items is split until it fits; every
-    batch is still answered, and errors keep their positions."""
+    """A run that runs out of GPU memory with more than two items is split by the encoder until
+    it fits; every batch is still answered, and errors keep their positions."""
     actor = cpu_actor()
-    real = actor.encoder.start_plans
+    runner = actor.encoder._runners[""]
+    real = runner.launch
 
-    def start_plans(groups, output_device, urgent=False):
-        if sum(len(plan.specs) for plan, _ in groups) > 2:
+    def launch(batches, to_host, between=None):
+        if sum(len(members) for _, members in batches) > 2:
             raise torch.cuda.OutOfMemoryError("out of memory")
-        return real(groups, output_device, urgent)
+        return real(batches, to_host, between)
 
-    monkeypatch.setattr(actor.encoder, "start_plans", start_plans)
+    monkeypatch.setattr(runner, "launch", launch)
     bad = image(2, 2)
     bad.pixel_values[0, 0] = float("nan")
     items = [image(2, 2), image(2, 4), image(4, 2), bad]
@@ -305,6 +306,35 @@ def test_out_of_memory_splits_batches_then_items(monkeypatch, reference_encoder)
     assert list(receipt.item_errors) == [3]
     assert_same(values[:3], reference_encoder.encode(items[:3]))  # plan_batch keeps the items' order
     assert actor.stats().oom_splits == 1  # four items: one split into two halves of two
+
+
+def test_an_item_that_alone_runs_out_of_memory_fails_alone_and_the_actor_stays_up(
+    monkeypatch, reference_encoder
+):
+    """The encoder's halving reaches single items: the one whose run the allocator refuses gets
+    its own error naming it, its batch-mates are encoded, and the next batch runs as before."""
+    actor = cpu_actor()
+    runner = actor.encoder._runners[""]
+    real = runner.launch
+    large = image(4, 4)  # 4 tokens: the only item of more than 2
+
+    def launch(batches, to_host, between=None):
+        if any(member.spec.num_tokens > 2 for _, members in batches for member in members):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(batches, to_host, between)
+
+    monkeypatch.setattr(runner, "launch", launch)
+    items = [image(2, 2), large, image(2, 4)]
+    plan, pixels = plan_batch(items, actor.encoder.adapter.item_rules, actor.encoder.budgets)
+    values, receipt = actor.run_batch(plan, pixels)
+    assert list(receipt.item_errors) == [1] and "memory" in receipt.item_errors[1]
+    assert_same([values[0], values[2]], reference_encoder.encode([items[0], items[2]]))
+    assert actor.stats().oom_splits >= 2  # the batch, then the half that held the large item
+    monkeypatch.setattr(runner, "launch", real)
+    plan, pixels = plan_batch([large], actor.encoder.adapter.item_rules, actor.encoder.budgets)
+    values, receipt = actor.run_batch(plan, pixels)
+    assert not receipt.item_errors
+    assert_same(values, reference_encoder.encode([large]))
 
 
 def test_run_plans_combines_waiting_plans_into_one_replay(reference_encoder):

@@ -65,13 +65,94 @@ def test_keys_follow_content_grid_model_and_dtype(rules):
     assert item_key(identity, prepared(pixels.double(), (1, 4, 4), rules).parts) != key  # pixel dtype
 
 
-def test_model_identity_changes_with_the_checkpoint(tmp_path):
-    (tmp_path / "config.json").write_text('{"model_type": "qwen3_vl"}')
-    (tmp_path / "model.safetensors").write_bytes(b"x" * 10)
-    first = model_identity(str(tmp_path), "bfloat16")
-    assert model_identity(str(tmp_path), "bfloat16") == first
-    (tmp_path / "model.safetensors").write_bytes(b"y" * 11)  # rewritten in place
-    assert model_identity(str(tmp_path), "bfloat16") != first
+def save_checkpoint(directory, tensors: dict[str, torch.Tensor], config: str = '{"model_type": "qwen3_vl"}'):
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(config)
+    save_file(tensors, str(directory / "model.safetensors"))
+    return directory
+
+
+def test_model_identity_is_the_checkpoints_content_not_its_place(tmp_path):
+    import os
+    import shutil
+
+    weights = {"visual.a": torch.randn(64, 64), "visual.b": torch.randn(8)}
+    first = model_identity(str(save_checkpoint(tmp_path / "one", weights)), "bfloat16")
+    assert len(first) == 16 and model_identity(str(tmp_path / "one"), "bfloat16") == first
+    # a copy elsewhere (another node's disk, another mount), with other modification times: the same model
+    shutil.copytree(tmp_path / "one", tmp_path / "two")
+    os.utime(tmp_path / "two" / "model.safetensors", ns=(1, 1))
+    assert model_identity(str(tmp_path / "two"), "bfloat16") == first
+    (tmp_path / "link").symlink_to(tmp_path / "one")
+    assert model_identity(tmp_path / "link", "bfloat16") == first
+    # the same tensors in other shards: the same model
+    from safetensors.torch import save_file
+
+    shard_dir = tmp_path / "sharded"
+    save_checkpoint(shard_dir, {"visual.a": weights["visual.a"]})
+    save_file({"visual.b": weights["visual.b"]}, str(shard_dir / "model-2.safetensors"))
+    assert model_identity(str(shard_dir), "bfloat16") == first
+    assert model_identity(str(tmp_path / "one"), "float32") != first  # the dtype
+
+
+def test_model_identity_changes_with_the_weights(tmp_path):
+    weights = {"visual.a": torch.randn(64, 64), "visual.b": torch.randn(8)}
+    first = model_identity(str(save_checkpoint(tmp_path / "one", weights)), "bfloat16")
+    tuned = {name: tensor.clone() for name, tensor in weights.items()}
+    tuned["visual.a"][0, 0] += 1e-3  # rewritten in place: one value of one tensor
+    assert model_identity(str(save_checkpoint(tmp_path / "one", tuned)), "bfloat16") != first
+    retyped = {name: tensor.half() for name, tensor in weights.items()}
+    assert model_identity(str(save_checkpoint(tmp_path / "half", retyped)), "bfloat16") != first
+    other_config = save_checkpoint(tmp_path / "config", weights, '{"model_type": "qwen3_vl", "depth": 2}')
+    assert model_identity(str(other_config), "bfloat16") != first
+    # a weights file that is not safetensors still counts (its actor refuses it)
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "config.json").write_text('{"model_type": "qwen3_vl"}')
+    (tmp_path / "raw" / "model.safetensors").write_bytes(b"x" * 10)
+    raw = model_identity(str(tmp_path / "raw"), "bfloat16")
+    (tmp_path / "raw" / "model.safetensors").write_bytes(b"y" * 11)
+    assert model_identity(str(tmp_path / "raw"), "bfloat16") != raw
+
+
+def test_model_identity_reads_a_sample_of_each_tensor_not_the_weights(tmp_path, monkeypatch):
+    from vitpool.pool import embedding_cache
+
+    save_checkpoint(tmp_path, {"visual.large": torch.zeros(1024, 1024), "visual.small": torch.ones(4)})
+    reads: list[int] = []
+    path_class = type(tmp_path)
+    real_open = path_class.open
+    monkeypatch.setattr(path_class, "open", lambda path, *a, **k: _Counted(real_open(path, *a, **k), reads))
+    model_identity(str(tmp_path), "bfloat16")
+    assert 0 < sum(reads) < 2 * embedding_cache.WEIGHT_SAMPLE_BYTES + 4096  # of a 4 MiB file
+
+
+class _Counted:
+    """A file whose reads are counted."""
+
+    def __init__(self, file, reads: list) -> None:
+        self._file, self._reads = file, reads
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._file.close()
+
+    def read(self, size: int = -1) -> bytes:
+        data = self._file.read(size)
+        self._reads.append(len(data))
+        return data
+
+    def seek(self, *args):
+        return self._file.seek(*args)
+
+
+def test_a_checkpoint_this_process_cannot_see_is_its_name_and_dtype(tmp_path):
+    assert model_identity("/elsewhere/m", "bfloat16") == model_identity("/elsewhere/m", "bfloat16")
+    assert model_identity("/elsewhere/m", "bfloat16") != model_identity("/elsewhere/n", "bfloat16")
+    assert model_identity(None, "bfloat16") == model_identity(None, "bfloat16")  # the shipped model
 
 
 def test_a_miss_is_claimed_once_and_others_wait_for_its_result():

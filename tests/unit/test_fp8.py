@@ -121,6 +121,6 @@ def test_a_family_that_refuses_fp8_says_why(monkeypatch):
     adapter = load_adapter(None, torch.device("cpu"), torch.float32)
     adapter.fp8_refused = "its FP8 tokens were far from bf16"
     # past the device check, as on a GPU with FP8 tensor cores
-    monkeypatch.setattr(encoder_module, "_check_precision", lambda precision, *rest: precision)
+    monkeypatch.setattr(encoder_module, "check_precision", lambda precision, *rest: precision)
     with pytest.raises(ConfigError, match="not offered for .*far from bf16"):
         GraphEncoder(adapter, budgets=[16], device="cpu", precision="fp8")

@@ -10,14 +10,10 @@ import sys
 import torch
 
 from vitpool import GraphEncoder
-from vitpool.kernels.fused import (
-    GELU_MLP_LAYOUT,
-    ROTARY_FUNCTION,
-    _is_patch_conv,
-    gelu_mlp_layout,
-    install_fused_ops,
-    use_fused_ops,
-)
+from vitpool.kernels.fused import install_fused_ops, use_fused_ops
+from vitpool.kernels.gelu_mlp import GELU_MLP_LAYOUT, gelu_mlp_layout
+from vitpool.kernels.patch_gemm import _is_patch_conv
+from vitpool.kernels.rotary import ROTARY_FUNCTION
 
 
 def test_installing_wraps_the_rotary_function_of_the_towers_modeling_module():
@@ -104,7 +100,7 @@ def test_only_hugging_faces_plain_and_gemma_4s_rms_norms_take_the_fused_forward(
     from transformers.models.pixtral.modeling_pixtral import PixtralRMSNorm
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRMSNorm
 
-    from vitpool.kernels.fused import rms_norm_kind
+    from vitpool.kernels.rms_norm import rms_norm_kind
 
     for plain in (GlmOcrRMSNorm, PixtralRMSNorm, Qwen2_5_VLRMSNorm):
         assert rms_norm_kind(plain(8)) == "plain", plain

@@ -127,7 +127,7 @@ def test_a_torchvision_that_cannot_load_stops_the_gateway_in_one_line(
 def test_keys_of_the_two_backends_differ():
     """Their pixels differ after a resize: one's entries must not answer the other's requests."""
     identity = [
-        images.model_identity(ROOT / "nowhere", torch.bfloat16, "w", name) for name in ("torchvision", "pil")
+        images.model_prefix(ROOT / "nowhere", torch.bfloat16, name) for name in ("torchvision", "pil")
     ]
     assert identity[0] != identity[1]
 

@@ -116,19 +116,6 @@ def test_a_checked_plan_runs_without_a_second_check_and_as_the_plan_would(tiny_a
     assert_same(outcomes, encoder.encode(items))
 
 
-def test_halves_of_a_checked_plan_hold(tiny_adapter):
-    encoder = make_encoder(tiny_adapter, [16, 64])
-    items = [image(2, 2), image(2, 4), image(4, 2)]
-    plan, pixels = plan_batch(items, encoder.adapter.item_rules, encoder.budgets)
-    first, second = encoder.check_plan(plan, tensors_of(pixels)).halves()
-    assert first.plan == BatchPlan(plan.budget, plan.specs[:1]) and len(first.pixels) == 1
-    assert second.plan == BatchPlan(plan.budget, plan.specs[1:]) and len(second.pixels) == 2
-    for half in (first, second):
-        encoder.check_plan(*half)  # each would pass the check it skips
-    outcomes = encoder.start_plans([first, second], "cpu").result()
-    assert_same([*outcomes[0], *outcomes[1]], encoder.encode(items))
-
-
 def test_nonfinite_positions_finds_the_bad_items_only():
     rows = [4, 8, 4]
     members = [

@@ -1,12 +1,11 @@
 """The encoder's options, one object (`vitpool.specs.EncoderOptions`): declared, documented and
 checked in one place, reached by keyword from `GraphEncoder`, `from_pretrained`, `EncoderSpec`
-and `PoolSettings`; and the urgent lane's old pool setting, `small_first_stream`, still taken for
-one release with a DeprecationWarning naming `urgent_tokens`."""
+and `PoolSettings`; and the urgent lane's old pool setting, `small_first_stream`, refused with a
+message naming `urgent_tokens`."""
 
 from __future__ import annotations
 
 import dataclasses
-import warnings
 
 import pytest
 import torch
@@ -112,65 +111,28 @@ def test_from_spec_builds_the_encoder_the_pool_describes():
     assert encoder.attention == "fa2" and encoder.max_item_tokens == 64
 
 
-# ---- the urgent lane's old pool setting ------------------------------------------------------
+# ---- the urgent lane's old pool setting, removed -----------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("old", "new"),
-    [
-        ({"small_first_stream": True}, {"urgent_tokens": 256}),  # the lane sized as the small calls
-        (
-            {"small_first_stream": True, "small_first_tokens": 64},
-            {"urgent_tokens": 64, "small_first_tokens": 64},
-        ),
-        (
-            {"small_first_stream": True, "small_first_tokens": None},
-            {"small_first_tokens": None},
-        ),  # no lane, as before
-        ({"small_first_stream": False}, {}),
-    ],
-)
-def test_small_first_stream_is_taken_for_one_release_as_urgent_tokens(old, new):
-    with pytest.warns(DeprecationWarning, match="use urgent_tokens"):
-        settings = PoolSettings(**old)
-    assert settings == PoolSettings(**new)
-    with pytest.warns(DeprecationWarning, match="read urgent_tokens"):
-        assert settings.small_first_stream is (settings.urgent_tokens is not None)
-
-
-def test_small_first_stream_is_not_a_field_so_copies_do_not_carry_it():
-    with pytest.warns(DeprecationWarning):
-        settings = PoolSettings(small_first_stream=True)
+def test_small_first_stream_is_refused_naming_urgent_tokens():
+    for kwargs in ({"small_first_stream": True}, {"small_first_stream": False, "urgent_tokens": 64}):
+        with pytest.raises(ConfigError, match=r"small_first_stream was removed .*: use urgent_tokens=N"):
+            PoolSettings(**kwargs)
+    with pytest.raises(ConfigError, match="use urgent_tokens=N"):
+        dataclasses.replace(PoolSettings(), small_first_stream=True)  # a copy goes through the same door
     assert "small_first_stream" not in {field.name for field in dataclasses.fields(PoolSettings)}
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # a copy (launch makes one) warns nobody
-        copy = dataclasses.replace(settings, model="/models/m", small_first_tokens=64)
-    assert copy.urgent_tokens == 256
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "words"),
-    [
-        ({"small_first_stream": "yes"}, "small_first_stream must be True or False"),
-        ({"small_first_stream": True, "urgent_tokens": 64}, "give urgent_tokens alone"),
-    ],
-)
-def test_small_first_stream_mistakes_are_config_errors(kwargs, words):
-    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match=words):
-        PoolSettings(**kwargs)
+def test_reading_small_first_stream_names_urgent_tokens():
+    settings = PoolSettings(urgent_tokens=256)
+    with pytest.raises(AttributeError, match="small_first_stream was removed .*: use urgent_tokens=N"):
+        settings.small_first_stream  # noqa: B018 - the read is the test
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_setting'"):
+        settings.no_such_setting  # noqa: B018
+    assert not hasattr(settings, "small_first_stream")
 
 
-def test_launch_still_takes_small_first_stream(monkeypatch):
-    launched = []
-
-    def launch_pool(settings, *args):
-        launched.append(settings)
-        raise RuntimeError("not started")  # stop before Ray
-
-    monkeypatch.setattr(encoder_pool, "launch_pool", launch_pool)
-    with (
-        pytest.warns(DeprecationWarning, match="urgent_tokens"),
-        pytest.raises(RuntimeError, match="not started"),
-    ):
+def test_launch_refuses_small_first_stream_before_anything_starts(monkeypatch):
+    monkeypatch.setattr(encoder_pool, "launch_pool", lambda *args: pytest.fail("launched"))
+    with pytest.raises(ConfigError, match="use urgent_tokens=N"):
         EncoderPool.launch(device="cpu", small_first_stream=True, progress=False)
-    assert launched[0].urgent_tokens == 256

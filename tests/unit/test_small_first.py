@@ -328,19 +328,9 @@ def test_the_urgent_lane_settings_are_checked_and_reach_the_encoder(tiny_adapter
     assert PoolSettings().encoder_spec().urgent_tokens is None  # off by default, for now
     with pytest.raises(ConfigError, match="urgent_tokens"):
         PoolSettings(urgent_tokens=0)
-    # its pool setting until 0.1.0, for one release: an urgent lane of the small calls' size
-    with pytest.warns(DeprecationWarning, match="urgent_tokens"):
-        assert (
-            PoolSettings(small_first_stream=True).encoder_spec().urgent_tokens
-            == PoolSettings().small_first_tokens
-        )
-    with pytest.warns(DeprecationWarning):
-        assert (
-            PoolSettings(small_first_stream=True, small_first_tokens=None).encoder_spec().urgent_tokens
-            is None
-        )
-    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="small_first_stream"):
-        PoolSettings(small_first_stream="yes")
+    # its pool setting in 0.1.0, removed since: refused, naming what replaced it
+    with pytest.raises(ConfigError, match="small_first_stream was removed .*: use urgent_tokens=N"):
+        PoolSettings(small_first_stream=True)
     for bad in (0, -4, 2.5, True):
         with pytest.raises(ConfigError, match="urgent_tokens"):
             make_encoder(tiny_adapter, [16, 64], urgent_tokens=bad)

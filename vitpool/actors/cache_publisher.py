@@ -18,8 +18,7 @@ the tail of calls that repeat finished items, but raise the median call, likely 
 publishing then competes with the actor's encoding; a trade of the median for the tail is not
 clearly better, so it stays one. Most of a publication is its `ray.put`. Figures:
 `benchmarks/RESULTS.md`, "The embedding cache"; `benchmarks/HISTORY.md`, "Where the cache's p99
-goes: the encoder actor's publishing under load (issue 30, fifth session)"
-(`benchmarks/studies/cache_publish_lag.py`).
+goes: the encoder actor's publishing under load" (`benchmarks/studies/cache_publish_lag.py`).
 
 The cache actor's methods used (`vitpool.pool.embedding_cache.EmbeddingCacheActor`):
 `insert([(key, [reference], nbytes), ...])` and `abandon([key, ...])`.

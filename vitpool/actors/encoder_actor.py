@@ -90,14 +90,14 @@ class EncoderActor:
         # Batches from many callers that wait for the encoder run together (see combining.py).
         largest = self.encoder.budgets[-1].num_tokens
         max_tokens_per_run = min(largest, spec.max_tokens_per_run or largest)
-        start = self._start_splitting if spec.overlap_runs else finished(self._run_splitting)
+        start = self._start_batches if spec.overlap_runs else finished(self._run_batches)
         self._combiner = BatchCombiner(start, max_tokens_per_run, spec.small_first_tokens)
         # Batches of at most `urgent_tokens` replay in the encoder's urgent lane, beside the run in
         # flight, combined among themselves up to the lane's largest budget.
         self._urgent_combiner: BatchCombiner | None = None
         self._urgent_tokens = spec.encoder.urgent_tokens
         if self.encoder.has_urgent_lane:
-            urgent_start = functools.partial(self._start_splitting, urgent=True)
+            urgent_start = functools.partial(self._start_batches, urgent=True)
             lane_tokens = max(budget.num_tokens for budget in self.encoder.urgent_budgets)
             self._urgent_combiner = BatchCombiner(
                 urgent_start if spec.overlap_runs else finished(urgent_start),
@@ -239,6 +239,7 @@ class EncoderActor:
         stats.graph_items = encoder_stats.graph_items
         stats.eager_items = encoder_stats.eager_items
         stats.padding_waste = encoder_stats.padding_waste
+        stats.oom_splits = encoder_stats.oom_splits
         combiners = (
             [self._combiner] if self._urgent_combiner is None else [self._combiner, self._urgent_combiner]
         )
@@ -271,63 +272,17 @@ class EncoderActor:
                 self._stats.busy_seconds += time.monotonic() - self._busy_since
                 self._idle.notify_all()
 
-    def _start_splitting(
+    def _start_batches(
         self, groups: list[CheckedPlan], output_device: Hashable, urgent: bool = False
     ) -> Collect:
-        """The encoder's `start_plans` (the combiner collects its result later); on running out of
-        GPU memory, the batches run split (`_split_after_oom`, outside the urgent lane), when they
-        are started or, where the encoder's own thread queues them, when they are collected."""
-        try:
-            in_flight = self.encoder.start_plans(groups, output_device, urgent)
-        except torch.cuda.OutOfMemoryError:
-            outcomes = self._split_after_oom(groups, output_device)
-            return lambda: outcomes
+        """The encoder's `start_plans` (the combiner collects its result later). Running out of
+        GPU memory is the encoder's to handle: it runs the batches in halves, down to single
+        items, and a single item that does not fit comes back as that item's error."""
+        return self.encoder.start_plans(groups, output_device, urgent).result
 
-        def collect() -> list:
-            try:
-                return in_flight.result()
-            except torch.cuda.OutOfMemoryError:
-                return self._split_after_oom(groups, output_device)
-
-        return collect
-
-    def _run_splitting(self, groups: list[CheckedPlan], output_device: Hashable) -> list:
-        """`_start_splitting`, collected at once: the batches have run when this returns."""
-        return self._start_splitting(groups, output_device)()
-
-    def _split_after_oom(self, groups: list[CheckedPlan], output_device: Hashable) -> list:
-        """Free the cache and run each half on its own (batches, then a batch's items, down to
-        single items), so that every batch is still answered and the actor stays up."""
-        if self.encoder.device.type == "cuda":
-            torch.cuda.empty_cache()
-        with self._lock:
-            self._stats.oom_splits += 1
-        if len(groups) > 1:
-            logger.warning(
-                "encoder actor %d: out of GPU memory on %d batches; running them in halves",
-                self.actor_index,
-                len(groups),
-            )  # len(groups) > 1 here
-            half = len(groups) // 2
-            return self._run_splitting(groups[:half], output_device) + self._run_splitting(
-                groups[half:], output_device
-            )
-        plan = groups[0].plan
-        if len(plan.specs) == 1:
-            logger.error("encoder actor %d: out of GPU memory on a single item", self.actor_index)
-            raise torch.cuda.OutOfMemoryError(
-                f"out of GPU memory on a single item of {counted(plan.num_tokens, 'token')}"
-            )
-        logger.warning(
-            "encoder actor %d: out of GPU memory on %d items; encoding them in halves",
-            self.actor_index,
-            len(plan.specs),
-        )  # more than one item here
-        first_half, second_half = groups[0].halves()  # each still fits the batch's budget
-        first = self._run_splitting([first_half], output_device)
-        second = self._run_splitting([second_half], output_device)
-        offset = len(first_half.plan.specs)
-        return [first[0] + [_shifted(outcome, offset) for outcome in second[0]]]
+    def _run_batches(self, groups: list[CheckedPlan], output_device: Hashable) -> list:
+        """`_start_batches`, collected at once: the batches have run when this returns."""
+        return self._start_batches(groups, output_device)()
 
     def _device_name(self) -> str:
         device = self.encoder.device
@@ -351,15 +306,6 @@ def _tensors(specs: Sequence[ItemSpec], pixels: Sequence[np.ndarray | torch.Tens
             f"a batch of {counted(len(specs), 'item spec')} came with {counted(len(pixels), 'pixel array')}"
         )
     return [pixel_tensor(position, spec, array) for position, (spec, array) in enumerate(zip(specs, pixels))]
-
-
-def _shifted(outcome: Embedding | InvalidItemError, offset: int) -> Embedding | InvalidItemError:
-    """An outcome of the second half of a split batch, numbered by its position in the whole."""
-    return (
-        InvalidItemError(outcome.index + offset, outcome.reason)
-        if isinstance(outcome, InvalidItemError)
-        else outcome
-    )
 
 
 def _placement_group_id() -> str | None:

@@ -8,5 +8,5 @@
 - `rules.py` where its items follow rules of its own (torch-free: a pool's callers run them).
 
 The registry (`vitpool.models.registry`) finds every package here; adding a family is its folder
-and one line in the adapter conformance suite (tests/unit/test_adapter_conformance.py).
+and its test case (`tests/unit/family_cases/<family>.py`), which every cross-family test finds.
 """

@@ -118,9 +118,8 @@ class PinnedStaging:
     image (29 MB) gained nothing.
 
     Figures: benchmarks/RESULTS.md, "What the pool adds to one call" (the stalled thread pool);
-    benchmarks/HISTORY.md, "Large host pixels through pinned memory (issue 14, fourth step)" (staging)
-    and "Attention where compute dominates: cuDNN on the default install (issue 42, first step)"
-    (the threads).
+    benchmarks/HISTORY.md, "Large host pixels through pinned memory" (staging) and "Attention where
+    compute dominates: cuDNN on the default install" (the threads).
     """
 
     MIN_BYTES = 4 << 20

@@ -139,7 +139,7 @@ def _no_collection_while_capturing() -> Iterator[None]:
     objects) is freed only by the collector, and freeing it destroys its executable graph, which
     CUDA forbids while a stream captures: the capture is invalidated ("operation not permitted
     when stream is capturing (function reset)"; benchmarks/HISTORY.md, "Runs that overlap,
-    measured (issue 14, seventh step)"). torch 2.11 no longer collects before a capture."""
+    measured"). torch 2.11 no longer collects before a capture."""
     gc.collect()
     was_enabled = gc.isenabled()
     gc.disable()
@@ -168,7 +168,7 @@ def _capture(
     torch.cuda.current_stream(runner.device).wait_stream(side_stream)
     # Every capture runs on one stream per device, to which cuDNN's handle is bound here, outside
     # the capture: cudnnSetStream inside a capture failed (cudaErrorStreamCaptureInvalidated).
-    # (Warmed up on the capture stream itself, the graphs' startup memory grew 1.5 -> 5.7 GiB.)
+    # (Warmed up on the capture stream itself, the graphs' startup memory grew several-fold.)
     stream = _capture_stream(runner.device)
     bind_stream(runner.device, stream)
     cuts = runner.cut_points(budget)
@@ -201,7 +201,7 @@ def _workspace_in_graph_pool() -> Iterator[None]:
     workspace of torch.cuda.graph's shared capture stream in its released pool, the next encoder
     captured with it, and after a compiled model ran beside it the replays slowed several-fold and
     then faulted ("unspecified launch failure"; benchmarks/HISTORY.md, "An encoder beside
-    CUDA-graph trees in one process (issue 27)"). Cleared before the
+    CUDA-graph trees in one process"). Cleared before the
     capture, the workspace is allocated inside it, from the pool that lives as long as the
     graphs and serves only their captures (which never run at once); cleared after, no cache
     points into that pool. PyTorch's graph trees do the same around their recordings.

@@ -46,11 +46,11 @@ def resolve_dtype(dtype: torch.dtype | None, device: torch.device) -> torch.dtyp
 
 # Above this many tokens (6144 patch rows for a 2x2 merge: a ~1250² image) a batch runs eager at
 # its own rows instead of padded into a graph: there it is compute-bound, so launches cost little,
-# and it pays no padding. Issue 14 set 1024 (eager won from 1120² up, when graphs ran packed FA2);
-# since a graph of one image runs dense cuDNN attention (issue 42), the graph wins up to here: on an
-# H100, Qwen3-VL-8B at 1120² 26.4 ms in a graph vs 43.8 ms eager at its rows, and the wave-3 towers
-# at ~1024² (1058-1369 tokens) 0.46-0.91x HF eager in graphs vs 0.76-1.31x eager, the small ones
-# (LFM2-VL, 96M) bound by the eager path's launches (benchmarks/RESULTS.md, "Wave 3 families").
+# and it pays no padding. The ladder once stopped at 1024 tokens (eager won above that when graphs
+# ran packed FA2); since a graph of one image runs dense cuDNN attention, the graph wins up to here,
+# the small towers most, whose eager path is bound by its launches (benchmarks/RESULTS.md, "The GPU
+# ladder to 1536 tokens" in "What moved the large workloads: three changes, measured before and
+# after in one process each").
 GRAPH_MAX_TOKENS = 1536
 # Below 256 tokens the GPU ladder steps by 32 tokens rather than doubling: 4 more graphs (33 in
 # all) buy less padding for small calls packed alone (benchmarks/RESULTS.md, "Figures the code's
@@ -69,8 +69,7 @@ def default_token_budgets(device: torch.device, adapter: VisionAdapter | None = 
 
     Items larger than the largest budget still run (eager, alone, at their own rows).
     """
-    chooser = getattr(adapter, "budget_range", None)
-    chosen = chooser(device) if chooser is not None else None
+    chosen = adapter.budget_range(device) if adapter is not None else None
     if chosen is not None:
         return family_budgets(chosen)
     if device.type != "cuda":

@@ -1,39 +1,28 @@
 """GraphEncoder: a vision tower run as one captured CUDA graph per token budget.
 
-The recipe: static buffers sized for the largest budget; capture every budget, largest first,
-into one shared memory pool; check each graph against the eager run of the same static forward
-right after capture; per batch, copy the items (and their metadata) into the buffers, write the
-padding rows, replay, and clone each item's rows out. An item larger than every budget runs
-eager, alone. On a CPU the same static forward runs without capture.
+Static buffers sized for the largest budget; every budget captured, largest first, into one
+memory pool and checked against the eager run of the same forward; per batch, the items copied
+in, padding rows written, the graph replayed and each item's rows cloned out. An item larger
+than every budget runs eager, alone; on a CPU the same static forward runs without capture.
 
-What a caller hands `encode` is checked as a pool's caller checks it (`vitpool.items`): a list, each
-item by the model's rules, each item within `max_item_tokens`; a bad item's InvalidItemError names
-its index. A batch that runs out of device memory runs again in halves, down to single items; an
-item that does not fit alone is refused with the memory it asked for, and the call's other items
-are still encoded.
+`encode` checks what a caller hands it as a pool's caller would (`vitpool.items`: a list, each
+item by the model's rules and within `max_item_tokens`; errors name the index). `run_plans` and
+`start_plans` run batches a pool already planned, checked once where they arrive (`check_plan`
+gives a `CheckedPlan`, not checked again); `start_plans` returns before the device is done
+(`vitpool.graphs.in_flight`). The encoder never looks inside an item: its adapter does.
 
-Batches come three ways: `encode` / `encode_each` check and pack the caller's items themselves;
-`run_plans` runs batches a pool's dispatcher already planned (item specs computed in the
-caller's process, trusted after a cheap consistency check), and `start_plans` queues such batches
-and returns, so that a server can queue its next batch before it collects these
-(`vitpool.graphs.in_flight`); `encode_specs` packs checked items. A planned batch is checked once:
-`check_plan` gives a `CheckedPlan`, which `start_plans` runs without checking it again (an actor
-checks each batch as it arrives, before batches are combined). The encoder never looks inside an
-item: its adapter does (`vitpool.models.VisionAdapter`).
-
-This module is the API: settings, loading, checking and packing. One batch's fill, forward and
-outputs are the batch runner's (`vitpool.graphs.runner`), which capture (`vitpool.graphs.capture`)
-uses too; neither imports this module.
+This module is the API: loading, checking and packing. Where batches run (the runners per path,
+the urgent lane, the halving of runs that run out of memory) is `vitpool.graphs.lanes`; what the
+options come to on the device, `vitpool.graphs.options`; one batch's fill, forward and outputs,
+the batch runner's (`vitpool.graphs.runner`).
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import logging
-import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,21 +31,25 @@ import torch
 
 from vitpool.dtypes import dtype_from_name
 from vitpool.errors import ConfigError, InvalidItemError
-from vitpool.graphs.capture import capture_all
-from vitpool.graphs.defaults import default_token_budgets, resolve_device, resolve_dtype
-from vitpool.graphs.in_flight import LaunchedBatches, PendingLaunch, PlansInFlight, RunBatch
+from vitpool.graphs.defaults import resolve_device, resolve_dtype
+from vitpool.graphs.in_flight import PlansInFlight, RunBatch
 from vitpool.graphs.inputs import (
     NONFINITE_MESSAGE,
     CheckedPlan,
-    asked_bytes,
     check_pixels,
     check_plan,
-    is_out_of_memory,
-    out_of_memory_reason,
     totals,
 )
+from vitpool.graphs.lanes import Lanes, launch_groups, renumbered
+from vitpool.graphs.options import (
+    check_attention,
+    check_precision,
+    options_with,
+    path_budgets,
+    place_tower,
+    spec_is_consistent,
+)
 from vitpool.graphs.runner import BatchRunner
-from vitpool.graphs.segments import Interleaver
 from vitpool.graphs.stats import EncoderStats
 from vitpool.items import (
     Embedding,
@@ -67,18 +60,15 @@ from vitpool.items import (
     check_token_bound,
     prepare_item,
 )
-from vitpool.kernels.attention import fa4_available
 from vitpool.kernels.compiled import set_compile_cache_dir
-from vitpool.kernels.cudnn_packed import cudnn_packed_available
-from vitpool.kernels.fp8 import fp8_supported, install_fp8_linears
+from vitpool.kernels.fp8 import install_fp8_linears
 from vitpool.models import VisionAdapter, load_adapter
+from vitpool.models.protocol import check_adapter
 from vitpool.packing import Budget, fits, pack
-from vitpool.rules.paths import PathRules, rules_of_part
 from vitpool.specs import (
     BatchPlan,
     EncoderOptions,
     EncoderSpec,
-    ItemRules,
     ItemSpec,
     OutputLayout,
 )
@@ -117,7 +107,8 @@ class GraphEncoder:
     def __init__(
         self, adapter: VisionAdapter, options: EncoderOptions | None = None, **option_values: Any
     ) -> None:
-        self.options = options = _options_with(options, option_values)
+        check_adapter(adapter)  # one built by hand, not through load_adapter, is checked here
+        self.options = options = options_with(options, option_values)
         self.max_item_tokens = options.max_item_tokens
         self.device = resolve_device(options.device)
         self.fused_ops = options.fused_ops
@@ -125,17 +116,17 @@ class GraphEncoder:
         if self.compiled_blocks:
             set_compile_cache_dir(options.compile_cache_dir)
         self.dtype = resolve_dtype(dtype_from_name(options.dtype), self.device)
-        self.attention = _check_attention(options.attention, self.device, self.dtype)
-        self.precision = _check_precision(options.precision, self.device, self.dtype)
-        if self.precision == "fp8" and getattr(adapter, "fp8_refused", None):
+        self.attention = check_attention(options.attention, self.device, self.dtype)
+        self.precision = check_precision(options.precision, self.device, self.dtype)
+        if self.precision == "fp8" and adapter.fp8_refused:
             raise ConfigError(
                 f"precision 'fp8' is not offered for {type(adapter).__name__}: {adapter.fp8_refused}"
             )
         self.adapter = adapter
-        _place_tower(adapter.tower, self.device, self.dtype)
+        place_tower(adapter.tower, self.device, self.dtype)
         # A family whose item is several inputs runs each through its own adapter, buffers and
         # graphs (a path, `vitpool.rules.paths`); the others have one path, "".
-        self._paths: dict[str, VisionAdapter] = dict(getattr(adapter, "paths", None) or {"": adapter})
+        self._paths: dict[str, VisionAdapter] = dict(adapter.paths)
         if self.precision == "fp8":
             towers = {id(each.tower): each.tower for each in (adapter, *self._paths.values())}
             prepared = sum(install_fp8_linears(tower) for tower in towers.values())
@@ -143,7 +134,7 @@ class GraphEncoder:
         try:
             limits = merged_capacity_limits(options.max_frames_per_batch, dict(options.capacity_limits))
             budgets_of = {
-                path: _path_budgets(
+                path: path_budgets(
                     adapter.item_rules,
                     path,
                     path_adapter,
@@ -160,60 +151,22 @@ class GraphEncoder:
         self.output_layout = OutputLayout(tuple(adapter.output_row_shapes), wire_dtype_name(self.dtype))
         # bound to the rules, not to self: an encoder in a reference cycle (and its graphs) would
         # wait for the garbage collector, which may run while another encoder captures
-        consistent = functools.partial(_spec_is_consistent, adapter.item_rules)
+        consistent = functools.partial(spec_is_consistent, adapter.item_rules)
         self._is_consistent = functools.lru_cache(maxsize=4096)(consistent)
-        self._runners = {
-            path: BatchRunner(
-                path_adapter,
-                budgets_of[path],
-                self.device,
-                self.dtype,
-                self.attention,
-                self.fused_ops,
-                self.compiled_blocks,
-                precision=self.precision,
-            )
-            for path, path_adapter in self._paths.items()
-        }
         self._row_shapes = {path: tuple(path_adapter.row_shape) for path, path_adapter in self._paths.items()}
-        self._urgent: BatchRunner | None = None
-        self._interleaver: Interleaver | None = None
-        self.urgent_budgets: frozenset[Budget] = frozenset()  # those of the urgent lane
-        if self.device.type == "cuda":
-            if options.urgent_tokens is not None and len(self._paths) == 1:
-                self._start_urgent_lane(options.urgent_tokens, budgets_of[""])
-            pool = (
-                torch.cuda.graph_pool_handle()
-            )  # one memory pool for every path's graphs: they replay in turn
-            for path, runner in self._runners.items():
-                capture_all(runner, budgets_of[path], pool)
-            if self._urgent is not None:
-                capture_all(self._urgent, sorted(self.urgent_budgets), torch.cuda.graph_pool_handle())
-
-    def _start_urgent_lane(self, urgent_tokens: int, budgets: list[Budget]) -> None:
-        """The urgent lane's runner (its own buffers, captured into a memory pool of its own: its
-        graphs replay between two segments of a main-lane run, whose tensors that cross the cut
-        live in the main pool), the main lane's budgets above it cut into segments, and the thread
-        that queues both lanes' work."""
-        ordered = sorted(budgets)
-        cutoff = next(
-            (b.num_tokens for b in ordered if b.num_tokens >= urgent_tokens), ordered[-1].num_tokens
-        )
-        urgent_budgets = [b for b in ordered if b.num_tokens <= cutoff]
-        self._urgent = BatchRunner(
-            self.adapter,
-            urgent_budgets,
+        self._lanes = Lanes(
+            self._paths,
+            budgets_of,
             self.device,
             self.dtype,
             self.attention,
             self.fused_ops,
             self.compiled_blocks,
-            precision=self.precision,
+            self.precision,
+            options.urgent_tokens,
         )
-        self._runners[""].segment_above_tokens = cutoff
-        self.urgent_budgets = frozenset(urgent_budgets)
-        self._interleaver = Interleaver(self.device)
-        weakref.finalize(self, self._interleaver.close)  # its thread ends with the encoder
+        self._runners = self._lanes.runners  # by path (benchmarks and tests reach a runner here)
+        self.urgent_budgets: frozenset[Budget] = self._lanes.urgent_budgets  # those of the urgent lane
 
     @classmethod
     def from_pretrained(
@@ -231,7 +184,7 @@ class GraphEncoder:
             CheckpointError: the directory cannot be loaded (names the missing or unexpected keys).
             ConfigError: invalid options.
         """
-        options = _options_with(options, option_values)
+        options = options_with(options, option_values)
         device = resolve_device(options.device)
         adapter = load_adapter(path, device, resolve_dtype(dtype_from_name(options.dtype), device))
         return cls(adapter, options)
@@ -271,7 +224,7 @@ class GraphEncoder:
         """
         check_item_list(items)
         if return_exceptions:
-            return self.encode_each(items, output_device)
+            return self._encode_each(items, output_device)
         if not items:
             return []
         prepared = [self._checked_item(index, item) for index, item in enumerate(items)]
@@ -291,6 +244,11 @@ class GraphEncoder:
             TypeError: `items` is not a list.
         """
         check_item_list(items)
+        return self._encode_each(items, output_device)
+
+    def _encode_each(
+        self, items: Sequence[Item], output_device: str | torch.device | None
+    ) -> list[Embedding | InvalidItemError]:
         outcomes: list[Embedding | InvalidItemError | None] = [None] * len(items)
         prepared: list[Prepared] = []
         indices: list[int] = []
@@ -301,7 +259,7 @@ class GraphEncoder:
             except InvalidItemError as error:
                 outcomes[index] = error
         for index, outcome in zip(indices, self.encode_prepared(prepared, output_device)):
-            outcomes[index] = _renumbered(outcome, index)
+            outcomes[index] = renumbered(outcome, index)
         return outcomes  # type: ignore[return-value]  # every slot holds a result or an error
 
     def _checked_item(self, index: int, item: Item) -> Prepared:
@@ -341,6 +299,7 @@ class GraphEncoder:
         Raises:
             ValueError: an item's pixels do not have the shape its spec says.
         """
+        to_host = self._wants_host(output_device)
         for position, item in enumerate(prepared):
             check_pixels(position, item.spec, item.pixels, self._row_shape(item.spec.path))
         batches = pack([item.spec for item in prepared], self.budgets, budgets_sorted=True)
@@ -348,52 +307,15 @@ class GraphEncoder:
             (batch.budget, [prepared[i] for i in batch.item_indices]) for batch in batches
         ]
         outcomes: list[Embedding | InvalidItemError | None] = [None] * len(prepared)
-        for group in _launch_groups(runs):
-            group_results = self._embeddings_splitting([runs[p] for p in group], output_device)
+        for group in launch_groups(runs):
+            group_results = self._lanes.run_halving([runs[p] for p in group], to_host)
             for position, results in zip(group, group_results):
                 for index, result in zip(batches[position].item_indices, results):
                     if result is None:
                         result = InvalidItemError(index, NONFINITE_MESSAGE)
                     # an error comes named by its position in its batch
-                    outcomes[index] = _renumbered(result, index)
+                    outcomes[index] = renumbered(result, index)
         return outcomes  # type: ignore[return-value]  # every item is in one batch
-
-    def _embeddings_splitting(
-        self, runs: list[RunBatch], output_device: str | torch.device | None
-    ) -> list[list[Embedding | InvalidItemError | None]]:
-        """Per batch, per item: its Embedding; None where its pixels were not finite; or an
-        InvalidItemError (its position in its batch) where it ran out of device memory alone.
-        Batches that run out of memory run again in halves, then a batch's items in halves (a part
-        of a batch fits its budget), so one item too large for the device costs the others of
-        its call nothing."""
-        try:
-            return self._launch(runs, output_device).embeddings()
-        except RuntimeError as error:  # torch.OutOfMemoryError is one
-            if not is_out_of_memory(error):
-                raise
-            asked = asked_bytes(error)
-        # Retried outside the except clause: the exception's traceback holds the failed run's
-        # tensors until the clause ends (PyTorch FAQ), and freeing the cache needs them gone.
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        if len(runs) > 1:
-            logger.warning("out of %s memory on %d batches; running them in halves", self.device, len(runs))
-            half = len(runs) // 2
-            return self._embeddings_splitting(runs[:half], output_device) + self._embeddings_splitting(
-                runs[half:], output_device
-            )
-        budget, members = runs[0]
-        if len(members) == 1:
-            reason = out_of_memory_reason(members[0].spec, budget is None, str(self.device), asked)
-            logger.error("refused an item: %s", reason)
-            return [[InvalidItemError(0, reason)]]
-        logger.warning(
-            "out of %s memory on a batch of %d items; encoding them in halves", self.device, len(members)
-        )
-        half = len(members) // 2
-        [first] = self._embeddings_splitting([(budget, members[:half])], output_device)
-        [second] = self._embeddings_splitting([(budget, members[half:])], output_device)
-        return [first + [_renumbered(outcome, half + position) for position, outcome in enumerate(second)]]
 
     def run_plans(
         self,
@@ -437,20 +359,12 @@ class GraphEncoder:
             (budget, [m for i in indices for m in members[i]]) for budget, indices in runs
         ]
         sizes = [[len(members[i]) for i in indices] for _, indices in runs]
-        if urgent and self._fits_urgent_lane(batches):
-            to_host = self._wants_host(output_device)
-            urgent_lane = self._urgent
-            future = self._interleaver.urgent(lambda: urgent_lane.launch(batches, to_host))  # type: ignore[union-attr]
-            return PlansInFlight(PendingLaunch(future), sizes)
-        return PlansInFlight(self._launch(batches, output_device), sizes)
+        return self._lanes.start(batches, sizes, self._wants_host(output_device), urgent)
 
     @property
     def has_urgent_lane(self) -> bool:
         """Whether this encoder has an urgent lane (`urgent_tokens`, on a GPU, one path)."""
-        return self._urgent is not None
-
-    def _fits_urgent_lane(self, batches: Sequence[RunBatch]) -> bool:
-        return self._urgent is not None and all(budget in self.urgent_budgets for budget, _ in batches)
+        return self._lanes.urgent is not None
 
     def check_plan(self, plan: BatchPlan, pixels: Sequence[np.ndarray | torch.Tensor]) -> CheckedPlan:
         """Whether a batch planned elsewhere can run: its pixels shaped as their specs say, each
@@ -492,27 +406,10 @@ class GraphEncoder:
 
     def stats(self) -> EncoderStats:
         """A snapshot of the counters (every path's together)."""
-        snapshots = []
-        for runner in self._runners.values():
-            with runner.lock:
-                snapshots.append(copy.deepcopy(runner.stats))
-        if self._urgent is None:
-            return snapshots[0] if len(snapshots) == 1 else EncoderStats.combined(snapshots)
-        with self._urgent.lock:
-            urgent = copy.deepcopy(self._urgent.stats)
-        total = EncoderStats.combined([*snapshots, urgent])
-        # the urgent lane's budgets are copies of the others': list them once
-        total.captured_budgets = [b for s in snapshots for b in s.captured_budgets]
-        total.disabled_budgets = [b for s in snapshots for b in s.disabled_budgets]
-        total.dense_graphs = [b for s in snapshots for b in s.dense_graphs]
-        total.urgent_interrupts = self._interleaver.interrupts if self._interleaver is not None else 0
-        return total
+        return self._lanes.stats()
 
     def _runner(self, path: str) -> BatchRunner:
-        runner = self._runners.get(path)
-        if runner is None:
-            raise ValueError(f"this encoder has no path {path!r}; its paths are {sorted(self._runners)}")
-        return runner
+        return self._lanes.runner(path)
 
     def _row_shape(self, path: str) -> tuple[int, ...]:
         if path not in self._row_shapes:
@@ -536,29 +433,6 @@ class GraphEncoder:
             runs.append((plan.budget, [index]))
         return runs
 
-    def _launch(
-        self, batches: Sequence[RunBatch], output_device: str | torch.device | None
-    ) -> LaunchedBatches | PendingLaunch:
-        """Queue the batches' work on the device; their outputs are fresh tensors once it is done."""
-        to_host = self._wants_host(output_device)
-        if not batches:  # every item of the call was refused before it got here
-            return LaunchedBatches([], [], None)
-        if len(self._runners) == 1:
-            [runner] = self._runners.values()
-            if self._interleaver is not None:
-                return PendingLaunch(
-                    self._interleaver.main(lambda between: runner.launch(batches, to_host, between))
-                )
-            return runner.launch(batches, to_host)
-        by_path: dict[str, list[int]] = {}
-        for position, (_, members) in enumerate(batches):
-            by_path.setdefault(members[0].spec.path, []).append(position)
-        launched = [
-            (positions, self._runner(path).launch([batches[p] for p in positions], to_host))
-            for path, positions in by_path.items()
-        ]
-        return LaunchedBatches.merged(len(batches), launched)
-
     def _wants_host(self, output_device: str | torch.device | None) -> bool:
         if output_device is None:
             return False
@@ -571,127 +445,3 @@ class GraphEncoder:
         if resolved is None or resolved.type not in ("cpu", self.device.type):
             raise ConfigError(f"output_device {output_device!r}: use None (the encoder's device) or 'cpu'")
         return resolved.type == "cpu"
-
-
-# attention choice -> whether it runs on a device, and what it needs where it does not
-_DEVICE_ATTENTION = {
-    "cudnn": (
-        cudnn_packed_available,
-        (
-            "the nvidia-cudnn-frontend package (installed with vitpool on Linux) and a GPU of compute "
-            "capability 9.0 or newer"
-        ),
-    ),
-    "fa4": (fa4_available, "the flash-attn-4 package and a GPU of compute capability 9.0 or newer"),
-}
-
-
-def _check_attention(attention: str, device: torch.device, dtype: torch.dtype) -> str:
-    """What `EncoderOptions` cannot check without the device: whether FA4 or packed cuDNN runs here."""
-    if attention in _DEVICE_ATTENTION and device.type == "cuda":
-        available, needs = _DEVICE_ATTENTION[attention]
-        if dtype not in (torch.float16, torch.bfloat16):
-            raise ConfigError(f"attention {attention!r} runs in bfloat16 or float16, not {dtype}")
-        if not available(device):
-            raise ConfigError(
-                f"attention {attention!r} needs {needs}; use 'auto' to take it where it can run"
-            )
-    return attention
-
-
-def _check_precision(precision: str, device: torch.device, dtype: torch.dtype) -> str:
-    """What `EncoderOptions` cannot check without the device: whether it runs FP8 GEMMs."""
-    if precision == "fp8":
-        if not fp8_supported(device):
-            raise ConfigError(
-                "precision 'fp8' needs a GPU of compute capability 8.9 or newer (FP8 tensor cores); the "
-                f"device is {device}; use 'bf16'"
-            )
-        if dtype != torch.bfloat16:
-            raise ConfigError(f"precision 'fp8' computes in bfloat16, not {dtype}")
-    return precision
-
-
-def _options_with(options: EncoderOptions | None, values: Mapping[str, Any]) -> EncoderOptions:
-    """`options` (None: the defaults) with `values` over them, a torch device or dtype among them
-    given by name (the options hold plain values).
-
-    Raises:
-        ConfigError: an invalid option; TypeError: a name that is no option.
-    """
-    if options is not None and not isinstance(options, EncoderOptions):
-        raise TypeError(
-            f"options must be a vitpool.specs.EncoderOptions, not {type(options).__name__}; give budgets and "
-            "the other options by name (budgets=[64, 256])"
-        )
-    plain = dict(values)
-    device, dtype = plain.get("device"), plain.get("dtype")
-    if device is not None and not isinstance(device, str):
-        plain["device"] = str(resolve_device(device))  # a torch.device, or an index
-    if isinstance(dtype, torch.dtype):
-        plain["dtype"] = str(dtype).removeprefix("torch.")
-    if options is None:
-        return EncoderOptions(**plain)
-    return dataclasses.replace(options, **plain) if plain else options
-
-
-def _spec_is_consistent(rules: ItemRules, spec: ItemSpec) -> bool:
-    """Whether `spec` is what the model's rules (its input's, for an item of several inputs) make
-    of its own layout."""
-    try:
-        if isinstance(rules, PathRules):
-            own = rules_of_part(rules, spec.path)
-            derived = own.item_spec(spec.modality, spec.pixel_shape, spec.pixel_dtype, spec.layout)
-            return dataclasses.replace(derived, path=spec.path) == spec
-        return rules.item_spec(spec.modality, spec.pixel_shape, spec.pixel_dtype, spec.layout) == spec
-    except (ValueError, TypeError):
-        return False
-
-
-def _path_budgets(
-    rules: ItemRules,
-    path: str,
-    adapter: VisionAdapter,
-    budgets: Sequence[int] | None,
-    device: torch.device,
-    max_items_per_batch: int | None,
-    limits: Mapping[str, int],
-) -> list[Budget]:
-    """A path's budgets: the user's token budgets, else its own adapter's defaults. Rules that
-    route items to paths themselves (`ItemSpec.path` by the item's kind) mark their budgets."""
-    token_budgets = default_token_budgets(device, adapter) if budgets is None else budgets
-    if isinstance(rules, PathRules):
-        return rules.path_budgets(path, token_budgets, max_items_per_batch, limits)
-    return [
-        budget for budget in rules.budgets(token_budgets, max_items_per_batch, limits) if budget.path == path
-    ]
-
-
-def _launch_groups(runs: Sequence[RunBatch]) -> list[list[int]]:
-    """Positions of the runs launched together: every budgeted run in one launch, each eager run
-    (one item over every budget) in its own. An eager item is large enough that a launch of its
-    own costs little, and it is the one likely to run out of memory: alone, it is refused without
-    running again, and without the call's other batches running again."""
-    budgeted = [position for position, (budget, _) in enumerate(runs) if budget is not None]
-    eager = [[position] for position, (budget, _) in enumerate(runs) if budget is None]
-    return ([budgeted] if budgeted else []) + eager
-
-
-def _renumbered(
-    outcome: Embedding | InvalidItemError | None, index: int
-) -> Embedding | InvalidItemError | None:
-    """An item's error under its index in the caller's list (anything else as it is)."""
-    return InvalidItemError(index, outcome.reason) if isinstance(outcome, InvalidItemError) else outcome
-
-
-def _place_tower(tower: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-    """Move the tower to `device` and its parameters to `dtype`.
-
-    Buffers keep their dtype: rotary inverse frequencies stay float32, as when Hugging Face
-    loads a model in half precision.
-    """
-    tower.to(device)
-    for parameter in tower.parameters():
-        if parameter.dtype != dtype:
-            parameter.data = parameter.data.to(dtype)
-    tower.eval().requires_grad_(False)

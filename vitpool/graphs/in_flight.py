@@ -9,12 +9,13 @@ two halves are apart so that a server can queue its next batch before it waits f
 from __future__ import annotations
 
 import concurrent.futures
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from vitpool.errors import InvalidItemError
-from vitpool.graphs.inputs import NONFINITE_MESSAGE, nonfinite_positions
+from vitpool.graphs.inputs import NONFINITE_MESSAGE, asked_bytes, is_out_of_memory, nonfinite_positions
 from vitpool.items import Embedding, PreparedItem
 from vitpool.packing import Budget
 
@@ -79,22 +80,49 @@ class PendingLaunch:
 class PlansInFlight:
     """Planned batches queued on the device by `GraphEncoder.start_plans`."""
 
-    launched: LaunchedBatches | PendingLaunch
+    launched: LaunchedBatches | PendingLaunch | SettledBatches
     plan_sizes: list[list[int]]  # per run (one replay or eager batch), the items of each of its plans
+    # The encoder's own halving of the same runs, for a launch that runs out of memory by the time
+    # it is collected (one queued for the encoder's thread): per run, per item, as `embeddings`.
+    # (Called with the bytes the allocator refused, where it said.)
+    rerun: Callable[[int | None], list[list[Embedding | InvalidItemError | None]]] | None = None
 
     def result(self) -> list[list[Embedding | InvalidItemError]]:
         """Wait for the device: per plan, per item its Embedding, or an InvalidItemError (its
-        position in the plan) where its pixels were not finite."""
+        position in the plan) where its pixels were not finite or it alone did not fit the
+        device's memory."""
+        try:
+            runs = self.launched.embeddings()
+        except RuntimeError as error:  # torch.OutOfMemoryError is one
+            if self.rerun is None or not is_out_of_memory(error):
+                raise
+            runs, asked = None, asked_bytes(error)  # rerun outside the clause: its traceback holds tensors
+        if runs is None:
+            runs = self.rerun(asked)  # type: ignore[misc]  # checked above
         outcomes: list[list[Embedding | InvalidItemError]] = []
-        for sizes, results in zip(self.plan_sizes, self.launched.embeddings()):
+        for sizes, results in zip(self.plan_sizes, runs):
             offset = 0
             for size in sizes:
                 mine = results[offset : offset + size]
-                outcomes.append(
-                    [
-                        InvalidItemError(position, NONFINITE_MESSAGE) if result is None else result
-                        for position, result in enumerate(mine)
-                    ]
-                )
+                outcomes.append([_in_plan(result, position) for position, result in enumerate(mine)])
                 offset += size
         return outcomes
+
+
+@dataclass
+class SettledBatches:
+    """Runs already answered (by the encoder's halving after running out of memory at launch)."""
+
+    results: list[list[Embedding | InvalidItemError | None]]
+
+    def embeddings(self) -> list[list[Embedding | InvalidItemError | None]]:
+        return self.results
+
+
+def _in_plan(result: Embedding | InvalidItemError | None, position: int) -> Embedding | InvalidItemError:
+    """An item's outcome numbered by its position in its plan (a run may hold several plans)."""
+    if result is None:
+        return InvalidItemError(position, NONFINITE_MESSAGE)
+    if isinstance(result, InvalidItemError):
+        return InvalidItemError(position, result.reason)
+    return result

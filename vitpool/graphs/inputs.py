@@ -47,17 +47,6 @@ class CheckedPlan(NamedTuple):
     plan: BatchPlan
     pixels: Sequence[torch.Tensor]
 
-    def halves(self) -> tuple[CheckedPlan, CheckedPlan]:
-        """The batch's first half of items and the rest (a batch of more than one item): each
-        still holds (a part of a batch fits the batch's budget), so it runs as checked too."""
-        assert len(self.plan.specs) > 1, "a batch of one item has no halves"
-        half = len(self.plan.specs) // 2
-        specs, budget = self.plan.specs, self.plan.budget
-        return (
-            CheckedPlan(BatchPlan(budget, specs[:half]), self.pixels[:half]),
-            CheckedPlan(BatchPlan(budget, specs[half:]), self.pixels[half:]),
-        )
-
 
 def check_plan(
     plan: BatchPlan,

@@ -2,8 +2,8 @@
 graphs, cut between the tower's blocks, and one thread that replays them with urgent batches in
 between.
 
-Why: a small batch that arrives while a 1024-token run is on the GPU waits for all of it, more
-than twice a small call's own latency, and a CUDA stream of higher priority does not help (its
+Why: a small batch that arrives while a 1024-token run is on the GPU waits for all of it, longer
+than a small call's own latency, and a CUDA stream of higher priority does not help (its
 kernels share the SMs with the run's and slow both). Cut into segments, the run is replayed one
 segment at a time, and a small batch that waits goes between two of them, on the same stream, so
 it waits for the segments already queued and no more (`benchmarks/studies/small_call_tails.py`
@@ -39,8 +39,7 @@ from vitpool.kernels.compiled import repeated_block_stacks
 
 # Blocks per segment: one replay per segment costs a few microseconds of host time, far less than a
 # block of a large run takes on the GPU; one block a segment helped small calls little more and cost
-# the other calls more (benchmarks/HISTORY.md, "Small batches that interrupt large runs (issue 30,
-# third session)").
+# the other calls more (benchmarks/HISTORY.md, "Small batches that interrupt large runs").
 BLOCKS_PER_SEGMENT = 2
 # Segments left queued on the GPU while the feeding thread waits: enough that the GPU does not run
 # dry while the thread waits for Python's lock, few enough that a small batch waits little.

@@ -24,6 +24,8 @@ class EncoderStats:
         dense_items: of the graph items, those replayed in a budget's dense graph (one image
             filling most of its budget: cuDNN attention over the budget's rows).
         dense_graphs: budgets (tokens, sequences) with a checked dense graph too.
+        oom_splits: runs that ran out of device memory and ran again in halves (or refused
+            their one item).
     """
 
     graph_items: int = 0
@@ -38,6 +40,7 @@ class EncoderStats:
     urgent_interrupts: int = 0
     dense_items: int = 0
     dense_graphs: list[tuple[int, int]] = field(default_factory=list)
+    oom_splits: int = 0
 
     @classmethod
     def combined(cls, parts: list[EncoderStats]) -> EncoderStats:

@@ -3,12 +3,14 @@
     python -m dynamo.vllm --model CHECKPOINT --enable-multimodal \
         --custom-encoder-class vitpool.integrations.dynamo.VitpoolEncoderBackend
 
-Dynamo creates the backend with no arguments, so it reads its settings from the environment:
-VITPOOL_POOL (the pool's name, default "vitpool"), RAY_ADDRESS (the cluster; default the one `ray start`
-last started on this machine, joined as the pool joins: `vitpool.pool.cluster.join_ray`),
-VITPOOL_DTYPE (the LLM's dtype, default bfloat16), VITPOOL_TIMEOUT_S (a batch's bound in the pool,
-default 60) and VITPOOL_ALLOWED_LOCAL_MEDIA_PATH (a directory whose files requests may name, as
-vLLM's --allowed-local-media-path; unset: none). `build` connects to the running pool;
+Dynamo creates the backend with no arguments, so it reads its settings from the environment, the
+vLLM gateway's under one prefix (`vitpool.integrations.vllm.images.FRONT_SETTINGS`, defined once for
+both): VITPOOL_POOL (the pool's name, default "vitpool"; the gateway's --pool), VITPOOL_DTYPE (the
+LLM's dtype, default bfloat16; --dtype), VITPOOL_TIMEOUT_S (how long a call's images may wait for
+the pool, default 60; --timeout), and, the backend's own, VITPOOL_ALLOWED_LOCAL_MEDIA_PATH (a
+directory whose files requests may name, as vLLM's --allowed-local-media-path; unset: none);
+RAY_ADDRESS names the cluster (default the one `ray start` last started on this machine, joined as
+the pool joins: `vitpool.pool.cluster.join_ray`). `build` connects to the running pool;
 `preprocess` (on Dynamo's thread pool) reads an image URL and runs the checkpoint's image processor,
 refusing a bad image alone; `forward_batch` encodes the batch in the pool, where it is packed with
 every other caller's items. The artifacts are what Dynamo's Qwen3-VL / Qwen3.5 adapter takes.
@@ -29,7 +31,14 @@ from dynamo.vllm.multimodal_utils.custom_encoder import (
 
 from vitpool.dtypes import dtype_from_name
 from vitpool.errors import InvalidItemError
-from vitpool.integrations.vllm.images import checkpoint_family, data_url_bytes, decode_image, processor_items
+from vitpool.integrations.vllm.images import (
+    ENVIRONMENT_PREFIX,
+    checkpoint_family,
+    data_url_bytes,
+    decode_image,
+    front_setting,
+    processor_items,
+)
 from vitpool.integrations.vllm.layouts import vllm_embedding
 from vitpool.items import Item
 from vitpool.models.registry import RECORDS
@@ -66,9 +75,9 @@ class VitpoolEncoderBackend(VisionEncoderBackend):
     def __init__(self, pool: Any = None) -> None:
         self._pool = pool
         self.family = ""
-        self.dtype = dtype_from_name(os.environ.get("VITPOOL_DTYPE", "bfloat16"))  # ConfigError naming it
-        self.timeout_s = float(os.environ.get("VITPOOL_TIMEOUT_S", "60"))
-        self.allowed_local_path = os.environ.get("VITPOOL_ALLOWED_LOCAL_MEDIA_PATH")
+        self.dtype = dtype_from_name(front_setting("dtype"))  # ConfigError naming it
+        self.timeout_s = front_setting("timeout_s")
+        self.allowed_local_path = os.environ.get(ENVIRONMENT_PREFIX + "ALLOWED_LOCAL_MEDIA_PATH")
         self._make_item: Any = None
 
     def build(self, model_id: str) -> None:
@@ -84,7 +93,7 @@ class VitpoolEncoderBackend(VisionEncoderBackend):
 
             # joins as the pool does (RAY_ADDRESS, else the `ray start` cluster): a cluster that
             # wants a token this process lacks is a one-line ConnectionError, not Ray's retries
-            self._pool = EncoderPool.connect(os.environ.get("VITPOOL_POOL", "vitpool"))
+            self._pool = EncoderPool.connect(front_setting("pool"))
 
     def preprocess(self, raw: str) -> Preprocessed:
         try:

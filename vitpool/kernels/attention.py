@@ -12,14 +12,14 @@ precision it runs one of these kernels (all free of host synchronisation, so all
   plan runs against it once (small graphs sized for many sequences). User choice "cudnn"
   (CUDNN_PACKED_ONLY: no race);
 - "fa2": PyTorch's own FlashAttention-2, `varlen_attn` (always there: the fallback);
-- "cudnn": SDPA's cuDNN kernel, dense, for the GPUs and installs without the packed form. It has
-  no packed form that can be captured, a padding mask takes its gain away, and it builds a plan
-  for every new shape, too slow for a call's path. So it runs where one dense call serves a
-  whole sequence: in an eager batch, whose boundaries are known on the host, one call per long
-  sequence, padded to a multiple of `DENSE_BUCKET_ROWS` rows so that the plans stay few
-  (`dense_attention`); and in a budget's second graph, for a batch of one sequence and its
-  padding (`LEADING_SEQUENCE`, `leading_sequence_attention`). Padding keys are masked by one
-  extra head dimension, not by a mask tensor;
+- "cudnn": SDPA's cuDNN kernel, dense, for the GPUs and installs without the packed form
+  (`vitpool.kernels.dense_cudnn`). It has no packed form that can be captured, a padding mask
+  takes its gain away, and it builds a plan for every new shape, too slow for a call's path. So
+  it runs where one dense call serves a whole sequence: in an eager batch, whose boundaries are
+  known on the host, one call per long sequence, padded to a multiple of `DENSE_BUCKET_ROWS` rows
+  so that the plans stay few (`dense_attention`); and in a budget's second graph, for a batch of
+  one sequence and its padding (`LEADING_SEQUENCE`, `leading_sequence_attention`). Padding keys
+  are masked by one extra head dimension, not by a mask tensor;
 - "fa4": FlashAttention-4 (the optional `flash-attn-4` package, CuTe DSL; Hopper and newer). At
   the towers' head size 72 it is much faster than FA2 on long sequences but slower on many short
   ones.
@@ -30,7 +30,7 @@ cuDNN for the second graph `wants_dense_graph` asks for only on that FA2 fallbac
 eager run at the items' own size, lets the hook pick from the batch's boundaries, which it
 declares on the host with `host_boundaries` (`benchmarks/studies/packed_attention.py`,
 `attention_backends.py` and `dense_attention.py` measure them; figures: `benchmarks/HISTORY.md`,
-"Packed cuDNN attention by default (issue 52, first step)" and the sections it follows).
+"Packed cuDNN attention by default" and the sections it follows).
 """
 
 from __future__ import annotations
@@ -46,7 +46,6 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 
 from vitpool.kernels.compiled import install_compiled_blocks
@@ -57,7 +56,8 @@ from vitpool.kernels.cudnn_packed import (
     one_forward,
     packed_cudnn_attention,
 )
-from vitpool.kernels.fused import install_fused_ops, pad_for_dense_attention
+from vitpool.kernels.dense_cudnn import DENSE_BUCKET_ROWS, dense_attention, leading_sequence_attention
+from vitpool.kernels.fused import install_fused_ops
 from vitpool.kernels.scoped import scoped_value
 
 if TYPE_CHECKING:
@@ -70,28 +70,26 @@ ATTENTION_NAME = "vitpool_flash_varlen"
 # per sequence it may hold (a few-sequence variant from 544 tokens: 2176 rows in at most 4
 # sequences). An eager batch pays FA4's host-side set-up again at each new size
 # (`benchmarks/studies/new_sizes.py`): from FA4_MIN_ROWS_PER_SEQUENCE rows per sequence FA4 wins
-# every call at a size seen before and loses only the first call at a new size up to about 1250².
-# Sizes repeat in real traffic (a processor's resize targets), so the threshold favours the repeat
-# (benchmarks/HISTORY.md, "Compiled blocks, eager FA4 threshold, same-run parts off / on (issue 14,
-# third step)").
+# every call at a size seen before and loses only the first call at a new size, up to a side
+# measured in benchmarks/HISTORY.md, "Compiled blocks, eager FA4 threshold, same-run parts off /
+# on". Sizes repeat in real traffic (a processor's resize targets), so the threshold favours the
+# repeat.
 FA4_MIN_ROWS_PER_GRAPH_SEQUENCE = 512
 FA4_MIN_ROWS_PER_SEQUENCE = 4096
 # An eager batch whose sequences are all at least this long (and at most CUDNN_MAX_SEQUENCES of
 # them) runs cuDNN, one call per sequence, where FA4 is not taken. For one eager call cuDNN's padded
 # path loses to FA2 on short sequences, where its extra launches weigh most, and wins more the
 # longer they get (`benchmarks/studies/dense_attention.py`; benchmarks/HISTORY.md, "Attention where
-# compute dominates: cuDNN on the default install (issue 42, first step)").
+# compute dominates: cuDNN on the default install").
 CUDNN_MIN_ROWS_PER_SEQUENCE = 2048
 CUDNN_MAX_SEQUENCES = 16
 # the extra head dimension must keep cuDNN's head size at 128 or below (GLM's 128 stays on FA2)
 CUDNN_MAX_HEAD_DIM = 120
-# cuDNN builds a plan per shape: sequences are padded up to a multiple of this many rows
-DENSE_BUCKET_ROWS = 256
 # A graph of this many rows or more gets a second capture for batches of one sequence (an image)
 # and padding: cuDNN over all its rows, the padding keys masked (`leading_sequence_attention`). Its
 # cost grows with rows², FA2's with the sequence's: the dense graph wins where the sequence fills
-# DENSE_MIN_FILL of the rows (at cuDNN's speed-up over FA2 they break even near 0.82, HISTORY.md
-# as above; FA2 also pays for the padding's own sequence).
+# DENSE_MIN_FILL of the rows (at cuDNN's measured speed-up over FA2 they break even just above it,
+# HISTORY.md as above; FA2 also pays for the padding's own sequence).
 DENSE_GRAPH_MIN_ROWS = 1024
 DENSE_MIN_FILL = 0.8
 LEADING_SEQUENCE = "leading_sequence"  # the backend of such a graph
@@ -103,9 +101,6 @@ CUDNN_PACKED_ONLY = "cudnn_packed_only"  # the same without the race: the user's
 _LEADING_SEQUENCE_READS: contextvars.ContextVar[list[tuple[int, int]] | None] = contextvars.ContextVar(
     "vitpool_leading_sequence_reads", default=None
 )
-# The padding keys' extra head dimension: with the queries' 1 there, their scores sit this far
-# below every real key's (times the softmax scale), so their weights are exactly 0 in fp32.
-_MASKED_KEY = -30000.0
 
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 # The kernel the batch running now must use ("fa2", "fa4", LEADING_SEQUENCE); None: the hook decides
@@ -396,74 +391,6 @@ def flash_varlen(
 @flash_varlen.register_fake
 def _flash_varlen_shape(q, k, v, cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k, scaling):
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
-
-
-def dense_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, boundaries: tuple[int, ...], scaling: float | None
-) -> torch.Tensor:
-    """Attention within each sequence [start, end) of `boundaries` over [rows, heads, head_dim],
-    one dense SDPA call per sequence (cuDNN's kernel on a GPU).
-
-    Each sequence is padded to a multiple of `DENSE_BUCKET_ROWS` rows, so that a stream of
-    varied sizes needs few cuDNN plans, and its head dimension by at least one column, where
-    queries hold 1 and keys 0, or `_MASKED_KEY` for the padding rows: their scores fall out of
-    the softmax without a mask tensor (which would cost cuDNN its speed). Rows outside every
-    sequence are left as zeros.
-    """
-    scale = q.shape[-1] ** -0.5 if scaling is None else scaling
-    nonempty = [(start, end) for start, end in itertools.pairwise(boundaries) if end > start]
-    if nonempty == [(0, q.shape[0])]:  # one sequence over every row: no second copy
-        return _dense_sequence(q, k, v, scale).contiguous()
-    out = torch.zeros_like(q) if boundaries[-1] < q.shape[0] or boundaries[0] > 0 else torch.empty_like(q)
-    for start, end in itertools.pairwise(boundaries):
-        if end > start:
-            out[start:end] = _dense_sequence(q[start:end], k[start:end], v[start:end], scale)
-    return out
-
-
-def leading_sequence_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, scaling: float | None
-) -> torch.Tensor:
-    """Attention of every row over the keys of the first sequence [0, cu_seqlens[1]), one dense
-    SDPA call over all rows, the end read on the device (capturable). Exact for a batch of one
-    sequence followed by padding rows (whose outputs attend to the sequence and are finite)."""
-    scale = q.shape[-1] ** -0.5 if scaling is None else scaling
-    return _dense_sequence(q, k, v, scale, masked_from=cu_seqlens[1], padded_rows=q.shape[0]).contiguous()
-
-
-def _dense_sequence(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    scale: float,
-    masked_from: int | torch.Tensor | None = None,
-    padded_rows: int | None = None,
-) -> torch.Tensor:
-    """Dense SDPA over [rows, heads, head_dim]; keys from row `masked_from` on (default: none of
-    the rows) and the padding up to `padded_rows` (default: the next bucket) are masked."""
-    rows, _, head_dim = q.shape
-    if padded_rows is None:
-        padded_rows = -(-rows // DENSE_BUCKET_ROWS) * DENSE_BUCKET_ROWS
-    padded_dim = (head_dim // 8 + 1) * 8  # cuDNN takes multiples of 8; one column at least is free
-    masked_from = rows if masked_from is None else masked_from
-    padded = pad_for_dense_attention(q, k, v, padded_rows, padded_dim, masked_from, _MASKED_KEY)
-    if padded is not None:
-        q_pad, k_pad, v_pad = padded
-    else:
-        pad = (0, padded_dim - head_dim, 0, 0, 0, padded_rows - rows)
-        q_pad, k_pad, v_pad = (F.pad(t, pad) for t in (q, k, v))
-        q_pad[:, :, head_dim] = 1.0
-        if isinstance(masked_from, torch.Tensor):
-            row = torch.arange(padded_rows, device=q.device, dtype=masked_from.dtype)
-            k_pad[:, :, head_dim] = torch.where(row >= masked_from, _MASKED_KEY, 0.0).to(q.dtype).unsqueeze(1)
-        else:
-            k_pad[masked_from:, :, head_dim] = _MASKED_KEY
-    # [rows, heads, dim] -> [1, heads, rows, dim]: SDPA's layout, the rows-major memory kept
-    q_pad, k_pad, v_pad = (t.transpose(0, 1).unsqueeze(0) for t in (q_pad, k_pad, v_pad))
-    backends = [SDPBackend.CUDNN_ATTENTION] if q.is_cuda else [SDPBackend.MATH]
-    with sdpa_kernel(backends):
-        out = F.scaled_dot_product_attention(q_pad, k_pad, v_pad, scale=scale)
-    return out[0, :, :rows, :head_dim].transpose(0, 1)
 
 
 def _bucket(length: int) -> int:

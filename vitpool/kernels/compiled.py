@@ -6,7 +6,7 @@ Every family's tower is a stack of identical blocks (an `nn.ModuleList` of one c
 `blocks`, Kimi-K2.5's `layers`, Qwen3-VL's deepstack mergers). `install_compiled_blocks` routes
 each block's forward through `torch.compile(type(block).forward, dynamic=True)`: the compiled code
 takes the block as an input (its weights are graph inputs, not constants), and its row count is
-symbolic, so 27 blocks and every budget share one compile per class (the "regional compilation"
+symbolic, so every block and every budget share one compile per class (the "regional compilation"
 PyTorch recommends for repeated layers). Attention stays outside the compiled code, as an opaque
 custom op (`vitpool.kernels.attention`), so the kernel behind it is still chosen at run time.
 
@@ -14,7 +14,7 @@ It is off by default (`GraphEncoder(compiled_blocks=True)` turns it on): it shor
 forward's replay but moved neither the pool's throughput nor the latency benchmarks measurably, and
 it adds the compile (or, warm, the trace) to every start (`benchmarks/RESULTS.md`, "Startup: build,
 capture, memory"; `benchmarks/HISTORY.md`, "Compiled blocks, eager FA4 threshold, same-run parts
-off / on (issue 14, third step)"). It takes effect only inside `use_compiled_blocks(True)` (the encoder
+off / on"). It takes effect only inside `use_compiled_blocks(True)` (the encoder
 sets it around its GPU forwards, before capture, so every graph records the compiled kernels) and
 only on CUDA tensors; anything else runs Hugging Face's forward, so the CPU path stays the exact
 reference. A block class whose compile fails runs eager from then on, with a warning in the log.

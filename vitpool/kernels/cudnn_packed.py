@@ -53,8 +53,9 @@ RACE_CALLS = 5
 _DTYPES = (torch.float16, torch.bfloat16)
 # Within one forward (`one_forward`): what a plan reads besides q, k and v (the boundaries widened
 # to the plan's count, the lengths, the ragged offsets), derived from `cu_seqlens` once and reused
-# by every layer; inside a graph, computed once per replay. Recomputed per layer, these eight small
-# kernels a layer cost a 224² image about 0.45 ms (27 layers; H200). Each entry holds its
+# by every layer; inside a graph, computed once per replay. Recomputed per layer, these small
+# kernels cost the smallest images a visible share of their time (`benchmarks/HISTORY.md`, "Packed
+# cuDNN attention by default"). Each entry holds its
 # `cu_seqlens` tensor, so that its memory cannot be handed to other boundaries during the forward.
 _DERIVED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("vitpool_cudnn_derived", default=None)
 

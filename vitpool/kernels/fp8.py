@@ -10,7 +10,7 @@ there is one, so quantizing costs no pass of its own:
 - a block's LayerNorm writes its bf16 output and, in the same Triton kernel, that output's FP8
   rows and their scales, attached to the output tensor; the Linear that takes exactly that tensor
   (the qkv and fc1 after it) uses them;
-- a two-layer tanh-GELU MLP (`vitpool.kernels.fused`) runs its first GEMM in FP8 to bf16, then one
+- a two-layer tanh-GELU MLP (`vitpool.kernels.gelu_mlp`) runs its first GEMM in FP8 to bf16, then one
   Triton kernel takes the GELU and writes FP8 rows and scales for the second GEMM;
 - any other input (the attention's output before proj, say) is quantized per row by one Triton
   kernel (the row's absolute maximum, the scale and the cast in one pass).

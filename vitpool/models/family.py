@@ -21,9 +21,16 @@ if TYPE_CHECKING:
 
 
 def named_object(path: str) -> Any:
-    """What a "module:Name" path of a record names, imported now."""
+    """What a "module:Name" path of a record names, imported now (a dotted name: an attribute's
+    attribute, "Adapter.method")."""
     module_name, name = path.split(":")
-    return getattr(importlib.import_module(module_name), name)
+    return _attribute(importlib.import_module(module_name), name)
+
+
+def _attribute(holder: Any, dotted_name: str) -> Any:
+    for name in dotted_name.split("."):
+        holder = getattr(holder, name)
+    return holder
 
 
 def read_hf_config(directory: Path) -> Any:
@@ -64,6 +71,24 @@ class CheckpointLayout:
     read_full_config: Callable[[dict[str, Any]], Any] | None = None
 
 
+def adapter_checkpoint(
+    module: str,
+    adapter: str,
+    prefixes: tuple[str, ...],
+    read_full_config: Callable[[dict[str, Any]], Any] | None = None,
+) -> CheckpointLayout:
+    """The layout of a family whose adapter class `module.adapter` reads its full checkpoints: the
+    tower config through its `tower_only_config`, the tensors through its `convert_checkpoint`
+    (`vitpool.models.adapter_base.AdapterBase`'s, or the family's own), imported when first
+    called."""
+    return CheckpointLayout(
+        prefixes=prefixes,
+        tower_config=lazy(module, f"{adapter}.tower_only_config"),
+        convert=lazy(module, f"{adapter}.convert_checkpoint"),
+        read_full_config=read_full_config,
+    )
+
+
 @dataclass(frozen=True)
 class Family:
     """How to build one model family's tower and adapter.
@@ -93,18 +118,21 @@ def hf_tower(module: str, class_name: str) -> Callable[[Any, torch.dtype], torch
 
 
 def lazy(module: str, name: str) -> Callable[..., Any]:
-    """`module.name` (an adapter class or a builder), imported when first called. What a
-    transformers release removed (a helper the module imports, an attribute of the tower the
-    adapter reads) fails this family alone, with the installed and the tested versions named."""
+    """`module.name` (an adapter class or a builder; a dotted name: an attribute's attribute,
+    "Adapter.convert_checkpoint"), imported when first called. What a transformers release
+    removed (a helper the module imports, an attribute of the tower the adapter reads) fails this
+    family alone, with the installed and the tested versions named. Its `target` attribute is
+    the "module:name" path (`named_object` imports it)."""
 
     def call(*args: Any) -> Any:
         try:
-            return getattr(importlib.import_module(module), name)(*args)
+            return _attribute(importlib.import_module(module), name)(*args)
         except (ImportError, AttributeError) as error:
             from vitpool.models.compat import incompatible
 
             raise incompatible(f"{module}.{name}", f"{type(error).__name__}: {error}") from error
 
+    call.target = f"{module}:{name}"  # type: ignore[attr-defined]
     return call
 
 

@@ -27,7 +27,7 @@ import xxhash
 from safetensors import safe_open
 
 from vitpool.errors import CheckpointError
-from vitpool.models.protocol import VisionAdapter
+from vitpool.models.protocol import VisionAdapter, check_adapter
 from vitpool.models.registry import CheckpointLayout, Family, find_family, supported_model_types, tower_family
 
 logger = logging.getLogger(__name__)
@@ -50,6 +50,8 @@ def load_adapter(path: str | Path | None, device: torch.device, dtype: torch.dty
     Raises:
         CheckpointError: no config, an unsupported model, non-safetensors weights, weights that do
             not match the tower (the message names the keys), or an unreadable processor config.
+        TypeError: the family's adapter (one registered from outside vitpool) lacks a member the
+            protocol declares with a default (`check_adapter`).
     """
     directory = _checkpoint_directory(path)
     family, tower_config, is_full_model = _read_config(directory)
@@ -66,7 +68,7 @@ def load_adapter(path: str | Path | None, device: torch.device, dtype: torch.dty
         _load_strictly(tower, state, directory)
     else:
         logger.warning("%s has no weights: the tower has random weights", directory)
-    return family.adapter(tower.eval().requires_grad_(False))
+    return check_adapter(family.adapter(tower.eval().requires_grad_(False)))
 
 
 def prepare_to_load(path: str | Path | None) -> None:

@@ -15,8 +15,6 @@ Both families' checkpoints are converted by first-match key renames (`renamed_ke
 
 from __future__ import annotations
 
-import random
-import re
 from collections.abc import Sequence
 from functools import lru_cache
 
@@ -24,20 +22,20 @@ import torch
 from transformers.vision_utils import get_vision_interpolation_indices_and_weights, get_vision_position_ids
 
 from vitpool.kernels.attention import install_packed_attention
+from vitpool.models.adapter_base import AdapterBase, renamed_key  # noqa: F401 - where callers have found it
 from vitpool.models.protocol import TensorSpec, zero_metadata
 from vitpool.models.spatial_merge import item_cu_seqlens, item_grids
 from vitpool.packing import Budget
-from vitpool.rules.patch_rows import EXTRA_ROWS, Grid, PatchRows, sample_grids
-from vitpool.specs import IMAGE, VIDEO, ItemSpec
+from vitpool.rules.patch_rows import Grid, PatchRows
+from vitpool.specs import ItemSpec
 
-# Sampled check batches stay small so that checking a budget costs little host time.
-MAX_SAMPLED_ITEMS = 8
 Tensors = dict[str, torch.Tensor]
 
 
-class PatchRowAdapter:
-    """Sizes from the item rules, the position table's and rotary positions' metadata, the fill of
-    the metadata buffers, and the capture-check sampler of a patch-row tower.
+class PatchRowAdapter(AdapterBase):
+    """The position table's and rotary positions' metadata and the fill of the metadata buffers of
+    a patch-row tower; its sizes and its capture-check sampler (images, and clips of `frames`) are
+    `AdapterBase`'s.
 
     Args:
         tower: the encoder module (moved and captured by the graph code).
@@ -62,12 +60,10 @@ class PatchRowAdapter:
     ) -> None:
         self.tower = tower
         self.item_rules = item_rules
-        self.row_shape = item_rules.row_shape
-        self.output_row_shapes = item_rules.output_row_shapes
         self.merge_kernel = item_rules.merge_kernel
         self.merge_unit = item_rules.merge_unit
         self.row_factor = row_factor
-        self.frames = frames
+        self.sampled_frames = frames
         self._num_grid_per_side: int = pos_embedding.num_grid_per_side
         self._interpolation_mode: str = pos_embedding.interpolation_mode
         self._align_corners: bool = pos_embedding.interpolation_align_corners
@@ -107,22 +103,6 @@ class PatchRowAdapter:
             row, token = row_end, token_end
         return metadata
 
-    def sample_specs(self, num_rows: int, budget: Budget, rng: random.Random) -> list[ItemSpec]:
-        rules = self.item_rules
-        grids = sample_grids(
-            rng,
-            self.merge_kernel,
-            num_rows,
-            budget.num_tokens,
-            min(MAX_SAMPLED_ITEMS, budget.max_items),
-            self.frames,
-            budget.limit(EXTRA_ROWS) or 0,
-        )
-        return [
-            rules.item_spec(VIDEO if t > 1 else IMAGE, (t * h * w, *rules.row_shape), "float32", (t, h, w))
-            for t, h, w in grids
-        ]
-
     def own_metadata_specs(self, num_rows: int, budget: Budget) -> dict[str, TensorSpec]:
         """The subclass's buffers besides the position table's, rotary positions and cu_seqlens."""
         raise NotImplementedError
@@ -147,13 +127,3 @@ class PatchRowAdapter:
         }
         own_rows, tokens = self.grid_metadata(grid)
         return {**rows, **own_rows}, tokens
-
-
-def renamed_key(key: str, renames: Sequence[tuple[re.Pattern[str], str]]) -> str:
-    """`key` under the first of `renames` (pattern, replacement) that matches it; as it is where
-    none does."""
-    for pattern, target in renames:
-        name, count = pattern.subn(target, key)
-        if count:
-            return name
-    return key

@@ -11,8 +11,12 @@ everything that depends on the family:
   padding rows given valid values too (a trailing dummy sequence), so that every row is written;
 - the forward over static tensors, free of host synchronisation, so it can be captured;
 - random valid items for a budget, to warm up and check each captured graph;
-- optionally, the token budgets its graphs should cover by default (`budget_range`), where the
-  device's ladder does not fit it: a tiled tower whose every tile gives a fixed token count.
+- members with defaults (`vitpool.models.adapter_base.AdapterBase`, which every family's adapter
+  derives from, gives them): the token budgets its graphs should cover by default
+  (`budget_range`), where the device's ladder does not fit it (a tiled tower whose every tile
+  gives a fixed token count); the paths of a family whose items run through buffers of several
+  shapes (`paths`); why FP8 GEMMs are refused for it (`fp8_refused`). `check_adapter` refuses an
+  adapter that lacks them.
 
 An item's layout inside the adapter is its `ItemSpec.layout` (Qwen: the grid (t, h, w); tiled
 towers: nothing). Window attention (Qwen2.5-VL: a second `cu_seqlens` and a token permutation),
@@ -25,7 +29,7 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -117,20 +121,46 @@ class VisionAdapter(Protocol):
         """
         ...
 
-    # Optional (the graph code looks it up with getattr):
-    #
-    # paths: dict[str, VisionAdapter]
-    #     """Families that run some items through buffers of another shape (a path): the adapter
-    #     of each path by name, "" where the family's plain items go. Each path gets its own
-    #     buffers, budgets and graphs; `ItemSpec.path` says which path runs an item and
-    #     `Budget.path` which path a budget is of. Either the rules are `PathRules` (an item of
-    #     several inputs: one part per input, joined), or the family's own rules set each spec's
-    #     path (e.g. by the item's kind) and mark each budget with its path."""
-    #
-    # def budget_range(self, device: torch.device) -> BudgetRange | None:
-    #     """The budgets this family's graphs should cover when the user names none; None (or no
-    #     such method): the device's default ladder (`vitpool.graphs.defaults`)."""
-    #
-    # fp8_refused: str
-    #     """Why `precision="fp8"` is refused for this family (the encoder's ConfigError says it);
-    #     absent: FP8 GEMMs are allowed (`vitpool.kernels.fp8`)."""
+    # ---- members with defaults (`vitpool.models.adapter_base.AdapterBase` gives them) ----------
+
+    paths: Mapping[str, VisionAdapter]
+    """Families that run some items through buffers of another shape (a path): the adapter of
+    each path by name, "" where the family's plain items go; {"": the adapter itself} for a
+    family of one path. Each path gets its own buffers, budgets and graphs; `ItemSpec.path` says
+    which path runs an item and `Budget.path` which path a budget is of. Either the rules have
+    `parts` (an item of several inputs, `PathRules`: one part per input, joined), or the family's
+    own rules set each spec's path (e.g. by the item's kind) and mark each budget with its path."""
+
+    fp8_refused: str | None
+    """Why `precision="fp8"` is refused for this family (the encoder's ConfigError says it); None:
+    FP8 GEMMs are allowed (`vitpool.kernels.fp8`)."""
+
+    def budget_range(self, device: torch.device) -> BudgetRange | None:
+        """The budgets this family's graphs should cover when the user names none; None: the
+        device's default ladder (`vitpool.graphs.defaults`)."""
+        ...
+
+
+# The members `VisionAdapter` and `ItemRules` declare with defaults, which `AdapterBase` and
+# `RulesBase` give: an adapter (or its rules) on neither must write them.
+ADAPTER_DEFAULTS = ("paths", "fp8_refused", "budget_range")
+RULES_DEFAULTS = ("parts", "pixel_rows", "budgets")
+
+
+def check_adapter(adapter: Any) -> VisionAdapter:
+    """`adapter` as it is, where it and its item rules have every member the protocol declares
+    with a default; where it is an adapter of a family outside vitpool on neither base.
+
+    Raises:
+        TypeError: naming the members it lacks and the bases that give them.
+    """
+    missing = [name for name in ADAPTER_DEFAULTS if not hasattr(adapter, name)]
+    rules = getattr(adapter, "item_rules", None)
+    missing += [f"item_rules.{name}" for name in RULES_DEFAULTS if not hasattr(rules, name)]
+    if missing:
+        raise TypeError(
+            f"{type(adapter).__name__} lacks {missing}: derive the adapter from "
+            "vitpool.models.adapter_base.AdapterBase and its item rules from vitpool.rules.base.RulesBase, "
+            "which give their defaults"
+        )
+    return adapter

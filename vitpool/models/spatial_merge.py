@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from vitpool.kernels.attention import install_packed_attention
+from vitpool.models.adapter_base import AdapterBase
 from vitpool.packing import Budget
 from vitpool.rules.grids import SpatialMergeRules
 from vitpool.specs import IMAGE, VIDEO, ItemSpec
@@ -24,9 +25,9 @@ def row_width_of(config: object) -> int:
     return config.in_channels * config.temporal_patch_size * config.patch_size**2
 
 
-class SpatialMergeAdapter:
-    """What every spatial-merge adapter shares: its sizes (from its item rules), the buffer rows
-    of a budget, the capture-check sampler, and the packed attention hook in its tower.
+class SpatialMergeAdapter(AdapterBase):
+    """What every spatial-merge adapter shares: its sizes (from its item rules, `AdapterBase`),
+    the capture-check sampler (frames and sequences), and the packed attention hook in its tower.
     Subclasses add their metadata and forward."""
 
     def __init__(self, tower: torch.nn.Module, item_rules: SpatialMergeRules) -> None:
@@ -35,19 +36,10 @@ class SpatialMergeAdapter:
         self.merge_size = item_rules.merge_size
         self.merge_unit = self.merge_size**2  # patch rows per output token
         self.row_width = item_rules.row_width
-        self.row_shape = item_rules.row_shape
-        self.output_row_shapes = item_rules.output_row_shapes
         install_packed_attention(tower)
 
-    def max_rows(self, num_tokens: int) -> int:
-        return num_tokens * self.merge_unit
-
     def sample_specs(self, num_rows: int, budget: Budget, rng: random.Random) -> list[ItemSpec]:
-        return sample_grid_specs(self.item_rules, num_rows, budget, rng)
-
-
-# Sampled check batches stay small so that checking a budget costs little host time.
-MAX_SAMPLED_ITEMS = 8
+        return sample_grid_specs(self.item_rules, num_rows, budget, rng, self.sampled_items(budget))
 
 
 def grids_of(specs: Sequence[ItemSpec], num_rows: int, budget: Budget) -> list[Grid]:
@@ -99,16 +91,15 @@ def _packed_cu_seqlens(lengths: Sequence[int], num_rows: int, capacity: int) -> 
 
 
 def sample_grid_specs(
-    rules: SpatialMergeRules, num_rows: int, budget: Budget, rng: random.Random
+    rules: SpatialMergeRules, num_rows: int, budget: Budget, rng: random.Random, max_items: int
 ) -> list[ItemSpec]:
-    """Random valid images and two-frame videos within `num_rows` rows and every limit of
-    `budget` (frames, and any other capacity the rules declare), for warming up and checking
-    a captured budget on inputs unlike any before."""
-    merge_unit = rules.merge_size**2
+    """Random valid images and two-frame videos, at most `max_items`, within `num_rows` rows and
+    every limit of `budget` (frames, and any other capacity the rules declare), for warming up
+    and checking a captured budget on inputs unlike any before."""
+    merge_unit = rules.merge_unit
     specs: list[ItemSpec] = []
     used: dict[str, int] = {}
     rows_left, sequences_left = num_rows, budget.max_sequences
-    max_items = min(MAX_SAMPLED_ITEMS, budget.max_items)
     while rows_left >= merge_unit and sequences_left > 0 and len(specs) < max_items:
         frames = 2 if sequences_left >= 2 and rows_left >= 2 * merge_unit and rng.random() < 0.3 else 1
         max_blocks = rows_left // (merge_unit * frames)

@@ -22,6 +22,7 @@ import torch
 from vitpool.errors import CheckpointError
 from vitpool.kernels.compiled import install_compiled_blocks
 from vitpool.kernels.fused import install_fused_ops
+from vitpool.models.adapter_base import AdapterBase
 from vitpool.models.loading import IMAGE_PROCESSOR_ATTRIBUTE
 from vitpool.models.protocol import BudgetRange, TensorSpec
 from vitpool.packing import Budget
@@ -29,7 +30,6 @@ from vitpool.rules.paths import PathRules
 from vitpool.rules.tiles import TileRules
 from vitpool.specs import IMAGE, ItemSpec
 
-MAX_SAMPLED_ITEMS = 6
 # The inputs of a tower that runs a global view and local crops (Step-3.7, DeepSeek-OCR-2), as
 # their processors name them: one view an image, any number of crops.
 GLOBAL_VIEW = "pixel_values"
@@ -101,21 +101,13 @@ def install_kernels(tower: torch.nn.Module) -> None:
     install_compiled_blocks(tower)
 
 
-class TiledAdapter:
+class TiledAdapter(AdapterBase):
     """The adapter protocol's sizes, metadata, budgets and samples for a tiled tower."""
 
-    tower: torch.nn.Module
     item_rules: TileRules
     tokens_per_tile: int
     max_graph_tiles: int  # the default budgets hold up to this many tiles; more run eager
-
-    @property
-    def row_shape(self) -> tuple[int, ...]:
-        return self.item_rules.row_shape
-
-    @property
-    def output_row_shapes(self) -> tuple[tuple[int, ...], ...]:
-        return self.item_rules.output_row_shapes
+    MAX_SAMPLED_ITEMS = 6  # tiles are large: a few make a batch
 
     def max_rows(self, num_tokens: int) -> int:
         return -(-num_tokens // self.tokens_per_tile)
@@ -139,7 +131,7 @@ class TiledAdapter:
     def sample_specs(self, num_rows: int, budget: Budget, rng: random.Random) -> list[ItemSpec]:
         specs: list[ItemSpec] = []
         tiles_left = min(num_rows, budget.num_tokens // self.tokens_per_tile)
-        while tiles_left > 0 and len(specs) < min(MAX_SAMPLED_ITEMS, budget.max_items):
+        while tiles_left > 0 and len(specs) < self.sampled_items(budget):
             # Sometimes fill the rest, usually not, so that padding tiles are exercised too.
             tiles = tiles_left if rng.random() < 0.2 else rng.randint(1, max(1, tiles_left // 2))
             tiles = min(tiles, self.item_rules.max_tiles_per_item or tiles)
@@ -177,9 +169,15 @@ class PathTiles(TiledAdapter):
         )
 
 
-class ViewAndCropsAdapter:
+class ViewAndCropsAdapter(AdapterBase):
     """A tower that runs a global view and local crops, each a path of its own (`PathRules`): an
-    image's crops' tokens first, then its view's, as Step-3.7 and DeepSeek-OCR-2 hand them over."""
+    image's crops' tokens first, then its view's, as Step-3.7 and DeepSeek-OCR-2 hand them over.
+
+    Its crops' side is its image processor's setting: `crop_size` reads it where the checkpoint
+    says it, from `CROP_SETTING` (the processor class, its key for the side, its default).
+    """
+
+    CROP_SETTING: tuple[str, str, int]
 
     def __init__(self, tower: torch.nn.Module, crops: PathTiles, view: PathTiles) -> None:
         self.tower = tower
@@ -187,4 +185,13 @@ class ViewAndCropsAdapter:
         self.item_rules = PathRules(
             tuple((path, adapter.item_rules) for path, adapter in self.paths.items()), required=(GLOBAL_VIEW,)
         )
-        self.output_row_shapes = self.item_rules.output_row_shapes
+
+    @classmethod
+    def crop_size(cls, config: Any) -> CropSize:
+        """The side of the checkpoint's crops: the vision config's `local_image_size`, else the
+        processor config's setting, else the processor's default (`crop_size_of`).
+
+        Raises:
+            CheckpointError: a size that is no positive whole number of pixels.
+        """
+        return crop_size_of(config, *cls.CROP_SETTING)

@@ -23,11 +23,13 @@ from vitpool.pool.actor_reader import ActorReader, ActorReading
 from vitpool.pool.autoscaler import READING_TIMEOUT_INTERVALS, AutoscalePolicy, Autoscaler
 from vitpool.pool.cluster import Placement
 from vitpool.pool.embedding_cache import start_cache_actor
+from vitpool.pool.member import ACTIVE, RETIRING, STARTING, Member, stop_member
 from vitpool.pool.metrics import PoolMetrics
+from vitpool.pool.replacement import ActorReplacement
 from vitpool.pool.settings import PoolSettings
 from vitpool.pool.start_errors import one_line, start_error
 from vitpool.pool.stats import PoolCounters, add_actor_counts
-from vitpool.pool.warm_standbys import HOLD_TIMEOUT_S, Standbys, hold_gpu
+from vitpool.pool.warm_standbys import Standbys
 from vitpool.specs import ActorSpec
 
 logger = logging.getLogger(__name__)
@@ -45,16 +47,6 @@ SCALE_UP_HOLD_TIMEOUT_S = 5.0
 # choose (a light load goes to the actors it prefers), so without this a dead actor could stay
 # unreplaced.
 LIVENESS_INTERVAL_S = 2.0
-STARTING, ACTIVE, RETIRING = "starting", "active", "retiring"
-
-
-@dataclass
-class _Member:
-    handle: Any  # ray.actor.ActorHandle
-    state: str
-    info: ActorInfo | None = None
-    bundle: int | None = None  # its bundle of the placement group, for a colocated pool
-    hold: Any = None  # for a standby that took over a GPU: the actor holding that GPU in Ray's accounting
 
 
 @dataclass(frozen=True)
@@ -77,8 +69,9 @@ class Membership:
     cache: Any = None  # the pool's embedding cache actor (`embedding_cache`), or None when it is off
 
 
-class PoolController:
-    """Plain class; `EncoderPool.launch` runs it as a named, threaded Ray actor."""
+class PoolController(ActorReplacement):
+    """Plain class; `EncoderPool.launch` runs it as a named, threaded Ray actor. Replacing actors
+    (a failed one, a warm standby's take-over) is `ActorReplacement`'s."""
 
     def __init__(
         self,
@@ -93,7 +86,7 @@ class PoolController:
         self._settings = settings
         self._actor_options = actor_options
         self._actor_threads = actor_threads
-        self._members: dict[int, _Member] = {}
+        self._members: dict[int, Member] = {}
         self._next_index = 0
         self._version = 0
         self._counters = PoolCounters()  # the autoscaler counts its own steps; `health` adds them
@@ -297,97 +290,7 @@ class PoolController:
             if member is not None and member.state == ACTIVE:
                 self._bump()
         if member is not None:
-            _stop(member)
-
-    def report_failure(self, index: int) -> bool:
-        """A caller saw this actor die or go silent: stop it and start a replacement while restarts
-        are left. Several callers may report the same actor; the first report counts. Returns
-        whether a replacement was started."""
-        with self._lock:
-            member = self._members.get(index)
-            if member is None or member.state != ACTIVE:
-                return False
-            del self._members[index]
-            self._depart(index)
-            self._bump()
-            self._counters.actor_failures += 1
-            replace = self._counters.actor_restarts < self._settings.max_actor_restarts
-            node = member.info.node_id if member.info is not None else None
-            standby = self._standbys.take(node) if replace and self._standbys is not None else None
-            if replace:
-                self._counters.actor_restarts += 1
-                started = self._start_actor() if standby is None else self._new_member(standby)
-        how = "its node's warm standby takes over" if standby is not None else "starting a fresh actor"
-        logger.warning(
-            "encoder actor %d failed; %s",
-            index,
-            f"actor {started[0]} in its place: {how}" if replace else "no restarts left, not replaced",
-        )
-        _stop(member)  # a silent one may still run
-        if standby is not None:
-            threading.Thread(target=self._take_over, args=(started[0], standby, node), daemon=True).start()
-        elif replace:
-            threading.Thread(target=self._activate_when_ready, args=started, daemon=True).start()
-        return replace
-
-    def _take_over(
-        self, index: int, standby: Any, node_id: str, hold_timeout_s: float = HOLD_TIMEOUT_S
-    ) -> None:
-        """Give actor `index`'s place to `standby`, with the GPU a hold gets on its node; failing
-        that, to a fresh actor (and the standby stays one, if it was only the GPU that failed)."""
-        began = time.monotonic()
-        try:
-            hold, gpu_ids = hold_gpu(node_id, self._actor_options, hold_timeout_s)
-        except (ray.exceptions.RayError, TimeoutError) as error:
-            logger.info(
-                "no GPU came free on node %s for its warm standby (%s); starting a fresh actor",
-                node_id[:12],
-                one_line(start_error(error)),
-            )
-            if self._standbys is not None:
-                self._standbys.give_back(node_id, standby)
-            self._start_fresh_instead(index)
-            return
-        try:
-            with self._lock:
-                member = self._members.get(index)
-                if member is None:  # shut down meanwhile
-                    ray.kill(hold, no_restart=True)
-                    return
-                member.hold = hold
-            info = ray.get(
-                standby.take_over.remote(index, self._actor_spec(), gpu_ids),
-                timeout=self._settings.startup_timeout_s,
-            )
-        except (ray.exceptions.RayError, TimeoutError, RuntimeError) as error:
-            logger.warning(
-                "the warm standby on node %s could not take over as actor %d (%s); starting a fresh actor",
-                node_id[:12],
-                index,
-                one_line(start_error(error)),
-            )
-            ray.kill(standby, no_restart=True)
-            self._start_fresh_instead(index)
-            return
-        with self._lock:
-            self._counters.standby_takeovers += 1
-        self.activate(index, info)
-        logger.info(
-            "encoder actor %d (a warm standby) ready on %s, %.1f s after it was asked",
-            index,
-            info.device,
-            time.monotonic() - began,
-        )
-
-    def _start_fresh_instead(self, index: int) -> None:
-        """A fresh actor in the place of starting member `index` (whose actor and hold stop)."""
-        with self._lock:
-            member = self._members.pop(index, None)
-            started = self._start_actor() if member is not None else None  # None: shut down meanwhile
-        if member is not None and member.hold is not None:
-            ray.kill(member.hold, no_restart=True)
-        if started is not None:
-            self._activate_when_ready(*started)
+            stop_member(member)
 
     def health(self) -> PoolHealth:
         with self._lock:
@@ -429,7 +332,7 @@ class PoolController:
             members, self._members = self._members, {}
             self._bump()
         for member in members.values():
-            _stop(member)
+            stop_member(member)
         return len(members)
 
     def _bump(self) -> None:
@@ -444,7 +347,7 @@ class PoolController:
         """A starting member for `handle` under the next index (lock held)."""
         index = self._next_index
         self._next_index += 1
-        self._members[index] = _Member(handle, STARTING, bundle=bundle)
+        self._members[index] = Member(handle, STARTING, bundle=bundle)
         return index, handle, None
 
     def _start_actor(self) -> tuple[int, Any, Any]:
@@ -503,13 +406,6 @@ class PoolController:
             if self._members.pop(index, None) is not None:
                 self._depart(index, final)
             nodes = {m.info.node_id for m in self._members.values() if m.info is not None}
-        _stop(member)
+        stop_member(member)
         if self._standbys is not None:  # a node the pool left keeps no standby
             self._standbys.keep_only(nodes)
-
-
-def _stop(member: _Member) -> None:
-    """Kill a member's actor, and the hold of the GPU it took over as a standby."""
-    ray.kill(member.handle, no_restart=True)
-    if member.hold is not None:
-        ray.kill(member.hold, no_restart=True)

@@ -6,15 +6,13 @@ which actor is the policy's choice (`vitpool.pool.policy`), and how a batch trav
 actor's link's (`vitpool.transport.link`: shared memory to an actor on this node, a Ray call
 otherwise). The batch plan sent is the one the actor runs. The hot path is one hop: caller ->
 encoder actor -> caller; the controller is never on it. Here: the queue, its bounds, the calls,
-the batches in flight, their timeouts, and what each outcome means for the items.
+and what each outcome means for the actors. The batches in flight and their timeouts are
+`vitpool.pool.flights`'; what an outcome means for the items is `vitpool.pool.item_outcomes`'.
 
 The queue is bounded (items and pixel bytes): a call that would pass the bounds waits for room.
 A batch unanswered after `batch_timeout_s` counts as failed, like one whose actor died: its items
 go to other actors and the actor is reported, for the controller to replace. When no actor is
 left, waiting and new calls fail at once with PoolUnavailableError.
-
-An item's failure (bad pixels found by the actor, a failed batch, too many sends, no actor left)
-fails its call, or, for a call made with `return_exceptions`, fills the item's slot.
 
 Items go out at once while some actor is idle; while every actor is busy they wait up to
 `batch_window_s` for others to share a batch, or until an actor frees a slot. A batch whose
@@ -29,7 +27,6 @@ state, making no Ray calls; the dispatcher's thread sends whatever they freed ro
 
 from __future__ import annotations
 
-import collections
 import logging
 import random
 import threading
@@ -39,19 +36,19 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from vitpool.errors import EncodeError, InvalidItemError, PoolUnavailableError, counted
+from vitpool.errors import PoolUnavailableError, counted
 from vitpool.packing import Budget
 from vitpool.pool.calls import Call, QueuedItem
+from vitpool.pool.flights import Flight, Flights
+from vitpool.pool.item_outcomes import DispatchCounters, ItemOutcomes
 from vitpool.pool.item_queue import ItemQueue
 from vitpool.pool.policy import ActorLoad, DispatchPolicy
 from vitpool.pool.settings import PoolSettings
-from vitpool.pool.stats import CallerCounters
 from vitpool.specs import BatchPlan
 from vitpool.transport.link import (
     OK,
     ActorGone,
     ActorLink,
-    BatchFailed,
     Done,
     InlineExchange,
     Outcome,
@@ -60,7 +57,6 @@ from vitpool.transport.link import (
 
 logger = logging.getLogger(__name__)
 
-_LATENCY_SAMPLES = 4096
 NO_ACTOR_LEFT = "the pool has no encoder actor left; see the log for why"
 
 
@@ -68,25 +64,6 @@ NO_ACTOR_LEFT = "the pool has no encoder actor left; see the log for why"
 class _ActorSlot:
     link: ActorLink
     load: ActorLoad = field(default_factory=ActorLoad)
-
-
-@dataclass(eq=False)  # identity: a flight is tracked in a set
-class _Flight:
-    actor_index: int
-    members: list[QueuedItem]
-    cost: float
-    small_lane: bool = False  # in its actor's small lane (`vitpool.pool.policy`)
-    sent_at: float = field(default_factory=time.monotonic)
-
-
-@dataclass
-class DispatchCounters(CallerCounters):
-    """What this process's dispatcher has seen: the handle's counters (`CallerCounters`, defined
-    with `PoolStats`), and the completed calls its latency and rate figures come from."""
-
-    completed_calls: int = 0
-    latencies_s: collections.deque = field(default_factory=lambda: collections.deque(maxlen=_LATENCY_SAMPLES))
-    completions: collections.deque = field(default_factory=lambda: collections.deque(maxlen=_LATENCY_SAMPLES))
 
 
 class Dispatcher:
@@ -113,13 +90,11 @@ class Dispatcher:
         self._policy = _policy(budgets, settings, self._tie_seed)
         self._settings = settings
         self._window_s = settings.batch_window_s
-        self._max_attempts = settings.max_attempts_per_item
-        self._batch_timeout_s = settings.batch_timeout_s
         self._on_actor_failed = on_actor_failed
         self._make_link = make_link
         self._actors: dict[int, _ActorSlot] = {}
         self._failed_actors: set[int] = set()  # never taken back, whatever a stale membership says
-        self._flights: set[_Flight] = set()
+        self._flights = Flights(settings.batch_timeout_s)
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._room = threading.Condition(self._lock)  # the queue has room again
@@ -129,9 +104,10 @@ class Dispatcher:
         self._slot_freed = False  # a batch finished since the last dispatch: send without a window
         self._thread_waits_untimed = False  # no flight's deadline armed in the dispatcher's thread
         self._registering = threading.local()  # set while _send adds a completion callback
-        self._early_outcomes: list[tuple[_Flight, Any]] = []  # for the dispatcher's thread to finish
+        self._early_outcomes: list[tuple[Flight, Any]] = []  # for the dispatcher's thread to finish
         self._call_tokens: weakref.WeakKeyDictionary[Call, int] = weakref.WeakKeyDictionary()  # small first
         self.counters = DispatchCounters()
+        self._items = ItemOutcomes(self._queue, self.counters, settings.max_attempts_per_item)
         self._thread = threading.Thread(target=self._run, name="vitpool-dispatcher", daemon=True)
         self._thread.start()
 
@@ -219,7 +195,7 @@ class Dispatcher:
     def cancel(self, call: Call, error: BaseException) -> None:
         """Give up on a call (its caller timed out); its queued items leave the queue at once."""
         with self._lock:
-            self._fail_call(call, error)
+            self._items.fail_call(call, error)
             self._queue.drop_finished_calls()
 
     @property
@@ -259,7 +235,7 @@ class Dispatcher:
                 self._closed_reason = reason
             while self._early_outcomes:
                 self._finish_locked(*self._early_outcomes.pop(0))
-            self._fail_queue(self._closed_reason)
+            self._items.fail_queue(self._closed_reason)
             for slot in self._actors.values():
                 slot.link.close()
             self._wake.notify_all()
@@ -328,15 +304,11 @@ class Dispatcher:
     ) -> None:
         slot = self._actors[actor_index]
         slot.load.last_sent = self.counters.batches + 1
-        slot.load.in_flight += 1
-        slot.load.small_in_flight += small_lane
-        slot.load.outstanding_cost += cost
         self.counters.batches += 1
         if self._thread_waits_untimed:  # the dispatcher's thread must watch this batch's deadline
             self._thread_waits_untimed = False
             self._wake.notify_all()
-        flight = _Flight(actor_index, members, cost, small_lane)
-        self._flights.add(flight)
+        flight = self._flights.take_off(slot.load, actor_index, members, cost, small_lane)
         pixels = [m.pixels for m in members]
 
         def on_outcome(outcome: Outcome) -> None:
@@ -355,7 +327,7 @@ class Dispatcher:
 
     # outcomes (any thread; no Ray calls here)
 
-    def _on_outcome(self, flight: _Flight, outcome: Outcome) -> None:
+    def _on_outcome(self, flight: Flight, outcome: Outcome) -> None:
         if getattr(self._registering, "active", False):
             # The outcome was known before `send` returned (its actor is gone), so this runs in
             # _send with the lock held: the dispatcher's thread finishes it.
@@ -365,17 +337,14 @@ class Dispatcher:
         with self._lock:
             self._finish_locked(flight, outcome)
 
-    def _finish_locked(self, flight: _Flight, outcome: Outcome) -> None:
+    def _finish_locked(self, flight: Flight, outcome: Outcome) -> None:
         index = flight.actor_index
-        if flight not in self._flights:
-            return  # it timed out before: its items went elsewhere already
-        self._flights.discard(flight)
-        failed_before = self.counters.failed_calls
         slot = self._actors.get(index)
-        if slot is not None:
-            _release(slot.load, flight)
+        if not self._flights.land(flight, slot.load if slot is not None else None):
+            return  # it timed out before: its items went elsewhere already
+        failed_before = self.counters.failed_calls
         if isinstance(outcome, Done) and outcome.receipt.status == OK:
-            self._complete(flight, outcome)
+            self._items.complete(flight, outcome)
         elif isinstance(outcome, Refused):
             self._actor_left(flight, f"encoder actor {index} left the pool ({outcome.reason})")
         elif isinstance(outcome, ActorGone):
@@ -384,17 +353,7 @@ class Dispatcher:
             self._requeue(flight, f"encoder actor {index} died")
         else:  # the actor failed on the batch itself
             self.counters.failed_batches += 1
-            cause = (
-                outcome.error
-                if isinstance(outcome, BatchFailed)
-                else RuntimeError(f"unexpected outcome {outcome!r}")
-            )
-            for member in flight.members:
-                failure = EncodeError(
-                    f"item {member.index}: encoder actor {index} failed on its batch: {cause}"
-                )
-                failure.__cause__ = cause
-                self._fail_item(member, failure)
+            self._items.batch_failed(flight, outcome)
         if self.counters.failed_calls != failed_before:
             self._queue.drop_finished_calls()
         self._forget_idle_leavers()
@@ -402,35 +361,7 @@ class Dispatcher:
         if self._queue:  # else the dispatcher's thread has nothing to do: waking it costs the caller
             self._wake.notify_all()
 
-    def _complete(self, flight: _Flight, outcome: Done) -> None:
-        self.counters.channel_batches += outcome.through_channel
-        for position, member in enumerate(flight.members):
-            reason = outcome.receipt.item_errors.get(position)
-            if reason is not None:
-                self.counters.rejected_items += 1
-                self._fail_item(member, InvalidItemError(member.index, reason))
-            else:
-                self._item_done(member.call, member.index, outcome.values[position], member.part)
-        self.counters.items += len(flight.members)
-        self.counters.tokens += sum(member.spec.num_tokens for member in flight.members)
-
-    def _item_done(self, call: Call, index: int, value: object, part: int = 0) -> None:
-        """Record one item's outcome (a result, or an error for a call that returns them)."""
-        if call.complete_item(index, value, part):
-            now = time.monotonic()
-            self.counters.completed_calls += 1
-            self.counters.latencies_s.append(now - call.submitted_at)
-            self.counters.completions.append((now, len(call.results)))
-
-    def _fail_item(self, item: QueuedItem, error: BaseException) -> None:
-        """One item failed: its slot holds the error where its call returns exceptions; else its
-        call fails."""
-        if item.call.return_exceptions:
-            self._item_done(item.call, item.index, error)
-        else:
-            self._fail_call(item.call, error)
-
-    def _actor_left(self, flight: _Flight, why: str) -> None:
+    def _actor_left(self, flight: Flight, why: str) -> None:
         """A retiring actor refused a batch (the controller knows; the membership drops it soon)."""
         slot = self._actors.get(flight.actor_index)
         if slot is not None and slot.load.accepting:
@@ -452,70 +383,32 @@ class Dispatcher:
 
     def _check_timeouts(self) -> float | None:
         """Give up on batches past their timeout; returns seconds until the next one would be."""
-        now = time.monotonic()
-        next_deadline = None
-        for flight in list(self._flights):
-            deadline = flight.sent_at + self._batch_timeout_s
-            if deadline <= now:
-                self._flights.discard(flight)
-                self.counters.failed_batches += 1
-                self.counters.timed_out_batches += 1
-                slot = self._actors.get(flight.actor_index)
-                if slot is not None:
-                    _release(slot.load, flight)
-                why = (
-                    f"encoder actor {flight.actor_index} did not answer a batch within "
-                    f"{self._batch_timeout_s} s"
-                )
-                self._actor_failed(flight.actor_index, why)
-                self._requeue(flight, why)
-                self._forget_idle_leavers()
-            elif next_deadline is None or deadline < next_deadline:
-                next_deadline = deadline
-        return None if next_deadline is None else next_deadline - now
+        late, next_in = self._flights.overdue()
+        for flight in late:
+            slot = self._actors.get(flight.actor_index)
+            self._flights.land(flight, slot.load if slot is not None else None)
+            self.counters.failed_batches += 1
+            self.counters.timed_out_batches += 1
+            why = (
+                f"encoder actor {flight.actor_index} did not answer a batch within "
+                f"{self._flights.timeout_s} s"
+            )
+            self._actor_failed(flight.actor_index, why)
+            self._requeue(flight, why)
+            self._forget_idle_leavers()
+        return next_in
 
     def _fail_queue_if_no_actor(self) -> None:
         if not any(slot.load.accepting for slot in self._actors.values()):
-            self._fail_queue(NO_ACTOR_LEFT)
+            self._items.fail_queue(NO_ACTOR_LEFT)
 
-    def _requeue(self, flight: _Flight, why: str) -> None:
-        requeued = []
-        for member in flight.members:
-            if member.call.done:
-                continue
-            if self._closed:  # nothing dispatches any more
-                error = PoolUnavailableError(f"item {member.index}: {self._closed_reason} ({why})")
-                self._fail_item(member, error)
-                continue
-            member.attempts += 1
-            if member.attempts >= self._max_attempts:
-                error = PoolUnavailableError(
-                    f"item {member.index} was sent {counted(member.attempts, 'time')}: {why}"
-                )
-                self._fail_item(member, error)
-            else:
-                requeued.append(member)
-        self.counters.requeued_items += len(requeued)
-        self._queue.push(requeued, front=True)  # already accepted: the bound does not apply
+    def _requeue(self, flight: Flight, why: str) -> None:
+        self._items.requeue(flight, why, self._closed_reason if self._closed else None)
         self._fail_queue_if_no_actor()
 
     def _forget_idle_leavers(self) -> None:
         for index in [i for i, s in self._actors.items() if not s.load.accepting and s.load.in_flight == 0]:
             self._actors.pop(index).link.close()
-
-    def _fail_queue(self, reason: str) -> None:
-        """Fail every queued item with a PoolUnavailableError: `reason`, naming the item where its
-        call returns exceptions (the call's other items may still succeed)."""
-        failed = self._queue.clear()
-        for item in failed:
-            message = f"item {item.index}: {reason}" if item.call.return_exceptions else reason
-            self._fail_item(item, PoolUnavailableError(message))
-
-    def _fail_call(self, call: Call, error: BaseException) -> None:
-        """Fail a call once: its first error wins and is the one counted."""
-        if not call.done:
-            self.counters.failed_calls += 1
-            call.fail(error)
 
     # the dispatcher's thread: window expiry and whatever completions freed room for
 
@@ -534,7 +427,7 @@ class Dispatcher:
                             sent = self._dispatch()
                         except Exception:
                             logger.exception("dispatch failed")
-                            self._fail_queue("dispatch failed; see the log")
+                            self._items.fail_queue("dispatch failed; see the log")
                             continue
                         if sent:
                             continue
@@ -544,13 +437,6 @@ class Dispatcher:
                         timeout = window_left if timeout is None else min(timeout, window_left)
                 self._thread_waits_untimed = timeout is None
                 self._wake.wait(timeout)
-
-
-def _release(load: ActorLoad, flight: _Flight) -> None:
-    """A flight's slot and cost are free again (it was answered, or given up)."""
-    load.in_flight -= 1
-    load.small_in_flight -= flight.small_lane
-    load.outstanding_cost -= flight.cost
 
 
 def _policy(budgets: list[Budget], settings: PoolSettings, tie_seed: int | None) -> DispatchPolicy:

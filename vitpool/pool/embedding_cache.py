@@ -26,9 +26,10 @@ then costs that and a fetch from the object store instead of an encode. The cach
 (`embedding_cache_bytes=0`): the round trip is more than the whole per-call cost of the pool on a
 small image, which a workload without repeats would pay for nothing.
 
-Keys (`item_key`): a 128-bit XXH3 digest of the pool's model identity (checkpoint files and dtype)
-and, per part of the item, its spec (modality, pixel shape and dtype, grid or layout, path) and
-its pixel bytes. A changed pixel is another key; among a billion distinct items the chance that
+Keys (`item_key`): a 128-bit XXH3 digest of the pool's model identity (its config's and weights'
+content and its dtype: `model_identity`, the vLLM gateway's idea of the same model too) and, per
+part of the item, its spec (modality, pixel shape and dtype, grid or layout, path) and its pixel
+bytes. A changed pixel is another key; among a billion distinct items the chance that
 two share a key is about 1e-21 (a peer's 16-bit keys collided in practice).
 
 Concurrent identical items are encoded once: the first caller to miss a key claims it; others
@@ -41,7 +42,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import json
 import logging
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -72,20 +75,74 @@ _SHIPPED_MODEL = Path(__file__).resolve().parent.parent / "models" / "checkpoint
 # ---- keys -----------------------------------------------------------------------------------------
 
 
-def model_identity(model: str | None, dtype_name: str) -> bytes:
-    """What the pool's model is, for the keys: its checkpoint's config.json bytes and its weight
-    files' names, sizes and modification times (a checkpoint rewritten in place is another
-    model), and the dtype its embeddings come out in."""
+def model_identity(model: str | Path | None, dtype_name: str) -> bytes:
+    """What a model is, for every key that names its embeddings (this cache's; the vLLM gateway's
+    image uuids, `vitpool.integrations.vllm.images.model_prefix`), as 16 bytes: a 128-bit XXH3
+    digest of the dtype its embeddings come out in, its checkpoint's config.json, and its weights'
+    content: of each tensor of its safetensors files (by name, whatever the shards), its dtype,
+    shape and size and its first WEIGHT_SAMPLE_BYTES.
+
+    Content, not place: no path and no modification time go in, so every process on every node
+    that holds the checkpoint (a copy, another mount, a symlink) gets the same identity, and other
+    weights give another (training changes every trained tensor's bytes; another dtype or shape
+    its header). Cheap: one small read per tensor, whatever the model's size (a full checkpoint's
+    language weights included), without the engine (json and file reads: a pool's callers import
+    no model code). A checkpoint this process cannot see (a caller beside the cluster) is its name
+    and the dtype: its keys then meet only those of callers that cannot see it either (misses,
+    never a wrong hit). None: the shipped tiny model.
+    """
     directory = Path(model) if model is not None else _SHIPPED_MODEL
     hasher = xxhash.xxh3_128()
-    hasher.update(f"{directory.resolve()}|{dtype_name}\0".encode())
+    hasher.update(f"{dtype_name}\0".encode())
     config = directory / "config.json"
-    if config.is_file():
-        hasher.update(config.read_bytes())
-    for path in sorted(directory.glob("*.safetensors")):
-        status = path.stat()
-        hasher.update(f"{path.name}|{status.st_size}|{status.st_mtime_ns}\0".encode())
+    if not config.is_file():
+        hasher.update(f"not here: {model}\0".encode())
+        return hasher.digest()
+    hasher.update(config.read_bytes())
+    tensors = sorted(sample for path in sorted(directory.glob("*.safetensors")) for sample in _samples(path))
+    for name, digest in tensors:
+        hasher.update(f"\0{name}\0".encode())
+        hasher.update(digest)
     return hasher.digest()
+
+
+WEIGHT_SAMPLE_BYTES = 4096  # of each tensor's data, what `model_identity` reads
+
+
+def _samples(path: Path) -> list[tuple[str, bytes]]:
+    """Per tensor of a safetensors file, its name and a digest of its header entry and its first
+    WEIGHT_SAMPLE_BYTES. A file that is not safetensors is its name and a digest of its size and
+    first bytes (its actor refuses it as it loads)."""
+    with path.open("rb") as file:
+        try:
+            (length,) = struct.unpack("<Q", file.read(8))
+            header = json.loads(file.read(length)) if length <= _MAX_HEADER_BYTES else None
+            tensors = {
+                name: (str(entry["dtype"]), entry["shape"], *_offsets(entry["data_offsets"]))
+                for name, entry in header.items()
+                if name != "__metadata__"
+            }
+        except (struct.error, ValueError, TypeError, KeyError, AttributeError):
+            file.seek(0)
+            unread = f"{path.stat().st_size}\0".encode() + file.read(WEIGHT_SAMPLE_BYTES)
+            return [(f"{path.name} (not safetensors)", xxhash.xxh3_128_digest(unread))]
+        samples = []
+        for name, (dtype, shape, begin, end) in sorted(tensors.items(), key=lambda each: each[1][2]):
+            file.seek(8 + length + begin)
+            sample = xxhash.xxh3_128(f"{dtype}|{shape}|{end - begin}\0".encode())
+            sample.update(file.read(min(end - begin, WEIGHT_SAMPLE_BYTES)))
+            samples.append((name, sample.digest()))
+    return samples
+
+
+_MAX_HEADER_BYTES = 100 << 20  # safetensors' own bound on a header
+
+
+def _offsets(pair: Any) -> tuple[int, int]:
+    begin, end = pair
+    if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end):
+        raise ValueError(f"not a tensor's data offsets: {pair!r}")
+    return begin, end
 
 
 def item_key(identity: bytes, parts: Sequence[Any]) -> bytes:

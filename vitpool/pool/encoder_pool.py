@@ -8,19 +8,17 @@ to the others; only small control messages go anywhere else.
 
 This module is the facade. A call's way through (check its items against the model's rules, in
 this process, once; ask the cache; queue; wait; fetch) is `encode_call`'s, starting actors
-`launcher`'s, keeping the membership current `membership`'s, choosing batches and actors
-`policy`'s, moving batches the transport's. A caller's process loads no model code: the rules
-arrive pickled from an actor.
+`launcher`'s, keeping the membership current `membership`'s, what the handle reads of it
+`pool_view`'s, choosing batches and actors `policy`'s, moving batches the transport's. A caller's
+process loads no model code: the rules arrive pickled from an actor.
 
 A handle that was closed, or whose pool's controller is gone, or whose process left Ray, raises
-PoolUnavailableError saying which from every method, before any Ray call: Ray's calls would
-start a new local Ray instance in a process that is not connected.
+PoolUnavailableError saying which from every method, before any Ray call (`handle_state`).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,21 +27,28 @@ import ray
 from vitpool.codec import decode_request, encode_results
 from vitpool.errors import ConfigError, PoolUnavailableError, counted
 from vitpool.items import Embedding, Item, check_item_list
-from vitpool.packing import Budget
 from vitpool.pool.controller import Membership
 from vitpool.pool.dispatcher import Dispatcher
 from vitpool.pool.embedding_cache import CacheClient
 from vitpool.pool.encode_call import EncodePipeline
+from vitpool.pool.handle_state import HandleState
 from vitpool.pool.launcher import find_pool, launch_pool, progress_on_stderr, scale_pool, stop_controller
 from vitpool.pool.membership import MembershipWatcher
 from vitpool.pool.metrics import CallerMetrics
+from vitpool.pool.pool_view import (
+    common_budgets,
+    dtype_name,
+    item_rules,
+    link_to,
+    pool_stats,
+    read_actor_stats,
+)
 from vitpool.pool.rank_delivery import RDT_TRANSPORTS, RankDelivery, choose_transport
 from vitpool.pool.settings import PoolSettings
 from vitpool.pool.start_errors import start_failure
-from vitpool.pool.stats import CallerCounters, PoolCounters, PoolStats, counts, percentile, recent_rate
+from vitpool.pool.stats import PoolStats
 from vitpool.specs import ItemRules
 from vitpool.transport.link import ActorLink
-from vitpool.transport.links import make_link
 
 logger = logging.getLogger(__name__)
 
@@ -71,19 +76,17 @@ class EncoderPool:
         self._owns_ray = owns_ray
         self._settings = membership.settings
         self._membership = membership
-        self._rules = _item_rules(membership)
+        self._rules = item_rules(membership)
         self._node_id = ray.get_runtime_context().get_node_id()
-        self._closed = threading.Event()
-        self._closed_by: str | None = None  # "close()" or "shutdown()"
+        self._state = HandleState(name)  # closed, or its pool lost: unusable
         self._stopped = False  # shutdown has stopped what this handle started
-        self._lost: str | None = None  # why the pool cannot be reached (the controller is gone)
         self._dispatcher = Dispatcher(
-            _common_budgets(membership.infos.values()),
+            common_budgets(membership.infos.values()),
             self._settings,
             on_actor_failed=self._actor_failed,
             make_link=self._link_to,
         )
-        self._dispatcher.set_actors(membership.actors, _common_budgets(membership.infos.values()))
+        self._dispatcher.set_actors(membership.actors, common_budgets(membership.infos.values()))
         self._watcher = MembershipWatcher(
             controller, membership, self._membership_changed, self._controller_lost
         )
@@ -91,7 +94,7 @@ class EncoderPool:
             CacheClient(
                 membership.cache,
                 self._settings.model,
-                _dtype_name(membership),
+                dtype_name(membership),
                 self._settings.local_cache_bytes,
             )
             if membership.cache is not None
@@ -209,7 +212,7 @@ class EncoderPool:
                 pool's controller gone.
             ValueError: the call can never fit this process's queue (split it).
         """
-        self._check_usable()
+        self._state.check_usable()
         if not _checked_list(items):
             return []
         return self._pipeline.encode(items, timeout_s, return_exceptions)
@@ -219,7 +222,7 @@ class EncoderPool:
     ) -> list[Embedding] | list[Embedding | Exception]:
         """`encode` for asyncio callers: awaits without blocking the event loop. Takes and raises
         what `encode` does."""
-        self._check_usable()
+        self._state.check_usable()
         if not _checked_list(items):
             return []
         return await self._pipeline.encode_async(items, timeout_s, return_exceptions)
@@ -233,7 +236,7 @@ class EncoderPool:
                 too, for an item the model cannot take).
             PoolUnavailableError, TimeoutError: as for `encode`.
         """
-        self._check_usable()
+        self._state.check_usable()
         return encode_results(self.encode(decode_request(request), timeout_s))
 
     def encode_refs(self, items: Sequence[Item], timeout_s: float | None = None) -> list[ray.ObjectRef]:
@@ -244,7 +247,7 @@ class EncoderPool:
         Raises:
             InvalidItemError, TimeoutError, PoolUnavailableError, ValueError: as for `encode`.
         """
-        self._check_usable()
+        self._state.check_usable()
         if not _checked_list(items):
             return []
         return self._pipeline.encode(items, timeout_s, want_refs=True)
@@ -267,7 +270,7 @@ class EncoderPool:
                 work here (the message says why).
             PoolUnavailableError: this handle is closed or its pool's controller gone.
         """
-        self._check_usable()
+        self._state.check_usable()
         if transport not in ("auto", "object_store", *RDT_TRANSPORTS):
             raise ConfigError(f"transport {transport!r}: use 'auto', 'object_store', 'nccl' or 'gloo'")
         self._refresh()
@@ -301,7 +304,7 @@ class EncoderPool:
         Raises:
             PoolUnavailableError: this handle is closed or its pool's controller gone.
         """
-        self._check_usable()
+        self._state.check_usable()
         return len(self._membership.actors)
 
     def scale(self, num_actors: int) -> None:
@@ -314,7 +317,7 @@ class EncoderPool:
             CheckpointError, VitpoolError: a new actor failed to start (as for `launch`).
             PoolUnavailableError: this handle is closed or its pool's controller gone.
         """
-        self._check_usable()
+        self._state.check_usable()
         try:
             retired, num_started, failures = scale_pool(
                 self._controller, num_actors, self._settings.startup_timeout_s
@@ -333,35 +336,22 @@ class EncoderPool:
         Raises:
             PoolUnavailableError: this handle is closed or its pool's controller gone.
         """
-        self._check_usable()
+        self._state.check_usable()
         try:
             actors, health = ray.get(self._controller.snapshot.remote(), timeout=timeout_s)
         except ray.exceptions.RayActorError as error:
             raise self._orphaned(error) from None
-        actor_stats = []
-        for handle in actors.values():
-            try:
-                actor_stats.append(ray.get(handle.stats.remote(), timeout=timeout_s))
-            except ray.exceptions.RayError:
-                continue  # starting, retiring or dead: no stats
-        counters = self._dispatcher.counters
-        return PoolStats(
-            name=self.name,
-            num_actors=len(self._membership.actors),
-            actors=sorted(actor_stats, key=lambda s: s.actor_index),
-            queue_depth=self._dispatcher.queue_depth,
-            batches_in_flight=sum(self._dispatcher.in_flight().values()),
-            queued_bytes=self._dispatcher.queued_bytes,
-            peak_queued_items=self._dispatcher.peak_queued[0],
-            peak_queued_bytes=self._dispatcher.peak_queued[1],
-            items_per_second=recent_rate(list(counters.completions)),
-            latency_p50_s=percentile(list(counters.latencies_s), 0.50),
-            latency_p99_s=percentile(list(counters.latencies_s), 0.99),
-            cache=self._cache.stats(timeout_s) if self._cache is not None else None,
-            departed=health.departed,
-            autoscale=self._settings.autoscale,
-            **counts(CallerCounters, counters),
-            **counts(PoolCounters, health.counters),
+        actor_stats = read_actor_stats(actors, timeout_s)
+        num_actors = len(self._membership.actors)
+        return pool_stats(
+            self.name,
+            num_actors,
+            actor_stats,
+            health,
+            self._dispatcher,
+            self._cache,
+            self._settings,
+            timeout_s,
         )
 
     def close(self) -> None:
@@ -379,7 +369,7 @@ class EncoderPool:
         self._shutdown(stop_pool=self._owns_pool or self._settings.detached)
 
     def __enter__(self) -> EncoderPool:  # noqa: PYI034 - typing.Self needs Python 3.11; vitpool supports 3.10
-        self._check_usable()
+        self._state.check_usable()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -402,43 +392,19 @@ class EncoderPool:
     # usability
 
     def _close(self, closed_by: str) -> None:
-        if self._closed.is_set():
+        if not self._state.close(closed_by):
             return
-        self._closed_by = closed_by
-        self._closed.set()
         self._watcher.close()
-        self._dispatcher.close(self._unusable_reason())
+        self._dispatcher.close(self._state.unusable_reason())
         if self._cache is not None:
             self._cache.close()
         if self._metrics is not None:
             self._metrics.close()
 
-    def _unusable_reason(self) -> str | None:
-        """Why this handle cannot be used, or None."""
-        if self._closed_by is not None:
-            return (
-                f"pool {self.name!r}: this handle was closed by {self._closed_by}; launch a pool or "
-                "connect to one for a new handle"
-            )
-        if self._lost is not None:
-            return self._lost
-        if not ray.is_initialized():
-            return (
-                f"pool {self.name!r}: this process is no longer connected to Ray (ray.shutdown() was "
-                "called); connect to the pool again"
-            )
-        return None
-
-    def _check_usable(self) -> None:
-        """Raise PoolUnavailableError where this handle cannot be used; called before any Ray call."""
-        reason = self._unusable_reason()
-        if reason is not None:
-            raise PoolUnavailableError(reason)
-
     def _explained(self, error: PoolUnavailableError) -> PoolUnavailableError:
         """A call found no actor left: where the pool's controller is gone too (its launcher
         ended, which the watcher may not have heard yet: the actors die first), say that."""
-        if self._lost is None and not self._closed.is_set() and ray.is_initialized():
+        if self._state.lost is None and not self._state.closed.is_set() and ray.is_initialized():
             try:
                 ray.get(self._controller.version.remote(), timeout=CONTROLLER_PROBE_S)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as gone:
@@ -448,7 +414,7 @@ class EncoderPool:
     def _orphaned(self, error: BaseException) -> PoolUnavailableError:
         """A call to the controller found it gone: the handle is unusable from now on."""
         self._controller_lost(error)
-        return PoolUnavailableError(self._unusable_reason() or str(error))
+        return PoolUnavailableError(self._state.unusable_reason() or str(error))
 
     def _refresh(self) -> None:
         try:
@@ -464,67 +430,21 @@ class EncoderPool:
 
     def _membership_changed(self, membership: Membership) -> None:
         self._membership = membership
-        self._dispatcher.set_actors(membership.actors, _common_budgets(membership.infos.values()))
+        self._dispatcher.set_actors(membership.actors, common_budgets(membership.infos.values()))
         logger.info("pool %r: %s take work", self.name, counted(len(membership.actors), "encoder actor"))
 
     def _controller_lost(self, error: BaseException) -> None:
         """The pool's controller is gone (its actors went with it), or this process left Ray: what
         waits fails, and so does every later use of the handle."""
-        if self._lost is not None or self._closed.is_set():
-            return
-        if ray.is_initialized():
-            self._lost = (
-                f"pool {self.name!r}: its controller is gone (the process that launched the pool ended "
-                "or shut it down, or the controller was killed), and its encoder actors with it; launch "
-                "the pool again (with detached=True, or `vitpool serve`, it outlives its launcher)"
-            )
-        else:
-            self._lost = (
-                f"pool {self.name!r}: this process is no longer connected to Ray (ray.shutdown() was "
-                "called); connect to the pool again"
-            )
-        self._dispatcher.close(self._lost)
+        lost = self._state.lose()
+        if lost is not None:
+            self._dispatcher.close(lost)
 
     def _link_to(self, actor_index: int) -> ActorLink:
-        """How to reach an actor: the same-node channel where the settings allow it and the actor
-        serves one on this node, else Ray calls."""
-        info = self._membership.infos.get(actor_index)
-        channel = None
-        if self._settings.same_node_channel and info is not None and info.node_id == self._node_id:
-            channel = info.channel
-        # a reply later than the batch timeout counts as a broken connection (the dispatcher has
-        # given up on the batch by then)
-        settings = self._settings
-        return make_link(
-            self._membership.actors[actor_index],
-            channel,
-            settings.batch_timeout_s + 5.0,
-            settings.channel_spin_s,
-            f"encoder actor {actor_index}",
-        )
-
-
-def _dtype_name(membership: Membership) -> str:
-    """The dtype the actors' embeddings come out in (they share the pool's settings)."""
-    return next(iter(membership.infos.values())).dtype_name if membership.infos else ""
+        return link_to(self._membership, self._settings, actor_index, self._node_id)
 
 
 def _checked_list(items: Any) -> bool:
     """Whether there is anything to encode; TypeError for something that is not a list of items."""
     check_item_list(items)
     return len(items) > 0
-
-
-def _item_rules(membership: Membership):
-    if not membership.infos:
-        raise PoolUnavailableError("the pool has no ready encoder actor")
-    return next(iter(membership.infos.values())).item_rules
-
-
-def _common_budgets(infos: Any) -> list[Budget]:
-    """The budgets every actor has (they differ only if actors chose defaults on unlike GPUs)."""
-    infos = list(infos)
-    if not infos:
-        return [Budget(64, (), 32)]  # placeholder until an actor joins; nothing is sent without one
-    common = set(infos[0].budgets).intersection(*(set(i.budgets) for i in infos[1:]))
-    return sorted(common) or sorted(infos[0].budgets)

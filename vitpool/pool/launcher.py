@@ -39,6 +39,7 @@ from vitpool.pool.preflight import (
 )
 from vitpool.pool.settings import PoolSettings
 from vitpool.pool.start_errors import died_at_start, one_line, start_error, start_failure
+from vitpool.specs import check_int
 
 logger = logging.getLogger(__name__)
 
@@ -86,10 +87,7 @@ def launch_pool(
         VitpoolError: an actor failed to start for another reason (its one line; the rest is
             the error's cause).
     """
-    if num_actors is not None and (
-        isinstance(num_actors, bool) or not isinstance(num_actors, int) or num_actors < 1
-    ):
-        raise ConfigError(f"num_actors must be a positive integer or None; got {num_actors!r}")
+    check_int("num_actors", num_actors, none="one per GPU of the cluster, or one CPU actor")
     if settings.autoscale is not None:
         low, high = settings.autoscale
         if placement_group is not None:
@@ -219,8 +217,7 @@ def scale_pool(
 ) -> tuple[list[int], int, list[tuple[int, BaseException]]]:
     """Start or retire actors so that `num_actors` take work; returns (retired indices, how many
     actors were started, the index and start error of each new actor that failed to start)."""
-    if isinstance(num_actors, bool) or not isinstance(num_actors, int) or num_actors < 1:
-        raise ConfigError(f"num_actors must be a positive integer; got {num_actors!r}")
+    check_int("num_actors", num_actors)
     placement = ray.get(controller.placement.remote())
     if placement is not None:
         check_bundles(placement, num_actors)

@@ -2,38 +2,57 @@
 
 Its first fields are an actor's encoder's (`vitpool.specs.EncoderSpec`: the checkpoint and the
 `EncoderOptions`), inherited, so that each is written, documented and checked in one place; the
-rest are the pool's own.
+rest are the pool's own. Each field's flag is made from it here too (`add_pool_setting_flags`:
+`vitpool serve`'s, and those of the pool the vLLM gateway launches).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
-import functools
+import inspect
 import math
-import warnings
-from collections.abc import Callable, Mapping
+import re
+import types
+import typing
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vitpool.errors import ConfigError
-from vitpool.packing import make_budgets
 from vitpool.pool.autoscaler import checked_bounds
-from vitpool.specs import DEFAULT_MAX_ITEM_TOKENS, ActorSpec, EncoderSpec
+from vitpool.specs import (  # noqa: F401 - DEFAULT_MAX_ITEM_TOKENS, MAX_BUDGET_TOKENS: read from here too
+    ATTENTION_CHOICES,
+    DEFAULT_MAX_ITEM_TOKENS,
+    DEVICES,
+    DTYPE_CHOICES,
+    MAX_BUDGET_TOKENS,
+    PRECISION_CHOICES,
+    ActorSpec,
+    EncoderSpec,
+    check_bool,
+    check_budgets,
+    check_int,
+)
 
-POOL_DEVICES = ("cuda", "cpu")  # an actor holds one GPU (or none): no "cuda:N"
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+POOL_DEVICES = DEVICES  # an actor holds one GPU (or none): no "cuda:N" (`check_device`)
 RANK_TRANSPORTS = ("nccl", "gloo")
-# A pool given no budgets captures its device's defaults, from 64 tokens on a GPU: its batch bounds
-# are checked against that budget.
-SMALLEST_DEFAULT_BUDGET = 64
-
-# The largest token budget a pool captures. Each actor allocates every budget's static buffers
-# before it takes work (pixel rows alone: budget x merge² rows of C·T·P·P values, 24 KiB a token in
-# float32 for Qwen3-VL), so a mistyped budget fails only inside the actor, after its start
-# (5 000 000 tokens ask 122 GB). 65 536 tokens is 4x the largest item a processor makes
-# (DEFAULT_MAX_ITEM_TOKENS) and 64x the largest default GPU budget (GRAPH_MAX_TOKENS); graphs stop
-# paying long before (a larger item runs eager at its own rows), so no useful budget is refused.
-MAX_BUDGET_TOKENS = 4 * DEFAULT_MAX_ITEM_TOKENS
 LOCAL_CACHE_BYTES = 256 << 20  # each handle's own tier of the embedding cache, by default
+# Settings taken out, by name: (what replaced it, how the old value maps onto it). Naming one, as
+# a keyword or a flag, is an error that says so (not Python's bare "unexpected keyword argument").
+REMOVED_SETTINGS: dict[str, tuple[str, str]] = {
+    # the urgent lane's pool setting in 0.1.0, taken with a DeprecationWarning for that release
+    "small_first_stream": (
+        "urgent_tokens",
+        (
+            "an urgent lane for batches of at most N output tokens; the old True / on was N = "
+            "small_first_tokens, 256 by default"
+        ),
+    ),
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,10 +66,11 @@ class PoolSettings(EncoderSpec):
     (`encoder_spec`). A pool adds to them:
 
     Attributes:
-        budgets: in a pool, at most MAX_BUDGET_TOKENS (65536) tokens each, checked here so that a
-            mistyped budget costs no actor start.
+        budgets: in a pool, at most MAX_BUDGET_TOKENS (65536) tokens each, checked as the settings
+            are made (`vitpool.specs.check_budgets`) so that a mistyped budget costs no actor start.
         device: in a pool, None (the actor's GPU if it has one), "cuda" or "cpu": "cpu" runs every
-            actor on its CPU even where it was given a GPU (tests, debugging).
+            actor on its CPU even where it was given a GPU (tests, debugging). No "cuda:N": the
+            pool gives each actor a GPU of its own (`vitpool.specs.check_device`).
         max_batches_in_flight_per_actor: batches sent to an actor and not yet answered. Two keep
             a GPU busy: the next batch is already there when one finishes.
         batch_window_s: how long items wait for others to share a batch while every actor is
@@ -155,63 +175,42 @@ class PoolSettings(EncoderSpec):
     embedding_cache_bytes: int = 0
     embedding_cache_local_bytes: int | None = None
 
+    _IN_POOL = True  # the encoder's options as a pool narrows them: no "cuda:N", bounded budgets
+
     def __post_init__(self) -> None:
-        super().__post_init__()  # the checkpoint and the encoder's options
-        # what a pool adds to them: its actors allocate every budget's buffers as they start, and
-        # hold one GPU each (or none)
-        if self.budgets is not None and max(self.budgets) > MAX_BUDGET_TOKENS:
-            raise ConfigError(
-                f"budgets: {max(self.budgets)} tokens is above the largest budget a pool captures "
-                f"({MAX_BUDGET_TOKENS} tokens, MAX_BUDGET_TOKENS); budgets count output tokens, not patches"
-            )
-        try:  # the actors check these again, against the model, but a mistake should not cost an actor start
-            budgets = self.budgets or [SMALLEST_DEFAULT_BUDGET]
-            make_budgets(budgets, self.max_items_per_batch, self.max_frames_per_batch)
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
-        if self.device not in (None, *POOL_DEVICES):
-            raise ConfigError(f"device {self.device!r}: use None (the actor's GPU if any), 'cuda' or 'cpu'")
+        # the checkpoint and the encoder's options, each checked once there, the budgets and the
+        # device by a pool's rules (`check_budgets`, `check_device`: an actor allocates every
+        # budget's buffers as it starts, and holds one GPU, or none)
+        super().__post_init__()
         if self.precision == "fp8" and self.device == "cpu":
             raise ConfigError("precision 'fp8' needs GPU actors (FP8 tensor cores), not device='cpu'")
-        if self.warm_standby is not None and not isinstance(self.warm_standby, bool):
-            raise ConfigError(
-                f"warm_standby must be True, False or None (on for GPU actors); got {self.warm_standby!r}"
-            )
+        check_bool("warm_standby", self.warm_standby, none="on for GPU actors")
         for name in ("overlap_runs", "same_node_channel", "detached"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name} must be True or False; got {getattr(self, name)!r}")
-        _positive_int("max_batches_in_flight_per_actor", self.max_batches_in_flight_per_actor)
-        _positive_int("max_attempts_per_item", self.max_attempts_per_item)
-        _positive_int("max_queued_items", self.max_queued_items)
-        _positive_int("max_queued_bytes", self.max_queued_bytes)
-        if (
-            isinstance(self.embedding_cache_bytes, bool)
-            or not isinstance(self.embedding_cache_bytes, int)
-            or self.embedding_cache_bytes < 0
-        ):
-            raise ConfigError(
-                "embedding_cache_bytes must be an integer >= 0 (0: no cache); got "
-                f"{self.embedding_cache_bytes!r}"
-            )
-        local = self.embedding_cache_local_bytes
-        if local is not None and (isinstance(local, bool) or not isinstance(local, int) or local < 0):
-            raise ConfigError(
-                f"embedding_cache_local_bytes must be None or an integer >= 0 (0: none); got {local!r}"
-            )
-        if self.max_tokens_per_run is not None:
-            _positive_int("max_tokens_per_run", self.max_tokens_per_run)
-        if self.small_first_tokens is not None:
-            _positive_int("small_first_tokens", self.small_first_tokens)
-        if (
-            isinstance(self.max_actor_restarts, bool)
-            or not isinstance(self.max_actor_restarts, int)
-            or self.max_actor_restarts < 0
-        ):
-            raise ConfigError(f"max_actor_restarts must be an integer >= 0; got {self.max_actor_restarts!r}")
+            check_bool(name, getattr(self, name))
+        for name in ("max_batches_in_flight_per_actor", "max_attempts_per_item", "max_queued_items"):
+            check_int(name, getattr(self, name))
+        check_int("max_queued_bytes", self.max_queued_bytes, counts="bytes")
+        check_int("embedding_cache_bytes", self.embedding_cache_bytes, minimum=0, counts="bytes")
+        check_int(
+            "embedding_cache_local_bytes",
+            self.embedding_cache_local_bytes,
+            minimum=0,
+            counts="bytes",
+            none="the smaller of embedding_cache_bytes and 256 MiB",
+        )
+        check_int(
+            "max_tokens_per_run", self.max_tokens_per_run, counts="output tokens", none="the largest budget"
+        )
+        check_int(
+            "small_first_tokens",
+            self.small_first_tokens,
+            counts="output tokens",
+            none="one lane, oldest first",
+        )
+        check_int("max_actor_restarts", self.max_actor_restarts, minimum=0)
         _non_negative_seconds("batch_timeout_s", self.batch_timeout_s, positive=True)
         _non_negative_seconds("channel_spin_s", self.channel_spin_s)
-        if self.actor_threads is not None:
-            _positive_int("actor_threads", self.actor_threads)
+        check_int("actor_threads", self.actor_threads, none="all of the actor's CPUs, up to 4 on a GPU actor")
         if self.rank_transport not in (None, *RANK_TRANSPORTS):
             raise ConfigError(
                 f"rank_transport {self.rank_transport!r}: use 'nccl' (GPU actors), 'gloo' (CPU actors) or "
@@ -229,22 +228,22 @@ class PoolSettings(EncoderSpec):
             _non_negative_seconds("metrics_interval_s", self.metrics_interval_s, positive=True)
         _non_negative_seconds("retire_timeout_s", self.retire_timeout_s, positive=True)
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Self:
+        removed = [name for name in kwargs if name in REMOVED_SETTINGS]
+        if removed:
+            raise ConfigError(removed_setting(removed[0]))
+        return super().__new__(cls)
+
+    def __getattr__(self, name: str) -> Any:  # only for names that are no attribute
+        if name in REMOVED_SETTINGS:
+            raise AttributeError(removed_setting(name))
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     def encoder_spec(self) -> EncoderSpec:
         """What each actor's encoder is built from: these settings' `EncoderSpec` fields."""
         return EncoderSpec(
             **{field.name: getattr(self, field.name) for field in dataclasses.fields(EncoderSpec)}
         )
-
-    @property
-    def small_first_stream(self) -> bool:
-        """Deprecated, goes after 0.1 (the urgent lane's pool setting in 0.1.0): whether the actors
-        have an urgent lane; read `urgent_tokens`."""
-        warnings.warn(
-            "PoolSettings.small_first_stream is deprecated: read urgent_tokens",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return self.urgent_tokens is not None
 
     @property
     def local_cache_bytes(self) -> int:
@@ -272,42 +271,14 @@ class PoolSettings(EncoderSpec):
         )
 
 
-def _taking_small_first_stream(init: Callable[..., None]) -> Callable[..., None]:
-    """`PoolSettings.__init__`, also taking `small_first_stream`, the urgent lane's pool setting in
-    0.1.0 (True: an urgent lane of `small_first_tokens`): accepted for one release, with a
-    DeprecationWarning naming `urgent_tokens`. Not a field, so no copy of the settings carries it."""
-
-    @functools.wraps(init)
-    def __init__(self: PoolSettings, *args: Any, small_first_stream: Any = None, **kwargs: Any) -> None:
-        if small_first_stream is not None:
-            warnings.warn(
-                "small_first_stream is deprecated: use urgent_tokens=N (small_first_stream=True is "
-                "urgent_tokens=small_first_tokens, 256 by default)",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            if not isinstance(small_first_stream, bool):
-                raise ConfigError(
-                    "small_first_stream must be True or False (deprecated: use urgent_tokens); got "
-                    f"{small_first_stream!r}"
-                )
-            if kwargs.get("urgent_tokens") is not None:
-                raise ConfigError(
-                    "small_first_stream is the deprecated name of urgent_tokens: give urgent_tokens alone"
-                )
-            if small_first_stream:
-                kwargs["urgent_tokens"] = kwargs.get("small_first_tokens", PoolSettings.small_first_tokens)
-        init(self, *args, **kwargs)
-
-    return __init__
-
-
-PoolSettings.__init__ = _taking_small_first_stream(PoolSettings.__init__)  # type: ignore[method-assign]
-
-
-def _positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name} must be a positive integer; got {value!r}")
+def removed_setting(name: str, flag: bool = False) -> str:
+    """What to say of removed setting `name` (REMOVED_SETTINGS): that it is gone and what to use,
+    as keywords or (`flag`) as `vitpool serve`'s flags."""
+    replacement, meaning = REMOVED_SETTINGS[name]
+    if flag:
+        old, new = setting_flag(name), setting_flag(replacement)
+        return f"{old} was removed after vitpool 0.1.0: use {new} N ({meaning})"
+    return f"{name} was removed after vitpool 0.1.0: use {replacement}=N ({meaning})"
 
 
 def _non_negative_seconds(name: str, value: Any, positive: bool = False) -> None:
@@ -315,3 +286,225 @@ def _non_negative_seconds(name: str, value: Any, positive: bool = False) -> None
         raise ConfigError(f"{name} must be a number of seconds; got {value!r}")
     if value < 0 or (positive and value == 0):
         raise ConfigError(f"{name} must be {'positive' if positive else '>= 0'}; got {value!r}")
+
+
+# ---- each setting's flag ------------------------------------------------------------------------
+# `vitpool serve`'s flags and those of the vLLM gateway's pool: one per field, its help from the
+# field's docstring entry, its value parsed by the field's type, so a new setting needs no
+# hand-written flag; and the parsers of the values a type cannot describe (budgets, MIN,MAX, NAME=N
+# pairs, on/off).
+
+
+def budget_list(text: str) -> list[int]:
+    """`--budgets`: comma-separated token budgets, checked by the pool's own rule
+    (`vitpool.specs.check_budgets`: each at most MAX_BUDGET_TOKENS) before anything starts (an
+    actor allocates every budget's buffers as it starts).
+
+    Raises:
+        argparse.ArgumentTypeError: which budget is wrong and why (argparse names --budgets).
+    """
+    budgets = []
+    for part in text.split(","):
+        try:
+            budgets.append(int(part))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{part.strip()!r} is not a whole number; give output-token budgets such as 64,256,1024"
+            ) from None
+    try:
+        check_budgets(budgets, None, in_pool=True)
+    except ConfigError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return budgets
+
+
+def autoscale_bounds(text: str) -> tuple[int, int]:
+    """`--autoscale`: MIN,MAX actors (the pool checks the bounds themselves)."""
+    try:
+        low, high = (int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: use MIN,MAX, e.g. 1,4") from None
+    return low, high
+
+
+def capacity_limit_list(text: str) -> dict[str, int]:
+    """`--capacity-limits`: NAME=N pairs, comma-separated, e.g. windows=64 (the model's capacities
+    are checked by its actors)."""
+    limits = {}
+    for part in text.split(","):
+        name, _, value = part.partition("=")
+        try:
+            limits[name.strip()] = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part.strip()!r}: use NAME=N pairs, e.g. windows=64") from None
+    return limits
+
+
+def on_off(text: str) -> bool:
+    """A True/False setting's flag value: on or off."""
+    if text not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"{text!r}: use on or off")
+    return text == "on"
+
+
+# A setting's flag is its name with dashes, but a number of seconds drops its `_s`
+# (autoscale_interval_s: --autoscale-interval S); its help is the field's entry in the settings'
+# docstrings (PoolSettings, EncoderSpec, EncoderOptions); its value is parsed by the field's type:
+# on/off for True/False, a number, a string, and "none" (NONE_GIVEN) for None where None is not
+# the default. A flag left out is None in the parsed arguments, and the pool's own default stands.
+# What the types cannot say:
+SETTING_CHOICES: dict[str, tuple[str, ...]] = {
+    "device": POOL_DEVICES,
+    "dtype": DTYPE_CHOICES,
+    "attention": ATTENTION_CHOICES,
+    "precision": PRECISION_CHOICES,
+    "rank_transport": RANK_TRANSPORTS,
+}
+SETTING_PARSERS: dict[str, tuple[Callable[[str], Any], str]] = {  # values of several parts: (parser, metavar)
+    "budgets": (budget_list, "B,B,..."),
+    "autoscale": (autoscale_bounds, "MIN,MAX"),
+    "capacity_limits": (capacity_limit_list, "NAME=N,..."),
+}
+METAVARS = {"_s": "S", "_bytes": "BYTES", "_tokens": "TOKENS"}  # by the name's unit; else N or X
+SENTENCE_END = re.compile(r"(?<!e\.g)(?<!i\.e)\.\s+(?=[A-Z(\"'`])")
+
+
+def setting_flag(name: str) -> str:
+    """The flag of setting `name`."""
+    return "--" + (name.removesuffix("_s") if name.endswith("_s") else name).replace("_", "-")
+
+
+def setting_docs(settings_class: type = PoolSettings) -> dict[str, list[str]]:
+    """Each field's entries in the `Attributes:` sections of the class's docstring and its
+    bases', base first (an entry "a, b: text" documents both)."""
+    docs: dict[str, list[str]] = {}
+    for klass in reversed(settings_class.__mro__):
+        _, _, section = inspect.cleandoc(vars(klass).get("__doc__") or "").partition("\nAttributes:\n")
+        names: list[str] = []
+        for line in section.splitlines():
+            if line and not line.startswith("    "):
+                break  # the next section
+            if line.startswith("        "):  # an entry's next line
+                for name in names:
+                    docs[name][-1] += " " + line.strip()
+            elif line.strip():
+                listed, _, text = line.strip().partition(": ")
+                names = [name.strip() for name in listed.split(",")]
+                for name in names:
+                    docs.setdefault(name, []).append(text)
+    return docs
+
+
+def setting_help(field: dataclasses.Field, entries: Sequence[str], optional: bool) -> str:
+    """A flag's help: the first sentence of each docstring entry, then its default where that
+    sentence does not say it (for a default of None or empty: what that means, where the entry
+    says)."""
+    sentences = [SENTENCE_END.split(entry) for entry in entries]
+    text = " ".join(each[0].rstrip(".") + "." for each in sentences)
+    text = text[:1] + re.sub(
+        r"\. ([a-z])", lambda match: ". " + match[1].upper(), text[1:]
+    )  # entries start lowercase
+    said = [s.partition(": ")[2] for each in sentences for s in each if re.match(r"(None|Empty)\b.*?: ", s)]
+    unset = said[0].rstrip(".") if said else ""
+    if field.default in (None, ()):
+        default = "" if "None" in text or "default" in text else f"(default: {unset or 'None'})"
+    elif "default" in text:
+        default = f"(none: {unset or 'None'})" if optional else ""
+    else:
+        shown = ("on" if field.default else "off") if isinstance(field.default, bool) else field.default
+        default = f"(default: {shown}; none: {unset or 'None'})" if optional else f"(default: {shown})"
+    return f"{text} {default}".strip().replace("%", "%%")
+
+
+def add_pool_setting_flags(
+    parser: argparse.ArgumentParser, leave_out: Collection[str] = (), of: str = ""
+) -> None:
+    """A flag for every PoolSettings field but those in `leave_out`, in two groups: the encoder's
+    options and the pool's own settings (`of`: added to the groups' titles, what the settings
+    are for); and a hidden one for each of REMOVED_SETTINGS, refused naming its replacement. Read
+    what was given with `given_settings`.
+
+    Raises:
+        TypeError: a field of a type no flag parses (a new one goes in SETTING_PARSERS).
+    """
+    docs = setting_docs()
+    hints = typing.get_type_hints(PoolSettings)
+    encoder_fields = {field.name for field in dataclasses.fields(EncoderSpec)}
+    groups = {
+        True: parser.add_argument_group(f"the encoder's options (vitpool.specs.EncoderOptions){of}"),
+        False: parser.add_argument_group(f"the pool's settings (vitpool.PoolSettings){of}"),
+    }
+    for field in dataclasses.fields(PoolSettings):
+        if field.name in leave_out:
+            continue
+        hint = hints[field.name]
+        parts = [part for part in typing.get_args(hint) if part is not type(None)]
+        optional = typing.get_origin(hint) in (types.UnionType, typing.Union) and len(parts) == 1
+        kind = parts[0] if optional else hint
+        flag: dict[str, Any] = {
+            "dest": field.name,
+            "default": None,
+            "help": setting_help(field, docs.get(field.name, []), optional),
+        }
+        if field.name in SETTING_PARSERS:
+            flag["type"], flag["metavar"] = SETTING_PARSERS[field.name]
+        elif field.name in SETTING_CHOICES:
+            flag["choices"] = SETTING_CHOICES[field.name]
+        elif kind is bool:
+            flag["type"], flag["metavar"] = on_off, "{on,off}"
+        elif kind in (int, float, str):
+            unit = next(
+                (metavar for suffix, metavar in METAVARS.items() if field.name.endswith(suffix)), None
+            )
+            flag["metavar"] = unit or {int: "N", float: "X", str: field.name.upper()}[kind]
+            flag["type"] = _or_none(kind) if optional and field.default is not None else kind
+        else:
+            raise TypeError(
+                f"PoolSettings.{field.name} ({hint}): no flag parses it; add it to SETTING_PARSERS"
+            )
+        groups[field.name in encoder_fields].add_argument(setting_flag(field.name), **flag)
+    for name in REMOVED_SETTINGS:  # hidden: naming one is an error that names its replacement
+        parser.add_argument(
+            setting_flag(name), nargs="?", action=_Removed, dest=f"removed_{name}", help=argparse.SUPPRESS
+        )
+
+
+class _Removed(argparse.Action):
+    """A removed setting's flag (REMOVED_SETTINGS): refused, naming what replaced it."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: Any, values: Any, option: Any = None):
+        parser.error(removed_setting(self.dest.removeprefix("removed_"), flag=True))
+
+
+class _NoneGiven:
+    """A flag's value "none": the setting set to None, where a flag left out is None too."""
+
+    def __repr__(self) -> str:
+        return "none"
+
+
+NONE_GIVEN = _NoneGiven()
+
+
+def _or_none(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """`parse`, but "none" is NONE_GIVEN."""
+
+    def parse_or_none(text: str) -> Any:
+        return NONE_GIVEN if text == "none" else parse(text)
+
+    parse_or_none.__name__ = parse.__name__  # argparse names it in its error: "invalid int value"
+    return parse_or_none
+
+
+def given_settings(args: argparse.Namespace, leave_out: Collection[str] = ()) -> dict[str, Any]:
+    """The pool settings that flags of `add_pool_setting_flags` (given the same `leave_out`) set, by
+    field name: those given (a flag left out is None, and the pool's own default stands; "none"
+    sets None)."""
+    given = {
+        field.name: getattr(args, field.name, None)
+        for field in dataclasses.fields(PoolSettings)
+        if field.name not in leave_out
+    }
+    return {
+        name: None if value is NONE_GIVEN else value for name, value in given.items() if value is not None
+    }

@@ -7,16 +7,16 @@ in their own process before anything is sent.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vitpool.packing import SEQUENCES, Budget, make_budgets
-from vitpool.specs import IMAGE, ItemSpec, check_capacity_limits, is_int
+from vitpool.packing import SEQUENCES
+from vitpool.rules.base import RulesBase
+from vitpool.specs import IMAGE, ItemSpec, is_int
 
 
 @dataclass(frozen=True)
-class SpatialMergeRules:
+class SpatialMergeRules(RulesBase):
     """Towers that cut frames into patches and merge `merge_size` x `merge_size` patches into one
     output token (Qwen2-VL through Qwen3-VL, GLM-4.1V): pixels are flattened patches
     [t*h*w, row_width] with a `grid_thw` of (t, h, w); one attention sequence per temporal patch.
@@ -30,6 +30,11 @@ class SpatialMergeRules:
     @property
     def row_shape(self) -> tuple[int, ...]:
         return (self.row_width,)
+
+    @property
+    def merge_unit(self) -> int:
+        """Patch rows per output token."""
+        return self.merge_size**2
 
     def item_spec(
         self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, layout: Any
@@ -51,15 +56,6 @@ class SpatialMergeRules:
         return ItemSpec(
             modality, pixel_shape, pixel_dtype, grid, num_rows // self.merge_size**2, ((SEQUENCES, t),)
         )
-
-    def budgets(
-        self,
-        token_budgets: Sequence[int],
-        max_items_per_batch: int | None,
-        capacity_limits: Mapping[str, int],
-    ) -> list[Budget]:
-        check_capacity_limits(capacity_limits, self.capacities)
-        return make_budgets(token_budgets, max_items_per_batch, capacity_limits.get(SEQUENCES))
 
 
 def checked_grid(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from vitpool.rules.base import RulesBase
 from vitpool.rules.grids import check_patch_rows, checked_grid
 
 Grid = tuple[int, int, int]
@@ -22,7 +23,7 @@ Grid = tuple[int, int, int]
 EXTRA_ROWS = "extra_rows"
 
 
-class PatchRows:
+class PatchRows(RulesBase):
     """Sizes of rules with the fields `channels`, `patch_size` and `output_width` and a
     `merge_kernel` (kh, kw): rows of [C, P, P], output rows of [output_width], kh*kw patches per
     output token. A mixin of frozen dataclasses: it adds no fields."""
@@ -71,10 +72,12 @@ def sample_grids(
     max_items: int,
     frames: tuple[int, int] = (1, 1),
     extra_rows: int = 0,
+    max_side_blocks: int | None = None,
 ) -> list[Grid]:
     """Random grids of `frames[0]` to `frames[1]` frames that together use at most `num_rows` rows,
     `num_tokens` tokens (kh x kw patches of a frame each), `max_items` items and `extra_rows` rows
-    past the first frame of each: some fill what is left, most take a part of it."""
+    past the first frame of each, no side past `max_side_blocks` blocks (None: any): some fill what
+    is left, most take a part of it."""
     kh, kw = merge_kernel
     unit = kh * kw
     grids: list[Grid] = []
@@ -90,8 +93,11 @@ def sample_grids(
         t = rng.choice(fitting)
         max_blocks = most_blocks(t)
         num_blocks = max_blocks if rng.random() < 0.2 else rng.randint(1, max(1, max_blocks // 2))
-        height_blocks = rng.randint(1, num_blocks)
+        side = num_blocks if max_side_blocks is None else min(num_blocks, max_side_blocks)
+        height_blocks = rng.randint(1, side)
         width_blocks = max(1, num_blocks // height_blocks)
+        if max_side_blocks is not None:
+            width_blocks = min(width_blocks, max_side_blocks)
         h, w = height_blocks * kh, width_blocks * kw
         grids.append((t, h, w))
         num_rows -= t * h * w

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vitpool.packing import Budget
+from vitpool.rules.base import RulesBase
 from vitpool.specs import ItemRules, ItemSpec, check_capacity_limits
 
 # A part's input as the rules see it: its pixels' shape and dtype name.
@@ -26,7 +27,7 @@ PartInput = tuple[tuple[int, ...], str]
 
 
 @dataclass(frozen=True)
-class PathRules:
+class PathRules(RulesBase):
     """Rules of an item made of named inputs, one path each.
 
     Attributes:
@@ -56,6 +57,11 @@ class PathRules:
         shapes = {tuple(rules.output_row_shapes) for _, rules in self.paths}
         if len(shapes) != 1:
             raise ValueError(f"every path must give outputs of one shape to be joined; got {sorted(shapes)}")
+
+    @property
+    def parts(self) -> tuple[tuple[str, ItemRules], ...]:
+        """The inputs and their rules (`RulesBase.parts`): `paths`."""
+        return self.paths
 
     @property
     def input_names(self) -> tuple[str, ...]:
@@ -148,9 +154,9 @@ class PathRules:
 
 
 def rules_of_part(rules: Any, path: str) -> ItemRules:
-    """The rules that size an item of `path`: a `PathRules`' rules of that input, else the
-    family's own (which set each spec's path themselves, e.g. Kimi-K2.5's clips). Raises
-    ValueError for an input the family does not have."""
-    if isinstance(rules, PathRules) and path:
+    """The rules that size an item of `path`: for rules of several inputs (`parts`), that
+    input's, else the family's own (which set each spec's path themselves, e.g. Kimi-K2.5's
+    clips). Raises ValueError for an input the family does not have."""
+    if rules.parts and path:
         return rules.rules_for(path)
     return rules

@@ -9,11 +9,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from vitpool.packing import SEQUENCES, Budget, plain_budgets
+from vitpool.rules.base import RulesBase
 from vitpool.specs import IMAGE, ItemSpec, check_capacity_limits
 
 
 @dataclass(frozen=True)
-class TileRules:
+class TileRules(RulesBase):
     """Items are images of whole tiles: pixels [tiles, channels, tile_size, tile_size], as the
     family's processor emits them for one image, and no grid. A tile attends within itself: it is
     one attention sequence ("sequences", what the pool's cost model reads to price attention),

@@ -3,7 +3,8 @@ with its own shared-memory segments (`vitpool.transport.shared_memory`).
 
 A batch's pixels are copied into the connection's segment; its outputs come back into an output
 segment that the results view in place (held until the last result tensor is gone), or, when
-none is free, after the pixels, and are copied out. The messages and the output layout are in
+none is free, after the pixels, and are copied out (`vitpool.transport.output_blocks` cuts them
+into the items' tensors). The messages and the output layout are in
 `vitpool.transport.channel_protocol`.
 """
 
@@ -21,9 +22,8 @@ from dataclasses import dataclass
 
 import msgpack
 import numpy as np
-import torch
 
-from vitpool.specs import BatchPlan, OutputLayout, plan_to_wire
+from vitpool.specs import BatchPlan, plan_to_wire
 from vitpool.transport.channel_protocol import (
     ERROR,
     ChannelClosed,
@@ -37,13 +37,15 @@ from vitpool.transport.channel_protocol import (
 )
 from vitpool.transport.embedding import Embedding
 from vitpool.transport.link import OK, BatchReceipt
+from vitpool.transport.output_blocks import OutputCuts, output_block
 from vitpool.transport.shared_memory import OutputSegments, OwnedSegment, aligned, array_at, segment_size
 from vitpool.transport.wire import WIRE_DTYPES
 
 logger = logging.getLogger(__name__)
 
-# A sleeping thread takes 0.2-0.4 ms to wake on a GPU VM: a caller wakes this long before its
-# reply is due, then polls.
+# A sleeping thread is slow to wake on a GPU VM (`benchmarks/HISTORY.md`, "Fourth pass: one call's
+# phases, results viewed in place, brief polling"): a caller wakes this long before its reply is
+# due, then polls.
 _WAKE_LEAD_S = 0.0005
 
 
@@ -71,7 +73,7 @@ class ChannelClient:
         spin_s: how long a wait for the reply polls before it sleeps. The wait sleeps first until
             shortly before the reply is due (as long as recent batches of its size took), so a
             batch costs at most about `spin_s` of polling; 0 never polls. A thread that sleeps
-            through the reply costs a wake-up (0.2-0.4 ms on a VM).
+            through the reply costs a wake-up (measured where `_WAKE_LEAD_S` says).
     """
 
     def __init__(self, info: ChannelInfo, reply_timeout_s: float | None = None, spin_s: float = 0.0) -> None:
@@ -79,9 +81,7 @@ class ChannelClient:
         self.reply_timeout_s = reply_timeout_s
         self.spin_s = spin_s
         self.round_trips = RoundTrips()
-        self.pieces: dict[
-            tuple[int, ...], _Pieces
-        ] = {}  # how a batch's output block is cut, by its items' tokens
+        self.output_cuts = OutputCuts(info.output_layout)  # how each batch shape's output block is cut
         self._idle: list[_Connection] = []
         self._all: list[_Connection] = []
         self._lock = threading.Lock()
@@ -305,7 +305,8 @@ class _Connection:
 
         The results' tensors are made before the reply comes, while the actor encodes: nothing in
         them depends on the reply, and the first NumPy and torch calls of a thread that wakes from
-        its wait cost tens of µs each (cold caches). The reply decides whether they are handed out."""
+        its wait are slow (cold caches: `benchmarks/HISTORY.md`, "What a call adds, fourth
+        session"). The reply decides whether they are handed out."""
         output_segment, self._output_segment = self._output_segment, None
         handed_out = False
         early = results = values = None
@@ -350,8 +351,9 @@ class _Connection:
     ) -> tuple[list[Embedding], tuple[np.ndarray, np.ndarray] | None]:
         """Every item's Embedding, viewing the batch's output block, and the copy that fills the
         block once the outputs are there (None where they view the output segment)."""
-        block, copy = self._output_block(plan, output_segment)
-        return self._views_of(block, plan), copy
+        layout = self._client.info.output_layout
+        block, copy = output_block(layout, plan, self._output_offsets, output_segment, self._segment)
+        return self._client.output_cuts.views(block, plan), copy
 
     def _await_reply(self, num_tokens: int) -> None:
         """Sleep until shortly before the reply is due, then poll for it (at most `spin_s`), so
@@ -362,61 +364,6 @@ class _Connection:
             if expected_s is not None:
                 sleep_until_due(self._socket, self._sent_at + expected_s - _WAKE_LEAD_S)
             spin_until_readable(self._socket, client.spin_s)
-
-    def _output_block(
-        self, plan: BatchPlan, output_segment: OwnedSegment | None
-    ) -> tuple[torch.Tensor, tuple[np.ndarray, np.ndarray] | None]:
-        """The batch's outputs as one block of the output dtype, from its first output to the end
-        of its last, and the copy still to make once the reply is in (None for a view).
-
-        In an output segment: a view of it, and the segment stays held until the last tensor that
-        views it is gone. Else a block to copy the outputs into out of the batch's segment, in one
-        piece: fresh memory costs a page fault per 4 KiB on first touch, and the allocator keeps one
-        recurring block mapped where it would give back many. That block is pinned when this
-        process already uses CUDA (torch caches pinned blocks, and the caller's copy to its GPU can
-        then be asynchronous). An output segment is not pinned here: an asynchronous copy from it
-        could still be reading when the results are dropped and the segment is written again."""
-        layout = self._client.info.output_layout
-        torch_dtype, wire_dtype = WIRE_DTYPES[layout.dtype]
-        start = self._output_offsets[0]
-        _, last_bytes = item_output_offsets(layout, plan.specs[-1].num_tokens)
-        end = self._output_offsets[-1] + last_bytes  # blocks are aligned: whole elements
-        if output_segment is not None:
-            view = np.frombuffer(
-                output_segment.buffer,
-                dtype=wire_dtype,
-                count=(end - start) // wire_dtype.itemsize,
-                offset=start,
-            )
-            output_segment.hold_while_viewed(view)
-            block = torch.from_numpy(view)
-            return (block if block.dtype == torch_dtype else block.view(torch_dtype)), None
-        block = torch.empty(end - start, dtype=torch.uint8, pin_memory=torch.cuda.is_initialized())
-        source = np.frombuffer(self._segment.buffer, dtype=np.uint8, count=end - start, offset=start)
-        return block.view(torch_dtype), (block.numpy(), source)
-
-    def _views_of(self, block: torch.Tensor, plan: BatchPlan) -> list[Embedding]:
-        """Each item's tensors, as views of the batch's output block, where the actor writes them
-        (`item_output_offsets`): one torch call for the whole batch where its tensors lie back to
-        back with one row shape (every family's outputs so far), else one per tensor."""
-        specs = plan.specs
-        pieces = self._client.pieces.get(nums := tuple(spec.num_tokens for spec in specs))
-        if pieces is None:
-            pieces = _pieces_of(self._client.info.output_layout, nums)
-            if len(self._client.pieces) >= _MAX_PIECES:
-                self._client.pieces.clear()
-            self._client.pieces[nums] = pieces
-        if pieces.rows is not None:
-            tensors = block.view(-1, *pieces.row_shape).split_with_sizes(pieces.rows)
-        else:
-            tensors = [
-                block[offset : offset + math.prod(shape)].view(shape) for offset, shape in pieces.placed
-            ]
-        per_item = pieces.per_item
-        return [
-            Embedding(tensors[first], list(tensors[first + 1 : first + per_item]))
-            for first in range(0, len(tensors), per_item)
-        ]
 
     def _segment_of(self, size: int) -> OwnedSegment:
         if self._segment is None or self._segment.size < size:
@@ -435,40 +382,3 @@ class _Connection:
             self._segment.close()
             self._segment = None
         self._outputs.close()
-
-
-_MAX_PIECES = 4096  # batch shapes remembered per client (the item sizes of its traffic)
-
-
-@dataclass(frozen=True)
-class _Pieces:
-    """How one batch shape's output block is cut into its items' tensors: `rows` (the tensors'
-    first dimensions, for one `split_with_sizes` of the block as rows of `row_shape`) where they
-    lie back to back with one row shape, else `placed` (element offset, shape) each."""
-
-    per_item: int  # tensors per item
-    row_shape: tuple[int, ...]
-    rows: list[int] | None
-    placed: list[tuple[int, tuple[int, ...]]] | None
-
-
-def _pieces_of(layout: OutputLayout, nums: tuple[int, ...]) -> _Pieces:
-    """The pieces of a block holding items of `nums` output tokens, laid out by `item_output_offsets`."""
-    itemsize = WIRE_DTYPES[layout.dtype][1].itemsize
-    placed, base = [], 0  # (element offset, shape) per tensor
-    for num_tokens in nums:
-        offsets, size = item_output_offsets(layout, num_tokens)
-        placed.extend(
-            ((base + offset) // itemsize, shape) for shape, offset in zip(layout.shapes(num_tokens), offsets)
-        )
-        base += size
-    per_item, row_shape = len(layout.row_shapes), tuple(layout.row_shapes[0])
-    end = 0
-    for offset, shape in placed:
-        if offset != end or tuple(shape[1:]) != row_shape:
-            break
-        end += math.prod(shape)
-    else:
-        if end * itemsize == base:
-            return _Pieces(per_item, row_shape, [shape[0] for _, shape in placed], None)
-    return _Pieces(per_item, row_shape, None, placed)

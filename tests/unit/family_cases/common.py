@@ -4,8 +4,10 @@ Hugging Face's own tower as the reference."""
 from __future__ import annotations
 
 import copy
+import importlib
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,6 +47,24 @@ def tower_reference(encoder: GraphEncoder) -> Callable[[Any], list[torch.Tensor]
         return [output.pooler_output]
 
     return outputs
+
+
+def save_tower_only(tower: torch.nn.Module, directory: Path) -> Path:
+    """A tower-only checkpoint of a Hugging Face tower: its config.json and safetensors."""
+    tower.save_pretrained(directory)
+    return directory
+
+
+def save_tower_and_projector(family: str, full_config: Any, module: torch.nn.Module, directory: Path) -> Path:
+    """A tower-only checkpoint of a family whose vitpool module holds the tower and a projector:
+    the config its adapter module's `tower_only_config` makes of the full one, and the module's state."""
+    from safetensors.torch import save_file
+
+    adapter_module = importlib.import_module(f"vitpool.families.{family}.adapter")
+    adapter_module.tower_only_config(full_config).save_pretrained(directory)
+    state = {key: value.contiguous() for key, value in module.state_dict().items()}
+    save_file(state, str(directory / "model.safetensors"))
+    return directory
 
 
 def tiled_case_fields(

@@ -20,8 +20,8 @@ from __future__ import annotations
 import copy
 
 import torch
-from family_cases.common import randomize, view_and_crops_case_fields, view_and_crops_features
 
+from family_cases.common import randomize, view_and_crops_case_fields, view_and_crops_features
 from vitpool import GraphEncoder
 
 GLOBAL_SIZE = 1024  # 64 x 64 patches of 16 pixels, 16 x 16 = 256 SAM tokens: the 256 queries

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
-from family_cases.common import item_for, randomize
-from family_cases.qwen2_vl import spatial_merge_bad_items
 
+from family_cases.common import item_for, randomize, save_tower_and_projector
+from family_cases.qwen2_vl import spatial_merge_bad_items
 from vitpool import GraphEncoder, Video
 
 PATCH = 2
@@ -76,13 +77,21 @@ def tiny_encoder_module(seed: int = 0) -> torch.nn.Module:
     return randomize(build_encoder(full_config()), seed).eval().requires_grad_(False)
 
 
+def save_tower(directory: Path) -> Path:
+    return save_tower_and_projector("ernie4_5_vl_moe", full_config(), tiny_encoder_module(), directory)
+
+
+def tower_tokens(module: torch.nn.Module, pixels: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+    """HF's tower on one item's pixels, then its resampler (what get_image/video_features run)."""
+    grid = grid_thw.reshape(1, 3).long()
+    return module.resampler_model(module.vision_tower(pixels, grid).last_hidden_state, grid)
+
+
 def reference_tokens(module: torch.nn.Module, item: Any) -> torch.Tensor:
-    """HF's tower on one item alone, then its resampler (what get_image/video_features run)."""
-    grid = torch.as_tensor(item.grid_thw).reshape(1, 3).long()
+    """HF's tower on one item alone, then its resampler (`tower_tokens`), fp32."""
     with torch.no_grad():
         pixels = torch.as_tensor(item.pixel_values).to(torch.float32)
-        hidden = module.vision_tower(pixels, grid).last_hidden_state
-        return module.resampler_model(hidden, grid)
+        return tower_tokens(module, pixels, torch.as_tensor(item.grid_thw))
 
 
 def reference(encoder: GraphEncoder) -> Callable[[Any], list[torch.Tensor]]:

@@ -9,8 +9,8 @@ import copy
 from typing import Any
 
 import torch
-from family_cases.common import randomize, tiled_case_fields
 
+from family_cases.common import randomize, tiled_case_fields
 from vitpool import GraphEncoder
 
 VIEW = 32  # pixels per view side; patches of 4 pixels: 8 x 8 patches, pooled 4 x 4 into 2 x 2 tokens
@@ -74,4 +74,6 @@ def image_features(model: torch.nn.Module, item: Any) -> torch.Tensor:
     return tokens.reshape(-1, tokens.shape[-1])
 
 
+TOKENS_PER_TILE = TOKENS_PER_VIEW  # a tile: a view
+TILE_SHAPE = ROW_SHAPE
 CASE_FIELDS = tiled_case_fields(hf_model, encoder_of, image_features, ROW_SHAPE, (4, 8, 16))

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
-from family_cases.common import randomize
-from family_cases.qwen2_vl import spatial_merge_case_fields
 
+from family_cases.common import randomize, save_tower_only
+from family_cases.qwen2_vl import spatial_merge_case_fields
 from vitpool import GraphEncoder
 
 # C * T * P * P = 3 * 2 * 2 * 2; an 8x8 learned position table (image_size / patch_size)
@@ -54,19 +55,28 @@ def tiny_tower(seed: int = 0, model_type: str = "glm4v_vision") -> torch.nn.Modu
     return randomize(tower, seed).eval().requires_grad_(False)
 
 
-def reference_tokens(tower: torch.nn.Module, item: Any) -> torch.Tensor:
-    """HF's own tower on one item alone, with grid_thw as `get_image_features` /
+def tower_tokens(tower: torch.nn.Module, pixels: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+    """HF's own tower on one item's pixels, with grid_thw as `get_image_features` /
     `get_video_features` pass it (a video: one (1, h, w) row per temporal patch)."""
-    t, h, w = (int(v) for v in torch.as_tensor(item.grid_thw).reshape(3))
+    t, h, w = (int(v) for v in grid_thw.reshape(3))
+    return tower(pixels, grid_thw=torch.tensor([[1, h, w]] * t, device=grid_thw.device)).pooler_output
+
+
+def reference_tokens(tower: torch.nn.Module, item: Any) -> torch.Tensor:
+    """HF's own tower on one item alone (`tower_tokens`), fp32."""
     with torch.no_grad():
         pixels = torch.as_tensor(item.pixel_values).to(torch.float32)
-        return tower(pixels, grid_thw=torch.tensor([[1, h, w]] * t)).pooler_output
+        return tower_tokens(tower, pixels, torch.as_tensor(item.grid_thw))
 
 
 def reference(encoder: GraphEncoder) -> Callable[[Any], list[torch.Tensor]]:
     tower = copy.deepcopy(encoder.adapter.tower)
     tower.config._attn_implementation = "sdpa"  # Hugging Face's own path, one item at a time
     return lambda item: [reference_tokens(tower, item)]
+
+
+def save_tower(directory: Path) -> Path:
+    return save_tower_only(tiny_tower(), directory)
 
 
 def make_encoder(budgets: list[int]) -> GraphEncoder:

@@ -5,11 +5,13 @@ and a tiny full GlmOcrForConditionalGeneration."""
 
 from __future__ import annotations
 
-import torch
-from family_cases.common import randomize
-from family_cases.glm4v import TINY_TEXT, reference
-from family_cases.qwen2_vl import spatial_merge_case_fields
+from pathlib import Path
 
+import torch
+
+from family_cases.common import randomize, save_tower_only
+from family_cases.glm4v import TINY_TEXT, reference, tower_tokens  # noqa: F401 - GLM-4.1V's, this case's too
+from family_cases.qwen2_vl import spatial_merge_case_fields
 from vitpool import GraphEncoder
 
 # C * T * P * P = 3 * 2 * 2 * 2. No learned position table (GLM-OCR dropped it): image_size plays
@@ -37,6 +39,10 @@ def tiny_tower(seed: int = 0) -> torch.nn.Module:
 
     tower = GlmOcrVisionModel(GlmOcrVisionConfig(**TINY_VISION))
     return randomize(tower, seed).eval().requires_grad_(False)
+
+
+def save_tower(directory: Path) -> Path:
+    return save_tower_only(tiny_tower(), directory)
 
 
 def adapter_of(tower: torch.nn.Module):

@@ -9,8 +9,8 @@ import copy
 from typing import Any
 
 import torch
-from family_cases.common import randomize, tiled_case_fields
 
+from family_cases.common import randomize, tiled_case_fields
 from vitpool import GraphEncoder
 
 TOKENS_PER_TILE = 4
@@ -86,4 +86,5 @@ def image_features(model: torch.nn.Module, item: Any) -> torch.Tensor:
     return tokens
 
 
+TILE_SHAPE = row_shape("idefics3")
 CASE_FIELDS = tiled_case_fields(hf_model, encoder_of, image_features, row_shape("idefics3"), (4, 8, 16))

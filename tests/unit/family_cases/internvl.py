@@ -12,8 +12,8 @@ import re
 from typing import Any
 
 import torch
-from family_cases.common import randomize, tiled_case_fields
 
+from family_cases.common import randomize, tiled_case_fields
 from vitpool import GraphEncoder
 
 TILE = 8  # pixels per tile side; patches of 2 pixels: 16 patches, 4 tokens a tile after the shuffle
@@ -169,4 +169,5 @@ def release_config_json(model: torch.nn.Module) -> dict[str, Any]:
     }
 
 
+TILE_SHAPE = ROW_SHAPE
 CASE_FIELDS = tiled_case_fields(hf_model, encoder_of, image_features, ROW_SHAPE, (4, 8, 16))

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
-from family_cases.common import item_for, randomize
 
+from family_cases.common import item_for, randomize, save_tower_and_projector
 from vitpool import GraphEncoder, Image, Video
 
 PATCH = 2
@@ -49,6 +50,7 @@ TINY_TEXT = {
     "topk_group": 1,
 }
 ROW_SHAPE = (3, PATCH, PATCH)
+TANH_GELU_MLP = True
 
 
 def full_config() -> Any:
@@ -65,13 +67,21 @@ def tiny_encoder_module(seed: int = 0) -> torch.nn.Module:
     return randomize(build_encoder(full_config()), seed).eval().requires_grad_(False)
 
 
+def save_tower(directory: Path) -> Path:
+    return save_tower_and_projector("kimi_k25", full_config(), tiny_encoder_module(), directory)
+
+
+def tower_tokens(module: torch.nn.Module, pixels: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+    """HF's tower on one item's pixels, then its projector (what get_image_features runs)."""
+    pooled = module.vision_tower(pixels, grid_thw=grid_thw.reshape(1, 3).long()).pooler_output
+    return module.mm_projector(pooled).squeeze(1)
+
+
 def reference_tokens(module: torch.nn.Module, item: Any) -> torch.Tensor:
-    """HF's tower on one item alone, then its projector (what get_image_features runs)."""
-    grid = torch.as_tensor(item.grid_thw).reshape(1, 3).long()
+    """HF's tower on one item alone, then its projector (`tower_tokens`), fp32."""
     with torch.no_grad():
         pixels = torch.as_tensor(item.pixel_values).to(torch.float32)
-        pooled = module.vision_tower(pixels, grid_thw=grid).pooler_output
-        return module.mm_projector(pooled).squeeze(1)
+        return tower_tokens(module, pixels, torch.as_tensor(item.grid_thw))
 
 
 def reference(encoder: GraphEncoder) -> Callable[[Any], list[torch.Tensor]]:

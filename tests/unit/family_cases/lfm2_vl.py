@@ -12,8 +12,8 @@ from itertools import accumulate
 from typing import Any
 
 import torch
-from family_cases.common import randomize
 
+from family_cases.common import randomize
 from vitpool import GraphEncoder, Image, Video
 from vitpool.specs import ItemSpec
 

@@ -9,8 +9,8 @@ import copy
 from typing import Any
 
 import torch
-from family_cases.common import randomize, tiled_case_fields
 
+from family_cases.common import randomize, tiled_case_fields
 from vitpool import GraphEncoder
 
 TILE = 16  # pixels per tile side; patches of 2 pixels: 64 patches, 16 tokens a tile after the shuffle
@@ -70,4 +70,5 @@ def image_features(model: torch.nn.Module, item: Any) -> torch.Tensor:
         return model.multi_modal_projector(features.reshape(-1, features.shape[-1]))
 
 
+TILE_SHAPE = ROW_SHAPE
 CASE_FIELDS = tiled_case_fields(hf_model, encoder_of, image_features, ROW_SHAPE, (16, 32, 64))

@@ -13,8 +13,8 @@ import copy
 from typing import Any
 
 import torch
-from family_cases.common import randomize
 
+from family_cases.common import randomize
 from vitpool import GraphEncoder, Image, Video
 from vitpool.specs import VIDEO, ItemSpec
 

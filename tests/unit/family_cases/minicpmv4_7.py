@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 import torch
+
 from family_cases.common import randomize
 from family_cases.minicpmv4_6 import TINY_TEXT as TINY_TEXT_4_6
 from family_cases.minicpmv4_6 import encoder_module, strip_of  # 4.6's encoder module runs 4.7's parts
-
 from vitpool import GraphEncoder, Image, Video
 from vitpool.families.minicpmv4_7.adapter import missing_transformers_model
 from vitpool.specs import ItemSpec

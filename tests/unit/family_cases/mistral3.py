@@ -11,8 +11,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from family_cases.common import randomize
 
+from family_cases.common import randomize
 from vitpool import GraphEncoder, Image, Video
 from vitpool.specs import ItemSpec
 

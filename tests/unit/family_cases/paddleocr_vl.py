@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
-from family_cases.common import randomize
 
+from family_cases.common import randomize, save_tower_and_projector
 from vitpool import GraphEncoder, Image, Video
 from vitpool.specs import ItemSpec
 
@@ -33,6 +34,7 @@ TINY_TEXT = {
     "vocab_size": 128,
 }
 ROW_SHAPE = (3, PATCH, PATCH)
+TANH_GELU_MLP = True
 
 
 def full_config() -> Any:
@@ -47,14 +49,25 @@ def tiny_encoder_module(seed: int = 0) -> torch.nn.Module:
     return randomize(build_encoder(full_config()), seed).eval().requires_grad_(False)
 
 
+def save_tower(directory: Path) -> Path:
+    return save_tower_and_projector("paddleocr_vl", full_config(), tiny_encoder_module(), directory)
+
+
+def tower_tokens(module: torch.nn.Module, pixels: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+    """HF's tower on one image's pixels, then its projector (what get_image_features runs)."""
+    grid = grid_thw.reshape(1, 3).long()
+    hidden = module.visual(pixels.unsqueeze(0), grid_thw=grid).last_hidden_state
+    return module.projector(hidden, grid)
+
+
 def reference_tokens(module: torch.nn.Module, item: Any) -> torch.Tensor:
-    """HF's tower on one image alone, then its projector (what get_image_features runs)."""
+    """HF's tower on one image alone, then its projector (`tower_tokens`), on the module's device
+    and in its dtype."""
     parameter = next(module.parameters())
-    grid = torch.as_tensor(item.grid_thw).reshape(1, 3).long().to(parameter.device)
+    grid = torch.as_tensor(item.grid_thw).to(parameter.device)
     with torch.no_grad():
-        pixels = torch.as_tensor(item.pixel_values).to(parameter.device, parameter.dtype).unsqueeze(0)
-        hidden = module.visual(pixels, grid_thw=grid).last_hidden_state
-        return module.projector(hidden, grid)
+        pixels = torch.as_tensor(item.pixel_values).to(parameter.device, parameter.dtype)
+        return tower_tokens(module, pixels, grid)
 
 
 def reference(encoder: GraphEncoder) -> Callable[[Any], list[torch.Tensor]]:

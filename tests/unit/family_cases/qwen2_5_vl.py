@@ -5,12 +5,13 @@ time) as the reference, and a tiny full model."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
-from family_cases.common import tower_reference
-from family_cases.qwen2_vl import spatial_merge_case_fields
 
+from family_cases.common import save_tower_only, tower_reference
+from family_cases.qwen2_vl import spatial_merge_case_fields
 from vitpool import GraphEncoder
 
 # 14-pixel patches, two frames per temporal patch, three channels
@@ -50,6 +51,10 @@ def tiny_tower(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     config = Qwen2_5_VLVisionConfig(**TINY_VISION_CONFIG)
     return Qwen2_5_VisionTransformerPretrainedModel._from_config(config, dtype=torch.float32).eval()
+
+
+def save_tower(directory: Path) -> Path:
+    return save_tower_only(tiny_tower(), directory)
 
 
 def tiny_encoder(budgets: list[int], seed: int = 0, **kwargs: Any) -> GraphEncoder:

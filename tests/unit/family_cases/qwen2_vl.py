@@ -5,11 +5,12 @@ model, and the bad items of `SpatialMergeRules` (the rules Qwen2.5-VL, Qwen3.5 a
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
-from family_cases.common import item_for, tower_reference
 
+from family_cases.common import item_for, save_tower_only, tower_reference
 from vitpool import GraphEncoder, Image, Video
 
 # 14-pixel patches, two frames per temporal patch, three channels
@@ -47,6 +48,10 @@ def tiny_tower(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     config = Qwen2VLVisionConfig(**TINY_VISION_CONFIG)
     return Qwen2VisionTransformerPretrainedModel._from_config(config, dtype=torch.float32).eval()
+
+
+def save_tower(directory: Path) -> Path:
+    return save_tower_only(tiny_tower(), directory)
 
 
 def tiny_encoder(budgets: list[int], seed: int = 0) -> GraphEncoder:

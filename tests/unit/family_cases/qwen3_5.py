@@ -4,10 +4,12 @@ and tiny full models."""
 
 from __future__ import annotations
 
-import torch
-from family_cases.common import tower_reference
-from family_cases.qwen2_vl import spatial_merge_case_fields
+from pathlib import Path
 
+import torch
+
+from family_cases.common import save_tower_only, tower_reference
+from family_cases.qwen2_vl import spatial_merge_case_fields
 from vitpool import GraphEncoder
 
 # patch 4: rows of 3 * 2 * 4 * 4 = 96 features; an 8 x 8 position table; 2 x 2 merge
@@ -56,6 +58,10 @@ def tiny_tower(seed: int = 0) -> torch.nn.Module:
     return tower.eval().requires_grad_(False)
 
 
+def save_tower(directory: Path) -> Path:
+    return save_tower_only(tiny_tower(), directory)
+
+
 def make_encoder(budgets: list[int]) -> GraphEncoder:
     from vitpool.families.qwen3_5.adapter import Qwen3_5Adapter
 
@@ -74,4 +80,5 @@ def full_model(moe: bool = False) -> torch.nn.Module:
 
 
 BUDGETS = (8, 16, 32)
+TANH_GELU_MLP = True
 CASE_FIELDS = spatial_merge_case_fields(make_encoder, tower_reference, ROW_WIDTH, BUDGETS)

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
-from family_cases.common import randomize
-from family_cases.qwen2_vl import spatial_merge_case_fields
 
+from family_cases.common import randomize, save_tower_only
+from family_cases.qwen2_vl import spatial_merge_case_fields
 from vitpool import GraphEncoder
 
 # patch 4: rows of 3 * 2 * 4 * 4 = 96 features; an 8 x 8 position table; 2 x 2 merge; deepstack
@@ -57,6 +58,7 @@ TINY_AUDIO = {
     "max_source_positions": 32,
 }
 BUDGETS = (16, 32, 64)
+TANH_GELU_MLP = True
 
 
 def tiny_tower(seed: int = 0) -> torch.nn.Module:
@@ -66,6 +68,10 @@ def tiny_tower(seed: int = 0) -> torch.nn.Module:
     config = Qwen3OmniMoeVisionEncoderConfig(**TINY_VISION)
     tower = Qwen3OmniMoeVisionEncoder._from_config(config, dtype=torch.float32)
     return randomize(tower, seed).eval().requires_grad_(False)
+
+
+def save_tower(directory: Path) -> Path:
+    return save_tower_only(tiny_tower(), directory)
 
 
 def make_encoder(budgets: list[int]) -> GraphEncoder:

@@ -13,8 +13,8 @@ from __future__ import annotations
 import copy
 
 import torch
-from family_cases.common import randomize, view_and_crops_case_fields, view_and_crops_features
 
+from family_cases.common import randomize, view_and_crops_case_fields, view_and_crops_features
 from vitpool import GraphEncoder
 
 GLOBAL_SIZE = 56  # 8 x 8 patches of 7 pixels, 2 x 2 = 4 tokens after the 4x downsampling

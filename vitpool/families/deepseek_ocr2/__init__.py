@@ -1,7 +1,7 @@
 """DeepSeek-OCR-2 (deepseek_ocr2): SAM, a Qwen2 encoder, its multi_modal_projector and
 view_separator, two paths."""
 
-from vitpool.models.family import CheckpointLayout, Family, FamilyRecord, ProcessorOutput, lazy
+from vitpool.models.family import Family, FamilyRecord, ProcessorOutput, adapter_checkpoint, lazy
 
 _ADAPTER = "vitpool.families.deepseek_ocr2.adapter"
 
@@ -11,7 +11,9 @@ RECORD = FamilyRecord(
         "deepseek_ocr2_vision": Family(
             lazy(_ADAPTER, "build_encoder"),
             lazy(_ADAPTER, "DeepseekOcr2Adapter"),
-            checkpoint=CheckpointLayout(
+            checkpoint=adapter_checkpoint(
+                _ADAPTER,
+                "DeepseekOcr2Adapter",
                 prefixes=(
                     "model.vision_tower.",
                     "model.multi_modal_projector.",
@@ -21,8 +23,6 @@ RECORD = FamilyRecord(
                     "model.projector.",
                     "model.view_seperator",
                 ),
-                tower_config=lazy(_ADAPTER, "tower_only_config"),
-                convert=lazy(_ADAPTER, "convert_checkpoint"),
             ),
         ),
     },

@@ -21,9 +21,9 @@ floor(S / 16) patches a side (pixels past the last whole patch are not read), th
 and the global layers' relative-position tables are interpolated to that grid, windows are padded,
 and each stride-2 convolution rounds up, so a tile has ceil(floor(S / 16) / 4)² SAM tokens and
 gives 144 tokens (S under 784) or 256. The crop size is the processor's setting: vitpool reads it
-where the checkpoint sets it (`crop_size`) and runs crops of that size. (The processor counts
-ceil(S / 64)² placeholder tokens a crop, so the full model accepts only crops whose count is their
-query table's: S in 705..768 or 961..1024.)
+where the checkpoint sets it (`DeepseekOcr2Adapter.crop_size`) and runs crops of that size. (The
+processor counts ceil(S / 64)² placeholder tokens a crop, so the full model accepts only crops
+whose count is their query table's: S in 705..768 or 961..1024.)
 
 Every tile of a path has one size, so a batch of tiles needs no metadata. The tower's own forward
 cannot be captured: SAM's `get_rel_pos` indexes its tables with tensors made on the host at every
@@ -40,7 +40,6 @@ transformers' conversion_mapping.py renames it on loading).
 
 from __future__ import annotations
 
-import copy
 import re
 from typing import Any
 
@@ -48,6 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from vitpool.kernels.fused import fused_ops_apply, fused_rotary, triton_available
+from vitpool.models.adapter_base import TEXT_HIDDEN_SIZE
 from vitpool.models.compat import check_tower_parts
 from vitpool.models.tiled import (
     GLOBAL_VIEW,
@@ -55,13 +55,12 @@ from vitpool.models.tiled import (
     CropSize,
     PathTiles,
     ViewAndCropsAdapter,
-    crop_size_of,
     install_kernels,
 )
 
 GLOBAL, LOCAL = GLOBAL_VIEW, LOCAL_CROPS
 # DeepseekOcr2ImageProcessor's default `tile_size`: the side of a local crop in pixels. It is the
-# processor's setting, not the model's (`crop_size`).
+# processor's setting, not the model's (`DeepseekOcr2Adapter.crop_size`).
 LOCAL_IMAGE_SIZE = 768
 # The tower picks its query table by the SAM token count (`DeepseekOcr2VisionModel.forward`).
 MAX_PATCHES_OF_SMALL_QUERIES = 144
@@ -173,7 +172,8 @@ class DeepseekOcr2Encoder(torch.nn.Module):
         projector: `DeepseekOcr2Model.multi_modal_projector` (Linear: encoder width -> LLM width).
         view_separator: `DeepseekOcr2Model.view_separator` [LLM width] (copied).
         local_image_size: the side of a local crop in pixels (the processor's `tile_size`), or that
-            and where it was set (`crop_size`), named when crops of another size are refused.
+            and where it was set (`DeepseekOcr2Adapter.crop_size`), named when crops of another
+            size are refused.
 
     Raises:
         ConfigError: the tower lacks a part `tile_features` runs (another transformers release).
@@ -243,19 +243,9 @@ class DeepseekOcr2Encoder(torch.nn.Module):
         return getattr(self, f"key_positions_{size}")
 
 
-def crop_size(config: Any) -> CropSize:
-    """The side of the checkpoint's crops: the vision config's `local_image_size`, else the
-    processor config's `tile_size`, else the processor's default (`vitpool.models.tiled.crop_size_of`).
-
-    Raises:
-        CheckpointError: a size that is no positive whole number of pixels.
-    """
-    return crop_size_of(config, "DeepseekOcr2ImageProcessor", "tile_size", LOCAL_IMAGE_SIZE)
-
-
 def build_encoder(config: Any, dtype: torch.dtype | None = None) -> DeepseekOcr2Encoder:
-    """Fresh tower, projector and separator from a tower-only config (`tower_only_config`), for
-    crops of `crop_size(config)`.
+    """Fresh tower, projector and separator from a tower-only config
+    (`DeepseekOcr2Adapter.tower_only_config`), for crops of `DeepseekOcr2Adapter.crop_size(config)`.
 
     Raises:
         ValueError: the config lacks a field the tower or the projector needs.
@@ -275,29 +265,8 @@ def build_encoder(config: Any, dtype: torch.dtype | None = None) -> DeepseekOcr2
         vision = DeepseekOcr2VisionModel._from_config(config, dtype=dtype)
     width, text_width = int(config.encoder_config.hidden_size), int(config.text_hidden_size)
     projector = torch.nn.Linear(width, text_width, dtype=dtype)
-    return DeepseekOcr2Encoder(vision, projector, torch.zeros(text_width, dtype=dtype), crop_size(config))
-
-
-def tower_only_config(full_config: Any) -> Any:
-    """The vision config of a full DeepseekOcr2Config with the LLM's width added
-    (`text_hidden_size`, the projector's output): what a tower-only save writes as its config.json."""
-    config = copy.deepcopy(full_config.vision_config)
-    config.text_hidden_size = full_config.text_config.hidden_size
-    return config
-
-
-def convert_checkpoint(checkpoint: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
-    """The loader's hook: a full checkpoint's keys less their `model.`, the release's names
-    renamed to transformers' (a tower-only save's keys are the module's own already)."""
-    state = {}
-    for key, tensor in checkpoint.items():
-        key = key.removeprefix("model.")
-        for pattern, replacement in RELEASE_RENAMES:
-            key, count = re.subn(pattern, replacement, key)
-            if count:
-                break
-        state[key] = tensor
-    return state
+    crop = DeepseekOcr2Adapter.crop_size(config)
+    return DeepseekOcr2Encoder(vision, projector, torch.zeros(text_width, dtype=dtype), crop)
 
 
 def rel_table(rel_pos: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -563,6 +532,13 @@ class DeepseekOcr2PathAdapter(PathTiles):
 class DeepseekOcr2Adapter(ViewAndCropsAdapter):
     """Adapter for `DeepseekOcr2Encoder`: two paths, local crops joined before the global view."""
 
+    # What a tower-only save's vision config carries besides the tower's: the LLM's width (the
+    # projector's output).
+    PROJECTOR_FIELDS = (TEXT_HIDDEN_SIZE,)
+    # The crops' side: DeepseekOcr2ImageProcessor's `tile_size`, LOCAL_IMAGE_SIZE unless the checkpoint
+    # sets it.
+    CROP_SETTING = ("DeepseekOcr2ImageProcessor", "tile_size", LOCAL_IMAGE_SIZE)
+
     # GraphEncoder refuses precision="fp8" with this reason
     fp8_refused = (
         "its FP8 tokens were far from the bf16 ones at the real size (per-token cosine median 0.66, "
@@ -580,3 +556,25 @@ class DeepseekOcr2Adapter(ViewAndCropsAdapter):
         super().__init__(
             tower, DeepseekOcr2PathAdapter(tower, LOCAL, width), DeepseekOcr2PathAdapter(tower, GLOBAL, width)
         )
+
+    @classmethod
+    def convert_checkpoint(
+        cls, checkpoint: dict[str, torch.Tensor], config: Any = None
+    ) -> dict[str, torch.Tensor]:
+        """The loader's hook: a full checkpoint's keys less their `model.`, the release's names
+        renamed to transformers' (the first of RELEASE_RENAMES that matches; a tower-only save's keys
+        are the module's own already)."""
+        state = {}
+        for key, tensor in checkpoint.items():
+            key = key.removeprefix("model.")
+            for pattern, replacement in RELEASE_RENAMES:
+                key, count = re.subn(pattern, replacement, key)
+                if count:
+                    break
+            state[key] = tensor
+        return state
+
+
+# The loader's hooks and their long-standing names (`vitpool.models.family.adapter_checkpoint`).
+tower_only_config = DeepseekOcr2Adapter.tower_only_config
+convert_checkpoint = DeepseekOcr2Adapter.convert_checkpoint

@@ -4,10 +4,10 @@ merge into one token, so a batch's rows are a capacity of their own)."""
 
 from vitpool.models.family import (
     GRID_PROCESSOR_OUTPUT,
-    CheckpointLayout,
     Family,
     FamilyRecord,
     ModelParts,
+    adapter_checkpoint,
     lazy,
 )
 
@@ -31,10 +31,10 @@ RECORD = FamilyRecord(
         "ernie4_5_vl_moe_vision": Family(
             lazy(_ADAPTER, "build_encoder"),
             lazy(_ADAPTER, "Ernie4_5_VLMoeAdapter"),
-            checkpoint=CheckpointLayout(
+            checkpoint=adapter_checkpoint(
+                _ADAPTER,
+                "Ernie4_5_VLMoeAdapter",
                 prefixes=CHECKPOINT_PREFIXES,
-                tower_config=lazy(_ADAPTER, "tower_only_config"),
-                convert=lazy(_ADAPTER, "convert_checkpoint"),
             ),
         ),
     },

@@ -24,11 +24,9 @@ batch's rows as well as its tokens (`vitpool.families.ernie4_5_vl_moe.rules`); b
 
 from __future__ import annotations
 
-import copy
 import re
 from collections.abc import Sequence
 from functools import lru_cache
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -36,16 +34,14 @@ from transformers.vision_utils import get_vision_position_ids
 
 from vitpool.families.ernie4_5_vl_moe import CHECKPOINT_PREFIXES
 from vitpool.families.ernie4_5_vl_moe.rules import TemporalMergeRules
+from vitpool.models.adapter_base import TEXT_HIDDEN_SIZE, ConfigField, renamed_key
 from vitpool.models.compat import check_tower_parts
-from vitpool.models.patch_adapter import renamed_key
-from vitpool.models.projected import require_fields, tower_and_projector
+from vitpool.models.projected import tower_and_projector
 from vitpool.models.protocol import TensorSpec, zero_metadata
 from vitpool.models.spatial_merge import Grid, SpatialMergeAdapter, frame_cu_seqlens, grids_of
 from vitpool.packing import Budget
 from vitpool.specs import ItemSpec
 
-# What a tower-only save's vision config carries besides Hugging Face's fields, for the resampler.
-RESAMPLER_FIELDS = ("text_hidden_size", "text_rms_norm_eps")
 # Hugging Face's `_temporal_slicing` pairs frames 2k and 2k+1: it is written for 2 alone.
 TEMPORAL_MERGE_SIZE = 2
 
@@ -61,28 +57,9 @@ class Ernie4_5_VLMoeEncoder(torch.nn.Module):
         self.config = vision_tower.config
 
 
-def resampler_config(config: Any) -> Any:
-    """What `Ernie4_5_VLMoeVariableResolutionResamplerModel` reads, from a full
-    `Ernie4_5_VLMoeConfig` or from a vision config carrying RESAMPLER_FIELDS (a tower-only save)."""
-    if getattr(config, "text_config", None) is not None:
-        return config
-    require_fields(
-        config,
-        RESAMPLER_FIELDS,
-        "an ERNIE-4.5-VL vision config",
-        "to build its resampler; give the full model's "
-        "config (Ernie4_5_VLMoeConfig) or a tower-only save that carries them (`tower_only_config`)",
-    )
-    return SimpleNamespace(
-        vision_config=config,
-        text_config=SimpleNamespace(
-            hidden_size=config.text_hidden_size, rms_norm_eps=config.text_rms_norm_eps
-        ),
-    )
-
-
 def build_encoder(config: Any, dtype: torch.dtype | None = None) -> Ernie4_5_VLMoeEncoder:
-    """Fresh tower and resampler from a full Ernie4_5_VLMoeConfig or a vision config with RESAMPLER_FIELDS."""
+    """Fresh tower and resampler from a full Ernie4_5_VLMoeConfig or a vision config with the
+    adapter's PROJECTOR_FIELDS."""
     from transformers.models.ernie4_5_vl_moe.modeling_ernie4_5_vl_moe import (
         Ernie4_5_VLMoeVariableResolutionResamplerModel,
         Ernie4_5_VLMoeVisionTransformerPretrainedModel,
@@ -91,19 +68,10 @@ def build_encoder(config: Any, dtype: torch.dtype | None = None) -> Ernie4_5_VLM
     tower, resampler = tower_and_projector(
         Ernie4_5_VLMoeVisionTransformerPretrainedModel,
         Ernie4_5_VLMoeVariableResolutionResamplerModel,
-        resampler_config(config),
+        Ernie4_5_VLMoeAdapter.projector_config(config),
         dtype,
     )
     return Ernie4_5_VLMoeEncoder(tower, resampler)
-
-
-def tower_only_config(full_config: Any) -> Any:
-    """The vision config of a full Ernie4_5_VLMoeConfig with RESAMPLER_FIELDS added: what a
-    tower-only save of `Ernie4_5_VLMoeEncoder` writes as its config.json."""
-    config = copy.deepcopy(full_config.vision_config)
-    config.text_hidden_size = full_config.text_config.hidden_size
-    config.text_rms_norm_eps = full_config.text_config.rms_norm_eps
-    return config
 
 
 # What the adapter runs of transformers' modules by name (checked when an adapter is built).
@@ -138,6 +106,21 @@ class Ernie4_5_VLMoeAdapter(SpatialMergeAdapter):
         ValueError: a temporal merge size other than 2 (Hugging Face's resampler takes no other).
         ConfigError: the installed transformers' modules lack a part the adapter runs.
     """
+
+    # What a tower-only save's vision config carries besides Hugging Face's fields, for the resampler.
+    PROJECTOR_FIELDS = (TEXT_HIDDEN_SIZE, ConfigField("text_rms_norm_eps", "text_config.rms_norm_eps"))
+    PROJECTOR_SUBJECT = "an ERNIE-4.5-VL vision config"
+    PROJECTOR_ADVICE = (
+        "to build its resampler; give the full model's config (Ernie4_5_VLMoeConfig) or a tower-only save "
+        "that carries them (`tower_only_config`)"
+    )
+
+    @classmethod
+    def convert_checkpoint(
+        cls, checkpoint: dict[str, torch.Tensor], config: Any = None
+    ) -> dict[str, torch.Tensor]:
+        """The loader's hook (`CheckpointLayout.convert`): `encoder_state`; the config is not needed."""
+        return encoder_state(checkpoint)
 
     def __init__(self, tower: Ernie4_5_VLMoeEncoder) -> None:
         check_tower_parts("ERNIE-4.5-VL", tower, ENCODER_PARTS)
@@ -232,6 +215,6 @@ def encoder_state(checkpoint: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     return state
 
 
-def convert_checkpoint(checkpoint: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
-    """The loader's hook (`CheckpointLayout.convert`): `encoder_state`; the config is not needed."""
-    return encoder_state(checkpoint)
+# The loader's hooks and their long-standing names (`vitpool.models.family.adapter_checkpoint`).
+tower_only_config = Ernie4_5_VLMoeAdapter.tower_only_config
+convert_checkpoint = Ernie4_5_VLMoeAdapter.convert_checkpoint

@@ -4,7 +4,7 @@
 Gemma 3's vision config is SigLIP's own (`siglip_vision_model`), so that type is this family's; a
 full checkpoint of another model with a SigLIP tower is refused by `tower_only_config`."""
 
-from vitpool.models.family import CheckpointLayout, Family, FamilyRecord, ProcessorOutput, lazy
+from vitpool.models.family import Family, FamilyRecord, ProcessorOutput, adapter_checkpoint, lazy
 
 _ADAPTER = "vitpool.families.gemma3.adapter"
 
@@ -14,7 +14,9 @@ RECORD = FamilyRecord(
         "siglip_vision_model": Family(
             lazy(_ADAPTER, "build_encoder"),
             lazy(_ADAPTER, "Gemma3Adapter"),
-            checkpoint=CheckpointLayout(
+            checkpoint=adapter_checkpoint(
+                _ADAPTER,
+                "Gemma3Adapter",
                 # transformers >= 4.52 saves under model.; the releases (and transformers 5) without it
                 prefixes=(
                     "model.vision_tower.",
@@ -22,8 +24,6 @@ RECORD = FamilyRecord(
                     "vision_tower.",
                     "multi_modal_projector.",
                 ),
-                tower_config=lazy(_ADAPTER, "tower_only_config"),
-                convert=lazy(_ADAPTER, "convert_checkpoint"),
             ),
         ),
     },

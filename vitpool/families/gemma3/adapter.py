@@ -17,26 +17,17 @@ saved by transformers 4.52 to 4.x, and the releases keep SigLIP's inner `vision_
 
 from __future__ import annotations
 
-import copy
 import math
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 
-from vitpool.errors import CheckpointError
+from vitpool.models.adapter_base import TEXT_HIDDEN_SIZE, ConfigField, renames
 from vitpool.models.compat import check_tower_parts
-from vitpool.models.projected import require_fields, tower_and_projector
+from vitpool.models.projected import tower_and_projector
 from vitpool.models.tiled import TiledAdapter, install_kernels
 from vitpool.rules.tiles import TileRules
 
-# What a tower-only save's vision config carries besides SigLIP's fields, for the projector (the
-# full model's Gemma3Config holds them: the LLM's width, the tokens a view is pooled to).
-PROJECTOR_FIELDS = ("text_hidden_size", "mm_tokens_per_image")
-# The full checkpoints whose SigLIP tower and projector this family runs.
-FULL_MODEL_TYPES = ("gemma3",)
-# The releases keep SigLIP's tower one level down; transformers 5's module has no such level.
-RELEASE_TOWER_PREFIX = "vision_tower.vision_model."
 # The default budgets hold up to this many views: one image with the processor's most crops
 # (pan_and_scan_max_num_crops=4) and the whole image. A batch of more runs eager at its own size.
 MAX_GRAPH_VIEWS = 5
@@ -53,81 +44,16 @@ class Gemma3Encoder(torch.nn.Module):
         self.config = vision_tower.config
 
 
-def projector_config(config: Any) -> Any:
-    """What `Gemma3MultiModalProjector` reads, from a full `Gemma3Config` or from a SigLIP vision
-    config carrying PROJECTOR_FIELDS (a tower-only save).
-
-    Raises:
-        ValueError: a vision config without PROJECTOR_FIELDS (a plain SigLIP save).
-    """
-    if getattr(config, "text_config", None) is not None:
-        return config
-    require_fields(
-        config,
-        PROJECTOR_FIELDS,
-        "a Gemma 3 vision config",
-        "to build its multi_modal_projector; give the full "
-        "model's config (Gemma3Config) or a tower-only save that carries them (a plain SigLIP tower "
-        "has no projector for vitpool to run)",
-    )
-    return SimpleNamespace(
-        vision_config=config,
-        text_config=SimpleNamespace(hidden_size=config.text_hidden_size),
-        mm_tokens_per_image=config.mm_tokens_per_image,
-    )
-
-
 def build_encoder(config: Any, dtype: torch.dtype | None = None) -> Gemma3Encoder:
-    """Fresh tower and projector from a full Gemma3Config or a vision config with PROJECTOR_FIELDS."""
+    """Fresh tower and projector from a full Gemma3Config or a vision config with the adapter's
+    PROJECTOR_FIELDS."""
     from transformers import SiglipVisionModel
     from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector
 
-    full = projector_config(config)
+    full = Gemma3Adapter.projector_config(config)
     check_pooling(full.vision_config, full.mm_tokens_per_image)
     tower, projector = tower_and_projector(SiglipVisionModel, Gemma3MultiModalProjector, full, dtype)
     return Gemma3Encoder(tower, projector)
-
-
-def tower_only_config(full_config: Any) -> Any:
-    """The vision config of a full Gemma3Config with PROJECTOR_FIELDS added: what a tower-only save
-    of `Gemma3Encoder` writes as its config.json (and what a full checkpoint is built from).
-
-    Raises:
-        CheckpointError: a full model of another type with a SigLIP tower (PaliGemma, ...), whose
-            projector is not Gemma 3's.
-    """
-    model_type = getattr(full_config, "model_type", None)
-    if model_type not in FULL_MODEL_TYPES:
-        raise CheckpointError(
-            f"a {model_type!r} checkpoint with a SigLIP vision tower: vitpool runs SigLIP towers with Gemma "
-            f"3's projector only (model_type {' or '.join(map(repr, FULL_MODEL_TYPES))})"
-        )
-    config = copy.deepcopy(full_config.vision_config)
-    config.text_hidden_size = full_config.text_config.hidden_size
-    config.mm_tokens_per_image = full_config.mm_tokens_per_image
-    return config
-
-
-def convert_checkpoint(checkpoint: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
-    """The loader's hook: the module's state from a full checkpoint in any release's layout or from
-    a tower-only save (the module's own keys).
-
-    Args:
-        checkpoint: tensors keyed as saved: `model.vision_tower.*` / `model.multi_modal_projector.*`
-            (transformers 4.52 and later 4.x), `vision_tower.*` / `multi_modal_projector.*`
-            (transformers 5, tower-only saves), `vision_tower.vision_model.*` (the releases).
-        config: the tower config (unused).
-
-    Returns:
-        `Gemma3Encoder`'s state: `vision_tower.*` and `multi_modal_projector.*`.
-    """
-    state: dict[str, torch.Tensor] = {}
-    for key, tensor in checkpoint.items():
-        name = key.removeprefix("model.")
-        if name.startswith(RELEASE_TOWER_PREFIX):
-            name = "vision_tower." + name.removeprefix(RELEASE_TOWER_PREFIX)
-        state[name] = tensor
-    return state
 
 
 def check_pooling(vision_config: Any, mm_tokens_per_image: int) -> None:
@@ -157,6 +83,27 @@ class Gemma3Adapter(TiledAdapter):
     """Adapter for `Gemma3Encoder`: rows are views, no metadata."""
 
     max_graph_tiles = MAX_GRAPH_VIEWS
+    # What a tower-only save's vision config carries besides SigLIP's fields, for the projector (the
+    # full model's Gemma3Config holds them: the LLM's width, the tokens a view is pooled to).
+    PROJECTOR_FIELDS = (TEXT_HIDDEN_SIZE, ConfigField("mm_tokens_per_image", "mm_tokens_per_image"))
+    PROJECTOR_SUBJECT = "a Gemma 3 vision config"
+    PROJECTOR_ADVICE = (
+        "to build its multi_modal_projector; give the full model's config (Gemma3Config) or a tower-only "
+        "save that carries them (a plain SigLIP tower has no projector for vitpool to run)"
+    )
+    # The full checkpoints whose SigLIP tower and projector this family runs (PaliGemma's is another).
+    FULL_MODEL_TYPES = ("gemma3",)
+    OTHER_MODEL = (
+        "a {model_type} checkpoint with a SigLIP vision tower: vitpool runs SigLIP towers with Gemma 3's "
+        "projector only (model_type {expected})"
+    )
+    # Tensors keyed as saved: `model.vision_tower.*` / `model.multi_modal_projector.*` (transformers
+    # 4.52 and later 4.x), `vision_tower.*` / `multi_modal_projector.*` (transformers 5, tower-only
+    # saves), `vision_tower.vision_model.*` (the releases keep SigLIP's tower one level down;
+    # transformers 5's module has no such level).
+    CHECKPOINT_RENAMES = renames(
+        (r"^(?:model\.)?vision_tower\.vision_model\.", "vision_tower."), (r"^model\.", "")
+    )
 
     def __init__(self, tower: Gemma3Encoder) -> None:
         vision = tower.vision_tower
@@ -180,3 +127,9 @@ class Gemma3Adapter(TiledAdapter):
         patches = self.tower.vision_tower(pixel_values=pixels).last_hidden_state
         tokens = self.tower.multi_modal_projector(patches)
         return [tokens.reshape(-1, tokens.shape[-1])]
+
+
+# The loader's hooks and their long-standing names (`vitpool.models.family.adapter_checkpoint`).
+projector_config = Gemma3Adapter.projector_config
+tower_only_config = Gemma3Adapter.tower_only_config
+convert_checkpoint = Gemma3Adapter.convert_checkpoint

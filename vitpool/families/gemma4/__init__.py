@@ -4,9 +4,9 @@ padding rows dropped (`adapter.py` says why that is exact).
 
 The tower's own type, `gemma4_vision`, is no other family's (Gemma 3's is SigLIP's
 `siglip_vision_model`). DiffusionGemma uses the same tower type inside another model; its
-checkpoints are refused by `tower_only_config`."""
+checkpoints are refused by `Gemma4Adapter.tower_only_config`."""
 
-from vitpool.models.family import CheckpointLayout, Family, FamilyRecord, ProcessorOutput, lazy
+from vitpool.models.family import Family, FamilyRecord, ProcessorOutput, adapter_checkpoint, lazy
 
 _ADAPTER = "vitpool.families.gemma4.adapter"
 
@@ -16,11 +16,11 @@ RECORD = FamilyRecord(
         "gemma4_vision": Family(
             lazy(_ADAPTER, "build_encoder"),
             lazy(_ADAPTER, "Gemma4Adapter"),
-            checkpoint=CheckpointLayout(
-                # transformers' save and the releases: under model.; tower-only saves: the module's own keys
+            # transformers' save and the releases: under model.; tower-only saves: the module's own keys
+            checkpoint=adapter_checkpoint(
+                _ADAPTER,
+                "Gemma4Adapter",
                 prefixes=("model.vision_tower.", "model.embed_vision.", "vision_tower.", "embed_vision."),
-                tower_config=lazy(_ADAPTER, "tower_only_config"),
-                convert=lazy(_ADAPTER, "convert_checkpoint"),
             ),
         ),
     },

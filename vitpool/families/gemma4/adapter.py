@@ -41,11 +41,10 @@ has them; the packed attention takes equal heads).
 
 from __future__ import annotations
 
-import copy
-import random
+import dataclasses
+import re
 from collections.abc import Sequence
 from functools import lru_cache
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -53,17 +52,13 @@ import torch
 from vitpool.errors import ConfigError
 from vitpool.families.gemma4.rules import Gemma4Rules
 from vitpool.kernels.attention import install_packed_attention
+from vitpool.models.adapter_base import TEXT_HIDDEN_SIZE, AdapterBase, is_full_config, renames
 from vitpool.models.compat import check_tower_parts
 from vitpool.models.protocol import TensorSpec, zero_metadata
 from vitpool.models.spatial_merge import Grid, item_cu_seqlens, item_grids
 from vitpool.packing import Budget
-from vitpool.specs import IMAGE, ItemSpec
+from vitpool.specs import ItemSpec
 
-# The full checkpoints whose vision tower and embed_vision this family runs (DiffusionGemma has the
-# same tower type with its own model around it).
-FULL_MODEL_TYPE = "gemma4"
-# What a tower-only save's vision config carries besides the tower's fields: embed_vision's output width.
-PROJECTOR_FIELDS = ("text_hidden_size",)
 # What `Gemma4Adapter.forward` uses of transformers' tower and embedder.
 TOWER_PARTS = (
     "vision_tower.patch_embedder",
@@ -73,12 +68,7 @@ TOWER_PARTS = (
     "embed_vision.embedding_pre_projection_norm",
     "embed_vision.embedding_projection",
 )
-# Vestiges of Gemma 3n's embedder that some releases carry and no Gemma 4 module reads (vLLM's
-# Gemma 4 loader skips them too).
-VESTIGIAL_PREFIX = "embed_vision.embedding."
 PADDING_POSITION = -1
-# Sampled check batches stay small so that checking a budget costs little host time.
-MAX_SAMPLED_ITEMS = 8
 Tensors = dict[str, torch.Tensor]
 
 
@@ -93,63 +83,44 @@ class Gemma4Encoder(torch.nn.Module):
         self.config = vision_tower.config
 
 
-def tower_only_config(full_config: Any) -> Any:
-    """The vision config of a full `Gemma4Config` with PROJECTOR_FIELDS added: the config
-    `build_encoder` takes, and what a tower-only save of `Gemma4Encoder` writes as config.json.
-
-    Raises:
-        ValueError: a full config of another model with a Gemma 4 vision tower (DiffusionGemma),
-            whose model around the tower vitpool does not run.
-    """
-    model_type = getattr(full_config, "model_type", None)
-    if model_type != FULL_MODEL_TYPE:
-        raise ValueError(
-            f"vitpool's {FULL_MODEL_TYPE} family runs Gemma 4's vision tower with its embed_vision; a "
-            f"{model_type!r} checkpoint is another model around that tower, which vitpool does not run"
-        )
-    config = copy.deepcopy(full_config.vision_config)
-    config.text_hidden_size = int(full_config.text_config.hidden_size)
-    return config
-
-
 def build_encoder(config: Any, dtype: torch.dtype | None = None) -> Gemma4Encoder:
-    """Fresh tower and embedder from a full `Gemma4Config` or a vision config with PROJECTOR_FIELDS.
+    """Fresh tower and embedder from a full `Gemma4Config` or a vision config with the LLM's width
+    (`Gemma4Adapter.tower_only_config`).
 
     Raises:
-        ValueError: a vision config without PROJECTOR_FIELDS (a plain tower save).
+        ValueError: a vision config without it (a plain tower save).
     """
     from transformers.models.gemma4.modeling_gemma4 import Gemma4MultimodalEmbedder, Gemma4VisionModel
 
-    if getattr(config, "text_config", None) is not None:
-        config = tower_only_config(config)
-    if getattr(config, "text_hidden_size", None) is None:
-        raise ValueError(
-            "Gemma 4's embed_vision needs text_hidden_size (the LLM's width) besides the vision config: give "
-            "the full model's config (Gemma4Config) or a tower-only save written with tower_only_config; got "
-            f"a {type(config).__name__} (model_type {getattr(config, 'model_type', None)!r})"
-        )
-    text = SimpleNamespace(hidden_size=int(config.text_hidden_size))
+    if is_full_config(config):
+        config = Gemma4Adapter.tower_only_config(config)
+    text = Gemma4Adapter.projector_config(config).text_config
     if dtype is None:
         return Gemma4Encoder(Gemma4VisionModel(config), Gemma4MultimodalEmbedder(config, text))
     tower = Gemma4VisionModel._from_config(config, dtype=dtype)
     return Gemma4Encoder(tower, Gemma4MultimodalEmbedder(config, text).to(dtype))
 
 
-def convert_checkpoint(state: dict[str, torch.Tensor], config: Any = None) -> dict[str, torch.Tensor]:
-    """`Gemma4Encoder`'s state from a checkpoint's tensors: `model.vision_tower.*` and
-    `model.embed_vision.*` (transformers' and the releases' layout) lose `model.`; the encoder's own
-    keys map to themselves; vestigial `embed_vision.embedding.*` tensors are dropped; other keys
-    pass unchanged (a strict load names them). `config` is not needed."""
-    converted = {}
-    for key, tensor in state.items():
-        name = key.removeprefix("model.")
-        if not name.startswith(VESTIGIAL_PREFIX):
-            converted[name] = tensor
-    return converted
-
-
-class Gemma4Adapter:
+class Gemma4Adapter(AdapterBase):
     """Adapter for `Gemma4Encoder`: an image's real patch rows in, `embed_vision`'s tokens out."""
+
+    # What a tower-only save's vision config carries besides the tower's fields: embed_vision's width.
+    PROJECTOR_FIELDS = (dataclasses.replace(TEXT_HIDDEN_SIZE, cast=int),)
+    PROJECTOR_SUBJECT = "Gemma 4's embed_vision"
+    PROJECTOR_ADVICE = (
+        "(the LLM's width) besides the vision config: give the full model's config (Gemma4Config) or a "
+        "tower-only save written with tower_only_config"
+    )
+    # DiffusionGemma has the same tower type with its own model around it.
+    FULL_MODEL_TYPES = ("gemma4",)
+    OTHER_MODEL = (
+        "vitpool's gemma4 family runs Gemma 4's vision tower with its embed_vision; a {model_type} "
+        "checkpoint is another model around that tower, which vitpool does not run"
+    )
+    # transformers' and the releases' layout lose `model.`; vestiges of Gemma 3n's embedder that some
+    # releases carry and no Gemma 4 module reads are dropped (vLLM's Gemma 4 loader skips them too).
+    CHECKPOINT_RENAMES = renames((r"^model\.", ""))
+    CHECKPOINT_IGNORED = (re.compile(r"^(?:model\.)?embed_vision\.embedding\."),)
 
     def __init__(self, tower: Gemma4Encoder) -> None:
         check_tower_parts("Gemma 4", tower, TOWER_PARTS)
@@ -176,14 +147,10 @@ class Gemma4Adapter:
             int(config.position_embedding_size),
             int(tower.embed_vision.embedding_projection.out_features),
         )
-        self.row_shape = self.item_rules.row_shape
-        self.output_row_shapes = self.item_rules.output_row_shapes
         self.merge_unit = self.item_rules.merge_unit
+        self.max_sampled_side_blocks = self.item_rules.max_side // k  # no side past the position table
         self._per_grid = lru_cache(maxsize=1024)(self._grid_tensors)
         install_packed_attention(tower.vision_tower)
-
-    def max_rows(self, num_tokens: int) -> int:
-        return num_tokens * self.merge_unit
 
     def metadata_specs(self, num_rows: int, budget: Budget) -> dict[str, TensorSpec]:
         return {
@@ -234,22 +201,6 @@ class Gemma4Adapter:
             features = (features - vision.std_bias.float()) * vision.std_scale.float()
         return [self.tower.embed_vision(inputs_embeds=features.to(hidden.dtype))]
 
-    def sample_specs(self, num_rows: int, budget: Budget, rng: random.Random) -> list[ItemSpec]:
-        """Random images that together fit `num_rows` rows, the budget's tokens and its items, no
-        side past the position table: some fill what is left, most take a part of it."""
-        rules, k = self.item_rules, self.pooling_kernel_size
-        most_side_blocks = rules.max_side // k
-        specs: list[ItemSpec] = []
-        tokens_left = min(budget.num_tokens, num_rows // self.merge_unit)
-        while len(specs) < min(MAX_SAMPLED_ITEMS, budget.max_items) and tokens_left >= 1:
-            num_blocks = tokens_left if rng.random() < 0.2 else rng.randint(1, max(1, tokens_left // 2))
-            height_blocks = rng.randint(1, min(num_blocks, most_side_blocks))
-            width_blocks = min(max(1, num_blocks // height_blocks), most_side_blocks)
-            h, w = height_blocks * k, width_blocks * k
-            specs.append(rules.item_spec(IMAGE, (h * w, rules.row_width), "float32", (1, h, w)))
-            tokens_left -= height_blocks * width_blocks
-        return specs
-
     def _grid_tensors(self, grid: Grid) -> tuple[torch.Tensor, torch.Tensor]:
         """One image's positions [h*w, 2] as the processor gives them ((x, y), patches row-major)
         and its pooler's gather index [tokens, k²] (token (by, bx), row-major as the pooler numbers
@@ -260,3 +211,8 @@ class Gemma4Adapter:
         positions = torch.stack([columns.flatten(), rows.flatten()], dim=-1)
         pool_index = torch.arange(h * w).view(h // k, k, w // k, k).transpose(1, 2).reshape(-1, k * k)
         return positions, pool_index
+
+
+# The loader's hooks and their long-standing names (`vitpool.models.family.adapter_checkpoint`).
+tower_only_config = Gemma4Adapter.tower_only_config
+convert_checkpoint = Gemma4Adapter.convert_checkpoint

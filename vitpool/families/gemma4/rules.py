@@ -23,17 +23,16 @@ and joins the frames' tokens, so a video is its frames as Images, their tokens j
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vitpool.packing import Budget, plain_budgets
+from vitpool.rules.base import RulesBase
 from vitpool.rules.grids import check_row_count, checked_grid
-from vitpool.specs import VIDEO, ItemSpec, check_capacity_limits
+from vitpool.specs import VIDEO, ItemSpec
 
 
 @dataclass(frozen=True)
-class Gemma4Rules:
+class Gemma4Rules(RulesBase):
     """Gemma 4's items: Images of their real patch rows [h*w, row_width] with a grid (1, h, w)."""
 
     row_width: int  # features per patch row: 3 * P * P
@@ -92,12 +91,3 @@ class Gemma4Rules:
             pixel_shape, grid, h * w, "h*w (the real patches; the processor's padding rows dropped)"
         )
         return ItemSpec(modality, pixel_shape, pixel_dtype, grid, h * w // self.merge_unit)
-
-    def budgets(
-        self,
-        token_budgets: Sequence[int],
-        max_items_per_batch: int | None,
-        capacity_limits: Mapping[str, int],
-    ) -> list[Budget]:
-        check_capacity_limits(capacity_limits, self.capacities)
-        return plain_budgets(token_budgets, max_items_per_batch)

@@ -1,7 +1,7 @@
 """HunYuan-VL / HunyuanOCR (hunyuan_vl): HunYuanVLVisionTransformer with its patch merger (begin,
 end and newline tokens), transformers' or the release's keys; Qwen-style patch rows and grids."""
 
-from vitpool.models.family import GRID_IMAGES_OUTPUT, CheckpointLayout, Family, FamilyRecord, hf_tower, lazy
+from vitpool.models.family import GRID_IMAGES_OUTPUT, Family, FamilyRecord, adapter_checkpoint, hf_tower, lazy
 
 _ADAPTER = "vitpool.families.hunyuan_vl.adapter"
 
@@ -11,10 +11,9 @@ RECORD = FamilyRecord(
         "hunyuan_vl_vision": Family(
             hf_tower("transformers.models.hunyuan_vl.modeling_hunyuan_vl", "HunYuanVLVisionTransformer"),
             lazy(_ADAPTER, "HunYuanVLAdapter"),
-            checkpoint=CheckpointLayout(
-                # transformers' state_dict; the release's layout, which save_pretrained writes back
-                prefixes=("model.vision_tower.", "model.vit.", "vit."),
-                convert=lazy(_ADAPTER, "convert_checkpoint"),
+            # transformers' state_dict; the release's layout, which save_pretrained writes back
+            checkpoint=adapter_checkpoint(
+                _ADAPTER, "HunYuanVLAdapter", prefixes=("model.vision_tower.", "model.vit.", "vit.")
             ),
         ),
     },

@@ -50,6 +50,7 @@ from transformers.vision_utils import get_vision_interpolation_indices_and_weigh
 from vitpool.errors import ConfigError
 from vitpool.families.hunyuan_vl.rules import FEWEST_EXTRA_TOKENS, HunYuanVLRules, image_tokens
 from vitpool.kernels.attention import install_packed_attention
+from vitpool.models.adapter_base import AdapterBase
 from vitpool.models.compat import check_tower_parts
 from vitpool.models.protocol import TensorSpec, zero_metadata
 from vitpool.models.spatial_merge import Grid, item_cu_seqlens, item_grids
@@ -76,8 +77,6 @@ TOWER_PARTS = (
 INTERPOLATION_TAPS = {"bilinear": 4, "bicubic": 16}
 # A token's code in a grid's token layout where it is no block: rows after the batch's blocks.
 NEWLINE, BEGIN, END = -1, -2, -3
-# Sampled check batches stay small so that checking a budget costs little host time.
-MAX_SAMPLED_ITEMS = 8
 Tensors = dict[str, torch.Tensor]
 
 # A full checkpoint's tower (the record's prefixes): transformers' state_dict (`model.vision_tower.`),
@@ -99,21 +98,24 @@ _RENAMES = tuple(
 )
 
 
-def convert_checkpoint(state: dict[str, torch.Tensor], config: object = None) -> dict[str, torch.Tensor]:
-    """The tower's state from a checkpoint's tensors in any layout above: each rename applies in
-    turn (the prefix goes, then the release's names become transformers'); the tower's own keys map
-    to themselves, other keys pass unchanged (a strict load names them). `config` is not needed."""
-    converted = {}
-    for key, tensor in state.items():
-        for pattern, target in _RENAMES:
-            key = pattern.sub(target, key)
-        converted[key] = tensor
-    return converted
-
-
-class HunYuanVLAdapter:
+class HunYuanVLAdapter(AdapterBase):
     """Adapter for `HunYuanVLVisionTransformer` (vision model_type "hunyuan_vl_vision"): patch rows
     in, the merger's tokens (blocks, newlines, begin and end) out."""
+
+    @classmethod
+    def convert_checkpoint(
+        cls, state: dict[str, torch.Tensor], config: object = None
+    ) -> dict[str, torch.Tensor]:
+        """The tower's state from a checkpoint's tensors in any layout above: each rename applies
+        in turn, not the first that matches alone (the prefix goes, then the release's names become
+        transformers'); the tower's own keys map to themselves, other keys pass unchanged (a strict
+        load names them). `config` is not needed."""
+        converted = {}
+        for key, tensor in state.items():
+            for pattern, target in _RENAMES:
+                key = pattern.sub(target, key)
+            converted[key] = tensor
+        return converted
 
     def __init__(self, tower: torch.nn.Module) -> None:
         check_tower_parts("HunYuan-VL", tower, TOWER_PARTS)
@@ -138,8 +140,6 @@ class HunYuanVLAdapter:
         self.item_rules = HunYuanVLRules(
             self.channels * self.patch_size**2, self.merge_size, int(tower.patch_merger.mlp.out_features)
         )
-        self.row_shape = self.item_rules.row_shape
-        self.output_row_shapes = self.item_rules.output_row_shapes
         self.interpolate_mode = mode
         self.taps = INTERPOLATION_TAPS[mode]
         self._per_grid = lru_cache(maxsize=1024)(self._grid_tensors)
@@ -219,7 +219,7 @@ class HunYuanVLAdapter:
         m, rules = self.merge_size, self.item_rules
         specs: list[ItemSpec] = []
         rows_left, tokens_left = num_rows, budget.num_tokens
-        while len(specs) < min(MAX_SAMPLED_ITEMS, budget.max_items):
+        while len(specs) < self.sampled_items(budget):
             # blocks of the largest image that fits: one row of blocks spends the fewest extra tokens
             most_blocks = min(rows_left // self.merge_unit, tokens_left - FEWEST_EXTRA_TOKENS)
             if most_blocks < 1:
@@ -257,3 +257,7 @@ class HunYuanVLAdapter:
             [torch.tensor([BEGIN]), torch.cat([block_rows, newlines], 1).flatten(), torch.tensor([END])]
         )
         return indices, weights.to(torch.float32), merge_index, layout
+
+
+# The loader's hook and its long-standing name (`vitpool.models.family.adapter_checkpoint`).
+convert_checkpoint = HunYuanVLAdapter.convert_checkpoint

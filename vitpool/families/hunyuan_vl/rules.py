@@ -18,13 +18,12 @@ an image of h*w rows gives at least 3 tokens more than h*w/m² (one row of block
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vitpool.packing import Budget, plain_budgets
+from vitpool.rules.base import RulesBase
 from vitpool.rules.grids import check_row_count, checked_grid
-from vitpool.specs import VIDEO, ItemSpec, check_capacity_limits
+from vitpool.specs import VIDEO, ItemSpec
 
 BOUNDARY_TOKENS = 2  # image_begin and image_end, around every image
 # The fewest tokens an image gives beyond its blocks: one newline (one row of blocks) and the boundaries.
@@ -38,7 +37,7 @@ def image_tokens(h: int, w: int, merge_size: int) -> int:
 
 
 @dataclass(frozen=True)
-class HunYuanVLRules:
+class HunYuanVLRules(RulesBase):
     """HunYuan-VL's items: Images of flattened patches [h*w, row_width] with a grid (1, h, w)."""
 
     row_width: int  # features per patch row: C * P * P
@@ -74,12 +73,3 @@ class HunYuanVLRules:
             )
         check_row_count(pixel_shape, grid, h * w, "h*w")
         return ItemSpec(modality, pixel_shape, pixel_dtype, grid, image_tokens(h, w, m))
-
-    def budgets(
-        self,
-        token_budgets: Sequence[int],
-        max_items_per_batch: int | None,
-        capacity_limits: Mapping[str, int],
-    ) -> list[Budget]:
-        check_capacity_limits(capacity_limits, self.capacities)
-        return plain_budgets(token_budgets, max_items_per_batch)

@@ -3,15 +3,15 @@ global image, and the `connector` (pixel shuffle, then a Linear into the LLM's w
 the graph. SmolVLM (and SmolVLM2) is Idefics3's design under its own class names: one family, one
 adapter, whichever classes the config names."""
 
-from vitpool.models.family import CheckpointLayout, Family, FamilyRecord, ProcessorOutput, lazy
+from vitpool.models.family import Family, FamilyRecord, ProcessorOutput, adapter_checkpoint, lazy
 
 _ADAPTER = "vitpool.families.idefics3.adapter"
 
 # A full checkpoint keeps the tower under model.vision_model. and the connector under model.connector.
-_LAYOUT = CheckpointLayout(
+_LAYOUT = adapter_checkpoint(
+    _ADAPTER,
+    "Idefics3Adapter",
     prefixes=("model.vision_model.", "model.connector."),
-    tower_config=lazy(_ADAPTER, "tower_only_config"),
-    convert=lazy(_ADAPTER, "convert_checkpoint"),
 )
 _FAMILY = Family(lazy(_ADAPTER, "build_encoder"), lazy(_ADAPTER, "Idefics3Adapter"), checkpoint=_LAYOUT)
 

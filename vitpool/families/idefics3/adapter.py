@@ -23,21 +23,16 @@ last).
 
 from __future__ import annotations
 
-import copy
 import importlib
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 
+from vitpool.models.adapter_base import TEXT_HIDDEN_SIZE, ConfigField, renames
 from vitpool.models.compat import check_tower_parts
-from vitpool.models.projected import require_fields
 from vitpool.models.tiled import TiledAdapter, install_kernels
 from vitpool.rules.tiles import TileRules
 
-# What a tower-only save's vision config carries besides Hugging Face's fields, for the connector
-# (the full model's config holds them).
-CONNECTOR_FIELDS = ("text_hidden_size", "scale_factor")
 # The default budgets hold up to this many splits: a 4 x 4 split image and its global image (the
 # processors' default `size` is 4 splits on the longest side); a batch of more runs eager.
 MAX_GRAPH_TILES = 17
@@ -83,29 +78,10 @@ def split_position_ids(side: int) -> torch.Tensor:
     return (buckets[:, None] * side + buckets[None, :]).reshape(-1)
 
 
-def connector_config(config: Any) -> Any:
-    """What the connector reads, from a full `Idefics3Config` / `SmolVLMConfig` or from a vision
-    config carrying CONNECTOR_FIELDS (a tower-only save)."""
-    if getattr(config, "text_config", None) is not None:
-        return config
-    require_fields(
-        config,
-        CONNECTOR_FIELDS,
-        "an Idefics3 / SmolVLM vision config",
-        "to build its connector; give the full "
-        "model's config (Idefics3Config, SmolVLMConfig) or a tower-only save that carries them",
-    )
-    return SimpleNamespace(
-        vision_config=config,
-        text_config=SimpleNamespace(hidden_size=config.text_hidden_size),
-        scale_factor=config.scale_factor,
-    )
-
-
 def build_encoder(config: Any, dtype: torch.dtype | None = None) -> Idefics3VisionEncoder:
-    """Fresh tower and connector from a full config or a vision config with CONNECTOR_FIELDS; the
-    classes are SmolVLM's for a SmolVLM vision config, Idefics3's otherwise."""
-    full = connector_config(config)
+    """Fresh tower and connector from a full config or a vision config with the adapter's
+    PROJECTOR_FIELDS; the classes are SmolVLM's for a SmolVLM vision config, Idefics3's otherwise."""
+    full = Idefics3Adapter.projector_config(config)
     module_name, tower_name, connector_name = _CLASSES.get(
         type(full.vision_config).__name__, _IDEFICS3_CLASSES
     )
@@ -120,26 +96,21 @@ def build_encoder(config: Any, dtype: torch.dtype | None = None) -> Idefics3Visi
     return Idefics3VisionEncoder(tower, connector)
 
 
-def tower_only_config(full_config: Any) -> Any:
-    """The vision config of a full Idefics3Config / SmolVLMConfig with CONNECTOR_FIELDS added: what
-    a tower-only save of `Idefics3VisionEncoder` writes as its config.json (and what a full
-    checkpoint is built from)."""
-    config = copy.deepcopy(full_config.vision_config)
-    config.text_hidden_size = full_config.text_config.hidden_size
-    config.scale_factor = full_config.scale_factor
-    return config
-
-
-def convert_checkpoint(checkpoint: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
-    """The loader's hook: a full checkpoint's `model.vision_model.*` and `model.connector.*` less
-    the `model.` (a tower-only save's keys are the module's own already)."""
-    return {key.removeprefix("model."): tensor for key, tensor in checkpoint.items()}
-
-
 class Idefics3Adapter(TiledAdapter):
     """Adapter for `Idefics3VisionEncoder`: rows are full splits, no metadata."""
 
     max_graph_tiles = MAX_GRAPH_TILES
+    # What a tower-only save's vision config carries besides Hugging Face's fields, for the connector
+    # (the full model's config holds them).
+    PROJECTOR_FIELDS = (TEXT_HIDDEN_SIZE, ConfigField("scale_factor", "scale_factor"))
+    PROJECTOR_SUBJECT = "an Idefics3 / SmolVLM vision config"
+    PROJECTOR_ADVICE = (
+        "to build its connector; give the full model's config (Idefics3Config, SmolVLMConfig) or a "
+        "tower-only save that carries them"
+    )
+    # A full checkpoint's `model.vision_model.*` and `model.connector.*` lose `model.` (a tower-only
+    # save's keys are the module's own already).
+    CHECKPOINT_RENAMES = renames((r"^model\.", ""))
 
     def __init__(self, tower: Idefics3VisionEncoder) -> None:
         vision = tower.vision_model
@@ -178,3 +149,9 @@ class Idefics3Adapter(TiledAdapter):
         )
         tokens = self.tower.connector(hidden)  # [splits, tokens a split, LLM width]
         return [tokens.reshape(-1, tokens.shape[-1])]
+
+
+# The loader's hooks and their long-standing names (`vitpool.models.family.adapter_checkpoint`).
+connector_config = Idefics3Adapter.projector_config
+tower_only_config = Idefics3Adapter.tower_only_config
+convert_checkpoint = Idefics3Adapter.convert_checkpoint

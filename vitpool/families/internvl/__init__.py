@@ -2,7 +2,7 @@
 keys), and InternVL 2 / 2.5 / 3 as OpenGVLab released them (config "internvl_chat", remote code:
 InternViT, every size "intern_vit_6b", under vision_model. with a fused qkv, the projector as mlp1)."""
 
-from vitpool.models.family import CheckpointLayout, Family, FamilyRecord, ProcessorOutput, lazy
+from vitpool.models.family import Family, FamilyRecord, ProcessorOutput, adapter_checkpoint, lazy
 
 _ADAPTER = "vitpool.families.internvl.adapter"
 _CHECKPOINT = "vitpool.families.internvl.checkpoint"
@@ -13,24 +13,25 @@ RECORD = FamilyRecord(
         "internvl_vision": Family(
             lazy(_ADAPTER, "build_encoder"),
             lazy(_ADAPTER, "InternVLAdapter"),
-            checkpoint=CheckpointLayout(
+            checkpoint=adapter_checkpoint(
+                _ADAPTER,
+                "InternVLAdapter",
                 prefixes=(
                     "model.vision_tower.",
                     "model.multi_modal_projector.",
                     "vision_tower.",
                     "multi_modal_projector.",
                 ),
-                tower_config=lazy(_ADAPTER, "tower_only_config"),
-                convert=lazy(_CHECKPOINT, "convert_checkpoint"),
             ),
         ),
         "intern_vit_6b": Family(
             lazy(_ADAPTER, "build_encoder"),
             lazy(_ADAPTER, "InternVLAdapter"),
             read_config=lazy(_CHECKPOINT, "refuse_tower_release"),
-            checkpoint=CheckpointLayout(
+            checkpoint=adapter_checkpoint(
+                _ADAPTER,
+                "InternVLAdapter",
                 prefixes=("vision_model.", "mlp1."),
-                convert=lazy(_CHECKPOINT, "convert_checkpoint"),
                 read_full_config=lazy(_CHECKPOINT, "release_config"),
             ),
         ),

@@ -21,26 +21,17 @@ tower with RMSNorm, q/k RMSNorm and no qkv bias (`norm_type`, `use_qk_norm`, `at
 
 from __future__ import annotations
 
-import copy
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 
+from vitpool.families.internvl import checkpoint
+from vitpool.models.adapter_base import TEXT_HIDDEN_SIZE, ConfigField
 from vitpool.models.compat import check_tower_parts
-from vitpool.models.projected import require_fields, tower_and_projector
+from vitpool.models.projected import tower_and_projector
 from vitpool.models.tiled import TiledAdapter, install_kernels
 from vitpool.rules.tiles import TileRules
 
-# What a tower-only save's vision config carries besides Hugging Face's fields, for the projector
-# and the feature selection (the full model's InternVLConfig holds them).
-PROJECTOR_FIELDS = (
-    "text_hidden_size",
-    "downsample_ratio",
-    "projector_hidden_act",
-    "vision_feature_layer",
-    "vision_feature_select_strategy",
-)
 # Keys of a full checkpoint (transformers' layout) that belong to the tower or the projector.
 CHECKPOINT_PREFIXES = ("model.vision_tower.", "model.multi_modal_projector.")
 # The default budgets hold up to this many tiles (a 12-crop image and its thumbnail); a batch of
@@ -62,48 +53,17 @@ class InternVLEncoder(torch.nn.Module):
         self.vision_feature_select_strategy = settings.vision_feature_select_strategy
 
 
-def projector_config(config: Any) -> Any:
-    """What `InternVLMultiModalProjector` and the feature selection read, from a full
-    `InternVLConfig` or from a vision config carrying PROJECTOR_FIELDS (a tower-only save)."""
-    if getattr(config, "text_config", None) is not None:
-        return config
-    require_fields(
-        config,
-        PROJECTOR_FIELDS,
-        "an InternVL vision config",
-        "to build its projector; give the full model's "
-        "config (InternVLConfig) or a tower-only save that carries them",
-    )
-    return SimpleNamespace(
-        vision_config=config,
-        text_config=SimpleNamespace(hidden_size=config.text_hidden_size),
-        downsample_ratio=config.downsample_ratio,
-        projector_hidden_act=config.projector_hidden_act,
-        vision_feature_layer=config.vision_feature_layer,
-        vision_feature_select_strategy=config.vision_feature_select_strategy,
-    )
-
-
 def build_encoder(config: Any, dtype: torch.dtype | None = None) -> InternVLEncoder:
-    """Fresh tower and projector from a full InternVLConfig or a vision config with PROJECTOR_FIELDS."""
+    """Fresh tower and projector from a full InternVLConfig or a vision config with the adapter's
+    PROJECTOR_FIELDS."""
     from transformers.models.internvl.modeling_internvl import (
         InternVLMultiModalProjector,
         InternVLVisionModel,
     )
 
-    full = projector_config(config)
+    full = InternVLAdapter.projector_config(config)
     tower, projector = tower_and_projector(InternVLVisionModel, InternVLMultiModalProjector, full, dtype)
     return InternVLEncoder(tower, projector, full)
-
-
-def tower_only_config(full_config: Any) -> Any:
-    """The vision config of a full InternVLConfig with PROJECTOR_FIELDS added: what a tower-only
-    save of `InternVLEncoder` writes as its config.json (and what a full checkpoint is built from)."""
-    config = copy.deepcopy(full_config.vision_config)
-    config.text_hidden_size = full_config.text_config.hidden_size
-    for name in PROJECTOR_FIELDS[1:]:
-        setattr(config, name, getattr(full_config, name))
-    return config
 
 
 def pixel_shuffle(features: torch.Tensor, scale_factor: float) -> torch.Tensor:
@@ -121,6 +81,27 @@ class InternVLAdapter(TiledAdapter):
     """Adapter for `InternVLEncoder`: rows are tiles, no metadata."""
 
     max_graph_tiles = MAX_GRAPH_TILES
+    # What a tower-only save's vision config carries besides Hugging Face's fields, for the projector
+    # and the feature selection (the full model's InternVLConfig holds them).
+    PROJECTOR_FIELDS = (
+        TEXT_HIDDEN_SIZE,
+        *(
+            ConfigField(name, name)
+            for name in (
+                "downsample_ratio",
+                "projector_hidden_act",
+                "vision_feature_layer",
+                "vision_feature_select_strategy",
+            )
+        ),
+    )
+    PROJECTOR_SUBJECT = "an InternVL vision config"
+    PROJECTOR_ADVICE = (
+        "to build its projector; give the full model's config (InternVLConfig) or a tower-only save that "
+        "carries them"
+    )
+    # transformers' layouts and OpenGVLab's release (`vitpool.families.internvl.checkpoint`).
+    convert_checkpoint = staticmethod(checkpoint.encoder_state)
 
     def __init__(self, tower: InternVLEncoder) -> None:
         vision = tower.vision_tower
@@ -158,3 +139,7 @@ class InternVLAdapter(TiledAdapter):
         shuffled = pixel_shuffle(grid, self._scale)
         tokens = self.tower.multi_modal_projector(shuffled.reshape(tiles, -1, shuffled.shape[-1]))
         return [tokens.reshape(tiles * self.tokens_per_tile, -1)]
+
+
+# The loader's hook and its long-standing name (`vitpool.models.family.adapter_checkpoint`).
+tower_only_config = InternVLAdapter.tower_only_config

@@ -58,8 +58,9 @@ RELEASE_VISION_DEFAULTS = {
 QK_NORM_EPS = 1e-6
 
 
-def convert_checkpoint(checkpoint: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
-    """The loader's hook: the module's state from a checkpoint in any of three layouts.
+def encoder_state(checkpoint: dict[str, torch.Tensor], config: Any = None) -> dict[str, torch.Tensor]:
+    """The loader's hook (`InternVLAdapter.convert_checkpoint`): the module's state from a
+    checkpoint in any of three layouts.
 
     Args:
         checkpoint: tensors keyed as saved: transformers' full checkpoint (`model.vision_tower.*`,
@@ -86,6 +87,10 @@ def convert_checkpoint(checkpoint: dict[str, torch.Tensor], config: Any) -> dict
         else:
             state[name] = tensor
     return state
+
+
+# Its long-standing name.
+convert_checkpoint = encoder_state
 
 
 def release_config(raw: dict[str, Any]) -> Any:

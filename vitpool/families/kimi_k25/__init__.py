@@ -3,10 +3,10 @@ transformers' keys; patch rows and video clips (`rules.py`)."""
 
 from vitpool.models.family import (
     GRID_PROCESSOR_OUTPUT,
-    CheckpointLayout,
     Family,
     FamilyRecord,
     ModelParts,
+    adapter_checkpoint,
     lazy,
 )
 
@@ -18,10 +18,10 @@ RECORD = FamilyRecord(
         "kimi_k25_vision": Family(
             lazy(_ADAPTER, "build_encoder"),
             lazy(_ADAPTER, "KimiK25Adapter"),
-            checkpoint=CheckpointLayout(
+            checkpoint=adapter_checkpoint(
+                _ADAPTER,
+                "KimiK25Adapter",
                 prefixes=("vision_tower.", "mm_projector.", "model.vision_tower.", "model.mm_projector."),
-                tower_config=lazy(_ADAPTER, "tower_only_config"),
-                convert=lazy(_ADAPTER, "convert_checkpoint"),
             ),
         ),
     },

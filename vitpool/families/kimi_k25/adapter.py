@@ -31,22 +31,19 @@ from __future__ import annotations
 import random
 import re
 from collections.abc import Sequence
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from vitpool.families.kimi_k25.rules import CLIP, EXTRA_ROWS, KimiK25Rules
+from vitpool.models.adapter_base import TEXT_HIDDEN_SIZE, AdapterBase, ConfigField, renamed_key
 from vitpool.models.compat import check_tower_parts
-from vitpool.models.patch_adapter import PatchRowAdapter, renamed_key
-from vitpool.models.projected import require_fields, tower_and_projector
+from vitpool.models.patch_adapter import PatchRowAdapter
+from vitpool.models.projected import tower_and_projector
 from vitpool.models.protocol import TensorSpec
 from vitpool.packing import Budget
 from vitpool.rules.patch_rows import Grid
 from vitpool.specs import ItemSpec
-
-# What a tower-only save's vision config carries besides Hugging Face's fields, for the projector.
-PROJECTOR_FIELDS = ("text_hidden_size", "projection_hidden_size", "projection_layer_norm_eps")
 
 
 class KimiK25Encoder(torch.nn.Module):
@@ -60,49 +57,18 @@ class KimiK25Encoder(torch.nn.Module):
         self.config = vision_tower.config
 
 
-def projector_config(config: Any) -> Any:
-    """What `Kimi_K25MultimodalProjection` reads, from a full `Kimi_K25Config` or from a vision
-    config carrying PROJECTOR_FIELDS (a tower-only save)."""
-    if getattr(config, "text_config", None) is not None:
-        return config
-    require_fields(
-        config,
-        PROJECTOR_FIELDS,
-        "a Kimi-K2.5 vision config",
-        "to build its mm_projector; "
-        "give the full model's config (Kimi_K25Config) or a tower-only save that carries them",
-    )
-    return SimpleNamespace(
-        vision_config=config,
-        text_config=SimpleNamespace(hidden_size=config.text_hidden_size),
-        projection_hidden_size=config.projection_hidden_size,
-        projection_layer_norm_eps=config.projection_layer_norm_eps,
-    )
-
-
 def build_encoder(config: Any, dtype: torch.dtype | None = None) -> KimiK25Encoder:
-    """Fresh tower and projector from a full Kimi_K25Config or a vision config with PROJECTOR_FIELDS."""
+    """Fresh tower and projector from a full Kimi_K25Config or a vision config with the adapter's
+    PROJECTOR_FIELDS."""
     from transformers.models.kimi_k25.modeling_kimi_k25 import (
         Kimi_K25MultimodalProjection,
         Kimi_K25VisionModel,
     )
 
     tower, projector = tower_and_projector(
-        Kimi_K25VisionModel, Kimi_K25MultimodalProjection, projector_config(config), dtype
+        Kimi_K25VisionModel, Kimi_K25MultimodalProjection, KimiK25Adapter.projector_config(config), dtype
     )
     return KimiK25Encoder(tower, projector)
-
-
-def tower_only_config(full_config: Any) -> Any:
-    """The vision config of a full Kimi_K25Config with PROJECTOR_FIELDS added: what a tower-only
-    save of `KimiK25Encoder` writes as its config.json."""
-    import copy
-
-    config = copy.deepcopy(full_config.vision_config)
-    config.text_hidden_size = full_config.text_config.hidden_size
-    config.projection_hidden_size = full_config.projection_hidden_size
-    config.projection_layer_norm_eps = full_config.projection_layer_norm_eps
-    return config
 
 
 # What `tower_hidden_states` uses of transformers' Kimi_K25VisionModel (checked when an adapter is built).
@@ -195,7 +161,7 @@ class KimiK25PathAdapter(PatchRowAdapter):
         return self.max_frames if budget.limit(EXTRA_ROWS) else 1
 
 
-class KimiK25Adapter:
+class KimiK25Adapter(AdapterBase):
     """Adapter for `KimiK25Encoder` (Kimi_K25VisionModel + mm_projector): two paths over the one
     tower, images and videos of one frame on "" and clips on CLIP (`vitpool.families.kimi_k25.rules`).
 
@@ -214,6 +180,18 @@ class KimiK25Adapter:
     code that sees one path; `GraphEncoder` runs each path's own (`paths`).
     """
 
+    # What a tower-only save's vision config carries besides Hugging Face's fields, for the projector.
+    PROJECTOR_FIELDS = (
+        TEXT_HIDDEN_SIZE,
+        ConfigField("projection_hidden_size", "projection_hidden_size"),
+        ConfigField("projection_layer_norm_eps", "projection_layer_norm_eps"),
+    )
+    PROJECTOR_SUBJECT = "a Kimi-K2.5 vision config"
+    PROJECTOR_ADVICE = (
+        "to build its mm_projector; give the full model's config (Kimi_K25Config) or a tower-only save that "
+        "carries them"
+    )
+
     def __init__(self, tower: KimiK25Encoder, clip_frames: int | None = None) -> None:
         vision = tower.vision_tower
         config = vision.config
@@ -231,8 +209,6 @@ class KimiK25Adapter:
             int(tower.mm_projector.out_proj.out_features),
             max_frames if clip_frames is None else clip_frames,
         )
-        self.row_shape = self.item_rules.row_shape
-        self.output_row_shapes = self.item_rules.output_row_shapes
         self.paths = {
             path: KimiK25PathAdapter(tower, self.item_rules, path) for path in self.item_rules.paths
         }
@@ -253,6 +229,14 @@ class KimiK25Adapter:
 
     def sample_specs(self, num_rows: int, budget: Budget, rng: random.Random) -> list[ItemSpec]:
         return self.paths[""].sample_specs(num_rows, budget, rng)
+
+    @classmethod
+    def convert_checkpoint(
+        cls, checkpoint: dict[str, torch.Tensor], config: Any = None
+    ) -> dict[str, torch.Tensor]:
+        """The loader's hook (`CheckpointLayout.convert`): `encoder_state` with the tower's head
+        count from its vision config."""
+        return encoder_state(checkpoint, int(config.num_attention_heads))
 
 
 # A full checkpoint (Moonshot's release, and what `save_pretrained` writes back) keeps the original
@@ -298,15 +282,14 @@ def encoder_state(checkpoint: dict[str, torch.Tensor], num_heads: int) -> dict[s
     return state
 
 
-def convert_checkpoint(checkpoint: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
-    """The loader's hook (`CheckpointLayout.convert`): `encoder_state` with the tower's head count
-    from its vision config."""
-    return encoder_state(checkpoint, int(config.num_attention_heads))
-
-
 def _permute_for_rope(tensor: torch.Tensor, num_heads: int) -> torch.Tensor:
     """Rows of each head from interleaved (x0, y0, x1, y1, ...) to split-half rotary order."""
     rows = tensor.shape[0]
     half = rows // num_heads // 2
     permuted = tensor.reshape(num_heads, half, 2, *tensor.shape[1:]).transpose(1, 2)
     return permuted.reshape(rows, *tensor.shape[1:]).contiguous()
+
+
+# The loader's hooks and their long-standing names (`vitpool.models.family.adapter_checkpoint`).
+tower_only_config = KimiK25Adapter.tower_only_config
+convert_checkpoint = KimiK25Adapter.convert_checkpoint

@@ -2,9 +2,9 @@
 keys or the releases'; an image's tiles and thumbnail as one item of packed patch rows (`rules.py`).
 
 LFM2-VL's vision config is SigLIP2's own (`siglip2_vision_model`), so that type is this family's; a
-full checkpoint of another model with a SigLIP2 tower is refused by `tower_only_config`."""
+full checkpoint of another model with a SigLIP2 tower is refused by `Lfm2VlAdapter.tower_only_config`."""
 
-from vitpool.models.family import CheckpointLayout, Family, FamilyRecord, ProcessorOutput, lazy
+from vitpool.models.family import Family, FamilyRecord, ProcessorOutput, adapter_checkpoint, lazy
 
 _ADAPTER = "vitpool.families.lfm2_vl.adapter"
 
@@ -14,15 +14,15 @@ RECORD = FamilyRecord(
         "siglip2_vision_model": Family(
             lazy(_ADAPTER, "build_encoder"),
             lazy(_ADAPTER, "Lfm2VlAdapter"),
-            checkpoint=CheckpointLayout(
+            checkpoint=adapter_checkpoint(
+                _ADAPTER,
+                "Lfm2VlAdapter",
                 prefixes=(
                     "model.vision_tower.",
                     "model.multi_modal_projector.",
                     "vision_tower.",
                     "multi_modal_projector.",
                 ),
-                tower_config=lazy(_ADAPTER, "tower_only_config"),
-                convert=lazy(_ADAPTER, "convert_checkpoint"),
             ),
         ),
     },

@@ -34,14 +34,11 @@ checkpoint has one and never run: the projector does not read it.
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import functools
-import math
 import random
-import re
 from collections.abc import Sequence
 from functools import lru_cache
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -49,24 +46,21 @@ import torch
 from vitpool.errors import ConfigError
 from vitpool.families.lfm2_vl.rules import Lfm2VlRules, Shape, parse_spatial_shapes
 from vitpool.kernels.attention import install_packed_attention, packed_attention
+from vitpool.models.adapter_base import (
+    TEXT_HIDDEN_SIZE,
+    AdapterBase,
+    ConfigField,
+    is_full_config,
+    renames,
+    sample_block_parts,
+)
 from vitpool.models.compat import check_tower_parts
-from vitpool.models.patch_adapter import renamed_key
-from vitpool.models.projected import require_fields, tower_and_projector
+from vitpool.models.projected import tower_and_projector
 from vitpool.models.protocol import TensorSpec, zero_metadata
 from vitpool.packing import Budget
 from vitpool.specs import IMAGE, ItemSpec
 
 FAMILY = "LFM2-VL"
-FULL_MODEL_TYPE = "lfm2_vl"
-# What a tower-only save's vision config carries besides SigLIP2's fields, for the projector.
-TEXT_HIDDEN_SIZE = "text_hidden_size"
-PROJECTOR_FIELDS = (
-    "downsample_factor",
-    "projector_hidden_size",
-    "projector_hidden_act",
-    "projector_bias",
-    "projector_use_layernorm",
-)
 # What `Lfm2VlAdapter.forward` and `packed_attention_forward` use of transformers' modules.
 TOWER_PARTS = (
     "vision_tower.embeddings.patch_embedding",
@@ -83,8 +77,6 @@ TOWER_PARTS = (
         for name in ("factor", "use_layer_norm", "layer_norm", "linear_1", "act", "linear_2")
     ),
 )
-# Sampled check batches stay small so that checking a budget costs little host time.
-MAX_SAMPLED_ITEMS = 8
 MAX_SAMPLED_ENTRIES = 3
 Tensors = dict[str, torch.Tensor]
 
@@ -100,75 +92,17 @@ class Lfm2VlEncoder(torch.nn.Module):
         self.config = vision_tower.config
 
 
-def projector_config(config: Any) -> Any:
-    """What `Lfm2VlMultiModalProjector` reads (`vision_config.hidden_size`, `text_config.hidden_size`
-    and PROJECTOR_FIELDS) from a full `Lfm2VlConfig` or a vision config written by
-    `tower_only_config`."""
-    if getattr(config, "text_config", None) is not None:
-        config = tower_only_config(config)
-    require_fields(
-        config,
-        (TEXT_HIDDEN_SIZE, *PROJECTOR_FIELDS),
-        "LFM2-VL's projector",
-        "besides the SigLIP2 vision config: give the full model's "
-        "config (Lfm2VlConfig) or a tower-only save written with tower_only_config; "
-        f"got a {type(config).__name__} (model_type {getattr(config, 'model_type', None)!r})",
-    )
-    return SimpleNamespace(
-        vision_config=config,
-        text_config=SimpleNamespace(hidden_size=int(getattr(config, TEXT_HIDDEN_SIZE))),
-        **{name: getattr(config, name) for name in PROJECTOR_FIELDS},
-    )
-
-
-def tower_only_config(full_config: Any) -> Any:
-    """The SigLIP2 vision config of a full `Lfm2VlConfig` with `text_hidden_size` and
-    PROJECTOR_FIELDS added: the config `build_encoder` takes, and what a tower-only save of
-    `Lfm2VlEncoder` writes as config.json.
-
-    Raises:
-        ValueError: a full config of another model with a SigLIP2 tower (its projector is not
-            LFM2-VL's).
-    """
-    model_type = getattr(full_config, "model_type", None)
-    if model_type != FULL_MODEL_TYPE:
-        raise ValueError(
-            f"vitpool's {FULL_MODEL_TYPE} family runs the SigLIP2 tower with LFM2-VL's pixel-unshuffle "
-            f"projector; a {model_type!r} checkpoint has another projector, which vitpool does not run"
-        )
-    config = copy.deepcopy(full_config.vision_config)
-    setattr(config, TEXT_HIDDEN_SIZE, int(full_config.text_config.hidden_size))
-    for name in PROJECTOR_FIELDS:
-        setattr(config, name, getattr(full_config, name))
-    return config
-
-
 def build_encoder(config: Any, dtype: torch.dtype | None = None) -> Lfm2VlEncoder:
     """Fresh tower and projector from a full `Lfm2VlConfig` or a vision config written by
-    `tower_only_config`."""
+    `Lfm2VlAdapter.tower_only_config`."""
     from transformers.models.lfm2_vl.modeling_lfm2_vl import Lfm2VlMultiModalProjector
     from transformers.models.siglip2.modeling_siglip2 import Siglip2VisionModel
 
-    full = projector_config(config)
+    if is_full_config(config):  # refused unless it is LFM2-VL's
+        config = Lfm2VlAdapter.tower_only_config(config)
+    full = Lfm2VlAdapter.projector_config(config)
     tower, projector = tower_and_projector(Siglip2VisionModel, Lfm2VlMultiModalProjector, full, dtype)
     return Lfm2VlEncoder(tower, projector)
-
-
-# A full checkpoint's keys (the record's prefixes): the model's own (`model.vision_tower.`,
-# `model.multi_modal_projector.`: what transformers 5 writes), or without `model.`. The releases
-# keep the tower one level down, under `vision_tower.vision_model.` (the SigLIP2 class of their day),
-# which transformers strips on load (`Siglip2VisionModel` takes CLIPVisionModel's prefix change).
-_RENAMES = (
-    (re.compile(r"^(?:model\.)?vision_tower\.(?:vision_model\.)?"), "vision_tower."),
-    (re.compile(r"^model\.multi_modal_projector\."), "multi_modal_projector."),
-)
-
-
-def convert_checkpoint(state: dict[str, torch.Tensor], config: Any = None) -> dict[str, torch.Tensor]:
-    """`Lfm2VlEncoder`'s state from a checkpoint's tensors in any layout above; the encoder's own
-    keys map to themselves, other keys pass unchanged (a strict load names them). `config` is not
-    needed."""
-    return {renamed_key(key, _RENAMES): tensor for key, tensor in state.items()}
 
 
 def packed_attention_forward(
@@ -214,8 +148,44 @@ def axis_weights(length: int, grid_size: int) -> torch.Tensor:
     return weights / weights.sum(-1, keepdim=True)
 
 
-class Lfm2VlAdapter:
+class Lfm2VlAdapter(AdapterBase):
     """Adapter for `Lfm2VlEncoder`: packed patch rows in, the projector's tokens out."""
+
+    # What a tower-only save's vision config carries besides SigLIP2's fields, for the projector
+    # (`vision_config.hidden_size`, `text_config.hidden_size` and these).
+    PROJECTOR_FIELDS = (
+        dataclasses.replace(TEXT_HIDDEN_SIZE, cast=int),
+        *(
+            ConfigField(name, name)
+            for name in (
+                "downsample_factor",
+                "projector_hidden_size",
+                "projector_hidden_act",
+                "projector_bias",
+                "projector_use_layernorm",
+            )
+        ),
+    )
+    PROJECTOR_SUBJECT = "LFM2-VL's projector"
+    PROJECTOR_ADVICE = (
+        "besides the SigLIP2 vision config: give the full model's config (Lfm2VlConfig) or a tower-only "
+        "save written with tower_only_config"
+    )
+    # Another model with a SigLIP2 tower has another projector.
+    FULL_MODEL_TYPES = ("lfm2_vl",)
+    OTHER_MODEL = (
+        "vitpool's lfm2_vl family runs the SigLIP2 tower with LFM2-VL's pixel-unshuffle projector; a "
+        "{model_type} checkpoint has another projector, which vitpool does not run"
+    )
+    # A full checkpoint's keys (the record's prefixes): the model's own (`model.vision_tower.`,
+    # `model.multi_modal_projector.`: what transformers 5 writes), or without `model.`. The releases
+    # keep the tower one level down, under `vision_tower.vision_model.` (the SigLIP2 class of their
+    # day), which transformers strips on load (`Siglip2VisionModel` takes CLIPVisionModel's prefix
+    # change).
+    CHECKPOINT_RENAMES = renames(
+        (r"^(?:model\.)?vision_tower\.(?:vision_model\.)?", "vision_tower."),
+        (r"^model\.multi_modal_projector\.", "multi_modal_projector."),
+    )
 
     def __init__(self, tower: Lfm2VlEncoder) -> None:
         check_tower_parts(FAMILY, tower, TOWER_PARTS)
@@ -236,15 +206,10 @@ class Lfm2VlAdapter:
             self.downsample_factor,
             int(projector.linear_2.out_features),
         )
-        self.row_shape = self.item_rules.row_shape
-        self.output_row_shapes = self.item_rules.output_row_shapes
         self.merge_unit = self.item_rules.merge_unit
         self._per_shape = lru_cache(maxsize=1024)(self._shape_tensors)
         install_packed_attention(vision)
         install_packed_siglip2_attention(vision)
-
-    def max_rows(self, num_tokens: int) -> int:
-        return num_tokens * self.merge_unit
 
     def metadata_specs(self, num_rows: int, budget: Budget) -> dict[str, TensorSpec]:
         return {
@@ -316,25 +281,13 @@ class Lfm2VlAdapter:
         shapes below and above the position table's, filling the rows or leaving padding."""
         rules, f = self.item_rules, self.downsample_factor
         specs: list[ItemSpec] = []
-        blocks_left = min(num_rows // self.merge_unit, budget.num_tokens)
-        sequences_left = budget.max_sequences
-        max_items = min(MAX_SAMPLED_ITEMS, budget.max_items)
-        while blocks_left >= 1 and sequences_left >= 1 and len(specs) < max_items:
-            # sometimes fill the rest, usually not, so that padding rows are exercised too
-            item_blocks = blocks_left if rng.random() < 0.2 else rng.randint(1, max(1, blocks_left // 2))
-            num_entries = rng.randint(1, min(MAX_SAMPLED_ENTRIES, sequences_left, item_blocks))
-            shapes = []
-            for number in range(num_entries):
-                entries_after = num_entries - number - 1
-                share = item_blocks if not entries_after else rng.randint(1, item_blocks - entries_after)
-                side = rng.randint(1, math.isqrt(share))
-                height, width = rng.sample((side, share // side), 2)
-                shapes.append((f * height, f * width))
-                item_blocks -= share
-                blocks_left -= height * width
+        blocks = min(num_rows // self.merge_unit, budget.num_tokens)
+        for entries in sample_block_parts(
+            rng, blocks, budget.max_sequences, self.sampled_items(budget), MAX_SAMPLED_ENTRIES
+        ):
+            shapes = [(f * height, f * width) for height, width in entries]
             rows = sum(h * w for h, w in shapes)
             specs.append(rules.item_spec(IMAGE, (rows, *rules.row_shape), "float32", shapes))
-            sequences_left -= num_entries
         return specs
 
     def _shape_tensors(self, shape: Shape) -> tuple[torch.Tensor, torch.Tensor]:
@@ -348,3 +301,8 @@ class Lfm2VlAdapter:
         weights = torch.stack([rows, columns], dim=2).reshape(h * w, 2, grid)
         merge_index = torch.arange(h * w).view(h // f, f, w // f, f).transpose(1, 2).reshape(-1, f * f)
         return weights, merge_index
+
+
+# The loader's hooks and their long-standing names (`vitpool.models.family.adapter_checkpoint`).
+tower_only_config = Lfm2VlAdapter.tower_only_config
+convert_checkpoint = Lfm2VlAdapter.convert_checkpoint

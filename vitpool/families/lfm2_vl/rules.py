@@ -32,12 +32,12 @@ column from the tokens while the tower still attends to it. Each entry needs one
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vitpool.packing import SEQUENCES, Budget, make_budgets
-from vitpool.specs import IMAGE, VIDEO, ItemSpec, check_capacity_limits, is_int
+from vitpool.packing import SEQUENCES
+from vitpool.rules.base import RulesBase
+from vitpool.specs import IMAGE, VIDEO, ItemSpec, is_int
 
 Shape = tuple[int, int]  # (h, w) of one entry, in patches
 
@@ -67,7 +67,7 @@ def parse_spatial_shapes(layout: Any) -> tuple[Shape, ...]:
 
 
 @dataclass(frozen=True)
-class Lfm2VlRules:
+class Lfm2VlRules(RulesBase):
     """LFM2-VL's items: Images of patch rows [sum h*w, C*P*P] with their `spatial_shapes` rows."""
 
     channels: int
@@ -116,17 +116,6 @@ class Lfm2VlRules:
         return ItemSpec(
             IMAGE, pixel_shape, pixel_dtype, flat, num_rows // self.merge_unit, ((SEQUENCES, len(shapes)),)
         )
-
-    def budgets(
-        self,
-        token_budgets: Sequence[int],
-        max_items_per_batch: int | None,
-        capacity_limits: Mapping[str, int],
-    ) -> list[Budget]:
-        """Budgets bounding the entries (attention sequences) of a batch, as Qwen's bound frames
-        (`make_budgets`); `capacity_limits["sequences"]` lowers the default."""
-        check_capacity_limits(capacity_limits, self.capacities)
-        return make_budgets(token_budgets, max_items_per_batch, capacity_limits.get(SEQUENCES))
 
     def _check_rows(self, shape: tuple[int, ...]) -> None:
         width = self.row_shape[0]

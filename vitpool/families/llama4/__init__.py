@@ -1,6 +1,6 @@
 """Llama 4 Scout / Maverick (llama4): Llama4VisionModel and its multi_modal_projector."""
 
-from vitpool.models.family import CheckpointLayout, Family, FamilyRecord, ProcessorOutput, lazy
+from vitpool.models.family import Family, FamilyRecord, ProcessorOutput, adapter_checkpoint, lazy
 
 _ADAPTER = "vitpool.families.llama4.adapter"
 
@@ -10,10 +10,10 @@ RECORD = FamilyRecord(
         "llama4_vision_model": Family(
             lazy(_ADAPTER, "build_encoder"),
             lazy(_ADAPTER, "Llama4Adapter"),
-            checkpoint=CheckpointLayout(
+            checkpoint=adapter_checkpoint(
+                _ADAPTER,
+                "Llama4Adapter",
                 prefixes=("vision_model.", "multi_modal_projector."),
-                tower_config=lazy(_ADAPTER, "tower_only_config"),
-                convert=lazy(_ADAPTER, "convert_checkpoint"),
             ),
         ),
     },

@@ -13,12 +13,11 @@ State keys `vision_model.*` and `multi_modal_projector.*`, as in a full checkpoi
 
 from __future__ import annotations
 
-import copy
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 
+from vitpool.models.adapter_base import TEXT_HIDDEN_SIZE
 from vitpool.models.projected import tower_and_projector
 from vitpool.models.tiled import TiledAdapter, install_kernels
 from vitpool.rules.tiles import TileRules
@@ -38,46 +37,27 @@ class Llama4Encoder(torch.nn.Module):
         self.config = vision_model.config
 
 
-def projector_config(config: Any) -> Any:
-    """What `Llama4MultiModalProjector` reads, from a full `Llama4Config` or from a vision config
-    carrying `text_hidden_size` (a tower-only save)."""
-    if getattr(config, "text_config", None) is not None:
-        return config
-    if getattr(config, "text_hidden_size", None) is None:
-        raise ValueError(
-            "a Llama 4 vision config needs text_hidden_size to build its multi_modal_projector; give the "
-            "full model's config (Llama4Config) or a tower-only save that carries it"
-        )
-    return SimpleNamespace(
-        vision_config=config, text_config=SimpleNamespace(hidden_size=config.text_hidden_size)
-    )
-
-
 def build_encoder(config: Any, dtype: torch.dtype | None = None) -> Llama4Encoder:
     """Fresh tower and projector from a full Llama4Config or a vision config with text_hidden_size."""
     from transformers.models.llama4.modeling_llama4 import Llama4MultiModalProjector, Llama4VisionModel
 
-    full = projector_config(config)
+    full = Llama4Adapter.projector_config(config)
     tower, projector = tower_and_projector(Llama4VisionModel, Llama4MultiModalProjector, full, dtype)
     return Llama4Encoder(tower, projector)
 
 
-def tower_only_config(full_config: Any) -> Any:
-    """The vision config of a full Llama4Config with `text_hidden_size` added."""
-    config = copy.deepcopy(full_config.vision_config)
-    config.text_hidden_size = full_config.text_config.hidden_size
-    return config
-
-
-def convert_checkpoint(checkpoint: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
-    """The loader's hook: a full checkpoint's tower and projector keys are the module's own."""
-    return dict(checkpoint)
-
-
 class Llama4Adapter(TiledAdapter):
-    """Adapter for `Llama4Encoder`: rows are tiles, no metadata."""
+    """Adapter for `Llama4Encoder`: rows are tiles, no metadata. A full checkpoint's tower and
+    projector keys are the module's own (`convert_checkpoint`: no renames)."""
 
     max_graph_tiles = MAX_GRAPH_TILES
+    # What a tower-only save's vision config carries besides Hugging Face's fields: the LLM's width.
+    PROJECTOR_FIELDS = (TEXT_HIDDEN_SIZE,)
+    PROJECTOR_SUBJECT = "a Llama 4 vision config"
+    PROJECTOR_ADVICE = (
+        "to build its multi_modal_projector; give the full model's config (Llama4Config) or a tower-only "
+        "save that carries it"
+    )
 
     def __init__(self, tower: Llama4Encoder) -> None:
         config = tower.config
@@ -96,3 +76,8 @@ class Llama4Adapter(TiledAdapter):
     def forward(self, pixels: torch.Tensor, metadata: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         features = self.tower.vision_model(pixel_values=pixels).last_hidden_state  # [tiles, tokens, D]
         return [self.tower.multi_modal_projector(features.reshape(-1, features.shape[-1]))]
+
+
+# The loader's hooks and their long-standing names (`vitpool.models.family.adapter_checkpoint`).
+tower_only_config = Llama4Adapter.tower_only_config
+convert_checkpoint = Llama4Adapter.convert_checkpoint

@@ -9,7 +9,7 @@ tower-only save of this family's module says `llava_onevision_vision` instead. A
 `model_type` first (`vitpool.models.registry.tower_family`), so only a bare SigLIP save is Gemma 3's.
 """
 
-from vitpool.models.family import CheckpointLayout, Family, FamilyRecord, ProcessorOutput, lazy
+from vitpool.models.family import Family, FamilyRecord, ProcessorOutput, adapter_checkpoint, lazy
 
 _ADAPTER = "vitpool.families.llava_onevision.adapter"
 
@@ -17,8 +17,10 @@ _FAMILY = Family(
     lazy(_ADAPTER, "build_encoder"),
     lazy(_ADAPTER, "LlavaOnevisionAdapter"),
     read_config=lazy(_ADAPTER, "read_tower_config"),
-    checkpoint=CheckpointLayout(
-        # the releases and transformers 5 save without model.; a model's state_dict has it
+    # the releases and transformers 5 save without model.; a model's state_dict has it
+    checkpoint=adapter_checkpoint(
+        _ADAPTER,
+        "LlavaOnevisionAdapter",
         prefixes=(
             "model.vision_tower.",
             "model.multi_modal_projector.",
@@ -27,8 +29,6 @@ _FAMILY = Family(
             "multi_modal_projector.",
             "image_newline",
         ),
-        tower_config=lazy(_ADAPTER, "tower_only_config"),
-        convert=lazy(_ADAPTER, "convert_checkpoint"),
     ),
 )
 

@@ -26,52 +26,39 @@ three under `model.`.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import math
 import random
 from collections.abc import Sequence
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 from transformers import SiglipVisionConfig
 
-from vitpool.errors import CheckpointError, ConfigError
+from vitpool.errors import ConfigError
 from vitpool.families.llava_onevision.rules import LlavaOnevisionRules, max_num_patches_of
 from vitpool.families.llava_onevision.taps import NEWLINE, TAPS, item_taps
+from vitpool.models.adapter_base import TEXT_HIDDEN_SIZE, AdapterBase, ConfigField, renames
 from vitpool.models.compat import check_tower_parts
-from vitpool.models.projected import require_fields, tower_and_projector
+from vitpool.models.projected import tower_and_projector
 from vitpool.models.protocol import BudgetRange, TensorSpec, zero_metadata
 from vitpool.models.tiled import install_kernels
 from vitpool.packing import SEQUENCES, Budget
 from vitpool.specs import IMAGE, VIDEO, ItemSpec
 
-# What a tower-only save's vision config carries besides SigLIP's fields (the full model's
-# LlavaOnevisionConfig holds them): the projector's, the feature selection, the packing.
-PROJECTOR_FIELDS = (
-    "text_hidden_size",
-    "projector_hidden_act",
-    "multimodal_projector_bias",
-    "vision_feature_layer",
-    "vision_feature_select_strategy",
-    "image_grid_pinpoints",
-    "vision_aspect_ratio",
-)
-FULL_MODEL_TYPES = ("llava_onevision",)
 # A tower-only save's model_type: SigLIP's own (`siglip_vision_model`) is Gemma 3's family's.
 TOWER_MODEL_TYPE = "llava_onevision_vision"
-RELEASE_TOWER_PREFIX = "vision_tower.vision_model."
 TOWER_PARTS = ("vision_tower.embeddings", "vision_tower.encoder.layers", "multi_modal_projector.linear_2")
-# Sampled check batches stay small, and their images within this factor of the largest pinpoint.
-MAX_SAMPLED_ITEMS = 6
+# Sampled check batches keep their images within this factor of the largest pinpoint.
 MAX_SAMPLE_ATTEMPTS = 60
 SAMPLED_SIZE_FACTOR = 1.5
 Tensors = dict[str, torch.Tensor]
 
 
 class LlavaOnevisionVisionConfig(SiglipVisionConfig):
-    """SigLIP's vision config under vitpool's own model_type, with PROJECTOR_FIELDS: what a
-    tower-only save of `LlavaOnevisionEncoder` writes (SigLIP's type would load as Gemma 3's)."""
+    """SigLIP's vision config under vitpool's own model_type, with the adapter's PROJECTOR_FIELDS:
+    what a tower-only save of `LlavaOnevisionEncoder` writes (SigLIP's type would load as Gemma 3's)."""
 
     model_type = TOWER_MODEL_TYPE
 
@@ -99,36 +86,13 @@ class LlavaOnevisionEncoder(torch.nn.Module):
         self.vision_aspect_ratio = settings.vision_aspect_ratio
 
 
-def projector_config(config: Any) -> Any:
-    """What `LlavaOnevisionMultiModalProjector` and the packing read, from a full
-    `LlavaOnevisionConfig` or from a vision config carrying PROJECTOR_FIELDS (a tower-only save).
-
-    Raises:
-        ValueError: a vision config without PROJECTOR_FIELDS (a plain SigLIP save).
-    """
-    if getattr(config, "text_config", None) is not None:
-        return config
-    require_fields(
-        config,
-        PROJECTOR_FIELDS,
-        "a LLaVA-OneVision vision config",
-        "to build its projector and pack its features; give "
-        "the full model's config (LlavaOnevisionConfig) or a tower-only save written from tower_only_config",
-    )
-    return SimpleNamespace(
-        vision_config=config,
-        text_config=SimpleNamespace(hidden_size=config.text_hidden_size),
-        **{name: getattr(config, name) for name in PROJECTOR_FIELDS[1:]},
-    )
-
-
 def build_encoder(config: Any, dtype: torch.dtype | None = None) -> LlavaOnevisionEncoder:
     """Fresh tower, projector and newline embedding from a full LlavaOnevisionConfig or a vision
-    config with PROJECTOR_FIELDS."""
+    config with the adapter's PROJECTOR_FIELDS."""
     from transformers import SiglipVisionModel
     from transformers.models.llava_onevision.modeling_llava_onevision import LlavaOnevisionMultiModalProjector
 
-    full = projector_config(config)
+    full = LlavaOnevisionAdapter.projector_config(config)
     tower, projector = tower_and_projector(SiglipVisionModel, LlavaOnevisionMultiModalProjector, full, dtype)
     width = int(projector.linear_2.out_features)
     # as the model initialises it; a checkpoint's replaces it
@@ -136,51 +100,9 @@ def build_encoder(config: Any, dtype: torch.dtype | None = None) -> LlavaOnevisi
     return LlavaOnevisionEncoder(tower, projector, newline, full)
 
 
-def tower_only_config(full_config: Any) -> LlavaOnevisionVisionConfig:
-    """The vision config of a full LlavaOnevisionConfig with PROJECTOR_FIELDS added, under
-    TOWER_MODEL_TYPE: what a tower-only save of `LlavaOnevisionEncoder` writes as its config.json
-    (and what a full checkpoint is built from).
-
-    Raises:
-        CheckpointError: a full model of another type, whose projector or packing is not this one's.
-    """
-    model_type = getattr(full_config, "model_type", None)
-    if model_type not in FULL_MODEL_TYPES:
-        raise CheckpointError(
-            f"a {model_type!r} checkpoint: vitpool's llava_onevision family runs LLaVA-OneVision's packing "
-            f"and projector only (model_type {' or '.join(map(repr, FULL_MODEL_TYPES))})"
-        )
-    fields = full_config.vision_config.to_dict()
-    fields.pop("model_type", None)  # the class's own
-    config = LlavaOnevisionVisionConfig.from_dict(fields)
-    config.text_hidden_size = int(full_config.text_config.hidden_size)
-    for name in PROJECTOR_FIELDS[1:]:
-        setattr(config, name, copy.deepcopy(getattr(full_config, name)))
-    return config
-
-
 def read_tower_config(directory: Any) -> LlavaOnevisionVisionConfig:
     """A tower-only save's config (TOWER_MODEL_TYPE, which AutoConfig does not know)."""
     return LlavaOnevisionVisionConfig.from_pretrained(directory)
-
-
-def convert_checkpoint(checkpoint: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
-    """The loader's hook: `LlavaOnevisionEncoder`'s state from a full checkpoint in any layout or
-    from a tower-only save (the module's own keys).
-
-    Args:
-        checkpoint: tensors keyed as saved: `vision_tower.vision_model.*` (the releases),
-            `vision_tower.*` (transformers 5, tower-only saves), `multi_modal_projector.*`,
-            `image_newline`, any of them under `model.` (a model's state_dict).
-        config: the tower config (unused).
-    """
-    state: dict[str, torch.Tensor] = {}
-    for key, tensor in checkpoint.items():
-        name = key.removeprefix("model.")
-        if name.startswith(RELEASE_TOWER_PREFIX):
-            name = "vision_tower." + name.removeprefix(RELEASE_TOWER_PREFIX)
-        state[name] = tensor
-    return state
 
 
 def feature_layers(vision_feature_layer: Any, num_layers: int) -> tuple[int, ...]:
@@ -204,8 +126,52 @@ def feature_layers(vision_feature_layer: Any, num_layers: int) -> tuple[int, ...
     return tuple(indices)
 
 
-class LlavaOnevisionAdapter:
+class LlavaOnevisionAdapter(AdapterBase):
     """Adapter for `LlavaOnevisionEncoder`: tiles in, what the LLM receives out."""
+
+    # What a tower-only save's vision config carries besides SigLIP's fields (the full model's
+    # LlavaOnevisionConfig holds them): the projector's, the feature selection, the packing.
+    PROJECTOR_FIELDS = (
+        dataclasses.replace(TEXT_HIDDEN_SIZE, cast=int),
+        *(
+            ConfigField(name, name, copy.deepcopy)
+            for name in (
+                "projector_hidden_act",
+                "multimodal_projector_bias",
+                "vision_feature_layer",
+                "vision_feature_select_strategy",
+                "image_grid_pinpoints",
+                "vision_aspect_ratio",
+            )
+        ),
+    )
+    PROJECTOR_SUBJECT = "a LLaVA-OneVision vision config"
+    PROJECTOR_ADVICE = (
+        "to build its projector and pack its features; give the full model's config (LlavaOnevisionConfig) "
+        "or a tower-only save written from tower_only_config"
+    )
+    # Another model's projector or packing is not this one's.
+    FULL_MODEL_TYPES = ("llava_onevision",)
+    OTHER_MODEL = (
+        "a {model_type} checkpoint: vitpool's llava_onevision family runs LLaVA-OneVision's packing and "
+        "projector only (model_type {expected})"
+    )
+    # Tensors keyed as saved: `vision_tower.vision_model.*` (the releases), `vision_tower.*`
+    # (transformers 5, tower-only saves), `multi_modal_projector.*`, `image_newline`, any of them under
+    # `model.` (a model's state_dict).
+    CHECKPOINT_RENAMES = renames(
+        (r"^(?:model\.)?vision_tower\.vision_model\.", "vision_tower."), (r"^model\.", "")
+    )
+    MAX_SAMPLED_ITEMS = 6
+
+    @classmethod
+    def vision_config_of(cls, full_config: Any) -> LlavaOnevisionVisionConfig:
+        """The full model's SigLIP vision config under TOWER_MODEL_TYPE: what a tower-only save of
+        `LlavaOnevisionEncoder` writes as its config.json (and what a full checkpoint is built
+        from)."""
+        fields = full_config.vision_config.to_dict()
+        fields.pop("model_type", None)  # the class's own
+        return LlavaOnevisionVisionConfig.from_dict(fields)
 
     def __init__(self, tower: LlavaOnevisionEncoder) -> None:
         check_tower_parts("LLaVA-OneVision", tower, TOWER_PARTS)
@@ -228,8 +194,6 @@ class LlavaOnevisionAdapter:
             max_num_patches=max_num_patches_of(tower.vision_aspect_ratio),
             output_width=int(tower.multi_modal_projector.linear_2.out_features),
         )
-        self.row_shape = self.item_rules.row_shape
-        self.output_row_shapes = self.item_rules.output_row_shapes
         self._tile_features = self.item_rules.side**2
         self._taps_of = functools.lru_cache(maxsize=1024)(functools.partial(item_taps, self.item_rules))
         install_kernels(tower)
@@ -298,7 +262,7 @@ class LlavaOnevisionAdapter:
         tokens_left = budget.num_tokens
         specs: list[ItemSpec] = []
         for _ in range(MAX_SAMPLE_ATTEMPTS):
-            if len(specs) >= min(MAX_SAMPLED_ITEMS, budget.max_items):
+            if len(specs) >= self.sampled_items(budget):
                 break
             spec = self._random_spec(rng)
             if spec.num_rows <= tiles_left and spec.num_tokens <= tokens_left:
@@ -323,3 +287,8 @@ class LlavaOnevisionAdapter:
             except ValueError:  # pooled to nothing: no image of this size is run
                 continue
             return rules.item_spec(IMAGE, (tiles, *self.row_shape), "float32", size)
+
+
+# The loader's hooks and their long-standing names (`vitpool.models.family.adapter_checkpoint`).
+tower_only_config = LlavaOnevisionAdapter.tower_only_config
+convert_checkpoint = LlavaOnevisionAdapter.convert_checkpoint

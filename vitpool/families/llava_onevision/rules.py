@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vitpool.packing import SEQUENCES, Budget, plain_budgets
+from vitpool.rules.base import RulesBase
 from vitpool.specs import IMAGE, VIDEO, ItemSpec, check_capacity_limits, is_int
 
 # What `vision_aspect_ratio` is made of in Hugging Face's code: "anyres_max_<N>", read there as
@@ -120,7 +121,7 @@ class PackedGrid:
 
 
 @dataclass(frozen=True)
-class LlavaOnevisionRules:
+class LlavaOnevisionRules(RulesBase):
     """LLaVA-OneVision's items: images of tiles [n, C, S, S] with their size (H, W), and videos of
     frames [F, C, S, S]."""
 

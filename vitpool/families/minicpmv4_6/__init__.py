@@ -1,7 +1,7 @@
 """MiniCPM-V 4.6 (minicpmv4_6): MiniCPMV4_6VisionModel and MiniCPMV4_6Merger, transformers' keys;
 slices of target sizes (`rules.py`)."""
 
-from vitpool.models.family import CheckpointLayout, Family, FamilyRecord, ProcessorOutput, lazy
+from vitpool.models.family import Family, FamilyRecord, ProcessorOutput, adapter_checkpoint, lazy
 
 _ADAPTER = "vitpool.families.minicpmv4_6.adapter"
 
@@ -11,10 +11,10 @@ RECORD = FamilyRecord(
         "minicpmv4_6_vision": Family(
             lazy(_ADAPTER, "build_encoder"),
             lazy(_ADAPTER, "MiniCPMV4_6Adapter"),
-            checkpoint=CheckpointLayout(
+            checkpoint=adapter_checkpoint(
+                _ADAPTER,
+                "MiniCPMV4_6Adapter",
                 prefixes=("model.vision_tower.", "model.merger.", "vision_tower.", "merger."),
-                tower_config=lazy(_ADAPTER, "tower_only_config"),
-                convert=lazy(_ADAPTER, "convert_checkpoint"),
             ),
         ),
     },

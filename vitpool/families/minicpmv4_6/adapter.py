@@ -36,9 +36,7 @@ one trailing sequence in both `cu_seqlens`, and their tokens gather their own me
 from __future__ import annotations
 
 import copy
-import math
 import random
-import re
 from collections.abc import Sequence
 from functools import lru_cache
 from types import SimpleNamespace
@@ -51,6 +49,7 @@ from transformers.vision_utils import get_vision_nearest_position_ids
 from vitpool.errors import ConfigError
 from vitpool.families.minicpmv4_6.rules import PATCHES_PER_TOKEN, MiniCPMV4_6Rules, parse_target_sizes
 from vitpool.kernels.attention import install_packed_attention
+from vitpool.models.adapter_base import AdapterBase, renames, sample_block_parts
 from vitpool.models.compat import check_tower_parts, require_transformers
 from vitpool.models.projected import tower_and_projector
 from vitpool.models.protocol import TensorSpec, zero_metadata
@@ -58,11 +57,11 @@ from vitpool.packing import Budget
 from vitpool.specs import IMAGE, ItemSpec
 
 FAMILY = "MiniCPM-V 4.6"
-MAX_SAMPLED_ITEMS = 8
 MAX_SAMPLED_SLICES = 3
-# What a tower-only save's vision config carries besides Hugging Face's fields, for the Merger.
+# What a tower-only save's vision config carries besides Hugging Face's fields, for the Merger: the
+# LLM's width, and these (with the full config's defaults, for a save without them).
 TEXT_HIDDEN_SIZE = "text_hidden_size"
-_MERGER_FIELDS = ("downsample_mode", "merge_kernel_size", "merger_times")
+MERGER_DEFAULTS = {"downsample_mode": "16x", "merge_kernel_size": (2, 2), "merger_times": 1}
 # The parts the forward reads (checked when the adapter is built).
 TOWER_PARTS = (
     "vision_tower.embeddings.patch_embedding",
@@ -93,27 +92,6 @@ class MiniCPMV4_6Encoder(torch.nn.Module):
         self.config = vision_tower.config
 
 
-def _merger_settings(config: Any) -> tuple[Any, dict[str, Any]]:
-    """The vision config and what the Merger reads (`text_hidden_size` and `_MERGER_FIELDS`), from a
-    full `MiniCPMV4_6Config` or a vision config written by `tower_only_config`."""
-    vision_config = getattr(config, "vision_config", None)
-    text_config = getattr(config, "text_config", None)
-    if vision_config is not None and text_config is not None:
-        settings = {name: getattr(config, name) for name in _MERGER_FIELDS}
-        return vision_config, {TEXT_HIDDEN_SIZE: int(text_config.hidden_size), **settings}
-    is_tower_only = getattr(config, "model_type", None) == "minicpmv4_6_vision"
-    if is_tower_only and getattr(config, TEXT_HIDDEN_SIZE, None):
-        defaults = ("16x", (2, 2), 1)
-        settings = {name: getattr(config, name, default) for name, default in zip(_MERGER_FIELDS, defaults)}
-        return config, {TEXT_HIDDEN_SIZE: int(getattr(config, TEXT_HIDDEN_SIZE)), **settings}
-    raise ValueError(
-        f"MiniCPM-V 4.6's Merger needs the LLM's hidden size: give the full model's config "
-        f"(MiniCPMV4_6Config) or a vision config (minicpmv4_6_vision) with {TEXT_HIDDEN_SIZE!r}, as "
-        f"tower_only_config writes it; "
-        f"got a {type(config).__name__} (model_type {getattr(config, 'model_type', None)!r})"
-    )
-
-
 def check_supported(vision_config: Any, settings: dict[str, Any]) -> None:
     """ConfigError for what the static forward does not run: another downsample mode, merge or
     window kernel than 2 x 2, more than one merge round, or a merger layer outside the tower."""
@@ -139,49 +117,22 @@ def check_supported(vision_config: Any, settings: dict[str, Any]) -> None:
 
 def build_encoder(config: Any, dtype: torch.dtype | None = None) -> MiniCPMV4_6Encoder:
     """Fresh tower and Merger from a full MiniCPMV4_6Config or a vision config written by
-    `tower_only_config`.
+    `MiniCPMV4_6Adapter.tower_only_config`.
 
     Raises:
         ValueError: the config lacks the LLM's width; ConfigError: an unsupported setting.
     """
     from transformers.models.minicpmv4_6.modeling_minicpmv4_6 import MiniCPMV4_6Merger, MiniCPMV4_6VisionModel
 
-    vision_config, settings = _merger_settings(config)
-    check_supported(vision_config, settings)
-    # MiniCPMV4_6Merger reads merge_kernel_size, merger_times, vision_config.hidden_size and
-    # text_config.hidden_size
-    full = SimpleNamespace(
-        vision_config=vision_config,
-        text_config=SimpleNamespace(hidden_size=settings[TEXT_HIDDEN_SIZE]),
-        merge_kernel_size=tuple(settings["merge_kernel_size"]),
-        merger_times=settings["merger_times"],
-    )
+    full = MiniCPMV4_6Adapter.projector_config(config)
+    check_supported(full.vision_config, vars(full))
     vision_tower, merger = tower_and_projector(MiniCPMV4_6VisionModel, MiniCPMV4_6Merger, full, dtype)
     return MiniCPMV4_6Encoder(vision_tower, merger)
-
-
-def tower_only_config(full_config: Any) -> Any:
-    """The vision config of a full MiniCPMV4_6Config with what the Merger needs added
-    (`text_hidden_size`, `downsample_mode`, `merge_kernel_size`, `merger_times`): what a tower-only
-    save of `MiniCPMV4_6Encoder` writes as its config.json."""
-    vision_config, settings = _merger_settings(full_config)
-    config = copy.deepcopy(vision_config)
-    for name, value in settings.items():
-        setattr(config, name, list(value) if isinstance(value, tuple) else value)
-    return config
 
 
 # A full checkpoint in transformers' layout holds the tower and Merger under `model.`; a tower-only
 # save holds the encoder's own keys.
 CHECKPOINT_PREFIXES = ("model.vision_tower.", "model.merger.", "vision_tower.", "merger.")
-_FULL_PREFIX = re.compile(r"^model\.(?=vision_tower\.|merger\.)")
-
-
-def convert_checkpoint(state: dict[str, torch.Tensor], config: Any = None) -> dict[str, torch.Tensor]:
-    """`MiniCPMV4_6Encoder`'s state from a full checkpoint's tensors (`model.vision_tower.*`,
-    `model.merger.*`) or a tower-only save's (its own keys, mapped to themselves); other keys pass
-    unchanged, so a strict load names them. `config` is not needed."""
-    return {_FULL_PREFIX.sub("", key): tensor for key, tensor in state.items()}
 
 
 # Before 5.19 Hugging Face's window merger assumed every slice of an image has one size, so its
@@ -191,8 +142,65 @@ MINIMUM_TRANSFORMERS = "5.19.0"
 MINIMUM_TRANSFORMERS_WHY = "its window merger took slices of unlike sizes from 5.19 on"
 
 
-class MiniCPMV4_6Adapter:
+class MiniCPMV4_6Adapter(AdapterBase):
     """Adapter for `MiniCPMV4_6Encoder` (MiniCPMV4_6VisionModel + MiniCPMV4_6Merger)."""
+
+    # Named in `merger_settings`' error (MiniCPM-V 4.7's adapter names its own).
+    FAMILY = FAMILY
+    FULL_CONFIG_CLASS = "MiniCPMV4_6Config"
+    VISION_MODEL_TYPE = "minicpmv4_6_vision"
+    # The full checkpoint's `model.` goes; the other keys pass unchanged, so a strict load names them.
+    CHECKPOINT_RENAMES = renames((r"^model\.(?=vision_tower\.|merger\.)", ""))
+
+    @classmethod
+    def merger_settings(cls, config: Any) -> tuple[Any, dict[str, Any]]:
+        """The vision config and what the Merger reads (`text_hidden_size` and MERGER_DEFAULTS'
+        names), from a full config or a vision config (VISION_MODEL_TYPE) written by
+        `tower_only_config`.
+
+        Raises:
+            ValueError: neither (the Merger's output width is the LLM's, which a plain vision
+                config lacks).
+        """
+        vision_config = getattr(config, "vision_config", None)
+        text_config = getattr(config, "text_config", None)
+        if vision_config is not None and text_config is not None:
+            settings = {name: getattr(config, name) for name in MERGER_DEFAULTS}
+            return vision_config, {TEXT_HIDDEN_SIZE: int(text_config.hidden_size), **settings}
+        is_tower_only = getattr(config, "model_type", None) == cls.VISION_MODEL_TYPE
+        if is_tower_only and getattr(config, TEXT_HIDDEN_SIZE, None):
+            settings = {name: getattr(config, name, default) for name, default in MERGER_DEFAULTS.items()}
+            return config, {TEXT_HIDDEN_SIZE: int(getattr(config, TEXT_HIDDEN_SIZE)), **settings}
+        raise ValueError(
+            f"{cls.FAMILY}'s Merger needs the LLM's hidden size: give the full model's config "
+            f"({cls.FULL_CONFIG_CLASS}) or a vision config ({cls.VISION_MODEL_TYPE}) with "
+            f"{TEXT_HIDDEN_SIZE!r}, as tower_only_config writes it; "
+            f"got a {type(config).__name__} (model_type {getattr(config, 'model_type', None)!r})"
+        )
+
+    @classmethod
+    def projector_config(cls, config: Any) -> Any:
+        """What the Merger reads (`merge_kernel_size`, `merger_times`, `vision_config.hidden_size`,
+        `text_config.hidden_size`) and its `downsample_mode`, from `merger_settings`."""
+        vision_config, settings = cls.merger_settings(config)
+        return SimpleNamespace(
+            vision_config=vision_config,
+            text_config=SimpleNamespace(hidden_size=settings[TEXT_HIDDEN_SIZE]),
+            downsample_mode=settings["downsample_mode"],
+            merge_kernel_size=tuple(settings["merge_kernel_size"]),
+            merger_times=settings["merger_times"],
+        )
+
+    @classmethod
+    def tower_only_config(cls, full_config: Any) -> Any:
+        """The vision config of a full config with what the Merger needs added (`text_hidden_size`,
+        `downsample_mode`, `merge_kernel_size`, `merger_times`): what a tower-only save of
+        `MiniCPMV4_6Encoder` writes as its config.json."""
+        vision_config, settings = cls.merger_settings(full_config)
+        config = copy.deepcopy(vision_config)
+        for name, value in settings.items():
+            setattr(config, name, list(value) if isinstance(value, tuple) else value)
+        return config
 
     def __init__(self, tower: MiniCPMV4_6Encoder) -> None:
         require_transformers(FAMILY, MINIMUM_TRANSFORMERS, MINIMUM_TRANSFORMERS_WHY)
@@ -209,8 +217,6 @@ class MiniCPMV4_6Adapter:
         self.item_rules = MiniCPMV4_6Rules(
             int(config.num_channels), int(config.patch_size), int(tower.merger.mlp[0].linear_2.out_features)
         )
-        self.row_shape = self.item_rules.row_shape
-        self.output_row_shapes = self.item_rules.output_row_shapes
         self._insert_layer_id = int(config.insert_layer_id)
         self._num_patches_per_side = int(vision_tower.embeddings.num_patches_per_side)
         self._per_slice = lru_cache(maxsize=1024)(self._slice_metadata)
@@ -307,25 +313,13 @@ class MiniCPMV4_6Adapter:
         rules = self.item_rules
         specs: list[ItemSpec] = []
         # a block: 4 x 4 patches, one token
-        blocks_left = min(num_rows // PATCHES_PER_TOKEN, budget.num_tokens)
-        sequences_left = budget.max_sequences
-        max_items = min(MAX_SAMPLED_ITEMS, budget.max_items)
-        while blocks_left >= 1 and sequences_left >= 1 and len(specs) < max_items:
-            # sometimes fill the rest, usually not, so that padding rows are exercised too
-            item_blocks = blocks_left if rng.random() < 0.2 else rng.randint(1, max(1, blocks_left // 2))
-            num_slices = rng.randint(1, min(MAX_SAMPLED_SLICES, sequences_left, item_blocks))
-            sizes = []
-            for number in range(num_slices):
-                slices_after = num_slices - number - 1
-                share = item_blocks if not slices_after else rng.randint(1, item_blocks - slices_after)
-                side_blocks = rng.randint(1, math.isqrt(share))
-                height_blocks, width_blocks = rng.sample((side_blocks, share // side_blocks), 2)
-                sizes.append((4 * height_blocks, 4 * width_blocks))
-                item_blocks -= share
-                blocks_left -= height_blocks * width_blocks
+        blocks = min(num_rows // PATCHES_PER_TOKEN, budget.num_tokens)
+        for slices in sample_block_parts(
+            rng, blocks, budget.max_sequences, self.sampled_items(budget), MAX_SAMPLED_SLICES
+        ):
+            sizes = [(4 * height, 4 * width) for height, width in slices]
             rows = sum(h * w for h, w in sizes)
             specs.append(rules.item_spec(IMAGE, (rows, *rules.row_shape), "float32", sizes))
-            sequences_left -= num_slices
         return specs
 
     def _slice_metadata(self, h: int, w: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -337,3 +331,8 @@ class MiniCPMV4_6Adapter:
         half_h, half_w = h // 2, w // 2
         merge_index = torch.arange(half_h * half_w).view(half_h // 2, 2, half_w // 2, 2).permute(0, 2, 1, 3)
         return positions.long(), window_index, merge_index.reshape(-1, 4)
+
+
+# The loader's hooks and their long-standing names (`vitpool.models.family.adapter_checkpoint`).
+tower_only_config = MiniCPMV4_6Adapter.tower_only_config
+convert_checkpoint = MiniCPMV4_6Adapter.convert_checkpoint

@@ -21,12 +21,12 @@ as layout it gives the same spec.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vitpool.packing import SEQUENCES, Budget, make_budgets
-from vitpool.specs import IMAGE, VIDEO, ItemSpec, check_capacity_limits, is_int
+from vitpool.packing import SEQUENCES
+from vitpool.rules.base import RulesBase
+from vitpool.specs import IMAGE, VIDEO, ItemSpec, is_int
 
 MERGE_SIDE = 4  # patches per token along each side: the in-tower 2 x 2 merge, then the merger's 2 x 2
 PATCHES_PER_TOKEN = MERGE_SIDE * MERGE_SIDE
@@ -42,7 +42,7 @@ def patch_rows(pixel_values: Any, patch_size: int = 14) -> Any:
 
 
 @dataclass(frozen=True)
-class MiniCPMV4_6Rules:
+class MiniCPMV4_6Rules(RulesBase):
     """MiniCPM-V 4.6's items: Images of patch rows [sum h*w, C, P, P] with the processor's
     `target_sizes` [[h, w], ...] (one row per slice, in patches)."""
 
@@ -96,17 +96,6 @@ class MiniCPMV4_6Rules:
             num_rows // PATCHES_PER_TOKEN,
             ((SEQUENCES, len(sizes)),),
         )
-
-    def budgets(
-        self,
-        token_budgets: Sequence[int],
-        max_items_per_batch: int | None,
-        capacity_limits: Mapping[str, int],
-    ) -> list[Budget]:
-        """Budgets bounding the slices (attention sequences) of a batch, as Qwen's bound frames
-        (`make_budgets`); `capacity_limits["sequences"]` lowers the default."""
-        check_capacity_limits(capacity_limits, self.capacities)
-        return make_budgets(token_budgets, max_items_per_batch, capacity_limits.get(SEQUENCES))
 
     def _check_pixels(self, pixel_shape: tuple[int, ...]) -> None:
         if len(pixel_shape) != 4:

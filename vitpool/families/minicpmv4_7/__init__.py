@@ -3,7 +3,7 @@ MiniCPMV4_7Merger are 4.6's classes renamed), run by 4.6's adapter; transformers
 target sizes. The processor output is cut by `processor.py` (4.7's processor drops each image's
 slice count; its `mm_token_type_ids` say it)."""
 
-from vitpool.models.family import CheckpointLayout, Family, FamilyRecord, ProcessorOutput, lazy
+from vitpool.models.family import Family, FamilyRecord, ProcessorOutput, adapter_checkpoint, lazy
 
 _ADAPTER = "vitpool.families.minicpmv4_7.adapter"
 
@@ -13,10 +13,10 @@ RECORD = FamilyRecord(
         "minicpmv4_7_vision": Family(
             lazy(_ADAPTER, "build_encoder"),
             lazy(_ADAPTER, "MiniCPMV4_7Adapter"),
-            checkpoint=CheckpointLayout(
+            checkpoint=adapter_checkpoint(
+                _ADAPTER,
+                "MiniCPMV4_7Adapter",
                 prefixes=("model.vision_tower.", "model.merger.", "vision_tower.", "merger."),
-                tower_config=lazy(_ADAPTER, "tower_only_config"),
-                convert=lazy(_ADAPTER, "convert_checkpoint"),
             ),
         ),
     },

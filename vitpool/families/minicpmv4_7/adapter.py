@@ -15,9 +15,7 @@ checkpoint conversion are 4.6's (`vitpool.families.minicpmv4_6.adapter`); this m
 
 from __future__ import annotations
 
-import copy
 import importlib.util
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -26,10 +24,8 @@ from vitpool.errors import ConfigError
 from vitpool.families.minicpmv4_6 import adapter as adapter_4_6
 from vitpool.families.minicpmv4_6.adapter import (
     CHECKPOINT_PREFIXES,  # noqa: F401 - the registry's prefixes, checked against these
-    TEXT_HIDDEN_SIZE,
     MiniCPMV4_6Adapter,
     MiniCPMV4_6Encoder,
-    convert_checkpoint,  # noqa: F401 - the layout's conversion: 4.7 keeps 4.6's keys
 )
 from vitpool.families.minicpmv4_7.rules import MiniCPMV4_7Rules
 from vitpool.models.compat import installed_transformers
@@ -41,8 +37,6 @@ TRANSFORMERS_MODULE = "transformers.models.minicpmv4_7"
 # Its first release with MiniCPM-V 4.7 (5.23 did not have it); that code already takes slices of
 # unlike sizes, what 4.6's adapter requires (5.19 on).
 FIRST_TRANSFORMERS = "5.24.0"
-# What the Merger reads besides the LLM's width, with MiniCPMV4_7Config's defaults.
-MERGER_DEFAULTS = {"downsample_mode": "16x", "merge_kernel_size": (2, 2), "merger_times": 1}
 
 
 def missing_transformers_model() -> str | None:
@@ -60,30 +54,6 @@ def missing_transformers_model() -> str | None:
 def as_4_7(error: ConfigError) -> ConfigError:
     """4.6's code names its family in its errors; the model here is 4.7."""
     return ConfigError(str(error).replace(adapter_4_6.FAMILY, FAMILY))
-
-
-def merger_settings(config: Any) -> tuple[Any, dict[str, Any]]:
-    """The vision config and what the Merger reads (`text_hidden_size` and `MERGER_DEFAULTS`'
-    names), from a full `MiniCPMV4_7Config` or a vision config written by `tower_only_config`.
-
-    Raises:
-        ValueError: neither (the Merger's output width is the LLM's, which a plain vision config lacks).
-    """
-    vision_config = getattr(config, "vision_config", None)
-    text_config = getattr(config, "text_config", None)
-    if vision_config is not None and text_config is not None:
-        settings = {name: getattr(config, name) for name in MERGER_DEFAULTS}
-        return vision_config, {TEXT_HIDDEN_SIZE: int(text_config.hidden_size), **settings}
-    is_tower_only = getattr(config, "model_type", None) == VISION_MODEL_TYPE
-    if is_tower_only and getattr(config, TEXT_HIDDEN_SIZE, None):
-        settings = {name: getattr(config, name, default) for name, default in MERGER_DEFAULTS.items()}
-        return config, {TEXT_HIDDEN_SIZE: int(getattr(config, TEXT_HIDDEN_SIZE)), **settings}
-    raise ValueError(
-        f"{FAMILY}'s Merger needs the LLM's hidden size: give the full model's config (MiniCPMV4_7Config) "
-        f"or a vision config ({VISION_MODEL_TYPE}) with {TEXT_HIDDEN_SIZE!r}, as tower_only_config "
-        f"writes it; "
-        f"got a {type(config).__name__} (model_type {getattr(config, 'model_type', None)!r})"
-    )
 
 
 def check_supported(vision_config: Any, settings: dict[str, Any]) -> None:
@@ -109,34 +79,20 @@ def build_encoder(config: Any, dtype: torch.dtype | None = None) -> MiniCPMV4_6E
         raise ConfigError(missing)
     from transformers.models.minicpmv4_7.modeling_minicpmv4_7 import MiniCPMV4_7Merger, MiniCPMV4_7VisionModel
 
-    vision_config, settings = merger_settings(config)
-    check_supported(vision_config, settings)
-    # MiniCPMV4_7Merger reads merge_kernel_size, merger_times, vision_config.hidden_size and
-    # text_config.hidden_size
-    full = SimpleNamespace(
-        vision_config=vision_config,
-        text_config=SimpleNamespace(hidden_size=settings[TEXT_HIDDEN_SIZE]),
-        merge_kernel_size=tuple(settings["merge_kernel_size"]),
-        merger_times=settings["merger_times"],
-    )
+    full = MiniCPMV4_7Adapter.projector_config(config)
+    check_supported(full.vision_config, vars(full))
     vision_tower, merger = tower_and_projector(MiniCPMV4_7VisionModel, MiniCPMV4_7Merger, full, dtype)
     return MiniCPMV4_6Encoder(vision_tower, merger)
 
 
-def tower_only_config(full_config: Any) -> Any:
-    """The vision config of a full MiniCPMV4_7Config with what the Merger needs added
-    (`text_hidden_size`, `downsample_mode`, `merge_kernel_size`, `merger_times`): what a tower-only
-    save of the encoder module writes as its config.json."""
-    vision_config, settings = merger_settings(full_config)
-    config = copy.deepcopy(vision_config)
-    for name, value in settings.items():
-        setattr(config, name, list(value) if isinstance(value, tuple) else value)
-    return config
-
-
 class MiniCPMV4_7Adapter(MiniCPMV4_6Adapter):
     """4.6's adapter over MiniCPMV4_7VisionModel + MiniCPMV4_7Merger (the same modules renamed),
-    with 4.7's item rules and errors."""
+    with 4.7's item rules and errors; 4.6's configs' reading (`merger_settings`,
+    `tower_only_config`) and checkpoint conversion (4.7 keeps 4.6's keys)."""
+
+    FAMILY = FAMILY
+    FULL_CONFIG_CLASS = "MiniCPMV4_7Config"
+    VISION_MODEL_TYPE = VISION_MODEL_TYPE
 
     def __init__(self, tower: MiniCPMV4_6Encoder) -> None:
         try:
@@ -145,3 +101,8 @@ class MiniCPMV4_7Adapter(MiniCPMV4_6Adapter):
             raise as_4_7(error) from None
         rules = self.item_rules
         self.item_rules = MiniCPMV4_7Rules(rules.channels, rules.patch_size, rules.output_width)
+
+
+# The loader's hooks and their long-standing names (`vitpool.models.family.adapter_checkpoint`).
+tower_only_config = MiniCPMV4_7Adapter.tower_only_config
+convert_checkpoint = MiniCPMV4_7Adapter.convert_checkpoint

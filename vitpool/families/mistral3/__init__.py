@@ -1,7 +1,7 @@
 """Mistral 3 (mistral3): the Pixtral tower and Mistral 3's patch-merging projector, transformers'
 keys; images of any aspect ratio cut into patch rows (`rules.py`)."""
 
-from vitpool.models.family import CheckpointLayout, Family, FamilyRecord, ProcessorOutput, lazy
+from vitpool.models.family import Family, FamilyRecord, ProcessorOutput, adapter_checkpoint, lazy
 
 _ADAPTER = "vitpool.families.mistral3.adapter"
 
@@ -11,15 +11,15 @@ RECORD = FamilyRecord(
         "pixtral": Family(
             lazy(_ADAPTER, "build_encoder"),
             lazy(_ADAPTER, "Mistral3Adapter"),
-            checkpoint=CheckpointLayout(
+            checkpoint=adapter_checkpoint(
+                _ADAPTER,
+                "Mistral3Adapter",
                 prefixes=(
                     "model.vision_tower.",
                     "model.multi_modal_projector.",
                     "vision_tower.",
                     "multi_modal_projector.",
                 ),
-                tower_config=lazy(_ADAPTER, "tower_only_config"),
-                convert=lazy(_ADAPTER, "convert_checkpoint"),
             ),
         ),
     },

@@ -33,12 +33,8 @@ refuse it.
 
 from __future__ import annotations
 
-import copy
-import random
-import re
 from collections.abc import Sequence
 from functools import lru_cache
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -46,25 +42,15 @@ import torch
 from vitpool.errors import ConfigError
 from vitpool.families.mistral3.rules import Mistral3Rules
 from vitpool.kernels.attention import install_packed_attention
+from vitpool.models.adapter_base import AdapterBase, ConfigField, is_full_config, renames
 from vitpool.models.compat import check_tower_parts
-from vitpool.models.patch_adapter import renamed_key
-from vitpool.models.projected import require_fields, tower_and_projector
+from vitpool.models.projected import tower_and_projector
 from vitpool.models.protocol import TensorSpec, zero_metadata
 from vitpool.models.spatial_merge import item_cu_seqlens, item_grids
 from vitpool.packing import Budget
-from vitpool.rules.patch_rows import Grid, sample_grids
-from vitpool.specs import IMAGE, ItemSpec
+from vitpool.rules.patch_rows import Grid
+from vitpool.specs import ItemSpec
 
-FULL_MODEL_TYPE = "mistral3"
-# What a tower-only save's vision config carries besides Pixtral's fields, for the projector.
-PROJECTOR_FIELDS = (
-    "text_hidden_size",
-    "text_rms_norm_eps",
-    "spatial_merge_size",
-    "projector_hidden_act",
-    "multimodal_projector_bias",
-    "vision_feature_layer",
-)
 # What `Mistral3Adapter.forward` uses of transformers' Pixtral tower and Mistral 3 projector.
 TOWER_PARTS = (
     "vision_tower.patch_conv",
@@ -77,8 +63,6 @@ TOWER_PARTS = (
     "multi_modal_projector.act",
     "multi_modal_projector.linear_2",
 )
-# Sampled check batches stay small so that checking a budget costs little host time.
-MAX_SAMPLED_ITEMS = 8
 Tensors = dict[str, torch.Tensor]
 
 
@@ -133,82 +117,47 @@ def feature_index(vision_feature_layer: Any, num_layers: int) -> int:
     return index
 
 
-def projector_config(config: Any) -> Any:
-    """What `Mistral3MultiModalProjector` reads (`vision_config`, `text_config.hidden_size` and
-    `rms_norm_eps`, `spatial_merge_size`, `projector_hidden_act`, `multimodal_projector_bias`,
-    `vision_feature_layer`), from a vision config carrying PROJECTOR_FIELDS (`tower_only_config`)."""
-    require_fields(
-        config,
-        PROJECTOR_FIELDS,
-        "Mistral 3's projector",
-        "besides the Pixtral vision config: give the full model's "
-        "config (Mistral3Config) or a tower-only save written with tower_only_config; "
-        f"got a {type(config).__name__} (model_type {getattr(config, 'model_type', None)!r})",
-    )
-    return SimpleNamespace(
-        vision_config=config,
-        text_config=SimpleNamespace(
-            hidden_size=config.text_hidden_size, rms_norm_eps=config.text_rms_norm_eps
-        ),
-        spatial_merge_size=config.spatial_merge_size,
-        projector_hidden_act=config.projector_hidden_act,
-        multimodal_projector_bias=config.multimodal_projector_bias,
-        vision_feature_layer=config.vision_feature_layer,
-    )
-
-
-def tower_only_config(full_config: Any) -> Any:
-    """The Pixtral vision config of a full `Mistral3Config` with PROJECTOR_FIELDS added: the config
-    `build_encoder` takes, and what a tower-only save of `Mistral3Encoder` writes as config.json.
-
-    Raises:
-        ValueError: a full config of another model with a Pixtral tower (Pixtral-12B's LLaVA,
-            LightOnOCR): their projectors are not Mistral 3's.
-    """
-    model_type = getattr(full_config, "model_type", None)
-    if model_type != FULL_MODEL_TYPE:
-        raise ValueError(
-            f"vitpool's {FULL_MODEL_TYPE} family runs the Pixtral tower with Mistral 3's patch-merging "
-            f"projector; a {model_type!r} checkpoint has another projector, which vitpool does not run"
-        )
-    config = copy.deepcopy(full_config.vision_config)
-    config.text_hidden_size = int(full_config.text_config.hidden_size)
-    config.text_rms_norm_eps = float(full_config.text_config.rms_norm_eps)
-    config.spatial_merge_size = int(full_config.spatial_merge_size)
-    config.projector_hidden_act = full_config.projector_hidden_act
-    config.multimodal_projector_bias = bool(full_config.multimodal_projector_bias)
-    config.vision_feature_layer = full_config.vision_feature_layer
-    return config
-
-
 def build_encoder(config: Any, dtype: torch.dtype | None = None) -> Mistral3Encoder:
-    """Fresh tower and projector from a full `Mistral3Config` or a vision config with
-    PROJECTOR_FIELDS."""
+    """Fresh tower and projector from a full `Mistral3Config` or a vision config with the adapter's
+    PROJECTOR_FIELDS (`Mistral3Adapter.tower_only_config`)."""
     from transformers.models.mistral3.modeling_mistral3 import Mistral3MultiModalProjector
     from transformers.models.pixtral.modeling_pixtral import PixtralVisionModel
 
-    if getattr(config, "text_config", None) is not None:
-        config = tower_only_config(config)
-    full = projector_config(config)
+    if is_full_config(config):  # refused unless it is Mistral 3's
+        config = Mistral3Adapter.tower_only_config(config)
+    full = Mistral3Adapter.projector_config(config)
     tower, projector = tower_and_projector(PixtralVisionModel, Mistral3MultiModalProjector, full, dtype)
     return Mistral3Encoder(tower, projector, full.vision_feature_layer)
 
 
-# A full checkpoint's keys (the record's prefixes): as saved (`vision_tower.`, `multi_modal_projector.`:
-# what transformers writes, and the releases' layout) or as the model's state_dict holds them (under
-# `model.`).
-_RENAMES = ((re.compile(r"^model\.(vision_tower|multi_modal_projector)\."), r"\1."),)
-
-
-def convert_checkpoint(state: dict[str, torch.Tensor], config: Any = None) -> dict[str, torch.Tensor]:
-    """`Mistral3Encoder`'s state from a checkpoint's tensors in either layout above; the encoder's
-    own keys map to themselves, other keys pass unchanged (a strict load names them). `config`
-    is not needed."""
-    return {renamed_key(key, _RENAMES): tensor for key, tensor in state.items()}
-
-
-class Mistral3Adapter:
+class Mistral3Adapter(AdapterBase):
     """Adapter for `Mistral3Encoder`: patch rows in, the projector's tokens out."""
+
+    # What a tower-only save's vision config carries besides Pixtral's fields, for the projector
+    # (`vision_config`, `text_config.hidden_size` and `rms_norm_eps`, and the rest by these names).
+    PROJECTOR_FIELDS = (
+        ConfigField("text_hidden_size", "text_config.hidden_size", int),
+        ConfigField("text_rms_norm_eps", "text_config.rms_norm_eps", float),
+        ConfigField("spatial_merge_size", "spatial_merge_size", int),
+        ConfigField("projector_hidden_act", "projector_hidden_act"),
+        ConfigField("multimodal_projector_bias", "multimodal_projector_bias", bool),
+        ConfigField("vision_feature_layer", "vision_feature_layer"),
+    )
+    PROJECTOR_SUBJECT = "Mistral 3's projector"
+    PROJECTOR_ADVICE = (
+        "besides the Pixtral vision config: give the full model's config (Mistral3Config) or a tower-only "
+        "save written with tower_only_config"
+    )
+    # Another model with a Pixtral tower (Pixtral-12B's LLaVA, LightOnOCR) has another projector.
+    FULL_MODEL_TYPES = ("mistral3",)
+    OTHER_MODEL = (
+        "vitpool's mistral3 family runs the Pixtral tower with Mistral 3's patch-merging projector; a "
+        "{model_type} checkpoint has another projector, which vitpool does not run"
+    )
+    # A full checkpoint's keys (the record's prefixes): as saved (`vision_tower.`,
+    # `multi_modal_projector.`: what transformers writes, and the releases' layout) or as the model's
+    # state_dict holds them (under `model.`).
+    CHECKPOINT_RENAMES = renames((r"^model\.(vision_tower|multi_modal_projector)\.", r"\1."))
 
     def __init__(self, tower: Mistral3Encoder) -> None:
         check_tower_parts("Mistral 3", tower, TOWER_PARTS)
@@ -222,15 +171,10 @@ class Mistral3Adapter:
             self.merge_size,
             int(projector.linear_2.out_features),
         )
-        self.row_shape = self.item_rules.row_shape
-        self.output_row_shapes = self.item_rules.output_row_shapes
         self.merge_unit = self.item_rules.merge_unit
         self.num_layers_run = tower.feature_index  # later layers' outputs are not read
         self._per_grid = lru_cache(maxsize=1024)(self._grid_tensors)
         install_packed_attention(vision)
-
-    def max_rows(self, num_tokens: int) -> int:
-        return num_tokens * self.merge_unit
 
     def metadata_specs(self, num_rows: int, budget: Budget) -> dict[str, TensorSpec]:
         return {
@@ -279,13 +223,6 @@ class Mistral3Adapter:
         merged = projector.patch_merger.merging_layer(blocks)
         return [projector.linear_2(projector.act(projector.linear_1(merged)))]
 
-    def sample_specs(self, num_rows: int, budget: Budget, rng: random.Random) -> list[ItemSpec]:
-        rules = self.item_rules
-        grids = sample_grids(
-            rng, rules.merge_kernel, num_rows, budget.num_tokens, min(MAX_SAMPLED_ITEMS, budget.max_items)
-        )
-        return [rules.item_spec(IMAGE, (h * w, *rules.row_shape), "float32", (1, h, w)) for _, h, w in grids]
-
     def _grid_tensors(self, grid: Grid) -> tuple[torch.Tensor, torch.Tensor]:
         """One image's rotary positions [h*w, 2] (row, column; row-major as the tower flattens its
         patches) and its merger's gather index [tokens, m²] (token (bh, bw) takes rows
@@ -296,3 +233,9 @@ class Mistral3Adapter:
         positions = torch.stack([rows.flatten(), columns.flatten()], dim=-1)
         merge_index = torch.arange(h * w).view(h // m, m, w // m, m).transpose(1, 2).reshape(-1, m * m)
         return positions, merge_index
+
+
+# The loader's hooks and their long-standing names (`vitpool.models.family.adapter_checkpoint`).
+projector_config = Mistral3Adapter.projector_config
+tower_only_config = Mistral3Adapter.tower_only_config
+convert_checkpoint = Mistral3Adapter.convert_checkpoint

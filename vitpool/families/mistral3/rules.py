@@ -22,13 +22,11 @@ under m patches a side gives no token at all.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vitpool.packing import Budget, plain_budgets
 from vitpool.rules.patch_rows import Grid, PatchRows
-from vitpool.specs import VIDEO, ItemSpec, check_capacity_limits, is_int
+from vitpool.specs import VIDEO, ItemSpec, is_int
 
 
 def patch_rows(image: Any, patch_size: int) -> Any:
@@ -124,15 +122,6 @@ class Mistral3Rules(PatchRows):
                 f"{p * m}}}"
             )
         return (1, height // p, width // p)
-
-    def budgets(
-        self,
-        token_budgets: Sequence[int],
-        max_items_per_batch: int | None,
-        capacity_limits: Mapping[str, int],
-    ) -> list[Budget]:
-        check_capacity_limits(capacity_limits, self.capacities)
-        return plain_budgets(token_budgets, max_items_per_batch)
 
     def _cuttable(self, shape: tuple[int, ...]) -> bool:
         return (

@@ -1,7 +1,14 @@
 """PaddleOCR-VL (paddleocr_vl): PaddleOCRVisionModel and its projector, transformers' or the
 release's keys; patch rows (`rules.py`)."""
 
-from vitpool.models.family import GRID_IMAGES_OUTPUT, CheckpointLayout, Family, FamilyRecord, ModelParts, lazy
+from vitpool.models.family import (
+    GRID_IMAGES_OUTPUT,
+    Family,
+    FamilyRecord,
+    ModelParts,
+    adapter_checkpoint,
+    lazy,
+)
 
 _ADAPTER = "vitpool.families.paddleocr_vl.adapter"
 
@@ -11,10 +18,10 @@ RECORD = FamilyRecord(
         "paddleocr_vl_vision": Family(
             lazy(_ADAPTER, "build_encoder"),
             lazy(_ADAPTER, "PaddleOCRVLAdapter"),
-            checkpoint=CheckpointLayout(
+            checkpoint=adapter_checkpoint(
+                _ADAPTER,
+                "PaddleOCRVLAdapter",
                 prefixes=("model.visual.", "visual.", "model.projector.", "mlp_AR.", "projector."),
-                tower_config=lazy(_ADAPTER, "tower_only_config"),
-                convert=lazy(_ADAPTER, "convert_checkpoint"),
             ),
         ),
     },

@@ -30,22 +30,19 @@ Kimi-K2.5's (the position table's and rotary metadata, the fill, the sampler) is
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import re
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 
 from vitpool.families.paddleocr_vl.rules import PaddleOCRVLRules
-from vitpool.models.patch_adapter import PatchRowAdapter, renamed_key
+from vitpool.models.adapter_base import TEXT_HIDDEN_SIZE, renames
+from vitpool.models.patch_adapter import PatchRowAdapter
 from vitpool.models.projected import tower_and_projector
 from vitpool.models.protocol import TensorSpec
 from vitpool.packing import Budget
 from vitpool.rules.patch_rows import Grid
-
-# What a tower-only save's vision config carries besides Hugging Face's fields, for the projector.
-TEXT_HIDDEN_SIZE = "text_hidden_size"
 
 
 class PaddleOCREncoder(torch.nn.Module):
@@ -59,75 +56,43 @@ class PaddleOCREncoder(torch.nn.Module):
         self.config = visual.config
 
 
-def _vision_and_text_width(config: Any) -> tuple[Any, int]:
-    """The vision config and the LLM's hidden size, from a full `PaddleOCRVLConfig` or from a
-    vision config carrying `text_hidden_size` (a tower-only save)."""
-    vision_config = getattr(config, "vision_config", None)
-    text_config = getattr(config, "text_config", None)
-    if vision_config is not None and text_config is not None:
-        return vision_config, int(text_config.hidden_size)
-    if getattr(config, "model_type", None) == "paddleocr_vl_vision" and getattr(
-        config, TEXT_HIDDEN_SIZE, None
-    ):
-        return config, int(getattr(config, TEXT_HIDDEN_SIZE))
-    raise ValueError(
-        f"PaddleOCR-VL's projector needs the LLM's hidden size: give the full model's config "
-        f"(PaddleOCRVLConfig) or a vision config (paddleocr_vl_vision) with {TEXT_HIDDEN_SIZE!r}, as "
-        f"tower_only_config writes it; got a {type(config).__name__} "
-        f"(model_type {getattr(config, 'model_type', None)!r})"
-    )
-
-
 def build_encoder(config: Any, dtype: torch.dtype | None = None) -> PaddleOCREncoder:
     """Fresh tower and projector from a full PaddleOCRVLConfig or a vision config with
-    `text_hidden_size`."""
+    `text_hidden_size` (`PaddleOCRVLAdapter.tower_only_config`)."""
     from transformers.models.paddleocr_vl.modeling_paddleocr_vl import (
         PaddleOCRProjector,
         PaddleOCRVisionModel,
     )
 
-    vision_config, text_width = _vision_and_text_width(config)
     # PaddleOCRProjector reads vision_config.{spatial_merge_size, hidden_size} and text_config.hidden_size
-    full = SimpleNamespace(vision_config=vision_config, text_config=SimpleNamespace(hidden_size=text_width))
+    full = PaddleOCRVLAdapter.projector_config(config)
     visual, projector = tower_and_projector(PaddleOCRVisionModel, PaddleOCRProjector, full, dtype)
     return PaddleOCREncoder(visual, projector)
-
-
-def tower_only_config(full_config: Any) -> Any:
-    """The vision config of a full PaddleOCRVLConfig with `text_hidden_size` added: what a
-    tower-only save of `PaddleOCREncoder` writes as its config.json."""
-    config = copy.deepcopy(full_config.vision_config)
-    setattr(config, TEXT_HIDDEN_SIZE, int(full_config.text_config.hidden_size))
-    return config
 
 
 # A full checkpoint's tower and projector: transformers' layout (`model.visual.`, `model.projector.`,
 # its state_dict), PaddlePaddle's release layout (`visual.`, `mlp_AR.`; what `save_pretrained` writes
 # back too, through conversion_mapping.py's "paddleocr_vl" renames), or the encoder's own keys.
 CHECKPOINT_PREFIXES = ("model.visual.", "visual.", "model.projector.", "mlp_AR.", "projector.")
-_RENAMES = (
-    (re.compile(r"^model\.visual\."), "visual."),
-    (re.compile(r"^(model\.projector|mlp_AR)\."), "projector."),
-)
-# What PaddleOCRVLModel drops on load (`_keys_to_ignore_on_load_unexpected`): the release's packed
-# position table and SigLIP's unused pooling head.
-_IGNORED = (re.compile(r"packing_position_embedding"), re.compile(r"vision_model\.head"))
-
-
-def convert_checkpoint(state: dict[str, torch.Tensor], config: Any = None) -> dict[str, torch.Tensor]:
-    """`PaddleOCREncoder`'s state from a checkpoint's tensors in any of the layouts above; the
-    encoder's own keys map to themselves, other keys pass unchanged (a strict load names them),
-    and the keys Hugging Face ignores on load are dropped. `config` is not needed."""
-    converted: dict[str, torch.Tensor] = {}
-    for key, tensor in state.items():
-        if any(pattern.search(key) for pattern in _IGNORED):
-            continue
-        converted[renamed_key(key, _RENAMES)] = tensor
-    return converted
 
 
 class PaddleOCRVLAdapter(PatchRowAdapter):
     """Adapter for `PaddleOCREncoder` (PaddleOCRVisionModel + PaddleOCRProjector)."""
+
+    # What a tower-only save's vision config carries besides Hugging Face's fields: the LLM's width.
+    PROJECTOR_FIELDS = (dataclasses.replace(TEXT_HIDDEN_SIZE, cast=int),)
+    PROJECTOR_SUBJECT = "PaddleOCR-VL's projector"
+    PROJECTOR_ADVICE = (
+        "(the LLM's hidden size): give the full model's config (PaddleOCRVLConfig) or a vision config "
+        "(paddleocr_vl_vision) with it, as tower_only_config writes it"
+    )
+    # The layouts above -> the encoder's keys (which map to themselves).
+    CHECKPOINT_RENAMES = renames(
+        (r"^model\.visual\.", "visual."), (r"^(model\.projector|mlp_AR)\.", "projector.")
+    )
+    # What PaddleOCRVLModel drops on load (`_keys_to_ignore_on_load_unexpected`): the release's packed
+    # position table and SigLIP's unused pooling head.
+    CHECKPOINT_IGNORED = (re.compile(r"packing_position_embedding"), re.compile(r"vision_model\.head"))
 
     ROW_INDEX_NAMES = ("merge_index",)
 
@@ -172,3 +137,8 @@ class PaddleOCRVLAdapter(PatchRowAdapter):
         m = self.merge_size
         merge_index = torch.arange(h * w).view(h // m, m, w // m, m).transpose(1, 2).reshape(-1, m * m)
         return {}, {"merge_index": merge_index}
+
+
+# The loader's hooks and their long-standing names (`vitpool.models.family.adapter_checkpoint`).
+tower_only_config = PaddleOCRVLAdapter.tower_only_config
+convert_checkpoint = PaddleOCRVLAdapter.convert_checkpoint

@@ -12,13 +12,11 @@ Kimi-K2.5 (`vitpool.rules.patch_rows`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from vitpool.packing import Budget, plain_budgets
 from vitpool.rules.patch_rows import PatchRows, patch_grid
-from vitpool.specs import VIDEO, ItemSpec, check_capacity_limits
+from vitpool.specs import VIDEO, ItemSpec
 
 
 @dataclass(frozen=True)
@@ -44,12 +42,3 @@ class PaddleOCRVLRules(PatchRows):
             self, modality, pixel_shape, layout, f"spatial merge size {self.merge_size}", takes_video=False
         )
         return ItemSpec(modality, tuple(pixel_shape), pixel_dtype, grid, pixel_shape[0] // self.merge_unit)
-
-    def budgets(
-        self,
-        token_budgets: Sequence[int],
-        max_items_per_batch: int | None,
-        capacity_limits: Mapping[str, int],
-    ) -> list[Budget]:
-        check_capacity_limits(capacity_limits, self.capacities)
-        return plain_budgets(token_budgets, max_items_per_batch)

@@ -4,7 +4,7 @@
 The transformers drop-in cannot install its stand-in yet (`features.py` says why and how to install
 it by hand); the record names it because the drop-in answers this family one step above the tower."""
 
-from vitpool.models.family import CheckpointLayout, Family, FamilyRecord, ProcessorOutput, lazy
+from vitpool.models.family import Family, FamilyRecord, ProcessorOutput, adapter_checkpoint, lazy
 
 _ADAPTER = "vitpool.families.phi4_multimodal.adapter"
 
@@ -14,10 +14,8 @@ RECORD = FamilyRecord(
         "phi4_multimodal_vision": Family(
             lazy(_ADAPTER, "build_encoder"),
             lazy(_ADAPTER, "Phi4MultimodalAdapter"),
-            checkpoint=CheckpointLayout(
-                prefixes=("model.embed_tokens_extend.image_embed.",),
-                tower_config=lazy(_ADAPTER, "tower_only_config"),
-                convert=lazy(_ADAPTER, "convert_checkpoint"),
+            checkpoint=adapter_checkpoint(
+                _ADAPTER, "Phi4MultimodalAdapter", prefixes=("model.embed_tokens_extend.image_embed.",)
             ),
         ),
     },

@@ -37,8 +37,8 @@ is not read.
 
 from __future__ import annotations
 
-import copy
 import random
+import re
 from collections.abc import Sequence
 from functools import lru_cache
 from types import SimpleNamespace
@@ -49,6 +49,7 @@ import torch.nn.functional as F
 
 from vitpool.errors import ConfigError
 from vitpool.families.phi4_multimodal.rules import HdLayout, Phi4MultimodalRules
+from vitpool.models.adapter_base import AdapterBase, ConfigField, renames
 from vitpool.models.compat import check_tower_parts
 from vitpool.models.protocol import BudgetRange, TensorSpec, zero_metadata
 from vitpool.models.tiled import install_kernels
@@ -57,13 +58,9 @@ from vitpool.specs import IMAGE, ItemSpec
 
 FAMILY = "Phi-4-multimodal"
 CHECKPOINT_PREFIX = "model.embed_tokens_extend.image_embed."
-# What a tower-only save's vision config carries besides Hugging Face's fields (the full config holds
-# it): the LLM's width, the projection's.
-TEXT_HIDDEN_SIZE = "text_hidden_size"
 # The default budgets hold up to this many crops: a 4 x 4 canvas and its global crop (the release's
 # dynamic_hd=36 allows up to 37: such images run eager at their own size).
 MAX_GRAPH_CROPS = 17
-MAX_SAMPLED_ITEMS = 4
 MAX_SAMPLED_SIDE = 3
 TOWER_PARTS = (
     "img_processor.embeddings.patch_embedding",
@@ -81,41 +78,13 @@ TOWER_PARTS = (
 _SUB_SEPARATOR, _GLOBAL_SEPARATOR = -1, -2
 
 
-def _embedding_config(config: Any) -> Any:
-    """What `Phi4MultimodalImageEmbedding` reads (vision_config, the LLM's hidden_size, embd_pdrop),
-    from a full `Phi4MultimodalConfig` or a vision config carrying `text_hidden_size`."""
-    if getattr(config, "vision_config", None) is not None:
-        return config
-    if getattr(config, TEXT_HIDDEN_SIZE, None) is None:
-        raise ValueError(
-            f"a Phi-4-multimodal vision config needs {TEXT_HIDDEN_SIZE!r} to build its projection; give the "
-            "full model's config (Phi4MultimodalConfig) or a tower-only save that carries it "
-            "(tower_only_config)"
-        )
-    return SimpleNamespace(vision_config=config, hidden_size=int(config.text_hidden_size), embd_pdrop=0.0)
-
-
 def build_encoder(config: Any, dtype: torch.dtype | None = None) -> torch.nn.Module:
     """A fresh `Phi4MultimodalImageEmbedding` (tower, separators, projection) from a full
     Phi4MultimodalConfig or a vision config with `text_hidden_size`."""
     from transformers.models.phi4_multimodal.modeling_phi4_multimodal import Phi4MultimodalImageEmbedding
 
-    module = Phi4MultimodalImageEmbedding(_embedding_config(config))
+    module = Phi4MultimodalImageEmbedding(Phi4MultimodalAdapter.projector_config(config))
     return module if dtype is None else module.to(dtype)
-
-
-def tower_only_config(full_config: Any) -> Any:
-    """The vision config of a full Phi4MultimodalConfig with `text_hidden_size` added: what a
-    tower-only save writes as its config.json (and what a full checkpoint is built from)."""
-    config = copy.deepcopy(full_config.vision_config)
-    setattr(config, TEXT_HIDDEN_SIZE, int(full_config.hidden_size))
-    return config
-
-
-def convert_checkpoint(checkpoint: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
-    """The loader's hook: a full checkpoint's keys less `model.embed_tokens_extend.image_embed.` (a
-    tower-only save's keys are the module's own already)."""
-    return {key.removeprefix(CHECKPOINT_PREFIX): tensor for key, tensor in checkpoint.items()}
 
 
 def crop_positions(
@@ -138,8 +107,29 @@ def crop_positions(
     return torch.where(mask, positions, 0).reshape(-1), mask.reshape(-1)
 
 
-class Phi4MultimodalAdapter:
+class Phi4MultimodalAdapter(AdapterBase):
     """Adapter for `Phi4MultimodalImageEmbedding`: rows are crops, metadata as the opening says."""
+
+    # What a tower-only save's vision config carries besides Hugging Face's fields (the full config
+    # holds it, at its top level): the LLM's width, the projection's.
+    PROJECTOR_FIELDS = (ConfigField("text_hidden_size", "hidden_size", int),)
+    PROJECTOR_SUBJECT = "a Phi-4-multimodal vision config"
+    PROJECTOR_ADVICE = (
+        "to build its projection; give the full model's config (Phi4MultimodalConfig) or a tower-only save "
+        "that carries it (tower_only_config)"
+    )
+    # A full checkpoint's keys less `model.embed_tokens_extend.image_embed.` (a tower-only save's keys
+    # are the module's own already).
+    CHECKPOINT_RENAMES = renames((f"^{re.escape(CHECKPOINT_PREFIX)}", ""))
+    MAX_SAMPLED_ITEMS = 4
+
+    @classmethod
+    def projector_config(cls, config: Any) -> Any:
+        """What `Phi4MultimodalImageEmbedding` reads (vision_config, the LLM's hidden_size,
+        embd_pdrop), from a full `Phi4MultimodalConfig` or a vision config carrying
+        `text_hidden_size`."""
+        full = super().projector_config(config)
+        return full if full is config else SimpleNamespace(**vars(full), embd_pdrop=0.0)
 
     def __init__(self, tower: torch.nn.Module) -> None:
         check_tower_parts(FAMILY, tower, TOWER_PARTS)
@@ -168,8 +158,6 @@ class Phi4MultimodalAdapter:
         self.item_rules = Phi4MultimodalRules(
             int(config.num_channels), image_size, patch_size, int(tower.img_projection_down.out_features)
         )
-        self.row_shape = self.item_rules.row_shape
-        self.output_row_shapes = self.item_rules.output_row_shapes
         self._patches = self.item_rules.patches_per_side
         self._pooled = self.item_rules.pooled_side
         self._crop_metadata = lru_cache(maxsize=4096)(self._crop_positions)
@@ -254,7 +242,7 @@ class Phi4MultimodalAdapter:
         specs: list[ItemSpec] = []
         rows_left = min(num_rows, budget.max_sequences)
         tokens_left = budget.num_tokens
-        while len(specs) < min(MAX_SAMPLED_ITEMS, budget.max_items):
+        while len(specs) < self.sampled_items(budget):
             fitting = [
                 spec
                 for spec in (self._sample_spec(rng) for _ in range(8))
@@ -314,3 +302,8 @@ class Phi4MultimodalAdapter:
             for grid in (canvas, global_crop)
         ]
         return torch.cat([with_separators[0], torch.tensor([_GLOBAL_SEPARATOR]), with_separators[1]])
+
+
+# The loader's hooks and their long-standing names (`vitpool.models.family.adapter_checkpoint`).
+tower_only_config = Phi4MultimodalAdapter.tower_only_config
+convert_checkpoint = Phi4MultimodalAdapter.convert_checkpoint

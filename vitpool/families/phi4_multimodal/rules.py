@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vitpool.packing import SEQUENCES, Budget, plain_budgets
+from vitpool.rules.base import RulesBase
 from vitpool.specs import IMAGE, ItemSpec, check_capacity_limits, is_int
 
 ITEM_HINT = (
@@ -52,7 +53,7 @@ class HdLayout:
 
 
 @dataclass(frozen=True)
-class Phi4MultimodalRules:
+class Phi4MultimodalRules(RulesBase):
     """Phi-4-multimodal's items: Images of crops [1 + rows * cols, C, S, S] with their canvas
     (height, width[, valid_rows, valid_cols]). Every crop is one attention sequence ("sequences"),
     and the static buffers hold one crop a row: a budget holds `max_crops(tokens)` crops, so it

@@ -2,8 +2,6 @@
 deepstack features); no audio tower, no talker. A full checkpoint keeps the tower under the
 thinker (`thinker.visual.`) and its config under `thinker_config.vision_config`."""
 
-from typing import Any
-
 from vitpool.models.family import (
     GRID_PROCESSOR_OUTPUT,
     CheckpointLayout,
@@ -19,11 +17,7 @@ _MODELING = "transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe"
 # (`thinker.visual.`) or in transformers 5's module tree (`thinker.model.visual.`); a saved thinker
 # likewise (`visual.`, `model.visual.`). No other key of either starts with one of these.
 TOWER_PREFIXES = ("thinker.visual.", "thinker.model.visual.", "visual.", "model.visual.")
-
-
-def thinker_vision_config(config: Any) -> Any:
-    """The tower's config: a full model's nests it in `thinker_config`, a saved thinker's does not."""
-    return getattr(config, "thinker_config", config).vision_config
+_ADAPTER = "vitpool.families.qwen3_omni_moe.adapter"
 
 
 RECORD = FamilyRecord(
@@ -31,8 +25,12 @@ RECORD = FamilyRecord(
     towers={
         "qwen3_omni_moe_vision_encoder": Family(
             hf_tower(_MODELING, "Qwen3OmniMoeVisionEncoder"),
-            lazy("vitpool.families.qwen3_omni_moe.adapter", "Qwen3OmniMoeAdapter"),
-            checkpoint=CheckpointLayout(prefixes=TOWER_PREFIXES, tower_config=thinker_vision_config),
+            lazy(_ADAPTER, "Qwen3OmniMoeAdapter"),
+            # the tower's config nested in the thinker's (`Qwen3OmniMoeAdapter.tower_only_config`); the
+            # keys less their prefix
+            checkpoint=CheckpointLayout(
+                prefixes=TOWER_PREFIXES, tower_config=lazy(_ADAPTER, "Qwen3OmniMoeAdapter.tower_only_config")
+            ),
         ),
     },
     # the released checkpoints, and a thinker saved alone

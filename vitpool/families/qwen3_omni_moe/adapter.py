@@ -13,8 +13,16 @@ and grid rows, split per item), so an item's outputs are what the thinker hands 
 
 from __future__ import annotations
 
+from typing import Any
+
 from vitpool.families.qwen3_vl.adapter import Qwen3VLAdapter
 
 
 class Qwen3OmniMoeAdapter(Qwen3VLAdapter):
     """Adapter for `Qwen3OmniMoeVisionEncoder`: the tokens, then the deepstack features."""
+
+    @classmethod
+    def tower_only_config(cls, full_config: Any) -> Any:
+        """The tower's config: a full model's nests it in `thinker_config`, a saved thinker's does
+        not."""
+        return getattr(full_config, "thinker_config", full_config).vision_config

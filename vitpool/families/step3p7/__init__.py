@@ -1,7 +1,7 @@
 """Step-3.7 (step3p7): Step3p7VisionModel and its multi_modal_projector, two paths (a global view,
 crops)."""
 
-from vitpool.models.family import CheckpointLayout, Family, FamilyRecord, ProcessorOutput, lazy
+from vitpool.models.family import Family, FamilyRecord, ProcessorOutput, adapter_checkpoint, lazy
 
 _ADAPTER = "vitpool.families.step3p7.adapter"
 
@@ -11,7 +11,9 @@ RECORD = FamilyRecord(
         "step3p5_vision": Family(
             lazy(_ADAPTER, "build_encoder"),
             lazy(_ADAPTER, "Step3p7Adapter"),
-            checkpoint=CheckpointLayout(
+            checkpoint=adapter_checkpoint(
+                _ADAPTER,
+                "Step3p7Adapter",
                 prefixes=(
                     "model.vision_model.",
                     "model.multi_modal_projector.",
@@ -19,8 +21,6 @@ RECORD = FamilyRecord(
                     "multi_modal_projector.",
                     "vit_large_projector.",
                 ),
-                tower_config=lazy(_ADAPTER, "tower_only_config"),
-                convert=lazy(_ADAPTER, "convert_checkpoint"),
             ),
         ),
     },

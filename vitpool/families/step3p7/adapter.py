@@ -13,9 +13,9 @@ The tower takes a square tile of any side S of at least one patch: the patch con
 floor(S / 14) patches a side (pixels past the last whole patch are not read), the positions are
 interpolated (bilinear) to that grid, and each stride-2 convolution rounds up, so a tile gives
 ceil(floor(S / 14) / 4)² tokens. The crop size is the processor's setting: vitpool reads it where
-the checkpoint sets it (`crop_size`) and runs crops of that size. (The processor counts (S // 56)²
-placeholder tokens a crop, so the full model accepts only crops with S mod 56 under 14 and S of
-56 or more, 504 among them.)
+the checkpoint sets it (`Step3p7Adapter.crop_size`) and runs crops of that size. (The processor
+counts (S // 56)² placeholder tokens a crop, so the full model accepts only crops with S mod 56
+under 14 and S of 56 or more, 504 among them.)
 
 Every tile of a path has one size, so a batch of tiles needs no metadata; the tower's own
 forward builds its rotary positions from a tensor made on the host at every call, which a
@@ -28,12 +28,12 @@ layout has them under `model.`.
 
 from __future__ import annotations
 
-import copy
 import re
 from typing import Any
 
 import torch
 
+from vitpool.models.adapter_base import TEXT_HIDDEN_SIZE, ConfigField
 from vitpool.models.compat import check_tower_parts
 from vitpool.models.tiled import (
     GLOBAL_VIEW,
@@ -41,13 +41,12 @@ from vitpool.models.tiled import (
     CropSize,
     PathTiles,
     ViewAndCropsAdapter,
-    crop_size_of,
     install_kernels,
 )
 
 GLOBAL, LOCAL = GLOBAL_VIEW, LOCAL_CROPS
 # Step3p7ImageProcessor's default `patch_size`: the side of a local crop in pixels. It is the
-# processor's setting, not the model's (`crop_size`).
+# processor's setting, not the model's (`Step3p7Adapter.crop_size`).
 LOCAL_IMAGE_SIZE = 504
 DOWNSAMPLE = 4  # two stride-2 convolutions, each rounding up
 
@@ -68,7 +67,7 @@ class Step3p7Encoder(torch.nn.Module):
         vision_model: `Step3p7VisionModel`; its `image_size` is the global view's side.
         projector: `Step3p7Model.multi_modal_projector`.
         local_image_size: the side of a local crop in pixels (the processor's `patch_size`), or that
-            and where it was set (`crop_size`), named when crops of another size are refused.
+            and where it was set (`Step3p7Adapter.crop_size`), named when crops of another size are refused.
 
     Raises:
         ValueError: tiles smaller than one patch.
@@ -109,19 +108,9 @@ def projector_of(config: Any, dtype: torch.dtype | None) -> torch.nn.Linear:
     return projector if dtype is None else projector.to(dtype)
 
 
-def crop_size(config: Any) -> CropSize:
-    """The side of the checkpoint's crops: the vision config's `local_image_size`, else the
-    processor config's `patch_size`, else the processor's default (`vitpool.models.tiled.crop_size_of`).
-
-    Raises:
-        CheckpointError: a size that is no positive whole number of pixels.
-    """
-    return crop_size_of(config, "Step3p7ImageProcessor", "patch_size", LOCAL_IMAGE_SIZE)
-
-
 def build_encoder(config: Any, dtype: torch.dtype | None = None) -> Step3p7Encoder:
-    """Fresh tower and projector from a tower-only config (`tower_only_config`), for crops of
-    `crop_size(config)`.
+    """Fresh tower and projector from a tower-only config (`Step3p7Adapter.tower_only_config`), for
+    crops of `Step3p7Adapter.crop_size(config)`.
 
     Raises:
         ValueError: the config lacks a field the projector needs.
@@ -129,25 +118,11 @@ def build_encoder(config: Any, dtype: torch.dtype | None = None) -> Step3p7Encod
     """
     from transformers.models.step3p7.modeling_step3p7 import Step3p7VisionModel
 
-    for name in ("text_hidden_size", "projector_bias"):
-        if getattr(config, name, None) is None:
-            raise ValueError(
-                f"a Step-3.7 vision config needs {name} to build its multi_modal_projector; give the full "
-                "model's checkpoint (Step3p7Config) or a tower-only save that carries it"
-            )
+    Step3p7Adapter.projector_config(config)  # refuses a config without what the projector reads
     vision = (
         Step3p7VisionModel(config) if dtype is None else Step3p7VisionModel._from_config(config, dtype=dtype)
     )
-    return Step3p7Encoder(vision, projector_of(config, dtype), crop_size(config))
-
-
-def tower_only_config(full_config: Any) -> Any:
-    """The vision config of a full Step3p7Config with what the projector needs added
-    (`text_hidden_size`, `projector_bias`): what a tower-only save writes as its config.json."""
-    config = copy.deepcopy(full_config.vision_config)
-    config.text_hidden_size = full_config.text_config.hidden_size
-    config.projector_bias = bool(full_config.projector_bias)
-    return config
+    return Step3p7Encoder(vision, projector_of(config, dtype), Step3p7Adapter.crop_size(config))
 
 
 # The release's key layout (what transformers 5.24's save_pretrained writes too) -> the module's,
@@ -169,10 +144,10 @@ RELEASE_RENAMES = (
 FUSED_QKV = re.compile(r"^(.*\.self_attn\.)in_proj_(weight|bias)$")
 
 
-def convert_checkpoint(checkpoint: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
-    """The loader's hook: a full checkpoint in transformers' layout (keys under `model.`) or the
-    release's (`vision_model.conv1`, fused `in_proj` attention, `vit_large_projector`), or a
-    tower-only save (the module's own keys) -> the module's state.
+def release_state(checkpoint: dict[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
+    """`Step3p7Adapter.convert_checkpoint`: a full checkpoint in transformers' layout (keys under
+    `model.`) or the release's (`vision_model.conv1`, fused `in_proj` attention,
+    `vit_large_projector`), or a tower-only save (the module's own keys) -> the module's state.
 
     The release fuses q, k and v and orders each head's rotary halves interleaved; transformers'
     attention takes them apart and rotates by halves, so q and k rows are permuted as its loader
@@ -244,6 +219,17 @@ class Step3p7PathAdapter(PathTiles):
 class Step3p7Adapter(ViewAndCropsAdapter):
     """Adapter for `Step3p7Encoder`: two paths, local crops joined before the global view."""
 
+    # What a tower-only save's vision config carries besides the tower's fields, for the projector.
+    PROJECTOR_FIELDS = (TEXT_HIDDEN_SIZE, ConfigField("projector_bias", "projector_bias", bool))
+    PROJECTOR_SUBJECT = "a Step-3.7 vision config"
+    PROJECTOR_ADVICE = (
+        "to build its multi_modal_projector; give the full model's checkpoint (Step3p7Config) or a "
+        "tower-only save that carries them"
+    )
+    # The crops' side: Step3p7ImageProcessor's `patch_size`, LOCAL_IMAGE_SIZE unless the checkpoint sets it.
+    CROP_SETTING = ("Step3p7ImageProcessor", "patch_size", LOCAL_IMAGE_SIZE)
+    convert_checkpoint = staticmethod(release_state)
+
     def __init__(self, tower: Step3p7Encoder) -> None:
         check_tower_parts("Step-3.7", tower.vision_model, TOWER_PARTS)
         install_kernels(tower)
@@ -251,3 +237,8 @@ class Step3p7Adapter(ViewAndCropsAdapter):
         super().__init__(
             tower, Step3p7PathAdapter(tower, LOCAL, width), Step3p7PathAdapter(tower, GLOBAL, width)
         )
+
+
+# The loader's hooks and their long-standing names (`vitpool.models.family.adapter_checkpoint`).
+tower_only_config = Step3p7Adapter.tower_only_config
+convert_checkpoint = Step3p7Adapter.convert_checkpoint

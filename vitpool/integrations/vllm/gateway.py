@@ -6,8 +6,9 @@ request with each image's `uuid` set, relaying the answer (streamed or not) as v
         --publish store            # or: --publish files --root /shared/ec_cache
 
 An image's key (its `uuid`) is a 128-bit XXH3 digest of its bytes under a prefix that covers the
-checkpoint's config and vision weights, its image processor's settings and backend (torchvision's, as
-vLLM's, where it imports: `images.processor_backend`) and the LLM's dtype, so a
+model as the pool's embedding cache names it (its config's and weights' content and the LLM's dtype:
+`vitpool.pool.embedding_cache.model_identity`), its image processor's settings and backend
+(torchvision's, as vLLM's, where it imports: `images.processor_backend`), so a
 published entry is found again by any request with the same image for the same model; it replaces
 a `uuid` the client set (a name the client claims for the bytes must not reach other requests).
 The images of all requests in flight go to the pool together (the pool packs concurrent calls into
@@ -37,17 +38,19 @@ import torch
 from vitpool.dtypes import dtype_from_name
 from vitpool.errors import ConfigError, VitpoolError
 from vitpool.integrations.vllm.images import (
+    FRONT_SETTINGS,
     checkpoint_family,
     data_url_bytes,
     decode_image,
     image_key,
-    model_identity,
+    model_prefix,
     processor_backend,
     processor_items,
 )
 from vitpool.integrations.vllm.layouts import vllm_embedding, vllm_layout
 from vitpool.items import Embedding, Item
 from vitpool.models.loading import vision_weights_digest
+from vitpool.pool.settings import add_pool_setting_flags, given_settings, setting_flag
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +173,7 @@ class Gateway:
         upstream: str,
         dtype: torch.dtype = torch.bfloat16,
         make_item: Callable[[Any], Item] | None = None,
-        encode_timeout_s: float | None = 60.0,
+        encode_timeout_s: float | None = FRONT_SETTINGS["timeout_s"][0],
         allowed_media_domains: Sequence[str] | None = None,
         max_download_bytes: int = 64 << 20,
         download_timeout_s: float = 30.0,
@@ -194,7 +197,7 @@ class Gateway:
         check_same_dtype(pool, dtype)
         # a function given decides its own pixels; the checkpoint's processor, on vLLM's backend where it can
         self.processor = "" if make_item is not None else processor_backend()
-        self.identity = model_identity(checkpoint, dtype, weights, self.processor)
+        self.identity = model_prefix(checkpoint, dtype, self.processor)
         if make_item is None:
             make_item = processor_items(checkpoint, self.model_type)
         self.make_item = make_item
@@ -533,6 +536,14 @@ def _dtype(name: str) -> torch.dtype:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+# Pool settings the gateway has no pool-setting flag for, and why: its own flags set them
+GATEWAY_OWN_SETTINGS = {
+    "model": "--model, the checkpoint vLLM serves, is the launched pool's",
+    "dtype": "--dtype, the LLM's dtype, is the launched pool's",
+    "detached": "a pool the gateway launches stops with it",
+}
+
+
 def main(argv: list[str] | None = None) -> None:
     from aiohttp import web
 
@@ -547,7 +558,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--model", required=True, help="the checkpoint directory vLLM serves")
     parser.add_argument("--upstream", required=True, help="vLLM's OpenAI server, e.g. http://127.0.0.1:8000")
-    parser.add_argument("--pool", default="vitpool", help="the pool's name (default vitpool)")
+    parser.add_argument(
+        setting_flag("pool"),
+        default=FRONT_SETTINGS["pool"][0],
+        help=f"{FRONT_SETTINGS['pool'][1]} (default vitpool)",
+    )
     parser.add_argument(
         "--address",
         default=None,
@@ -557,7 +572,8 @@ def main(argv: list[str] | None = None) -> None:
         "--launch-actors",
         type=int,
         default=0,
-        help="launch a pool of this many actors in this process instead of connecting to one",
+        help="launch a pool of this many actors in this process instead of connecting to one; "
+        "its settings are `vitpool serve`'s flags, below",
     )
     parser.add_argument("--publish", choices=("store", "files"), default="store")
     parser.add_argument("--root", help="with --publish files: the directory vLLM's connector reads")
@@ -565,11 +581,18 @@ def main(argv: list[str] | None = None) -> None:
         "--max-bytes", type=float, default=8 << 30, help="bytes of embeddings kept (default 8 GiB)"
     )
     parser.add_argument(
-        "--dtype",
+        setting_flag("dtype"),
         type=_dtype,
-        default=torch.bfloat16,
-        help="the LLM's dtype: give vLLM the same --dtype (default bfloat16); a pool launched "
-        "here runs its tower in it",
+        default=_dtype(FRONT_SETTINGS["dtype"][0]),
+        help=f"{FRONT_SETTINGS['dtype'][1]} (default bfloat16)",
+    )
+    parser.add_argument(
+        setting_flag("timeout_s"),
+        type=float,
+        default=FRONT_SETTINGS["timeout_s"][0],
+        metavar="S",
+        dest="timeout_s",
+        help=f"{FRONT_SETTINGS['timeout_s'][1]}; past it vLLM encodes them itself (default 60)",
     )
     parser.add_argument(
         "--allowed-media-domains",
@@ -580,10 +603,20 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8100)
+    add_pool_setting_flags(
+        parser, leave_out=GATEWAY_OWN_SETTINGS, of=", for a pool launched here (--launch-actors)"
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.publish == "files" and not args.root:
         parser.error("--publish files needs --root")
+    settings = given_settings(args, leave_out=GATEWAY_OWN_SETTINGS)
+    if settings and not args.launch_actors:
+        given = ", ".join(setting_flag(name) for name in settings)
+        parser.error(
+            f"{given}: pool settings are for a pool the gateway launches (--launch-actors N); a running "
+            "pool keeps those it was started with (vitpool serve)"
+        )
     try:
         processor_backend()  # a torchvision that cannot load stops the gateway here, before a pool starts
         # both join Ray through join_ray: a cluster that wants a token this process lacks is a one-line error
@@ -594,6 +627,7 @@ def main(argv: list[str] | None = None) -> None:
                 name=args.pool,
                 address=args.address,
                 dtype=str(args.dtype).removeprefix("torch."),
+                **settings,
             )
         else:
             pool = EncoderPool.connect(args.pool, address=args.address)
@@ -607,6 +641,7 @@ def main(argv: list[str] | None = None) -> None:
             args.model,
             args.upstream,
             dtype=args.dtype,
+            encode_timeout_s=args.timeout_s,
             allowed_media_domains=args.allowed_media_domains,
         )
     except (VitpoolError, ValueError, ConnectionError) as error:

@@ -10,7 +10,8 @@ import functools
 import io
 import json
 import logging
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ import xxhash
 from vitpool.errors import ConfigError
 from vitpool.items import Image, Item
 from vitpool.models.registry import RECORDS
+from vitpool.pool.embedding_cache import model_identity
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +29,47 @@ logger = logging.getLogger(__name__)
 GRID_FAMILIES = frozenset(
     model_type for record in RECORDS if record.grid_processor for model_type in record.model_types
 )
+
+
+# What the vLLM gateway and the Dynamo backend take besides a pool's own settings, each defined
+# once here: name -> (default, what it is). The gateway's flag is the name's, as a pool setting's
+# (`vitpool.pool.settings.setting_flag`: --pool, --dtype, --timeout); the Dynamo backend, which
+# Dynamo creates with no arguments, reads ENVIRONMENT_PREFIX and the name in capitals
+# (VITPOOL_POOL, VITPOOL_DTYPE, VITPOOL_TIMEOUT_S). Both join the cluster in RAY_ADDRESS (the
+# gateway's --address over it); the settings of a pool the gateway launches are `vitpool serve`'s
+# flags.
+FRONT_SETTINGS: dict[str, tuple[Any, str]] = {
+    "pool": ("vitpool", "the pool's name"),
+    "dtype": (
+        "bfloat16",
+        (
+            "the LLM's dtype: give vLLM the same --dtype; the embeddings are laid out in it, and a "
+            "pool the gateway launches runs its tower in it"
+        ),
+    ),
+    "timeout_s": (60.0, "seconds a call's images may wait for the pool"),
+}
+ENVIRONMENT_PREFIX = "VITPOOL_"
+
+
+def front_setting(name: str, environ: Mapping[str, str] | None = None) -> Any:
+    """FRONT_SETTINGS' `name` as the environment sets it (ENVIRONMENT_PREFIX and the name in
+    capitals), else its default; a number where the default is one.
+
+    Raises:
+        ConfigError: a value that is not what the setting takes, naming the variable.
+    """
+    default, what = FRONT_SETTINGS[name]
+    variable = ENVIRONMENT_PREFIX + name.upper()
+    text = (os.environ if environ is None else environ).get(variable)
+    if text is None:
+        return default
+    if isinstance(default, float):
+        try:
+            return float(text)
+        except ValueError:
+            raise ConfigError(f"{variable}={text!r}: give a number ({what})") from None
+    return text
 
 
 def data_url_bytes(url: str) -> bytes | None:
@@ -47,24 +90,25 @@ def read_json(path: Path) -> dict[str, Any]:
         raise ConfigError(f"cannot read {path}: {error}") from None
 
 
-def model_identity(
-    checkpoint: str | Path, dtype: torch.dtype, weights_digest: str, processor_name: str = ""
-) -> str:
-    """The prefix of every key for this model: a digest of its config, its vision weights'
-    (`vision_weights_digest`: two fine-tunes may share a config), its image processor's settings
-    and class (`processor_name`: the PIL and torchvision backends resize to slightly different
-    pixels) and the LLM's dtype (what decides an image's embedding, besides its bytes)."""
+def model_prefix(checkpoint: str | Path, dtype: torch.dtype, processor_name: str = "") -> str:
+    """The model's part of every key (`image_key`), 64 bits in hex: the model as the pool's cache
+    names it (`vitpool.pool.embedding_cache.model_identity`: its config's and weights' content, and
+    the LLM's dtype), and what turns an image's bytes into its pixels, which the pool's keys hash
+    but these do not: the image processor's settings and class (`processor_name`: the PIL and
+    torchvision backends resize to slightly different pixels)."""
     directory = Path(checkpoint)
-    hasher = xxhash.xxh3_64()
-    for name in ("config.json", "preprocessor_config.json"):
+    hasher = xxhash.xxh3_64(model_identity(directory, str(dtype).removeprefix("torch.")))
+    for name in (PROCESSOR_CONFIG, IMAGE_PROCESSOR_CONFIG):
         file = directory / name
         hasher.update(file.read_bytes() if file.exists() else b"-")
         hasher.update(b"\0")
-    hasher.update(weights_digest.encode())
     if processor_name:
         hasher.update(processor_name.encode())
-    hasher.update(str(dtype).encode())
     return hasher.hexdigest()
+
+
+# where transformers reads an image processor's settings from (`vitpool.models.loading`'s names)
+PROCESSOR_CONFIG, IMAGE_PROCESSOR_CONFIG = "processor_config.json", "preprocessor_config.json"
 
 
 def image_key(prefix: str, data: bytes) -> str:

@@ -1,12 +1,12 @@
-"""GPU: the third wave's families, from their tiny cases in tests/unit/family_cases: every budget
-captured in bf16 (each checked against eager at capture), and items sampled for each budget against
-the case's reference (Hugging Face's own path) in fp32 on the CPU. Skipped without CUDA."""
+"""GPU: every family the registry ships, from its tiny case in tests/unit/family_cases (the
+conformance suite's CASE_FIELDS): every budget captured in bf16 (each checked against eager at
+capture), and items sampled for each budget against the case's reference (Hugging Face's own path)
+in fp32 on the CPU. Skipped without CUDA."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib
 import random
 import sys
 from pathlib import Path
@@ -16,6 +16,8 @@ import torch
 from conftest import relative_error
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+
+from family_cases import FAMILIES, case_of
 
 from vitpool import GraphEncoder
 
@@ -30,26 +32,12 @@ TOLERANCE = 3e-2
 # bf16 against HF fp32 on the same sampled items, max 3.75e-2, median 1.85e-2 (CPU); vitpool's
 # graphs on an H100 gave 3.2e-2
 TOLERANCES = {"mistral3": 4e-2}
-WAVE_3 = [
-    "ernie4_5_vl_moe",
-    "gemma3",
-    "glm_ocr",
-    "hunyuan_vl",
-    "idefics3",
-    "minicpmv4_7",
-    "mistral3",
-    "phi4_multimodal",
-    "qwen3_omni_moe",
-    "lfm2_vl",
-    "llava_onevision",
-    "gemma4",
-]
 
 
 def check_family(family: str, device: str, dtype: torch.dtype, tolerance: float) -> list[float]:
     """The family's encoder on `device` against its case's reference on the CPU in fp32, items
     sampled for every budget; returns the relative errors."""
-    case = importlib.import_module(f"family_cases.{family}")
+    case = case_of(family)
     if getattr(case, "TOO_OLD", None):
         pytest.skip(case.TOO_OLD)
     fields = case.CASE_FIELDS
@@ -82,7 +70,7 @@ def check_family(family: str, device: str, dtype: torch.dtype, tolerance: float)
     return errors
 
 
-@pytest.mark.parametrize("family", WAVE_3)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_every_budget_is_captured_and_sampled_items_match_the_reference(family):
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
