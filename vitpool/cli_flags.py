@@ -1,4 +1,4 @@
-"""`vitpool serve`'s flags: one per `PoolSettings` field (made in `vitpool.pool.settings`, where the
+"""`vitpool serve`'s flags: one per `PoolSettings` field (made in `vitpool.pool.setting_flags`, where the
 vLLM gateway's pool gets the same flags, `add_pool_setting_flags`), but those `serve` has no flag
 for; and the flags of the actors' shares, which are no setting."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from vitpool.pool.settings import (  # noqa: F401 - the flags' parts, read from here too
+from vitpool.pool.setting_flags import (  # noqa: F401 - the flags' parts, read from here too
     NONE_GIVEN,
     SETTING_CHOICES,
     SETTING_PARSERS,
@@ -17,8 +17,8 @@ from vitpool.pool.settings import (  # noqa: F401 - the flags' parts, read from 
     capacity_limit_list,
     given_settings,
     on_off,
-    setting_flag,
 )
+from vitpool.pool.settings import setting_flag  # noqa: F401 - read from here too
 
 NOT_SERVE_FLAGS = {  # settings `serve` has no flag for, and why
     "detached": "serve always starts a detached pool: one that outlives the command is what it is for",

@@ -50,7 +50,8 @@ from vitpool.integrations.vllm.images import (
 from vitpool.integrations.vllm.layouts import vllm_embedding, vllm_layout
 from vitpool.items import Embedding, Item
 from vitpool.models.loading import vision_weights_digest
-from vitpool.pool.settings import add_pool_setting_flags, given_settings, setting_flag
+from vitpool.pool.setting_flags import add_pool_setting_flags, given_settings
+from vitpool.pool.settings import setting_flag
 
 logger = logging.getLogger(__name__)
 
