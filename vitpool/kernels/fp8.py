@@ -192,13 +192,18 @@ def _triton_available() -> bool:
 
 
 def _quantize_rows_triton(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    return _fp8_row_pass(_quantize_kernel(), rows)
+
+
+def _fp8_row_pass(kernel: Callable, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One program per row of `rows` [n, k] running `kernel(rows, quantized, scales, width,
+    row_stride, fp8_max, min_scale, BLOCK)`, a pass that writes each row as FP8 and its scale:
+    (the FP8 rows, the scales [n, 1] fp32)."""
+    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    quantized, scale = _fp8_rows_for(rows)
     count, width = rows.shape
-    quantized = torch.empty((count, width), dtype=FP8_DTYPE, device=rows.device)
-    scale = torch.empty((count, 1), dtype=torch.float32, device=rows.device)
     block = _block(width)
-    _quantize_kernel()[(count,)](
+    kernel[(count,)](
         rows,
         quantized,
         scale,
@@ -210,6 +215,15 @@ def _quantize_rows_triton(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
         num_warps=_warps(block),
     )
     return quantized, scale
+
+
+def _fp8_rows_for(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty FP8 rows shaped as `rows` [n, k] and their scales [n, 1] fp32, on its device."""
+    count, width = rows.shape
+    return (
+        torch.empty((count, width), dtype=FP8_DTYPE, device=rows.device),
+        torch.empty((count, 1), dtype=torch.float32, device=rows.device),
+    )
 
 
 @functools.cache
@@ -237,12 +251,10 @@ def layer_norm_rows(
     """LayerNorm of `rows` [n, k] (CUDA) in one Triton pass: (the output in rows' dtype, that
     output quantized per row to FP8, the scales [n, 1] fp32), the FP8 rows taken from the rounded
     output, as `quantize_rows` of the output would."""
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
     count, width = rows.shape
     out = torch.empty((count, width), dtype=rows.dtype, device=rows.device)
-    quantized = torch.empty((count, width), dtype=FP8_DTYPE, device=rows.device)
-    scale = torch.empty((count, 1), dtype=torch.float32, device=rows.device)
+    quantized, scale = _fp8_rows_for(rows)
     block = _block(width)
     _layer_norm_kernel()[(count,)](
         rows,
@@ -266,24 +278,7 @@ def layer_norm_rows(
 def gelu_tanh_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """tanh-GELU of `rows` [n, k] (CUDA) quantized per row to FP8 in one Triton pass: (FP8 rows,
     scales [n, 1] fp32); the GELU in fp32 and rounded to rows' dtype first, as torch's would be."""
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    count, width = rows.shape
-    quantized = torch.empty((count, width), dtype=FP8_DTYPE, device=rows.device)
-    scale = torch.empty((count, 1), dtype=torch.float32, device=rows.device)
-    block = _block(width)
-    _gelu_kernel()[(count,)](
-        rows,
-        quantized,
-        scale,
-        width,
-        rows.stride(0),
-        FP8_MAX,
-        _MIN_SCALE,
-        BLOCK=block,
-        num_warps=_warps(block),
-    )
-    return quantized, scale
+    return _fp8_row_pass(_gelu_kernel(), rows)
 
 
 def _block(width: int) -> int:
