@@ -36,7 +36,7 @@ from common import image, save_random_tower, summarize, time_ms
 
 from vitpool import EncoderPool, GraphEncoder
 from vitpool.items import prepare_item
-from vitpool.pool.embedding_cache import item_key, model_identity
+from vitpool.pool.cache_keys import item_key, model_identity
 
 SIDES = (224, 448)
 

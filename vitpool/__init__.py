@@ -44,7 +44,7 @@ _PUBLIC = {
     "GraphEncoder": "vitpool.graphs",
     "PlansInFlight": "vitpool.graphs",
     "Embedding": "vitpool.items",
-    "EncoderOptions": "vitpool.specs",
+    "EncoderOptions": "vitpool.encoder_spec",
     "Image": "vitpool.items",
     "Video": "vitpool.items",
     "shared_results": "vitpool.items",

@@ -43,10 +43,11 @@ from torch.profiler import ProfilerActivity, profile
 
 from vitpool import Image, Video
 from vitpool.actors.encoder_actor import EncoderActor
+from vitpool.encoder_spec import ActorSpec, EncoderSpec
 from vitpool.graphs import PlansInFlight
 from vitpool.items import prepare_items
 from vitpool.packing import smallest_fitting
-from vitpool.specs import ActorSpec, BatchPlan, EncoderSpec
+from vitpool.specs import BatchPlan
 
 
 def planned_calls(encoder, seed: int, count: int, pinned: bool) -> list[tuple[BatchPlan, list[torch.Tensor]]]:

@@ -31,9 +31,10 @@ from common import image, once_ms, save_random_tower, summarize
 
 from vitpool import EncoderPool, GraphEncoder
 from vitpool.actors.encoder_actor import EncoderActor
+from vitpool.encoder_spec import ActorSpec, EncoderSpec
 from vitpool.items import Embedding, prepare_items
 from vitpool.packing import pack
-from vitpool.specs import ActorSpec, BatchPlan, EncoderSpec, OutputLayout
+from vitpool.specs import BatchPlan, OutputLayout
 from vitpool.transport.channel import ChannelClient, ChannelInfo, ChannelServer
 from vitpool.transport.link import OK, BatchReceipt
 from vitpool.transport.wire import to_array

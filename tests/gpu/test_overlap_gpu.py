@@ -9,7 +9,7 @@ from conftest import assert_answers_close, image, plan_batch, send_concurrently,
 
 from vitpool import GraphEncoder
 from vitpool.actors.encoder_actor import EncoderActor
-from vitpool.specs import ActorSpec, EncoderSpec
+from vitpool.encoder_spec import ActorSpec, EncoderSpec
 
 pytestmark = pytest.mark.gpu
 

@@ -177,8 +177,8 @@ def test_a_cpu_encoder_takes_the_cudnn_choice_and_encodes_as_auto():
 
 
 def test_an_unknown_attention_choice_names_the_choices():
+    from vitpool.encoder_spec import EncoderOptions
     from vitpool.errors import ConfigError
-    from vitpool.specs import EncoderOptions
 
     with pytest.raises(ConfigError, match="cudnn"):
         EncoderOptions(attention="cudnn-packed")

@@ -70,7 +70,7 @@ def restore_vitpool_logger():
         ("abc", "'abc' is not a whole number"),  # was a bare "invalid literal for int()"
         ("64,abc", "'abc' is not a whole number"),  # the wrong one among good ones
         ("64,", "'' is not a whole number"),  # a trailing comma
-        # the pool's own rule (vitpool.specs.check_budgets), word for word
+        # the pool's own rule (vitpool.encoder_spec.check_budgets), word for word
         (
             "3,5000000",
             f"budgets: 5000000 tokens is above the largest budget a pool captures ({MAX_BUDGET_TOKENS}",

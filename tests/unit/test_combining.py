@@ -13,7 +13,8 @@ from conftest import BUDGETS, assert_same, image, plan_batch, send_concurrently,
 from vitpool import EncodeError, Image, InvalidItemError
 from vitpool.actors.combining import BatchCombiner, finished
 from vitpool.actors.encoder_actor import EncoderActor
-from vitpool.specs import ActorSpec, BatchPlan, EncoderSpec
+from vitpool.encoder_spec import ActorSpec, EncoderSpec
+from vitpool.specs import BatchPlan
 from vitpool.transport.link import OK, RETIRED
 
 

@@ -25,6 +25,7 @@ from family_cases import step3p7 as step_case
 
 from vitpool import CheckpointError, GraphEncoder, Image, InvalidItemError
 from vitpool.families.deepseek_ocr2 import adapter as deepseek_ocr2
+from vitpool.families.deepseek_ocr2.tower import DeepseekOcr2Encoder
 from vitpool.families.step3p7 import adapter as step3p7
 from vitpool.items import prepare_item
 
@@ -238,7 +239,7 @@ def test_crops_smaller_than_one_patch_are_refused_when_the_module_is_built(step_
     inner = deepseek_model.model
     parts = (inner.vision_tower, inner.multi_modal_projector, inner.view_separator)
     with pytest.raises(ValueError, match="tiles of 15 pixels are smaller than one 16-pixel patch"):
-        deepseek_ocr2.DeepseekOcr2Encoder(*parts, 15)
+        DeepseekOcr2Encoder(*parts, 15)
 
 
 @pytest.mark.gpu
@@ -255,7 +256,7 @@ def test_gpu_graphs_of_crops_at_another_size_match_hf(family, crop_side):
         inner = model.model
         parts = (copy.deepcopy(inner.vision_tower), copy.deepcopy(inner.multi_modal_projector))
         parts += (inner.view_separator,)
-        adapter = deepseek_ocr2.DeepseekOcr2Adapter(deepseek_ocr2.DeepseekOcr2Encoder(*parts, crop_side))
+        adapter = deepseek_ocr2.DeepseekOcr2Adapter(DeepseekOcr2Encoder(*parts, crop_side))
     budgets = list(case.CASE_FIELDS["budgets"])
     encoder = GraphEncoder(adapter, budgets=budgets, device="cuda", dtype=torch.bfloat16)
     assert encoder.stats().disabled_budgets == []

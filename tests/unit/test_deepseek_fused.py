@@ -1,4 +1,4 @@
-"""DeepSeek-OCR-2's fused path (`vitpool.families.deepseek_ocr2.adapter`: `rms_norm`, `masked_attention`,
+"""DeepSeek-OCR-2's fused path (`vitpool.families.deepseek_ocr2.tower`: `rms_norm`, `masked_attention`,
 `fused_sam_attention`, `fused_encoder_layer`), taken only under `use_fused_ops(True)` on CUDA in
 half precision. On the CPU each piece runs in fp32 against the reference it replaces (the Triton
 rotary by its math in torch); the `gpu` tests run the kernel and the whole fused tower in bf16
@@ -13,7 +13,7 @@ import torch
 from conftest import relative_error
 from family_cases import deepseek_ocr2 as case
 
-from vitpool.families.deepseek_ocr2 import adapter as deepseek_ocr2
+from vitpool.families.deepseek_ocr2 import tower as deepseek_ocr2
 from vitpool.kernels.fused import use_fused_ops
 
 TOLERANCE = 1e-5  # fp32 against the reference path

@@ -13,15 +13,9 @@ import torch
 from vitpool.actors import cache_publisher
 from vitpool.items import Embedding, prepare_item
 from vitpool.models import load_adapter
-from vitpool.pool.embedding_cache import (
-    CLAIMED,
-    HIT,
-    PENDING,
-    EmbeddingCacheActor,
-    _LocalTier,
-    item_key,
-    model_identity,
-)
+from vitpool.pool.cache_actor import CLAIMED, HIT, PENDING, EmbeddingCacheActor
+from vitpool.pool.cache_keys import item_key, model_identity
+from vitpool.pool.embedding_cache import _LocalTier
 from vitpool.specs import BatchPlan, ItemSpec, plan_from_wire, plan_to_wire
 
 ROW_WIDTH = 3 * 2 * 16 * 16
@@ -117,7 +111,7 @@ def test_model_identity_changes_with_the_weights(tmp_path):
 
 
 def test_model_identity_reads_a_sample_of_each_tensor_not_the_weights(tmp_path, monkeypatch):
-    from vitpool.pool import embedding_cache
+    from vitpool.pool import cache_keys
 
     save_checkpoint(tmp_path, {"visual.large": torch.zeros(1024, 1024), "visual.small": torch.ones(4)})
     reads: list[int] = []
@@ -125,7 +119,7 @@ def test_model_identity_reads_a_sample_of_each_tensor_not_the_weights(tmp_path, 
     real_open = path_class.open
     monkeypatch.setattr(path_class, "open", lambda path, *a, **k: _Counted(real_open(path, *a, **k), reads))
     model_identity(str(tmp_path), "bfloat16")
-    assert 0 < sum(reads) < 2 * embedding_cache.WEIGHT_SAMPLE_BYTES + 4096  # of a 4 MiB file
+    assert 0 < sum(reads) < 2 * cache_keys.WEIGHT_SAMPLE_BYTES + 4096  # of a 4 MiB file
 
 
 class _Counted:

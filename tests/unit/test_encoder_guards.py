@@ -10,12 +10,12 @@ import torch
 from conftest import ROW_WIDTH, image, make_encoder
 
 from vitpool import Embedding, GraphEncoder, Image
+from vitpool.encoder_spec import DEFAULT_MAX_ITEM_TOKENS
 from vitpool.errors import ConfigError, InvalidItemError
 from vitpool.graphs.inputs import NONFINITE_MESSAGE
 from vitpool.pool.encoder_pool import _checked_list
 from vitpool.pool.item_checks import checked_item
 from vitpool.pool.settings import PoolSettings
-from vitpool.specs import DEFAULT_MAX_ITEM_TOKENS
 
 NOT_A_LIST = "items must be a list of vitpool.Image / vitpool.Video; got"
 CPU_REFUSAL = (  # what the CPU allocator raised for the 102 400-token item of issue 43

@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from vitpool import CheckpointError, GraphEncoder, Image
 from vitpool.families.deepseek_ocr2 import adapter as deepseek_ocr2
+from vitpool.families.deepseek_ocr2.checkpoint import CHECKPOINT_PREFIXES
 from vitpool.models import registry
 
 TOLERANCE = 1e-5
@@ -166,4 +167,4 @@ def test_the_processors_output_for_one_image_is_one_item(model, width, height, n
 
 def test_the_registry_names_the_modules_checkpoint_prefixes():
     """The registry imports no modeling code, so it spells the prefixes out; they must agree."""
-    assert registry.FAMILIES[MODEL_TYPE].checkpoint.prefixes == deepseek_ocr2.CHECKPOINT_PREFIXES
+    assert registry.FAMILIES[MODEL_TYPE].checkpoint.prefixes == CHECKPOINT_PREFIXES

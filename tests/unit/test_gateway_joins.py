@@ -55,7 +55,7 @@ def token_cluster(monkeypatch):
 def test_the_gateway_stops_at_once_on_a_cluster_that_wants_a_token(token_cluster, tmp_path):
     """Connecting to the running pool (it was a raw ray.init(address=...)); with --launch-actors the
     pool's launch joins through join_ray too."""
-    from vitpool.integrations.vllm.gateway import main
+    from vitpool.integrations.vllm.gateway_cli import main
 
     with pytest.raises(SystemExit) as stopped:
         main(["--model", str(tmp_path), "--upstream", "http://127.0.0.1:1", "--address", token_cluster])
@@ -82,7 +82,7 @@ def test_the_dynamo_backend_joins_through_join_ray(token_cluster, tmp_path, monk
 
 
 def test_a_pool_the_gateway_launches_runs_in_the_llms_dtype(tmp_path, monkeypatch):
-    from vitpool.integrations.vllm.gateway import main
+    from vitpool.integrations.vllm.gateway_cli import main
     from vitpool.pool import EncoderPool
 
     launched = {}

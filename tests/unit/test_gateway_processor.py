@@ -115,13 +115,13 @@ def test_a_torchvision_that_cannot_load_stops_the_gateway_in_one_line(
     ) as raised:
         images.processor_backend()
     assert "nms does not exist" in str(raised.value) and "uninstall torchvision" in str(raised.value)
-    from vitpool.integrations.vllm import gateway
+    from vitpool.integrations.vllm import gateway_cli
 
     monkeypatch.setattr(
         "vitpool.pool.EncoderPool.connect", lambda *a, **k: pytest.fail("no pool before the check")
     )
     with pytest.raises(SystemExit, match="^vitpool gateway: torchvision"):
-        gateway.main(["--model", str(tmp_path), "--upstream", "http://127.0.0.1:1"])
+        gateway_cli.main(["--model", str(tmp_path), "--upstream", "http://127.0.0.1:1"])
 
 
 def test_keys_of_the_two_backends_differ():

@@ -20,7 +20,7 @@ from vitpool.pool.settings import PoolSettings, setting_flag
 
 def gateway_main(args: list[str], monkeypatch) -> dict:
     """The gateway's main as far as its pool: what EncoderPool.launch got (stops there)."""
-    from vitpool.integrations.vllm import gateway
+    from vitpool.integrations.vllm import gateway_cli
 
     launched: dict = {}
 
@@ -30,9 +30,9 @@ def gateway_main(args: list[str], monkeypatch) -> dict:
 
     monkeypatch.setattr(EncoderPool, "launch", classmethod(launch))
     monkeypatch.setattr(images, "processor_backend", lambda: "pil")
-    monkeypatch.setattr(gateway, "processor_backend", lambda: "pil")
+    monkeypatch.setattr(gateway_cli, "processor_backend", lambda: "pil")
     with pytest.raises(SystemExit, match="stop here"):
-        gateway.main(["--model", "/models/m", "--upstream", "http://127.0.0.1:1", *args])
+        gateway_cli.main(["--model", "/models/m", "--upstream", "http://127.0.0.1:1", *args])
     return launched
 
 
@@ -86,12 +86,12 @@ def test_a_launched_pool_takes_the_serve_flags(monkeypatch):
     ],
 )
 def test_bad_or_misplaced_setting_flags_are_refused_before_any_pool(flags, words, monkeypatch, capsys):
-    from vitpool.integrations.vllm import gateway
+    from vitpool.integrations.vllm import gateway_cli
 
     monkeypatch.setattr(EncoderPool, "launch", classmethod(lambda *a, **k: pytest.fail("launched")))
     monkeypatch.setattr(EncoderPool, "connect", classmethod(lambda *a, **k: pytest.fail("connected")))
     with pytest.raises(SystemExit) as exit_info:
-        gateway.main(["--model", "/models/m", "--upstream", "http://127.0.0.1:1", *flags])
+        gateway_cli.main(["--model", "/models/m", "--upstream", "http://127.0.0.1:1", *flags])
     assert exit_info.value.code == 2
     assert words in capsys.readouterr().err
 

@@ -30,7 +30,7 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[2] / "vitpool"
 LAYERS: list[tuple[str, ...]] = [
     ("errors", "_lazy"),  # exception classes; the lazy exports of package __init__s
     ("dtypes", "packing"),  # dtype names (torch only); budgets and bin-packing (no torch, no Ray)
-    ("specs",),  # what every layer agrees on about an item, a batch, an encoder
+    ("specs", "encoder_spec"),  # what every layer agrees on about an item and a batch; an encoder's settings
     ("rules",),  # the item rules families build on (plain Python: the callers check items with them)
     ("transport", "kernels"),  # how a batch travels; what makes every tower fast, knowing no family
     ("items",),  # Image, Video (and Embedding, defined in transport/) and the checks at the boundary
@@ -58,6 +58,10 @@ ALLOWED_ARROWS: dict[tuple[str, str], str] = {}
 # Dynamo backend parse dtypes through vitpool.dtypes and reach the encoders through a pool.
 NO_ENGINE_MODULES = {
     "vitpool.integrations.vllm.gateway": ("vitpool.graphs",),
+    "vitpool.integrations.vllm.gateway_checks": ("vitpool.graphs",),
+    "vitpool.integrations.vllm.gateway_cli": ("vitpool.graphs",),
+    "vitpool.integrations.vllm.gateway_fetch": ("vitpool.graphs",),
+    "vitpool.integrations.vllm.gateway_stats": ("vitpool.graphs",),
     "vitpool.integrations.dynamo": ("vitpool.graphs",),
 }
 

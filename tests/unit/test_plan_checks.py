@@ -11,10 +11,11 @@ import torch
 from conftest import BUDGETS, assert_same, image, make_encoder, plan_batch, video
 
 from vitpool.actors.encoder_actor import EncoderActor
+from vitpool.encoder_spec import ActorSpec, EncoderSpec
 from vitpool.graphs import encoder as encoder_module
 from vitpool.graphs.inputs import CheckedPlan, nonfinite_positions
 from vitpool.items import PreparedItem
-from vitpool.specs import ActorSpec, BatchPlan, EncoderSpec, ItemSpec
+from vitpool.specs import BatchPlan, ItemSpec
 from vitpool.transport.link import OK
 
 

@@ -1,15 +1,13 @@
 """Each setting's rule stated once: one integer check and one True/False check for every option
-and pool setting (`vitpool.specs.check_int`, `check_bool`), one budget check
-(`vitpool.specs.check_budgets`) and one device rule (`vitpool.specs.check_device`), which a pool's
-settings narrow (no "cuda:N", bounded budgets) rather than state again."""
+and pool setting (`vitpool.encoder_spec.check_int`, `check_bool`), one budget check
+(`vitpool.encoder_spec.check_budgets`) and one device rule (`vitpool.encoder_spec.check_device`),
+which a pool's settings narrow (no "cuda:N", bounded budgets) rather than state again."""
 
 from __future__ import annotations
 
 import pytest
 
-from vitpool.errors import ConfigError
-from vitpool.pool.settings import PoolSettings
-from vitpool.specs import (
+from vitpool.encoder_spec import (
     MAX_BUDGET_TOKENS,
     EncoderOptions,
     EncoderSpec,
@@ -18,6 +16,8 @@ from vitpool.specs import (
     check_device,
     check_int,
 )
+from vitpool.errors import ConfigError
+from vitpool.pool.settings import PoolSettings
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""The encoder's options, one object (`vitpool.specs.EncoderOptions`): declared, documented and
+"""The encoder's options, one object (`vitpool.encoder_spec.EncoderOptions`): declared, documented and
 checked in one place, reached by keyword from `GraphEncoder`, `from_pretrained`, `EncoderSpec`
 and `PoolSettings`; and the urgent lane's old pool setting, `small_first_stream`, refused with a
 message naming `urgent_tokens`."""
@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from vitpool import GraphEncoder
+from vitpool.encoder_spec import EncoderOptions, EncoderSpec
 from vitpool.errors import ConfigError
 from vitpool.pool import encoder_pool
 from vitpool.pool.encoder_pool import EncoderPool
 from vitpool.pool.settings import PoolSettings
-from vitpool.specs import EncoderOptions, EncoderSpec
 
 OPTION_NAMES = [field.name for field in dataclasses.fields(EncoderOptions)]
 

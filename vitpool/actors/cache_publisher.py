@@ -20,7 +20,7 @@ clearly better, so it stays one. Most of a publication is its `ray.put`. Figures
 `benchmarks/RESULTS.md`, "The embedding cache"; `benchmarks/HISTORY.md`, "Where the cache's p99
 goes: the encoder actor's publishing under load" (`benchmarks/studies/cache_publish_lag.py`).
 
-The cache actor's methods used (`vitpool.pool.embedding_cache.EmbeddingCacheActor`):
+The cache actor's methods used (`vitpool.pool.cache_actor.EmbeddingCacheActor`):
 `insert([(key, [reference], nbytes), ...])` and `abandon([key, ...])`.
 """
 

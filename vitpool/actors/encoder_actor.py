@@ -29,9 +29,10 @@ import torch
 
 from vitpool.actors.combining import BatchCombiner, Collect, finished
 from vitpool.actors.reports import ActorInfo, ActorStats
+from vitpool.encoder_spec import ActorSpec
 from vitpool.errors import EncodeError, InvalidItemError, counted
 from vitpool.items import Embedding, PreparedItem
-from vitpool.specs import ActorSpec, BatchPlan, ItemSpec
+from vitpool.specs import BatchPlan, ItemSpec
 from vitpool.transport.channel import ChannelServer, channel_supported
 from vitpool.transport.link import OK, RETIRED, BatchReceipt
 from vitpool.transport.wire import to_array
@@ -48,7 +49,7 @@ class EncoderActor:
 
     Args:
         actor_index: the actor's number in its pool, for logs and stats.
-        spec: the encoder to build and how to serve it (`vitpool.specs.ActorSpec`).
+        spec: the encoder to build and how to serve it (`vitpool.encoder_spec.ActorSpec`).
         gpu_ids: the node's GPUs it runs on, as Ray names them; None: those Ray gave the actor.
 
     Raises:

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 from vitpool.actors.encoder_actor import EncoderActor
 from vitpool.actors.reports import ActorInfo
-from vitpool.specs import ActorSpec
+from vitpool.encoder_spec import ActorSpec
 
 logger = logging.getLogger(__name__)
 

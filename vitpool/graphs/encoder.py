@@ -30,6 +30,8 @@ import numpy as np
 import torch
 
 from vitpool.dtypes import dtype_from_name
+from vitpool.encoder_spec import EncoderOptions, EncoderSpec
+from vitpool.encoder_spec import capacity_limits as merged_capacity_limits
 from vitpool.errors import ConfigError, InvalidItemError
 from vitpool.graphs.defaults import resolve_device, resolve_dtype
 from vitpool.graphs.in_flight import PlansInFlight, RunBatch
@@ -65,14 +67,7 @@ from vitpool.kernels.fp8 import install_fp8_linears
 from vitpool.models import VisionAdapter, load_adapter
 from vitpool.models.protocol import check_adapter
 from vitpool.packing import Budget, fits, pack
-from vitpool.specs import (
-    BatchPlan,
-    EncoderOptions,
-    EncoderSpec,
-    ItemSpec,
-    OutputLayout,
-)
-from vitpool.specs import capacity_limits as merged_capacity_limits
+from vitpool.specs import BatchPlan, ItemSpec, OutputLayout
 from vitpool.transport.wire import wire_dtype_name
 
 logger = logging.getLogger(__name__)
@@ -83,7 +78,7 @@ class GraphEncoder:
 
     Args:
         adapter: the model, seen through `vitpool.models.VisionAdapter`.
-        options: how to capture and run it (`vitpool.specs.EncoderOptions`, where each option is
+        options: how to capture and run it (`vitpool.encoder_spec.EncoderOptions`, where each option is
             documented): budgets, max_items_per_batch, max_frames_per_batch, capacity_limits,
             device, dtype, attention, fused_ops, compiled_blocks, compile_cache_dir,
             urgent_tokens, precision, max_item_tokens. None: the defaults.
@@ -178,7 +173,7 @@ class GraphEncoder:
             path: a directory with a vision-tower-only save or a full multimodal checkpoint
                 (safetensors), or only a config (random weights). None: the tiny Qwen3-VL-shaped
                 model shipped with vitpool (random weights), so everything runs offline.
-            options, **option_values: as for the constructor (`vitpool.specs.EncoderOptions`).
+            options, **option_values: as for the constructor (`vitpool.encoder_spec.EncoderOptions`).
 
         Raises:
             CheckpointError: the directory cannot be loaded (names the missing or unexpected keys).

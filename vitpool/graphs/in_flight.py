@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from vitpool.errors import InvalidItemError
-from vitpool.graphs.inputs import NONFINITE_MESSAGE, asked_bytes, is_out_of_memory, nonfinite_positions
+from vitpool.graphs.inputs import NONFINITE_MESSAGE, nonfinite_positions
+from vitpool.graphs.out_of_memory import OutOfMemory, or_out_of_memory
 from vitpool.items import Embedding, PreparedItem
 from vitpool.packing import Budget
 
@@ -91,14 +92,12 @@ class PlansInFlight:
         """Wait for the device: per plan, per item its Embedding, or an InvalidItemError (its
         position in the plan) where its pixels were not finite or it alone did not fit the
         device's memory."""
-        try:
+        if self.rerun is None:
             runs = self.launched.embeddings()
-        except RuntimeError as error:  # torch.OutOfMemoryError is one
-            if self.rerun is None or not is_out_of_memory(error):
-                raise
-            runs, asked = None, asked_bytes(error)  # rerun outside the clause: its traceback holds tensors
-        if runs is None:
-            runs = self.rerun(asked)  # type: ignore[misc]  # checked above
+        else:
+            runs = or_out_of_memory(self.launched.embeddings)
+            if isinstance(runs, OutOfMemory):
+                runs = self.rerun(runs.asked)
         outcomes: list[list[Embedding | InvalidItemError]] = []
         for sizes, results in zip(self.plan_sizes, runs):
             offset = 0

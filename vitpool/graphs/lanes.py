@@ -22,7 +22,7 @@ import torch
 from vitpool.errors import InvalidItemError
 from vitpool.graphs.capture import capture_all
 from vitpool.graphs.in_flight import LaunchedBatches, PendingLaunch, PlansInFlight, RunBatch, SettledBatches
-from vitpool.graphs.inputs import asked_bytes, is_out_of_memory, out_of_memory_reason
+from vitpool.graphs.out_of_memory import OutOfMemory, or_out_of_memory, out_of_memory_reason
 from vitpool.graphs.runner import BatchRunner
 from vitpool.graphs.segments import Interleaver
 from vitpool.graphs.stats import EncoderStats
@@ -129,32 +129,26 @@ class Lanes:
         def rerun(asked: int | None) -> RunOutcomes:
             return self.after_out_of_memory(batches, to_host, asked)
 
-        try:
+        def queue() -> PlansInFlight:
             if urgent and self.fits_urgent_lane(batches):
                 urgent_lane = self.urgent
                 future = self.interleaver.urgent(lambda: urgent_lane.launch(batches, to_host))  # type: ignore[union-attr]
                 return PlansInFlight(PendingLaunch(future), plan_sizes, rerun)
             return PlansInFlight(self.launch(batches, to_host), plan_sizes, rerun)
-        except RuntimeError as error:  # torch.OutOfMemoryError is one
-            if not is_out_of_memory(error):
-                raise
-            asked = asked_bytes(error)
-        # run outside the except clause: its traceback holds the failed run's tensors (PyTorch FAQ)
-        return PlansInFlight(SettledBatches(rerun(asked)), plan_sizes)
+
+        queued = or_out_of_memory(queue)
+        if isinstance(queued, OutOfMemory):
+            return PlansInFlight(SettledBatches(rerun(queued.asked)), plan_sizes)
+        return queued
 
     def run_halving(self, runs: list[RunBatch], to_host: bool) -> RunOutcomes:
         """Run the batches and wait; batches that run out of memory run again in halves, then a
         batch's items in halves (a part of a batch fits its budget), so one item too large for the
         device costs the others of its call nothing."""
-        try:
-            return self.launch(runs, to_host).embeddings()
-        except RuntimeError as error:  # torch.OutOfMemoryError is one
-            if not is_out_of_memory(error):
-                raise
-            asked = asked_bytes(error)
-        # Retried outside the except clause: the exception's traceback holds the failed run's
-        # tensors until the clause ends (PyTorch FAQ), and freeing the cache needs them gone.
-        return self.after_out_of_memory(runs, to_host, asked)
+        outcomes = or_out_of_memory(lambda: self.launch(runs, to_host).embeddings())
+        if isinstance(outcomes, OutOfMemory):
+            return self.after_out_of_memory(runs, to_host, outcomes.asked)
+        return outcomes
 
     def after_out_of_memory(self, runs: list[RunBatch], to_host: bool, asked: int | None) -> RunOutcomes:
         """`runs` ran out of device memory (`asked`: the bytes the allocator refused, where it

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from vitpool.encoder_spec import EncoderOptions
 from vitpool.errors import ConfigError
 from vitpool.graphs.defaults import default_token_budgets, resolve_device
 from vitpool.kernels.attention import fa4_available
@@ -18,7 +19,7 @@ from vitpool.kernels.fp8 import fp8_supported
 from vitpool.models import VisionAdapter
 from vitpool.packing import Budget
 from vitpool.rules.paths import rules_of_part
-from vitpool.specs import EncoderOptions, ItemRules, ItemSpec
+from vitpool.specs import ItemRules, ItemSpec
 
 # attention choice -> whether it runs on a device, and what it needs where it does not
 _DEVICE_ATTENTION = {
@@ -68,8 +69,8 @@ def options_with(options: EncoderOptions | None, values: Mapping[str, Any]) -> E
     """
     if options is not None and not isinstance(options, EncoderOptions):
         raise TypeError(
-            f"options must be a vitpool.specs.EncoderOptions, not {type(options).__name__}; give budgets and "
-            "the other options by name (budgets=[64, 256])"
+            f"options must be a vitpool.encoder_spec.EncoderOptions, not {type(options).__name__}; give "
+            "budgets and the other options by name (budgets=[64, 256])"
         )
     plain = dict(values)
     device, dtype = plain.get("device"), plain.get("dtype")

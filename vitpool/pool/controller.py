@@ -19,10 +19,11 @@ import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from vitpool.actors.reports import ActorInfo, ActorStats
+from vitpool.encoder_spec import ActorSpec
 from vitpool.pool.actor_reader import ActorReader, ActorReading
 from vitpool.pool.autoscaler import READING_TIMEOUT_INTERVALS, AutoscalePolicy, Autoscaler
+from vitpool.pool.cache_actor import start_cache_actor
 from vitpool.pool.cluster import Placement
-from vitpool.pool.embedding_cache import start_cache_actor
 from vitpool.pool.member import ACTIVE, RETIRING, STARTING, Member, stop_member
 from vitpool.pool.metrics import PoolMetrics
 from vitpool.pool.replacement import ActorReplacement
@@ -30,7 +31,6 @@ from vitpool.pool.settings import PoolSettings
 from vitpool.pool.start_errors import one_line, start_error
 from vitpool.pool.stats import PoolCounters, add_actor_counts
 from vitpool.pool.warm_standbys import Standbys
-from vitpool.specs import ActorSpec
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ class Membership:
     actors: dict[int, Any]  # actor index -> handle, active actors only
     infos: dict[int, ActorInfo]
     settings: PoolSettings
-    cache: Any = None  # the pool's embedding cache actor (`embedding_cache`), or None when it is off
+    cache: Any = None  # the pool's embedding cache actor (`cache_actor`), or None when it is off
 
 
 class PoolController(ActorReplacement):

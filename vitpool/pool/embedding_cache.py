@@ -1,12 +1,14 @@
-"""The pool's embedding cache: an item encoded once is served to every caller from then on.
+"""The pool's embedding cache: an item encoded once is served to every caller from then on. This
+module is the caller's side (`CacheClient`, and the handle's own tier); the keys are in
+`vitpool.pool.cache_keys`, the shared actor in `vitpool.pool.cache_actor`.
 
-Where it lives, and why: one async Ray actor per pool (`EmbeddingCacheActor`, started by the
-pool's controller and gone with it) maps content keys to references to embeddings in Ray's object
-store. Every handle of the pool, in any process or deployment, asks the same actor, so a hit from
-any caller is a hit for all; the embeddings never pass through the actor, which only answers
-small messages and is never busy copying. The alternatives were worse: a cache in the encoder
-actors would need items routed to an actor by key, against the least-loaded dispatch that keeps
-GPUs busy; a tier in each caller's process alone is not shared.
+Where it lives, and why: one async Ray actor per pool (`cache_actor.EmbeddingCacheActor`, started by
+the pool's controller and gone with it) maps content keys to references to embeddings in Ray's
+object store. Every handle of the pool, in any process or deployment, asks the same actor, so a hit
+from any caller is a hit for all; the embeddings never pass through the actor, which only answers
+small messages and is never busy copying. The alternatives were worse: a cache in the encoder actors
+would need items routed to an actor by key, against the least-loaded dispatch that keeps GPUs busy;
+a tier in each caller's process alone is not shared.
 
 Who publishes: the encoder actor that computed an item (`vitpool.actors.cache_publisher`), off
 its GPU thread, after the reply. The caller that missed sends the key it claimed in the batch's
@@ -26,11 +28,11 @@ then costs that and a fetch from the object store instead of an encode. The cach
 (`embedding_cache_bytes=0`): the round trip is more than the whole per-call cost of the pool on a
 small image, which a workload without repeats would pay for nothing.
 
-Keys (`item_key`): a 128-bit XXH3 digest of the pool's model identity (its config's and weights'
-content and its dtype: `model_identity`, the vLLM gateway's idea of the same model too) and, per
-part of the item, its spec (modality, pixel shape and dtype, grid or layout, path) and its pixel
-bytes. A changed pixel is another key; among a billion distinct items the chance that
-two share a key is about 1e-21 (a peer's 16-bit keys collided in practice).
+Keys (`cache_keys.item_key`): a 128-bit XXH3 digest of the pool's model identity (its config's and
+weights' content and its dtype: `cache_keys.model_identity`, the vLLM gateway's idea of the same
+model too) and, per part of the item, its spec (modality, pixel shape and dtype, grid or layout,
+path) and its pixel bytes. A changed pixel is another key; among a billion distinct items the chance
+that two share a key is about 1e-21 (a peer's 16-bit keys collided in practice).
 
 Concurrent identical items are encoded once: the first caller to miss a key claims it; others
 that ask meanwhile wait for its result (or, if it fails or its caller vanishes, for the claim to
@@ -42,235 +44,24 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import json
 import logging
-import struct
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import ray
-import xxhash
 
 from vitpool.items import Embedding
-from vitpool.pool.cluster import ON_HEAD_NODE
+from vitpool.pool.cache_actor import HIT, PENDING
+from vitpool.pool.cache_keys import item_key, model_identity
 from vitpool.pool.lru import ByteBoundedLRU
 from vitpool.pool.stats import CacheStats
 from vitpool.transport.wire import from_array, to_array, wire_dtype_name
 
 logger = logging.getLogger(__name__)
 
-HIT, CLAIMED, PENDING = "hit", "claimed", "pending"
-# How long others wait for a claimed key's result before one of them encodes it: longer than an
-# encode under load, short enough that a caller that died with a claim costs little.
-CLAIM_TIMEOUT_S = 60.0
 LOOKUP_TIMEOUT_S = 10.0  # a cache that does not answer is skipped for the call (it is encoded)
-_SHIPPED_MODEL = Path(__file__).resolve().parent.parent / "models" / "checkpoints" / "tiny-qwen3-vl"
-
-
-# ---- keys -----------------------------------------------------------------------------------------
-
-
-def model_identity(model: str | Path | None, dtype_name: str) -> bytes:
-    """What a model is, for every key that names its embeddings (this cache's; the vLLM gateway's
-    image uuids, `vitpool.integrations.vllm.images.model_prefix`), as 16 bytes: a 128-bit XXH3
-    digest of the dtype its embeddings come out in, its checkpoint's config.json, and its weights'
-    content: of each tensor of its safetensors files (by name, whatever the shards), its dtype,
-    shape and size and its first WEIGHT_SAMPLE_BYTES.
-
-    Content, not place: no path and no modification time go in, so every process on every node
-    that holds the checkpoint (a copy, another mount, a symlink) gets the same identity, and other
-    weights give another (training changes every trained tensor's bytes; another dtype or shape
-    its header). Cheap: one small read per tensor, whatever the model's size (a full checkpoint's
-    language weights included), without the engine (json and file reads: a pool's callers import
-    no model code). A checkpoint this process cannot see (a caller beside the cluster) is its name
-    and the dtype: its keys then meet only those of callers that cannot see it either (misses,
-    never a wrong hit). None: the shipped tiny model.
-    """
-    directory = Path(model) if model is not None else _SHIPPED_MODEL
-    hasher = xxhash.xxh3_128()
-    hasher.update(f"{dtype_name}\0".encode())
-    config = directory / "config.json"
-    if not config.is_file():
-        hasher.update(f"not here: {model}\0".encode())
-        return hasher.digest()
-    hasher.update(config.read_bytes())
-    tensors = sorted(sample for path in sorted(directory.glob("*.safetensors")) for sample in _samples(path))
-    for name, digest in tensors:
-        hasher.update(f"\0{name}\0".encode())
-        hasher.update(digest)
-    return hasher.digest()
-
-
-WEIGHT_SAMPLE_BYTES = 4096  # of each tensor's data, what `model_identity` reads
-
-
-def _samples(path: Path) -> list[tuple[str, bytes]]:
-    """Per tensor of a safetensors file, its name and a digest of its header entry and its first
-    WEIGHT_SAMPLE_BYTES. A file that is not safetensors is its name and a digest of its size and
-    first bytes (its actor refuses it as it loads)."""
-    with path.open("rb") as file:
-        try:
-            (length,) = struct.unpack("<Q", file.read(8))
-            header = json.loads(file.read(length)) if length <= _MAX_HEADER_BYTES else None
-            tensors = {
-                name: (str(entry["dtype"]), entry["shape"], *_offsets(entry["data_offsets"]))
-                for name, entry in header.items()
-                if name != "__metadata__"
-            }
-        except (struct.error, ValueError, TypeError, KeyError, AttributeError):
-            file.seek(0)
-            unread = f"{path.stat().st_size}\0".encode() + file.read(WEIGHT_SAMPLE_BYTES)
-            return [(f"{path.name} (not safetensors)", xxhash.xxh3_128_digest(unread))]
-        samples = []
-        for name, (dtype, shape, begin, end) in sorted(tensors.items(), key=lambda each: each[1][2]):
-            file.seek(8 + length + begin)
-            sample = xxhash.xxh3_128(f"{dtype}|{shape}|{end - begin}\0".encode())
-            sample.update(file.read(min(end - begin, WEIGHT_SAMPLE_BYTES)))
-            samples.append((name, sample.digest()))
-    return samples
-
-
-_MAX_HEADER_BYTES = 100 << 20  # safetensors' own bound on a header
-
-
-def _offsets(pair: Any) -> tuple[int, int]:
-    begin, end = pair
-    if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end):
-        raise ValueError(f"not a tensor's data offsets: {pair!r}")
-    return begin, end
-
-
-def item_key(identity: bytes, parts: Sequence[Any]) -> bytes:
-    """The 16-byte key of one checked item (its `parts`, each with `.spec` and `.pixels`)."""
-    hasher = xxhash.xxh3_128(identity)
-    for part in parts:
-        spec = part.spec
-        hasher.update(
-            f"{spec.modality}|{spec.pixel_shape}|{spec.pixel_dtype}|{spec.layout}|{spec.path}\0".encode()
-        )
-        hasher.update(np.ascontiguousarray(to_array(part.pixels)))
-    return hasher.digest()
-
-
-# ---- the shared actor ------------------------------------------------------------------------------
-
-
-@dataclass
-class _Claim:
-    deadline: float
-    done: asyncio.Event = field(default_factory=asyncio.Event)
-
-
-class EmbeddingCacheActor:
-    """Plain class; the controller runs it as an async Ray actor. Its methods never block: a
-    caller waiting for another's result waits on an event, not a thread.
-
-    Args:
-        capacity_bytes: bound on the embeddings' bytes held; least recently used go first.
-        claim_timeout_s: how long a claim holds (see the module's docstring).
-    """
-
-    def __init__(self, capacity_bytes: int, claim_timeout_s: float = CLAIM_TIMEOUT_S) -> None:
-        self._entries: ByteBoundedLRU[bytes, Any] = ByteBoundedLRU(capacity_bytes)  # key -> reference
-        self._claims: dict[bytes, _Claim] = {}
-        self._claim_timeout_s = claim_timeout_s
-        self._stats = CacheStats(capacity_bytes=capacity_bytes)
-
-    async def lookup(self, keys: Sequence[bytes]) -> list[tuple[str, list[Any]]]:
-        """Per key: (HIT, [reference]), (CLAIMED, []) — not held, and now claimed by this caller,
-        who must `insert` or `abandon` it — or (PENDING, []) — another caller encodes it
-        (`wait_for`). The reference sits in a list so that Ray passes it on unresolved."""
-        answers: list[tuple[str, list[Any]]] = []
-        now = time.monotonic()
-        for key in keys:
-            ref = self._entries.get(key)
-            if ref is not None:
-                self._stats.hits += 1
-                answers.append((HIT, [ref]))
-                continue
-            self._stats.misses += 1
-            claim = self._claims.get(key)
-            if claim is not None and claim.deadline > now:
-                self._stats.waits += 1
-                answers.append((PENDING, []))
-                continue
-            if claim is not None:  # its caller never answered: the key is this caller's now
-                self._stats.lapsed_claims += 1
-                claim.done.set()
-            self._claims[key] = _Claim(now + self._claim_timeout_s)
-            answers.append((CLAIMED, []))
-        return answers
-
-    async def wait_for(self, keys: Sequence[bytes]) -> list[list[Any]]:
-        """Per key, [reference] once its claimant published it, or [] if it did not in time (or
-        gave it up): the caller then encodes it itself."""
-        return list(await asyncio.gather(*(self._wait_one(key) for key in keys)))
-
-    async def _wait_one(self, key: bytes) -> list[Any]:
-        claim = self._claims.get(key)
-        if claim is not None:
-            try:
-                await asyncio.wait_for(claim.done.wait(), max(0.0, claim.deadline - time.monotonic()))
-            except asyncio.TimeoutError:
-                pass
-        ref = self._entries.peek(key)
-        return [ref] if ref is not None else []
-
-    async def insert(self, entries: Sequence[tuple[bytes, list[Any], int]]) -> None:
-        """Keep each (key, [reference to its Embedding], the embedding's bytes) and release its
-        claim. Evicts the least recently used entries past the bound."""
-        for key, refs, nbytes in entries:
-            self._release(key)
-            if key in self._entries:
-                continue
-            if self._entries.put(key, refs[0], nbytes) is not None:  # else larger than the whole cache
-                self._stats.inserts += 1
-
-    async def abandon(self, keys: Sequence[bytes]) -> None:
-        """Give up claims (their items failed): waiters encode them themselves."""
-        for key in keys:
-            self._release(key)
-
-    async def forget(self, keys: Sequence[bytes]) -> None:
-        """Drop entries whose objects a caller could not fetch (lost with a node)."""
-        for key in keys:
-            if self._entries.pop(key) is not None:
-                self._stats.lost_hits += 1
-
-    async def stats(self) -> CacheStats:
-        entries = self._entries
-        # no entry is protected by age here, so the bound refuses only embeddings over the whole cache
-        return replace(
-            self._stats,
-            entries=len(entries),
-            bytes=entries.bytes,
-            evictions=entries.evictions,
-            too_large=entries.refusals,
-        )
-
-    def _release(self, key: bytes) -> None:
-        claim = self._claims.pop(key, None)
-        if claim is not None:
-            claim.done.set()
-
-
-def start_cache_actor(capacity_bytes: int) -> Any:
-    """The pool's cache actor (restarted, empty, if it dies), created by the controller so that it
-    lives as long as the pool."""
-    # beside the controller, on the node a cluster keeps
-    return (
-        ray.remote(EmbeddingCacheActor)
-        .options(num_cpus=0, max_restarts=-1, **ON_HEAD_NODE)
-        .remote(capacity_bytes)
-    )
-
-
-# ---- the caller's side --------------------------------------------------------------------------
 
 
 @dataclass

@@ -17,6 +17,7 @@ from typing import Any
 import ray
 
 from vitpool.actors.reports import ActorInfo
+from vitpool.encoder_spec import check_int
 from vitpool.errors import ConfigError, PoolUnavailableError, VitpoolError, counted
 from vitpool.pool.cluster import (
     ON_HEAD_NODE,
@@ -39,7 +40,6 @@ from vitpool.pool.preflight import (
 )
 from vitpool.pool.settings import PoolSettings
 from vitpool.pool.start_errors import died_at_start, one_line, start_error, start_failure
-from vitpool.specs import check_int
 
 logger = logging.getLogger(__name__)
 

@@ -14,6 +14,13 @@ import typing
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
+from vitpool.encoder_spec import (
+    ATTENTION_CHOICES,
+    DTYPE_CHOICES,
+    PRECISION_CHOICES,
+    EncoderSpec,
+    check_budgets,
+)
 from vitpool.errors import ConfigError
 from vitpool.pool.settings import (
     POOL_DEVICES,
@@ -23,18 +30,11 @@ from vitpool.pool.settings import (
     removed_setting,
     setting_flag,
 )
-from vitpool.specs import (
-    ATTENTION_CHOICES,
-    DTYPE_CHOICES,
-    PRECISION_CHOICES,
-    EncoderSpec,
-    check_budgets,
-)
 
 
 def budget_list(text: str) -> list[int]:
     """`--budgets`: comma-separated token budgets, checked by the pool's own rule
-    (`vitpool.specs.check_budgets`: each at most MAX_BUDGET_TOKENS) before anything starts (an
+    (`vitpool.encoder_spec.check_budgets`: each at most MAX_BUDGET_TOKENS) before anything starts (an
     actor allocates every budget's buffers as it starts).
 
     Raises:
@@ -163,7 +163,7 @@ def add_pool_setting_flags(
     hints = typing.get_type_hints(PoolSettings)
     encoder_fields = {field.name for field in dataclasses.fields(EncoderSpec)}
     groups = {
-        True: parser.add_argument_group(f"the encoder's options (vitpool.specs.EncoderOptions){of}"),
+        True: parser.add_argument_group(f"the encoder's options (vitpool.encoder_spec.EncoderOptions){of}"),
         False: parser.add_argument_group(f"the pool's settings (vitpool.PoolSettings){of}"),
     }
     for field in dataclasses.fields(PoolSettings):

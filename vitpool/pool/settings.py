@@ -1,6 +1,6 @@
 """A pool's settings: one frozen dataclass, checked when it is made, shared with every caller.
 
-Its first fields are an actor's encoder's (`vitpool.specs.EncoderSpec`: the checkpoint and the
+Its first fields are an actor's encoder's (`vitpool.encoder_spec.EncoderSpec`: the checkpoint and the
 `EncoderOptions`), inherited, so that each is written, documented and checked in one place; the
 rest are the pool's own. Each field's flag is made from it (`vitpool.pool.setting_flags`:
 `vitpool serve`'s, and those of the pool the vLLM gateway launches).
@@ -14,9 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from vitpool.errors import ConfigError
-from vitpool.pool.autoscaler import checked_bounds
-from vitpool.specs import (  # noqa: F401 - DEFAULT_MAX_ITEM_TOKENS, MAX_BUDGET_TOKENS: read from here too
+from vitpool.encoder_spec import (  # noqa: F401 - DEFAULT_MAX_ITEM_TOKENS, MAX_BUDGET_TOKENS: read from here too
     ATTENTION_CHOICES,
     DEFAULT_MAX_ITEM_TOKENS,
     DEVICES,
@@ -29,6 +27,8 @@ from vitpool.specs import (  # noqa: F401 - DEFAULT_MAX_ITEM_TOKENS, MAX_BUDGET_
     check_budgets,
     check_int,
 )
+from vitpool.errors import ConfigError
+from vitpool.pool.autoscaler import checked_bounds
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -55,17 +55,17 @@ class PoolSettings(EncoderSpec):
     """How a pool encodes and dispatches. `EncoderPool.launch` takes these as keyword arguments.
 
     The encoder's options are fields here too, inherited from `EncoderSpec` (`model`) and
-    `vitpool.specs.EncoderOptions` (budgets, max_items_per_batch, max_frames_per_batch,
+    `vitpool.encoder_spec.EncoderOptions` (budgets, max_items_per_batch, max_frames_per_batch,
     capacity_limits, device, dtype, attention, fused_ops, compiled_blocks, compile_cache_dir,
     urgent_tokens, precision, max_item_tokens), documented there; every actor's encoder gets them
     (`encoder_spec`). A pool adds to them:
 
     Attributes:
         budgets: in a pool, at most MAX_BUDGET_TOKENS (65536) tokens each, checked as the settings
-            are made (`vitpool.specs.check_budgets`) so that a mistyped budget costs no actor start.
+            are made (`vitpool.encoder_spec.check_budgets`) so that a mistyped budget costs no actor start.
         device: in a pool, None (the actor's GPU if it has one), "cuda" or "cpu": "cpu" runs every
             actor on its CPU even where it was given a GPU (tests, debugging). No "cuda:N": the
-            pool gives each actor a GPU of its own (`vitpool.specs.check_device`).
+            pool gives each actor a GPU of its own (`vitpool.encoder_spec.check_device`).
         max_batches_in_flight_per_actor: batches sent to an actor and not yet answered. Two keep
             a GPU busy: the next batch is already there when one finishes.
         batch_window_s: how long items wait for others to share a batch while every actor is

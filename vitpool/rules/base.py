@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from vitpool.encoder_spec import check_capacity_limits
 from vitpool.packing import SEQUENCES, Budget, make_budgets, plain_budgets
-from vitpool.specs import check_capacity_limits
 
 if TYPE_CHECKING:
     from vitpool.specs import ItemRules

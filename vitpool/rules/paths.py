@@ -18,9 +18,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from vitpool.encoder_spec import check_capacity_limits
 from vitpool.packing import Budget
 from vitpool.rules.base import RulesBase
-from vitpool.specs import ItemRules, ItemSpec, check_capacity_limits
+from vitpool.specs import ItemRules, ItemSpec
 
 # A part's input as the rules see it: its pixels' shape and dtype name.
 PartInput = tuple[tuple[int, ...], str]

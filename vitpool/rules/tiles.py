@@ -8,9 +8,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from vitpool.encoder_spec import check_capacity_limits
 from vitpool.packing import SEQUENCES, Budget, plain_budgets
 from vitpool.rules.base import RulesBase
-from vitpool.specs import IMAGE, ItemSpec, check_capacity_limits
+from vitpool.specs import IMAGE, ItemSpec
 
 
 @dataclass(frozen=True)

@@ -85,7 +85,8 @@ def hf_model(seed: int = 0) -> torch.nn.Module:
 
 
 def encoder_of(model: torch.nn.Module, budgets: list[int]) -> GraphEncoder:
-    from vitpool.families.deepseek_ocr2.adapter import DeepseekOcr2Adapter, DeepseekOcr2Encoder
+    from vitpool.families.deepseek_ocr2.adapter import DeepseekOcr2Adapter
+    from vitpool.families.deepseek_ocr2.tower import DeepseekOcr2Encoder
 
     module = DeepseekOcr2Encoder(
         copy.deepcopy(model.model.vision_tower),

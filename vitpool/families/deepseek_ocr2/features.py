@@ -19,7 +19,8 @@ class DeepseekOcr2Features(Step3p7Features):
 
     @staticmethod
     def encoder_module(inner: torch.nn.Module, tower: torch.nn.Module) -> torch.nn.Module:
-        from vitpool.families.deepseek_ocr2.adapter import LOCAL_IMAGE_SIZE, DeepseekOcr2Encoder
+        from vitpool.families.deepseek_ocr2.adapter import LOCAL_IMAGE_SIZE
+        from vitpool.families.deepseek_ocr2.tower import DeepseekOcr2Encoder
 
         local = int(getattr(tower.config, "local_image_size", None) or LOCAL_IMAGE_SIZE)
         return DeepseekOcr2Encoder(

@@ -19,9 +19,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from vitpool.encoder_spec import check_capacity_limits
 from vitpool.packing import SEQUENCES, Budget, make_budgets
 from vitpool.rules.grids import SpatialMergeRules
-from vitpool.specs import VIDEO, ItemSpec, check_capacity_limits
+from vitpool.specs import VIDEO, ItemSpec
 
 ROWS = "rows"  # patch rows of the batch: the static buffers' rows
 

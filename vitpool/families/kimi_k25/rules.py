@@ -28,9 +28,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from vitpool.encoder_spec import check_capacity_limits
 from vitpool.packing import Budget, plain_budgets
 from vitpool.rules.patch_rows import EXTRA_ROWS, PatchRows, patch_grid
-from vitpool.specs import ItemSpec, check_capacity_limits
+from vitpool.specs import ItemSpec
 
 CLIP = "clip"  # the path of videos of more than one frame
 DEFAULT_CLIP_FRAMES = 4  # Kimi_K25VideoProcessor's chunks (temporal_patch_size), pos_emb_time

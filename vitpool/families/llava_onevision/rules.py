@@ -39,9 +39,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from vitpool.encoder_spec import check_capacity_limits
 from vitpool.packing import SEQUENCES, Budget, plain_budgets
 from vitpool.rules.base import RulesBase
-from vitpool.specs import IMAGE, VIDEO, ItemSpec, check_capacity_limits, is_int
+from vitpool.specs import IMAGE, VIDEO, ItemSpec, is_int
 
 # What `vision_aspect_ratio` is made of in Hugging Face's code: "anyres_max_<N>", read there as
 # int(value.strip(...)) with these characters (a strip of characters, not a prefix).

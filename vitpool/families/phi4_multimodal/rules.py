@@ -26,9 +26,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from vitpool.encoder_spec import check_capacity_limits
 from vitpool.packing import SEQUENCES, Budget, plain_budgets
 from vitpool.rules.base import RulesBase
-from vitpool.specs import IMAGE, ItemSpec, check_capacity_limits, is_int
+from vitpool.specs import IMAGE, ItemSpec, is_int
 
 ITEM_HINT = (
     "pass Image(out['image_pixel_values'][i, :1 + rows * cols], (height, width, valid_rows, valid_cols)) "

@@ -16,9 +16,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from vitpool.encoder_spec import check_capacity_limits
 from vitpool.packing import SEQUENCES, Budget, make_budgets
 from vitpool.rules.grids import SpatialMergeRules
-from vitpool.specs import ItemSpec, check_capacity_limits
+from vitpool.specs import ItemSpec
 
 WINDOWS = "windows"  # attention windows of the windowed blocks
 

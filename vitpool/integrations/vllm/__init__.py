@@ -6,5 +6,7 @@
 - `connector`: `VitpoolECConnector` (the store, no shared disk) and `VitpoolFileConnector`; loaded
   by vLLM by module path, the only module here that imports vLLM.
 - `gateway`: the HTTP gateway in front of vLLM's OpenAI server (`python -m
-  vitpool.integrations.vllm.gateway`).
+  vitpool.integrations.vllm.gateway`); its command line (`gateway_cli`), start-up checks against
+  the vLLM checkpoint (`gateway_checks`), image downloads (`gateway_fetch`) and counters
+  (`gateway_stats`).
 """

@@ -7,7 +7,7 @@ request with each image's `uuid` set, relaying the answer (streamed or not) as v
 
 An image's key (its `uuid`) is a 128-bit XXH3 digest of its bytes under a prefix that covers the
 model as the pool's embedding cache names it (its config's and weights' content and the LLM's dtype:
-`vitpool.pool.embedding_cache.model_identity`), its image processor's settings and backend
+`vitpool.pool.cache_keys.model_identity`), its image processor's settings and backend
 (torchvision's, as vLLM's, where it imports: `images.processor_backend`), so a
 published entry is found again by any request with the same image for the same model; it replaces
 a `uuid` the client set (a name the client claims for the bytes must not reach other requests).
@@ -22,25 +22,25 @@ or `connect`): a cluster that wants an authentication token this process does no
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import base64
 import json
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
-from vitpool.dtypes import dtype_from_name
-from vitpool.errors import ConfigError, VitpoolError
+from vitpool.errors import VitpoolError
+from vitpool.integrations.vllm.gateway_checks import check_same_dtype, check_same_tower
+from vitpool.integrations.vllm.gateway_fetch import url_bytes
+from vitpool.integrations.vllm.gateway_stats import GatewayStats
 from vitpool.integrations.vllm.images import (
     FRONT_SETTINGS,
     checkpoint_family,
-    data_url_bytes,
     decode_image,
     image_key,
     model_prefix,
@@ -50,8 +50,6 @@ from vitpool.integrations.vllm.images import (
 from vitpool.integrations.vllm.layouts import vllm_embedding, vllm_layout
 from vitpool.items import Embedding, Item
 from vitpool.models.loading import vision_weights_digest
-from vitpool.pool.setting_flags import add_pool_setting_flags, given_settings
-from vitpool.pool.settings import setting_flag
 
 logger = logging.getLogger(__name__)
 
@@ -70,17 +68,6 @@ class Encoder(Protocol):
     ) -> list[Embedding | Exception]: ...
 
 
-@dataclass
-class PhaseTimes:
-    """Seconds spent per phase over all requests (each request's phases, summed)."""
-
-    receive: float = 0.0  # reading and parsing the body, decoding and hashing the images
-    process: float = 0.0  # the image processor
-    encode: float = 0.0  # waiting for the pool
-    publish: float = 0.0  # asking what is published; laying out and publishing the embeddings
-    forward: float = 0.0  # from sending the request upstream to the end of its answer
-
-
 def key_prefix(identity: str, publisher: Any) -> str:
     """The prefix of this gateway's keys: the model's identity, and the publisher's `scope` where it
     has one (the store's: a store opened anew has another). vLLM caches what it was handed under an
@@ -92,75 +79,12 @@ def key_prefix(identity: str, publisher: Any) -> str:
 
 
 @dataclass
-class GatewayStats:
-    """What the gateway itself knows. Whether vLLM then loaded an entry, or ran its own tower
-    anyway, only the store sees (`Gateway.vllm_view`)."""
-
-    requests: int = 0
-    images: int = 0
-    encoded: int = 0  # encoded in the pool and published by this request
-    reused: int = 0  # already published (or being published for a request in flight)
-    fallbacks: int = 0  # left to vLLM's own tower: not encodable or not publishable
-    passed_through: int = 0  # media the gateway does not read (not a data: or http(s) URL)
-    upstream_errors: int = 0
-    phases: PhaseTimes = field(default_factory=PhaseTimes)
-
-
-@dataclass
 class _Image:
     """One image part of a request."""
 
     part: dict[str, Any]
     data: bytes
     key: str
-
-
-def check_same_tower(pool: Any, checkpoint: str | Path, weights_digest: str) -> None:
-    """Refuse a pool whose checkpoint has other vision weights than `checkpoint` (vLLM's): its
-    embeddings would answer vLLM's requests silently wrong. A pool whose checkpoint this process
-    cannot read (another node's path) is trusted, with a warning.
-
-    Raises:
-        ConfigError: the pool's vision weights differ from the checkpoint's.
-    """
-    settings = getattr(pool, "settings", None)
-    if settings is None:  # not an EncoderPool (a test's stand-in): nothing to compare
-        return
-    pool_model = settings.model
-    if pool_model is not None and Path(pool_model).resolve() == Path(checkpoint).resolve():
-        return
-    try:
-        theirs = vision_weights_digest(pool_model)
-    except (VitpoolError, OSError) as error:
-        logger.warning(
-            "vitpool gateway: cannot read the pool's checkpoint %s here (%s); trusting that its "
-            "vision weights are those of %s",
-            pool_model,
-            error,
-            checkpoint,
-        )
-        return
-    if theirs != weights_digest:
-        raise ConfigError(
-            f"the pool runs {pool_model or 'the shipped tiny checkpoint'}, whose vision weights differ from "
-            f"those of {checkpoint} (the model vLLM serves): its embeddings would be wrong for it"
-        )
-
-
-def check_same_dtype(pool: Any, dtype: torch.dtype) -> None:
-    """Warn where the pool runs its tower in another dtype than the LLM's (`dtype`, vLLM's
-    `--dtype`): vLLM's own tower runs in the LLM's, so answers then match it more loosely (a
-    float32 pool under a bfloat16 vLLM: ~1e-2 in logprobs instead of ~1e-4)."""
-    settings = getattr(pool, "settings", None)
-    pool_dtype = getattr(settings, "dtype", None)
-    if pool_dtype is not None and pool_dtype != str(dtype).removeprefix("torch."):
-        logger.warning(
-            "vitpool gateway: the pool runs its tower in %s and the LLM in %s (--dtype): answers "
-            "differ from vLLM's own tower's by up to ~1e-2; launch the pool with dtype=%s",
-            pool_dtype,
-            str(dtype).removeprefix("torch."),
-            str(dtype).removeprefix("torch."),
-        )
 
 
 class Gateway:
@@ -225,7 +149,17 @@ class Gateway:
                     continue
                 image_url = part.get("image_url")
                 url = image_url.get("url") if isinstance(image_url, dict) else None
-                data = await self._bytes_of(url) if isinstance(url, str) else None
+                data = (
+                    await url_bytes(
+                        url,
+                        self._client,
+                        self.allowed_media_domains,
+                        self.max_download_bytes,
+                        self.download_timeout_s,
+                    )
+                    if isinstance(url, str)
+                    else None
+                )
                 if data is None:
                     self.stats.passed_through += 1
                     continue
@@ -246,35 +180,6 @@ class Gateway:
     def _rekey(images: list[_Image], prefix: str) -> None:
         for image in images:
             image.key = image.part["uuid"] = image_key(prefix, image.data)
-
-    async def _bytes_of(self, url: str) -> bytes | None:
-        if url.startswith("data:"):
-            return data_url_bytes(url)  # None for a malformed one: vLLM answers the client's mistake
-        if url.startswith(("http://", "https://")) and self._may_download(url):
-            import aiohttp
-
-            try:
-                timeout = aiohttp.ClientTimeout(total=self.download_timeout_s)
-                async with self._client().get(url, timeout=timeout) as response:
-                    if response.status != 200 or (response.content_length or 0) > self.max_download_bytes:
-                        return None
-                    chunks, size = [], 0
-                    async for chunk in response.content.iter_chunked(1 << 20):
-                        size += len(chunk)
-                        if size > self.max_download_bytes:
-                            return None
-                        chunks.append(chunk)
-                    return b"".join(chunks)
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as error:
-                logger.info("vitpool gateway: %s not downloaded (%s); vLLM fetches it", url[:200], error)
-        return None
-
-    def _may_download(self, url: str) -> bool:
-        if self.allowed_media_domains is None:
-            return True
-        from urllib.parse import urlsplit
-
-        return (urlsplit(url).hostname or "") in self.allowed_media_domains
 
     # encoding and publishing
 
@@ -530,142 +435,7 @@ class Gateway:
         return app
 
 
-def _dtype(name: str) -> torch.dtype:
-    try:
-        return dtype_from_name(name)
-    except ConfigError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
+if __name__ == "__main__":  # the gateway's public command, kept where the README and tests run it
+    from vitpool.integrations.vllm.gateway_cli import main
 
-
-# Pool settings the gateway has no pool-setting flag for, and why: its own flags set them
-GATEWAY_OWN_SETTINGS = {
-    "model": "--model, the checkpoint vLLM serves, is the launched pool's",
-    "dtype": "--dtype, the LLM's dtype, is the launched pool's",
-    "detached": "a pool the gateway launches stops with it",
-}
-
-
-def main(argv: list[str] | None = None) -> None:
-    from aiohttp import web
-
-    from vitpool.integrations.vllm.publisher import FilePublisher
-    from vitpool.integrations.vllm.store import StorePublisher
-    from vitpool.pool import EncoderPool
-
-    parser = argparse.ArgumentParser(
-        prog="python -m vitpool.integrations.vllm.gateway",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--model", required=True, help="the checkpoint directory vLLM serves")
-    parser.add_argument("--upstream", required=True, help="vLLM's OpenAI server, e.g. http://127.0.0.1:8000")
-    parser.add_argument(
-        setting_flag("pool"),
-        default=FRONT_SETTINGS["pool"][0],
-        help=f"{FRONT_SETTINGS['pool'][1]} (default vitpool)",
-    )
-    parser.add_argument(
-        "--address",
-        default=None,
-        help="the Ray cluster (default RAY_ADDRESS, else the one `ray start` last started here)",
-    )
-    parser.add_argument(
-        "--launch-actors",
-        type=int,
-        default=0,
-        help="launch a pool of this many actors in this process instead of connecting to one; "
-        "its settings are `vitpool serve`'s flags, below",
-    )
-    parser.add_argument("--publish", choices=("store", "files"), default="store")
-    parser.add_argument("--root", help="with --publish files: the directory vLLM's connector reads")
-    parser.add_argument(
-        "--max-bytes", type=float, default=8 << 30, help="bytes of embeddings kept (default 8 GiB)"
-    )
-    parser.add_argument(
-        setting_flag("dtype"),
-        type=_dtype,
-        default=_dtype(FRONT_SETTINGS["dtype"][0]),
-        help=f"{FRONT_SETTINGS['dtype'][1]} (default bfloat16)",
-    )
-    parser.add_argument(
-        setting_flag("timeout_s"),
-        type=float,
-        default=FRONT_SETTINGS["timeout_s"][0],
-        metavar="S",
-        dest="timeout_s",
-        help=f"{FRONT_SETTINGS['timeout_s'][1]}; past it vLLM encodes them itself (default 60)",
-    )
-    parser.add_argument(
-        "--allowed-media-domains",
-        nargs="+",
-        default=None,
-        help="hosts whose http(s) images the gateway downloads (default any); others go to "
-        "vLLM as they came, under vLLM's own --allowed-media-domains",
-    )
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8100)
-    add_pool_setting_flags(
-        parser, leave_out=GATEWAY_OWN_SETTINGS, of=", for a pool launched here (--launch-actors)"
-    )
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    if args.publish == "files" and not args.root:
-        parser.error("--publish files needs --root")
-    settings = given_settings(args, leave_out=GATEWAY_OWN_SETTINGS)
-    if settings and not args.launch_actors:
-        given = ", ".join(setting_flag(name) for name in settings)
-        parser.error(
-            f"{given}: pool settings are for a pool the gateway launches (--launch-actors N); a running "
-            "pool keeps those it was started with (vitpool serve)"
-        )
-    try:
-        processor_backend()  # a torchvision that cannot load stops the gateway here, before a pool starts
-        # both join Ray through join_ray: a cluster that wants a token this process lacks is a one-line error
-        if args.launch_actors:
-            pool = EncoderPool.launch(
-                args.model,
-                num_actors=args.launch_actors,
-                name=args.pool,
-                address=args.address,
-                dtype=str(args.dtype).removeprefix("torch."),
-                **settings,
-            )
-        else:
-            pool = EncoderPool.connect(args.pool, address=args.address)
-        if args.publish == "files":
-            publisher: Publisher = FilePublisher(args.root, max_bytes=int(args.max_bytes))
-        else:
-            publisher = StorePublisher(args.pool, max_bytes=int(args.max_bytes))
-        gateway = Gateway(
-            pool,
-            publisher,
-            args.model,
-            args.upstream,
-            dtype=args.dtype,
-            encode_timeout_s=args.timeout_s,
-            allowed_media_domains=args.allowed_media_domains,
-        )
-    except (VitpoolError, ValueError, ConnectionError) as error:
-        raise SystemExit(f"vitpool gateway: {error}") from None
-    dtype = str(args.dtype).removeprefix("torch.")
-    logger.info(
-        "vitpool gateway for %s (pool %r, %s, %s image processor) on http://%s:%d, forwarding to %s, "
-        "whose --dtype must be %s",
-        args.model,
-        args.pool,
-        args.publish,
-        gateway.processor,
-        args.host,
-        args.port,
-        args.upstream,
-        dtype,
-    )
-    try:
-        web.run_app(gateway.app(), host=args.host, port=args.port, print=None)
-    finally:
-        if args.launch_actors:
-            pool.shutdown()
-
-
-if __name__ == "__main__":
     main()

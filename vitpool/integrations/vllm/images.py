@@ -21,7 +21,7 @@ import xxhash
 from vitpool.errors import ConfigError
 from vitpool.items import Image, Item
 from vitpool.models.registry import RECORDS
-from vitpool.pool.embedding_cache import model_identity
+from vitpool.pool.cache_keys import model_identity
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def read_json(path: Path) -> dict[str, Any]:
 
 def model_prefix(checkpoint: str | Path, dtype: torch.dtype, processor_name: str = "") -> str:
     """The model's part of every key (`image_key`), 64 bits in hex: the model as the pool's cache
-    names it (`vitpool.pool.embedding_cache.model_identity`: its config's and weights' content, and
+    names it (`vitpool.pool.cache_keys.model_identity`: its config's and weights' content, and
     the LLM's dtype), and what turns an image's bytes into its pixels, which the pool's keys hash
     but these do not: the image processor's settings and class (`processor_name`: the PIL and
     torchvision backends resize to slightly different pixels)."""
