@@ -82,8 +82,12 @@ def image_features(model: torch.nn.Module, item: Any) -> torch.Tensor:
     """What the model hands its LLM for one image: [splits * tokens a split, text width]."""
     with torch.no_grad():
         pixels = torch.as_tensor(item.pixel_values)[None]  # one sample: [1, splits, 3, S, S]
-        [tokens] = model.model.get_image_features(pixel_values=pixels).pooler_output
-    return tokens
+        features = model.model.get_image_features(pixel_values=pixels).pooler_output
+    # one sample's splits: a list of one [splits * tokens, width] in newer transformers, one
+    # [splits, tokens, width] in 5.17 (the GPU machine's); the same rows either way
+    if isinstance(features, (list, tuple)):
+        [features] = features
+    return features.reshape(-1, features.shape[-1])
 
 
 TILE_SHAPE = row_shape("idefics3")

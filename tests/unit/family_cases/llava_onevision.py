@@ -98,7 +98,8 @@ def features(model: torch.nn.Module, item: Any) -> torch.Tensor:
     pixels = torch.as_tensor(item.pixel_values)
     with torch.no_grad():
         if isinstance(item, Video):
-            return model.model.get_video_features(pixel_values_videos=pixels[None]).pooler_output[0]
+            # positional: the argument is `pixel_values_videos` in newer transformers, `pixel_values` in 5.17
+            return model.model.get_video_features(pixels[None]).pooler_output[0]
         sizes = torch.tensor([list(item.grid_thw)])
         if pixels.shape[0] == 1:  # the base tile alone: one image of a sample of two
             output = model.model.get_image_features(
