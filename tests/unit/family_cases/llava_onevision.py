@@ -10,6 +10,7 @@ and "anyres_max_2", so that grids of three crops or more are pooled and smaller 
 from __future__ import annotations
 
 import copy
+import inspect
 from typing import Any
 
 import torch
@@ -99,7 +100,10 @@ def features(model: torch.nn.Module, item: Any) -> torch.Tensor:
     with torch.no_grad():
         if isinstance(item, Video):
             # positional: the argument is `pixel_values_videos` in newer transformers, `pixel_values` in 5.17
-            return model.model.get_video_features(pixels[None]).pooler_output[0]
+            [frames] = model.model.get_video_features(pixels[None]).pooler_output
+            if not _video_features_end_with_newline(model):  # 5.17: its forward appends it
+                frames = torch.cat([frames, model.model.image_newline[None].to(frames.dtype)])
+            return frames
         sizes = torch.tensor([list(item.grid_thw)])
         if pixels.shape[0] == 1:  # the base tile alone: one image of a sample of two
             output = model.model.get_image_features(
@@ -110,6 +114,12 @@ def features(model: torch.nn.Module, item: Any) -> torch.Tensor:
         else:
             output = model.model.get_image_features(pixel_values=pixels[None], image_sizes=sizes)
     return output.pooler_output[0]
+
+
+def _video_features_end_with_newline(model: torch.nn.Module) -> bool:
+    """Whether this transformers' `get_video_features` appends the video's newline token itself
+    (later releases) or leaves it to the model's forward (5.17)."""
+    return "image_newline" in inspect.getsource(type(model.model).get_video_features)
 
 
 def item_for(spec: ItemSpec, pixels: torch.Tensor) -> Any:
