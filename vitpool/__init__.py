@@ -19,6 +19,7 @@ if TYPE_CHECKING:
         ConfigError,
         EncodeError,
         InvalidItemError,
+        PoolNotFoundError,
         PoolUnavailableError,
         VitpoolError,
     )
@@ -37,6 +38,7 @@ _PUBLIC = {
     "ConfigError": "vitpool.errors",
     "EncodeError": "vitpool.errors",
     "InvalidItemError": "vitpool.errors",
+    "PoolNotFoundError": "vitpool.errors",
     "PoolUnavailableError": "vitpool.errors",
     "VitpoolError": "vitpool.errors",
     "items_from": "vitpool.from_processor",
@@ -71,6 +73,7 @@ __all__ = [
     "Image",
     "InvalidItemError",
     "PlansInFlight",
+    "PoolNotFoundError",
     "PoolSettings",
     "PoolStats",
     "PoolUnavailableError",

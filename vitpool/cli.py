@@ -12,8 +12,9 @@ Every command joins the Ray cluster that `ray.init()` would (`--address`, RAY_AD
 cluster `ray start --head` started on this machine); `serve` refuses to start a private one, which
 would end with the command (and `list` with none running says so, starting none). Progress goes to
 stderr; an error is one line (exit status 1), not a traceback; a flag's mistake is refused before
-Ray is joined (exit status 2). Only the pool's public API is used here, but for `list`, which finds
-the pools' controllers in vitpool's Ray namespace.
+Ray is joined (exit status 2), in one line. Ray's own log lines stay off the terminal unless
+`--verbose`; `--version` and `--help` import neither Ray nor torch. Only the pool's public API is
+used here, but for `list`, which finds the pools' controllers in vitpool's Ray namespace.
 """
 
 from __future__ import annotations
@@ -27,17 +28,15 @@ import statistics
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
-
-import ray
-import torch
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from vitpool.cli_flags import add_setting_flags, given_settings, non_negative_share
-from vitpool.errors import InvalidItemError, VitpoolError, counted
-from vitpool.items import Image
-from vitpool.pool import EncoderPool
-from vitpool.pool.cluster import join_ray, joins_a_cluster
-from vitpool.pool.controller import NAMESPACE, Membership
+from vitpool.errors import InvalidItemError, PoolNotFoundError, VitpoolError, counted
+
+if TYPE_CHECKING:  # the commands import Ray and torch when they run: `--version` and `--help` do not
+    from vitpool.items import Image
+    from vitpool.pool import EncoderPool
+    from vitpool.pool.controller import Membership
 
 logger = logging.getLogger("vitpool.cli")
 
@@ -55,6 +54,12 @@ PROGRESS_HANDLER = "vitpool-cli-progress"
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _show_progress(args.quiet)
+    import ray
+
+    from vitpool.pool.cluster import quiet_ray_logs
+
+    if not args.verbose:
+        quiet_ray_logs()
     try:
         return args.command(args)
     except KeyboardInterrupt:
@@ -69,6 +74,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def serve(args: argparse.Namespace) -> int:
+    from vitpool.pool import EncoderPool
+
     settings = serve_settings(args)
     start = time.monotonic()
     pool = EncoderPool.launch(
@@ -120,7 +127,18 @@ def with_serve_flags(message: str) -> str:
 def list_pools(args: argparse.Namespace) -> int:
     pools = running_pools(args.address)
     if pools is None:
-        print("no pools: no Ray cluster runs on this machine to look in (--address names one elsewhere)")
+        from vitpool.pool.cluster import clusters_on_this_machine
+
+        running = clusters_on_this_machine()
+        if running:
+            verb = "runs" if len(running) == 1 else "run"
+            print(
+                f"no pools found: {counted(len(running), 'Ray cluster')} {verb} "
+                f"on this machine ({', '.join(running)}), but none is joined without an address (Ray's "
+                "address file names none that runs): --address names the one to look in"
+            )
+        else:
+            print("no pools: no Ray cluster runs on this machine to look in (--address names one elsewhere)")
         return 0
     if not pools:
         print("no pools")
@@ -141,6 +159,11 @@ def running_pools(address: str | None) -> list[tuple[str, Membership | None]] | 
     """Each pool of the cluster by name, with its membership (None: its controller did not answer
     in time), sorted by name; None where no cluster runs to look in (as `EncoderPool.connect`
     would find it: a private one started here could hold no pool)."""
+    import ray
+
+    from vitpool.pool.cluster import join_ray, joins_a_cluster
+    from vitpool.pool.controller import NAMESPACE
+
     if not joins_a_cluster(address):
         return None
     join_ray(address)
@@ -168,6 +191,8 @@ def running_pools(address: str | None) -> list[tuple[str, Membership | None]] | 
 
 
 def status(args: argparse.Namespace) -> int:
+    from vitpool.pool import EncoderPool
+
     pool = EncoderPool.connect(args.name, args.address)
     try:
         print(pool.stats().summary(this_process=False))  # this command made no call
@@ -177,6 +202,8 @@ def status(args: argparse.Namespace) -> int:
 
 
 def scale(args: argparse.Namespace) -> int:
+    from vitpool.pool import EncoderPool
+
     pool = EncoderPool.connect(args.name, args.address)
     try:
         before = pool.num_actors
@@ -188,7 +215,13 @@ def scale(args: argparse.Namespace) -> int:
 
 
 def stop(args: argparse.Namespace) -> int:
-    pool = EncoderPool.connect(args.name, args.address)
+    from vitpool.pool import EncoderPool
+
+    try:
+        pool = EncoderPool.connect(args.name, args.address)
+    except PoolNotFoundError as error:  # stopped already (or never started): nothing left to do
+        print(f"nothing to stop: {_one_line(error).removeprefix('PoolNotFoundError: ').split('; ')[0]}")
+        return 0
     if not pool.settings.detached:
         pool.close()
         raise VitpoolError(
@@ -205,6 +238,8 @@ def stop(args: argparse.Namespace) -> int:
 
 
 def bench(args: argparse.Namespace) -> int:
+    from vitpool.pool import EncoderPool
+
     pool = EncoderPool.connect(args.name, args.address)
     try:
         item = sample_item(pool)
@@ -248,6 +283,10 @@ def sample_item(pool: EncoderPool) -> Image:
     Raises:
         VitpoolError: no such sample fits this model.
     """
+    import torch
+
+    from vitpool.items import Image
+
     row_shape = tuple(pool.item_rules.row_shape)
     candidates = [Image(torch.randn(256, *row_shape), (1, 16, 16)), Image(torch.randn(1, *row_shape))]
     for candidate in candidates:
@@ -304,10 +343,17 @@ def _show_progress(quiet: bool) -> None:
     library.setLevel(logging.WARNING if quiet else logging.INFO)
 
 
+class _Parser(argparse.ArgumentParser):
+    """A flag's mistake in one line naming the command, not the command's whole usage first."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the flags)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vitpool", description="vitpool: a pool of vision encoders on Ray")
+    parser = _Parser(prog="vitpool", description="vitpool: a pool of vision encoders on Ray")
     parser.add_argument("--version", action="version", version=f"vitpool {version()}")
-    commands = parser.add_subparsers(required=True, metavar="command")
+    commands = parser.add_subparsers(required=True, metavar="command", parser_class=_Parser)
 
     def command(name: str, function, text: str, names_a_pool: bool = True) -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=text, description=text)
@@ -316,6 +362,7 @@ def _parser() -> argparse.ArgumentParser:
             sub.add_argument("--name", default="vitpool", help="the pool's name (default: vitpool)")
         sub.add_argument("--address", default=None, help="the Ray cluster (default: as ray.init() finds it)")
         sub.add_argument("--quiet", action="store_true", help="no progress lines")
+        sub.add_argument("--verbose", action="store_true", help="Ray's own log lines too")
         return sub
 
     sub = command("serve", serve, "start a detached pool and return once its actors are ready")

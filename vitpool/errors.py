@@ -31,6 +31,11 @@ class PoolUnavailableError(VitpoolError):
     this process no longer connected to Ray). The message says which."""
 
 
+class PoolNotFoundError(PoolUnavailableError):
+    """No pool of that name runs in the cluster looked in (or no cluster runs to look in); the
+    message names the cluster and why it was the one looked in."""
+
+
 class EncodeError(VitpoolError):
     """An encoder actor failed on a batch for a reason other than the caller's items."""
 

@@ -10,13 +10,15 @@ import argparse
 import dataclasses
 import importlib.metadata
 import logging
+import subprocess
+import sys
 
 import pytest
 import ray
 
 import vitpool
 from vitpool import cli, cli_flags
-from vitpool.errors import ConfigError
+from vitpool.errors import ConfigError, PoolNotFoundError
 from vitpool.pool import EncoderPool, cluster
 from vitpool.pool.controller import NAMESPACE, Membership
 from vitpool.pool.settings import MAX_BUDGET_TOKENS, PoolSettings
@@ -49,6 +51,14 @@ class FakePool:
         # as EncoderPool._shutdown does once the controller is stopped
         logging.getLogger("vitpool.pool.encoder_pool").info("pool %r stopped", "svc")
         self.shut_down = True
+
+
+@pytest.fixture(autouse=True)
+def ray_logs_left_alone(monkeypatch):
+    """main() quiets Ray's own log for its process; here it records that it would, instead."""
+    calls = []
+    monkeypatch.setattr(cluster, "quiet_ray_logs", lambda: calls.append(True))
+    return calls
 
 
 @pytest.fixture(autouse=True)
@@ -87,8 +97,9 @@ def test_bad_budgets_are_refused_naming_the_flag_before_any_launch(budgets, want
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["serve", "--device", "cpu", "--budgets", budgets])
     assert exit_info.value.code == 2
-    error = capsys.readouterr().err.strip().splitlines()[-1]
+    [error] = capsys.readouterr().err.strip().splitlines()  # one line, not the usage first
     assert error.startswith("vitpool serve: error: argument --budgets: ") and wanted in error, error
+    assert error.endswith("(`vitpool serve --help` lists the flags)")
     assert launch.calls == []  # refused before any actor (or Ray) starts
 
 
@@ -311,7 +322,8 @@ def test_version_falls_back_to_the_package_from_a_source_tree(monkeypatch):
 def test_list_without_a_cluster_says_no_pools_and_starts_none(monkeypatch, capsys):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(cluster, "running_local_cluster", lambda: None)
-    monkeypatch.setattr(cli, "join_ray", lambda address: pytest.fail("list joined (or started) Ray"))
+    monkeypatch.setattr(cluster, "join_ray", lambda address: pytest.fail("list joined (or started) Ray"))
+    monkeypatch.setattr(cluster, "clusters_on_this_machine", list)
     assert cli.main(["list", "--quiet"]) == 0
     assert capsys.readouterr().out.startswith("no pools: no Ray cluster runs on this machine")
 
@@ -336,7 +348,7 @@ class FakeEncoderActor:
 def fake_cluster(monkeypatch, named: dict[tuple[str, str], object]) -> None:
     """A running cluster whose named actors are `named` ((namespace, name) -> handle)."""
     monkeypatch.setattr(cluster, "running_local_cluster", lambda: "127.0.0.1:6379")
-    monkeypatch.setattr(cli, "join_ray", lambda address: True)
+    monkeypatch.setattr(cluster, "join_ray", lambda address: True)
     monkeypatch.setattr(
         ray.util,
         "list_named_actors",
@@ -423,3 +435,69 @@ def test_every_flag_of_every_command_has_help():
     ]
     assert missing == []  # bench's --calls, --warmup, --threads and --seconds had none
     assert "list" in commands.choices and "--name" not in commands.choices["list"].format_usage()
+
+
+def test_version_and_help_import_neither_ray_nor_torch():
+    for argv in (["--version"], ["--help"], ["serve", "--help"]):
+        probe = "\n".join(
+            [
+                "import sys",
+                "from vitpool import cli",
+                "try:",
+                f"    cli.main({argv!r})",
+                "except SystemExit:",
+                "    pass",
+                "print(sorted({'ray', 'torch'} & set(sys.modules)), file=sys.stderr)",
+            ]
+        )
+        result = subprocess.run(
+            [sys.executable, "-c", probe], check=False, capture_output=True, text=True, timeout=60
+        )
+        assert result.stderr.strip().splitlines()[-1] == "[]", (argv, result.stderr)
+        assert result.stdout.strip(), argv  # it printed the version or the help
+
+
+def test_a_bad_command_is_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["sevre"])
+    assert exit_info.value.code == 2
+    [error] = capsys.readouterr().err.strip().splitlines()
+    assert error.startswith("vitpool: error: argument command: invalid choice: 'sevre'"), error
+
+
+def test_ray_logs_are_quiet_unless_verbose(monkeypatch, ray_logs_left_alone):
+    def refuse(name, address):
+        raise ConfigError("no such pool")
+
+    monkeypatch.setattr(EncoderPool, "connect", refuse)
+    assert cli.main(["status", "--quiet"]) == 1
+    assert ray_logs_left_alone == [True]
+    assert cli.main(["status", "--quiet", "--verbose"]) == 1
+    assert ray_logs_left_alone == [True]  # --verbose: Ray's lines as Ray prints them
+
+
+def test_stop_of_a_pool_that_does_not_run_has_nothing_to_do(monkeypatch, capsys):
+    def missing(name, address):
+        raise PoolNotFoundError(
+            f"no pool named {name!r} in the Ray cluster at 127.0.0.1:6379 (from RAY_ADDRESS); look in "
+            "another with --address, or start one with EncoderPool.launch or `vitpool serve`"
+        )
+
+    monkeypatch.setattr(EncoderPool, "connect", missing)
+    assert cli.main(["stop", "--name", "svc", "--quiet"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip() == (
+        "nothing to stop: no pool named 'svc' in the Ray cluster at 127.0.0.1:6379 (from RAY_ADDRESS)"
+    )
+    assert "start one" not in captured.out + captured.err
+
+
+def test_list_names_the_clusters_that_run_when_none_is_joined_by_default(monkeypatch, capsys):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(cluster, "running_local_cluster", lambda: None)  # a stale address file
+    monkeypatch.setattr(cluster, "join_ray", lambda address: pytest.fail("list joined (or started) Ray"))
+    monkeypatch.setattr(cluster, "clusters_on_this_machine", lambda: ["10.0.0.5:6379"])
+    assert cli.main(["list", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("no pools found: 1 Ray cluster runs on this machine (10.0.0.5:6379)"), out
+    assert "--address names the one to look in" in out

@@ -376,9 +376,27 @@ def test_the_probe_tells_an_open_cluster_from_one_that_wants_a_token(fake_gcs):
     assert ray_auth._gcs_accepts(token_cluster, TOKEN_HEADER) is True
 
 
-def test_the_probe_leaves_a_cluster_it_cannot_reach_to_ray():
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    server.stop(grace=None).wait()  # nothing answers at its port now
-    assert ray_auth._gcs_accepts(f"127.0.0.1:{port}", {}) is None
+def test_the_probe_leaves_a_cluster_it_cannot_ask_to_ray(monkeypatch):
+    """Something listens but gives no gRPC answer in time (TLS, a proxy, a slow head): Ray decides."""
+    import socket
+
+    monkeypatch.setattr(ray_auth, "AUTH_PROBE_TIMEOUT_S", 0.5)
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        assert ray_auth._gcs_accepts(f"127.0.0.1:{listener.getsockname()[1]}", {}) is None
+
+
+def test_an_address_where_nothing_listens_is_one_error_at_once():
+    """Ray's own connect would retry there for minutes; the check says so in one line."""
+    import socket
+    import time
+
+    with socket.socket() as probe:  # a port that was free a moment ago, closed again
+        probe.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{probe.getsockname()[1]}"
+    start = time.monotonic()
+    with pytest.raises(ConnectionError, match=f"nothing answers at {address}") as error:
+        ray_auth.match_authentication(address)
+    assert time.monotonic() - start < ray_auth.AUTH_PROBE_TIMEOUT_S + 1
+    assert "\n" not in str(error.value) and "ray start --head" in str(error.value)

@@ -46,6 +46,17 @@ FROM_RAY_ADDRESS = "from RAY_ADDRESS"
 # What this process joined last: the CLI prints it, and an error that no pool was found names it.
 # Ray's connection is one per process, so this record is too.
 _last_joined: JoinedCluster | None = None
+_ray_init_options: dict[str, Any] = {}  # the command line's quiet Ray (`quiet_ray_logs`)
+_warned_stale: set[str] = set()  # stale address files already reported by this process
+
+
+def quiet_ray_logs() -> None:
+    """Ray's own INFO and WARNING lines off for this process (a command line's terminal): its
+    Python logger from `ray.init` on, its C++ core's below ERROR. vitpool's messages and every
+    error still show."""
+    _ray_init_options["logging_level"] = logging.ERROR
+    os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "error")
+    logging.getLogger("ray").setLevel(logging.ERROR)
 
 
 def last_joined() -> JoinedCluster | None:
@@ -99,7 +110,7 @@ def join_ray(address: str | None) -> JoinedCluster:
         else:
             reason = "a new local cluster for this process: none runs here (`ray start --head` starts one)"
         logger.info("starting %s", reason)  # a few seconds
-        ray.init(address="local")
+        ray.init(address="local", **_ray_init_options)
     _last_joined = JoinedCluster(ray.get_runtime_context().gcs_address, reason, connected_here=True)
     logger.info("%s", _last_joined)
     return _last_joined
@@ -122,7 +133,7 @@ def _init_or_explain(init_address: str | None, cluster_address: str, reason: str
     """`ray.init(address=init_address)`, whose failure to connect names the cluster and why it
     was the one chosen."""
     try:
-        ray.init(address=init_address)
+        ray.init(address=init_address, **_ray_init_options)
     except ConnectionError as error:
         lines = str(error).strip().splitlines()
         raise ConnectionError(
@@ -176,8 +187,22 @@ def running_local_cluster() -> str | None:
             )
             return None
         return address
-    logger.warning("Ray's address file names %s, but no Ray cluster runs there: it is ignored", address)
+    if address not in _warned_stale:  # a launch looks twice (whether to join, then joining)
+        _warned_stale.add(address)
+        logger.warning("Ray's address file names %s, but no Ray cluster runs there: it is ignored", address)
     return None
+
+
+def clusters_on_this_machine() -> list[str]:
+    """The GCS addresses of the Ray clusters running on this machine (any user's), sorted; empty
+    where Ray's helper cannot tell."""
+    try:
+        from ray._private import services
+
+        return sorted(str(address) for address in services.find_gcs_addresses())
+    except Exception as error:  # noqa: BLE001 - Ray's private helper moved: none known
+        logger.debug("could not list the Ray clusters on this machine: %s", error)
+        return []
 
 
 # Ray's resource of the head node: a tiny share of it places an actor there. The pool's controller

@@ -431,7 +431,13 @@ class EncoderPool:
     def _membership_changed(self, membership: Membership) -> None:
         self._membership = membership
         self._dispatcher.set_actors(membership.actors, common_budgets(membership.infos.values()))
-        logger.info("pool %r: %s take work", self.name, counted(len(membership.actors), "encoder actor"))
+        actors = len(membership.actors)
+        logger.info(
+            "pool %r: %s %s work",
+            self.name,
+            counted(actors, "encoder actor"),
+            "takes" if actors == 1 else "take",
+        )
 
     def _controller_lost(self, error: BaseException) -> None:
         """The pool's controller is gone (its actors went with it), or this process left Ray: what

@@ -18,7 +18,7 @@ import ray
 
 from vitpool.actors.reports import ActorInfo
 from vitpool.encoder_spec import check_int
-from vitpool.errors import ConfigError, PoolUnavailableError, VitpoolError, counted
+from vitpool.errors import ConfigError, PoolNotFoundError, PoolUnavailableError, VitpoolError, counted
 from vitpool.pool.cluster import (
     ON_HEAD_NODE,
     JoinedCluster,
@@ -178,7 +178,7 @@ def find_pool(name: str, address: str | None, timeout_s: float) -> tuple[Any, bo
     no cluster to look in (a private one started here could hold no pool); each message names
     the cluster looked in and why that one."""
     if not ray.is_initialized() and not joins_a_cluster(address):
-        raise PoolUnavailableError(
+        raise PoolNotFoundError(
             f"no pool named {name!r}: no Ray cluster runs on this machine to look in (no RAY_ADDRESS, and "
             "`ray start` left no running cluster's address); pass address= (--address) or set RAY_ADDRESS "
             "for a cluster elsewhere"
@@ -189,7 +189,7 @@ def find_pool(name: str, address: str | None, timeout_s: float) -> tuple[Any, bo
         try:
             controller = ray.get_actor(name, namespace=NAMESPACE)
         except ValueError:
-            raise PoolUnavailableError(
+            raise PoolNotFoundError(
                 f"no pool named {name!r} in the {joined}; {_elsewhere(joined, 'look in')}, or start "
                 "one with EncoderPool.launch or `vitpool serve`"
             ) from None

@@ -38,7 +38,8 @@ def match_authentication(address: str) -> str:
       authentication here: Ray's own connect decides.
 
     Raises:
-        ConnectionError: this process cannot be put in the cluster's mode (one line saying what to set).
+        ConnectionError: nothing listens at `address`, or this process cannot be put in the
+            cluster's mode (one line saying what to set).
     """
     mode = (os.environ.get("RAY_AUTH_MODE") or "").lower() or None
     kubernetes_tokens = os.environ.get("RAY_ENABLE_K8S_TOKEN_AUTH", "").lower() in ("1", "true")
@@ -87,6 +88,22 @@ def match_authentication(address: str) -> str:
     )
 
 
+def _check_something_listens(address: str) -> None:
+    """ConnectionError at once where no process accepts a connection at `address` (host:port):
+    Ray's own connect would retry for minutes. Addresses of another form are left to Ray."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=AUTH_PROBE_TIMEOUT_S).close()
+    except OSError as error:
+        reason = "no answer" if isinstance(error, TimeoutError) else (error.strerror or type(error).__name__)
+        raise ConnectionError(
+            f"nothing answers at {address} ({reason}): no Ray cluster listens there; check the address "
+            "(a head node's GCS port, 6379 by default) or start one with `ray start --head`"
+        ) from None
+
+
 def _local_token_header() -> dict[str, str]:
     """The token Ray would send (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token) as a
     gRPC header, whatever RAY_AUTH_MODE says; empty where there is none."""
@@ -108,12 +125,18 @@ def _local_token_header() -> dict[str, str]:
 def _gcs_accepts(address: str, header: dict[str, str]) -> bool | None:
     """Whether the GCS at `address` answers a call that carries `header`: True; False where it
     refuses it as unauthenticated; None where it could not be asked (no answer in time, TLS,
-    Ray's generated stubs moved)."""
+    Ray's generated stubs moved); ConnectionError where nothing listens there."""
+    _check_something_listens(address)
     try:
         import grpc
         from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
-    except ImportError as error:
-        logger.debug("cannot ask the Ray cluster at %s about authentication: %s", address, error)
+    except ImportError as error:  # grpcio is a dependency; an install without it loses only this check
+        logger.warning(
+            "cannot ask the Ray cluster at %s whether it wants a token (%s; `pip install grpcio`): "
+            "Ray's own connect decides, and a refusal takes it about 20 s",
+            address,
+            error,
+        )
         return None
     with grpc.insecure_channel(address) as channel:
         try:
