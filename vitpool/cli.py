@@ -66,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("vitpool: interrupted", file=sys.stderr)
         return 130
     except (VitpoolError, ValueError, ConnectionError, TimeoutError, ray.exceptions.RayError) as error:
-        message = _one_line(error)
+        message = in_command_line_terms(_one_line(error))
         if args.command_name == "serve":
             message = with_serve_flags(message)
         print(f"vitpool {args.command_name}: error: {message}", file=sys.stderr)
@@ -113,6 +113,22 @@ def actor_options(args: argparse.Namespace) -> dict[str, float] | None:
     if args.cpus_per_actor is not None:
         options["num_cpus"] = args.cpus_per_actor
     return options or None
+
+
+# The library's words for what a Python caller passes, and what a command-line user types instead
+# (the same message serves both: the library cannot know who called it).
+PYTHON_TO_COMMAND_LINE = {
+    "pass address= (--address) or set RAY_ADDRESS": "pass --address or set RAY_ADDRESS",
+    "EncoderPool.launch or `vitpool serve`": "`vitpool serve`",
+    "call ray.shutdown() first to": "run the command in a fresh process to",
+}
+
+
+def in_command_line_terms(message: str) -> str:
+    """`message` with the Python arguments it names put as the command line's flags."""
+    for python, command_line in PYTHON_TO_COMMAND_LINE.items():
+        message = message.replace(python, command_line)
+    return message
 
 
 def with_serve_flags(message: str) -> str:
@@ -220,7 +236,10 @@ def stop(args: argparse.Namespace) -> int:
     try:
         pool = EncoderPool.connect(args.name, args.address)
     except PoolNotFoundError as error:  # stopped already (or never started): nothing left to do
-        print(f"nothing to stop: {_one_line(error).removeprefix('PoolNotFoundError: ').split('; ')[0]}")
+        where = (
+            f" in the {error.where}" if error.where else ": no Ray cluster runs on this machine to look in"
+        )
+        print(f"nothing to stop: no pool named {args.name!r}{where}")
         return 0
     if not pool.settings.detached:
         pool.close()

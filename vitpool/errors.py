@@ -33,7 +33,12 @@ class PoolUnavailableError(VitpoolError):
 
 class PoolNotFoundError(PoolUnavailableError):
     """No pool of that name runs in the cluster looked in (or no cluster runs to look in); the
-    message names the cluster and why it was the one looked in."""
+    message names the cluster and why it was the one looked in. `where`: that cluster, as the
+    message names it ("" where there was none to look in)."""
+
+    def __init__(self, message: str, where: str = "") -> None:
+        super().__init__(message)
+        self.where = where
 
 
 class EncodeError(VitpoolError):

@@ -477,19 +477,24 @@ def test_ray_logs_are_quiet_unless_verbose(monkeypatch, ray_logs_left_alone):
 
 
 def test_stop_of_a_pool_that_does_not_run_has_nothing_to_do(monkeypatch, capsys):
+    where = "Ray cluster at 127.0.0.1:6379 (from the address argument; with this machine's token: ...)"
+
     def missing(name, address):
         raise PoolNotFoundError(
-            f"no pool named {name!r} in the Ray cluster at 127.0.0.1:6379 (from RAY_ADDRESS); look in "
-            "another with --address, or start one with EncoderPool.launch or `vitpool serve`"
+            f"no pool named {name!r} in the {where}; pass address= (--address) or set RAY_ADDRESS to look "
+            "in another, or start one with EncoderPool.launch or `vitpool serve`",
+            where=where,
         )
 
     monkeypatch.setattr(EncoderPool, "connect", missing)
     assert cli.main(["stop", "--name", "svc", "--quiet"]) == 0
     captured = capsys.readouterr()
-    assert captured.out.strip() == (
-        "nothing to stop: no pool named 'svc' in the Ray cluster at 127.0.0.1:6379 (from RAY_ADDRESS)"
-    )
+    assert captured.out.strip() == f"nothing to stop: no pool named 'svc' in the {where}"
     assert "start one" not in captured.out + captured.err
+    assert cli.main(["status", "--name", "svc", "--quiet"]) == 1  # the other commands: an error
+    error = capsys.readouterr().err
+    assert "pass --address or set RAY_ADDRESS to look in another, or start one with `vitpool serve`" in error
+    assert "address=" not in error and "EncoderPool" not in error  # Python's words, not the command line's
 
 
 def test_list_names_the_clusters_that_run_when_none_is_joined_by_default(monkeypatch, capsys):

@@ -52,10 +52,9 @@ _warned_stale: set[str] = set()  # stale address files already reported by this 
 
 def quiet_ray_logs() -> None:
     """Ray's own INFO and WARNING lines off for this process (a command line's terminal): its
-    Python logger from `ray.init` on, its C++ core's below ERROR. vitpool's messages and every
-    error still show."""
+    Python logger, from `ray.init` on. vitpool's messages and every error still show. (Its C++
+    core's level is left alone: RAY_BACKEND_LOG_LEVEL set prints a line of its own saying so.)"""
     _ray_init_options["logging_level"] = logging.ERROR
-    os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "error")
     logging.getLogger("ray").setLevel(logging.ERROR)
 
 

@@ -191,7 +191,8 @@ def find_pool(name: str, address: str | None, timeout_s: float) -> tuple[Any, bo
         except ValueError:
             raise PoolNotFoundError(
                 f"no pool named {name!r} in the {joined}; {_elsewhere(joined, 'look in')}, or start "
-                "one with EncoderPool.launch or `vitpool serve`"
+                "one with EncoderPool.launch or `vitpool serve`",
+                where=str(joined),
             ) from None
         deadline = time.monotonic() + timeout_s
         membership = ray.get(controller.membership.remote(), timeout=timeout_s)
