@@ -106,13 +106,54 @@ def _found(batch: Mapping[str, Any]) -> FamilyRecord:
             f"the batch's keys ({_listed(batch)}) fit the processors of {', '.join(names)}, which cut it "
             "differently; pass family= (one of those) or model= (the checkpoint's directory)"
         )
-    nearest = min(keyed, key=lambda r: len(r.processor_output.missing(batch.keys())))  # type: ignore[union-attr]
     raise ValueError(
-        f"the batch's keys ({_listed(batch)}) are no family's processor output; the nearest, "
-        f"{nearest.name}'s, also holds {', '.join(nearest.processor_output.missing(batch.keys()))}. Pass "
-        "what the processor "  # type: ignore[union-attr]
-        "returned as it is (a BatchFeature or its dict), or name the family with family="
+        f"the batch's keys ({_listed(batch)}) are no family's processor output; {_nearest(keyed, batch)}. "
+        "Pass what the processor returned as it is (a BatchFeature or its dict), or name the family "
+        "with family="
     )
+
+
+MAX_NEAREST = 4  # processors named where a batch fits none
+
+
+def _nearest(keyed: list[FamilyRecord], batch: Mapping[str, Any]) -> str:
+    """The processors nearest a batch that fits none: those using the most of its keys, the ones
+    lacking the fewest first, each with what it lacks; where one or two are that near, in their
+    cutters' words (which call of the processor keeps what is missing)."""
+    used = {record.name: _used_keys(record) & set(batch.keys()) for record in keyed}
+    most = max(len(keys) for keys in used.values())
+    if most == 0:
+        pixels = sorted({record.processor_output.image_keys[0] for record in keyed})  # type: ignore[union-attr]
+        return f"it holds no pixels under any family's key ({', '.join(pixels)})"
+    near = sorted(
+        (record for record in keyed if len(used[record.name]) == most),
+        key=lambda record: (len(record.processor_output.missing(batch.keys())), record.name),  # type: ignore[union-attr]
+    )
+    accounts = [_lacks(record, batch, in_its_words=len(near) <= 2) for record in near[:MAX_NEAREST]]
+    more = f", or {len(near) - MAX_NEAREST} more" if len(near) > MAX_NEAREST else ""
+    return f"the nearest: {'; or '.join(accounts)}{more}"
+
+
+def _used_keys(record: FamilyRecord) -> set[str]:
+    output = record.processor_output
+    assert output is not None  # keyed records have one
+    return set(output.image_keys) | set(output.video_keys) | set(output.other_keys)
+
+
+def _lacks(record: FamilyRecord, batch: Mapping[str, Any], in_its_words: bool) -> str:
+    """What `record`'s processor output holds that the batch lacks, in its cutter's words where
+    asked and it gives a reason."""
+    output = record.processor_output
+    assert output is not None
+    account = f"{record.name}'s, which also holds {', '.join(output.missing(batch.keys()))}"
+    if in_its_words:
+        try:
+            named_object(output.split)(batch)
+        except ValueError as error:
+            return f"{account} ({error})"
+        except Exception:  # noqa: BLE001, S110 - a cutter given a batch not its own may fail any way
+            pass
+    return account
 
 
 def _matched(output: ProcessorOutput, keys: Any) -> frozenset[str]:

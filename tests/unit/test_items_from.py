@@ -167,7 +167,7 @@ def test_what_does_not_add_up_is_named():
             },
             family="paddleocr_vl",
         )
-    with pytest.raises(ValueError, match="are no family's processor output"):
+    with pytest.raises(ValueError, match="are no family's processor output; it holds no pixels under any"):
         vitpool.items_from({"input_ids": torch.zeros(1, 3)})
     with pytest.raises(ValueError, match="no family 'qwen9'"):
         vitpool.items_from({"pixel_values": rows}, family="qwen9")
@@ -200,3 +200,20 @@ def test_every_family_says_what_its_processor_returns():
             continue
         assert output.image_keys and "pixel_values" in output.image_keys[0], record.name
         assert callable(named_object(output.split)), record.name
+
+
+def test_a_batch_that_fits_no_family_names_the_nearest_processors_and_what_they_dropped():
+    """Idefics3Processor's output as a user has it (its processor drops rows and cols): the guess
+    names Idefics3 with its cutter's own account, not a family that shares one key."""
+    batch = {
+        "input_ids": torch.zeros(1, 5, dtype=torch.long),
+        "attention_mask": torch.ones(1, 5, dtype=torch.long),
+        "pixel_values": torch.zeros(1, 2, 3, 32, 32),
+        "pixel_attention_mask": torch.ones(1, 2, 32, 32, dtype=torch.bool),
+    }
+    with pytest.raises(ValueError, match="are no family's processor output; the nearest: ") as error:
+        vitpool.items_from(batch)
+    message = str(error.value)
+    assert "idefics3's, which also holds rows, cols" in message, message
+    assert "return_row_col_info=True" in message
+    assert "deepseek_ocr2" not in message  # it shares pixel_values alone

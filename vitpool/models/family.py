@@ -171,11 +171,14 @@ class ProcessorOutput:
         split: "module:function" of the cutter: (the batch, a mapping) -> one
             `vitpool.models.processor_items.ProcessorItem` per image in the processor's order,
             then one per video. It raises ValueError naming what does not add up.
+        other_keys: keys the processor's output also holds that the cutter does not need (they
+            tell this family's output from others' where a batch fits none).
     """
 
     image_keys: tuple[str, ...]
     video_keys: tuple[str, ...] = ()
     split: str = "vitpool.models.processor_items:grid_items"
+    other_keys: tuple[str, ...] = ()
 
     def held_groups(self, keys: Collection[str]) -> list[tuple[str, ...]]:
         """Its images' keys and its videos' keys, each where a batch with `keys` holds its first."""

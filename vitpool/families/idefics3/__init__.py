@@ -27,6 +27,8 @@ RECORD = FamilyRecord(
     transformers_parts=None,
     image_features="vitpool.families.idefics3.features:Idefics3Features",
     processor_output=ProcessorOutput(
-        image_keys=("pixel_values", "rows", "cols"), split="vitpool.families.idefics3.processor:items"
+        image_keys=("pixel_values", "rows", "cols"),
+        split="vitpool.families.idefics3.processor:items",
+        other_keys=("pixel_attention_mask",),
     ),
 )
