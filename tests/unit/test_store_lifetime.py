@@ -49,6 +49,29 @@ def test_the_store_holds_its_own_copy_and_refuses_what_it_cannot_read(fake_ray_o
     assert store.stats().entries == 2
 
 
+def test_the_store_keeps_the_dtype_vllms_workers_read_in(fake_ray_objects):
+    """The gateway's stats show it beside the dtype the gateway was given (`vllm_dtype`)."""
+    from vitpool.integrations.vllm.gateway import Gateway
+
+    store = EmbeddingStore(max_bytes=1 << 20, min_age_s=0.0)
+    store.put_many([entry("a", "x")])
+    store.get_many(["a"])  # a reader that does not say
+    assert store.stats().consumer_dtype is None
+    store.get_many(["a"], consumer_dtype="float16")
+    stats = store.stats()
+    assert stats.consumer_dtype == "float16"
+
+    class Viewing:  # the one attribute of a gateway that vllm_view reads besides the publisher's
+        dtype, processor, publisher = "torch.bfloat16", None, store
+
+        def _sees_reads(self) -> bool:
+            return True
+
+    view = Gateway.vllm_view(Viewing(), stats)
+    assert (view["dtype"], view["vllm_dtype"], view["loaded"]) == ("bfloat16", "float16", 2)
+    assert "restart it with --dtype float16" in view["warning"]
+
+
 def test_loads_are_counted_and_a_lost_one_is_dropped_not_counted(fake_ray_objects):
     store = EmbeddingStore(max_bytes=1 << 20, min_age_s=0.0)
     store.put_many([entry("a", "x"), entry("b", "y")])

@@ -23,6 +23,7 @@ class PublisherStats:
     refused: int = 0  # no room: every entry younger than min_age_s, or the item alone over the bound
     loaded: int = 0  # entries handed to vLLM's workers (the store only: files are read unseen)
     dropped: int = 0  # entries a reader could not load (the store only)
+    consumer_dtype: str | None = None  # the dtype vLLM's workers run, as their reads say (the store only)
 
 
 class BoundedEntries(ByteBoundedLRU[str, Value]):

@@ -120,6 +120,7 @@ class VitpoolECConnector(ECConnectorBase):
             address=extra.get("ray_address") or os.environ.get("RAY_ADDRESS"),
             timeout_s=float(extra.get("timeout_s", 10.0)),
             ask_timeout_s=float(extra.get("ask_timeout_s", 1.0)),
+            consumer_dtype=str(vllm_config.model_config.dtype).removeprefix("torch."),
         )
         self._to_load: list[str] = []
         self._rows: dict[str, int] = {}

@@ -105,11 +105,14 @@ class EmbeddingStore:
         with self._lock:
             return self._entries.touch_many(keys)
 
-    def get_many(self, keys: list[str]) -> list[StoredRef | None]:
-        """The entries of `keys` (None where absent), each counted as loaded by vLLM."""
+    def get_many(self, keys: list[str], consumer_dtype: str | None = None) -> list[StoredRef | None]:
+        """The entries of `keys` (None where absent), each counted as loaded by vLLM, whose
+        workers run `consumer_dtype` (kept for the gateway's stats)."""
         with self._lock:
             entries = [self._entries.peek(key) for key in keys]
             self._entries.stats.loaded += sum(entry is not None for entry in entries)
+            if consumer_dtype is not None:
+                self._entries.stats.consumer_dtype = consumer_dtype
             return entries
 
     def remove(self, key: str) -> None:
@@ -282,8 +285,10 @@ class StoreReader:
         address: str | None = None,
         timeout_s: float = 10.0,
         ask_timeout_s: float = 1.0,
+        consumer_dtype: str | None = None,
     ) -> None:
         self.pool_name = pool_name
+        self.consumer_dtype = consumer_dtype  # what vLLM's workers run, told to the store as they read
         self.address = address
         self.timeout_s = timeout_s
         self.ask_timeout_s = ask_timeout_s
@@ -380,13 +385,13 @@ class StoreReader:
         if store is None:
             raise ConnectionError(f"pool {self.pool_name!r}'s embedding store cannot be reached")
         try:
-            return ray.get(store.get_many.remote(keys), timeout=self.timeout_s)
+            return ray.get(store.get_many.remote(keys, self.consumer_dtype), timeout=self.timeout_s)
         except STORE_GONE_ERRORS as error:
             self._lost(error)
             store = self._connected(self.timeout_s)
             if store is None:
                 raise
-            return ray.get(store.get_many.remote(keys), timeout=self.timeout_s)
+            return ray.get(store.get_many.remote(keys, self.consumer_dtype), timeout=self.timeout_s)
 
     def get_many(self, keys: list[str]) -> list[torch.Tensor | Embedding | None]:
         """What was published under `keys`: a tensor in vLLM's layout or a pool result to lay out,
