@@ -488,3 +488,53 @@ def test_the_store_takes_pool_results_as_they_are_and_readers_lay_them_out(pool,
         and gateway.stats.encoded == 2
     )
     ray.kill(find_store("by-reference"))
+
+
+def test_two_gateways_serve_one_vllm_and_either_answers_the_others_requests(pool, shipped, reference_encoder):
+    """Gateways side by side, one pool, one store: the keys are the images' (the model's prefix
+    and the bytes), so a request that one gateway took before it went down, sent again to the
+    other, reaches vLLM under the same keys, and the store holds each entry once."""
+    from PIL import Image as PILImage
+
+    gateways = [
+        Gateway(
+            pool,
+            StorePublisher("side-by-side"),
+            shipped,
+            "http://unused",
+            dtype=torch.float32,
+            make_item=make_item,
+        )
+        for _ in range(2)
+    ]
+    assert gateways[0].prefix == gateways[1].prefix
+    pictures = [png(40), png(41, 32, 64)]
+    received: list[list[dict]] = [[], []]
+
+    async def scenario():
+        first_upstream, first = await serve(gateways[0], received[0])
+        second_upstream, second = await serve(gateways[1], received[1])
+        assert (await first.post("/v1/chat/completions", json=chat(*pictures))).status == 200
+        await first.close()  # the first gateway goes down; its client retries at the other
+        await first_upstream.close()
+        assert (await second.post("/v1/chat/completions", json=chat(*pictures))).status == 200
+        assert (await second.post("/v1/chat/completions", json=chat(pictures[1]))).status == 200
+        await second.close()
+        await second_upstream.close()
+
+    run(scenario())
+    keys = [
+        [part["uuid"] for part in body["messages"][0]["content"][:-1]] for body in received[0] + received[1]
+    ]
+    assert keys[0] == keys[1] and keys[2] == keys[0][1:]  # the same keys from either gateway
+    values = StoreReader("side-by-side").get_many(keys[0])
+    for value, picture in zip(values, pictures):
+        [expected] = reference_encoder.encode([make_item(PILImage.open(io.BytesIO(picture)).convert("RGB"))])
+        torch.testing.assert_close(
+            vllm_embedding(value, "qwen3_vl", torch.float32),
+            vllm_embedding(expected, "qwen3_vl", torch.float32),
+            rtol=1e-5,
+            atol=1e-5,
+        )
+    assert gateways[1].publisher.stats().entries == 2  # each image held once, whoever published it
+    ray.kill(find_store("side-by-side"))
