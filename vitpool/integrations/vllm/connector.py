@@ -41,6 +41,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 )
 from vllm.distributed.ec_transfer.ec_connector.example_connector import ECExampleConnector
 
+from vitpool.integrations.vllm.images import KEY_MARK
 from vitpool.integrations.vllm.layouts import vllm_embedding, vllm_layout
 from vitpool.integrations.vllm.publisher import read_entry
 from vitpool.integrations.vllm.store import StoreReader
@@ -88,12 +89,14 @@ class VitpoolECWorkerMetadata(ECConnectorWorkerMetadata):
 @dataclass
 class ConnectorCounters:
     """Scheduler: `hits` (told "here"), `misses` (not published: vLLM encodes), `fallbacks` (the
-    store unreachable or not yet found: vLLM encodes). Worker: `loaded`, `lost` (promised but not
-    loadable: its request failed, vLLM kept serving)."""
+    store unreachable or not yet found: vLLM encodes), `foreign` (not a gateway's key, a request
+    sent to vLLM directly: vLLM encodes, the store not asked). Worker: `loaded`, `lost` (promised
+    but not loadable: its request failed, vLLM kept serving)."""
 
     hits: int = 0
     misses: int = 0
     fallbacks: int = 0
+    foreign: int = 0
     loaded: int = 0
     lost: int = 0
 
@@ -142,6 +145,9 @@ class VitpoolECConnector(ECConnectorBase):
     # scheduler side
 
     def has_cache_item(self, identifier: str) -> bool:
+        if not identifier.startswith(KEY_MARK):  # no gateway published it: no store to wait for
+            self.counters.foreign += 1
+            return False
         present = self._reader.contains(identifier)
         if present is None:
             self.counters.fallbacks += 1

@@ -111,9 +111,12 @@ def model_prefix(checkpoint: str | Path, dtype: torch.dtype, processor_name: str
 PROCESSOR_CONFIG, IMAGE_PROCESSOR_CONFIG = "processor_config.json", "preprocessor_config.json"
 
 
+KEY_MARK = "vp-"  # how every gateway key begins; vLLM's own identifiers (its hashes, a uuid) do not
+
+
 def image_key(prefix: str, data: bytes) -> str:
     """`vp-<model>-<128-bit XXH3 of the image's bytes>`."""
-    return f"vp-{prefix}-{xxhash.xxh3_128_hexdigest(data)}"
+    return f"{KEY_MARK}{prefix}-{xxhash.xxh3_128_hexdigest(data)}"
 
 
 def decode_image(data: bytes) -> Any:
