@@ -171,9 +171,12 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def ray_head(ray_temp_root: Path, *options: str, timeout_s: float = 180) -> Iterator[int]:
+def ray_head(
+    ray_temp_root: Path, *options: str, timeout_s: float = 180, environment: dict[str, str] | None = None
+) -> Iterator[int]:
     """A one-node cluster started by `ray start --head --block` (as a user would) on a free port,
     with Ray's temp directory `ray_temp_root`: yields the port once the head's address file names it.
+    `environment`: variables set for the head beside `ray_env`'s (RAY_AUTH_MODE=token, say).
 
     The head runs in a process group of its own. On exit, also when it did not come up or a test
     failed, its process group and every process whose command line names its temp directory are
@@ -196,7 +199,7 @@ def ray_head(ray_temp_root: Path, *options: str, timeout_s: float = 180) -> Iter
                 "--include-dashboard=false",
                 "--block",
             ],
-            env=ray_env(ray_temp_root),
+            env={**ray_env(ray_temp_root), **(environment or {})},
             stdout=output,
             stderr=subprocess.STDOUT,
             start_new_session=True,
