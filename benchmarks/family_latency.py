@@ -43,6 +43,7 @@ FAMILY_PATHS = sorted(path.stem for path in Path(__file__).with_name("family_pat
 VISION_MODEL_TYPES = {
     "qwen2_vl": "qwen2_vl_vision",
     "qwen2_5_vl": "qwen2_5_vl_vision",
+    "qwen2_5_omni": "qwen2_5_omni_vision_encoder",
     "qwen3_5": "qwen3_5_vision",
     "qwen3_omni_moe": "qwen3_omni_moe_vision_encoder",
     "glm4v": "glm4v_vision",
