@@ -431,13 +431,7 @@ class EncoderPool:
     def _membership_changed(self, membership: Membership) -> None:
         self._membership = membership
         self._dispatcher.set_actors(membership.actors, common_budgets(membership.infos.values()))
-        actors = len(membership.actors)
-        logger.info(
-            "pool %r: %s %s work",
-            self.name,
-            counted(actors, "encoder actor"),
-            "takes" if actors == 1 else "take",
-        )
+        logger.info("pool %r: %s taking work", self.name, counted(len(membership.actors), "encoder actor"))
 
     def _controller_lost(self, error: BaseException) -> None:
         """The pool's controller is gone (its actors went with it), or this process left Ray: what
