@@ -220,6 +220,9 @@ class FamilyRecord:
         dynamo: NVIDIA Dynamo's encoder backend serves it.
         processor_output: what its processor returns and how `vitpool.items_from` cuts it into
             items (None: items are built by hand).
+        full_checkpoint_towers: tower types of `towers` this family reads only inside its own full
+            checkpoints: a tower-only save of such a type (a bare SigLIP) stays the family's that
+            claims it first, whatever the names' order.
     """
 
     name: str
@@ -232,11 +235,14 @@ class FamilyRecord:
     grid_processor: bool = False
     dynamo: bool = False
     processor_output: ProcessorOutput | None = None
+    full_checkpoint_towers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.vllm_layout is not None and self.vllm_layout not in VLLM_LAYOUTS:
             raise ValueError(
                 f"family {self.name}: vllm_layout {self.vllm_layout!r} is not one of {VLLM_LAYOUTS}"
             )
+        if not set(self.full_checkpoint_towers) <= set(self.towers):
+            raise ValueError(f"family {self.name}: full_checkpoint_towers must be among its towers")
         if (self.transformers_parts is None) == (self.image_features is None):
             raise ValueError(f"family {self.name}: give transformers_parts or image_features, one of them")

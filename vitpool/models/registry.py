@@ -46,13 +46,16 @@ RECORDS: tuple[FamilyRecord, ...] = _shipped_records()
 # LLaVA-OneVision) is the first family's here, by name; a full checkpoint finds its own family's
 # through its own model_type first (`tower_family`).
 def _first_claims(records: tuple[FamilyRecord, ...]) -> tuple[dict[str, Family], dict[str, FamilyRecord]]:
-    """Each tower type's family and each type's record, the first record's where several claim it."""
+    """Each tower type's family and each type's record, the first record's where several claim it
+    (a record's `full_checkpoint_towers` claim nothing: its full checkpoints find it by their type)."""
     families: dict[str, Family] = {}
     by_type: dict[str, FamilyRecord] = {}
     for record in records:
         for tower, family in record.towers.items():
-            families.setdefault(tower, family)
-        for model_type in (*record.towers, *record.model_types):
+            if tower not in record.full_checkpoint_towers:
+                families.setdefault(tower, family)
+        claimed = [tower for tower in record.towers if tower not in record.full_checkpoint_towers]
+        for model_type in (*claimed, *record.model_types):
             by_type.setdefault(model_type, record)
     return families, by_type
 
