@@ -124,13 +124,12 @@ def test_loads_a_tower_only_save_and_refuses_missing_weights(model, encoder, tmp
 
 
 def test_a_siglip_tower_of_another_model_is_refused(tmp_path):
-    """PaliGemma's vision config is SigLIP's too, but its projector is not Gemma 3's."""
-    from transformers import PaliGemmaConfig
+    """CLIP-style SigLIP (a text tower beside the vision one) has SigLIP's vision config too, but no
+    projector of Gemma 3's (PaliGemma's, Aya Vision's: their own families)."""
+    from transformers import SiglipConfig
 
-    PaliGemmaConfig(
-        vision_config=dict(case.TINY_VISION), text_config={"model_type": "gemma", **case.TINY_TEXT}
-    ).save_pretrained(tmp_path)
-    with pytest.raises(CheckpointError, match="'paligemma' checkpoint with a SigLIP vision tower"):
+    SiglipConfig(vision_config=dict(case.TINY_VISION)).save_pretrained(tmp_path)
+    with pytest.raises(CheckpointError, match="'siglip' checkpoint with a SigLIP vision tower"):
         GraphEncoder.from_pretrained(tmp_path, budgets=BUDGETS, device="cpu")
 
 
