@@ -45,6 +45,7 @@ VISION_MODEL_TYPES = {
     "qwen2_5_vl": "qwen2_5_vl_vision",
     "qwen2_5_omni": "qwen2_5_omni_vision_encoder",
     "qwen3_5": "qwen3_5_vision",
+    "qwen4_exp": "qwen4_exp_vision",
     "qwen3_omni_moe": "qwen3_omni_moe_vision_encoder",
     "glm4v": "glm4v_vision",
     "glm_ocr": "glm_ocr_vision",
