@@ -49,6 +49,7 @@ VISION_MODEL_TYPES = {
     "qwen3_omni_moe": "qwen3_omni_moe_vision_encoder",
     "glm4v": "glm4v_vision",
     "glm_ocr": "glm_ocr_vision",
+    "glm5_next": "glm5_next_vision",
     "kimi_k25": "kimi_k25_vision",
     "paddleocr_vl": "paddleocr_vl_vision",
     "internvl": "internvl_vision",
@@ -225,7 +226,7 @@ def hugging_face_eager(family: str, module: torch.nn.Module, items: list) -> tor
     for item in items:
         t, h, w = item.grid_thw
         rows.extend(
-            [[1, h, w]] * t if family in ("glm4v", "glm_ocr") else [[t, h, w]]
+            [[1, h, w]] * t if family in ("glm4v", "glm_ocr", "glm5_next") else [[t, h, w]]
         )  # GLM: one row per frame
     grid = torch.tensor(rows, device="cuda")
     if family == "kimi_k25":
