@@ -94,7 +94,7 @@ def _found(batch: Mapping[str, Any]) -> FamilyRecord:
     cutters: dict[tuple[str, frozenset[str]], list[FamilyRecord]] = {}
     for record in fitting:
         output: ProcessorOutput = record.processor_output  # type: ignore[assignment]
-        cutters.setdefault((output.split, _matched(output, batch.keys())), []).append(record)
+        cutters.setdefault((output.cut_as or output.split, _matched(output, batch.keys())), []).append(record)
     # the most specific: a cutter whose keys the batch holds include every other fitting one's
     # (LLaVA-OneVision's pixel_values, image_sizes and batch_num_images over Mistral 3's first two)
     widest = [key for key in cutters if all(other[1] <= key[1] for other in cutters)]

@@ -225,7 +225,7 @@ def test_a_checkpoint_of_a_family_vitpool_does_not_serve_is_refused(tmp_path):
     check_family(config_of({"model_type": "glm46v", "vision_config": {"model_type": "glm4v_vision"}}), None)
     for config in (
         {"model_type": "llama"},
-        {"model_type": "llava", "vision_config": {"model_type": "clip_vision_model"}},
+        {"model_type": "blip-2", "vision_config": {"model_type": "blip_2_vision_model"}},
     ):
         with pytest.raises(CheckpointError, match="is not one vitpool serves; supported vision model types"):
             check_family(config_of(config), None)

@@ -142,7 +142,7 @@ UNSUPPORTED = {
         {"model_type": "not_a_vision_model"},
         "'not_a_vision_model' is not supported",
     ),
-    "a family vitpool lacks": ("llava", "vision model type 'clip_vision_model' is not supported"),
+    "a family vitpool lacks": ("blip-2", "vision model type 'blip_2_vision_model' is not supported"),
 }
 
 

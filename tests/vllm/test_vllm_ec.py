@@ -117,8 +117,8 @@ def test_a_family_vllm_cannot_take_is_refused(tmp_path, pool):  # noqa: F811 - f
     from vitpool.integrations.vllm.gateway import Gateway
     from vitpool.integrations.vllm.publisher import FilePublisher
 
-    (tmp_path / "config.json").write_text('{"model_type": "llava"}')
-    with pytest.raises(ConfigError, match="'llava'"):
+    (tmp_path / "config.json").write_text('{"model_type": "blip-2"}')
+    with pytest.raises(ConfigError, match="'blip-2'"):
         Gateway(pool, FilePublisher(tmp_path / "ec"), tmp_path, "http://127.0.0.1:1")
 
 

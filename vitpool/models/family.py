@@ -173,12 +173,16 @@ class ProcessorOutput:
             then one per video. It raises ValueError naming what does not add up.
         other_keys: keys the processor's output also holds that the cutter does not need (they
             tell this family's output from others' where a batch fits none).
+        cut_as: the name of the cut where several families' cutters cut a batch they all fit the
+            same way (one view an image: LLaVA's, PaliGemma's), so that such a batch is one answer
+            for `items_from`; None: the cutter's own (`split`).
     """
 
     image_keys: tuple[str, ...]
     video_keys: tuple[str, ...] = ()
     split: str = "vitpool.models.processor_items:grid_items"
     other_keys: tuple[str, ...] = ()
+    cut_as: str | None = None
 
     def held_groups(self, keys: Collection[str]) -> list[tuple[str, ...]]:
         """Its images' keys and its videos' keys, each where a batch with `keys` holds its first."""

@@ -44,6 +44,8 @@ RECORD = FamilyRecord(
     transformers_parts=None,
     image_features="vitpool.families.paligemma.features:PaliGemmaFeatures",
     processor_output=PaliGemmaProcessorOutput(
-        image_keys=("pixel_values",), split="vitpool.families.paligemma.processor:items"
+        image_keys=("pixel_values",),
+        split="vitpool.families.paligemma.processor:items",
+        cut_as="one view an image",  # a batch both fit is cut the same by LLaVA's and PaliGemma's
     ),
 )
