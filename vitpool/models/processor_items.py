@@ -10,7 +10,7 @@ No torch here: a batch's values are torch tensors or NumPy arrays (`return_tenso
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,3 +138,21 @@ def _is_count(number: Any) -> bool:
         return not isinstance(number, bool) and int(number) == number and number >= 0
     except (TypeError, ValueError):
         return False
+
+
+def other_families_keys(keys: Collection[str], family: str, ignored: Collection[str]) -> dict[str, list[str]]:
+    """Each of `keys` that the processor output of a shipped family other than `family` holds
+    (not `ignored`: the pixels and a prompt's keys, which many share), with those families' names:
+    what tells a batch of bare pixels from another family's output."""
+    # the registry reads the families' records, which import this module: read it only when called
+    from vitpool.models.registry import RECORDS
+
+    owners: dict[str, list[str]] = {}
+    for record in RECORDS:
+        output = record.processor_output
+        if record.name == family or output is None:
+            continue
+        for key in (*output.image_keys, *output.video_keys, *output.other_keys):
+            if key in keys and key not in ignored:
+                owners.setdefault(key, []).append(record.name)
+    return owners

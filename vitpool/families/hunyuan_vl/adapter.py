@@ -179,7 +179,9 @@ class HunYuanVLAdapter(AdapterBase):
             row, token = row_end, token_end
         return metadata
 
-    def forward(self, pixels: torch.Tensor, metadata: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    def merged_blocks(self, pixels: torch.Tensor, metadata: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The tower on the buffer's rows, up to the merger's convolutions: one row per block of
+        m x m patches (HunYuan V4 VL's adapter runs the same tower and merger this far)."""
         tower, merger = self.tower, self.tower.patch_merger
         embeddings = tower.embeddings
         num_rows = pixels.shape[0]
@@ -206,7 +208,11 @@ class HunYuanVLAdapter(AdapterBase):
         m = self.merge_size
         # [blocks, m², d] -> [blocks, d, m, m]: each block as the m x m / stride m convolution reads it
         blocks = normed[merge_index].transpose(1, 2).reshape(merge_index.shape[0], -1, m, m)
-        merged = merger.proj_out(merger.proj_act(merger.proj_conv(blocks))).flatten(1)  # [blocks, 4d]
+        return merger.proj_out(merger.proj_act(merger.proj_conv(blocks))).flatten(1)
+
+    def forward(self, pixels: torch.Tensor, metadata: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        merger = self.tower.patch_merger
+        merged = self.merged_blocks(pixels, metadata)  # [blocks, 4d]
         dtype = merged.dtype
         projected = merger.mlp(torch.cat([merged, merger.image_newline.to(dtype)[None]]))
         extra = [merger.image_begin.to(dtype)[None], merger.image_end.to(dtype)[None]]

@@ -165,35 +165,13 @@ class HYV4VLAdapter(SpatialMergeAdapter):
             row, token = row_end, token_end
         return metadata
 
+    # the tower and the merger's convolutions are HunYuan-VL's; its projection of them is not
+    merged_blocks = HunYuanVLAdapter.merged_blocks
+
     def forward(self, pixels: torch.Tensor, metadata: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        tower, merger = self.tower, self.tower.patch_merger
-        embeddings = tower.embeddings
-        num_rows = pixels.shape[0]
-        conv = embeddings.patch_embedding
-        patches = pixels.reshape(num_rows, self.channels, self.patch_size, self.patch_size).to(
-            conv.weight.dtype
-        )
-        hidden = conv(patches).flatten(1)  # [rows, d]
-        # F.interpolate on the table in fp32, as taps: the table's rows past its cls row
-        table = embeddings.position_embedding.weight[1:]
-        indices, weights = metadata["interp_indices"], metadata["interp_weights"]
-        positions = sum(
-            torch.nn.functional.embedding(indices[:, tap], table).float() * weights[:, tap, None]
-            for tap in range(self.taps)
-        )
-        hidden = (hidden + positions.to(hidden.dtype)).unsqueeze(0)  # the blocks take a batch of one
-        cu_seqlens = metadata["cu_seqlens"]
-        for layer in tower.layers:
-            # static: a Python int from the buffer's shape, so the packed attention never reads
-            # cu_seqlens back
-            hidden = layer(hidden, attention_mask=None, cu_seqlens=cu_seqlens, max_seqlen=num_rows)
-        normed = merger.before_rms(hidden[0])
-        merge_index = metadata["merge_index"]
-        m = self.merge_size
-        # [blocks, m², d] -> [blocks, d, m, m]: each block as the m x m / stride m convolution reads it
-        blocks = normed[merge_index].transpose(1, 2).reshape(merge_index.shape[0], -1, m, m)
-        merged = merger.proj_out(merger.proj_act(merger.proj_conv(blocks))).flatten(1)  # [blocks, width]
-        rows = torch.cat([merged, merger.image_newline.to(normed.dtype)[None]])
+        merged = self.merged_blocks(pixels, metadata)  # [blocks, width]
+        newline = self.tower.patch_merger.image_newline.to(merged.dtype)[None]
+        rows = torch.cat([merged, newline])
         return [rows[metadata["token_index"]]]
 
     def sample_specs(self, num_rows: int, budget: Budget, rng: random.Random) -> list[ItemSpec]:

@@ -22,6 +22,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from vitpool.models import processor_items
 from vitpool.models.family import ProcessorOutput
 from vitpool.models.processor_items import IMAGE, ProcessorItem, check_array
 
@@ -58,20 +59,9 @@ class PaliGemmaProcessorOutput(ProcessorOutput):
 
 
 def other_families_keys(keys: Collection[str]) -> dict[str, list[str]]:
-    """Each of `keys` that another shipped family's processor output holds (not the pixels, not
-    PaliGemma's prompt), with those families' names."""
-    # the registry reads this package's record when first imported: read its records only when called
-    from vitpool.models.registry import RECORDS
-
-    owners: dict[str, list[str]] = {}
-    for record in RECORDS:
-        output = record.processor_output
-        if record.name == FAMILY or output is None:
-            continue
-        for key in (*output.image_keys, *output.video_keys, *output.other_keys):
-            if key in keys and key != PIXELS_KEY and key not in PROMPT_KEYS:
-                owners.setdefault(key, []).append(record.name)
-    return owners
+    """Each of `keys` that another shipped family's processor output holds (not the pixels, not a
+    prompt's), with those families' names."""
+    return processor_items.other_families_keys(keys, FAMILY, (PIXELS_KEY, *PROMPT_KEYS))
 
 
 def items(batch: Mapping[str, Any]) -> list[ProcessorItem]:
