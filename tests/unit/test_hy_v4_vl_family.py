@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import relative_error
+from family_cases import hy_v4_vl as hy_v4_vl_case
 from family_cases.hy_v4_vl import (
     BAD_ITEMS,
     EDGE,
@@ -33,6 +34,8 @@ import vitpool
 from vitpool import CheckpointError, ConfigError, GraphEncoder, Image, InvalidItemError, Video
 from vitpool.kernels.attention import ATTENTION_NAME
 from vitpool.specs import BatchPlan
+
+pytestmark = pytest.mark.skipif(bool(hy_v4_vl_case.TOO_OLD), reason=str(hy_v4_vl_case.TOO_OLD))
 
 TOLERANCE = 1e-4
 BUDGETS = [16, 32, 64]
