@@ -340,13 +340,28 @@ def test_videos_are_refused_before_the_cutter():
         vitpool.items_from(_batch(pixel_values_videos=torch.rand(1, 2, 3, 4, 4)), family="idefics3")
 
 
-def test_the_full_processors_output_without_rows_and_cols_is_refused(kind):
-    """Without rows and cols (Idefics3Processor drops them) items_from names what is missing (in its
-    own words, or the cutter's, which says how to get them)."""
+def test_the_full_processors_output_without_rows_and_cols_is_cut_frame_by_frame(kind, model, encoder):
+    """Idefics3Processor and SmolVLMProcessor drop rows and cols, keeping the mask: found without
+    family=, each real frame one item, and their tokens joined are the model's own for the batch
+    (it drops the all-zero padding frames and encodes each frame alone)."""
     pytest.importorskip("PIL")
-    batch = image_processor(kind)(images=random_images(SIZES[:1]), return_tensors="pt")
-    with pytest.raises(ValueError, match=r"(lacks|no) rows"):
-        vitpool.items_from(batch, family="idefics3")
+    processor = image_processor(kind)
+    images = random_images(SIZES, seed=5)
+    batch = dict(processor(images=[images[:1], images[1:]], return_tensors="pt"))  # two samples, padded
+    batch["input_ids"] = torch.zeros(2, 3, dtype=torch.long)  # what the full processor adds
+    batch["attention_mask"] = torch.ones(2, 3, dtype=torch.long)
+    items = vitpool.items_from(batch)
+    real = (batch["pixel_values"] != 0).flatten(2).any(dim=2)  # [samples, frames]
+    assert len(items) == int(real.sum()) and all(len(item.pixel_values) == 1 for item in items)
+    embeddings = encoder.encode(items)
+    with torch.no_grad():
+        want = model.model.get_image_features(
+            pixel_values=batch["pixel_values"], pixel_attention_mask=batch["pixel_attention_mask"]
+        ).pooler_output
+    want = torch.cat([sample.reshape(-1, sample.shape[-1]) for sample in want])
+    assert relative_error(torch.cat([e.tokens for e in embeddings]), want) <= TOLERANCE
+    with pytest.raises(ValueError, match=r"(lacks|no) cols"):  # one of the two alone is a mistake
+        vitpool.items_from({**batch, "rows": [[0]] * 2}, family="idefics3")
 
 
 # ---- the transformers drop-in -----------------------------------------------------------------

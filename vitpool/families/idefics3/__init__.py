@@ -3,7 +3,8 @@ global image, and the `connector` (pixel shuffle, then a Linear into the LLM's w
 the graph. SmolVLM (and SmolVLM2) is Idefics3's design under its own class names: one family, one
 adapter, whichever classes the config names."""
 
-from vitpool.models.family import Family, FamilyRecord, ProcessorOutput, adapter_checkpoint, lazy
+from vitpool.families.idefics3.processor import Idefics3ProcessorOutput
+from vitpool.models.family import Family, FamilyRecord, adapter_checkpoint, lazy
 
 _ADAPTER = "vitpool.families.idefics3.adapter"
 
@@ -26,7 +27,7 @@ RECORD = FamilyRecord(
     vllm_checked=True,
     transformers_parts=None,
     image_features="vitpool.families.idefics3.features:Idefics3Features",
-    processor_output=ProcessorOutput(
+    processor_output=Idefics3ProcessorOutput(
         image_keys=("pixel_values", "rows", "cols"),
         split="vitpool.families.idefics3.processor:items",
         other_keys=("pixel_attention_mask",),

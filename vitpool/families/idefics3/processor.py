@@ -9,16 +9,21 @@ frames, and `pixel_attention_mask` [samples, frames, S, S]. Every real frame is 
 ends only `rows` and `cols` say (one list per sample, one entry per image: 0 and 0 for an unsplit
 image), which the image processor returns with `return_row_col_info=True`; `Idefics3Processor` and
 `SmolVLMProcessor` drop them. An item is one image's frames; the padding frames are dropped, as the
-model drops them.
+model drops them. Without `rows` and `cols`, but with the mask (the full processors' output), an item
+is one real frame: the model encodes each frame alone and hands the LLM their tokens in order, so
+the items' tokens joined are its `get_image_features`, frame by frame.
 
 No torch here: slicing and comparisons work on torch tensors and NumPy arrays alike.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+from vitpool.models import processor_items
+from vitpool.models.family import ProcessorOutput
 from vitpool.models.processor_items import IMAGE, ProcessorItem, check_array, required
 
 GRID_KEYS = ("rows", "cols")
@@ -26,6 +31,25 @@ GRID_HINT = (
     "call the image processor with return_row_col_info=True (Idefics3Processor and SmolVLMProcessor drop "
     "rows and cols: cut processor.image_processor(images, return_row_col_info=True, return_tensors='pt'))"
 )
+
+
+FAMILY = "idefics3"
+MASK_KEY = "pixel_attention_mask"
+PROMPT_KEYS = ("input_ids", "attention_mask")
+
+
+@dataclass(frozen=True)
+class Idefics3ProcessorOutput(ProcessorOutput):
+    """The image processor's output with `rows` and `cols`, or the full processors' without them
+    but with the mask, where no other family's keys mark the batch (LFM2-VL's `spatial_shapes`)."""
+
+    def missing(self, keys: Collection[str]) -> tuple[str, ...]:
+        """What keeps a batch with `keys` from being Idefics3's: empty where it is."""
+        lacking = super().missing(keys)
+        if not lacking or "pixel_values" not in keys or MASK_KEY not in keys or set(GRID_KEYS) & set(keys):
+            return lacking
+        foreign = processor_items.other_families_keys(keys, FAMILY, ("pixel_values", MASK_KEY, *PROMPT_KEYS))
+        return tuple(sorted(foreign))
 
 
 def items(batch: Mapping[str, Any]) -> list[ProcessorItem]:
@@ -45,8 +69,10 @@ def items(batch: Mapping[str, Any]) -> list[ProcessorItem]:
             f"pixel_values has shape {tuple(pixels.shape)}; the image processor's is [samples, frames, "
             "channels, height, width] (do_pad=True, return_tensors='pt' or 'np')"
         )
+    masks = batch.get(MASK_KEY)
+    if masks is not None and all(batch.get(key) is None for key in GRID_KEYS):
+        return _frames(pixels, masks)
     rows, cols = (_per_sample(required(batch, key, GRID_HINT), key) for key in GRID_KEYS)
-    masks = batch.get("pixel_attention_mask")
     if not len(rows) == len(cols) == pixels.shape[0]:
         raise ValueError(
             f"pixel_values holds {pixels.shape[0]} samples; rows has {len(rows)} and cols {len(cols)}"
@@ -74,6 +100,18 @@ def items(batch: Mapping[str, Any]) -> list[ProcessorItem]:
                 f"sample {sample} holds real frames past the {start} its rows {sample_rows} and cols "
                 f"{sample_cols} account for"
             )
+    return cut
+
+
+def _frames(pixels: Any, masks: Any) -> list[ProcessorItem]:
+    """One item per real frame, sample by sample (where an image ends, nothing says: the full
+    processors dropped `rows` and `cols`); all-zero frames are padding, dropped as the model does."""
+    cut = []
+    for sample in range(pixels.shape[0]):
+        for frame in range(pixels.shape[1]):
+            if bool((pixels[sample, frame] != 0).any()):
+                _check_frame(pixels, masks, sample, frame, frame)
+                cut.append(ProcessorItem(IMAGE, pixels[sample, frame : frame + 1]))
     return cut
 
 
