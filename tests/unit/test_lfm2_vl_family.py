@@ -349,11 +349,23 @@ def test_items_from_a_single_entry_needs_no_grid():
     assert cut.pixel_values.shape == (24, case.ROW_WIDTH)
 
 
+def test_items_from_without_grids_or_token_types_cuts_entry_by_entry(model, encoder):
+    """Lfm2VlProcessor's output without mm_token_type_ids: nothing says which image an entry is of,
+    so each entry is an item, as `get_image_features` answers; their tokens joined are its own."""
+    items = hand_items()
+    batch = {**padded_batch(items), "input_ids": torch.zeros(1, 4, dtype=torch.long)}
+    cut = vitpool.items_from(batch)
+    shapes = [shape for one in items for shape in case.shapes_of(one)]
+    assert [case.shapes_of(one) for one in cut] == [[shape] for shape in shapes]
+    with torch.no_grad():
+        want = model.model.get_image_features(**padded_batch(items)).pooler_output
+    for embedding, entry in zip(encoder.encode(cut), want, strict=True):
+        assert relative_error(embedding.tokens, entry) <= TOLERANCE
+
+
 def test_items_from_refuses_what_does_not_add_up():
     items = hand_items()[:2]
     batch = padded_batch(items)
-    with pytest.raises(ValueError, match="Lfm2VlProcessor drops image_rows and image_cols"):
-        vitpool.items_from(batch)
     grids = {"image_rows": [1, 1], "image_cols": [1, 3]}
     with pytest.raises(
         ValueError,
@@ -440,8 +452,8 @@ def test_items_from_refuses_a_prompt_that_does_not_fit():
     no_types = {
         key: value for key, value in with_prompts(batch, [whole]).items() if key != "mm_token_type_ids"
     }
-    with pytest.raises(ValueError, match="no mm_token_type_ids to read it from"):
-        vitpool.items_from(no_types)
+    # without the token types nothing says where an image ends: entry by entry, as the model answers
+    assert len(vitpool.items_from(no_types)) == sum(len(shapes) for shapes in HAND_ITEMS)
 
 
 # vitpool.items_from on the real processors (Lfm2VlImageProcessor exists for torchvision only)

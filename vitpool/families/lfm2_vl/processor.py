@@ -26,7 +26,8 @@ taken
   stands between them, and every image's last run is followed by one and the same token
   (`<|image_end|>`). A prompt written otherwise (`use_image_special_tokens=False` joins an
   image's tiles into one run) or cut short is refused, not guessed;
-- else a ValueError says what to pass.
+- else (the full processor's output without `mm_token_type_ids`) each entry is an item of its own,
+  as the model's `get_image_features` answers, entry by entry: their tokens joined are its output.
 
 No torch here: slicing and indexing work on torch tensors and NumPy arrays alike.
 """
@@ -139,15 +140,8 @@ def entries_per_image(batch: Mapping[str, Any], shapes: Sequence[tuple[int, int]
     if any(batch.get(key) is not None for key in GRID_KEYS):
         rows, cols = (whole_numbers(required(batch, key, HOW_TO_CUT), key) for key in GRID_KEYS)
         return entries_from_grids(rows, cols, shapes)
-    if len(shapes) == 1:
-        return [1]
-    missing = [key for key in ("input_ids", TOKEN_TYPES_KEY) if batch.get(key) is None]
-    if missing:
-        raise ValueError(
-            f"the batch has no {' or '.join(GRID_KEYS)} (each image's tile grid) and no "
-            f"{' or '.join(missing)} to read it from; its {len(shapes)} {SHAPES_KEY} rows alone do not say "
-            f"which image each entry belongs to. {HOW_TO_CUT}"
-        )
+    if batch.get("input_ids") is None or batch.get(TOKEN_TYPES_KEY) is None:
+        return [1] * len(shapes)  # which image an entry is of, nothing says: the model's own unit
     return entries_from_prompt(batch["input_ids"], batch[TOKEN_TYPES_KEY], shapes)
 
 
