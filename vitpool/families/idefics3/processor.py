@@ -110,7 +110,7 @@ def _frames(pixels: Any, masks: Any) -> list[ProcessorItem]:
     for sample in range(pixels.shape[0]):
         for frame in range(pixels.shape[1]):
             if bool((pixels[sample, frame] != 0).any()):
-                _check_frame(pixels, masks, sample, frame, frame)
+                _check_mask(masks, sample, frame, f"frame {frame}")  # no image to name: no rows, cols
                 cut.append(ProcessorItem(IMAGE, pixels[sample, frame : frame + 1]))
     return cut
 
@@ -142,10 +142,14 @@ def _check_frame(pixels: Any, masks: Any, sample: int, frame: int, image: int) -
             f"sample {sample}, frame {frame} (image {image}) is all zeros: the model drops such a frame as "
             "padding, so its image would not get the tokens its prompt holds"
         )
+    _check_mask(masks, sample, frame, f"frame {frame} (image {image})")
+
+
+def _check_mask(masks: Any, sample: int, frame: int, which: str) -> None:
     if masks is not None and not bool((masks[sample, frame] != 0).all()):
         raise ValueError(
-            f"sample {sample}, frame {frame} (image {image}): pixel_attention_mask marks padding inside a "
-            "real frame; vitpool runs whole splits only, as the image processor cuts them"
+            f"sample {sample}, {which}: pixel_attention_mask marks padding inside a real frame; vitpool "
+            "runs whole splits only, as the image processor cuts them"
         )
 
 
