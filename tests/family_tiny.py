@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from vitpool import Image, Video
@@ -42,8 +43,11 @@ def takes_video(family: str) -> bool:
 def save_tiny_tower(family: str, directory: Path) -> Path:
     """A tower-only checkpoint (config.json and safetensors) of the family's tiny tower (and
     projector, for a family whose module holds one)."""
+    case = case_module(family)
+    if getattr(case, "TOO_OLD", None):  # the installed transformers cannot build this family's tower
+        pytest.skip(case.TOO_OLD)
     directory.mkdir(parents=True, exist_ok=True)
-    return case_module(family).save_tower(directory)
+    return case.save_tower(directory)
 
 
 def mixed_items(family: str, seed: int = 0) -> list:

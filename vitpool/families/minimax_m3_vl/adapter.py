@@ -21,6 +21,7 @@ sequence, so they never reach a real row.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
@@ -28,8 +29,10 @@ from typing import Any
 import torch
 from transformers.vision_utils import get_vision_position_ids
 
+from vitpool.errors import ConfigError
 from vitpool.families.minimax_m3_vl.rules import MiniMaxM3VLRules
 from vitpool.models.adapter_base import TEXT_HIDDEN_SIZE, ConfigField, renames
+from vitpool.models.compat import installed_transformers
 from vitpool.models.projected import tower_and_projector
 from vitpool.models.protocol import TensorSpec, zero_metadata
 from vitpool.models.spatial_merge import Grid, SpatialMergeAdapter, item_cu_seqlens, item_grids
@@ -48,13 +51,33 @@ class MiniMaxM3VLEncoder(torch.nn.Module):
         self.config = vision_tower.config
 
 
+def attends_per_item() -> bool:
+    """Whether the installed transformers' tower attends one sequence per item (its attention takes
+    `cu_seqlens`), as the model vitpool matches does; 5.17's and 5.18's attend all of a call's rows
+    as one sequence, so their model's tokens for an item depend on the call's other items."""
+    from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLVisionAttention
+
+    return "cu_seqlens" in inspect.signature(MiniMaxM3VLVisionAttention.forward).parameters
+
+
 def build_encoder(config: Any, dtype: torch.dtype | None = None) -> MiniMaxM3VLEncoder:
     """Fresh tower and projector from a full MiniMaxM3VLConfig or a vision config with the
-    adapter's PROJECTOR_FIELDS (`MiniMaxM3VLAdapter.tower_only_config`)."""
+    adapter's PROJECTOR_FIELDS (`MiniMaxM3VLAdapter.tower_only_config`).
+
+    Raises:
+        ConfigError: the installed transformers' tower attends a call's items as one sequence.
+    """
     from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import (
         MiniMaxM3VLMultiModalProjector,
         MiniMaxM3VLVisionModel,
     )
+
+    if not attends_per_item():
+        raise ConfigError(
+            f"MiniMax-M3-VL needs a transformers whose vision attention takes one sequence per item "
+            f"(5.24 does); transformers {installed_transformers()} attends all of a call's rows as one "
+            "sequence: pip install 'transformers==5.24.0'"
+        )
 
     # The projector reads vision_config.{hidden_size, spatial_merge_size}, text_config.hidden_size,
     # projector_hidden_size and merged_hidden_size.
