@@ -41,6 +41,8 @@ OWN_BUDGETS = {
     "KimiK25Rules": "a clip path of its own, bounded by its extra rows",
     "LlavaOnevisionRules": "bound tiles by the most a budget's tokens can have",
     "Phi4MultimodalRules": "bound crops by the most a budget's tokens can have",
+    "MllamaRules": "bound images by the tiles a budget holds (each runs all its canvas's tiles)",
+    "VideoLlama3Rules": "a merged path of its own, bounded by its extra rows",
 }
 # What the bases own: defined there, never again in a family (module level or a class's own).
 OWNED_FUNCTIONS = {

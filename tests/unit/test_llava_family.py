@@ -229,15 +229,16 @@ def test_loads_a_tower_only_save_and_refuses_missing_weights(model, encoder, tmp
 
 
 def test_another_clip_model_and_a_bare_clip_tower_are_refused(tmp_path):
-    """LLaVA-NeXT's vision config is CLIP's too, but its anyres grids and newline are not LLaVA
-    1.5's; a CLIP tower saved alone has no projector for vitpool to run."""
-    from transformers import CLIPVisionConfig, LlavaNextConfig
+    """VipLLaVA's vision config is CLIP's too, but its projector (several layers' features, each
+    normalised) is not LLaVA 1.5's; a CLIP tower saved alone has no projector for vitpool to run.
+    (LLaVA-NeXT's full checkpoints, also CLIP's, find their own family by their model_type.)"""
+    from transformers import CLIPVisionConfig, VipLlavaConfig
 
-    LlavaNextConfig(vision_config=dict(case.TINY_VISION), text_config=dict(case.TINY_TEXT)).save_pretrained(
-        tmp_path / "next"
+    VipLlavaConfig(vision_config=dict(case.TINY_VISION), text_config=dict(case.TINY_TEXT)).save_pretrained(
+        tmp_path / "vip"
     )
-    with pytest.raises(CheckpointError, match="'llava_next' checkpoint with a CLIP vision tower"):
-        GraphEncoder.from_pretrained(tmp_path / "next", budgets=BUDGETS, device="cpu")
+    with pytest.raises(CheckpointError, match="'vipllava' checkpoint with a CLIP vision tower"):
+        GraphEncoder.from_pretrained(tmp_path / "vip", budgets=BUDGETS, device="cpu")
     vision = {key: value for key, value in case.TINY_VISION.items() if key != "model_type"}
     CLIPVisionConfig(**vision).save_pretrained(tmp_path / "clip")
     with pytest.raises(ValueError, match="a LLaVA vision config needs .*text_hidden_size"):

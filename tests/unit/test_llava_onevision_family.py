@@ -406,7 +406,9 @@ def test_a_llava_onevision_batch_is_told_from_mistral_3s_by_its_wider_keys():
     assert len(vitpool.items_from(batch)) == len(vitpool.items_from(batch, family="llava_onevision")) == 3
     without = {key: value for key, value in batch.items() if key != "batch_num_images"}
     with pytest.raises(ValueError):  # Mistral 3's cutter refuses its padded, many-tile layout
-        vitpool.items_from(without)
+        vitpool.items_from(without, family="mistral3")
+    # without family= it is LLaVA-NeXT's layout (pixel_values [images, tiles, ...], image_sizes)
+    assert len(vitpool.items_from(without)) == 3
 
 
 def _batch(**changes):

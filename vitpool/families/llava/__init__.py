@@ -4,11 +4,12 @@
 On the host: the copy of each batch's views into the graph's static input and the slicing of each
 image's rows out of its output; no metadata is computed, the views are the batch dimension.
 
-Its vision config is CLIP's own (`clip_vision_model`), which no other family lists, so a tower-only
-save keeps that type with the projector's fields added (`adapter.tower_only_config`). A full
-checkpoint of another model with a CLIP tower (LLaVA-NeXT, VipLLaVA) reaches this family through
-that type and is refused by `tower_only_config`; a `llava` checkpoint with another tower (Pixtral,
-SigLIP) goes to that tower's family, which refuses it.
+Its vision config is CLIP's own (`clip_vision_model`), which this family claims in the registry (the
+LLaVA-NeXT family lists it for its full checkpoints only, which find it by their model_type), so a
+tower-only save keeps that type with the projector's fields added (`adapter.tower_only_config`). A
+full checkpoint of another model with a CLIP tower that no family claims by its model_type
+(VipLLaVA) reaches this family through that type and is refused by `tower_only_config`; a `llava`
+checkpoint with another tower (Pixtral, SigLIP) goes to that tower's family, which refuses it.
 """
 
 from vitpool.families.llava.processor import LlavaProcessorOutput

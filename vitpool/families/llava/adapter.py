@@ -136,7 +136,8 @@ class LlavaAdapter(TiledAdapter):
         "(LlavaConfig) or a tower-only save written from tower_only_config (a plain CLIP tower has no "
         "projector for vitpool to run)"
     )
-    # Other models with a CLIP tower (LLaVA-NeXT's anyres grids, VipLLaVA's projector) are not this one.
+    # Other models with a CLIP tower (VipLLaVA's projector; LLaVA-NeXT's anyres grids, whose full
+    # checkpoints find their own family first) are not this one.
     FULL_MODEL_TYPES = ("llava",)
     OTHER_MODEL = (
         "a {model_type} checkpoint with a CLIP vision tower: vitpool runs CLIP towers with LLaVA 1.5's "
@@ -188,16 +189,23 @@ class LlavaAdapter(TiledAdapter):
         return [tokens.reshape(-1, tokens.shape[-1])]
 
     def _features(self, pixels: torch.Tensor) -> torch.Tensor:
-        """The hidden states of `feature_layers`, side by side, less the class token under "default"."""
-        vision = self.tower.vision_tower
-        hidden = vision.pre_layrnorm(vision.embeddings(pixels))
-        states = {0: hidden}
-        for index, layer in enumerate(vision.encoder.layers[: self.layers_run], start=1):
-            hidden = layer(hidden, None)  # None: every token of a view attends to every other
-            states[index] = hidden
-        read = [states[index] for index in self.feature_layers]
-        features = read[0] if len(read) == 1 else torch.cat(read, dim=-1)
-        return features[:, 1:] if self.drops_class_token else features
+        return clip_features(self.tower.vision_tower, pixels, self.feature_layers, self.drops_class_token)
+
+
+def clip_features(
+    vision: torch.nn.Module, pixels: torch.Tensor, layers: tuple[int, ...], drops_class_token: bool
+) -> torch.Tensor:
+    """A CLIP tower's hidden states `layers` (`feature_layers`) of views [views, C, S, S], side by
+    side, less the class token where `drops_class_token` ("default"): [views, tokens a view,
+    D_vision * layers read]. Layers past the deepest one read are not run."""
+    hidden = vision.pre_layrnorm(vision.embeddings(pixels))
+    states = {0: hidden}
+    for index, layer in enumerate(vision.encoder.layers[: max(layers)], start=1):
+        hidden = layer(hidden, None)  # None: every token of a view attends to every other
+        states[index] = hidden
+    read = [states[index] for index in layers]
+    features = read[0] if len(read) == 1 else torch.cat(read, dim=-1)
+    return features[:, 1:] if drops_class_token else features
 
 
 # The loader's hooks (`vitpool.models.family.adapter_checkpoint`).
