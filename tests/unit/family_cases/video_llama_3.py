@@ -26,6 +26,7 @@ TINY_VISION = {
     "patch_size": PATCH,
 }
 TINY_TEXT = {
+    "model_type": "qwen2",  # transformers 5.17 reads it; 5.24 defaults it
     "hidden_size": 48,
     "intermediate_size": 64,
     "num_hidden_layers": 1,
