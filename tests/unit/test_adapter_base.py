@@ -43,6 +43,7 @@ OWN_BUDGETS = {
     "Phi4MultimodalRules": "bound crops by the most a budget's tokens can have",
     "MllamaRules": "bound images by the tiles a budget holds (each runs all its canvas's tiles)",
     "VideoLlama3Rules": "a merged path of its own, bounded by its extra rows",
+    "Molmo2Rules": "bound crops by the most a budget's tokens can have (its pooled tokens a crop)",
 }
 # What the bases own: defined there, never again in a family (module level or a class's own).
 OWNED_FUNCTIONS = {
