@@ -9,7 +9,15 @@ import copy
 import pytest
 import torch
 from conftest import relative_error
-from family_tiny import TOWER_FAMILIES, mixed_items, reference_tokens, row_shape, save_tiny_tower, use_sdpa
+from family_tiny import (
+    TOWER_FAMILIES,
+    case_module,
+    mixed_items,
+    reference_tokens,
+    row_shape,
+    save_tiny_tower,
+    use_sdpa,
+)
 
 from vitpool import GraphEncoder
 
@@ -40,11 +48,12 @@ def test_every_budget_is_captured_and_encodes_match_the_tower(tmp_path, family):
 
 @pytest.mark.parametrize("family", TOWER_FAMILIES)
 def test_one_image_filling_its_budget_matches_the_tower(tmp_path, family):
-    """One image of 960 rows in the 1024-row budget: where the family has the budget's dense graph
-    (cuDNN over all rows, the padding keys masked: only on the FA2 fallback, where packed cuDNN does
-    not run) it replays that one, and either way the tokens
-    are the tower's. Qwen2.5-VL's window attention gets none; a family whose attention reads
-    boundaries the runner cannot check on the host would get none either."""
+    """One image nearly filling the 256-token budget (960 rows where 2x2 patches make a token; a
+    family whose images keep every patch sets its case's FILL_GRID): where the family has the
+    budget's dense graph (cuDNN over all rows, the padding keys masked: only on the FA2 fallback,
+    where packed cuDNN does not run) it replays that one, and either way the tokens are the tower's.
+    Qwen2.5-VL's window attention gets none; a family whose attention reads boundaries the runner
+    cannot check on the host would get none either."""
     from vitpool import Image
     from vitpool.kernels.attention import cudnn_available, cudnn_packed_available
 
@@ -58,9 +67,9 @@ def test_one_image_filling_its_budget_matches_the_tower(tmp_path, family):
         assert dense == []  # (packed cuDNN graphs need no second, dense one)
     else:  # one set of boundaries, read by the attention hook as the metadata holds it
         assert 256 in dense  # (and Kimi-K2.5's clip path's budget of 1024 rows)
-    item = Image(
-        torch.randn(30 * 32, *row_shape(family), generator=torch.Generator().manual_seed(5)), (1, 30, 32)
-    )
+    grid = getattr(case_module(family), "FILL_GRID", (1, 30, 32))  # its rows per token differ
+    rows = grid[0] * grid[1] * grid[2]
+    item = Image(torch.randn(rows, *row_shape(family), generator=torch.Generator().manual_seed(5)), grid)
     [embedding] = encoder.encode([item])
     module = use_sdpa(copy.deepcopy(encoder.adapter.tower))
     want = reference_tokens(family, module, item, encoder.device, encoder.dtype)

@@ -292,3 +292,27 @@ def test_the_drop_in_answers_get_image_and_video_features():
     restore_vision_tower(model, original)
     with torch.no_grad():
         assert torch.equal(model.model.get_image_features(*calls[0]).pooler_output[0], wanted[0][0])
+
+
+def test_a_bf16_encoder_keeps_the_routers_in_fp32_as_from_pretrained_does(model, tmp_path: Path):
+    """Hugging Face loads the routers' weight and correction bias in fp32 whatever the dtype asked
+    (`_keep_in_fp32_modules_strict`); a bf16 encoder keeps them so too, and routes as that model."""
+    from transformers import Dots3NoteForConditionalGeneration
+
+    model.save_pretrained(tmp_path)
+    loaded = Dots3NoteForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    encoder = GraphEncoder.from_pretrained(tmp_path, budgets=BUDGETS, device="cpu", dtype=torch.bfloat16)
+    for tower in (loaded.model.vision_tower, encoder.adapter.tower):
+        routers = {name: p.dtype for name, p in tower.named_parameters() if name.endswith("mlp.gate.weight")}
+        assert routers and set(routers.values()) == {torch.float32}, routers
+        assert {p.dtype for name, p in tower.named_parameters() if name.endswith("qkv.weight")} == {
+            torch.bfloat16
+        }
+    one = item(1, 6, 4, 23)
+    [embedding] = encoder.encode([one])
+    with torch.no_grad():
+        want = loaded.model.get_image_features(
+            torch.as_tensor(one.pixel_values).bfloat16(), torch.tensor([list(one.grid_thw)])
+        ).pooler_output[0]
+    assert torch.isfinite(embedding.tokens).all()
+    assert relative_error(embedding.tokens.float(), want.float()) <= 2e-2

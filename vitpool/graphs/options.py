@@ -17,6 +17,7 @@ from vitpool.kernels.attention import fa4_available
 from vitpool.kernels.cudnn_packed import cudnn_packed_available
 from vitpool.kernels.fp8 import fp8_supported
 from vitpool.models import VisionAdapter
+from vitpool.models.protocol import KEEPS_DTYPE
 from vitpool.packing import Budget
 from vitpool.rules.paths import rules_of_part
 from vitpool.specs import ItemRules, ItemSpec
@@ -119,10 +120,10 @@ def place_tower(tower: torch.nn.Module, device: torch.device, dtype: torch.dtype
     """Move the tower to `device` and its parameters to `dtype`.
 
     Buffers keep their dtype: rotary inverse frequencies stay float32, as when Hugging Face
-    loads a model in half precision.
+    loads a model in half precision; so do parameters the adapter marked with `KEEPS_DTYPE`.
     """
     tower.to(device)
     for parameter in tower.parameters():
-        if parameter.dtype != dtype:
+        if parameter.dtype != dtype and not getattr(parameter, KEEPS_DTYPE, False):
             parameter.data = parameter.data.to(dtype)
     tower.eval().requires_grad_(False)

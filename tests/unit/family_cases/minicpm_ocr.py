@@ -31,7 +31,7 @@ PATCH = 14  # the processor's patch size
 ROW_SHAPE = (3, PATCH, PATCH)
 TEXT_HIDDEN = 56  # the Merger's output width: the LLM's width
 TINY_VISION = {
-    "hidden_size": 40,
+    "hidden_size": 48,  # two heads of 24: packed attention takes head sizes in multiples of 8
     "intermediate_size": 72,
     "num_hidden_layers": 3,
     "num_attention_heads": 2,

@@ -36,6 +36,9 @@ TINY_TEXT = {
 }
 TANH_GELU_MLP = True  # SigLIP's blocks: gelu_pytorch_tanh
 TOO_OLD = None  # transformers 5.17 has video_llama_3
+# An image that nearly fills the 256-token budget (tests/gpu/test_families_gpu.py): images keep every
+# patch (merge size 1), so 240 rows, where the 2x2-merging families take 960
+FILL_GRID = (1, 15, 16)
 
 
 def full_config() -> Any:

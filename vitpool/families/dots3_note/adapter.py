@@ -30,11 +30,14 @@ import torch
 from vitpool.errors import CheckpointError
 from vitpool.families.qwen2_vl.adapter import Qwen2VLAdapter
 from vitpool.models.adapter_base import renames
+from vitpool.models.protocol import KEEPS_DTYPE
 from vitpool.models.spatial_merge import SpatialMergeAdapter
 from vitpool.rules.grids import SpatialMergeRules
 
 # The experts implementation free of host synchronisation (module docstring).
 STATIC_EXPERTS = "grouped_mm"
+# What `Dots3NoteVisionModel._keep_in_fp32_modules_strict` names: each router's weight and bias
+FP32_ROUTER_PARTS = ("mlp.gate.weight", "mlp.e_score_correction_bias")
 # A full checkpoint's prefixes: transformers' in-memory layout and the release's.
 _PREFIX = re.compile(r"^(?:model\.vision_tower|vision_encoder)\.")
 # The release's names -> transformers' (its conversion_mapping.py, "dots3_note_vision_encoder"),
@@ -66,6 +69,19 @@ def use_static_experts(tower: torch.nn.Module) -> int:
     for module in experts:
         module.config._experts_implementation = STATIC_EXPERTS
     return len(experts)
+
+
+def keep_routers_in_fp32(tower: torch.nn.Module) -> None:
+    """The routers' weights in fp32 whatever the tower's dtype, as `from_pretrained` keeps them
+    (`_keep_in_fp32_modules_strict`; `_from_config` casts them with the rest): a router rounded to
+    bf16 picks other experts for tokens near a tie than the model loaded by Hugging Face does."""
+    for name, parameter in tower.named_parameters():
+        if any(name.endswith(suffix) for suffix in FP32_ROUTER_PARTS):
+            parameter.data = parameter.data.float()
+            setattr(parameter, KEEPS_DTYPE, True)  # through the encoder's cast (`place_tower`)
+    for name, buffer in tower.named_buffers():
+        if any(name.endswith(suffix) for suffix in FP32_ROUTER_PARTS):
+            buffer.data = buffer.data.float()
 
 
 def stacked_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -105,6 +121,7 @@ class Dots3NoteAdapter(Qwen2VLAdapter):
     def __init__(self, tower: torch.nn.Module) -> None:
         config = tower.config
         use_static_experts(tower)
+        keep_routers_in_fp32(tower)
         row_width = int(config.num_channels * config.patch_size**2)
         output_width = int(config.adapter_out_dim)  # the merger's: the LLM's width
         rules = SpatialMergeRules(row_width, int(config.spatial_merge_size), ((output_width,),))
