@@ -59,6 +59,8 @@ def items_from(
         raise ValueError(f"{record.name} takes images only; the batch holds videos ({_listed(batch)})")
     cut = named_object(output.split)
     missing = output.missing(batch.keys())
+    if family is not None:  # named (or by model=): the cutter cuts per tile where the counts are absent
+        missing = tuple(key for key in missing if key not in output.count_keys)
     if missing:
         # the family's cutter says best what is missing and where to get it (a processor that drops
         # a count the image processor keeps); a cutter that does not raise gets the plain account
@@ -145,7 +147,10 @@ def _lacks(record: FamilyRecord, batch: Mapping[str, Any], in_its_words: bool) -
     asked and it gives a reason."""
     output = record.processor_output
     assert output is not None
-    account = f"{record.name}'s, which also holds {', '.join(output.missing(batch.keys()))}"
+    missing = output.missing(batch.keys())
+    account = f"{record.name}'s, which also holds {', '.join(missing)}"
+    if set(missing) <= set(output.count_keys):
+        account += f" (or pass family={record.name!r}: each tile is then an item, as the model encodes them)"
     if in_its_words:
         try:
             named_object(output.split)(batch)

@@ -310,10 +310,11 @@ def test_numpy_output_cuts_as_tensors():
         assert np.array_equal(array_item.pixel_values, tensor_item.pixel_values.numpy())
 
 
-def test_the_full_processors_output_without_num_patches_is_refused_saying_what_to_pass():
+def test_the_full_processors_output_without_num_patches_is_cut_per_tile():
+    """AyaVisionProcessor drops num_patches: named, a tile an item (the tokens against the model:
+    test_full_processor_outputs.py); counts that do not add up are still refused."""
     batch = {"pixel_values": torch.randn(4, 3, 8, 8), "input_ids": torch.zeros(1, 4, dtype=torch.long)}
-    with pytest.raises(ValueError, match=r"no num_patches\b.*processor.image_processor\(images"):
-        vitpool.items_from(batch, family=FULL_TYPE)
+    assert [item.pixel_values.shape[0] for item in vitpool.items_from(batch, family=FULL_TYPE)] == [1] * 4
     with pytest.raises(ValueError, match="accounts for"):
         vitpool.items_from({**batch, "num_patches": torch.tensor([3, 2])}, family=FULL_TYPE)
 

@@ -19,7 +19,6 @@ from safetensors.torch import save_file
 import vitpool
 from vitpool import CheckpointError, GraphEncoder, Image, InvalidItemError
 from vitpool.families.gemma3 import adapter as gemma3_adapter
-from vitpool.families.gemma3 import processor as gemma3_processor
 
 TOLERANCE = 1e-4
 BUDGETS = [case.TOKENS_PER_VIEW * views for views in (1, 2, 4)]
@@ -206,11 +205,12 @@ def test_a_batch_the_cutter_cannot_account_for_is_named():
     processor_output = {
         "pixel_values": pixels,
         "input_ids": torch.zeros(1, 3),
-    }  # Gemma3Processor's: no num_crops
-    with pytest.raises(ValueError, match="num_crops"):
-        vitpool.items_from(processor_output, family="gemma3")
-    with pytest.raises(ValueError, match="Gemma3Processor drops it; cut the image processor's output"):
-        gemma3_processor.items(processor_output)
+    }  # Gemma3Processor's: no num_crops, so a view an item (test_full_processor_outputs.py)
+    assert [item.pixel_values.shape[0] for item in vitpool.items_from(processor_output, family="gemma3")] == [
+        1
+    ] * 4
+    with pytest.raises(ValueError, match="no family's processor output"):
+        vitpool.items_from(processor_output)  # unnamed: its keys alone are several families'
     with pytest.raises(ValueError, match=r"has 4 views; num_crops \[1, 0\] accounts for 3"):
         vitpool.items_from({"pixel_values": pixels, "num_crops": torch.tensor([1, 0])})
     with pytest.raises(ValueError, match="one non-negative whole number per image"):

@@ -275,7 +275,11 @@ DROPPED = {
 
 
 @pytest.mark.parametrize("family", sorted(DROPPED))
-def test_a_full_processors_output_without_the_counts_is_refused_saying_what_to_pass(family):
+def test_a_full_processors_output_without_the_counts_is_cut_per_tile_or_refused_saying_what_to_pass(family):
+    """Where the model encodes every tile alone (the record's `count_keys`: InternVL, Llama 4), the
+    output is cut a tile an item (their tokens against the model: test_full_processor_outputs.py);
+    elsewhere (MiniCPM-V 4.6's slices share their image's resampler query) it is refused, naming
+    the image processor's call that keeps the key."""
     key, full_processor = DROPPED[family]
     if full_processor is not None:  # the processor does drop it
         processor_class = getattr(importlib.import_module("transformers"), full_processor)
@@ -284,10 +288,19 @@ def test_a_full_processors_output_without_the_counts_is_refused_saying_what_to_p
     without = {name: value for name, value in batch.items() if name != key}
     without["input_ids"] = torch.zeros(1, 4, dtype=torch.long)
     cut = named_object(record(family).processor_output.split)
-    for cutting in (cut, lambda batch: vitpool.items_from(batch, family=family)):  # items_from says the same
-        with pytest.raises(ValueError, match=rf"the batch has no {key}\b.*processor.image_processor\(images"):
-            cutting(without)
-    assert len(cut(batch)) == len(batch_counts(family, batch))  # with the key, the same batch cuts
+    if key in record(family).processor_output.count_keys:
+        tiles = vitpool.items_from(without, family=family)
+        assert [item.pixel_values.shape[0] for item in tiles] == [1] * len(batch["pixel_values"])
+    else:
+        for cutting in (
+            cut,
+            lambda batch: vitpool.items_from(batch, family=family),
+        ):  # items_from says the same
+            with pytest.raises(
+                ValueError, match=rf"the batch has no {key}\b.*processor.image_processor\(images"
+            ):
+                cutting(without)
+    assert len(cut(batch)) == len(batch_counts(family, batch))  # with the key, the same batch cuts per image
 
 
 def record(family: str) -> Any:

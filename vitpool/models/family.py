@@ -176,6 +176,11 @@ class ProcessorOutput:
         cut_as: the name of the cut where several families' cutters cut a batch they all fit the
             same way (one view an image: LLaVA's, PaliGemma's), so that such a batch is one answer
             for `items_from`; None: the cutter's own (`split`).
+        count_keys: the keys of `image_keys` that say only where an image's tiles end, which the
+            full processor drops (InternVL's `num_patches`): where the caller names the family and
+            the batch lacks them, the cutter makes an item of each tile, as the model encodes its
+            tiles one by one (their tokens joined are its `get_image_features`). A batch without
+            them is not found by its keys: those alone do not tell this family's tiles from others'.
     """
 
     image_keys: tuple[str, ...]
@@ -183,6 +188,7 @@ class ProcessorOutput:
     split: str = "vitpool.models.processor_items:grid_items"
     other_keys: tuple[str, ...] = ()
     cut_as: str | None = None
+    count_keys: tuple[str, ...] = ()
 
     def held_groups(self, keys: Collection[str]) -> list[tuple[str, ...]]:
         """Its images' keys and its videos' keys, each where a batch with `keys` holds its first."""

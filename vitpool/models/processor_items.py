@@ -133,6 +133,19 @@ def cut_by_counts(rows: Any, rows_key: str, counts: list[int], counts_key: str) 
     return runs
 
 
+def tile_items(pixels: Any, key: str) -> list[ProcessorItem]:
+    """One image item per row of `pixels` [tiles, C, S, S]: the cut of a tiled family's full
+    processor output, which drops where an image's tiles end (`ProcessorOutput.count_keys`).
+
+    Raises:
+        ValueError: not a tensor or an array of tiles.
+    """
+    check_array(pixels, key)
+    if len(pixels.shape) != 4:
+        raise ValueError(f"{key} has shape {tuple(pixels.shape)}; tiles are [tiles, channels, height, width]")
+    return [ProcessorItem(IMAGE, pixels[row : row + 1]) for row in range(pixels.shape[0])]
+
+
 def _is_count(number: Any) -> bool:
     try:
         return not isinstance(number, bool) and int(number) == number and number >= 0

@@ -43,6 +43,9 @@ RECORD = FamilyRecord(
     transformers_parts=None,
     image_features="vitpool.families.aya_vision.features:AyaVisionFeatures",
     processor_output=ProcessorOutput(
-        image_keys=("pixel_values", "num_patches"), split="vitpool.families.internvl.processor:items"
+        image_keys=("pixel_values", "num_patches"),
+        split="vitpool.families.internvl.processor:items",
+        # AyaVisionProcessor drops it: with the family named, a tile an item (InternVL's cutter)
+        count_keys=("num_patches",),
     ),
 )

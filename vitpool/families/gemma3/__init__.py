@@ -35,6 +35,9 @@ RECORD = FamilyRecord(
     transformers_parts=None,
     image_features="vitpool.families.gemma3.features:Gemma3Features",
     processor_output=ProcessorOutput(
-        image_keys=("pixel_values", "num_crops"), split="vitpool.families.gemma3.processor:items"
+        image_keys=("pixel_values", "num_crops"),
+        split="vitpool.families.gemma3.processor:items",
+        # its full processor drops it: with the family named, a tile an item (processor.py)
+        count_keys=("num_crops",),
     ),
 )

@@ -3,7 +3,9 @@
 `Gemma3ImageProcessor` stacks every image's views into one `pixel_values` [total views, 3, S, S]:
 the whole image, then, with `do_pan_and_scan`, its crops; `num_crops` [images] says how many crops
 each image has, so an image is `1 + num_crops[i]` consecutive views. `Gemma3Processor` drops
-`num_crops` (it is among its unused inputs), so its output cannot be cut.
+`num_crops` (it is among its unused inputs): named with `family="gemma3"`, its output is cut one
+item per view, as the model encodes every view alone (SigLIP, then the projector's pooling) and
+`get_image_features` returns them view by view; the items' tokens joined are its output.
 
 No torch here: slicing works on torch tensors and NumPy arrays alike.
 """
@@ -13,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from vitpool.models.processor_items import IMAGE, ProcessorItem, check_array
+from vitpool.models.processor_items import IMAGE, ProcessorItem, check_array, tile_items
 
 PIXELS_KEY = "pixel_values"
 CROPS_KEY = "num_crops"
@@ -21,11 +23,12 @@ CROPS_KEY = "num_crops"
 
 def items(batch: Mapping[str, Any]) -> list[ProcessorItem]:
     """One item per image: its whole view and its `num_crops` crops, consecutive rows of
-    `pixel_values`.
+    `pixel_values`; without `num_crops` (Gemma3Processor's output, `items_from` with the family
+    named), one item per view (`tile_items`).
 
     Raises:
-        ValueError: no `pixel_values`, no `num_crops` (Gemma3Processor's output), counts that are
-            not one non-negative whole number per image, or views they do not account for.
+        ValueError: no `pixel_values`, pixels that are not views, counts that are not one
+            non-negative whole number per image, or views they do not account for.
     """
     pixels = batch.get(PIXELS_KEY)
     if pixels is None:
@@ -33,10 +36,7 @@ def items(batch: Mapping[str, Any]) -> list[ProcessorItem]:
     check_array(pixels, PIXELS_KEY)
     crops = batch.get(CROPS_KEY)
     if crops is None:
-        raise ValueError(
-            f"the batch has no {CROPS_KEY}: Gemma3Processor drops it; cut the image processor's output "
-            "instead (processor.image_processor(images, return_tensors='pt') keeps it)"
-        )
+        return tile_items(pixels, PIXELS_KEY)
     views = [1 + count for count in crop_counts(crops)]
     if sum(views) != len(pixels):
         raise ValueError(

@@ -42,6 +42,9 @@ RECORD = FamilyRecord(
     transformers_parts=None,
     image_features="vitpool.families.internvl.features:InternVLFeatures",
     processor_output=ProcessorOutput(
-        image_keys=("pixel_values", "num_patches"), split="vitpool.families.internvl.processor:items"
+        image_keys=("pixel_values", "num_patches"),
+        split="vitpool.families.internvl.processor:items",
+        # its full processor drops it: with the family named, a tile an item (processor.py)
+        count_keys=("num_patches",),
     ),
 )

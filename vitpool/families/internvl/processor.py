@@ -3,7 +3,9 @@
 `GotOcr2ImageProcessor(crop_to_patches=True)` stacks every image's tiles (its crops, then a
 thumbnail) into one `pixel_values` [total tiles, 3, S, S] and says how many each image has in
 `num_patches`; an item is one image's tiles. `InternVLProcessor` drops `num_patches` (and joins
-videos' frames into `pixel_values`, in the prompt's order), so its output cannot be cut.
+videos' frames into `pixel_values`, in the prompt's order): named with `family="internvl"`, its
+output is cut one item per tile (a frame is a tile), as `get_image_features` encodes every tile
+alone and returns its tokens tile by tile; the items' tokens joined are its output.
 
 No torch here: slicing works on torch tensors and NumPy arrays alike.
 """
@@ -18,6 +20,7 @@ from vitpool.models.processor_items import (
     ProcessorItem,
     cut_by_counts,
     required,
+    tile_items,
     whole_numbers,
 )
 
@@ -25,21 +28,15 @@ TILES_KEY = "num_patches"
 
 
 def items(batch: Mapping[str, Any]) -> list[ProcessorItem]:
-    """One item per image: its `num_patches` consecutive tiles of `pixel_values`.
+    """One item per image: its `num_patches` consecutive tiles of `pixel_values`; without
+    `num_patches` (InternVLProcessor's output, `items_from` with the family named), one item per
+    tile (`tile_items`).
 
     Raises:
-        ValueError: no `num_patches` (InternVLProcessor's output), or counts that do not
-            add up to the tiles.
+        ValueError: pixel values that are not tiles, or counts that do not add up to the tiles.
     """
     pixels = required(batch, "pixel_values", "")
-    counts = whole_numbers(
-        required(
-            batch,
-            TILES_KEY,
-            "InternVLProcessor drops it; cut the image processor's output instead "
-            "(processor.image_processor(images, return_tensors='pt') keeps it), or set "
-            "batch['num_patches'] to each image's tile count",
-        ),
-        TILES_KEY,
-    )
+    if batch.get(TILES_KEY) is None:
+        return tile_items(pixels, "pixel_values")
+    counts = whole_numbers(batch[TILES_KEY], TILES_KEY)
     return [ProcessorItem(IMAGE, tiles) for tiles in cut_by_counts(pixels, "pixel_values", counts, TILES_KEY)]

@@ -23,6 +23,9 @@ RECORD = FamilyRecord(
     transformers_parts=None,
     image_features="vitpool.families.llama4.features:Llama4Features",
     processor_output=ProcessorOutput(
-        image_keys=("pixel_values", "aspect_ratios"), split="vitpool.families.llama4.processor:items"
+        image_keys=("pixel_values", "aspect_ratios"),
+        split="vitpool.families.llama4.processor:items",
+        # its full processor drops it: with the family named, a tile an item (processor.py)
+        count_keys=("aspect_ratios",),
     ),
 )
