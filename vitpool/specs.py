@@ -27,6 +27,14 @@ IMAGE = "image"
 VIDEO = "video"
 MODALITIES = (IMAGE, VIDEO)
 
+# A capacity that no captured budget has room for: an item that needs it (one a family's tower
+# takes but whose pixels are of a shape its path's buffers do not hold, Step-3.7's crops of a size
+# the encoder was not built for) fits no budget, so every planner packs it alone, with no budget
+# (`vitpool.packing.pack`), and it runs eagerly at its own size, the path every item over the
+# largest budget takes. Rules that give such items limit it to 0 in each of their budgets and do
+# not list it in `capacities` (no user's setting may make room for it).
+NO_GRAPH = "no_graph"
+
 
 @dataclass(frozen=True)
 class TensorSpec:
@@ -43,7 +51,8 @@ class ItemSpec:
     Attributes:
         modality: "image" or "video".
         pixel_shape: the pixels' shape as the processor emitted it; the first dimension is rows
-            of the tower's input (patches, or tiles), the rest is `ItemRules.row_shape`.
+            of the tower's input (patches, or tiles), the rest is `ItemRules.row_shape` (or, for
+            an item no graph serves, `served_by_graph` False, the other row shape its rules took).
         pixel_dtype: the pixels' dtype name as they travel (`vitpool.transport.wire`).
         layout: the family's grid or tile layout as plain integers (Qwen: t, h, w; a tiled tower: ()).
         num_tokens: output tokens the item produces.
@@ -69,6 +78,12 @@ class ItemSpec:
     def need(self, name: str) -> int:
         """What the item uses of capacity `name` (0 where it uses none)."""
         return dict(self.needs).get(name, 0)
+
+    @property
+    def served_by_graph(self) -> bool:
+        """Whether a graph of its path can run it: False for an item whose pixels' rows are of
+        another shape than the path's buffers' (it needs `NO_GRAPH`; it runs eagerly, alone)."""
+        return self.need(NO_GRAPH) == 0
 
 
 def spec_to_wire(spec: ItemSpec) -> list:

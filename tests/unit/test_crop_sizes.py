@@ -6,15 +6,17 @@ The crop size is the image processor's setting: an encoder takes it from the vis
 reads it: processor_config.json's nested "image_processor", else preprocessor_config.json), else the
 processor's default. Whole items at other sizes (whole patches or not, DeepSeek-OCR-2's other
 query table) against Hugging Face's `get_image_features` on the same weights; crops of a size the
-encoder was not built for refused where the caller's items are checked, naming where the size was
-set. CPU, fp32, the tiny random models of family_cases (Step-3.7: 7-pixel patches, 28² crops;
-DeepSeek-OCR-2: 16-pixel patches, the release's 768² crops). One GPU test: graphs at such sizes.
+encoder was not built for run eagerly, with a warning that names where the encoder's size was set
+(test_undeclared_crops.py has the rest of their behaviour). CPU, fp32, the tiny random models of
+family_cases (Step-3.7: 7-pixel patches, 28² crops; DeepSeek-OCR-2: 16-pixel patches, the
+release's 768² crops). One GPU test: graphs at such sizes.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import logging
 import pickle
 
 import pytest
@@ -155,46 +157,50 @@ def test_local_image_size_in_the_vision_config_comes_before_the_processor_config
     assert_matches_hf(step_model, step_case, items, encoder.encode(items), 4)
 
 
-def refusal(rules, crop_side: int, case) -> str:
-    """The message for an item of crops of `crop_side`, checked in a caller's process by the rules it
-    was handed (pickled, as an actor hands them to a pool's callers)."""
-    with pytest.raises(InvalidItemError) as raised:
-        prepare_item(0, image(case, 2, crop_side, 40), pickle.loads(pickle.dumps(rules)))
-    return str(raised.value)
+def eager_warning(encoder, case, crop_side: int, caplog) -> str:
+    """The warning an encode of an image with crops of `crop_side` logs (crops the encoder's graphs
+    do not serve), the item checked first in a caller's process by the rules it was handed (pickled,
+    as an actor hands them to a pool's callers)."""
+    item = image(case, 1, crop_side, 40)
+    [crops, _] = prepare_item(0, item, pickle.loads(pickle.dumps(encoder.adapter.item_rules))).parts
+    assert crops.spec.pixel_shape == (1, 3, crop_side, crop_side) and not crops.spec.served_by_graph
+    with caplog.at_level(logging.WARNING, logger="vitpool.models.tiled"):
+        encoder.encode([item])
+    [message] = [record.getMessage() for record in caplog.records if "no graph serves" in record.getMessage()]
+    return message
 
 
-def test_crops_of_another_size_are_refused_naming_the_processors_default(deepseek_model):
+def test_crops_of_another_size_name_the_processors_default(deepseek_model, caplog):
     """No processor config saved: the encoder takes DeepseekOcr2ImageProcessor's default, 768, and
     says so, and where to set another size."""
-    rules = deepseek_ocr2.DeepseekOcr2Adapter(
+    adapter = deepseek_ocr2.DeepseekOcr2Adapter(
         deepseek_ocr2.build_encoder(deepseek_ocr2.tower_only_config(deepseek_model.config))
-    ).item_rules
-    message = refusal(rules, 640, deepseek_case)
-    assert "pixel_values_local: tiles of 640 pixels; this encoder was built for tiles of 768" in message
+    )
+    encoder = GraphEncoder(adapter, budgets=DEEPSEEK_BUDGETS, device="cpu", dtype=torch.float32)
+    message = eager_warning(encoder, deepseek_case, 640, caplog)
+    assert "crops of 640 pixels: no graph serves them (the encoder's crops are 768, from" in message
     assert "DeepseekOcr2ImageProcessor's default tile_size" in message
     assert "set local_image_size in the vision config" in message
 
 
-def test_crops_of_another_size_are_refused_naming_the_processor_config(step_model, tmp_path):
+def test_crops_of_another_size_name_the_processor_config(step_model, tmp_path, caplog):
     directory = save(step_model, tmp_path, files={IMAGE_PROCESSOR_FILE: {"patch_size": 42}})
     encoder = load(directory, STEP_BUDGETS)
-    message = refusal(encoder.adapter.item_rules, 28, step_case)
-    assert "tiles of 28 pixels; this encoder was built for tiles of 42" in message
+    message = eager_warning(encoder, step_case, 28, caplog)
+    assert "crops of 28 pixels: no graph serves them (the encoder's crops are 42, from" in message
     assert f"patch_size in {directory / IMAGE_PROCESSOR_FILE}" in message
-    with pytest.raises(InvalidItemError, match="tiles of 28 pixels"):  # the encoder's own check, too
-        encoder.encode([image(step_case, 1, 28, 41)])
+    assert "set local_image_size in the vision config" in message
 
 
 @pytest.mark.parametrize("source", ["vision config", "module"])
-def test_crops_of_another_size_are_refused_naming_the_setting(step_model, tmp_path, source):
+def test_crops_of_another_size_name_the_setting(step_model, tmp_path, caplog, source):
     if source == "vision config":
-        directory = save(step_model, tmp_path, {"local_image_size": 35})
-        rules = load(directory, STEP_BUDGETS).adapter.item_rules
-        words = "local_image_size in the checkpoint's vision config"
+        encoder = load(save(step_model, tmp_path, {"local_image_size": 35}), STEP_BUDGETS)
+        words = "local_image_size in the checkpoint's vision config); they run eagerly"
     else:  # an encoder module built with a size (the tests' cases, the transformers integration)
-        rules = step_case.encoder_of(step_model, STEP_BUDGETS).adapter.item_rules
-        words = "the local_image_size the encoder module was built with"
-    assert words in refusal(rules, 56, step_case)
+        encoder = step_case.encoder_of(step_model, STEP_BUDGETS)
+        words = "the local_image_size the encoder module was built with); they run eagerly"
+    assert words in eager_warning(encoder, step_case, 56, caplog)
 
 
 def test_views_and_non_square_crops_keep_their_plain_errors(step_model):

@@ -3,7 +3,8 @@
 Static buffers sized for the largest budget; every budget captured, largest first, into one
 memory pool and checked against the eager run of the same forward; per batch, the items copied
 in, padding rows written, the graph replayed and each item's rows cloned out. An item larger
-than every budget runs eager, alone; on a CPU the same static forward runs without capture.
+than every budget runs eager, alone, as does one whose rows no path's buffers hold (its rules
+mark it: `ItemSpec.served_by_graph`); on a CPU the same static forward runs without capture.
 
 `encode` checks what a caller hands it as a pool's caller would (`vitpool.items`: a list, each
 item by the model's rules and within `max_item_tokens`; errors name the index). `run_plans` and

@@ -54,8 +54,9 @@ def check_plan(
     is_consistent: Callable[[ItemSpec], bool],
 ) -> list[torch.Tensor]:
     """The one check of a batch planned elsewhere, where it crosses into the encoder: one pixel
-    array per spec, each shaped and typed as its spec says, in rows the model takes, and each spec
-    what the model's rules make of its layout (`is_consistent`). Arrays become tensors sharing
+    array per spec, each shaped and typed as its spec says, in rows the model takes, each spec
+    what the model's rules make of its layout (`is_consistent`), and an item no graph serves
+    (`ItemSpec.served_by_graph`) alone, as every planner packs it. Arrays become tensors sharing
     their memory (the encoder only reads them, so read-only object-store arrays are not copied).
 
     The plan's budget is not checked: it was the planner's estimate, and the encoder picks the
@@ -71,6 +72,11 @@ def check_plan(
         raise ValueError(
             f"a batch plan of {counted(len(plan.specs), 'item')} came with "
             f"{counted(len(pixels), 'pixel array')}"
+        )
+    if len(plan.specs) > 1 and not all(spec.served_by_graph for spec in plan.specs):
+        raise ValueError(
+            f"a batch plan of {counted(len(plan.specs), 'item')} holds one that no graph serves, "
+            "which runs alone"
         )
     tensors = []
     for position, (spec, array) in enumerate(zip(plan.specs, pixels)):
@@ -98,14 +104,15 @@ def pixel_tensor(position: int, spec: ItemSpec, array: np.ndarray | torch.Tensor
 
 
 def check_pixels(position: int, spec: ItemSpec, pixels: torch.Tensor, row_shape: tuple[int, ...]) -> None:
-    """Pixels shaped as their spec says, in rows the model takes; ValueError naming the item's
-    position in its batch otherwise."""
+    """Pixels shaped as their spec says, in rows the model takes (the path's buffers' `row_shape`,
+    for an item a graph may run); ValueError naming the item's position in its batch otherwise."""
     if tuple(pixels.shape) != spec.pixel_shape:
         raise ValueError(
             f"item {position} of the batch: pixels of shape {tuple(pixels.shape)}, its spec says "
             f"{spec.pixel_shape}"
         )
-    if spec.pixel_shape[1:] != row_shape:
+    # an item no graph serves has rows of its own shape, which the rules took (`is_consistent`)
+    if spec.served_by_graph and spec.pixel_shape[1:] != row_shape:
         raise ValueError(
             f"item {position} of the batch: rows of shape {spec.pixel_shape[1:]}; the model takes {row_shape}"
         )

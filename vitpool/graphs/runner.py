@@ -4,9 +4,9 @@ eager), fresh copies of the outputs. `GraphEncoder` (the API) runs its batches h
 
 A budgeted batch is copied into the budget's prefix views of the static buffers, its padding rows
 written too, and its graph replayed (or, where the budget has no graph, the same static forward
-run eagerly). A batch without a budget runs eagerly at its own rows. Either way the outputs are
-fresh tensors (on the device, or in pinned host memory) and each pixel row's finite flag is read
-back without waiting for later work.
+run eagerly). A batch without a budget runs eagerly at its own rows (of its own shape, for an
+item no graph serves). Either way the outputs are fresh tensors (on the device, or in pinned host
+memory) and each pixel row's finite flag is read back without waiting for later work.
 """
 
 from __future__ import annotations
@@ -170,12 +170,14 @@ class BatchRunner:
 
     def run_exact(self, members: list[PreparedItem]) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Eager run at the items' own size: no padding, fresh tensors; and each pixel row's
-        finite flag (on the device)."""
+        finite flag (on the device). Rows of the items' own shape: the adapter's, or another that
+        no graph serves (such an item runs alone)."""
         specs = [member.spec for member in members]
         num_items, num_tokens, needs = totals(specs)
         exact = Budget(num_tokens, needs, num_items)  # capacities exactly what the items use
         num_rows = sum(member.pixels.shape[0] for member in members)
-        pixels = torch.empty((num_rows, *self.adapter.row_shape), device=self.device, dtype=self.dtype)
+        row_shape = specs[0].pixel_shape[1:]
+        pixels = torch.empty((num_rows, *row_shape), device=self.device, dtype=self.dtype)
         self.copy_rows(pixels, [member.pixels for member in members])
         on_host = self.adapter.build_metadata(specs, pixels.shape[0], exact)
         metadata = {name: tensor.to(self.device) for name, tensor in on_host.items()}

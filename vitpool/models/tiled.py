@@ -5,15 +5,21 @@ tile is a zero tile whose tokens nobody reads. A family subclass sets `tower`, `
 
 A global-view-and-crops tower (Step-3.7, DeepSeek-OCR-2) takes crops of any size its patch
 convolution can cut, but the size is its image processor's setting, not the model's: `crop_size_of`
-reads it where the checkpoint says it. An encoder runs one crop size (each path's buffers and
-graphs are of one tile shape); crops of another size are refused where the caller's items are
-checked, with a message that says where the size was set.
+reads it where the checkpoint says it. An encoder's crop path has buffers and graphs of that one
+size, the fast path. Square crops of another size the tower takes are items too (the crop path's
+`TileRules.other_sides`): of their own shape and tokens, no graph serves them, so each such item
+runs eagerly, alone, at its own size, the path of an item over every budget, and `PathTiles`
+warns once per encoder and size, naming where the encoder's size was set and how to make theirs
+the fast path. The towers make what their forwards precompute per size (rotary positions, masks)
+for such a size on the fly, kept per size (`TablesBySize`). Non-square crops, crops smaller than a
+patch and a wrong channel count are refused where the caller's items are checked.
 """
 
 from __future__ import annotations
 
+import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,34 +33,41 @@ from vitpool.models.loading import IMAGE_PROCESSOR_ATTRIBUTE
 from vitpool.models.protocol import BudgetRange, TensorSpec
 from vitpool.packing import Budget
 from vitpool.rules.paths import PathRules
-from vitpool.rules.tiles import TileRules
+from vitpool.rules.tiles import SquareTiles, TileRules
 from vitpool.specs import IMAGE, ItemSpec
+
+logger = logging.getLogger(__name__)
 
 # The inputs of a tower that runs a global view and local crops (Step-3.7, DeepSeek-OCR-2), as
 # their processors name them: one view an image, any number of crops.
 GLOBAL_VIEW = "pixel_values"
 LOCAL_CROPS = "pixel_values_local"
-# What to do about crops of another size, wherever the encoder's crop size came from.
+# How to make crops of another size the fast path, wherever the encoder's crop size came from.
 OTHER_CROP_SIZES = (
-    "for crops of another size, set local_image_size in the vision config (config.json) or save the "
-    "processor's config that cuts them beside the checkpoint"
+    "set local_image_size in the vision config (config.json) or save the processor's config that cuts "
+    "them beside the checkpoint"
 )
 
 
 @dataclass(frozen=True)
 class CropSize:
-    """The side of a global-view-and-crops tower's local crops in pixels, and where it was set (named
-    when crops of another size are refused)."""
+    """The side of a global-view-and-crops tower's local crops in pixels, where it was set, and how
+    to set another (named when crops of another size run eagerly: `PathTiles`)."""
 
     pixels: int
     source: str
+    change: str = OTHER_CROP_SIZES
 
     @classmethod
     def of(cls, size: int | CropSize) -> CropSize:
         """`size` as it is, or a number of pixels given to the encoder module directly."""
         if isinstance(size, CropSize):
             return size
-        return cls(int(size), f"the local_image_size the encoder module was built with; {OTHER_CROP_SIZES}")
+        return cls(
+            int(size),
+            "the local_image_size the encoder module was built with",
+            "build the module with their size",
+        )
 
 
 def crop_size_of(config: Any, processor_class: str, processor_key: str, default: int) -> CropSize:
@@ -73,17 +86,14 @@ def crop_size_of(config: Any, processor_class: str, processor_key: str, default:
     explicit = getattr(config, "local_image_size", None)
     if explicit is not None:
         where = "local_image_size in the checkpoint's vision config"
-        return CropSize(_pixels(explicit, where), f"{where}; for crops of another size, change it there")
+        return CropSize(_pixels(explicit, where), where, "change it there")
     saved = getattr(config, IMAGE_PROCESSOR_ATTRIBUTE, None)
     if saved is not None and saved["settings"].get(processor_key) is not None:
         where = f"{processor_key} in {saved['file']}"
-        return CropSize(_pixels(saved["settings"][processor_key], where), f"{where}; {OTHER_CROP_SIZES}")
+        return CropSize(_pixels(saved["settings"][processor_key], where), where)
     return CropSize(
         default,
-        (
-            f"{processor_class}'s default {processor_key}: the checkpoint has no processor config that sets "
-            f"it; {OTHER_CROP_SIZES}"
-        ),
+        f"{processor_class}'s default {processor_key}: the checkpoint has no processor config that sets it",
     )
 
 
@@ -142,7 +152,12 @@ class TiledAdapter(AdapterBase):
 
 class PathTiles(TiledAdapter):
     """One path of a global-view-and-crops tower: its tiles of one size, `tokens_per_tile` each,
-    one tile an item on the global view's path. A family subclass writes `forward`."""
+    one tile an item on the global view's path. A family subclass writes `forward_tiles`.
+
+    Args:
+        crop: the crop path's size and where it was set (None: the global view's path); with
+            `other_sides`, the square sides besides it that the tower takes (`TileRules`).
+    """
 
     def __init__(
         self,
@@ -153,20 +168,62 @@ class PathTiles(TiledAdapter):
         tokens_per_tile: int,
         output_width: int,
         max_graph_tiles: int,
-        tile_size_source: str = "",
+        crop: CropSize | None = None,
+        other_sides: SquareTiles | None = None,
     ) -> None:
         self.tower = tower
         self.path = path
         self.max_graph_tiles = max_graph_tiles
         self.tokens_per_tile = tokens_per_tile
+        self.crop = crop
         self.item_rules = TileRules(
             channels,
             tile_size,
             tokens_per_tile,
             ((output_width,),),
             max_tiles_per_item=1 if path == GLOBAL_VIEW else None,
-            tile_size_source=tile_size_source,
+            other_sides=other_sides,
         )
+        self._warned_sides: set[int] = set()  # sides run eagerly and warned of (runs hold the runner's lock)
+
+    def forward(self, pixels: torch.Tensor, metadata: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """`forward_tiles` on tiles [n, C, S, S]; crops of a side no graph serves (an eager run)
+        are warned of, once a side."""
+        side = int(pixels.shape[-1])
+        if self.crop is not None and side != self.crop.pixels and side not in self._warned_sides:
+            self._warned_sides.add(side)
+            logger.warning(
+                "crops of %d pixels: no graph serves them (the encoder's crops are %d, from %s); they "
+                "run eagerly at their own size. To make crops of %d pixels the fast path (graphs), %s",
+                side,
+                self.crop.pixels,
+                self.crop.source,
+                side,
+                self.crop.change,
+            )
+        return self.forward_tiles(pixels)
+
+    def forward_tiles(self, pixels: torch.Tensor) -> list[torch.Tensor]:
+        """The tower on tiles [n, C, S, S] of this path: [n * tokens a tile, width], per output."""
+        raise NotImplementedError(f"{type(self).__name__} writes forward_tiles")
+
+
+class TablesBySize:
+    """Shape-only tensors a tower's forward reads (rotary positions, masks) for a size whose
+    tiles no graph serves: made on first use, kept per size and device. The sizes the graphs run
+    keep theirs as the module's buffers (which a capture holds); these are for eager runs only."""
+
+    def __init__(self) -> None:
+        self._tables: dict[tuple[Hashable, torch.device], Any] = {}
+
+    def get(self, key: Hashable, device: torch.device, make: Callable[[], Any]) -> Any:
+        """The tables under `key` on `device`: `make()`'s tensor (or tuple of tensors), moved there once."""
+        kept = self._tables.get((key, device))
+        if kept is None:
+            made = make()
+            kept = tuple(t.to(device) for t in made) if isinstance(made, tuple) else made.to(device)
+            self._tables[(key, device)] = kept
+        return kept
 
 
 class ViewAndCropsAdapter(AdapterBase):

@@ -5,8 +5,9 @@ their processors emit them as two tensors (`pixel_values`, `pixel_values_local`)
 runs each through the tower at its own resolution. vitpool calls each input a *path*: an item is
 split into one part per input it holds, every part is an ordinary single-tensor item of its
 path's rules (its `ItemSpec.path` names the input), parts of one path are packed into that
-path's budgets and replayed by that path's graphs, and the item's embedding is its parts'
-outputs joined in the order `paths` lists them (the order the model hands them to its LLM).
+path's budgets and replayed by that path's graphs (a part of a shape they do not hold, crops of
+another size, runs eagerly, alone: `ItemSpec.served_by_graph`), and the item's embedding is its
+parts' outputs joined in the order `paths` lists them (the order the model hands them to its LLM).
 
 Plain data: no torch, no transformers (the pool's callers split items in their own process).
 """

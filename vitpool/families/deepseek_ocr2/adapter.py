@@ -21,9 +21,11 @@ floor(S / 16) patches a side (pixels past the last whole patch are not read), th
 and the global layers' relative-position tables are interpolated to that grid, windows are padded,
 and each stride-2 convolution rounds up, so a tile has ceil(floor(S / 16) / 4)² SAM tokens and
 gives 144 tokens (S under 784) or 256. The crop size is the processor's setting: vitpool reads it
-where the checkpoint sets it (`DeepseekOcr2Adapter.crop_size`) and runs crops of that size. (The
-processor counts ceil(S / 64)² placeholder tokens a crop, so the full model accepts only crops
-whose count is their query table's: S in 705..768 or 961..1024.)
+where the checkpoint sets it (`DeepseekOcr2Adapter.crop_size`) and captures the crop path's graphs
+for that size; square crops of another side of at least one patch run eagerly at their own size,
+with the same tokens as the model's (`vitpool.models.tiled`). (The processor counts ceil(S / 64)²
+placeholder tokens a crop, so the full model accepts only crops whose count is their query
+table's: S in 705..768 or 961..1024.)
 
 The tower runs from its parts (`vitpool.families.deepseek_ocr2.tower`: `tile_features`, the
 family's one seam). State keys `vision_tower.*`, `multi_modal_projector.*` and `view_separator`; a
@@ -41,11 +43,13 @@ from vitpool.families.deepseek_ocr2 import checkpoint
 from vitpool.families.deepseek_ocr2.tower import GLOBAL, LOCAL, DeepseekOcr2Encoder, tile_features
 from vitpool.models.adapter_base import TEXT_HIDDEN_SIZE
 from vitpool.models.tiled import PathTiles, ViewAndCropsAdapter, install_kernels
+from vitpool.rules.tiles import SquareTiles
 
 # DeepseekOcr2ImageProcessor's default `tile_size`: the side of a local crop in pixels. It is the
 # processor's setting, not the model's (`DeepseekOcr2Adapter.crop_size`).
 LOCAL_IMAGE_SIZE = 768
 SEPARATOR_TOKENS = 1  # view_separator, after each global view
+SAM_REDUCTION = 4  # the SAM neck's two stride-2 convolutions, each rounding up
 
 # Default budgets: up to 8 global views (8 images) and 24 crops (4 images of 6 crops) per batch;
 # more run eager at their own size.
@@ -83,7 +87,12 @@ class DeepseekOcr2PathAdapter(PathTiles):
     separator."""
 
     def __init__(self, encoder: DeepseekOcr2Encoder, path: str, output_width: int) -> None:
-        tokens = encoder.queries(path).shape[0] + (SEPARATOR_TOKENS if path == GLOBAL else 0)
+        tokens = encoder.queries(encoder.grids[path]).shape[0] + (SEPARATOR_TOKENS if path == GLOBAL else 0)
+        crops = path == LOCAL  # crops of another side run eagerly; a global view of another side is refused
+        # a crop of any side: its SAM tokens, then the rows of the query table the tower takes for
+        # them: the 144 queries for at most 144 SAM tokens (MAX_PATCHES_OF_SMALL_QUERIES), else the 256
+        queries = (encoder.vision_tower.query_768_resolution, encoder.vision_tower.query_1024_resolution)
+        sides = SquareTiles(encoder.patch_size, SAM_REDUCTION, tuple(int(q.weight.shape[0]) for q in queries))
         super().__init__(
             encoder,
             path,
@@ -92,10 +101,11 @@ class DeepseekOcr2PathAdapter(PathTiles):
             tokens,
             output_width,
             MAX_GRAPH_TILES[path],
-            encoder.crop_size_source if path == LOCAL else "",
+            encoder.crop if crops else None,
+            sides if crops else None,
         )
 
-    def forward(self, pixels: torch.Tensor, metadata: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    def forward_tiles(self, pixels: torch.Tensor) -> list[torch.Tensor]:
         tokens = self.tower.multi_modal_projector(tile_features(self.tower, self.path, pixels))
         if self.path == GLOBAL:  # [n, Q, W] -> [n, Q + 1, W]
             separator = self.tower.view_separator.to(tokens.dtype)[None, None].expand(tokens.shape[0], 1, -1)

@@ -1,6 +1,8 @@
 """DeepSeek-OCR-2's tower run from its parts: `DeepseekOcr2Encoder` (the tower, the projector, the
 separator and each path's shape-only tables) and `tile_features`, its forward on a path's tiles,
-with the reference path and the fused one taken on CUDA in half precision."""
+with the reference path and the fused one taken on CUDA in half precision. Tiles of another size
+than their path's (crops no graph serves, run eagerly) get their tables made on first use, kept
+per size."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import torch.nn.functional as F
 
 from vitpool.kernels.fused import fused_ops_apply, fused_rotary, triton_available
 from vitpool.models.compat import check_tower_parts
-from vitpool.models.tiled import GLOBAL_VIEW, LOCAL_CROPS, CropSize
+from vitpool.models.tiled import GLOBAL_VIEW, LOCAL_CROPS, CropSize, TablesBySize
 
 GLOBAL, LOCAL = GLOBAL_VIEW, LOCAL_CROPS
 # The tower picks its query table by the SAM token count (`DeepseekOcr2VisionModel.forward`).
@@ -82,6 +84,13 @@ def encoder_mask(num_patches: int, num_queries: int) -> torch.Tensor:
     return allowed
 
 
+def sam_tokens(grid: int) -> int:
+    """SAM tokens of a tile `grid` patches a side: after the two stride-2 convolutions, each
+    rounding up."""
+    side = (((grid + 1) // 2) + 1) // 2
+    return side * side
+
+
 # The tower's own forward cannot be captured: SAM's `get_rel_pos` indexes its tables with tensors
 # made on the host at every call, and its attention classes do not go through transformers'
 # attention interface. So the encoder keeps, as buffers, each size's relative-position indices and
@@ -97,7 +106,7 @@ class DeepseekOcr2Encoder(torch.nn.Module):
         view_separator: `DeepseekOcr2Model.view_separator` [LLM width] (copied).
         local_image_size: the side of a local crop in pixels (the processor's `tile_size`), or that
             and where it was set (`DeepseekOcr2Adapter.crop_size`), named when crops of another
-            size are refused.
+            size run eagerly.
 
     Raises:
         ConfigError: the tower lacks a part `tile_features` runs (another transformers release).
@@ -124,11 +133,10 @@ class DeepseekOcr2Encoder(torch.nn.Module):
                 f"DeepSeek-OCR-2 needs square patches and views (one integer each); got patch_size "
                 f"{patch!r}, image_size {sam.image_size!r}"
             )
-        crop = CropSize.of(local_image_size)
-        self.crop_size_source = crop.source
-        self.tile_sizes = {GLOBAL: sam.image_size, LOCAL: crop.pixels}
+        self.patch_size = patch
+        self.crop = CropSize.of(local_image_size)
+        self.tile_sizes = {GLOBAL: sam.image_size, LOCAL: self.crop.pixels}
         self.grids: dict[str, int] = {}  # patches per side of a path's tile
-        self.query_names: dict[str, str] = {}
         rel_sizes = {int(sam.window_size)}
         for path, size in self.tile_sizes.items():
             if size < patch:
@@ -136,35 +144,52 @@ class DeepseekOcr2Encoder(torch.nn.Module):
                     f"DeepSeek-OCR-2 {path} tiles of {size} pixels are smaller than one {patch}-pixel patch"
                 )
             grid = size // patch  # as the patch convolution: pixels past the last whole patch are not read
-            side = (grid + 1) // 2
-            num_patches = ((side + 1) // 2) ** 2  # after the two stride-2 convolutions
-            small = num_patches <= MAX_PATCHES_OF_SMALL_QUERIES
             self.grids[path] = grid
-            self.query_names[path] = "query_768_resolution" if small else "query_1024_resolution"
-            num_queries = self.queries(path).shape[0]
-            length = num_patches + num_queries
             rel_sizes.add(grid)
-            self.register_buffer(f"{path}_mask", encoder_mask(num_patches, num_queries), persistent=False)
-            self.register_buffer(f"{path}_positions", torch.arange(length)[None], persistent=False)
+            mask, positions = self._encoder_tables(grid)
+            self.register_buffer(f"{path}_mask", mask, persistent=False)
+            self.register_buffer(f"{path}_positions", positions, persistent=False)
+        self.rel_sizes = frozenset(rel_sizes)
         for size in sorted(rel_sizes):
             self.register_buffer(f"rel_index_{size}", relative_index(size), persistent=False)
             self.register_buffer(f"key_positions_{size}", key_positions(size), persistent=False)
+        self._other_sizes = TablesBySize()  # tables of tiles of another grid (run eagerly)
 
-    def queries(self, path: str) -> torch.Tensor:
-        """[Q, width] learned queries of a `path` tile."""
-        return getattr(self.vision_tower, self.query_names[path]).weight
+    def queries(self, grid: int) -> torch.Tensor:
+        """[Q, width] learned queries of a tile `grid` patches a side: the table the tower picks by
+        its SAM token count."""
+        small = sam_tokens(grid) <= MAX_PATCHES_OF_SMALL_QUERIES
+        return (
+            self.vision_tower.query_768_resolution if small else self.vision_tower.query_1024_resolution
+        ).weight
 
-    def mask(self, path: str) -> torch.Tensor:
-        return getattr(self, f"{path}_mask")
-
-    def positions(self, path: str) -> torch.Tensor:
-        return getattr(self, f"{path}_positions")
+    def encoder_tables(self, path: str, grid: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The encoder's mask [L, L] and positions [1, L] for a `path` tile `grid` patches a side:
+        the path's buffers for its own tiles, else made once a grid."""
+        if grid == self.grids[path]:
+            return getattr(self, f"{path}_mask"), getattr(self, f"{path}_positions")
+        device = self.view_separator.device
+        return self._other_sizes.get(("encoder", grid), device, lambda: self._encoder_tables(grid))
 
     def rel_index(self, size: int) -> torch.Tensor:
-        return getattr(self, f"rel_index_{size}")
+        """`relative_index(size)`: a buffer for the windows' and the paths' sizes, else made once."""
+        if size in self.rel_sizes:
+            return getattr(self, f"rel_index_{size}")
+        return self._other_sizes.get(
+            ("rel_index", size), self.view_separator.device, lambda: relative_index(size)
+        )
 
     def key_positions(self, size: int) -> torch.Tensor:
-        return getattr(self, f"key_positions_{size}")
+        """`key_positions(size)`: a buffer for the windows' and the paths' sizes, else made once."""
+        if size in self.rel_sizes:
+            return getattr(self, f"key_positions_{size}")
+        return self._other_sizes.get(
+            ("key_positions", size), self.view_separator.device, lambda: key_positions(size)
+        )
+
+    def _encoder_tables(self, grid: int) -> tuple[torch.Tensor, torch.Tensor]:
+        num_patches, num_queries = sam_tokens(grid), self.queries(grid).shape[0]
+        return encoder_mask(num_patches, num_queries), torch.arange(num_patches + num_queries)[None]
 
 
 def rel_table(rel_pos: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -254,10 +279,10 @@ def attend_sam(
     return sam_attention(attention, hidden, index, key_positions)
 
 
-def sam_features(encoder: DeepseekOcr2Encoder, path: str, pixels: torch.Tensor) -> torch.Tensor:
-    """`DeepseekOcr2SamVisionEncoder.forward` on tiles [n, C, S, S] of `path`: [n, P, width]."""
+def sam_features(encoder: DeepseekOcr2Encoder, pixels: torch.Tensor) -> torch.Tensor:
+    """`DeepseekOcr2SamVisionEncoder.forward` on tiles [n, C, S, S]: [n, P, width]."""
     sam = encoder.vision_tower.sam_encoder
-    grid = encoder.grids[path]
+    grid = pixels.shape[-1] // encoder.patch_size
     hidden = sam.patch_embed(pixels)  # [n, grid, grid, hidden]: a view of the convolution's NCHW output
     if fused_ops_apply(hidden):
         # one copy into [n, grid, grid, hidden] order: else every add of the residual stream keeps
@@ -380,23 +405,26 @@ def fused_encoder_fits(hidden: torch.Tensor, layers: torch.nn.ModuleList) -> boo
 
 
 def tile_features(encoder: DeepseekOcr2Encoder, path: str, pixels: torch.Tensor) -> torch.Tensor:
-    """`DeepseekOcr2VisionModel.forward` on tiles [n, C, S, S] of `path`, with the path's tables
-    from buffers: [n, Q, width], the queries' outputs (the model's `last_hidden_state`)."""
+    """`DeepseekOcr2VisionModel.forward` on tiles [n, C, S, S] of `path` (S its own size, or, run
+    eagerly, another crop side), with the tables from buffers: [n, Q, width], the queries' outputs
+    (the model's `last_hidden_state`)."""
     vision = encoder.vision_tower.vision_encoder
-    patches = sam_features(encoder, path, pixels)  # [n, P, width]
-    queries = encoder.queries(path)
+    grid = pixels.shape[-1] // encoder.patch_size
+    patches = sam_features(encoder, pixels)  # [n, P, width]
+    queries = encoder.queries(grid)
     hidden = torch.cat([patches, queries[None].expand(patches.shape[0], -1, -1)], dim=1)
     layers = vision.layers[: vision.config.num_hidden_layers]
     num_patches = patches.shape[1]
+    mask, positions = encoder.encoder_tables(path, grid)
     if fused_encoder_fits(hidden, layers):
         # the rotary kernel takes fp32 tables: the rotary's own math before it rounds to x's dtype
-        cos, sin = vision.rotary_emb(hidden.new_empty((), dtype=torch.float32), encoder.positions(path))
-        bias = attention_bias(encoder.mask(path), hidden.dtype)
+        cos, sin = vision.rotary_emb(hidden.new_empty((), dtype=torch.float32), positions)
+        bias = attention_bias(mask, hidden.dtype)
         for layer in layers:
             hidden = fused_encoder_layer(layer, hidden, cos[0], sin[0], bias)
         return rms_norm(vision.norm, hidden)[:, num_patches:]
-    cos, sin = vision.rotary_emb(hidden, encoder.positions(path))  # [1, L, head_dim]
-    cos, sin, mask = cos[:, None], sin[:, None], encoder.mask(path)
+    cos, sin = vision.rotary_emb(hidden, positions)  # [1, L, head_dim]
+    cos, sin = cos[:, None], sin[:, None]
     for layer in layers:
         hidden = encoder_layer(layer, hidden, cos, sin, mask)
     return vision.norm(hidden)[:, num_patches:]

@@ -13,14 +13,17 @@ The tower takes a square tile of any side S of at least one patch: the patch con
 floor(S / 14) patches a side (pixels past the last whole patch are not read), the positions are
 interpolated (bilinear) to that grid, and each stride-2 convolution rounds up, so a tile gives
 ceil(floor(S / 14) / 4)² tokens. The crop size is the processor's setting: vitpool reads it where
-the checkpoint sets it (`Step3p7Adapter.crop_size`) and runs crops of that size. (The processor
-counts (S // 56)² placeholder tokens a crop, so the full model accepts only crops with S mod 56
-under 14 and S of 56 or more, 504 among them.)
+the checkpoint sets it (`Step3p7Adapter.crop_size`) and captures the crop path's graphs for that
+size; square crops of another side of at least one patch run eagerly at their own size, with the
+same tokens as the model's (`vitpool.models.tiled`). (The processor counts (S // 56)² placeholder
+tokens a crop, so the full model accepts only crops with S mod 56 under 14 and S of 56 or more,
+504 among them.)
 
 Every tile of a path has one size, so a batch of tiles needs no metadata; the tower's own
 forward builds its rotary positions from a tensor made on the host at every call, which a
-captured graph cannot hold, so `Step3p7Encoder` keeps each path's positions as buffers and
-`tile_features` runs the tower's parts with them (the family's one seam).
+captured graph cannot hold, so `Step3p7Encoder` keeps each path's positions as buffers (and those
+of another crop side, run eagerly, as they are first asked for) and `tile_features` runs the
+tower's parts with them (the family's one seam).
 
 State keys `vision_model.*` and `multi_modal_projector.*`; a full checkpoint in transformers'
 layout has them under `model.`.
@@ -40,9 +43,11 @@ from vitpool.models.tiled import (
     LOCAL_CROPS,
     CropSize,
     PathTiles,
+    TablesBySize,
     ViewAndCropsAdapter,
     install_kernels,
 )
+from vitpool.rules.tiles import SquareTiles
 
 GLOBAL, LOCAL = GLOBAL_VIEW, LOCAL_CROPS
 # Step3p7ImageProcessor's default `patch_size`: the side of a local crop in pixels. It is the
@@ -67,7 +72,8 @@ class Step3p7Encoder(torch.nn.Module):
         vision_model: `Step3p7VisionModel`; its `image_size` is the global view's side.
         projector: `Step3p7Model.multi_modal_projector`.
         local_image_size: the side of a local crop in pixels (the processor's `patch_size`), or that
-            and where it was set (`Step3p7Adapter.crop_size`), named when crops of another size are refused.
+            and where it was set (`Step3p7Adapter.crop_size`), named when crops of another size
+            run eagerly.
 
     Raises:
         ValueError: tiles smaller than one patch.
@@ -77,27 +83,41 @@ class Step3p7Encoder(torch.nn.Module):
         self, vision_model: torch.nn.Module, projector: torch.nn.Module, local_image_size: int | CropSize
     ) -> None:
         super().__init__()
-        from transformers.vision_utils import get_vision_position_ids
-
         self.vision_model = vision_model
         self.multi_modal_projector = projector
         self.config = vision_model.config
-        crop = CropSize.of(local_image_size)
-        self.crop_size_source = crop.source
-        self.tile_sizes = {GLOBAL: int(self.config.image_size), LOCAL: crop.pixels}
-        patch = int(self.config.patch_size)
+        self.crop = CropSize.of(local_image_size)
+        self.tile_sizes = {GLOBAL: int(self.config.image_size), LOCAL: self.crop.pixels}
+        self.patch_size = int(self.config.patch_size)
+        self.grid_sides: dict[str, int] = {}  # patches a side of a path's tile
         for path, size in self.tile_sizes.items():
-            if size < patch:
+            if size < self.patch_size:
                 raise ValueError(
-                    f"Step-3.7 {path} tiles of {size} pixels are smaller than one {patch}-pixel patch"
+                    f"Step-3.7 {path} tiles of {size} pixels are smaller than one "
+                    f"{self.patch_size}-pixel patch"
                 )
-            side = size // patch  # as the patch convolution: pixels past the last whole patch are not read
-            positions = get_vision_position_ids(torch.tensor([[1, side, side]]), spatial_merge_size=1)
-            self.register_buffer(f"{path}_positions", positions, persistent=False)
+            # as the patch convolution: pixels past the last whole patch are not read
+            self.grid_sides[path] = size // self.patch_size
+            self.register_buffer(
+                f"{path}_positions", patch_positions(self.grid_sides[path]), persistent=False
+            )
+        self._other_positions = TablesBySize()
 
-    def positions(self, path: str) -> torch.Tensor:
-        """[side * side, 2] (row, column) of each patch of a `path` tile."""
-        return getattr(self, f"{path}_positions")
+    def positions(self, path: str, side: int) -> torch.Tensor:
+        """[side * side, 2] (row, column) of each patch of a `path` tile `side` patches a side: the
+        path's buffer for its own tiles, else (crops of another size, run eagerly) made once a side."""
+        own = getattr(self, f"{path}_positions")
+        if side == self.grid_sides[path]:
+            return own
+        return self._other_positions.get(side, own.device, lambda: patch_positions(side))
+
+
+def patch_positions(side: int) -> torch.Tensor:
+    """[side * side, 2] (row, column) of each patch of a tile `side` patches a side, as the
+    tower's forward makes them."""
+    from transformers.vision_utils import get_vision_position_ids
+
+    return get_vision_position_ids(torch.tensor([[1, side, side]]), spatial_merge_size=1)
 
 
 def projector_of(config: Any, dtype: torch.dtype | None) -> torch.nn.Linear:
@@ -178,16 +198,17 @@ def _halves_from_pairs(rows: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def tile_features(encoder: Step3p7Encoder, path: str, pixels: torch.Tensor) -> torch.Tensor:
-    """`Step3p7VisionModel.forward` on tiles [n, C, S, S] of `path`, with the path's positions
-    from buffers: [n, ceil(floor(S / patch) / 4)², 4 * hidden], as the model's `last_hidden_state`."""
+    """`Step3p7VisionModel.forward` on tiles [n, C, S, S] of `path` (S its own size, or, run
+    eagerly, another crop side), with the positions from buffers: [n, ceil(floor(S / patch) / 4)²,
+    4 * hidden], as the model's `last_hidden_state`."""
     vision = encoder.vision_model
+    side = pixels.shape[-1] // encoder.patch_size
     hidden = vision.embeddings(pixels, interpolate_pos_encoding=True)
     hidden = vision.pre_layernorm(hidden)
-    position_embeddings = vision.rotary_emb(hidden, encoder.positions(path))
+    position_embeddings = vision.rotary_emb(hidden, encoder.positions(path, side))
     for layer in vision.layers:
         hidden = layer(hidden, position_embeddings=position_embeddings)
     tiles, _, channels = hidden.shape
-    side = pixels.shape[-1] // vision.embeddings.patch_size
     hidden = hidden.permute(0, 2, 1).reshape(tiles, channels, side, side)
     hidden = vision.downsampler2(vision.downsampler1(hidden))
     return hidden.flatten(2).permute(0, 2, 1)
@@ -197,21 +218,22 @@ class Step3p7PathAdapter(PathTiles):
     """One path's tiles through the tower and the projector."""
 
     def __init__(self, encoder: Step3p7Encoder, path: str, output_width: int) -> None:
+        sides = SquareTiles(encoder.patch_size, DOWNSAMPLE)  # the tokens of a tile of any side
         size = encoder.tile_sizes[path]
-        side = size // int(encoder.config.patch_size)
-        tokens_per_side = -(-side // DOWNSAMPLE)
+        crops = path == LOCAL  # crops of another side run eagerly; a global view of another side is refused
         super().__init__(
             encoder,
             path,
             int(encoder.config.num_channels),
             size,
-            tokens_per_side**2,
+            sides.tokens(size),
             output_width,
             MAX_GRAPH_TILES[path],
-            encoder.crop_size_source if path == LOCAL else "",
+            encoder.crop if crops else None,
+            sides if crops else None,
         )
 
-    def forward(self, pixels: torch.Tensor, metadata: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    def forward_tiles(self, pixels: torch.Tensor) -> list[torch.Tensor]:
         tokens = self.tower.multi_modal_projector(tile_features(self.tower, self.path, pixels))
         return [tokens.reshape(-1, tokens.shape[-1])]
 
