@@ -33,11 +33,9 @@ MINICPM_SLICES = ([[4, 4]], [[8, 4], [4, 4], [4, 8]], [[4, 8]], [[8, 8], [4, 4]]
 def build(family: str, case) -> tuple[torch.nn.Module, GraphEncoder, list[Image]]:
     generator = torch.Generator().manual_seed(1)
     budgets = list(case.CASE_FIELDS["budgets"])
-    if family in SLICES_FAMILIES:  # MiniCPM-V 4.7's parts run in 4.6's encoder module and adapter
-        from vitpool.families.minicpmv4_6.adapter import MiniCPMV4_6Adapter
-
+    if family in SLICES_FAMILIES:  # each case's own adapter (MiniCPM-OCR's reads its mode; 4.7's is 4.6's)
         model = case.tiny_model(seed=2)
-        adapter = MiniCPMV4_6Adapter(case.encoder_module(model))
+        adapter = case.adapter_of(model)
         items = [
             Image(torch.randn(sum(h * w for h, w in sizes), *case.ROW_SHAPE, generator=generator), sizes)
             for sizes in MINICPM_SLICES

@@ -22,7 +22,8 @@ case's; the rest only where the family's tests need it):
 - `TILE_SHAPE`, `TOKENS_PER_TILE`: a tiled family's, whose items are `Image(tiles)`, any number of
   tiles of that shape, that many tokens each (`hf_model(seed)` its full model).
 - `LOCAL_ROW_SHAPE`: a family whose item is a global view (`GLOBAL_ROW_SHAPE`) and crops, on two
-  paths; `strip_of`: one whose items are slices of several sizes, as the processor's strip.
+  paths; `strip_of`: one whose items are slices of several sizes, as the processor's strip (its
+  `adapter_of(model)` the adapter over its tiny model's tower).
 - `TOO_OLD`: why the installed transformers cannot build the family (the tests skip), or None.
 """
 

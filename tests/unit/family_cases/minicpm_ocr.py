@@ -74,6 +74,13 @@ def encoder_module(model: torch.nn.Module) -> torch.nn.Module:
     )
 
 
+def adapter_of(model: torch.nn.Module) -> Any:
+    """vitpool's adapter over `encoder_module(model)`, in the config's mode (what the GPU tests capture)."""
+    from vitpool.families.minicpm_ocr.adapter import MiniCPMOcrAdapter
+
+    return MiniCPMOcrAdapter(encoder_module(model))
+
+
 def image_features(model: torch.nn.Module, item: Any) -> torch.Tensor:
     """get_image_features on one image alone (patch rows or the strip), its slices' tokens concatenated."""
     from vitpool.families.minicpmv4_6.rules import patch_rows

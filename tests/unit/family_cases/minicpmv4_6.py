@@ -92,6 +92,13 @@ def encoder_module(model: torch.nn.Module) -> torch.nn.Module:
     return MiniCPMV4_6Encoder(copy.deepcopy(model.vision_tower), copy.deepcopy(model.merger))
 
 
+def adapter_of(model: torch.nn.Module) -> Any:
+    """vitpool's adapter over `encoder_module(model)` (what the GPU tests capture)."""
+    from vitpool.families.minicpmv4_6.adapter import MiniCPMV4_6Adapter
+
+    return MiniCPMV4_6Adapter(encoder_module(model))
+
+
 def strip_of(rows: torch.Tensor) -> torch.Tensor:
     """Patch rows [N, C, P, P] back to the processor's strip [1, C, P, N*P]."""
     return rows.permute(1, 2, 0, 3).reshape(1, rows.shape[1], rows.shape[2], -1)

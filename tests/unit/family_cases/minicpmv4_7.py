@@ -17,7 +17,11 @@ import torch
 
 from family_cases.common import randomize
 from family_cases.minicpmv4_6 import TINY_TEXT as TINY_TEXT_4_6
-from family_cases.minicpmv4_6 import encoder_module, strip_of  # 4.6's encoder module runs 4.7's parts
+from family_cases.minicpmv4_6 import (  # 4.6's encoder module runs 4.7's parts
+    adapter_of,  # noqa: F401 - the case's, for the GPU tests: 4.6's adapter
+    encoder_module,
+    strip_of,
+)
 from vitpool import GraphEncoder, Image, Video
 from vitpool.families.minicpmv4_7.adapter import missing_transformers_model
 from vitpool.specs import ItemSpec
