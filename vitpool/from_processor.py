@@ -119,21 +119,45 @@ MAX_NEAREST = 4  # processors named where a batch fits none
 
 
 def _nearest(keyed: list[FamilyRecord], batch: Mapping[str, Any]) -> str:
-    """The processors nearest a batch that fits none: those using the most of its keys, the ones
-    lacking the fewest first, each with what it lacks; where one or two are that near, in their
-    cutters' words (which call of the processor keeps what is missing)."""
+    """The processors nearest a batch that fits none. First those whose full processor returns it
+    as it is, lacking only what says where an image's tiles end (`ProcessorOutput.count_keys`):
+    named, they cut it a tile an item. Then those using the most of its keys, the ones lacking the
+    fewest first, each with what it lacks; where one or two are that near, in their cutters' words
+    (which call of the processor keeps what is missing)."""
+    named_cuts = sorted(record.name for record in keyed if _cut_when_named(record, batch))
     used = {record.name: _used_keys(record) & set(batch.keys()) for record in keyed}
     most = max(len(keys) for keys in used.values())
     if most == 0:
         pixels = sorted({record.processor_output.image_keys[0] for record in keyed})  # type: ignore[union-attr]
         return f"it holds no pixels under any family's key ({', '.join(pixels)})"
     near = sorted(
-        (record for record in keyed if len(used[record.name]) == most),
+        (record for record in keyed if len(used[record.name]) == most and record.name not in named_cuts),
         key=lambda record: (len(record.processor_output.missing(batch.keys())), record.name),  # type: ignore[union-attr]
     )
     accounts = [_lacks(record, batch, in_its_words=len(near) <= 2) for record in near[:MAX_NEAREST]]
     more = f", or {len(near) - MAX_NEAREST} more" if len(near) > MAX_NEAREST else ""
-    return f"the nearest: {'; or '.join(accounts)}{more}"
+    nearest = f"the nearest: {'; or '.join(accounts)}{more}" if accounts else ""
+    if not named_cuts:
+        return nearest
+    full = (
+        f"it is what the full processors of {', '.join(named_cuts)} return (they drop where an image's "
+        f"tiles end): pass family= one of those ({_example(named_cuts[0])}) and each tile is an item, as "
+        "the model encodes them"
+    )
+    return f"{full}; else {nearest}" if nearest else full
+
+
+def _cut_when_named(record: FamilyRecord, batch: Mapping[str, Any]) -> bool:
+    """`record`'s cutter takes the batch once the caller names the family: it lacks only count keys
+    (and holds nothing that marks another family's, which `missing` would name)."""
+    output = record.processor_output
+    assert output is not None  # keyed records have one
+    missing = output.missing(batch.keys())
+    return bool(missing) and set(missing) <= set(output.count_keys)
+
+
+def _example(name: str) -> str:
+    return f"vitpool.items_from(out, family={name!r})"
 
 
 def _used_keys(record: FamilyRecord) -> set[str]:
@@ -147,10 +171,7 @@ def _lacks(record: FamilyRecord, batch: Mapping[str, Any], in_its_words: bool) -
     asked and it gives a reason."""
     output = record.processor_output
     assert output is not None
-    missing = output.missing(batch.keys())
-    account = f"{record.name}'s, which also holds {', '.join(missing)}"
-    if set(missing) <= set(output.count_keys):
-        account += f" (or pass family={record.name!r}: each tile is then an item, as the model encodes them)"
+    account = f"{record.name}'s, which also holds {', '.join(output.missing(batch.keys()))}"
     if in_its_words:
         try:
             named_object(output.split)(batch)

@@ -203,16 +203,21 @@ def test_every_family_says_what_its_processor_returns():
 
 
 def test_a_batch_that_fits_no_family_names_the_nearest_processors_and_what_they_dropped():
-    """InternVLProcessor's output as a user has it (it drops num_patches): the guess names the
-    processors that use its pixels and what each lacks, InternVL's num_patches among them."""
+    """InternVLProcessor's output as a user has it (it drops num_patches): the guess names first the
+    full processors that return it as it is (named, each tile an item), then the processors that use
+    its pixels and what each lacks."""
     batch = {
         "input_ids": torch.zeros(1, 5, dtype=torch.long),
         "attention_mask": torch.ones(1, 5, dtype=torch.long),
         "pixel_values": torch.zeros(3, 3, 448, 448),
     }
-    with pytest.raises(ValueError, match="are no family's processor output; the nearest: ") as error:
+    with pytest.raises(ValueError, match="are no family's processor output; it is what the full") as error:
         vitpool.items_from(batch)
     message = str(error.value)
     assert "which also holds" in message and "pass the family" not in message
+    full = "it is what the full processors of aya_vision, gemma3, internvl, llama4 return"
+    assert full in message and "family='aya_vision'" in message
+    assert message.index(full) < message.index("the nearest: ")
+    assert "internvl's, which also holds" not in message  # named once, where it takes the batch
     assert message.count("; or ") >= 3  # several processors tie on pixel_values alone
     assert "more" in message  # and the rest are counted, not listed
