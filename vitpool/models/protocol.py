@@ -141,11 +141,12 @@ class VisionAdapter(Protocol):
         ...
 
 
-# The members `VisionAdapter` and `ItemRules` declare with defaults, which `AdapterBase` and
-# `RulesBase` give: an adapter (or its rules) on neither must write them.
 # A parameter an adapter marks so (`setattr(parameter, KEEPS_DTYPE, True)`) keeps its dtype when the
 # encoder casts the tower to its own (a router Hugging Face keeps in fp32: `_keep_in_fp32_modules_strict`)
 KEEPS_DTYPE = "_vitpool_keeps_dtype"
+
+# The members `VisionAdapter` and `ItemRules` declare with defaults, which `AdapterBase` and
+# `RulesBase` give: an adapter (or its rules) on neither must write them.
 ADAPTER_DEFAULTS = ("paths", "fp8_refused", "budget_range")
 RULES_DEFAULTS = ("parts", "pixel_rows", "budgets")
 
