@@ -291,6 +291,9 @@ def boundary_key(tensor: torch.Tensor) -> tuple[int, int]:
     return tensor.data_ptr(), tensor.numel()
 
 
+PACKED_HEAD_MULTIPLE = 8
+
+
 def packed_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -308,7 +311,9 @@ def packed_attention(
     """query/key/value: [1, heads, rows, head_dim] -> ([1, rows, heads, head_dim], None)."""
     if cu_seq_lens_q is None or max_length_q is None:
         raise RuntimeError(f"{ATTENTION_NAME} needs cu_seqlens and max_seqlen from the tower")
-    if not (query.is_cuda and query.dtype in _FLASH_DTYPES):
+    # the packed kernels (FA2, cuDNN) take head sizes in multiples of 8 only; every released tower's
+    # is one, and a tower whose is not runs the masked SDPA, slower but right (and capturable)
+    if not (query.is_cuda and query.dtype in _FLASH_DTYPES) or query.shape[-1] % PACKED_HEAD_MULTIPLE:
         return _block_diagonal_sdpa(query, key, value, cu_seq_lens_q, scaling).transpose(1, 2), None
     # the packed kernels take [rows, heads, head_dim]
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
