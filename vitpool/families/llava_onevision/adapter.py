@@ -25,12 +25,8 @@ three under `model.`.
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import functools
-import math
 import random
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -38,21 +34,22 @@ from transformers import SiglipVisionConfig
 
 from vitpool.errors import ConfigError
 from vitpool.families.llava_onevision.rules import LlavaOnevisionRules, max_num_patches_of
-from vitpool.families.llava_onevision.taps import NEWLINE, TAPS, item_taps
-from vitpool.models.adapter_base import TEXT_HIDDEN_SIZE, AdapterBase, ConfigField, renames
+from vitpool.families.llava_onevision.taps import TAPS, item_taps
+from vitpool.families.llava_onevision.tile_table import (
+    TileTableAdapter,
+    TileTableEncoder,
+    build_tile_table_encoder,
+    projector_fields,
+)
 from vitpool.models.compat import check_tower_parts
-from vitpool.models.projected import tower_and_projector
-from vitpool.models.protocol import BudgetRange, TensorSpec, zero_metadata
+from vitpool.models.protocol import BudgetRange, TensorSpec
 from vitpool.models.tiled import install_kernels
-from vitpool.packing import SEQUENCES, Budget
+from vitpool.packing import Budget
 from vitpool.specs import IMAGE, VIDEO, ItemSpec
 
 # A tower-only save's model_type: SigLIP's own (`siglip_vision_model`) is Gemma 3's family's.
 TOWER_MODEL_TYPE = "llava_onevision_vision"
 TOWER_PARTS = ("vision_tower.embeddings", "vision_tower.encoder.layers", "multi_modal_projector.linear_2")
-# Sampled check batches keep their images within this factor of the largest pinpoint.
-MAX_SAMPLE_ATTEMPTS = 60
-SAMPLED_SIZE_FACTOR = 1.5
 Tensors = dict[str, torch.Tensor]
 
 
@@ -63,27 +60,12 @@ class LlavaOnevisionVisionConfig(SiglipVisionConfig):
     model_type = TOWER_MODEL_TYPE
 
 
-class LlavaOnevisionEncoder(torch.nn.Module):
+class LlavaOnevisionEncoder(TileTableEncoder):
     """The tower, the projector and the newline embedding, with what `get_image_features` reads of
     the full config (`settings`: vision_feature_layer, vision_feature_select_strategy,
     image_grid_pinpoints, vision_aspect_ratio)."""
 
-    def __init__(
-        self,
-        vision_tower: torch.nn.Module,
-        projector: torch.nn.Module,
-        image_newline: torch.Tensor,
-        settings: Any,
-    ) -> None:
-        super().__init__()
-        self.vision_tower = vision_tower
-        self.multi_modal_projector = projector
-        self.image_newline = torch.nn.Parameter(image_newline.detach().clone(), requires_grad=False)
-        self.config = vision_tower.config
-        self.vision_feature_layer = settings.vision_feature_layer
-        self.vision_feature_select_strategy = settings.vision_feature_select_strategy
-        self.image_grid_pinpoints = tuple(tuple(int(v) for v in pin) for pin in settings.image_grid_pinpoints)
-        self.vision_aspect_ratio = settings.vision_aspect_ratio
+    PACKING_SETTINGS = ("vision_aspect_ratio",)
 
 
 def build_encoder(config: Any, dtype: torch.dtype | None = None) -> LlavaOnevisionEncoder:
@@ -92,12 +74,14 @@ def build_encoder(config: Any, dtype: torch.dtype | None = None) -> LlavaOnevisi
     from transformers import SiglipVisionModel
     from transformers.models.llava_onevision.modeling_llava_onevision import LlavaOnevisionMultiModalProjector
 
-    full = LlavaOnevisionAdapter.projector_config(config)
-    tower, projector = tower_and_projector(SiglipVisionModel, LlavaOnevisionMultiModalProjector, full, dtype)
-    width = int(projector.linear_2.out_features)
-    # as the model initialises it; a checkpoint's replaces it
-    newline = torch.randn(width, dtype=dtype or torch.get_default_dtype()) / math.sqrt(width)
-    return LlavaOnevisionEncoder(tower, projector, newline, full)
+    return build_tile_table_encoder(  # type: ignore[return-value]
+        LlavaOnevisionEncoder,
+        LlavaOnevisionAdapter,
+        SiglipVisionModel,
+        LlavaOnevisionMultiModalProjector,
+        config,
+        dtype,
+    )
 
 
 def read_tower_config(directory: Any) -> LlavaOnevisionVisionConfig:
@@ -126,25 +110,12 @@ def feature_layers(vision_feature_layer: Any, num_layers: int) -> tuple[int, ...
     return tuple(indices)
 
 
-class LlavaOnevisionAdapter(AdapterBase):
+class LlavaOnevisionAdapter(TileTableAdapter):
     """Adapter for `LlavaOnevisionEncoder`: tiles in, what the LLM receives out."""
 
     # What a tower-only save's vision config carries besides SigLIP's fields (the full model's
     # LlavaOnevisionConfig holds them): the projector's, the feature selection, the packing.
-    PROJECTOR_FIELDS = (
-        dataclasses.replace(TEXT_HIDDEN_SIZE, cast=int),
-        *(
-            ConfigField(name, name, copy.deepcopy)
-            for name in (
-                "projector_hidden_act",
-                "multimodal_projector_bias",
-                "vision_feature_layer",
-                "vision_feature_select_strategy",
-                "image_grid_pinpoints",
-                "vision_aspect_ratio",
-            )
-        ),
-    )
+    PROJECTOR_FIELDS = projector_fields("vision_aspect_ratio")
     PROJECTOR_SUBJECT = "a LLaVA-OneVision vision config"
     PROJECTOR_ADVICE = (
         "to build its projector and pack its features; give the full model's config (LlavaOnevisionConfig) "
@@ -156,22 +127,8 @@ class LlavaOnevisionAdapter(AdapterBase):
         "a {model_type} checkpoint: vitpool's llava_onevision family runs LLaVA-OneVision's packing and "
         "projector only (model_type {expected})"
     )
-    # Tensors keyed as saved: `vision_tower.vision_model.*` (the releases), `vision_tower.*`
-    # (transformers 5, tower-only saves), `multi_modal_projector.*`, `image_newline`, any of them under
-    # `model.` (a model's state_dict).
-    CHECKPOINT_RENAMES = renames(
-        (r"^(?:model\.)?vision_tower\.vision_model\.", "vision_tower."), (r"^model\.", "")
-    )
-    MAX_SAMPLED_ITEMS = 6
-
-    @classmethod
-    def vision_config_of(cls, full_config: Any) -> LlavaOnevisionVisionConfig:
-        """The full model's SigLIP vision config under TOWER_MODEL_TYPE: what a tower-only save of
-        `LlavaOnevisionEncoder` writes as its config.json (and what a full checkpoint is built
-        from)."""
-        fields = full_config.vision_config.to_dict()
-        fields.pop("model_type", None)  # the class's own
-        return LlavaOnevisionVisionConfig.from_dict(fields)
+    VISION_CONFIG = LlavaOnevisionVisionConfig
+    TAPS_KEY, WEIGHTS_KEY = "taps", "tap_weights"
 
     def __init__(self, tower: LlavaOnevisionEncoder) -> None:
         check_tower_parts("LLaVA-OneVision", tower, TOWER_PARTS)
@@ -198,9 +155,6 @@ class LlavaOnevisionAdapter(AdapterBase):
         self._taps_of = functools.lru_cache(maxsize=1024)(functools.partial(item_taps, self.item_rules))
         install_kernels(tower)
 
-    def max_rows(self, num_tokens: int) -> int:
-        return self.item_rules.max_tiles(num_tokens)
-
     def budget_range(self, device: torch.device) -> BudgetRange:
         """Whole tiles, up to an image of the largest pinpoint's crops and its base tile."""
         step = self.item_rules.tokens_per_tile
@@ -212,26 +166,8 @@ class LlavaOnevisionAdapter(AdapterBase):
             "tap_weights": TensorSpec((budget.num_tokens, TAPS), torch.float32),
         }
 
-    def build_metadata(self, specs: Sequence[ItemSpec], num_rows: int, budget: Budget) -> Tensors:
-        num_tiles = sum(spec.num_rows for spec in specs)
-        num_tokens = sum(spec.num_tokens for spec in specs)
-        if num_tiles > num_rows or num_tokens > budget.num_tokens:
-            raise ValueError(
-                f"{len(specs)} items need {num_tiles} tiles and {num_tokens} tokens; the buffers hold "
-                f"{num_rows} tiles and {budget.num_tokens} tokens"
-            )
-        metadata = zero_metadata(self.metadata_specs(num_rows, budget))  # padding tokens: row 0, weight 0
-        newline_row = num_rows * self._tile_features
-        tile = token = 0
-        for spec in specs:
-            taps, weights = self._taps_of(spec.modality, spec.num_rows, spec.layout)
-            end = token + taps.shape[0]
-            first_row = tile * self._tile_features  # the item's first tile's first feature
-            metadata["taps"][token:end] = torch.where(taps == NEWLINE, newline_row, taps + first_row)
-            metadata["tap_weights"][token:end] = weights
-            tile += spec.num_rows
-            token = end
-        return metadata
+    def _item_taps(self, spec: ItemSpec) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._taps_of(spec.modality, spec.num_rows, spec.layout)
 
     def forward(self, pixels: torch.Tensor, metadata: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         # pixels: [tiles, C, S, S] -> features [tiles, side², D_vision * layers] -> [tiles * side², LLM width]
@@ -256,22 +192,8 @@ class LlavaOnevisionAdapter(AdapterBase):
             states[index] = hidden
         return torch.cat([states[index] for index in self.feature_layers], dim=-1)
 
-    def sample_specs(self, num_rows: int, budget: Budget, rng: random.Random) -> list[ItemSpec]:
-        rules = self.item_rules
-        tiles_left = min(num_rows, budget.limit(SEQUENCES) or num_rows)
-        tokens_left = budget.num_tokens
-        specs: list[ItemSpec] = []
-        for _ in range(MAX_SAMPLE_ATTEMPTS):
-            if len(specs) >= self.sampled_items(budget):
-                break
-            spec = self._random_spec(rng)
-            if spec.num_rows <= tiles_left and spec.num_tokens <= tokens_left:
-                specs.append(spec)
-                tiles_left -= spec.num_rows
-                tokens_left -= spec.num_tokens
-        if not specs and tiles_left and rules.video_tokens(1) <= tokens_left:  # the smallest item there is
-            specs.append(rules.item_spec(VIDEO, (1, *self.row_shape), "float32", ()))
-        return specs
+    def _smallest_spec(self) -> ItemSpec:
+        return self.item_rules.item_spec(VIDEO, (1, *self.row_shape), "float32", ())
 
     def _random_spec(self, rng: random.Random) -> ItemSpec:
         """An image of a random size (its tiles, or its base tile alone), or a short video."""
@@ -279,9 +201,8 @@ class LlavaOnevisionAdapter(AdapterBase):
         kind = rng.random()
         if kind < 0.15:
             return rules.item_spec(VIDEO, (rng.randint(1, 3), *self.row_shape), "float32", ())
-        log_largest = math.log(max(max(pin) for pin in rules.pinpoints) * SAMPLED_SIZE_FACTOR)
-        while True:  # sides log-uniform: small grids as often as large ones
-            size = tuple(max(1, int(math.exp(rng.uniform(0, log_largest)))) for _ in range(2))
+        while True:
+            size = self.random_size(rng)
             try:
                 tiles = 1 if kind < 0.3 else rules.packed_grid(*size).num_crops + 1
             except ValueError:  # pooled to nothing: no image of this size is run
