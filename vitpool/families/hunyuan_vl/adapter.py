@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from functools import lru_cache
 
 import torch
@@ -98,6 +98,29 @@ _RENAMES = tuple(
 )
 
 
+def position_edge(family: str, tower: torch.nn.Module, modes: Collection[str]) -> int:
+    """The side of the tower's position table (a cls row, then edge x edge positions), which the
+    adapter resamples in one of `modes` (its `interpolate_mode`).
+
+    Raises:
+        ConfigError: another interpolate_mode, or a table of another number of rows.
+    """
+    mode = tower.config.interpolate_mode
+    if mode not in modes:
+        raise ConfigError(
+            f"{family}: interpolate_mode {mode!r} is not run; vitpool resamples the position table "
+            f"{' or '.join(modes)}"
+        )
+    embeddings = tower.embeddings
+    edge = int(embeddings.position_edge)
+    if embeddings.position_embedding.num_embeddings != edge**2 + 1:
+        raise ConfigError(
+            f"{family}: the position table has {embeddings.position_embedding.num_embeddings} rows; "
+            f"the tower reads a cls row and {edge} x {edge} positions"
+        )
+    return edge
+
+
 class HunYuanVLAdapter(AdapterBase):
     """Adapter for `HunYuanVLVisionTransformer` (vision model_type "hunyuan_vl_vision"): patch rows
     in, the merger's tokens (blocks, newlines, begin and end) out."""
@@ -120,19 +143,7 @@ class HunYuanVLAdapter(AdapterBase):
     def __init__(self, tower: torch.nn.Module) -> None:
         check_tower_parts("HunYuan-VL", tower, TOWER_PARTS)
         config = tower.config
-        mode = config.interpolate_mode
-        if mode not in INTERPOLATION_TAPS:
-            raise ConfigError(
-                f"HunYuan-VL: interpolate_mode {mode!r} is not run; vitpool resamples the position table "
-                f"{' or '.join(INTERPOLATION_TAPS)}"
-            )
-        embeddings = tower.embeddings
-        self.edge = int(embeddings.position_edge)
-        if embeddings.position_embedding.num_embeddings != self.edge**2 + 1:
-            raise ConfigError(
-                f"HunYuan-VL: the position table has {embeddings.position_embedding.num_embeddings} rows; "
-                f"the tower reads a cls row and {self.edge} x {self.edge} positions"
-            )
+        self.edge = position_edge("HunYuan-VL", tower, INTERPOLATION_TAPS)
         self.tower = tower
         self.channels, self.patch_size = int(config.num_channels), int(config.patch_size)
         self.merge_size = int(tower.patch_merger.spatial_merge_size)
@@ -140,7 +151,7 @@ class HunYuanVLAdapter(AdapterBase):
         self.item_rules = HunYuanVLRules(
             self.channels * self.patch_size**2, self.merge_size, int(tower.patch_merger.mlp.out_features)
         )
-        self.interpolate_mode = mode
+        self.interpolate_mode = mode = config.interpolate_mode
         self.taps = INTERPOLATION_TAPS[mode]
         self._per_grid = lru_cache(maxsize=1024)(self._grid_tensors)
         install_packed_attention(tower)

@@ -38,7 +38,7 @@ from functools import lru_cache
 import torch
 
 from vitpool.errors import ConfigError
-from vitpool.families.hunyuan_vl.adapter import HunYuanVLAdapter
+from vitpool.families.hunyuan_vl.adapter import HunYuanVLAdapter, position_edge
 from vitpool.families.hy_v4_vl.rules import HYV4VLRules, frame_tokens
 from vitpool.models.compat import check_tower_parts
 from vitpool.models.protocol import TensorSpec, zero_metadata
@@ -106,25 +106,13 @@ class HYV4VLAdapter(SpatialMergeAdapter):
     def __init__(self, tower: torch.nn.Module) -> None:
         check_tower_parts("HunYuan V4 VL", tower, TOWER_PARTS)
         config = tower.config
-        mode = config.interpolate_mode
-        if mode not in AXIS_TAPS:
-            raise ConfigError(
-                f"HunYuan V4 VL: interpolate_mode {mode!r} is not run; vitpool resamples the position "
-                f"table {' or '.join(AXIS_TAPS)}"
-            )
-        embeddings = tower.embeddings
-        self.edge = int(embeddings.position_edge)
-        if embeddings.position_embedding.num_embeddings != self.edge**2 + 1:
-            raise ConfigError(
-                f"HunYuan V4 VL: the position table has {embeddings.position_embedding.num_embeddings} rows; "
-                f"the tower reads a cls row and {self.edge} x {self.edge} positions"
-            )
+        self.edge = position_edge("HunYuan V4 VL", tower, AXIS_TAPS)
         self.channels, self.patch_size = int(config.num_channels), int(config.patch_size)
         merge = int(tower.patch_merger.spatial_merge_size)
         width = int(tower.patch_merger.image_newline.shape[0])
         rules = HYV4VLRules(self.channels * self.patch_size**2, merge, ((width,),))
         super().__init__(tower, rules)  # installs vitpool's packed attention in the tower
-        self.interpolate_mode = mode
+        self.interpolate_mode = mode = config.interpolate_mode
         self.taps = AXIS_TAPS[mode] ** 2
         self._per_grid = lru_cache(maxsize=1024)(self._grid_tensors)
 
