@@ -46,7 +46,7 @@ from vitpool.rules.patch_rows import EXTRA_ROWS, sample_grids
 from vitpool.specs import IMAGE, VIDEO, ItemSpec
 
 if TYPE_CHECKING:
-    from vitpool.models.protocol import BudgetRange, VisionAdapter
+    from vitpool.models.protocol import BudgetRange, TensorSpec, VisionAdapter
     from vitpool.specs import ItemRules
 
 Renames = tuple[tuple[re.Pattern[str], str], ...]
@@ -272,3 +272,26 @@ def sample_block_parts(
         items.append(parts)
         sequences -= num_parts
     return items
+
+
+class PlainPathAdapter(AdapterBase):
+    """An adapter of several paths (`paths`, set by the subclass) whose plain path "" answers the
+    per-batch members for the adapter itself (Kimi-K2.5's, VideoLLaMA 3's): the encoder asks each
+    path's adapter, and a caller holding the family's adapter gets the plain path's answers."""
+
+    def max_rows(self, num_tokens: int) -> int:
+        return self.paths[""].max_rows(num_tokens)
+
+    def metadata_specs(self, num_rows: int, budget: Budget) -> dict[str, TensorSpec]:
+        return self.paths[""].metadata_specs(num_rows, budget)
+
+    def build_metadata(
+        self, specs: Sequence[ItemSpec], num_rows: int, budget: Budget
+    ) -> dict[str, torch.Tensor]:
+        return self.paths[""].build_metadata(specs, num_rows, budget)
+
+    def forward(self, pixels: torch.Tensor, metadata: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        return self.paths[""].forward(pixels, metadata)
+
+    def sample_specs(self, num_rows: int, budget: Budget, rng: random.Random) -> list[ItemSpec]:
+        return self.paths[""].sample_specs(num_rows, budget, rng)

@@ -28,7 +28,6 @@ padding (rows of a trailing attention sequence, slots of weight 0), so its resul
 
 from __future__ import annotations
 
-import random
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -36,7 +35,12 @@ from typing import Any
 import torch
 
 from vitpool.families.kimi_k25.rules import CLIP, EXTRA_ROWS, KimiK25Rules
-from vitpool.models.adapter_base import TEXT_HIDDEN_SIZE, AdapterBase, ConfigField, renamed_key
+from vitpool.models.adapter_base import (
+    TEXT_HIDDEN_SIZE,
+    ConfigField,
+    PlainPathAdapter,
+    renamed_key,
+)
 from vitpool.models.compat import check_tower_parts
 from vitpool.models.patch_adapter import PatchRowAdapter
 from vitpool.models.projected import tower_and_projector
@@ -161,7 +165,7 @@ class KimiK25PathAdapter(PatchRowAdapter):
         return self.max_frames if budget.limit(EXTRA_ROWS) else 1
 
 
-class KimiK25Adapter(AdapterBase):
+class KimiK25Adapter(PlainPathAdapter):
     """Adapter for `KimiK25Encoder` (Kimi_K25VisionModel + mm_projector): two paths over the one
     tower, images and videos of one frame on "" and clips on CLIP (`vitpool.families.kimi_k25.rules`).
 
@@ -212,23 +216,6 @@ class KimiK25Adapter(AdapterBase):
         self.paths = {
             path: KimiK25PathAdapter(tower, self.item_rules, path) for path in self.item_rules.paths
         }
-
-    def max_rows(self, num_tokens: int) -> int:
-        return self.paths[""].max_rows(num_tokens)
-
-    def metadata_specs(self, num_rows: int, budget: Budget) -> dict[str, TensorSpec]:
-        return self.paths[""].metadata_specs(num_rows, budget)
-
-    def build_metadata(
-        self, specs: Sequence[ItemSpec], num_rows: int, budget: Budget
-    ) -> dict[str, torch.Tensor]:
-        return self.paths[""].build_metadata(specs, num_rows, budget)
-
-    def forward(self, pixels: torch.Tensor, metadata: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        return self.paths[""].forward(pixels, metadata)
-
-    def sample_specs(self, num_rows: int, budget: Budget, rng: random.Random) -> list[ItemSpec]:
-        return self.paths[""].sample_specs(num_rows, budget, rng)
 
     @classmethod
     def convert_checkpoint(

@@ -42,7 +42,7 @@ import torch
 
 from vitpool.families.video_llama_3.rules import MERGED, VideoLlama3Rules
 from vitpool.kernels.attention import install_packed_attention
-from vitpool.models.adapter_base import TEXT_HIDDEN_SIZE, AdapterBase
+from vitpool.models.adapter_base import TEXT_HIDDEN_SIZE, AdapterBase, PlainPathAdapter
 from vitpool.models.compat import check_tower_parts
 from vitpool.models.projected import tower_and_projector
 from vitpool.models.protocol import TensorSpec, zero_metadata
@@ -193,7 +193,7 @@ class VideoLlama3PathAdapter(AdapterBase):
         return positions, index, weights
 
 
-class VideoLlama3Adapter(AdapterBase):
+class VideoLlama3Adapter(PlainPathAdapter):
     """Adapter for `VideoLlama3Encoder` (VideoLlama3VisionModel + VideoLlama3Projector): two paths
     over the one tower, items of merge size 1 on "" and merged items on MERGED
     (`vitpool.families.video_llama_3.rules`).
@@ -229,23 +229,6 @@ class VideoLlama3Adapter(AdapterBase):
         self.paths = {
             path: VideoLlama3PathAdapter(tower, self.item_rules, path) for path in self.item_rules.paths
         }
-
-    def max_rows(self, num_tokens: int) -> int:
-        return self.paths[""].max_rows(num_tokens)
-
-    def metadata_specs(self, num_rows: int, budget: Budget) -> dict[str, TensorSpec]:
-        return self.paths[""].metadata_specs(num_rows, budget)
-
-    def build_metadata(
-        self, specs: Sequence[ItemSpec], num_rows: int, budget: Budget
-    ) -> dict[str, torch.Tensor]:
-        return self.paths[""].build_metadata(specs, num_rows, budget)
-
-    def forward(self, pixels: torch.Tensor, metadata: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        return self.paths[""].forward(pixels, metadata)
-
-    def sample_specs(self, num_rows: int, budget: Budget, rng: random.Random) -> list[ItemSpec]:
-        return self.paths[""].sample_specs(num_rows, budget, rng)
 
 
 # The loader's hooks by their long-standing names (`vitpool.models.family.adapter_checkpoint`).
