@@ -7,7 +7,7 @@ Plain data: no torch, no transformers."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -157,3 +157,24 @@ class TileRules(RulesBase):
         if not limits:
             return budgets
         return [dataclasses.replace(budget, limits=tuple(sorted(limits.items()))) for budget in budgets]
+
+
+def tile_bounded_budgets(
+    token_budgets: Sequence[int],
+    max_items_per_batch: int | None,
+    capacity_limits: Mapping[str, int],
+    max_tiles: Callable[[int], int],
+) -> list[Budget]:
+    """Budgets of rules whose items are whole tiles of unlike token counts (LLaVA-OneVision's
+    pooled tiles, Molmo 2's crops): each bounded by the tiles its tokens can hold (`max_tiles` of
+    its tokens), or fewer where `capacity_limits` bounds them, and by as many items (an item has a
+    tile at least). The caller checked `capacity_limits` against its capacities."""
+    user_tiles = capacity_limits.get(SEQUENCES)
+    budgets = []
+    for budget in plain_budgets(token_budgets, max_items_per_batch):
+        tiles = max_tiles(budget.num_tokens)
+        tiles = tiles if user_tiles is None else min(tiles, user_tiles)
+        budgets.append(
+            dataclasses.replace(budget, limits=((SEQUENCES, tiles),), max_items=min(budget.max_items, tiles))
+        )
+    return sorted(budgets)

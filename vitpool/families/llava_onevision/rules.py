@@ -32,7 +32,6 @@ tiles its buffers hold (`max_tiles`).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from collections.abc import Mapping, Sequence
@@ -40,8 +39,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from vitpool.encoder_spec import check_capacity_limits
-from vitpool.packing import SEQUENCES, Budget, plain_budgets
+from vitpool.packing import SEQUENCES, Budget
 from vitpool.rules.base import RulesBase
+from vitpool.rules.tiles import tile_bounded_budgets
 from vitpool.specs import IMAGE, VIDEO, ItemSpec, is_int
 
 # What `vision_aspect_ratio` is made of in Hugging Face's code: "anyres_max_<N>", read there as
@@ -292,14 +292,4 @@ class LlavaOnevisionRules(RulesBase):
         capacity_limits: Mapping[str, int],
     ) -> list[Budget]:
         check_capacity_limits(capacity_limits, self.capacities)
-        user_tiles = capacity_limits.get(SEQUENCES)
-        budgets = []
-        for budget in plain_budgets(token_budgets, max_items_per_batch):
-            tiles = self.max_tiles(budget.num_tokens)
-            tiles = tiles if user_tiles is None else min(tiles, user_tiles)
-            budgets.append(
-                dataclasses.replace(
-                    budget, limits=((SEQUENCES, tiles),), max_items=min(budget.max_items, tiles)
-                )
-            )
-        return sorted(budgets)
+        return tile_bounded_budgets(token_budgets, max_items_per_batch, capacity_limits, self.max_tiles)

@@ -24,7 +24,6 @@ Every crop is one attention sequence ("sequences"), and crops do not come in pro
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from collections.abc import Mapping, Sequence
@@ -34,8 +33,9 @@ from typing import Any
 import numpy as np
 
 from vitpool.encoder_spec import check_capacity_limits
-from vitpool.packing import SEQUENCES, Budget, plain_budgets
+from vitpool.packing import SEQUENCES, Budget
 from vitpool.rules.base import RulesBase
+from vitpool.rules.tiles import tile_bounded_budgets
 from vitpool.specs import IMAGE, VIDEO, ItemSpec, is_int
 
 IMAGE_LAYOUT = "(tiling_h, tiling_w, pool_h, pool_w, left_margin, right_margin)"
@@ -182,14 +182,4 @@ class Molmo2Rules(RulesBase):
         capacity_limits: Mapping[str, int],
     ) -> list[Budget]:
         check_capacity_limits(capacity_limits, self.capacities)
-        user_crops = capacity_limits.get(SEQUENCES)
-        budgets = []
-        for budget in plain_budgets(token_budgets, max_items_per_batch):
-            crops = self.max_crops(budget.num_tokens)
-            crops = crops if user_crops is None else min(crops, user_crops)
-            budgets.append(
-                dataclasses.replace(
-                    budget, limits=((SEQUENCES, crops),), max_items=min(budget.max_items, crops)
-                )
-            )
-        return sorted(budgets)
+        return tile_bounded_budgets(token_budgets, max_items_per_batch, capacity_limits, self.max_crops)
