@@ -12,11 +12,9 @@ and the processor aligns h and w to multiples of 2. In "16x" (the processor's an
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import ClassVar
 
-from vitpool.families.minicpmv4_6.rules import MiniCPMV4_6Rules, parse_target_sizes
-from vitpool.packing import SEQUENCES
-from vitpool.specs import IMAGE, VIDEO, ItemSpec
+from vitpool.families.minicpmv4_6.rules import MiniCPMV4_6Rules
 
 FAMILY = "MiniCPM-OCR"
 DEFAULT_MODE = "4x"  # MiniCPMOcrConfig's and its image processor's default
@@ -31,6 +29,7 @@ class MiniCPMOcrRules(MiniCPMV4_6Rules):
     downsample mode the encoder runs."""
 
     downsample_mode: str = DEFAULT_MODE
+    family_name: ClassVar[str] = FAMILY
 
     def __post_init__(self) -> None:
         if self.downsample_mode not in MERGE_SIDE:
@@ -42,35 +41,5 @@ class MiniCPMOcrRules(MiniCPMV4_6Rules):
     def merge_side(self) -> int:
         return MERGE_SIDE[self.downsample_mode]
 
-    @property
-    def patches_per_token(self) -> int:
-        return self.merge_side * self.merge_side
-
-    def item_spec(
-        self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, layout: Any
-    ) -> ItemSpec:
-        if modality == VIDEO:
-            raise ValueError(f"{FAMILY} takes images only here; pass each frame's slices as an Image")
-        sizes = parse_target_sizes(layout)
-        side = self.merge_side
-        for number, (h, w) in enumerate(sizes):
-            if h % side or w % side:
-                raise ValueError(
-                    f"target_sizes: slice {number} is {h} x {w} patches; in downsample_mode "
-                    f"{self.downsample_mode!r} h and w must be multiples of {side}"
-                )
-        self._check_pixels(tuple(pixel_shape))
-        num_rows = sum(h * w for h, w in sizes)
-        if pixel_shape[0] != num_rows:
-            raise ValueError(
-                f"pixel_values have {pixel_shape[0]} patch rows but target_sizes {[list(s) for s in sizes]} "
-                f"need sum of h*w = {num_rows}"
-            )
-        return ItemSpec(
-            IMAGE,
-            tuple(pixel_shape),
-            pixel_dtype,
-            tuple(value for size in sizes for value in size),
-            num_rows // self.patches_per_token,
-            ((SEQUENCES, len(sizes)),),
-        )
+    def _sides_rule(self) -> str:
+        return f"in downsample_mode {self.downsample_mode!r} h and w must be multiples of {self.merge_side}"

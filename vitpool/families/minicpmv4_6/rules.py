@@ -22,7 +22,7 @@ as layout it gives the same spec.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from vitpool.packing import SEQUENCES
 from vitpool.rules.base import RulesBase
@@ -68,18 +68,29 @@ class MiniCPMV4_6Rules(RulesBase):
             return patch_rows(pixel_values, patch)
         return pixel_values
 
+    # the family as messages name it, and what its merges ask of a slice's sides
+    family_name: ClassVar[str] = "MiniCPM-V 4.6"
+
+    @property
+    def merge_side(self) -> int:
+        """Patches a token takes along each side."""
+        return MERGE_SIDE
+
+    def _sides_rule(self) -> str:
+        return f'h and w must be multiples of {MERGE_SIDE} (two 2 x 2 merges, the "16x" downsample mode)'
+
     def item_spec(
         self, modality: str, pixel_shape: tuple[int, ...], pixel_dtype: str, layout: Any
     ) -> ItemSpec:
         if modality == VIDEO:
-            raise ValueError("MiniCPM-V 4.6 takes images only here; pass each frame's slices as an Image")
+            raise ValueError(
+                f"{self.family_name} takes images only here; pass each frame's slices as an Image"
+            )
         sizes = parse_target_sizes(layout)
+        side = self.merge_side
         for number, (h, w) in enumerate(sizes):
-            if h % MERGE_SIDE or w % MERGE_SIDE:
-                raise ValueError(
-                    f"target_sizes: slice {number} is {h} x {w} patches; h and w must be multiples of "
-                    f'{MERGE_SIDE} (two 2 x 2 merges, the "16x" downsample mode)'
-                )
+            if h % side or w % side:
+                raise ValueError(f"target_sizes: slice {number} is {h} x {w} patches; {self._sides_rule()}")
         self._check_pixels(tuple(pixel_shape))
         num_rows = sum(h * w for h, w in sizes)
         if pixel_shape[0] != num_rows:
@@ -93,7 +104,7 @@ class MiniCPMV4_6Rules(RulesBase):
             tuple(pixel_shape),
             pixel_dtype,
             layout,
-            num_rows // PATCHES_PER_TOKEN,
+            num_rows // (side * side),
             ((SEQUENCES, len(sizes)),),
         )
 
