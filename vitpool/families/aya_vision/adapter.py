@@ -32,6 +32,7 @@ import torch
 from transformers import SiglipVisionConfig
 
 from vitpool.errors import ConfigError
+from vitpool.families.llava.adapter import LlavaEncoder
 from vitpool.models.adapter_base import TEXT_HIDDEN_SIZE, ConfigField, renames
 from vitpool.models.compat import check_tower_parts
 from vitpool.models.projected import tower_and_projector
@@ -76,17 +77,9 @@ class AyaVisionVisionConfig(SiglipVisionConfig):
     model_type = TOWER_MODEL_TYPE
 
 
-class AyaVisionEncoder(torch.nn.Module):
+class AyaVisionEncoder(LlavaEncoder):
     """The tower and its projector, with what `get_image_features` reads of the full config
-    (`settings`: vision_feature_layer, vision_feature_select_strategy)."""
-
-    def __init__(self, vision_tower: torch.nn.Module, projector: torch.nn.Module, settings: Any) -> None:
-        super().__init__()
-        self.vision_tower = vision_tower
-        self.multi_modal_projector = projector
-        self.config = vision_tower.config
-        self.vision_feature_layer = copy.deepcopy(settings.vision_feature_layer)
-        self.vision_feature_select_strategy = settings.vision_feature_select_strategy
+    (`settings`: vision_feature_layer, vision_feature_select_strategy), as LLaVA's holds them."""
 
 
 def build_encoder(config: Any, dtype: torch.dtype | None = None) -> AyaVisionEncoder:

@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from vitpool.families.llava.adapter import LlavaEncoder
 from vitpool.families.llava_onevision.taps import NEWLINE
 from vitpool.models.adapter_base import TEXT_HIDDEN_SIZE, AdapterBase, ConfigField, renames
 from vitpool.models.projected import tower_and_projector
@@ -35,10 +36,10 @@ SAMPLED_SIZE_FACTOR = 1.5
 Tensors = dict[str, torch.Tensor]
 
 
-class TileTableEncoder(torch.nn.Module):
+class TileTableEncoder(LlavaEncoder):
     """The tower, the projector and the newline embedding, with what `get_image_features` reads of
-    the full config (`settings`): the feature selection, the pinpoints and the subclass's
-    `PACKING_SETTINGS`."""
+    the full config (`settings`): the feature selection (as LLaVA's encoder holds it), the
+    pinpoints and the subclass's `PACKING_SETTINGS`."""
 
     PACKING_SETTINGS: ClassVar[tuple[str, ...]] = ()
 
@@ -49,13 +50,8 @@ class TileTableEncoder(torch.nn.Module):
         image_newline: torch.Tensor,
         settings: Any,
     ) -> None:
-        super().__init__()
-        self.vision_tower = vision_tower
-        self.multi_modal_projector = projector
+        super().__init__(vision_tower, projector, settings)
         self.image_newline = torch.nn.Parameter(image_newline.detach().clone(), requires_grad=False)
-        self.config = vision_tower.config
-        self.vision_feature_layer = copy.deepcopy(settings.vision_feature_layer)
-        self.vision_feature_select_strategy = settings.vision_feature_select_strategy
         self.image_grid_pinpoints = tuple(tuple(int(v) for v in pin) for pin in settings.image_grid_pinpoints)
         for name in self.PACKING_SETTINGS:
             setattr(self, name, getattr(settings, name))
