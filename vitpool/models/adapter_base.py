@@ -198,10 +198,20 @@ class AdapterBase:
             setattr(config, field.name, field.read(full_config))
         return config
 
+    # The config class of a tower-only save where it is the family's own (a tower's config under
+    # the family's model_type, where the tower's own type is another family's): None, the vision
+    # config's class.
+    VISION_CONFIG: ClassVar[type | None] = None
+
     @classmethod
     def vision_config_of(cls, full_config: Any) -> Any:
-        """A copy of a full model's vision config, to add `PROJECTOR_FIELDS` to."""
-        return copy.deepcopy(full_config.vision_config)
+        """A copy of a full model's vision config, to add `PROJECTOR_FIELDS` to: under
+        `VISION_CONFIG` where the family sets one."""
+        if cls.VISION_CONFIG is None:
+            return copy.deepcopy(full_config.vision_config)
+        fields = full_config.vision_config.to_dict()
+        fields.pop("model_type", None)  # the class's own
+        return cls.VISION_CONFIG.from_dict(fields)
 
     @classmethod
     def projector_config(cls, config: Any) -> Any:

@@ -154,13 +154,7 @@ class AyaVisionAdapter(TiledAdapter):
         (r"^(?:model\.)?vision_tower\.vision_model\.", "vision_tower."), (r"^model\.", "")
     )
 
-    @classmethod
-    def vision_config_of(cls, full_config: Any) -> AyaVisionVisionConfig:
-        """The full model's SigLIP vision config under TOWER_MODEL_TYPE: what a tower-only save of
-        `AyaVisionEncoder` writes as its config.json (and what a full checkpoint is built from)."""
-        fields = full_config.vision_config.to_dict()
-        fields.pop("model_type", None)  # the class's own
-        return AyaVisionVisionConfig.from_dict(fields)
+    VISION_CONFIG = AyaVisionVisionConfig
 
     def __init__(self, tower: AyaVisionEncoder) -> None:
         check_tower_parts("Aya Vision", tower, TOWER_PARTS)

@@ -95,7 +95,6 @@ def projector_fields(*packing: str) -> tuple[ConfigField, ...]:
 class TileTableAdapter(AdapterBase):
     """The sizes, metadata loop and sampler of an adapter over a `TileTableEncoder`."""
 
-    VISION_CONFIG: ClassVar[type]
     TAPS_KEY: ClassVar[str]
     WEIGHTS_KEY: ClassVar[str | None] = None
     # Tensors keyed as saved: `vision_tower.vision_model.*` (the releases), `vision_tower.*`
@@ -106,15 +105,6 @@ class TileTableAdapter(AdapterBase):
     )
     MAX_SAMPLED_ITEMS = 6
     _tile_features: int  # table rows a tile gives: its patches' features (side²)
-
-    @classmethod
-    def vision_config_of(cls, full_config: Any) -> Any:
-        """The full model's vision config under the family's tower-only type (`VISION_CONFIG`):
-        what a tower-only save writes as its config.json (and what a full checkpoint is built
-        from)."""
-        fields = full_config.vision_config.to_dict()
-        fields.pop("model_type", None)  # the class's own
-        return cls.VISION_CONFIG.from_dict(fields)
 
     def max_rows(self, num_tokens: int) -> int:
         return self.item_rules.max_tiles(num_tokens)

@@ -108,13 +108,7 @@ class PaliGemmaAdapter(TiledAdapter):
         (r"^(?:model\.)?vision_tower\.vision_model\.", "vision_tower."), (r"^model\.", "")
     )
 
-    @classmethod
-    def vision_config_of(cls, full_config: Any) -> PaliGemmaVisionConfig:
-        """The full model's SigLIP vision config under TOWER_MODEL_TYPE: what a tower-only save of
-        `PaliGemmaEncoder` writes as its config.json (and what a full checkpoint is built from)."""
-        fields = full_config.vision_config.to_dict()
-        fields.pop("model_type", None)  # the class's own
-        return PaliGemmaVisionConfig.from_dict(fields)
+    VISION_CONFIG = PaliGemmaVisionConfig
 
     def __init__(self, tower: PaliGemmaEncoder) -> None:
         vision = tower.vision_tower
