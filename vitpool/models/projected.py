@@ -10,6 +10,17 @@ from typing import Any
 import torch
 
 
+class TowerWithProjector(torch.nn.Module):
+    """A vision tower and the projector its model puts after it, under the names its state keys
+    use (`vision_tower.*`, `multi_modal_projector.*`); `config` is the tower's."""
+
+    def __init__(self, vision_tower: torch.nn.Module, multi_modal_projector: torch.nn.Module) -> None:
+        super().__init__()
+        self.vision_tower = vision_tower
+        self.multi_modal_projector = multi_modal_projector
+        self.config = vision_tower.config
+
+
 def tower_and_projector(
     tower_class: Any, projector_class: Any, full_config: Any, dtype: torch.dtype | None
 ) -> tuple[torch.nn.Module, torch.nn.Module]:

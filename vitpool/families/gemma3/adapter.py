@@ -24,7 +24,7 @@ import torch
 
 from vitpool.models.adapter_base import TEXT_HIDDEN_SIZE, ConfigField, renames
 from vitpool.models.compat import check_tower_parts
-from vitpool.models.projected import tower_and_projector
+from vitpool.models.projected import TowerWithProjector, tower_and_projector
 from vitpool.models.tiled import TiledAdapter, install_kernels
 from vitpool.rules.tiles import TileRules
 
@@ -34,14 +34,8 @@ MAX_GRAPH_VIEWS = 5
 TOWER_PARTS = ("embeddings", "encoder", "post_layernorm")
 
 
-class Gemma3Encoder(torch.nn.Module):
+class Gemma3Encoder(TowerWithProjector):
     """The tower and the projector, as `Gemma3Model` holds them."""
-
-    def __init__(self, vision_tower: torch.nn.Module, projector: torch.nn.Module) -> None:
-        super().__init__()
-        self.vision_tower = vision_tower
-        self.multi_modal_projector = projector
-        self.config = vision_tower.config
 
 
 def build_encoder(config: Any, dtype: torch.dtype | None = None) -> Gemma3Encoder:

@@ -55,7 +55,7 @@ from vitpool.models.adapter_base import (
     sample_block_parts,
 )
 from vitpool.models.compat import check_tower_parts
-from vitpool.models.projected import tower_and_projector
+from vitpool.models.projected import TowerWithProjector, tower_and_projector
 from vitpool.models.protocol import TensorSpec, zero_metadata
 from vitpool.packing import Budget
 from vitpool.specs import IMAGE, ItemSpec
@@ -81,15 +81,9 @@ MAX_SAMPLED_ENTRIES = 3
 Tensors = dict[str, torch.Tensor]
 
 
-class Lfm2VlEncoder(torch.nn.Module):
+class Lfm2VlEncoder(TowerWithProjector):
     """The SigLIP2 tower and LFM2-VL's projector; state keys `vision_tower.*` and
     `multi_modal_projector.*` (a full checkpoint has them under `model.`)."""
-
-    def __init__(self, vision_tower: torch.nn.Module, multi_modal_projector: torch.nn.Module) -> None:
-        super().__init__()
-        self.vision_tower = vision_tower
-        self.multi_modal_projector = multi_modal_projector
-        self.config = vision_tower.config
 
 
 def build_encoder(config: Any, dtype: torch.dtype | None = None) -> Lfm2VlEncoder:

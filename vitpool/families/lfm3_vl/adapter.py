@@ -46,7 +46,7 @@ from transformers.vision_utils import get_vision_position_ids
 from vitpool.kernels.attention import packed_attention
 from vitpool.models.adapter_base import TEXT_HIDDEN_SIZE, ConfigField, is_full_config, renamed_key, renames
 from vitpool.models.compat import check_tower_parts
-from vitpool.models.projected import tower_and_projector
+from vitpool.models.projected import TowerWithProjector, tower_and_projector
 from vitpool.models.protocol import TensorSpec, zero_metadata
 from vitpool.models.spatial_merge import Grid, SpatialMergeAdapter, frame_cu_seqlens, grids_of, row_width_of
 from vitpool.packing import Budget
@@ -74,15 +74,9 @@ RELEASE_RENAMES = renames(
 )
 
 
-class Lfm3VlEncoder(torch.nn.Module):
+class Lfm3VlEncoder(TowerWithProjector):
     """The tower and LFM3-VL's projector; state keys `vision_tower.*` and `multi_modal_projector.*`
     (a full checkpoint has them under `model.`)."""
-
-    def __init__(self, vision_tower: torch.nn.Module, multi_modal_projector: torch.nn.Module) -> None:
-        super().__init__()
-        self.vision_tower = vision_tower
-        self.multi_modal_projector = multi_modal_projector
-        self.config = vision_tower.config
 
 
 def build_encoder(config: Any, dtype: torch.dtype | None = None) -> Lfm3VlEncoder:

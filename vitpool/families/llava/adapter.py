@@ -38,7 +38,7 @@ import torch
 from vitpool.errors import ConfigError
 from vitpool.models.adapter_base import TEXT_HIDDEN_SIZE, ConfigField, renames
 from vitpool.models.compat import check_tower_parts
-from vitpool.models.projected import tower_and_projector
+from vitpool.models.projected import TowerWithProjector, tower_and_projector
 from vitpool.models.tiled import TiledAdapter, install_kernels
 from vitpool.rules.tiles import TileRules
 
@@ -57,15 +57,12 @@ MAX_GRAPH_VIEWS = 8
 MAX_GRAPH_TOKENS = 8192
 
 
-class LlavaEncoder(torch.nn.Module):
+class LlavaEncoder(TowerWithProjector):
     """The tower and the projector, as `LlavaModel` holds them, with what `get_image_features`
     reads of the full config (`settings`: vision_feature_layer, vision_feature_select_strategy)."""
 
     def __init__(self, vision_tower: torch.nn.Module, projector: torch.nn.Module, settings: Any) -> None:
-        super().__init__()
-        self.vision_tower = vision_tower
-        self.multi_modal_projector = projector
-        self.config = vision_tower.config
+        super().__init__(vision_tower, projector)
         self.vision_feature_layer = copy.deepcopy(settings.vision_feature_layer)
         self.vision_feature_select_strategy = settings.vision_feature_select_strategy
 

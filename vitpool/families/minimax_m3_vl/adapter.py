@@ -33,22 +33,16 @@ from vitpool.errors import ConfigError
 from vitpool.families.minimax_m3_vl.rules import MiniMaxM3VLRules
 from vitpool.models.adapter_base import TEXT_HIDDEN_SIZE, ConfigField, renames
 from vitpool.models.compat import installed_transformers
-from vitpool.models.projected import tower_and_projector
+from vitpool.models.projected import TowerWithProjector, tower_and_projector
 from vitpool.models.protocol import TensorSpec, zero_metadata
 from vitpool.models.spatial_merge import Grid, SpatialMergeAdapter, item_cu_seqlens, item_grids
 from vitpool.packing import Budget
 from vitpool.specs import ItemSpec
 
 
-class MiniMaxM3VLEncoder(torch.nn.Module):
+class MiniMaxM3VLEncoder(TowerWithProjector):
     """The tower and its projector; state keys `vision_tower.*` and `multi_modal_projector.*` (a
     full checkpoint has them under `model.`, or in the release layout, `CHECKPOINT_RENAMES`)."""
-
-    def __init__(self, vision_tower: torch.nn.Module, multi_modal_projector: torch.nn.Module) -> None:
-        super().__init__()
-        self.vision_tower = vision_tower
-        self.multi_modal_projector = multi_modal_projector
-        self.config = vision_tower.config
 
 
 def attends_per_item() -> bool:

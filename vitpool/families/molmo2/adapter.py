@@ -33,6 +33,7 @@ from vitpool.errors import ConfigError
 from vitpool.families.molmo2.rules import BUDGET_POOL, Molmo2Rules, item_windows
 from vitpool.models.adapter_base import AdapterBase, ConfigField
 from vitpool.models.compat import check_tower_parts
+from vitpool.models.projected import TowerWithProjector
 from vitpool.models.protocol import BudgetRange, TensorSpec, zero_metadata
 from vitpool.models.tiled import install_kernels
 from vitpool.packing import SEQUENCES, Budget
@@ -72,14 +73,8 @@ RELEASE_RENAMES = tuple(
 Tensors = dict[str, torch.Tensor]
 
 
-class Molmo2Encoder(torch.nn.Module):
+class Molmo2Encoder(TowerWithProjector):
     """The tower and the adapter (pooling and projector), as `Molmo2Model` holds them."""
-
-    def __init__(self, vision_tower: torch.nn.Module, projector: torch.nn.Module) -> None:
-        super().__init__()
-        self.vision_tower = vision_tower
-        self.multi_modal_projector = projector
-        self.config = vision_tower.config
 
 
 def adapter_config_of(config: Any) -> Any:

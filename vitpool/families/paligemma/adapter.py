@@ -29,7 +29,7 @@ from transformers import SiglipVisionConfig
 
 from vitpool.models.adapter_base import ConfigField, renames
 from vitpool.models.compat import check_tower_parts
-from vitpool.models.projected import tower_and_projector
+from vitpool.models.projected import TowerWithProjector, tower_and_projector
 from vitpool.models.tiled import TiledAdapter, install_kernels
 from vitpool.rules.tiles import TileRules
 
@@ -51,14 +51,8 @@ class PaliGemmaVisionConfig(SiglipVisionConfig):
     model_type = TOWER_MODEL_TYPE
 
 
-class PaliGemmaEncoder(torch.nn.Module):
+class PaliGemmaEncoder(TowerWithProjector):
     """The tower and the projector, as `PaliGemmaModel` holds them."""
-
-    def __init__(self, vision_tower: torch.nn.Module, projector: torch.nn.Module) -> None:
-        super().__init__()
-        self.vision_tower = vision_tower
-        self.multi_modal_projector = projector
-        self.config = vision_tower.config
 
 
 def build_encoder(config: Any, dtype: torch.dtype | None = None) -> PaliGemmaEncoder:
