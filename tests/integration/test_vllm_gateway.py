@@ -330,8 +330,8 @@ def test_a_family_without_an_item_maker_or_a_vllm_layout_is_refused(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "internvl"}')
     with pytest.raises(ConfigError, match="your own function"):
         Gateway(DownPool(), FilePublisher(tmp_path / "ec"), tmp_path, "http://x")
-    (tmp_path / "config.json").write_text('{"model_type": "llava"}')
-    with pytest.raises(ConfigError, match="'llava'"):
+    (tmp_path / "config.json").write_text('{"model_type": "mllama"}')
+    with pytest.raises(ConfigError, match="'mllama'"):
         Gateway(DownPool(), FilePublisher(tmp_path / "ec"), tmp_path, "http://x", make_item=make_item)
 
 

@@ -10,7 +10,12 @@ import torch
 
 from vitpool import ConfigError, Embedding
 from vitpool.integrations.vllm.bounded import BoundedEntries
-from vitpool.integrations.vllm.layouts import supported_model_types, vllm_embedding
+from vitpool.integrations.vllm.layouts import (
+    full_model_type,
+    supported_model_types,
+    vllm_embedding,
+    vllm_layout,
+)
 from vitpool.integrations.vllm.publisher import FILE_NAME, FilePublisher, check_key, entry_bytes, read_entry
 
 
@@ -24,6 +29,13 @@ def test_qwen3_vl_keeps_its_deepstack_beside_the_tokens():
 def test_a_token_family_is_its_tokens_and_a_tower_config_names_its_family():
     tokens = torch.randn(5, 16)
     assert torch.equal(vllm_embedding(Embedding(tokens), "qwen2_5_vl_vision", torch.float32), tokens)
+
+
+def test_a_full_model_type_that_ends_as_a_towers_is_its_own():
+    # Aya Vision's checkpoints say "aya_vision"; a tower-only save of its module "aya_vision_vision"
+    assert full_model_type("aya_vision") == "aya_vision" == full_model_type("aya_vision_vision")
+    assert full_model_type("qwen2_5_vl_vision") == "qwen2_5_vl"
+    assert vllm_layout("aya_vision") is vllm_layout("aya_vision_vision")
 
 
 def test_a_family_vllm_cannot_take_is_refused_with_the_ones_it_can():

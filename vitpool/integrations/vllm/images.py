@@ -19,6 +19,7 @@ import torch
 import xxhash
 
 from vitpool.errors import ConfigError
+from vitpool.integrations.vllm.layouts import full_model_type
 from vitpool.items import Image, Item
 from vitpool.models.registry import RECORDS
 from vitpool.pool.cache_keys import model_identity
@@ -140,8 +141,8 @@ def decode_image(data: bytes) -> Any:
 
 def checkpoint_family(checkpoint: str | Path) -> str:
     """The family of a checkpoint as vLLM serves it: its config's model_type ("<family>_vision" of
-    a tower-only save taken as its family)."""
-    return str(read_json(Path(checkpoint) / "config.json").get("model_type", "")).removesuffix("_vision")
+    a tower-only save taken as its family: `layouts.full_model_type`)."""
+    return full_model_type(str(read_json(Path(checkpoint) / "config.json").get("model_type", "")))
 
 
 # vLLM depends on torchvision, and its processor (transformers' AutoProcessor, no backend asked)

@@ -50,6 +50,14 @@ LAYOUTS = tuple(
     if record.vllm_layout is not None
 )
 _BY_MODEL_TYPE = {model_type: layout for layout in LAYOUTS for model_type in layout.model_types}
+_FULL_MODEL_TYPES = frozenset(model_type for record in RECORDS for model_type in record.model_types)
+
+
+def full_model_type(model_type: str) -> str:
+    """The full checkpoint's `model_type` that a config's names: itself where a family lists it
+    (Aya Vision's "aya_vision" ends as a tower-only save's type does), else a tower-only save's
+    "<family>_vision" taken as its family's."""
+    return model_type if model_type in _FULL_MODEL_TYPES else model_type.removesuffix("_vision")
 
 
 def supported_model_types() -> list[str]:
@@ -58,13 +66,12 @@ def supported_model_types() -> list[str]:
 
 def vllm_layout(model_type: str) -> VllmLayout:
     """The rule for a checkpoint's `model_type` (the full model's, as vLLM serves it; a tower's
-    "<family>_vision" is taken as its family's).
+    "<family>_vision" is taken as its family's: `full_model_type`).
 
     Raises:
         ConfigError: vitpool does not know how vLLM lays out this family's embeddings.
     """
-    family = model_type.removesuffix("_vision")
-    layout = _BY_MODEL_TYPE.get(family)
+    layout = _BY_MODEL_TYPE.get(full_model_type(model_type))
     if layout is None:
         raise ConfigError(
             f"vitpool does not know how vLLM lays out {model_type!r} image embeddings in its encoder cache, "

