@@ -13,7 +13,10 @@ Aya Vision: vLLM 0.32 has no model of its own for it (its registry lists it amon
 until 0.24.0) and serves transformers' `AyaVisionForConditionalGeneration` through its Transformers
 modeling backend, which is what is checked here; pictures of one tile only (a picture of several
 crops has a thumbnail beside them, resized, where PIL and torchvision differ by an 8-bit step and
-no stand-in in torch gives torchvision's pixels exactly)."""
+no stand-in in torch gives torchvision's pixels exactly). VideoLLaMA 3: likewise served by the
+Transformers modeling backend (no model of vLLM's own); its pictures' sides are whole units of 2 x 2
+patches within the processor's pixel range, so neither processor resizes them, and an image's items
+carry their merge size (1), which the gateway's grid path drops: they come from `items_from` too."""
 
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 from test_vllm_wave3 import onevision_processor, picture
-from tiny_models import AYA_TILE, LLAVA_SIZE, NEXT_TILE, PALIGEMMA_SIZE
+from tiny_models import AYA_TILE, LLAVA_SIZE, NEXT_TILE, PALIGEMMA_SIZE, VIDEO_LLAMA_UNIT
 from vllm_fixtures import NEEDS_VLLM, build_tiny_model, files_server, ray_address  # noqa: F401 - fixtures
 from vllm_requests import TOLERANCE, answer, assert_same_answer, chat, largest_difference
 from vllm_servers import RunningGateway, get_json
@@ -35,6 +38,7 @@ PROCESSORS = {
     "paligemma": "SiglipImageProcessorPil",
     "llava_next": None,
     "aya_vision": "GotOcr2ImageProcessorPil",
+    "video_llama_3": "VideoLlama3ImageProcessorPil",
 }
 # images per request: vLLM's PaliGemma takes one image a prompt (its processing info's limit)
 IMAGES = {
@@ -42,6 +46,7 @@ IMAGES = {
     "paligemma": [1, 1, 1, 1],
     "llava_next": [1, 2, 3, 1],
     "aya_vision": [1, 2, 3, 1],
+    "video_llama_3": [1, 2, 3, 1],
 }
 # family: its picture unit in pixels, its pictures' sizes in units, and a picture with the number of
 # tokens it gives (for the entry of zeros)
@@ -55,6 +60,8 @@ SHAPES = {
     "llava_next": (NEXT_TILE, [(1, 1), (1, 2), (2, 2), (2, 1)], (1, 2), 16 + 4 * (8 + 1)),
     # Aya Vision: one tile of 4 x 4 patches, shuffled by 2 into 4 tokens
     "aya_vision": (AYA_TILE, [(1, 1)], (1, 1), 4),
+    # VideoLLaMA 3: units of 2 x 2 patches, a token a patch (images are not merged); (2, 3): 24
+    "video_llama_3": (VIDEO_LLAMA_UNIT, [(2, 3), (4, 2), (3, 4), (2, 2)], (2, 3), 2 * 3 * 4),
 }
 
 

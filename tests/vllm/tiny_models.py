@@ -5,7 +5,7 @@ placeholder, and the image processor's settings.
     python tests/vllm/tiny_models.py FAMILY DIRECTORY
     # FAMILY: qwen3_vl, qwen2_vl, qwen2_5_vl, qwen3_5, glm4v, glm4v_moe, paddleocr_vl,
     #         internvl, glm_ocr, mistral3, gemma3, lfm2_vl, llava_onevision, gemma4, idefics3,
-#         llava, paligemma, llava_next, aya_vision
+#         llava, paligemma, llava_next, aya_vision, video_llama_3
 
 Head sizes are 64 in both towers (vLLM's CPU attention refuses 16); no video processor is written,
 so neither side needs torchvision. Pictures whose sides are multiples of `PATCH[family] * 2` (the
@@ -129,6 +129,7 @@ TOKENS = {
     "paligemma": {"image_token_index": "<image>"},
     "llava_next": {"image_token_index": "<image>"},
     "aya_vision": {"image_token_index": "<|IMG_PATCH|>"},
+    "video_llama_3": {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>"},
 }
 PLACEHOLDER = {
     "glm4v": "<|begin_of_image|><|image|><|end_of_image|>",
@@ -155,6 +156,8 @@ PLACEHOLDER = {
     "llava_next": "<image>",
     # Aya Vision's writes <|START_OF_IMG|>, each crop's header and tokens, the thumbnail's, <|END_OF_IMG|>
     "aya_vision": "<image>",
+    # VideoLLaMA 3's processor repeats <|image_pad|> for the image's tokens, one a patch
+    "video_llama_3": "<|image_pad|>",
 }
 # tokens a family's processor reads off the tokenizer
 TOKENIZER_TOKENS = {
@@ -208,6 +211,7 @@ PALIGEMMA_SIZE = 64  # PaliGemma's view: 4 x 4 patches, 16 tokens
 NEXT_TILE = 64  # LLaVA-NeXT's tiles: 4 x 4 patches, 16 tokens; grids of up to 2 x 2 crops
 NEXT_PINPOINTS = [[NEXT_TILE * r, NEXT_TILE * c] for r in (1, 2) for c in (1, 2)]
 AYA_TILE = 64  # Aya Vision's tiles: 4 x 4 patches, 4 tokens after its pixel shuffle; up to 4 crops
+VIDEO_LLAMA_UNIT = 32  # VideoLLaMA 3's pictures in units of 2 x 2 patches; images are not merged (merge 1)
 
 
 def chat_template(placeholder: str) -> str:
@@ -773,6 +777,31 @@ FAMILIES = {
             "size": {"height": AYA_TILE, "width": AYA_TILE},
             "image_mean": [0.5, 0.5, 0.5],
             "image_std": [0.5, 0.5, 0.5],
+        },
+    ),
+    # VideoLLaMA 3: its SigLIP-style tower with 2-D rotary positions on Qwen-style patch rows, images
+    # unmerged (merge size 1: a token a patch), and the projector's MLP; Qwen2 text. vLLM 0.32 has no
+    # model of its own for it: it serves transformers' through its Transformers modeling backend
+    "video_llama_3": (
+        "VideoLlama3Config",
+        "VideoLlama3ForConditionalGeneration",
+        {
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "patch_size": 16,
+        },
+        {**_text({}), "model_type": "qwen2"},
+        {
+            "image_processor_type": "VideoLlama3ImageProcessor",
+            "processor_class": "VideoLlama3Processor",
+            "patch_size": 16,
+            "temporal_patch_size": 1,
+            "merge_size": 1,
+            "image_mean": [0.5, 0.5, 0.5],
+            "image_std": [0.5, 0.5, 0.5],
+            "size": {"shortest_edge": VIDEO_LLAMA_UNIT**2, "longest_edge": (8 * VIDEO_LLAMA_UNIT) ** 2},
         },
     ),
 }

@@ -28,7 +28,10 @@ RECORD = FamilyRecord(
         ),
     },
     model_types=("cosmos3_edge",),
-    # not checked against a vLLM tower of its own: not published for vLLM
+    # not published for vLLM: vLLM 0.32's own Cosmos3EdgeForConditionalGeneration reads another format
+    # than transformers' (a `projector_config`, a NemotronH text model; transformers' has
+    # `projector_hidden_size` and its own attention text model), and vLLM picks it over its Transformers
+    # modeling backend (tests/vllm/test_vllm_wave4.py has no case for it)
     vllm_layout=None,
     # the model reads its tower's `last_hidden_state` and hands it to `projector`
     transformers_parts=ModelParts(

@@ -32,7 +32,8 @@ RECORD = FamilyRecord(
         ),
     },
     model_types=("lfm3_vl",),
-    # not checked against vLLM's tower (no vLLM here to compare with): not published for vLLM
+    # not published for vLLM: vLLM 0.32 has no model for it, and its transformers (5.19) has no lfm3_vl
+    # for its Transformers modeling backend to serve (tests/vllm/test_vllm_wave4.py has no case for it)
     vllm_layout=None,
     # the model calls `vision_tower(pixels, grid_thw=...)`, reads `last_hidden_state`, projects it and
     # splits by the grids: the stand-in answers with projected tokens, the projector passes them on

@@ -35,6 +35,11 @@ RECORD = FamilyRecord(
         ),
     },
     model_types=("molmo2",),
+    # not published for vLLM: vLLM 0.32's own Molmo2ForConditionalGeneration reads allenai's release
+    # format only (`config.vit_config`, weights under model.vision_backbone.), not transformers'
+    # (`vision_config`, model.vision_tower.), and its transformers (5.19) has no molmo2 for its
+    # Transformers modeling backend to serve (tests/vllm/test_vllm_wave4.py has no case for it)
+    vllm_layout=None,
     transformers_parts=None,
     image_features="vitpool.families.molmo2.features:Molmo2Features",
     processor_output=ProcessorOutput(

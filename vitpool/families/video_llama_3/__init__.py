@@ -19,6 +19,10 @@ RECORD = FamilyRecord(
         ),
     },
     model_types=("video_llama_3",),
+    # vLLM 0.32 serves transformers' model through its Transformers modeling backend, whose encoder
+    # cache holds `get_image_features`' tokens an image
+    vllm_layout="tokens",
+    vllm_checked=True,  # tests/vllm/test_vllm_wave4.py
     transformers_parts=None,
     image_features="vitpool.families.video_llama_3.features:VideoLlama3Features",
     processor_output=ProcessorOutput(
