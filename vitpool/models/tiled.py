@@ -103,6 +103,18 @@ def _pixels(value: Any, where: str) -> int:
     return value
 
 
+def check_tiles_fit(specs: Sequence[ItemSpec], num_rows: int, budget: Budget, unit: str = "tiles") -> None:
+    """Raise ValueError where the items' tiles (`unit`: what the family calls them) or tokens are
+    more than the buffers of `num_rows` tiles and `budget`'s tokens hold."""
+    num_tiles = sum(spec.num_rows for spec in specs)
+    num_tokens = sum(spec.num_tokens for spec in specs)
+    if num_tiles > num_rows or num_tokens > budget.num_tokens:
+        raise ValueError(
+            f"{len(specs)} items need {num_tiles} {unit} and {num_tokens} tokens; the buffers hold "
+            f"{num_rows} {unit} and {budget.num_tokens} tokens"
+        )
+
+
 def install_kernels(tower: torch.nn.Module) -> None:
     """The fused ops (`fused_ops`: the patch convolution as a GEMM, the rotary embedding) and the
     compiled blocks (`compiled_blocks`) for a tiled tower, each in effect only under its setting;

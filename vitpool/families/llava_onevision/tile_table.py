@@ -27,6 +27,7 @@ from vitpool.families.llava_onevision.taps import NEWLINE
 from vitpool.models.adapter_base import TEXT_HIDDEN_SIZE, AdapterBase, ConfigField, renames
 from vitpool.models.projected import tower_and_projector
 from vitpool.models.protocol import zero_metadata
+from vitpool.models.tiled import check_tiles_fit
 from vitpool.packing import SEQUENCES, Budget
 from vitpool.specs import ItemSpec
 
@@ -123,13 +124,7 @@ class TileTableAdapter(AdapterBase):
         return None
 
     def build_metadata(self, specs: Sequence[ItemSpec], num_rows: int, budget: Budget) -> Tensors:
-        num_tiles = sum(spec.num_rows for spec in specs)
-        num_tokens = sum(spec.num_tokens for spec in specs)
-        if num_tiles > num_rows or num_tokens > budget.num_tokens:
-            raise ValueError(
-                f"{len(specs)} items need {num_tiles} tiles and {num_tokens} tokens; the buffers hold "
-                f"{num_rows} tiles and {budget.num_tokens} tokens"
-            )
+        check_tiles_fit(specs, num_rows, budget)
         # padding tokens: row 0 (and weight 0)
         metadata = zero_metadata(self.metadata_specs(num_rows, budget))  # type: ignore[attr-defined]
         newline_row = num_rows * self._tile_features

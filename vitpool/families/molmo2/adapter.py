@@ -35,7 +35,7 @@ from vitpool.models.adapter_base import AdapterBase, ConfigField
 from vitpool.models.compat import check_tower_parts
 from vitpool.models.projected import TowerWithProjector
 from vitpool.models.protocol import BudgetRange, TensorSpec, zero_metadata
-from vitpool.models.tiled import install_kernels
+from vitpool.models.tiled import check_tiles_fit, install_kernels
 from vitpool.packing import SEQUENCES, Budget
 from vitpool.specs import IMAGE, VIDEO, ItemSpec
 
@@ -172,13 +172,7 @@ class Molmo2Adapter(AdapterBase):
         }
 
     def build_metadata(self, specs: Sequence[ItemSpec], num_rows: int, budget: Budget) -> Tensors:
-        num_crops = sum(spec.num_rows for spec in specs)
-        num_tokens = sum(spec.num_tokens for spec in specs)
-        if num_crops > num_rows or num_tokens > budget.num_tokens:
-            raise ValueError(
-                f"{len(specs)} items need {num_crops} crops and {num_tokens} tokens; the buffers hold "
-                f"{num_rows} crops and {budget.num_tokens} tokens"
-            )
+        check_tiles_fit(specs, num_rows, budget, "crops")
         metadata = zero_metadata(self.metadata_specs(num_rows, budget))
         metadata["pool_valid"][:, 0] = True  # padding tokens: patch 0 alone
         patches_per_crop = self.item_rules.side**2
