@@ -26,9 +26,14 @@ import pytest
 import torch
 from test_vllm_wave3 import onevision_processor, picture
 from tiny_models import AYA_TILE, LLAVA_SIZE, NEXT_TILE, PALIGEMMA_SIZE, VIDEO_LLAMA_UNIT
-from vllm_fixtures import NEEDS_VLLM, build_tiny_model, files_server, ray_address  # noqa: F401 - fixtures
+from vllm_fixtures import (  # noqa: F401 - ray_address: a fixture
+    NEEDS_VLLM,
+    build_tiny_model,
+    family_behind_a_gateway,
+    ray_address,
+)
 from vllm_requests import TOLERANCE, answer, assert_same_answer, chat, largest_difference
-from vllm_servers import RunningGateway, get_json
+from vllm_servers import get_json
 
 pytestmark = [pytest.mark.vllm, NEEDS_VLLM]
 
@@ -82,37 +87,10 @@ def make_item(name: str, model):
 def family(request, ray_address, tmp_path_factory):  # noqa: F811 - the fixture imported above
     """One family at a time: its checkpoint, one vLLM consumer of files, a CPU pool of its tower and
     a gateway; all stopped before the next family's start."""
-    from vitpool import EncoderPool
-    from vitpool.integrations.vllm.gateway import Gateway
-    from vitpool.integrations.vllm.publisher import FilePublisher
-
     name = request.param
     model = build_tiny_model(name, tmp_path_factory.mktemp(f"tiny-{name}"))
-    root = tmp_path_factory.mktemp(f"ec-files-{name}")
-    server = files_server(model, root, tmp_path_factory.mktemp("vllm-logs") / f"{name}.log")
-    pool = gateway = None
-    try:
-        pool = EncoderPool.launch(
-            model=str(model), name=f"vllm-{name}", num_actors=1, device="cpu", budgets=[16, 64, 256]
-        )  # while vLLM starts
-        server.wait_ready()
-        gateway = RunningGateway(
-            Gateway(
-                pool,
-                FilePublisher(root),
-                model,
-                server.url,
-                dtype=torch.float32,
-                make_item=make_item(name, model),
-            )
-        )
+    with family_behind_a_gateway(name, model, make_item(name, model), tmp_path_factory) as (server, gateway):
         yield name, model, server, gateway
-    finally:
-        if gateway is not None:
-            gateway.stop()
-        server.stop()
-        if pool is not None:
-            pool.shutdown()
 
 
 def test_answers_through_the_gateway_equal_vllms_own_tower(family):

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import os
 import subprocess
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
-from vllm_servers import ROOT, VLLM_PYTHON, VllmServer
+from vllm_servers import ROOT, VLLM_PYTHON, RunningGateway, VllmServer
 
 NEEDS_VLLM = pytest.mark.skipif(
     not VLLM_PYTHON.exists(),
@@ -44,6 +47,39 @@ def files_server(model: Path, root: Path, log: Path) -> VllmServer:
         log,
         {},
     )
+
+
+@contextmanager
+def family_behind_a_gateway(
+    name: str, model: Path, make_item: Callable[[bytes], Any], tmp_path_factory: Any
+) -> Iterator[tuple[VllmServer, RunningGateway]]:
+    """One family's checkpoint served by one vLLM consumer of files, a CPU pool of its tower and a
+    gateway that makes its items with `make_item`; all stopped on leaving (the family tests of
+    test_vllm_wave3.py and test_vllm_wave4.py, one family at a time)."""
+    import torch
+
+    from vitpool import EncoderPool
+    from vitpool.integrations.vllm.gateway import Gateway
+    from vitpool.integrations.vllm.publisher import FilePublisher
+
+    root = tmp_path_factory.mktemp(f"ec-files-{name}")
+    server = files_server(model, root, tmp_path_factory.mktemp("vllm-logs") / f"{name}.log")
+    pool = gateway = None
+    try:
+        pool = EncoderPool.launch(
+            model=str(model), name=f"vllm-{name}", num_actors=1, device="cpu", budgets=[16, 64, 256]
+        )  # while vLLM starts
+        server.wait_ready()
+        gateway = RunningGateway(
+            Gateway(pool, FilePublisher(root), model, server.url, dtype=torch.float32, make_item=make_item)
+        )
+        yield server, gateway
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        server.stop()
+        if pool is not None:
+            pool.shutdown()
 
 
 @pytest.fixture(scope="session")
