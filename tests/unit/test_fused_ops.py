@@ -123,3 +123,56 @@ def test_a_fused_rms_norm_keeps_its_cpu_result_and_still_pickles():
     with use_fused_ops(True):
         assert torch.equal(norm(x), want)  # the fused kernel runs on CUDA half precision only
     assert torch.equal(pickle.loads(pickle.dumps(norm))(x), want)
+
+
+def test_llama4s_interleaved_rotary_and_the_quick_gelu_are_wrapped_once_and_keep_their_cpu_result():
+    from transformers.activations import QuickGELUActivation
+    from transformers.models.llama4 import modeling_llama4
+    from transformers.models.llama4.configuration_llama4 import Llama4VisionConfig
+
+    from vitpool.kernels.rotary import INTERLEAVED_ROTARY_FUNCTION
+
+    config = Llama4VisionConfig(hidden_size=64, num_attention_heads=4, image_size=56, patch_size=14)
+    activation = QuickGELUActivation()
+    for _ in range(2):
+        install_fused_ops(torch.nn.ModuleList([modeling_llama4.Llama4VisionAttention(config), activation]))
+    wrapped = getattr(modeling_llama4, INTERLEAVED_ROTARY_FUNCTION)
+    original = wrapped.__vitpool_original__
+    assert getattr(original, "__vitpool_original__", None) is None  # wrapped once
+    gelu = QuickGELUActivation.forward
+    assert getattr(gelu.__vitpool_original__, "__vitpool_original__", None) is None
+    table = modeling_llama4.Llama4VisionRotaryEmbedding(config).freqs_ci  # [17, 1, 8]
+    q, k = torch.randn(3, 17, 4, 16), torch.randn(3, 17, 4, 16)
+    x = torch.randn(5, 40)
+    with use_fused_ops(True):  # CPU tensors: Hugging Face's own math, bit for bit
+        got, got_gelu = wrapped(q, k, table), activation(x)
+    assert all(torch.equal(g, w) for g, w in zip(got, original(q, k, table)))
+    assert torch.equal(got_gelu, gelu.__vitpool_original__(activation, x))
+
+
+def test_internvls_and_step3p7s_layer_scaled_blocks_take_the_fused_forward_and_keep_their_cpu_result():
+    from transformers.models.internvl.configuration_internvl import InternVLVisionConfig
+    from transformers.models.internvl.modeling_internvl import InternVLVisionLayer
+    from transformers.models.step3p7.configuration_step3p7 import Step3p7VisionConfig
+    from transformers.models.step3p7.modeling_step3p7 import Step3p7VisionEncoderLayer
+
+    from vitpool.kernels.layer_scale import layer_scale_forward
+
+    assert layer_scale_forward(InternVLVisionLayer) is not None
+    assert layer_scale_forward(Step3p7VisionEncoderLayer) is not None
+    assert layer_scale_forward(torch.nn.TransformerEncoderLayer) is None  # another forward: its own
+    internvl = InternVLVisionLayer(
+        InternVLVisionConfig(hidden_size=32, num_attention_heads=2, intermediate_size=64)
+    )
+    internvl.eval()
+    x = torch.randn(2, 5, 32)
+    want = internvl(x)
+    install_fused_ops(internvl)
+    assert InternVLVisionLayer.forward.__vitpool_original__ is not None
+    with use_fused_ops(True):  # CPU tensors: Hugging Face's own forward, bit for bit
+        assert torch.equal(internvl(x), want)
+    step = Step3p7VisionEncoderLayer(
+        Step3p7VisionConfig(hidden_size=32, num_attention_heads=2, intermediate_size=64)
+    )
+    install_fused_ops(step)
+    assert Step3p7VisionEncoderLayer.forward.__vitpool_original__ is not None

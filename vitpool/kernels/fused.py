@@ -6,6 +6,8 @@ One module per fusion, each saying what it replaces and why:
 - `patch_gemm`: a patch convolution (kernel == stride) as a GEMM, a whole image's returned
   channels-last;
 - `gelu_mlp`: a two-layer tanh-GELU MLP with the first bias and the GELU in the GEMM's epilogue;
+- `quick_gelu`: Hugging Face's quick GELU (Qwen2-VL, Step-3.7, CLIP) in one pass instead of three;
+- `layer_scale`: InternVL's and Step-3.7's layer-scaled residual adds in one kernel instead of two;
 - `rms_norm`: Hugging Face's plain RMSNorm and Gemma 4's as torch's one-kernel `rms_norm`.
 
 The figures behind them (`benchmarks/studies/kernel_breakdown.py`, `gemm_shapes.py` and
@@ -25,7 +27,9 @@ import torch
 
 from vitpool.kernels.fused_switch import fused_ops_apply, triton_available, use_fused_ops
 from vitpool.kernels.gelu_mlp import install_gelu_mlp
+from vitpool.kernels.layer_scale import install_layer_scale
 from vitpool.kernels.patch_gemm import install_patch_gemm
+from vitpool.kernels.quick_gelu import install_quick_gelu
 from vitpool.kernels.rms_norm import install_rms_norm
 from vitpool.kernels.rotary import fused_rotary, install_rotary
 
@@ -33,10 +37,13 @@ __all__ = ["fused_ops_apply", "fused_rotary", "install_fused_ops", "triton_avail
 
 
 def install_fused_ops(tower: torch.nn.Module) -> None:
-    """Route `tower`'s rotary embedding, patch convolutions, tanh-GELU MLPs and RMSNorms through the
-    fused versions (in effect only under `use_fused_ops(True)`). Installing again is harmless."""
+    """Route `tower`'s rotary embedding, patch convolutions, tanh-GELU MLPs, quick GELUs, RMSNorms and
+    layer-scaled residuals through the fused versions (in effect only under `use_fused_ops(True)`).
+    Installing again is harmless."""
     for module in tower.modules():
         install_rotary(module)
         install_patch_gemm(module)
         install_gelu_mlp(module)
+        install_quick_gelu(module)
         install_rms_norm(module)
+        install_layer_scale(module)

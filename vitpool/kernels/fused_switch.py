@@ -11,6 +11,8 @@ import contextlib
 import contextvars
 import functools
 import importlib.util
+import inspect
+from collections.abc import Callable
 
 import torch
 
@@ -46,3 +48,17 @@ def triton_available() -> bool:
 def next_power_of_two(n: int) -> int:
     """A Triton block size that covers `n` (block sizes are powers of two)."""
     return 1 << max(0, (n - 1).bit_length())
+
+
+def source_body(function: Callable | None) -> tuple[str, ...] | None:
+    """A function's statements after its signature, whitespace, comments and docstring removed."""
+    function = getattr(function, "__vitpool_original__", function)
+    try:
+        source = inspect.getsource(function)
+    except (OSError, TypeError):
+        return None
+    lines = ["".join(line.split()) for line in source.splitlines()]
+    start = (
+        next((number for number, line in enumerate(lines) if line.endswith(":")), 0) + 1
+    )  # past the signature
+    return tuple(line for line in lines[start:] if line and not line.startswith(("#", '"""')))

@@ -8,13 +8,11 @@ source is exactly one of those two are replaced: any other RMSNorm keeps its own
 from __future__ import annotations
 
 import functools
-import inspect
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from vitpool.kernels.fused_switch import fused_ops_apply
+from vitpool.kernels.fused_switch import fused_ops_apply, source_body
 
 
 def install_rms_norm(module: torch.nn.Module) -> None:
@@ -79,26 +77,14 @@ def rms_norm_kind(module: torch.nn.Module) -> str | None:
 
 @functools.cache
 def _has_plain_rms_norm_forward(cls: type) -> bool:
-    return _body(cls.forward) == _PLAIN_RMS_NORM_BODY
+    return source_body(cls.forward) == _PLAIN_RMS_NORM_BODY
 
 
 @functools.cache
 def _has_scaled_rms_norm_forward(cls: type) -> bool:
-    return all(_body(getattr(cls, name, None)) == body for name, body in _SCALED_RMS_NORM_BODIES.items())
-
-
-def _body(function: Callable | None) -> tuple[str, ...] | None:
-    """A function's statements after its signature, whitespace, comments and docstring removed."""
-    function = getattr(function, "__vitpool_original__", function)
-    try:
-        source = inspect.getsource(function)
-    except (OSError, TypeError):
-        return None
-    lines = ["".join(line.split()) for line in source.splitlines()]
-    start = (
-        next((number for number, line in enumerate(lines) if line.endswith(":")), 0) + 1
-    )  # past the signature
-    return tuple(line for line in lines[start:] if line and not line.startswith(("#", '"""')))
+    return all(
+        source_body(getattr(cls, name, None)) == body for name, body in _SCALED_RMS_NORM_BODIES.items()
+    )
 
 
 def _patch_rms_norm(cls: type, kind: str) -> None:

@@ -5,6 +5,10 @@ rotates halves with a `cat`, adds and casts back: many elementwise and copy kern
 fp32 copies of [rows, heads, head_dim] per layer, most of the elementwise and copy kernels of a
 small forward (`benchmarks/RESULTS.md`, "Figures the code's design rests on"). Here one kernel per
 tensor computes the same fp32 math from the half-precision input and writes half precision.
+
+Llama 4's `vision_apply_rotary_emb(query, key, freqs_ci)` rotates interleaved pairs as complex
+numbers (`view_as_complex`, a complex product, `view_as_real`): the same kernel with the pairs
+interleaved reads its complex table in place (`fused_interleaved_rotary`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 from vitpool.kernels.fused_switch import FUSED_OPS, HALF_DTYPES, next_power_of_two, triton_available
 
 ROTARY_FUNCTION = "apply_rotary_pos_emb_vision"
+INTERLEAVED_ROTARY_FUNCTION = "vision_apply_rotary_emb"  # Llama 4's
 
 
 def install_rotary(module: torch.nn.Module) -> None:
@@ -26,6 +31,8 @@ def install_rotary(module: torch.nn.Module) -> None:
     modeling = sys.modules.get(type(module).__module__)
     if modeling is not None and callable(getattr(modeling, ROTARY_FUNCTION, None)):
         _patch_rotary(modeling)
+    if modeling is not None and callable(getattr(modeling, INTERLEAVED_ROTARY_FUNCTION, None)):
+        _patch_interleaved_rotary(modeling)
 
 
 def _patch_rotary(modeling: types.ModuleType) -> None:
@@ -37,14 +44,17 @@ def _patch_rotary(modeling: types.ModuleType) -> None:
     def apply_rotary_pos_emb_vision(q, k, cos, sin):
         # inside a compiled block (`vitpool.kernels.compiled`) inductor fuses Hugging Face's math itself
         if not torch.compiler.is_compiling() and FUSED_OPS.get():
-            # Kimi-K2.5 passes [1, rows, heads, head_dim] (and may pass cos as [1, rows, head_dim])
-            batched = q.dim() == 4 and q.shape[0] == 1 and k.dim() == 4 and k.shape[0] == 1
-            q3, k3 = (q[0], k[0]) if batched else (q, k)
-            cos2 = cos[0] if cos.dim() == 3 and cos.shape[0] == 1 else cos
+            cos2 = cos[0] if cos.dim() == 3 and cos.shape[0] == 1 else cos  # Kimi-K2.5: [1, rows, d]
             sin2 = sin[0] if sin.dim() == 3 and sin.shape[0] == 1 else sin
-            if _rotary_fits(q3, k3, cos2, sin2):
+            # [batch, rows, heads, head_dim] against one table [rows, head_dim], as Hugging Face's
+            # broadcast reads it (Kimi-K2.5's batch of one, Step-3.7's tiles): flattened to rows,
+            # row r takes table row r % rows
+            batched = q.dim() == 4 and k.shape == q.shape and cos2.dim() == 2 and q.shape[1] == cos2.shape[0]
+            q3, k3 = (q.flatten(0, 1), k.flatten(0, 1)) if batched else (q, k)
+            one_table_a_row = q.dim() == 3 and cos2.shape[:1] == q.shape[:1]
+            if (batched or one_table_a_row) and _rotary_fits(q3, k3, cos2, sin2):
                 q_out, k_out = fused_rotary(q3, cos2, sin2), fused_rotary(k3, cos2, sin2)
-                return (q_out[None], k_out[None]) if batched else (q_out, k_out)
+                return q_out.view(q.shape), k_out.view(k.shape)
         return original(q, k, cos, sin)
 
     apply_rotary_pos_emb_vision.__vitpool_original__ = original
@@ -53,16 +63,16 @@ def _patch_rotary(modeling: types.ModuleType) -> None:
 
 def _rotary_fits(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """The shapes every family passes: q, k [rows, heads, head_dim] in half precision with unit
-    stride in head_dim; cos, sin [rows, head_dim] fp32 with unit stride."""
-    if not (q.is_cuda and q.dtype in HALF_DTYPES and k.dtype == q.dtype and triton_available()):
+    stride in head_dim; cos, sin [positions, head_dim] fp32 with unit stride, positions dividing rows."""
+    if not _kernel_takes(q, k):
         return False
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
-        return False  # the kernel has no backward
     if q.dim() != 3 or k.shape != q.shape or cos.dim() != 2 or sin.shape != cos.shape:
         return False
     rows, _, head_dim = q.shape
     return (
-        cos.shape == (rows, head_dim)
+        cos.shape[1] == head_dim
+        and cos.shape[0] > 0
+        and rows % cos.shape[0] == 0
         and head_dim % 2 == 0
         and cos.dtype == sin.dtype == torch.float32
         and q.stride(-1) == 1
@@ -79,10 +89,72 @@ def fused_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     cos and sin are fp32 [positions, head_dim] (unit stride in head_dim), and row r of x takes
     position r % positions: one table per row, or one sequence's table for a batch of
     equal-length sequences flattened to rows (no copy of the table per sequence)."""
-    rows, heads, head_dim = x.shape
+    rows, _, head_dim = x.shape
     positions = cos.shape[0]
     if sin.shape != cos.shape or cos.shape[1] != head_dim or (rows and (not positions or rows % positions)):
         raise ValueError(f"rotary tables {tuple(cos.shape)} do not fit rows {tuple(x.shape)}")
+    return _launch(x, cos, sin, interleaved=False)
+
+
+def fused_interleaved_rotary(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Llama 4's rotary in fp32, cast back to x's dtype: each pair (x[2i], x[2i + 1]) of x [rows,
+    heads, head_dim] as a complex number times table[r % positions, i] (`table`: complex64
+    [positions, head_dim / 2], read in place)."""
+    rows, _, head_dim = x.shape
+    positions = table.shape[0]
+    fits = table.dtype == torch.complex64 and table.shape[1:] == (head_dim // 2,) and not head_dim % 2
+    if not fits or (rows and (not positions or rows % positions)):
+        raise ValueError(f"rotary table {tuple(table.shape)}, {table.dtype}, does not fit {tuple(x.shape)}")
+    pairs = torch.view_as_real(table)  # [positions, head_dim / 2, (cos, sin)], no copy
+    return _launch(x, pairs[..., 0], pairs[..., 1], interleaved=True)
+
+
+def _kernel_takes(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """q and k in half precision on CUDA with no autograd through them (the kernel has no backward)."""
+    if not (q.is_cuda and q.dtype in HALF_DTYPES and k.dtype == q.dtype and triton_available()):
+        return False
+    return not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))
+
+
+def _patch_interleaved_rotary(modeling: types.ModuleType) -> None:
+    original = getattr(modeling, INTERLEAVED_ROTARY_FUNCTION)
+    if getattr(original, "__vitpool_original__", None) is not None:
+        return
+
+    @functools.wraps(original)
+    def vision_apply_rotary_emb(query, key, freqs_ci):
+        # query, key [batch, rows, heads, head_dim]; freqs_ci complex64 holding [rows, head_dim / 2]
+        # (Hugging Face views it as [1, rows, 1, head_dim / 2])
+        if not torch.compiler.is_compiling() and FUSED_OPS.get() and _interleaved_fits(query, key, freqs_ci):
+            table = freqs_ci.reshape(query.shape[1], query.shape[-1] // 2)
+            rows = (-1, *query.shape[2:])
+            return (
+                fused_interleaved_rotary(query.reshape(rows), table).view(query.shape),
+                fused_interleaved_rotary(key.reshape(rows), table).view(key.shape),
+            )
+        return original(query, key, freqs_ci)
+
+    vision_apply_rotary_emb.__vitpool_original__ = original
+    setattr(modeling, INTERLEAVED_ROTARY_FUNCTION, vision_apply_rotary_emb)
+
+
+def _interleaved_fits(query: torch.Tensor, key: torch.Tensor, freqs_ci: torch.Tensor) -> bool:
+    if not _kernel_takes(query, key) or query.dim() != 4 or key.shape != query.shape:
+        return False
+    head_dim = query.shape[-1]
+    return (
+        head_dim % 2 == 0
+        and freqs_ci.dtype == torch.complex64
+        and freqs_ci.device == query.device
+        and freqs_ci.is_contiguous()
+        and freqs_ci.numel() == query.shape[1] * head_dim // 2
+        and query.stride(-1) == 1
+        and key.stride(-1) == 1
+    )
+
+
+def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    rows, heads, head_dim = x.shape
     out = torch.empty((rows, heads, head_dim), device=x.device, dtype=x.dtype)
     if rows:
         half = head_dim // 2
@@ -92,11 +164,13 @@ def fused_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
             sin,
             out,
             heads,
-            positions,
+            cos.shape[0],
             x.stride(0),
             x.stride(1),
             cos.stride(0),
+            cos.stride(1),
             HALF=half,
+            INTERLEAVED=interleaved,
             BLOCK_HEADS=next_power_of_two(heads),
             BLOCK_HALF=next_power_of_two(half),
         )
@@ -120,7 +194,9 @@ def _rotary_kernel() -> Callable:
         x_row_stride,
         x_head_stride,
         cos_row_stride,
+        cos_col_stride,
         HALF: tl.constexpr,
+        INTERLEAVED: tl.constexpr,
         BLOCK_HEADS: tl.constexpr,
         BLOCK_HALF: tl.constexpr,
     ):
@@ -130,20 +206,34 @@ def _rotary_kernel() -> Callable:
         cols = tl.arange(0, BLOCK_HALF)[None, :]
         col_ok = cols < HALF
         mask = (heads < num_heads) & col_ok
-        x = x_ptr + row * x_row_stride + heads * x_head_stride + cols
-        x1 = tl.load(x, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(x + HALF, mask=mask, other=0.0).to(tl.float32)
-        c = cos_ptr + position * cos_row_stride + cols
-        s = sin_ptr + position * cos_row_stride + cols
-        cos1 = tl.load(c, mask=col_ok, other=0.0)
-        cos2 = tl.load(c + HALF, mask=col_ok, other=0.0)
-        sin1 = tl.load(s, mask=col_ok, other=0.0)
-        sin2 = tl.load(s + HALF, mask=col_ok, other=0.0)
-        # rotate_half(x) = cat(-x2, x1), as Hugging Face computes it, in fp32
+        # a pair's two elements: the two halves (rotate_half), or neighbours (Llama 4's complex pairs)
+        if INTERLEAVED:
+            first_col = 2 * cols
+            second_col = first_col + 1
+        else:
+            first_col = cols
+            second_col = cols + HALF
+        x = x_ptr + row * x_row_stride + heads * x_head_stride
+        x1 = tl.load(x + first_col, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x + second_col, mask=mask, other=0.0).to(tl.float32)
+        c = cos_ptr + position * cos_row_stride
+        s = sin_ptr + position * cos_row_stride
+        if INTERLEAVED:  # one angle a pair
+            cos1 = tl.load(c + cols * cos_col_stride, mask=col_ok, other=0.0)
+            sin1 = tl.load(s + cols * cos_col_stride, mask=col_ok, other=0.0)
+            cos2 = cos1
+            sin2 = sin1
+        else:  # Hugging Face's tables repeat the angles over the two halves; both are read
+            cos1 = tl.load(c + cols * cos_col_stride, mask=col_ok, other=0.0)
+            cos2 = tl.load(c + (cols + HALF) * cos_col_stride, mask=col_ok, other=0.0)
+            sin1 = tl.load(s + cols * cos_col_stride, mask=col_ok, other=0.0)
+            sin2 = tl.load(s + (cols + HALF) * cos_col_stride, mask=col_ok, other=0.0)
+        # rotate_half(x) = cat(-x2, x1), as Hugging Face computes it, in fp32; for a complex pair
+        # (x1 + i x2)(cos + i sin) the same two lines
         first = x1 * cos1 + (-x2) * sin1
         second = x2 * cos2 + x1 * sin2
-        out = out_ptr + row * (num_heads * 2 * HALF) + heads * (2 * HALF) + cols
-        tl.store(out, first.to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(out + HALF, second.to(out_ptr.dtype.element_ty), mask=mask)
+        out = out_ptr + row * (num_heads * 2 * HALF) + heads * (2 * HALF)
+        tl.store(out + first_col, first.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out + second_col, second.to(out_ptr.dtype.element_ty), mask=mask)
 
     return rotary
