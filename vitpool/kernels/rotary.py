@@ -89,24 +89,58 @@ def fused_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     cos and sin are fp32 [positions, head_dim] (unit stride in head_dim), and row r of x takes
     position r % positions: one table per row, or one sequence's table for a batch of
     equal-length sequences flattened to rows (no copy of the table per sequence)."""
-    rows, _, head_dim = x.shape
+    rows, heads, head_dim = x.shape
     positions = cos.shape[0]
     if sin.shape != cos.shape or cos.shape[1] != head_dim or (rows and (not positions or rows % positions)):
         raise ValueError(f"rotary tables {tuple(cos.shape)} do not fit rows {tuple(x.shape)}")
-    return _launch(x, cos, sin, interleaved=False)
+    out = torch.empty((rows, heads, head_dim), device=x.device, dtype=x.dtype)
+    if rows:
+        half = head_dim // 2
+        _rotary_kernel()[(rows,)](
+            x,
+            cos,
+            sin,
+            out,
+            heads,
+            positions,
+            x.stride(0),
+            x.stride(1),
+            cos.stride(0),
+            HALF=half,
+            BLOCK_HEADS=next_power_of_two(heads),
+            BLOCK_HALF=next_power_of_two(half),
+        )
+    return out
 
 
 def fused_interleaved_rotary(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """Llama 4's rotary in fp32, cast back to x's dtype: each pair (x[2i], x[2i + 1]) of x [rows,
     heads, head_dim] as a complex number times table[r % positions, i] (`table`: complex64
     [positions, head_dim / 2], read in place)."""
-    rows, _, head_dim = x.shape
+    rows, heads, head_dim = x.shape
     positions = table.shape[0]
     fits = table.dtype == torch.complex64 and table.shape[1:] == (head_dim // 2,) and not head_dim % 2
     if not fits or (rows and (not positions or rows % positions)):
         raise ValueError(f"rotary table {tuple(table.shape)}, {table.dtype}, does not fit {tuple(x.shape)}")
     pairs = torch.view_as_real(table)  # [positions, head_dim / 2, (cos, sin)], no copy
-    return _launch(x, pairs[..., 0], pairs[..., 1], interleaved=True)
+    out = torch.empty((rows, heads, head_dim), device=x.device, dtype=x.dtype)
+    if rows:
+        half = head_dim // 2
+        _interleaved_rotary_kernel()[(rows,)](
+            x,
+            pairs,
+            out,
+            heads,
+            positions,
+            x.stride(0),
+            x.stride(1),
+            pairs.stride(0),
+            pairs.stride(1),
+            HALF=half,
+            BLOCK_HEADS=next_power_of_two(heads),
+            BLOCK_HALF=next_power_of_two(half),
+        )
+    return out
 
 
 def _kernel_takes(q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -153,30 +187,6 @@ def _interleaved_fits(query: torch.Tensor, key: torch.Tensor, freqs_ci: torch.Te
     )
 
 
-def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    rows, heads, head_dim = x.shape
-    out = torch.empty((rows, heads, head_dim), device=x.device, dtype=x.dtype)
-    if rows:
-        half = head_dim // 2
-        _rotary_kernel()[(rows,)](
-            x,
-            cos,
-            sin,
-            out,
-            heads,
-            cos.shape[0],
-            x.stride(0),
-            x.stride(1),
-            cos.stride(0),
-            cos.stride(1),
-            HALF=half,
-            INTERLEAVED=interleaved,
-            BLOCK_HEADS=next_power_of_two(heads),
-            BLOCK_HALF=next_power_of_two(half),
-        )
-    return out
-
-
 @functools.cache
 def _rotary_kernel() -> Callable:
     """The Triton kernel, defined on first use (triton is imported only where it runs)."""
@@ -194,9 +204,7 @@ def _rotary_kernel() -> Callable:
         x_row_stride,
         x_head_stride,
         cos_row_stride,
-        cos_col_stride,
         HALF: tl.constexpr,
-        INTERLEAVED: tl.constexpr,
         BLOCK_HEADS: tl.constexpr,
         BLOCK_HALF: tl.constexpr,
     ):
@@ -206,34 +214,61 @@ def _rotary_kernel() -> Callable:
         cols = tl.arange(0, BLOCK_HALF)[None, :]
         col_ok = cols < HALF
         mask = (heads < num_heads) & col_ok
-        # a pair's two elements: the two halves (rotate_half), or neighbours (Llama 4's complex pairs)
-        if INTERLEAVED:
-            first_col = 2 * cols
-            second_col = first_col + 1
-        else:
-            first_col = cols
-            second_col = cols + HALF
-        x = x_ptr + row * x_row_stride + heads * x_head_stride
-        x1 = tl.load(x + first_col, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(x + second_col, mask=mask, other=0.0).to(tl.float32)
-        c = cos_ptr + position * cos_row_stride
-        s = sin_ptr + position * cos_row_stride
-        if INTERLEAVED:  # one angle a pair
-            cos1 = tl.load(c + cols * cos_col_stride, mask=col_ok, other=0.0)
-            sin1 = tl.load(s + cols * cos_col_stride, mask=col_ok, other=0.0)
-            cos2 = cos1
-            sin2 = sin1
-        else:  # Hugging Face's tables repeat the angles over the two halves; both are read
-            cos1 = tl.load(c + cols * cos_col_stride, mask=col_ok, other=0.0)
-            cos2 = tl.load(c + (cols + HALF) * cos_col_stride, mask=col_ok, other=0.0)
-            sin1 = tl.load(s + cols * cos_col_stride, mask=col_ok, other=0.0)
-            sin2 = tl.load(s + (cols + HALF) * cos_col_stride, mask=col_ok, other=0.0)
-        # rotate_half(x) = cat(-x2, x1), as Hugging Face computes it, in fp32; for a complex pair
-        # (x1 + i x2)(cos + i sin) the same two lines
+        x = x_ptr + row * x_row_stride + heads * x_head_stride + cols
+        x1 = tl.load(x, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x + HALF, mask=mask, other=0.0).to(tl.float32)
+        c = cos_ptr + position * cos_row_stride + cols
+        s = sin_ptr + position * cos_row_stride + cols
+        cos1 = tl.load(c, mask=col_ok, other=0.0)
+        cos2 = tl.load(c + HALF, mask=col_ok, other=0.0)
+        sin1 = tl.load(s, mask=col_ok, other=0.0)
+        sin2 = tl.load(s + HALF, mask=col_ok, other=0.0)
+        # rotate_half(x) = cat(-x2, x1), as Hugging Face computes it, in fp32
         first = x1 * cos1 + (-x2) * sin1
         second = x2 * cos2 + x1 * sin2
-        out = out_ptr + row * (num_heads * 2 * HALF) + heads * (2 * HALF)
-        tl.store(out + first_col, first.to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(out + second_col, second.to(out_ptr.dtype.element_ty), mask=mask)
+        out = out_ptr + row * (num_heads * 2 * HALF) + heads * (2 * HALF) + cols
+        tl.store(out, first.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out + HALF, second.to(out_ptr.dtype.element_ty), mask=mask)
 
     return rotary
+
+
+@functools.cache
+def _interleaved_rotary_kernel() -> Callable:
+    """Llama 4's: each row's heads loaded whole (contiguous, vectorized) and split into their pairs
+    in registers; stride-2 loads of the pairs ran slower than Hugging Face's five kernels."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def interleaved_rotary(
+        x_ptr,
+        table_ptr,
+        out_ptr,
+        num_heads,
+        num_positions,
+        x_row_stride,
+        x_head_stride,
+        table_row_stride,
+        table_pair_stride,
+        HALF: tl.constexpr,
+        BLOCK_HEADS: tl.constexpr,
+        BLOCK_HALF: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        position = row % num_positions
+        heads = tl.arange(0, BLOCK_HEADS)[:, None]
+        cols = tl.arange(0, 2 * BLOCK_HALF)[None, :]
+        mask = (heads < num_heads) & (cols < 2 * HALF)
+        x = tl.load(x_ptr + row * x_row_stride + heads * x_head_stride + cols, mask=mask, other=0.0)
+        real, imaginary = tl.split(tl.reshape(x.to(tl.float32), (BLOCK_HEADS, BLOCK_HALF, 2)))
+        pairs = tl.arange(0, BLOCK_HALF)[None, :]
+        angle = table_ptr + position * table_row_stride + pairs * table_pair_stride
+        cos = tl.load(angle, mask=pairs < HALF, other=0.0)
+        sin = tl.load(angle + 1, mask=pairs < HALF, other=0.0)
+        # (real + i imaginary)(cos + i sin), as Hugging Face's complex product in fp32
+        rotated = tl.interleave(real * cos - imaginary * sin, imaginary * cos + real * sin)
+        out = out_ptr + row * (num_heads * 2 * HALF) + heads * (2 * HALF) + cols
+        tl.store(out, rotated.to(out_ptr.dtype.element_ty), mask=mask)
+
+    return interleaved_rotary
