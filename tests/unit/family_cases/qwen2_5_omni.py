@@ -41,6 +41,8 @@ TINY_AUDIO = {
     "n_window": 4,
 }
 BUDGETS = (16, 32, 64)
+# Qwen2.5-VL's window attention: a second set of boundaries, so no dense graph (the FA2 fallback)
+NO_DENSE_GRAPH = True
 
 
 def tiny_tower(seed: int = 0) -> torch.nn.Module:

@@ -75,4 +75,6 @@ def full_model() -> torch.nn.Module:
 
 
 BUDGETS = (16, 32, 64)
+# window attention: a second set of boundaries, so no dense graph (the FA2 fallback)
+NO_DENSE_GRAPH = True
 CASE_FIELDS = spatial_merge_case_fields(tiny_encoder, tower_reference, ROW_WIDTH, BUDGETS)
