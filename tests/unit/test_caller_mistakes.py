@@ -223,6 +223,14 @@ def test_a_checkpoint_of_a_family_vitpool_does_not_serve_is_refused(tmp_path):
     check_family(checked_model_directory(str(SHIPPED)), None)  # a tower-only save
     check_family(config_of({"model_type": "qwen2_5_vl", "vision_config": {"depth": 2}}), None)  # a full model
     check_family(config_of({"model_type": "glm46v", "vision_config": {"model_type": "glm4v_vision"}}), None)
+    for omni, tower in (
+        ("qwen2_5_omni", "qwen2_5_omni_vision_encoder"),
+        ("qwen3_omni_moe", "qwen3_omni_moe_vision_encoder"),
+    ):
+        # an Omni model's tower sits in its thinker's config
+        check_family(
+            config_of({"model_type": omni, "thinker_config": {"vision_config": {"model_type": tower}}}), None
+        )
     for config in (
         {"model_type": "llama"},
         {"model_type": "blip-2", "vision_config": {"model_type": "blip_2_vision_model"}},

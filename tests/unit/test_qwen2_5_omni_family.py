@@ -99,7 +99,7 @@ def test_the_record_names_the_tower_the_checkpoints_and_the_processor_output():
         assert record_of(model_type).name == "qwen2_5_omni"
     record = record_of("qwen2_5_omni")
     assert record.processor_output == GRID_PROCESSOR_OUTPUT
-    assert record.vllm_layout == "tokens" and not record.vllm_checked
+    assert record.vllm_layout == "tokens" and record.vllm_checked
 
 
 def test_one_image_matches_the_thinkers_image_features(hf_model, encoder):

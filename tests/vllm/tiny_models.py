@@ -937,5 +937,83 @@ def build(family: str, directory: Path, seed: int = 0) -> Path:
     return directory
 
 
+# the fifth wave
+# Qwen2.5-Omni: a full checkpoint without the talker (enable_audio_output=False), its thinker holding
+# Qwen2.5-VL's kind of tower (the same settings as above), a small audio tower (vLLM builds it; no
+# audio is sent) and Qwen2 text. Its processor reads the names of its tokens off the tokenizer, its
+# feature extractor (Whisper's) shares preprocessor_config.json with the image processor
+OMNI_TOKEN_NAMES = {
+    "image_token": "<|image_pad|>",
+    "video_token": "<|video_pad|>",
+    "vision_bos_token": "<|vision_start|>",
+    "vision_eos_token": "<|vision_end|>",
+    "audio_token": "<|audio|>",
+    "audio_bos_token": "<start_of_audio>",
+    "audio_eos_token": "<end_of_audio>",
+}
+OMNI_CONFIG_TOKENS = {
+    "image_token_index": "<|image_pad|>",
+    "video_token_index": "<|video_pad|>",
+    "vision_start_token_id": "<|vision_start|>",
+    "vision_end_token_id": "<|vision_end|>",
+    "audio_token_index": "<|audio|>",
+    "audio_start_token_id": "<start_of_audio>",
+    "audio_end_token_id": "<end_of_audio>",
+}
+OMNI_MEL_BINS = 128
+OMNI_FEATURES = {  # the release's WhisperFeatureExtractor settings, 128 mel bins as its audio tower's
+    "feature_extractor_type": "WhisperFeatureExtractor",
+    "feature_size": OMNI_MEL_BINS,
+    "sampling_rate": 16000,
+    "hop_length": 160,
+    "chunk_length": 300,
+    "n_fft": 400,
+    "n_samples": 4800000,
+    "nb_max_frames": 30000,
+    "padding_side": "right",
+    "padding_value": 0.0,
+    "return_attention_mask": True,
+}
+
+
+def build_qwen2_5_omni(directory: Path, seed: int = 0) -> Path:
+    from transformers import Qwen2_5OmniConfig, Qwen2_5OmniForConditionalGeneration
+
+    directory.mkdir(parents=True, exist_ok=True)
+    template = chat_template("<|vision_start|><|image_pad|><|vision_end|>")
+    ids = write_tokenizer(directory, template, OMNI_TOKEN_NAMES)
+    tokens = {"eos_token_id": ids["<|im_end|>"], "pad_token_id": ids["<|endoftext|>"]}
+    audio = {
+        "num_mel_bins": OMNI_MEL_BINS,
+        "encoder_layers": 1,
+        "encoder_attention_heads": 2,
+        "encoder_ffn_dim": 256,
+        "d_model": 128,
+        "output_dim": 128,
+    }
+    thinker = {
+        "vision_config": FAMILIES["qwen2_5_vl"][2],
+        "audio_config": audio,
+        "text_config": {**_text({"mrope_section": [16, 8, 8]}), **tokens, "bos_token_id": None},
+        **{name: ids[token] for name, token in OMNI_CONFIG_TOKENS.items()},
+        **tokens,
+    }
+    config = Qwen2_5OmniConfig(thinker_config=thinker, enable_audio_output=False)
+    torch.manual_seed(seed)
+    model = Qwen2_5OmniForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(0.0, 0.2)
+    model.save_pretrained(directory)
+    settings = {**_image_processor("Qwen2_5OmniProcessor", 14), **OMNI_FEATURES}
+    (directory / "preprocessor_config.json").write_text(json.dumps(settings, indent=2))
+    return directory
+
+
+# families whose checkpoints `build` does not make
+BUILDERS = {"qwen2_5_omni": build_qwen2_5_omni}
+
+
 if __name__ == "__main__":
-    print(build(sys.argv[1], Path(sys.argv[2])))
+    family = sys.argv[1]
+    print(BUILDERS[family](Path(sys.argv[2])) if family in BUILDERS else build(family, Path(sys.argv[2])))

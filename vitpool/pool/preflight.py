@@ -94,8 +94,8 @@ def check_family(directory: str | None, family_modules: str | None) -> None:
     Built-in families only: `family_modules` (VITPOOL_FAMILY_MODULES as the actors will see it)
     may register others where the encoder runs, which this process need not be able to import;
     then the actors decide. A full checkpoint is accepted if its model_type or its vision
-    config's is a family's vision type, or that type less "_vision" (transformers' own reading,
-    which knows every nesting, runs in the actors).
+    config's (at the top or in an Omni model's `thinker_config`) is a family's vision type, or that
+    type less "_vision" (transformers' own reading, which knows every nesting, runs in the actors).
 
     Raises:
         CheckpointError: no type in config.json is one vitpool serves (the message lists those).
@@ -106,6 +106,9 @@ def check_family(directory: str | None, family_modules: str | None) -> None:
 
     config = model_config(directory)
     vision = config.get("vision_config")
+    thinker = config.get("thinker_config")  # the Omni models keep their tower in their thinker's
+    if vision is None and isinstance(thinker, Mapping):
+        vision = thinker.get("vision_config")
     types = [config["model_type"]]
     if isinstance(vision, Mapping) and isinstance(vision.get("model_type"), str):
         types.append(vision["model_type"])

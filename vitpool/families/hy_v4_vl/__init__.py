@@ -25,7 +25,9 @@ RECORD = FamilyRecord(
         ),
     },
     model_types=("hy_v4_vl",),
-    # not checked against vLLM's tower (no vLLM here to compare with): not published for vLLM
+    # vLLM 0.32 cannot serve it: its registry has HYV4ForCausalLM (vllm/models/hy_v4, text only) and
+    # no HYV4VLForConditionalGeneration, and its transformers (5.19) has no hy_v4_vl model type for
+    # its Transformers modeling backend. Not published for vLLM
     vllm_layout=None,
     transformers_parts=None,  # the tower's pooler_output has a batch axis get_image_features drops
     image_features="vitpool.families.hy_v4_vl.features:HYV4VLFeatures",

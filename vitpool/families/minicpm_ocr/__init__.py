@@ -21,8 +21,10 @@ RECORD = FamilyRecord(
         ),
     },
     model_types=("minicpm_ocr",),
-    # vLLM has no MiniCPM-OCR model to check against; its tokens would be the slices' in the
-    # processor's order, as 4.6's
+    # vLLM 0.32 cannot serve it: its registry (vllm/model_executor/models/registry.py) has no
+    # MiniCPMOcrForConditionalGeneration (only MiniCPM-V 4.6's and 4.7's models), and its
+    # transformers (5.19) has no minicpm_ocr model type for its Transformers modeling backend; its
+    # tokens would be the slices' in the processor's order, as 4.6's
     vllm_layout=None,
     transformers_parts=None,
     image_features="vitpool.families.minicpm_ocr.features:MiniCPMOcrFeatures",

