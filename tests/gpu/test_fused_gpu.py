@@ -126,8 +126,8 @@ def test_the_gelu_epilogue_mlp_matches_hugging_face(monkeypatch, rows):
 # the families whose case offers a tower-only checkpoint, what these tests load
 @pytest.mark.parametrize("family", TOWER_FAMILIES)
 def test_every_family_runs_the_fused_rotary(monkeypatch, tmp_path, family):
-    """Each family's tower reaches the Triton kernel (Kimi-K2.5's 4-D q and k included; not
-    MiniMax-M3-VL's partial rotary, which its case's FUSED_ROTARY says), and a
+    """Each family's tower reaches the Triton kernel (Kimi-K2.5's 4-D q and k and MiniMax-M3-VL's
+    partial rotary included; a case whose rotary it does not take sets FUSED_ROTARY = False), and a
     tower of tanh-GELU MLPs (its case's TANH_GELU_MLP) has the GELU in the GEMM's epilogue."""
     from vitpool.kernels import rotary as fused
 

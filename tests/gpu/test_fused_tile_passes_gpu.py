@@ -141,3 +141,29 @@ def test_the_layer_scaled_blocks_match_hugging_face(family):
         want = _original(Layer.forward)(layer, x, **kwargs)
     assert len(calls) == 2 and got.shape == want.shape and got.dtype == want.dtype
     assert torch.isfinite(got).all() and relative_error(got, want) <= 1e-2
+
+
+@pytest.mark.parametrize("rows, heads, head_dim, width", [(1369, 16, 80, 60), (50, 2, 16, 12)])
+def test_minimax_m3_vls_partial_rotary_matches_hugging_face(rows, heads, head_dim, width):
+    """The first `width` dims of each head turned from bf16 tables, the rest passed through."""
+    modeling = pytest.importorskip("transformers.models.minimax_m3_vl.modeling_minimax_m3_vl")
+    from vitpool.kernels.fused_switch import source_body
+    from vitpool.kernels.rotary import PARTIAL_ROTARY_BODY, _patch_rotary
+
+    if source_body(getattr(modeling, ROTARY_FUNCTION)) != PARTIAL_ROTARY_BODY:
+        pytest.skip("this transformers' MiniMax-M3-VL rotary is another function")
+    _patch_rotary(modeling)
+    patched = getattr(modeling, ROTARY_FUNCTION)
+    generator = torch.Generator(device="cuda").manual_seed(rows)
+    qkv = torch.randn(rows, 3, heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=generator)
+    q, k = qkv[:, 0], qkv[:, 1]
+    angles = torch.cat([torch.randn(rows, width // 2, device="cuda", generator=generator)] * 2, -1)
+    cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+    with use_fused_ops(True):
+        got_q, got_k = patched(q, k, cos, sin)
+    want_q, want_k = _original(patched)(q, k, cos, sin)
+    assert got_q.shape == want_q.shape and torch.isfinite(got_q).all() and torch.isfinite(got_k).all()
+    assert torch.equal(got_q[..., width:], q[..., width:]) and torch.equal(got_k[..., width:], k[..., width:])
+    # Hugging Face's math is bf16 throughout, the kernel's fp32 with one rounding
+    assert _at_most_one_ulp_apart(got_q, want_q) and _at_most_one_ulp_apart(got_k, want_k)
+    assert relative_error(got_q, want_q) <= 1e-2 and relative_error(got_k, want_k) <= 1e-2

@@ -6,7 +6,9 @@ fp32 copies of [rows, heads, head_dim] per layer, most of the elementwise and co
 small forward (`benchmarks/RESULTS.md`, "Figures the code's design rests on"). Here one kernel per
 tensor computes the same fp32 math from the half-precision input and writes half precision.
 
-Llama 4's `vision_apply_rotary_emb(query, key, freqs_ci)` rotates interleaved pairs as complex
+MiniMax-M3-VL's turns only the first dims of a head, from half-precision tables, and passes the rest
+through (its function's source is recognised: `PARTIAL_ROTARY_BODY`); the same kernel copies the
+tail. Llama 4's `vision_apply_rotary_emb(query, key, freqs_ci)` rotates interleaved pairs as complex
 numbers (`view_as_complex`, a complex product, `view_as_real`): the same kernel with the pairs
 interleaved reads its complex table in place (`fused_interleaved_rotary`).
 """
@@ -20,10 +22,27 @@ from collections.abc import Callable
 
 import torch
 
-from vitpool.kernels.fused_switch import FUSED_OPS, HALF_DTYPES, next_power_of_two, triton_available
+from vitpool.kernels.fused_switch import (
+    FUSED_OPS,
+    HALF_DTYPES,
+    next_power_of_two,
+    source_body,
+    triton_available,
+)
 
 ROTARY_FUNCTION = "apply_rotary_pos_emb_vision"
 INTERLEAVED_ROTARY_FUNCTION = "vision_apply_rotary_emb"  # Llama 4's
+# MiniMax-M3-VL's apply_rotary_pos_emb_vision, whitespace removed (`source_body`): the first
+# cos.shape[-1] dims of each head turned, the rest passed through, in the tables' half precision
+PARTIAL_ROTARY_BODY = (
+    "rot_dim=cos.shape[-1]",
+    "cos,sin=cos[:,None,:],sin[:,None,:]",
+    "q_rot,q_pass=q[...,:rot_dim],q[...,rot_dim:]",
+    "k_rot,k_pass=k[...,:rot_dim],k[...,rot_dim:]",
+    "q_rot=q_rot*cos+rotate_half(q_rot)*sin",
+    "k_rot=k_rot*cos+rotate_half(k_rot)*sin",
+    "returntorch.cat([q_rot,q_pass],dim=-1),torch.cat([k_rot,k_pass],dim=-1)",
+)
 
 
 def install_rotary(module: torch.nn.Module) -> None:
@@ -39,6 +58,7 @@ def _patch_rotary(modeling: types.ModuleType) -> None:
     original = getattr(modeling, ROTARY_FUNCTION)
     if getattr(original, "__vitpool_original__", None) is not None:
         return
+    partial = source_body(original) == PARTIAL_ROTARY_BODY
 
     @functools.wraps(original)
     def apply_rotary_pos_emb_vision(q, k, cos, sin):
@@ -52,7 +72,7 @@ def _patch_rotary(modeling: types.ModuleType) -> None:
             batched = q.dim() == 4 and k.shape == q.shape and cos2.dim() == 2 and q.shape[1] == cos2.shape[0]
             q3, k3 = (q.flatten(0, 1), k.flatten(0, 1)) if batched else (q, k)
             one_table_a_row = q.dim() == 3 and cos2.shape[:1] == q.shape[:1]
-            if (batched or one_table_a_row) and _rotary_fits(q3, k3, cos2, sin2):
+            if (batched or one_table_a_row) and _rotary_fits(q3, k3, cos2, sin2, partial):
                 q_out, k_out = fused_rotary(q3, cos2, sin2), fused_rotary(k3, cos2, sin2)
                 return q_out.view(q.shape), k_out.view(k.shape)
         return original(q, k, cos, sin)
@@ -61,20 +81,25 @@ def _patch_rotary(modeling: types.ModuleType) -> None:
     setattr(modeling, ROTARY_FUNCTION, apply_rotary_pos_emb_vision)
 
 
-def _rotary_fits(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+def _rotary_fits(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, partial: bool = False
+) -> bool:
     """The shapes every family passes: q, k [rows, heads, head_dim] in half precision with unit
-    stride in head_dim; cos, sin [positions, head_dim] fp32 with unit stride, positions dividing rows."""
+    stride in head_dim; cos, sin [positions, head_dim] (narrower where the function turns only part
+    of a head) fp32 or half precision with unit stride, positions dividing rows."""
     if not _kernel_takes(q, k):
         return False
     if q.dim() != 3 or k.shape != q.shape or cos.dim() != 2 or sin.shape != cos.shape:
         return False
     rows, _, head_dim = q.shape
+    width = cos.shape[1]
     return (
-        cos.shape[1] == head_dim
+        (width == head_dim or partial and 0 < width < head_dim)
         and cos.shape[0] > 0
         and rows % cos.shape[0] == 0
-        and head_dim % 2 == 0
-        and cos.dtype == sin.dtype == torch.float32
+        and width % 2 == 0
+        and cos.dtype == sin.dtype
+        and cos.dtype in (torch.float32, *HALF_DTYPES)
         and q.stride(-1) == 1
         and k.stride(-1) == 1
         and cos.stride(-1) == 1
@@ -86,16 +111,19 @@ def _rotary_fits(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
 def fused_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x * cos + rotate_half(x) * sin in fp32, cast back to x's dtype: [rows, heads, head_dim].
 
-    cos and sin are fp32 [positions, head_dim] (unit stride in head_dim), and row r of x takes
-    position r % positions: one table per row, or one sequence's table for a batch of
-    equal-length sequences flattened to rows (no copy of the table per sequence)."""
+    cos and sin are [positions, width] (fp32 or half precision, unit stride in width), and row r of
+    x takes position r % positions: one table per row, or one sequence's table for a batch of
+    equal-length sequences flattened to rows (no copy of the table per sequence). The first width
+    dims of each head are turned, the rest copied (width == head_dim for every family but
+    MiniMax-M3-VL)."""
     rows, heads, head_dim = x.shape
-    positions = cos.shape[0]
-    if sin.shape != cos.shape or cos.shape[1] != head_dim or (rows and (not positions or rows % positions)):
+    positions, width = cos.shape
+    fits = sin.shape == cos.shape and 0 < width <= head_dim and not width % 2
+    if not fits or (rows and (not positions or rows % positions)):
         raise ValueError(f"rotary tables {tuple(cos.shape)} do not fit rows {tuple(x.shape)}")
     out = torch.empty((rows, heads, head_dim), device=x.device, dtype=x.dtype)
     if rows:
-        half = head_dim // 2
+        half, passed = width // 2, head_dim - width
         _rotary_kernel()[(rows,)](
             x,
             cos,
@@ -107,8 +135,10 @@ def fused_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
             x.stride(1),
             cos.stride(0),
             HALF=half,
+            PASSED=passed,
             BLOCK_HEADS=next_power_of_two(heads),
             BLOCK_HALF=next_power_of_two(half),
+            BLOCK_PASSED=next_power_of_two(max(passed, 1)),
         )
     return out
 
@@ -205,8 +235,10 @@ def _rotary_kernel() -> Callable:
         x_head_stride,
         cos_row_stride,
         HALF: tl.constexpr,
+        PASSED: tl.constexpr,
         BLOCK_HEADS: tl.constexpr,
         BLOCK_HALF: tl.constexpr,
+        BLOCK_PASSED: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)  # row * stride overflows int32 past ~600k rows
         position = row % num_positions
@@ -214,21 +246,28 @@ def _rotary_kernel() -> Callable:
         cols = tl.arange(0, BLOCK_HALF)[None, :]
         col_ok = cols < HALF
         mask = (heads < num_heads) & col_ok
-        x = x_ptr + row * x_row_stride + heads * x_head_stride + cols
+        x_head = x_ptr + row * x_row_stride + heads * x_head_stride
+        out_head = out_ptr + row * (num_heads * (2 * HALF + PASSED)) + heads * (2 * HALF + PASSED)
+        x = x_head + cols
         x1 = tl.load(x, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(x + HALF, mask=mask, other=0.0).to(tl.float32)
         c = cos_ptr + position * cos_row_stride + cols
         s = sin_ptr + position * cos_row_stride + cols
-        cos1 = tl.load(c, mask=col_ok, other=0.0)
-        cos2 = tl.load(c + HALF, mask=col_ok, other=0.0)
-        sin1 = tl.load(s, mask=col_ok, other=0.0)
-        sin2 = tl.load(s + HALF, mask=col_ok, other=0.0)
+        cos1 = tl.load(c, mask=col_ok, other=0.0).to(tl.float32)
+        cos2 = tl.load(c + HALF, mask=col_ok, other=0.0).to(tl.float32)
+        sin1 = tl.load(s, mask=col_ok, other=0.0).to(tl.float32)
+        sin2 = tl.load(s + HALF, mask=col_ok, other=0.0).to(tl.float32)
         # rotate_half(x) = cat(-x2, x1), as Hugging Face computes it, in fp32
         first = x1 * cos1 + (-x2) * sin1
         second = x2 * cos2 + x1 * sin2
-        out = out_ptr + row * (num_heads * 2 * HALF) + heads * (2 * HALF) + cols
+        out = out_head + cols
         tl.store(out, first.to(out_ptr.dtype.element_ty), mask=mask)
         tl.store(out + HALF, second.to(out_ptr.dtype.element_ty), mask=mask)
+        if PASSED > 0:  # the dims past the table's width, as they are
+            tail = tl.arange(0, BLOCK_PASSED)[None, :]
+            tail_mask = (heads < num_heads) & (tail < PASSED)
+            kept = tl.load(x_head + 2 * HALF + tail, mask=tail_mask, other=0.0)
+            tl.store(out_head + 2 * HALF + tail, kept, mask=tail_mask)
 
     return rotary
 

@@ -19,9 +19,6 @@ from vitpool.families.minimax_m3_vl.adapter import attends_per_item
 # Why the family's tests skip here (None: they run): 5.17's and 5.18's tower attends a call's rows as
 # one sequence, so no per-item reference exists there (the GPU machine has 5.17)
 TOO_OLD = None if attends_per_item() else "MiniMax-M3-VL's tower attends one sequence per item from 5.24 on"
-# Its rotary turns only the first dims of a head, from tables in bf16: not the fused kernel's shapes
-# (whole head_dim, fp32 tables), so Hugging Face's own math runs (tests/gpu/test_fused_gpu.py)
-FUSED_ROTARY = False
 
 PATCH = 2
 TEMPORAL_PATCH = 2
