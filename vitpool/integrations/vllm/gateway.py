@@ -37,19 +37,15 @@ import torch
 from vitpool.errors import VitpoolError
 from vitpool.integrations.vllm.gateway_checks import check_same_dtype, check_same_tower
 from vitpool.integrations.vllm.gateway_fetch import url_bytes
+from vitpool.integrations.vllm.gateway_model import GatewayModel, read_model
 from vitpool.integrations.vllm.gateway_stats import GatewayStats
 from vitpool.integrations.vllm.images import (
     FRONT_SETTINGS,
-    checkpoint_family,
     decode_image,
     image_key,
-    model_prefix,
-    processor_backend,
-    processor_items,
 )
-from vitpool.integrations.vllm.layouts import vllm_embedding, vllm_layout
+from vitpool.integrations.vllm.layouts import vllm_embedding
 from vitpool.items import Embedding, Item
-from vitpool.models.loading import vision_weights_digest
 
 logger = logging.getLogger(__name__)
 
@@ -102,9 +98,13 @@ class Gateway:
         allowed_media_domains: Sequence[str] | None = None,
         max_download_bytes: int = 64 << 20,
         download_timeout_s: float = 30.0,
+        model: GatewayModel | None = None,
     ) -> None:
-        self.model_type = checkpoint_family(checkpoint)
-        vllm_layout(self.model_type)  # refuse a family vLLM's layout is not known for, now
+        """`model`: what `read_model` read of the checkpoint, read here where not given (the
+        command line reads it while it joins the pool)."""
+        if model is None:
+            model = read_model(checkpoint, dtype, make_item)
+        self.model_type = model.model_type
         self.pool = pool
         self.publisher = publisher
         self.upstream = upstream.rstrip("/")
@@ -117,15 +117,11 @@ class Gateway:
         )
         self.max_download_bytes = max_download_bytes
         self.download_timeout_s = download_timeout_s
-        weights = vision_weights_digest(checkpoint)  # reads the vision weights once
-        check_same_tower(pool, checkpoint, weights)
+        check_same_tower(pool, checkpoint, model.weights)
         check_same_dtype(pool, dtype)
-        # a function given decides its own pixels; the checkpoint's processor, on vLLM's backend where it can
-        self.processor = "" if make_item is not None else processor_backend()
-        self.identity = model_prefix(checkpoint, dtype, self.processor)
-        if make_item is None:
-            make_item = processor_items(checkpoint, self.model_type)
-        self.make_item = make_item
+        self.processor = model.processor
+        self.identity = model.identity
+        self.make_item = model.make_item
         self.stats = GatewayStats()
         self._in_flight: dict[str, asyncio.Future[bool]] = {}
         self._session: Any = None

@@ -4,7 +4,11 @@
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import logging
+import os
+import time
+from pathlib import Path
 
 import torch
 
@@ -12,11 +16,13 @@ from vitpool.dtypes import dtype_from_name
 from vitpool.errors import ConfigError, VitpoolError
 from vitpool.integrations.vllm import gateway as gateway_module
 from vitpool.integrations.vllm.gateway import Gateway, Publisher
+from vitpool.integrations.vllm.gateway_model import read_model
 from vitpool.integrations.vllm.images import FRONT_SETTINGS, processor_backend
 from vitpool.pool.setting_flags import add_pool_setting_flags, given_settings
 from vitpool.pool.settings import setting_flag
 
 logger = logging.getLogger(__name__)
+_MODEL_READER = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="vitpool-gateway-model")
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -109,6 +115,9 @@ def main(argv: list[str] | None = None) -> None:
         )
     try:
         processor_backend()  # a torchvision that cannot load stops the gateway here, before a pool starts
+        # the checkpoint's side (its weights' digest, its processor) is read while Ray is joined
+        reading = _MODEL_READER.submit(read_model, args.model, args.dtype)
+        joining = time.perf_counter()
         # both join Ray through join_ray: a cluster that wants a token this process lacks is a one-line error
         if args.launch_actors:
             pool = EncoderPool.launch(
@@ -125,6 +134,8 @@ def main(argv: list[str] | None = None) -> None:
             publisher: Publisher = FilePublisher(args.root, max_bytes=int(args.max_bytes))
         else:
             publisher = StorePublisher(args.pool, max_bytes=int(args.max_bytes))
+        joined = time.perf_counter()
+        model = reading.result()
         gateway = Gateway(
             pool,
             publisher,
@@ -133,10 +144,19 @@ def main(argv: list[str] | None = None) -> None:
             dtype=args.dtype,
             encode_timeout_s=args.timeout_s,
             allowed_media_domains=args.allowed_media_domains,
+            model=model,
         )
     except (VitpoolError, ValueError, ConnectionError) as error:
         raise SystemExit(f"vitpool gateway: {error}") from None
     dtype = str(args.dtype).removeprefix("torch.")
+    ready, age = time.perf_counter(), _process_age_s()
+    logger.info(
+        "gateway ready%s: the pool and its store joined in %.1f s, then %.1f s more for the checkpoint "
+        "(read beside it: the vision weights' digest, the image processor) and the pool's checks",
+        "" if age is None else f" {age:.1f} s after its process started",
+        joined - joining,
+        ready - joined,
+    )
     logger.info(
         "vitpool gateway for %s (pool %r, %s, %s image processor) on http://%s:%d, forwarding to %s, "
         "whose --dtype must be %s",
@@ -154,3 +174,13 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if args.launch_actors:
             pool.shutdown()
+
+
+def _process_age_s() -> float | None:
+    """Seconds since this process started (Linux's /proc), None where that cannot be read."""
+    try:
+        fields = Path(f"/proc/{os.getpid()}/stat").read_text().rsplit(")", 1)[1].split()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
