@@ -9,8 +9,8 @@ tensor computes the same fp32 math from the half-precision input and writes half
 MiniMax-M3-VL's turns only the first dims of a head, from half-precision tables, and passes the rest
 through (its function's source is recognised: `PARTIAL_ROTARY_BODY`); the same kernel copies the
 tail. Llama 4's `vision_apply_rotary_emb(query, key, freqs_ci)` rotates interleaved pairs as complex
-numbers (`view_as_complex`, a complex product, `view_as_real`): the same kernel with the pairs
-interleaved reads its complex table in place (`fused_interleaved_rotary`).
+numbers (`view_as_complex`, a complex product, `view_as_real`): a kernel of its own reads the
+complex table in place (`fused_interleaved_rotary`).
 """
 
 from __future__ import annotations
