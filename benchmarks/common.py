@@ -35,6 +35,33 @@ ROW_WIDTH = 3 * 2 * 16 * 16
 PATCH = 16
 
 
+def software() -> dict[str, str | None]:
+    """The versions a figure depends on, for its JSON: torch, transformers, cuDNN, and the cuDNN
+    frontend (None where it does not import: packed attention then runs FA2) and Triton."""
+    import importlib.metadata
+
+    def version(distribution: str) -> str | None:
+        try:
+            return importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    try:
+        import cudnn  # noqa: F401 - the frontend's module: whether it imports is the question
+
+        frontend = version("nvidia-cudnn-frontend") or "imports"
+    except ImportError:
+        frontend = None
+    cudnn_version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    return {
+        "torch": torch.__version__,
+        "transformers": version("transformers"),
+        "cudnn": None if cudnn_version is None else str(cudnn_version),
+        "cudnn_frontend": frontend,
+        "triton": version("triton"),
+    }
+
+
 def image(pixels_side: int) -> Image:
     side = pixels_side // PATCH
     return Image(torch.randn(side * side, ROW_WIDTH), (1, side, side))

@@ -30,7 +30,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from common import summarize, time_ms
+from common import software, summarize, time_ms
 
 from vitpool import GraphEncoder, Image, Video
 
@@ -407,7 +407,7 @@ def main() -> None:
     gpu = torch.cuda.get_device_name()
     results = {
         "gpu": gpu,
-        "torch": torch.__version__,
+        **software(),
         "runs": args.runs,
         "compiled_blocks": args.compiled_blocks,
         "families": [],
@@ -437,7 +437,7 @@ def main() -> None:
             args.out.write_text(json.dumps(results, indent=2))
     print(
         f"\nGPU: {gpu}; median (p99) ms of {args.runs} runs after {args.warmup} warm-up; "
-        f"ratio = vitpool / HF eager"
+        f"ratio = vitpool / HF eager; {', '.join(f'{k} {v}' for k, v in software().items())}"
     )
     for result in results["families"]:
         memory = result["memory"]

@@ -32,7 +32,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from common import QWEN3_VL_8B_VISION, gpu_ms, image, summarize, time_ms
+from common import QWEN3_VL_8B_VISION, gpu_ms, image, software, summarize, time_ms
 
 from vitpool import GraphEncoder
 
@@ -106,7 +106,7 @@ def main() -> None:
                     json.dumps(
                         {
                             "gpu": gpu,
-                            "torch": torch.__version__,
+                            **software(),
                             "bf16_peak_tflops": peak_tflops,
                             "rows": rows,
                         },
