@@ -9,9 +9,14 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 from tiny_models import PATCH, TILE
-from vllm_fixtures import NEEDS_VLLM, build_tiny_model, files_server, ray_address  # noqa: F401 - fixtures
+from vllm_fixtures import (  # noqa: F401 - ray_address: a fixture
+    NEEDS_VLLM,
+    build_tiny_model,
+    family_behind_a_gateway,
+    ray_address,
+)
 from vllm_requests import TOLERANCE, answer, assert_same_answer, chat, largest_difference, png
-from vllm_servers import RunningGateway, get_json
+from vllm_servers import get_json
 
 pytestmark = [pytest.mark.vllm, NEEDS_VLLM]
 
@@ -51,31 +56,11 @@ def internvl_items(model):
 def family(request, ray_address, tmp_path_factory):  # noqa: F811 - the fixture imported above
     """One family at a time: its checkpoint, one vLLM consumer of files, a CPU pool of its tower and
     a gateway; all stopped before the next family's start."""
-    from vitpool import EncoderPool
-    from vitpool.integrations.vllm.gateway import Gateway
-    from vitpool.integrations.vllm.publisher import FilePublisher
-
     name = request.param
     model = build_tiny_model(name, tmp_path_factory.mktemp(f"tiny-{name}"))
-    root = tmp_path_factory.mktemp(f"ec-files-{name}")
-    server = files_server(model, root, tmp_path_factory.mktemp("vllm-logs") / f"{name}.log")
-    pool = gateway = None
-    try:
-        pool = EncoderPool.launch(
-            model=str(model), name=f"vllm-{name}", num_actors=1, device="cpu", budgets=[16, 64, 256]
-        )  # while vLLM starts
-        server.wait_ready()
-        make_item = internvl_items(model) if name == "internvl" else None  # grid families: the default
-        gateway = RunningGateway(
-            Gateway(pool, FilePublisher(root), model, server.url, dtype=torch.float32, make_item=make_item)
-        )
+    make_item = internvl_items(model) if name == "internvl" else None  # grid families: the default
+    with family_behind_a_gateway(name, model, make_item, tmp_path_factory) as (server, gateway):
         yield name, model, server, gateway
-    finally:
-        if gateway is not None:
-            gateway.stop()
-        server.stop()
-        if pool is not None:
-            pool.shutdown()
 
 
 def picture(seed: int, size: tuple[int, int], unit: int) -> bytes:

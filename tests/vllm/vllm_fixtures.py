@@ -51,11 +51,12 @@ def files_server(model: Path, root: Path, log: Path) -> VllmServer:
 
 @contextmanager
 def family_behind_a_gateway(
-    name: str, model: Path, make_item: Callable[[bytes], Any], tmp_path_factory: Any
+    name: str, model: Path, make_item: Callable[[bytes], Any] | None, tmp_path_factory: Any
 ) -> Iterator[tuple[VllmServer, RunningGateway]]:
     """One family's checkpoint served by one vLLM consumer of files, a CPU pool of its tower and a
-    gateway that makes its items with `make_item`; all stopped on leaving (the family tests of
-    test_vllm_wave3.py and test_vllm_wave4.py, one family at a time)."""
+    gateway that makes its items with `make_item` (None: from the checkpoint's processor, a grid
+    family); all stopped on leaving (the family tests of test_vllm_families.py, test_vllm_wave3.py
+    and test_vllm_wave4.py, one family at a time)."""
     import torch
 
     from vitpool import EncoderPool
