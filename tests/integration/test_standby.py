@@ -46,10 +46,22 @@ def ready_standby(pool: EncoderPool) -> tuple[str, int]:
     return node, ray.get(handle.__ray_call__.remote(lambda self: os.getpid()))
 
 
-def test_a_killed_actor_is_replaced_by_its_nodes_standby_and_nothing_is_lost(ray_cluster, reference_encoder):
-    pool = launch("vitpool-standby", num_actors=2, actor_options={"num_gpus": 0.5})
+@pytest.mark.parametrize("standby_graphs", [True, False], ids=["built-ahead", "built-at-take-over"])
+def test_a_killed_actor_is_replaced_by_its_nodes_standby_and_nothing_is_lost(
+    ray_cluster, reference_encoder, standby_graphs
+):
+    pool = launch(
+        f"vitpool-standby-{standby_graphs}",
+        num_actors=2,
+        actor_options={"num_gpus": 0.5},
+        standby_graphs=standby_graphs,
+    )
     try:
-        _, standby_pid = ready_standby(pool)
+        node, standby_pid = ready_standby(pool)
+        state = ray.get(ray.get(pool._controller.standbys.remote())[node].standby_state.remote())
+        assert state.built_ahead == standby_graphs and state.device == ("cpu" if standby_graphs else ""), (
+            state
+        )
         victim, pid = min(actor_pids(pool).items())
         with checked_stream(pool, reference_encoder) as stream:
             wait_for(lambda: stream.completed >= 10, 120, "the stream to run", pool)

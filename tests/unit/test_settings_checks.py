@@ -74,6 +74,7 @@ POOL_MISTAKES = [
     ("small_first_tokens", 0, r"small_first_tokens must be a positive number of output tokens or None"),
     ("warm_standby", 1, r"warm_standby must be True, False or None \(on for GPU actors\)"),
     ("overlap_runs", None, "overlap_runs must be True or False"),
+    ("standby_graphs", "yes", "standby_graphs must be True or False"),
 ]
 
 

@@ -51,6 +51,8 @@ class EncoderActor:
         actor_index: the actor's number in its pool, for logs and stats.
         spec: the encoder to build and how to serve it (`vitpool.encoder_spec.ActorSpec`).
         gpu_ids: the node's GPUs it runs on, as Ray names them; None: those Ray gave the actor.
+        encoder: the encoder, built and captured already (a warm standby's, `vitpool.actors.standby`);
+            None: built from `spec` here.
 
     Raises:
         CheckpointError, ConfigError: the encoder cannot be built. Inside a Ray actor the
@@ -59,24 +61,32 @@ class EncoderActor:
             stops the actor.
     """
 
-    def __init__(self, actor_index: int, spec: ActorSpec, gpu_ids: Sequence[str] | None = None) -> None:
+    def __init__(
+        self,
+        actor_index: int,
+        spec: ActorSpec,
+        gpu_ids: Sequence[str] | None = None,
+        encoder: GraphEncoder | None = None,
+    ) -> None:
         self.actor_index = actor_index
         self._start_error: Exception | None = None
         try:
-            self._start(spec, gpu_ids)
+            self._start(spec, gpu_ids, encoder)
         except Exception as error:
             if _ray_context("get_actor_id") is None:
                 raise  # built in this process (tests, benchmarks): fail as any constructor does
             logger.error("encoder actor %d failed to start: %s: %s", actor_index, type(error).__name__, error)
             self._start_error = error
 
-    def _start(self, spec: ActorSpec, gpu_ids: Sequence[str] | None) -> None:
+    def _start(self, spec: ActorSpec, gpu_ids: Sequence[str] | None, encoder: GraphEncoder | None) -> None:
         start = time.perf_counter()
         torch.set_num_threads(spec.num_threads)
         actor_index = self.actor_index
-        from vitpool.graphs import GraphEncoder  # the engine: see the module's docstring
+        if encoder is None:
+            from vitpool.graphs import GraphEncoder  # the engine: see the module's docstring
 
-        self.encoder: GraphEncoder = GraphEncoder.from_spec(spec.encoder)
+            encoder = GraphEncoder.from_spec(spec.encoder)
+        self.encoder: GraphEncoder = encoder
         self._startup_seconds = time.perf_counter() - start
         if gpu_ids is None:  # Ray's, for an actor it gave GPUs (a standby is given its GPU ids)
             gpu_ids = (_ray_context("get_accelerator_ids") or {}).get("GPU", [])

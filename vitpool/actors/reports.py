@@ -76,3 +76,14 @@ class ActorStats:
         if self.uptime_seconds <= uptime_before:
             return None
         return min(1.0, (self.busy_seconds - busy_before) / (self.uptime_seconds - uptime_before))
+
+
+@dataclass(frozen=True)
+class StandbyState:
+    """What a warm standby holds once ready (`vitpool.actors.standby`)."""
+
+    seconds: float  # from its start to ready: imports, checkpoint read, and the build if ahead
+    built_ahead: bool  # its encoder is built and captured: a take-over is a switch
+    device: str  # where it built ("cuda:0", "cpu"); "" without an encoder
+    gpu_ids: list[str]  # the node's GPUs it built on (shared with the actor that runs there)
+    device_bytes: int  # GPU memory its process holds for that encoder (0 on a CPU or without one)

@@ -249,7 +249,9 @@ class PoolController(ActorReplacement):
         """
         takeovers = []
         with self._lock:
-            current = sorted(i for i, m in self._members.items() if m.state in (STARTING, ACTIVE))
+            current = sorted(
+                i for i, m in self._members.items() if m.state in (STARTING, ACTIVE) and not m.stand_in
+            )
             started = []
             for _ in range(num_actors - len(current)):
                 found = self._standbys.take_any() if use_standbys and self._standbys is not None else None
@@ -257,7 +259,7 @@ class PoolController(ActorReplacement):
                     started.append(self._start_actor())
                 else:
                     node, standby = found
-                    started.append(self._new_member(standby))
+                    started.append(self._new_member(standby.handle))
                     takeovers.append((started[-1][0], standby, node, SCALE_UP_HOLD_TIMEOUT_S))
             # Newest first: the oldest actors have the warmest caches and the most history.
             retired = current[num_actors:] if num_actors < len(current) else []
@@ -279,9 +281,11 @@ class PoolController(ActorReplacement):
                 return
             member.state, member.info = ACTIVE, info
             self._bump()
+            self._end_stand_in(member)
         # By default only actors that run on a GPU get one: a CPU actor starts in about as long.
         if self._standbys is not None and (self._settings.warm_standby or info.device.startswith("cuda")):
-            self._standbys.ensure(info.node_id)
+            ahead = (self._actor_spec(), info.gpu_ids) if self._settings.standby_graphs else None
+            self._standbys.ensure(info.node_id, ahead)
 
     def forget(self, index: int) -> None:
         """Drop an actor that failed to start or died."""
@@ -289,6 +293,8 @@ class PoolController(ActorReplacement):
             member = self._members.pop(index, None)
             if member is not None and member.state == ACTIVE:
                 self._bump()
+            if member is not None:
+                self._keep_stand_in(member)
         if member is not None:
             stop_member(member)
 
@@ -405,6 +411,7 @@ class PoolController(ActorReplacement):
         with self._lock:
             if self._members.pop(index, None) is not None:
                 self._depart(index, final)
+                self._keep_stand_in(member)
             nodes = {m.info.node_id for m in self._members.values() if m.info is not None}
         stop_member(member)
         if self._standbys is not None:  # a node the pool left keeps no standby

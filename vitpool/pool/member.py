@@ -1,5 +1,6 @@
 """One encoder actor as the pool's controller keeps it: its handle, its state and, for a warm standby
-that took over, the hold of its GPU."""
+that took over, the hold of its GPU, or the actor that takes its place on the GPU the dead one freed
+(`vitpool.pool.replacement`)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ class Member:
     info: ActorInfo | None = None
     bundle: int | None = None  # its bundle of the placement group, for a colocated pool
     hold: Any = None  # for a standby that took over a GPU: the actor holding that GPU in Ray's accounting
+    # A standby that serves from the GPU it built on, shared with another actor, until the actor
+    # started on the freed GPU is ready and it retires: not counted as one of the pool's actors.
+    stand_in: bool = False
+    replaces: int | None = None  # for that actor: the stand-in's index
 
 
 def stop_member(member: Member) -> None:

@@ -102,6 +102,14 @@ class PoolSettings(EncoderSpec):
             actor is ready, and again after each take-over. None (the default): on for actors
             given GPUs (`num_gpus` in their options) that run on them, off for CPU actors. Not for
             pools colocated with a placement group.
+        standby_graphs: a node's warm standby also builds the encoder, its graphs captured and
+            checked, as soon as it starts, on the GPU of the node's actor that was ready first,
+            beside that actor: a take-over is then a switch, the standby serving at once from
+            there; where that was not the dead actor's GPU, a fresh actor starts on the freed one
+            and the standby retires when it is ready (`vitpool.pool.replacement`). It costs that
+            GPU a second encoder's memory, weights and graphs (`StandbyState.device_bytes`;
+            benchmarks/RESULTS.md, "Replacing a killed actor"), outside Ray's accounting. False:
+            the standby holds no GPU memory and builds at take-over.
         max_queued_items, max_queued_bytes: bounds on the items (and their pixel bytes) that wait
             in one caller process; a call that would pass them waits for room.
         max_tokens_per_run: the most output tokens that several items share in one replay: the
@@ -159,6 +167,7 @@ class PoolSettings(EncoderSpec):
     batch_timeout_s: float = 300.0
     max_actor_restarts: int = 3
     warm_standby: bool | None = None
+    standby_graphs: bool = True
     max_queued_items: int = 4096
     max_queued_bytes: int = 2 << 30
     max_tokens_per_run: int | None = None
@@ -180,7 +189,7 @@ class PoolSettings(EncoderSpec):
         if self.precision == "fp8" and self.device == "cpu":
             raise ConfigError("precision 'fp8' needs GPU actors (FP8 tensor cores), not device='cpu'")
         check_bool("warm_standby", self.warm_standby, none="on for GPU actors")
-        for name in ("overlap_runs", "same_node_channel", "detached"):
+        for name in ("overlap_runs", "same_node_channel", "detached", "standby_graphs"):
             check_bool(name, getattr(self, name))
         for name in ("max_batches_in_flight_per_actor", "max_attempts_per_item", "max_queued_items"):
             check_int(name, getattr(self, name))

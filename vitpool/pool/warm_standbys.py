@@ -1,11 +1,14 @@
 """The pool's warm standbys (`vitpool.actors.standby`): one process per node that runs the pool's
-encoder actors, ready to take over the GPU of an actor there that dies.
+encoder actors, ready to take the place of an actor there that dies.
 
-A standby holds none of Ray's resources. The GPU it takes over is held for it in Ray's accounting
-by a small actor with the encoder actor's resources, placed on the same node (`hold_gpu`): Ray gives
-that actor the GPU the dead actor freed, and the standby runs on exactly the GPU ids Ray gave it.
-The hold starts a bare Ray worker (its class travels by value, so it imports neither torch nor
-vitpool) and lives as long as the actor it holds for.
+A standby holds none of Ray's resources. With the pool's `standby_graphs` it builds the encoder
+ahead on the GPU of the node's actor that made it start (`ensure`), beside that actor, outside
+Ray's accounting; its memory is the cost (`StandbyState`). The GPU a replacement takes is held in
+Ray's accounting by a small actor with the encoder actor's resources, placed on the same node
+(`hold_gpu`): Ray gives that actor the GPU the dead actor freed. A standby without an encoder runs
+on exactly the GPU ids Ray gave the hold; what happens where one built ahead serves from another
+GPU: `vitpool.pool.replacement`. The hold starts a bare Ray worker (its class travels by value, so
+it imports neither torch nor vitpool) and lives as long as the actor it holds for.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import functools
 import itertools
 import logging
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -32,6 +36,19 @@ _PLACEMENT_OPTIONS = (
     "name",
     "namespace",
 )
+
+
+@dataclass(frozen=True)
+class Standby:
+    """A node's standby as the pool keeps it: its handle, and the GPUs it builds its encoder on
+    (None: it builds at take-over, on the GPU it is given)."""
+
+    handle: Any  # ray.actor.ActorHandle
+    gpu_ids: list[str] | None = None
+
+    @property
+    def builds_ahead(self) -> bool:
+        return self.gpu_ids is not None
 
 
 class Standbys:
@@ -56,13 +73,14 @@ class Standbys:
         }
         self._delivering = delivering
         self._max_concurrency = max_concurrency
-        self._by_node: dict[str, Any] = {}
+        self._by_node: dict[str, Standby] = {}
         self._numbers = itertools.count()
         self._lock = threading.Lock()
         self._closed = False
 
-    def ensure(self, node_id: str | None) -> None:
-        """Start a standby on `node_id` unless it has one."""
+    def ensure(self, node_id: str | None, ahead: tuple[Any, list[str]] | None = None) -> None:
+        """Start a standby on `node_id` unless it has one; with `ahead`, (an actor's `ActorSpec`,
+        the node's GPU ids of an actor there), it builds that encoder on those GPUs at once."""
         if node_id is None:
             return
         with self._lock:
@@ -82,45 +100,53 @@ class Standbys:
                 "namespace": self._namespace,
                 "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False),
             }
-            self._by_node[node_id] = ray.remote(standby_class).options(**options).remote(self._model)
-        logger.info("starting a warm standby on node %s", node_id[:12])
+            spec, gpu_ids = ahead if ahead is not None else (None, None)
+            handle = ray.remote(standby_class).options(**options).remote(self._model, spec, gpu_ids or ())
+            self._by_node[node_id] = Standby(handle, None if ahead is None else list(gpu_ids))
+        logger.info(
+            "starting a warm standby on node %s%s",
+            node_id[:12],
+            ""
+            if ahead is None
+            else f", its encoder built ahead beside the actor on GPU {','.join(gpu_ids) or '-'}",
+        )
 
-    def take(self, node_id: str | None) -> Any | None:
+    def take(self, node_id: str | None) -> Standby | None:
         """The standby of `node_id` (now the caller's), or None."""
         with self._lock:
             return None if node_id is None else self._by_node.pop(node_id, None)
 
-    def take_any(self) -> tuple[str, Any] | None:
-        """Some node's standby (node id, handle; now the caller's), or None."""
+    def take_any(self) -> tuple[str, Standby] | None:
+        """Some node's standby (node id, standby; now the caller's), or None."""
         with self._lock:
             return self._by_node.popitem() if self._by_node else None
 
-    def give_back(self, node_id: str, handle: Any) -> None:
+    def give_back(self, node_id: str, standby: Standby) -> None:
         """A standby taken and not used stays its node's (or stops, if the node has one again)."""
         with self._lock:
             if not self._closed and node_id not in self._by_node:
-                self._by_node[node_id] = handle
+                self._by_node[node_id] = standby
                 return
-        ray.kill(handle, no_restart=True)
+        ray.kill(standby.handle, no_restart=True)
 
     def keep_only(self, node_ids: set[str]) -> None:
         """Stop the standbys of nodes outside `node_ids` (no actor of the pool runs there now)."""
         with self._lock:
             gone = [self._by_node.pop(node) for node in list(self._by_node) if node not in node_ids]
-        for handle in gone:
-            ray.kill(handle, no_restart=True)
+        for standby in gone:
+            ray.kill(standby.handle, no_restart=True)
 
     def handles(self) -> dict[str, Any]:
         """Node id -> its standby's handle."""
         with self._lock:
-            return dict(self._by_node)
+            return {node: standby.handle for node, standby in self._by_node.items()}
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            handles, self._by_node = list(self._by_node.values()), {}
-        for handle in handles:
-            ray.kill(handle, no_restart=True)
+            standbys, self._by_node = list(self._by_node.values()), {}
+        for standby in standbys:
+            ray.kill(standby.handle, no_restart=True)
 
 
 def hold_gpu(node_id: str, actor_options: dict, timeout_s: float = HOLD_TIMEOUT_S) -> tuple[Any, list[str]]:
