@@ -1,6 +1,7 @@
-"""GPU: a pool's warm standby (`vitpool.actors.standby`) has not started CUDA before it takes over,
-takes over the dead actor's GPU, and the actor it becomes answers as the encoder in this process
-does. Skipped without CUDA."""
+"""GPU: a pool's warm standby (`vitpool.actors.standby`) takes over the dead actor's GPU, and the
+actor it becomes answers as the encoder in this process does: one that built its encoder ahead
+holds it on the GPU (memory counted), one that did not has not started CUDA before the take-over.
+Skipped without CUDA."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ pytestmark = pytest.mark.gpu
 BUDGETS = [64, 128, 256]
 
 
-def test_a_standby_takes_over_the_dead_actors_gpu_and_answers_right():
+@pytest.mark.parametrize("standby_graphs", [True, False], ids=["built-ahead", "built-at-take-over"])
+def test_a_standby_takes_over_the_dead_actors_gpu_and_answers_right(standby_graphs):
     generator = torch.Generator().manual_seed(3)
     calls = [[image(8 * (1 + n % 3), 8, generator)] for n in range(12)]
     encoder = GraphEncoder.from_pretrained(None, budgets=BUDGETS, device="cuda", dtype=torch.bfloat16)
@@ -35,6 +37,7 @@ def test_a_standby_takes_over_the_dead_actors_gpu_and_answers_right():
             actor_options={"num_gpus": 0.5},
             max_actor_restarts=1,
             metrics_interval_s=None,
+            standby_graphs=standby_graphs,
         )
         try:
             while not (standbys := ray.get(pool._controller.standbys.remote(), timeout=30)):
@@ -47,7 +50,9 @@ def test_a_standby_takes_over_the_dead_actors_gpu_and_answers_right():
 
                 return cuda_driver_initialized()
 
-            assert not ray.get(standby.__ray_call__.remote(started_cuda), timeout=30)
+            assert ray.get(standby.__ray_call__.remote(started_cuda), timeout=30) == standby_graphs
+            state = ray.get(standby.standby_state.remote(), timeout=30)
+            assert state.built_ahead == standby_graphs and (state.device_bytes > 0) == standby_graphs, state
             for call in calls:  # both actors known to this process before the kill
                 pool.encode(call, timeout_s=60)
             membership = ray.get(pool._controller.membership.remote(), timeout=30)
