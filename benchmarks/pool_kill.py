@@ -37,7 +37,6 @@ from common import image, save_random_tower, summarize
 
 from vitpool import EncoderPool, GraphEncoder
 
-
 WRONG_ABOVE = 1e-2  # relative error of a result against the in-process encoder's
 
 
