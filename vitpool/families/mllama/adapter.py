@@ -12,8 +12,11 @@ the LLM reads, `tokens_per_tile` rows a tile.
 In the graph: the gather of each image slot's tiles from the batch's rows (zero tiles for the
 padding ones), the whole vision model over [slots, 1, max_num_tiles, ...], the gather of the real
 tiles' rows and the projector. On the host (`build_metadata`): per slot the row of each tile, its
-aspect ratio id and mask, and per input row its tile's slot. A budget's compute is its image slots
-times `max_num_tiles` tiles (`MllamaRules.budgets` sizes them).
+aspect ratio id and mask, per input row its tile's slot, and the split attention's orders,
+boundaries and source index (`split_attention`: the model's masked attention as two unmasked
+calls on CUDA in half precision; `split_attention = False` on an adapter before its encoder
+captures keeps Hugging Face's masked SDPA). A budget's compute is its image slots times
+`max_num_tiles` tiles (`MllamaRules.budgets` sizes them).
 
 State keys `vision_model.*` and `multi_modal_projector.*`; a full checkpoint's, under `model.` (as
 transformers 5 saves it) or not (the release's files), map to them.
@@ -21,12 +24,14 @@ transformers 5 saves it) or not (the release's files), map to them.
 
 from __future__ import annotations
 
+import contextlib
 import random
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from vitpool.families.mllama import split_attention
 from vitpool.families.mllama.rules import MllamaRules
 from vitpool.models.adapter_base import TEXT_HIDDEN_SIZE, AdapterBase, renames
 from vitpool.models.protocol import BudgetRange
@@ -81,6 +86,9 @@ class MllamaAdapter(AdapterBase):
         config = tower.config
         side = int(config.image_size) // int(config.patch_size)
         install_kernels(tower)
+        # exact attention without the model's dense mask (`split_attention`); None: it does not apply
+        self.split = split_attention.install_split_attention(tower.vision_model)
+        self.split_attention = split_attention.SPLIT_ATTENTION  # off: Hugging Face's masked SDPA
         self.tower = tower
         self.max_num_tiles = int(config.max_num_tiles)
         self.tokens_per_tile = side * side + 1
@@ -107,11 +115,14 @@ class MllamaAdapter(AdapterBase):
 
     def metadata_specs(self, num_rows: int, budget: Budget) -> dict[str, TensorSpec]:
         slots, tiles = self.image_slots(num_rows, budget), self.max_num_tiles
+        # the split's indices whether it is on or not: the switch then needs no other buffers
+        split = {} if self.split is None else self.split.layout.metadata_specs(slots)
         return {
             "tile_rows": TensorSpec((slots, tiles), torch.int64),  # num_rows: a zero tile
             "aspect_ratio_ids": TensorSpec((slots,), torch.int64),
             "aspect_ratio_mask": TensorSpec((slots, tiles), torch.int64),
             "output_tiles": TensorSpec((num_rows,), torch.int64),  # slot * max_num_tiles + tile
+            **split,
         }
 
     def build_metadata(
@@ -142,17 +153,24 @@ class MllamaAdapter(AdapterBase):
             "aspect_ratio_ids": ratio_ids,
             "aspect_ratio_mask": mask,
             "output_tiles": output_tiles,
+            **({} if self.split is None else self.split.layout.build(mask)),
         }
 
     def forward(self, pixels: torch.Tensor, metadata: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         # pixels: [rows, C, S, S] -> image slots [slots, 1 image, max_num_tiles, C, S, S]
         padded = torch.cat([pixels, pixels.new_zeros((1, *pixels.shape[1:]))])
         slots = padded[metadata["tile_rows"]].unsqueeze(1)
-        states = self.tower.vision_model(
-            pixel_values=slots,
-            aspect_ratio_ids=metadata["aspect_ratio_ids"].unsqueeze(1),
-            aspect_ratio_mask=metadata["aspect_ratio_mask"].unsqueeze(1),
-        ).last_hidden_state  # [slots, 1, max_num_tiles, tokens_per_tile, vision_output_dim]
+        running = (
+            contextlib.nullcontext()
+            if self.split is None
+            else self.split.running(metadata if self.split_attention else None)
+        )
+        with running:
+            states = self.tower.vision_model(
+                pixel_values=slots,
+                aspect_ratio_ids=metadata["aspect_ratio_ids"].unsqueeze(1),
+                aspect_ratio_mask=metadata["aspect_ratio_mask"].unsqueeze(1),
+            ).last_hidden_state  # [slots, 1, max_num_tiles, tokens_per_tile, vision_output_dim]
         states = states.reshape(-1, *states.shape[-2:])[metadata["output_tiles"]]  # [rows, tokens, D]
         return [
             self.tower.multi_modal_projector(states).reshape(
