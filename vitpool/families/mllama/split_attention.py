@@ -6,8 +6,8 @@ or it is one of the rows that pad a tile's `num_patches` real rows to a multiple
 (`_prepare_aspect_ratio_attention_mask`) masks only padding against padding: a real query
 attends to every key of its image, a padding query to the real keys alone. Both kinds matter (the
 real queries read the padding rows as keys in the next layer), and the masked SDPA is slow: a
-dense float mask takes the flash kernels away (issues 52 and 55: 46.5 of 67 ms at 4 tiles of 560²
-on an H200). So, per image slot of T rows of which R are real:
+dense float mask takes the flash kernels away (issues 52 and 55). So, per image slot of T rows of
+which R are real:
 
 - call A: every query against every key of its slot, unmasked (dense SDPA: flash, cuDNN or the
   efficient kernel). Right for the real queries;
@@ -31,11 +31,8 @@ cuDNN needs one set of boundaries for queries and keys, so it hands such a call 
 query boundaries alone. Elsewhere (a CPU, fp32), with the switch off, or with the tower called
 outside the adapter, the attention is Hugging Face's masked SDPA, unchanged.
 
-Measured on an H200 (bf16, 16 heads of 80, one 4-tile slot of 6432 rows, a layer): the model's
-masked SDPA 1.14 ms; the split 0.86 to 0.94 ms, of which call A (SDPA's cuDNN kernel) 0.60, call
-B (FA2) about 0.2 whatever the real tiles (with 4 real tiles its 28 padding queries read 6404 keys
-in one block per head: latency, not work) and the gathers and cat 0.05. The whole graph, random
-weights: one 1-tile image 68 -> 57 ms, one 2x2 image 70 -> 59 ms, four 1-tile images 256 -> 218 ms.
+What it saves, and where the packed call still waits on latency: benchmarks/RESULTS.md, "Llama 3.2
+Vision's attention, split".
 """
 
 from __future__ import annotations
