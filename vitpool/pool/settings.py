@@ -94,22 +94,23 @@ class PoolSettings(EncoderSpec):
             another actor and the silent actor is replaced.
         max_actor_restarts: how many dead (or silent) actors the pool replaces over its life.
         warm_standby: keep one process per node of the pool's actors with the engine imported and
-            the checkpoint read, holding no GPU (`vitpool.actors.standby`): an actor there that
-            dies is replaced by it on the GPU the dead one freed, without the imports that take
-            most of a fresh process's start (benchmarks/RESULTS.md, "Startup: build, capture,
-            memory"). It costs a process's host memory per node (how much: "Figures the code's
-            design rests on", there) and no GPU memory; a node's standby starts after its first
-            actor is ready, and again after each take-over. None (the default): on for actors
-            given GPUs (`num_gpus` in their options) that run on them, off for CPU actors. Not for
-            pools colocated with a placement group.
+            the checkpoint read, holding no GPU in Ray's accounting (`vitpool.actors.standby`): an
+            actor there that dies is replaced by it, without the imports that take most of a fresh
+            process's start (benchmarks/RESULTS.md, "Startup: build, capture, memory"). It costs a
+            process's host memory per node (how much: "Figures the code's design rests on", there),
+            and GPU memory with `standby_graphs`; a node's standby starts after its first actor is
+            ready, and again after each take-over. None (the default): on for actors given GPUs
+            (`num_gpus` in their options) that run on them, off for CPU actors. Not for pools
+            colocated with a placement group.
         standby_graphs: a node's warm standby also builds the encoder, its graphs captured and
-            checked, as soon as it starts, on the GPU of the node's actor that was ready first,
-            beside that actor: a take-over is then a switch, the standby serving at once from
-            there; where that was not the dead actor's GPU, a fresh actor starts on the freed one
-            and the standby retires when it is ready (`vitpool.pool.replacement`). It costs that
-            GPU a second encoder's memory, weights and graphs (`StandbyState.device_bytes`;
-            benchmarks/RESULTS.md, "Replacing a killed actor"), outside Ray's accounting. False:
-            the standby holds no GPU memory and builds at take-over.
+            checked, as soon as it starts, on the GPU of the ready actor that made it start (the
+            node's first, or the one that took over last), beside that actor: a take-over is then
+            a switch, the standby serving at once from there; where that was not the dead actor's
+            GPU, a fresh actor starts on the freed one and the standby retires when it is ready
+            (`vitpool.pool.replacement`). It costs that GPU a second encoder's memory, weights and
+            graphs (`StandbyState.device_bytes`; benchmarks/RESULTS.md, "Replacing a killed
+            actor"), outside Ray's accounting. False: the standby holds no GPU memory and loads
+            and captures at take-over, on the GPU the dead actor freed.
         max_queued_items, max_queued_bytes: bounds on the items (and their pixel bytes) that wait
             in one caller process; a call that would pass them waits for room.
         max_tokens_per_run: the most output tokens that several items share in one replay: the
